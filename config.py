@@ -1,0 +1,402 @@
+"""Every setting of the project, as typed dataclasses with defaults, help text and validation.
+
+Edit the defaults here, or override any field on the command line of any script:
+    python gpu_training_optimized.py --preset small --learning_rate 1e-3 --max_steps 2000
+    python gpu_training_optimized.py --config my_run.yaml --micro_batch_size 8
+`--help` lists every field with its default and comment. Presets are small functions at the bottom.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the field, the value and what to do."""
+
+
+def arg(default, help: str):
+    """A dataclass field whose help text `--help` prints next to its default."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _require(ok: bool, name: str, value, rule: str):
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy."""
+    vocab_size: int = arg(8192, "tokens in the vocabulary (the tokenizer is trained to this size)")
+    hidden_size: int = arg(256, "width of the residual stream")
+    num_hidden_layers: int = arg(4, "number of transformer blocks")
+    num_attention_heads: int = arg(4, "query heads per attention layer")
+    num_key_value_heads: int = arg(2, "key/value heads (GQA); equal to query heads is MHA, 1 is MQA")
+    head_dim: int = arg(0, "width of one head; 0: hidden_size // num_attention_heads")
+    intermediate_size: int = arg(0, "SwiGLU hidden width; 0: 8/3 * hidden_size rounded up to 256")
+    max_seq_len: int = arg(256, "training context length and the largest KV cache a model builds")
+    rope_theta: float = arg(10000.0, "RoPE base frequency")
+    rms_norm_eps: float = arg(1e-6, "epsilon of every RMSNorm")
+    qk_norm: bool = arg(True, "RMSNorm on queries and keys before RoPE (Qwen3); off gives Llama")
+    tie_word_embeddings: bool = arg(True, "share the embedding matrix with the output head")
+    gradient_checkpointing: bool = arg(False, "recompute block activations in backward to save memory")
+    init_std: float = arg(0.02, "std of the normal initialisation of weight matrices")
+
+    def __post_init__(self):
+        # Remember which derived fields were filled in, so overriding hidden_size later recomputes them.
+        self._derived = set()
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_seq_len"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
+        _require(self.hidden_size % self.num_attention_heads == 0 or self.head_dim > 0, "hidden_size",
+                 self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads} "
+                 "(or set head_dim)")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                 self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
+        _require(self.head_dim >= 0 and self.intermediate_size >= 0, "head_dim/intermediate_size",
+                 (self.head_dim, self.intermediate_size), "must be 0 (automatic) or positive")
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+            self._derived.add("head_dim")
+        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
+                 "must be even, because RoPE rotates pairs of channels")
+        if self.intermediate_size == 0:
+            self.intermediate_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+            self._derived.add("intermediate_size")
+        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be positive")
+        _require(0 < self.rms_norm_eps < 1, "rms_norm_eps", self.rms_norm_eps, "must be in (0, 1)")
+        _require(self.init_std > 0, "init_std", self.init_std, "must be positive")
+
+
+DEFAULT_TEXT_FIELDS = ("text", "content", "message", "body", "output")
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from, how it is tokenized and cached."""
+    sources: list[str] = arg([], "text files, folders or .jsonl files; empty: the Python standard library")
+    text_field: str = arg("", "JSONL field holding the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
+    skip_bad_lines: bool = arg(False, "skip JSONL lines that are not JSON or lack text, instead of failing")
+    max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
+    tokenizer: str = arg("", "existing tokenizer.json (or its folder) to use; empty: train one")
+    tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train")
+    val_fraction: float = arg(0.02, "fraction of documents held out for evaluation")
+    data_seed: int = arg(1234, "seed of the train/val split")
+    cache_dir: str = arg("data_cache", "folder of tokenized corpora, one subfolder per fingerprint")
+
+    def __post_init__(self):
+        _require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)")
+        _require(self.max_source_mb >= 0, "max_source_mb", self.max_source_mb, "must be >= 0")
+
+
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices."""
+    run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
+    seed: int = arg(1337, "seed of weights and batch order")
+    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = arg("auto", "autocast dtype; auto: bf16 where fast, "
+                                                             "else fp16 on GPU, fp32 on CPU")
+    compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
+    micro_batch_size: int = arg(16, "sequences per forward pass")
+    grad_accum_steps: int = arg(1, "micro-batches per optimizer step")
+    max_steps: int = arg(1000, "optimizer steps in the run")
+    optimizer: Literal["muon", "adamw"] = arg("muon", "muon: Muon for hidden matrices + AdamW for the rest")
+    learning_rate: float = arg(3e-3, "peak AdamW learning rate (embeddings, head, norms; everything if adamw)")
+    muon_lr: float = arg(0.02, "peak Muon learning rate for the hidden matrices")
+    muon_momentum: float = arg(0.95, "Muon Nesterov momentum")
+    muon_shape_rule: Literal["keller", "moonshot"] = arg("keller", "Muon update scale: keller sqrt(max(1,rows/cols)), "
+                                                         "moonshot 0.2*sqrt(max(rows,cols))")
+    weight_decay: float = arg(0.1, "decoupled weight decay of matrices (never norms)")
+    adam_beta1: float = arg(0.9, "AdamW beta1")
+    adam_beta2: float = arg(0.95, "AdamW beta2")
+    adam_eps: float = arg(1e-8, "AdamW epsilon")
+    grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
+    warmup_steps: int = arg(50, "linear warmup steps")
+    lr_schedule: Literal["cosine", "cosine_restarts", "constant"] = arg("cosine", "shape after warmup")
+    restart_period: int = arg(0, "steps per cosine cycle for cosine_restarts; 0: max_steps // 4")
+    min_lr_ratio: float = arg(0.1, "the schedule's floor, as a fraction of the peak")
+    eval_interval: int = arg(200, "evaluate every this many steps (and at the end)")
+    eval_batches: int = arg(20, "micro-batches per evaluation")
+    log_interval: int = arg(10, "update logged metrics every this many steps")
+    save_interval: int = arg(500, "checkpoint every this many steps (and at the end)")
+    keep_checkpoints: int = arg(3, "checkpoints kept on disk; older ones are deleted")
+    resume: bool = arg(False, "continue from the run folder's newest checkpoint")
+    max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
+    auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
+    distributed: Literal["ddp", "fsdp"] = arg("ddp", "strategy under torchrun")
+    tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
+                     "log_interval", "save_interval", "keep_checkpoints", "max_bad_steps"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
+        for name in ("learning_rate", "muon_lr", "adam_eps"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
+        for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
+            _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        _require(0 <= self.warmup_steps < self.max_steps, "warmup_steps", self.warmup_steps,
+                 f"must be >= 0 and shorter than max_steps={self.max_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(self.restart_period >= 0, "restart_period", self.restart_period, "must be >= 0")
+
+
+@dataclass
+class SampleConfig:
+    """Text generation settings (text_generator.py)."""
+    checkpoint: str = arg("", "checkpoint or run folder, or an exported Hugging Face folder; "
+                              "empty: newest checkpoint of runs/default")
+    max_new_tokens: int = arg(200, "tokens generated per prompt")
+    temperature: float = arg(0.8, "softmax temperature; 0: greedy")
+    top_k: int = arg(50, "keep the k most likely tokens; 0: off")
+    top_p: float = arg(0.95, "keep the smallest set of tokens whose probability reaches p; 1: off")
+    repetition_penalty: float = arg(1.0, "divide the logits of tokens already present by this; 1: off")
+    num_return_sequences: int = arg(1, "samples per prompt")
+    seed: int = arg(-1, "sampling seed; -1: random")
+    stop: list[str] = arg([], "strings that end a generation")
+    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
+    compile: bool = arg(False, "compile the decode step (CUDA graphs on CUDA)")
+
+    def __post_init__(self):
+        _require(self.max_new_tokens > 0, "max_new_tokens", self.max_new_tokens, "must be a positive integer")
+        _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        _require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 turns it off)")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be positive")
+        _require(self.num_return_sequences > 0, "num_return_sequences", self.num_return_sequences,
+                 "must be a positive integer")
+
+
+@dataclass
+class Config:
+    """Everything a training run uses; saved as the run folder's config.json."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        _require(self.train.micro_batch_size * self.model.max_seq_len > 0, "max_seq_len", self.model.max_seq_len,
+                 "must be positive")
+
+    def to_dict(self) -> dict:
+        return {"model": asdict(self.model), "data": asdict(self.data), "train": asdict(self.train)}
+
+
+# ----------------------------------------------------------------------------- presets
+
+def preset_tiny() -> Config:
+    """About 4M parameters: trains on two CPU cores in minutes; also the test model."""
+    return Config(
+        model=ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, max_seq_len=256),
+        train=TrainConfig(micro_batch_size=16, max_steps=600, warmup_steps=30, eval_interval=150,
+                          save_interval=300, learning_rate=3e-3, muon_lr=0.02))
+
+
+def preset_small() -> Config:
+    """About 110M parameters, GPT-2 small's size."""
+    return Config(
+        model=ModelConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                          num_key_value_heads=4, max_seq_len=1024),
+        train=TrainConfig(micro_batch_size=32, grad_accum_steps=1, max_steps=5000, warmup_steps=200,
+                          learning_rate=1.5e-3, eval_interval=500, save_interval=1000))
+
+
+def preset_medium() -> Config:
+    """About 300M parameters."""
+    cfg = preset_small()
+    cfg.model = ModelConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                            num_key_value_heads=4, max_seq_len=1024)
+    cfg.train = replace(cfg.train, micro_batch_size=16, grad_accum_steps=2, learning_rate=1e-3)
+    return cfg
+
+
+def preset_large() -> Config:
+    """The seed shape: 1536 wide, 12 layers, 24 heads over 6 KV heads, 32000 tokens, context 384."""
+    cfg = preset_small()
+    cfg.model = ModelConfig(vocab_size=32000, hidden_size=1536, num_hidden_layers=12, num_attention_heads=24,
+                            num_key_value_heads=6, max_seq_len=384)
+    cfg.train = replace(cfg.train, micro_batch_size=32, grad_accum_steps=2, learning_rate=8e-4)
+    return cfg
+
+
+def preset_xl() -> Config:
+    """About 1.4B parameters; wants 40 GB or more."""
+    cfg = preset_small()
+    cfg.model = ModelConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, max_seq_len=1024, gradient_checkpointing=True)
+    cfg.train = replace(cfg.train, micro_batch_size=8, grad_accum_steps=4, learning_rate=6e-4)
+    return cfg
+
+
+def count_parameters(m: ModelConfig) -> int:
+    """Closed-form parameter count of modern_llm.Transformer for this config."""
+    d, h = m.hidden_size, m.head_dim
+    attn = d * h * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)  # q, o, k, v
+    norms = 2 * d + (2 * h if m.qk_norm else 0)
+    per_layer = attn + 3 * d * m.intermediate_size + norms
+    embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
+    return m.num_hidden_layers * per_layer + embed + d
+
+
+def training_bytes_estimate(cfg: Config) -> int:
+    """Rough peak memory of training: 16 bytes per parameter (fp32 weight, grad, two moments) plus
+    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * m.max_seq_len
+    per_layer = 34 * m.hidden_size * (0.1 if m.gradient_checkpointing else 1)
+    logits = tokens * m.vocab_size * 6  # bf16 logits plus one fp32 chunk
+    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + logits)
+
+
+def preset_auto() -> Config:
+    """The largest preset whose estimated training memory fits in 80% of the GPU; tiny without a GPU."""
+    import torch
+    if not torch.cuda.is_available():
+        print("auto preset: tiny (no CUDA device found)")
+        return preset_tiny()
+    total = torch.cuda.get_device_properties(0).total_memory
+    for name in ("xl", "large", "medium", "small"):
+        cfg = PRESETS[name]()
+        need = training_bytes_estimate(cfg)
+        if need <= 0.8 * total:
+            print(f"auto preset: {name} (needs about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB)")
+            return cfg
+    print(f"auto preset: tiny (the GPU's {total / 2**30:.1f} GiB fits no larger preset)")
+    return preset_tiny()
+
+
+PRESETS = {"tiny": preset_tiny, "small": preset_small, "medium": preset_medium,
+           "large": preset_large, "xl": preset_xl, "auto": preset_auto}
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _explicit_values(section) -> dict:
+    """Field values to layer under the command line; derived fields stay automatic."""
+    derived = getattr(section, "_derived", set())
+    return {f.name: getattr(section, f.name) for f in fields(section) if f.name not in derived}
+
+
+def _file_overrides(path: str, types) -> list[str]:
+    """Turn a JSON or YAML file of {field: value} (flat, or nested by section) into command-line words."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist, pass the path of a .json or .yaml file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml  # optional: only YAML config files need PyYAML
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    except ImportError:
+        raise ConfigError(f"reading {path} needs PyYAML, pip install pyyaml or use a .json file") from None
+    except Exception as e:
+        raise ConfigError(f"config file {path} is not valid: {str(e).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of field names to values")
+    sections = {t.__name__.removesuffix("Config").lower() for t in types}
+    flat = {}
+    for key, value in values.items():
+        if key in sections and isinstance(value, dict):
+            flat.update(value)  # nested form, as in a run folder's config.json
+        else:
+            flat[key] = value
+    words = []
+    for key, value in flat.items():
+        if isinstance(value, list):
+            words += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, bool):
+            words += [f"--{key}", str(value).lower()]
+        else:
+            words += [f"--{key}", str(value)]
+    return words
+
+
+def parse_sections(types, defaults, argv, description: str, extra=None):
+    """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
+
+    `extra` adds script-specific arguments; it is called with the parser and its values come back as a
+    Namespace. Raises ConfigError for unknown names and bad values.
+    """
+    from transformers import HfArgumentParser  # imported here: config.py stays light to import
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default="")
+    known, rest = pre.parse_known_args(argv)
+    parser = HfArgumentParser(list(types), description=description, exit_on_error=False,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="", help="JSON or YAML file of field values, applied before "
+                                                     "the command line")
+    if extra:
+        extra(parser)
+    for d in defaults:
+        parser.set_defaults(**_explicit_values(d))
+    if known.config:
+        rest = _file_overrides(known.config, types) + rest
+    valid = sorted({a.dest for a in parser._actions if a.dest != "help"})
+    try:
+        out = parser.parse_args_into_dataclasses(rest, return_remaining_strings=False, look_for_args_file=False)
+    except ValueError as e:
+        if "not used by the HfArgumentParser" in str(e):
+            bad = [w for w in rest if w.startswith("--") and w[2:].split("=")[0] not in valid]
+            raise ConfigError(f"unknown setting {' '.join(bad) or rest}, valid names are: "
+                              + ", ".join(valid)) from None
+        raise ConfigError(str(e)) from None
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"{e}, run with --help to see every setting") from None
+    # Arguments that belong to no dataclass come back as one Namespace after the sections.
+    sections = list(out[:len(types)])
+    extras = out[len(types)] if len(out) > len(types) else argparse.Namespace()
+    return sections, extras
+
+
+def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
+    """The training command line: --preset NAME, --config FILE, then any field of any section."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="auto")
+    known, rest = pre.parse_known_args(argv)
+    if known.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {known.preset!r}, choose one of {', '.join(PRESETS)}")
+
+    def add_preset(parser):
+        parser.add_argument("--preset", default="auto", choices=list(PRESETS),
+                            help="starting point that the other settings override")
+        if extra:
+            extra(parser)
+
+    wants_help = any(a in ("-h", "--help") for a in rest)
+    base = preset_tiny() if wants_help and known.preset == "auto" else PRESETS[known.preset]()
+    (model, data, train), extras = parse_sections(
+        (ModelConfig, DataConfig, TrainConfig), (base.model, base.data, base.train), argv,
+        "Train a GQA/RoPE/SwiGLU transformer. Every field below can be set as --name value.", add_preset)
+    return Config(model=model, data=data, train=train), extras
+
+
+def describe(cfg) -> str:
+    """A compact one-line-per-section summary of a config's values."""
+    parts = []
+    for name, section in ((n, getattr(cfg, n)) for n in ("model", "data", "train")):
+        items = " ".join(f"{k}={v}" for k, v in asdict(section).items())
+        parts.append(f"{name}: {items}")
+    return "\n".join(parts)
+
+
+def error_exit(message: str, code: int = 2):
+    """Print the one-line error that DESIGN.md promises and leave with the given code."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
