@@ -1,0 +1,218 @@
+"""The model: a decoder-only transformer with the shape of Qwen3 (Llama when QK-norm is off).
+
+Token embedding -> N pre-norm blocks [RMSNorm -> GQA attention with QK-norm and RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head tied to the embedding.
+Attention runs through F.scaled_dot_product_attention, so PyTorch picks flash or memory-efficient
+kernels. A preallocated KVCache serves generation: one prefill, then one token per step.
+Only torch; no optimizer, device or file logic lives here.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_len, head_dim) in fp32, in the half-split layout Hugging Face uses."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd): channel i pairs with channel i + hd/2
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) queries or keys; cos/sin broadcast as (T, hd) or (B, 1, T, hd). Computed in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).type_as(x)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+class KVCache:
+    """Static-shape keys and values of every layer, (n_layer, B, n_kv_head, max_len, head_dim).
+
+    `pos` holds, per sequence, how many positions are filled; it lives on the device so a decode step
+    needs no host sync (and can be captured in a CUDA graph). Rows may have different lengths.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros(batch_size, device=device, dtype=torch.long)
+        self.max_len = max_len
+
+    def reset(self):
+        self.pos.zero_()
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Write (B, Hkv, T, hd) keys/values at per-row positions (B, T); return the layer's whole cache."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # Advanced indices around a slice put the indexed dims first: the target is (B, T, Hkv, hd).
+        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[layer], self.v[layer]
+
+
+# ----------------------------------------------------------------------------- layers
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and no biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_head != self.n_kv_head
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual pair: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, cache, layer, positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    def init_weights(self):
+        """Normal(0, init_std) for every matrix; o_proj and down_proj also scaled by 1/sqrt(2 * n_layer)
+        (GPT-2's rule: each block adds two residual branches, so this keeps the residual stream's variance
+        roughly independent of depth); RMSNorm scales at 1; RoPE tables recomputed (for meta init)."""
+        std, n = self.config.init_std, self.config.num_hidden_layers
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n) if scaled else std)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor; tied again after any re-init
+        if self.rope_cos.device.type != "meta":
+            cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def make_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
+        """An empty cache on this model's device; max_len defaults to (and may not exceed) max_seq_len."""
+        max_len = max_len or self.config.max_seq_len
+        if max_len > self.config.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
+        w = self.embed_tokens.weight
+        return KVCache(self.config, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+    def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None):
+        """input_ids (B, T) -> (logits (B, T, V), loss or None).
+
+        labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32.
+        With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
+        input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
+        """
+        B, T = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        if kv_cache is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+            positions = mask = None
+        else:
+            positions = kv_cache.pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
+            positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, hd)
+            key_pos = torch.arange(kv_cache.max_len, device=input_ids.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
+        for i, block in enumerate(self.layers):
+            if self.config.gradient_checkpointing and self.training and kv_cache is None:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, kv_cache, i, positions, mask)
+        if kv_cache is not None:
+            kv_cache.pos += T if input_lengths is None else input_lengths
+        logits = self.lm_head(self.norm(x))
+        loss = None if labels is None else cross_entropy(logits, labels)
+        return logits, loss
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters; without the embedding table when asked (a tied head counts as embedding)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 * (matmul weights) + 12 * n_layer * n_head * head_dim * seq_len.
+
+        The first term is forward (2) plus backward (4) FLOPs per weight of every matmul, the LM head
+        included and the embedding lookup not; the second is attention's QK^T and AV products over the
+        full context (PaLM paper, appendix B), which is how MFU is usually reported.
+        """
+        cfg = self.config
+        T = seq_len or cfg.max_seq_len
+        head = self.lm_head.weight.numel() if cfg.tie_word_embeddings else 0  # else already counted
+        matmul_weights = self.num_parameters(exclude_embeddings=True) + head
+        attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
+        return 6 * matmul_weights + attention
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean fp32 cross-entropy over labels != -100; 0 (not NaN) when every label is masked."""
+    flat = labels.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)
