@@ -1,0 +1,112 @@
+"""Tests of config.py: validation, presets, command-line and file overrides."""
+
+import json
+
+import pytest
+
+import config
+from config import ConfigError, ModelConfig, TrainConfig, parse_config
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(hidden_size=100, num_attention_heads=3), "hidden_size"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(hidden_size=96, num_attention_heads=32), "head_dim"),  # head_dim 3 is odd
+    (dict(head_dim=7), "head_dim"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(rope_theta=0.0), "rope_theta"),
+])
+def test_invalid_model_configs_name_the_field(kwargs, field):
+    """A bad shape must fail at construction with the field's name, not deep inside forward."""
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(learning_rate=0.0), "learning_rate"),
+    (dict(muon_lr=-1.0), "muon_lr"),
+    (dict(warmup_steps=100, max_steps=100), "warmup_steps"),
+    (dict(micro_batch_size=0), "micro_batch_size"),
+    (dict(adam_beta2=1.0), "adam_beta2"),
+    (dict(grad_clip=-1.0), "grad_clip"),
+    (dict(min_lr_ratio=2.0), "min_lr_ratio"),
+])
+def test_invalid_train_configs_name_the_field(kwargs, field):
+    """Out-of-range training values must be refused with the field's name."""
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**kwargs)
+
+
+def test_derived_sizes_follow_their_inputs_unless_set():
+    """head_dim and the SwiGLU width are derived, rounded as documented, and never overwrite a user's value."""
+    m = ModelConfig(hidden_size=768, num_attention_heads=12)
+    assert m.head_dim == 64 and m.intermediate_size == 2048
+    assert ModelConfig(hidden_size=1000, num_attention_heads=10).intermediate_size == 2816  # 2666.7 -> 2816
+    assert ModelConfig(hidden_size=256, head_dim=32, intermediate_size=100).intermediate_size == 100
+    cfg, _ = parse_config(["--preset", "tiny", "--hidden_size", "384", "--num_attention_heads", "6"])
+    assert cfg.model.head_dim == 64 and cfg.model.intermediate_size == 1024
+
+
+def test_cli_overrides_apply_on_top_of_preset():
+    """--preset picks the base; field overrides replace only what they name, parsed to the field's type."""
+    cfg, _ = parse_config(["--preset", "small", "--learning_rate", "5e-4", "--qk_norm", "false",
+                           "--sources", "a.txt", "b.jsonl"])
+    assert cfg.model.hidden_size == 768 and cfg.train.learning_rate == 5e-4
+    assert cfg.model.qk_norm is False and cfg.data.sources == ["a.txt", "b.jsonl"]
+    assert cfg.train.max_steps == config.preset_small().train.max_steps
+
+
+def test_unknown_name_and_wrong_type_are_refused_with_valid_names():
+    """Typos must not be silently ignored; the message lists what is valid."""
+    with pytest.raises(ConfigError, match="valid names are:.*learning_rate"):
+        parse_config(["--preset", "tiny", "--learnig_rate", "1e-3"])
+    with pytest.raises(ConfigError, match="learning_rate"):
+        parse_config(["--preset", "tiny", "--learning_rate", "fast"])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        parse_config(["--preset", "huge"])
+
+
+def test_json_and_yaml_files_override_preset_and_cli_overrides_file(tmp_path):
+    """A config file sits between the preset and the command line; nested run configs load too."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": {"num_hidden_layers": 3}, "learning_rate": 1e-3, "qk_norm": False}))
+    cfg, _ = parse_config(["--preset", "tiny", "--config", str(path), "--learning_rate", "2e-3"])
+    assert cfg.model.num_hidden_layers == 3 and cfg.model.qk_norm is False
+    assert cfg.train.learning_rate == 2e-3
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("max_steps: 77\nsources:\n  - x.txt\n")
+    pytest.importorskip("yaml")
+    cfg, _ = parse_config(["--preset", "tiny", "--config", str(yaml_path)])
+    assert cfg.train.max_steps == 77 and cfg.data.sources == ["x.txt"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        parse_config(["--config", str(bad)])
+
+
+def test_saved_run_config_round_trips(tmp_path):
+    """A run folder's config.json, passed back with --config, must rebuild the same configuration."""
+    cfg, _ = parse_config(["--preset", "tiny", "--max_steps", "123", "--hidden_size", "128"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    again, _ = parse_config(["--preset", "tiny", "--config", str(path)])
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_auto_preset_is_tiny_without_cuda(capsys):
+    """Without a GPU the default run must be the CPU-sized preset, and say why."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    cfg = config.preset_auto()
+    assert cfg.to_dict() == config.preset_tiny().to_dict()
+    assert "tiny" in capsys.readouterr().out
+
+
+def test_large_preset_is_the_seed_shape():
+    """The large preset must keep the seed configuration's shape."""
+    m = config.preset_large().model
+    assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, m.vocab_size,
+            m.max_seq_len) == (1536, 12, 24, 6, 32000, 384)

@@ -1,0 +1,198 @@
+"""Tests of the model: attention against written-out references, cache, RoPE, counts, learning."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import config
+from config import ModelConfig
+from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_seq_len=32)
+    return ModelConfig(**{**base, **kw})
+
+
+def model_of(cfg, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(cfg).eval()
+
+
+def test_causality():
+    """Changing token t must never change the logits before t (a leak makes training meaningless)."""
+    m = model_of(tiny())
+    ids = torch.randint(0, 97, (2, 20))
+    changed = ids.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 97
+    a, _ = m(ids)
+    b, _ = m(changed)
+    assert torch.equal(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def naive_attention_logits(m: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """The whole forward pass in float64 with explicit softmax attention and repeated K/V heads."""
+    cfg = m.config
+    H, Hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    B, T = ids.shape
+    p = {k: v.double() for k, v in m.state_dict().items()}
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    pos = torch.arange(T, dtype=torch.float64)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.outer(pos, inv)
+
+    def rope(x):  # rotate channel pairs (i, i + hd/2) by angle pos * inv_freq[i]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        c, s = ang.cos(), ang.sin()
+        return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+    x = p["embed_tokens.weight"][ids]
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        h = rms(x, p[pre + "input_layernorm.weight"])
+        q = (h @ p[pre + "attn.q_proj.weight"].T).view(B, T, H, hd)
+        k = (h @ p[pre + "attn.k_proj.weight"].T).view(B, T, Hkv, hd)
+        v = (h @ p[pre + "attn.v_proj.weight"].T).view(B, T, Hkv, hd)
+        if cfg.qk_norm:
+            q, k = rms(q, p[pre + "attn.q_norm.weight"]), rms(k, p[pre + "attn.k_norm.weight"])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, H * hd)
+        x = x + y @ p[pre + "attn.o_proj.weight"].T
+        h = rms(x, p[pre + "post_attention_layernorm.weight"])
+        gate, up = h @ p[pre + "mlp.gate_proj.weight"].T, h @ p[pre + "mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ p[pre + "mlp.down_proj.weight"].T
+    head = p.get("lm_head.weight", p["embed_tokens.weight"])
+    return rms(x, p["norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 4, True), (4, 2, True), (4, 1, True), (4, 2, False)])
+def test_attention_matches_float64_reference(heads, kv_heads, qk_norm):
+    """SDPA with grouped heads must equal plain multi-head attention (MHA, GQA, MQA; with and without QK-norm)."""
+    m = model_of(tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, qk_norm=qk_norm))
+    ids = torch.randint(0, 97, (2, 16))
+    ours, _ = m(ids)
+    ref = naive_attention_logits(m, ids)
+    assert torch.allclose(ours.double(), ref, atol=2e-5, rtol=1e-4), (ours.double() - ref).abs().max()
+
+
+def test_kv_cache_decode_matches_full_forward_for_ragged_batch():
+    """Prefill of right-padded prompts then one-token steps must give the full forward's logits per row."""
+    m = model_of(tiny())
+    ids = torch.randint(0, 97, (3, 14))
+    full, _ = m(ids)
+    lengths = torch.tensor([9, 5, 2])
+    cache = m.make_kv_cache(3)
+    padded = ids[:, :9].clone()
+    for row, n in enumerate(lengths.tolist()):
+        padded[row, n:] = 0  # garbage padding that must never be attended to
+    logits, _ = m(padded, kv_cache=cache, input_lengths=lengths)
+    for row, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(logits[row, :n], full[row, :n], atol=1e-5, rtol=1e-5)
+    assert cache.pos.tolist() == lengths.tolist()
+    for step in range(5):  # every row continues with its own next true token
+        nxt = ids[torch.arange(3), lengths + step][:, None]
+        logits, _ = m(nxt, kv_cache=cache)
+        torch.testing.assert_close(logits[:, 0], full[torch.arange(3), lengths + step], atol=1e-5, rtol=1e-5)
+    assert cache.pos.tolist() == (lengths + 5).tolist()
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    """Shifting query and key positions together must leave q.k unchanged (the point of RoPE)."""
+    hd = 16
+    cos, sin = rope_tables(hd, 64, 10000.0)
+    q, k = torch.randn(1, 1, 1, hd, dtype=torch.float64), torch.randn(1, 1, 1, hd, dtype=torch.float64)
+
+    def score(pq, pk):
+        return (apply_rope(q, cos[pq].double(), sin[pq].double()) * apply_rope(k, cos[pk].double(),
+                                                                               sin[pk].double())).sum()
+    base = score(5, 2)
+    for shift in (1, 7, 40):
+        assert torch.allclose(score(5 + shift, 2 + shift), base, atol=1e-5)
+    assert not torch.allclose(score(9, 2), base, atol=1e-3)
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    """Recomputing activations in backward must not change any gradient."""
+    ids = torch.randint(0, 97, (2, 16))
+    grads = []
+    for ckpt in (False, True):
+        m = model_of(tiny(gradient_checkpointing=ckpt)).train()
+        _, loss = m(ids[:, :-1], labels=ids[:, 1:])
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+
+
+def test_tied_embeddings_are_one_tensor_and_untie_flag_works():
+    """A tied head must be the embedding itself, also after re-initialisation; the flag unties."""
+    m = model_of(tiny())
+    assert m.lm_head.weight is m.embed_tokens.weight
+    m.init_weights()
+    assert m.lm_head.weight is m.embed_tokens.weight
+    untied = model_of(tiny(tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.embed_tokens.weight
+    assert untied.num_parameters() == m.num_parameters() + 97 * 64
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "medium", "large", "xl"])
+def test_parameter_count_matches_closed_form_for_every_preset(name):
+    """The formula used for presets and MFU must equal what the module really allocates (on meta)."""
+    cfg = config.PRESETS[name]().model
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    assert m.num_parameters() == config.count_parameters(cfg)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    assert m.num_parameters(exclude_embeddings=True) == config.count_parameters(cfg) - v * d
+
+
+def test_flops_per_token_formula():
+    """6 FLOPs per matmul weight (head included, lookup not) plus PaLM's 12*L*H*hd*T attention term."""
+    cfg = tiny()
+    m = model_of(cfg)
+    weights = m.num_parameters() - 97 * 64 + 97 * 64  # tied: the table is counted once, as the head matmul
+    expected = 6 * weights + 12 * 2 * 4 * 16 * 32
+    assert m.flops_per_token() == expected
+
+
+def test_loss_is_fp32_mean_over_unmasked_and_zero_when_all_masked():
+    """The loss must ignore -100 labels, equal a float64 reference, and never be NaN for an all-masked batch."""
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, :3] = -100
+    ref = F.cross_entropy(logits.double().view(-1, 11), labels.view(-1), ignore_index=-100)
+    assert cross_entropy(logits, labels).dtype == torch.float32
+    assert torch.allclose(cross_entropy(logits, labels).double(), ref, atol=1e-5)
+    masked = torch.full_like(labels, -100)
+    logits.requires_grad_(True)
+    loss = cross_entropy(logits, masked)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_tiny_model_overfits_one_batch():
+    """A few hundred AdamW steps on one fixed batch must drive the loss below a tenth of its start."""
+    torch.manual_seed(0)
+    m = Transformer(tiny(vocab_size=64, max_seq_len=32)).train()
+    ids = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    first = None
+    for _ in range(200):
+        _, loss = m(ids[:, :-1], labels=ids[:, 1:])
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first / 10, (first, loss.item())
