@@ -134,7 +134,6 @@ class TrainConfig:
     resume: bool = arg(False, "continue from the run folder's newest checkpoint")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
-    distributed: Literal["ddp", "fsdp"] = arg("ddp", "strategy under torchrun")
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
 
     def __post_init__(self):
@@ -210,7 +209,7 @@ def preset_small() -> Config:
     return Config(
         model=ModelConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                           num_key_value_heads=4, max_seq_len=1024),
-        train=TrainConfig(micro_batch_size=32, grad_accum_steps=1, max_steps=5000, warmup_steps=200,
+        train=TrainConfig(micro_batch_size=16, grad_accum_steps=2, max_steps=5000, warmup_steps=200,
                           learning_rate=1.5e-3, eval_interval=500, save_interval=1000))
 
 

@@ -1,0 +1,147 @@
+"""What the training loop reports: MFU, memory, GPU use, metrics.jsonl, the loss plot, TensorBoard.
+
+Everything here reads values the loop already has on the host; nothing here forces a GPU sync.
+"""
+
+import json
+import os
+import time
+
+import psutil
+import torch
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets. The first
+# entry whose name occurs in the device name wins, so specific names come before general ones.
+PEAK_TFLOPS = [
+    ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
+    ("A10", 125.0), ("A6000", 154.8), ("RTX 6000 Ada", 364.2), ("RTX 5090", 209.5), ("RTX 4090", 165.2),
+    ("RTX 4080", 97.5), ("RTX 4070", 58.3), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("V100", 125.0),
+    ("T4", 65.0),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak bf16/fp16 FLOP/s, or None when unknown (MFU then shows as n/a)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def gpu_utilization(device: torch.device) -> float | None:
+    """GPU busy percent from NVML when the driver reports it."""
+    if device.type != "cuda":
+        return None
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # no pynvml / NVML: the figure is optional
+        return None
+
+
+def device_report(device: torch.device) -> str:
+    """One line naming the device and its memory."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    ram = psutil.virtual_memory().total / 2**30
+    return f"{device.type}, {torch.get_num_threads()} threads, {ram:.1f} GiB RAM"
+
+
+class Monitor:
+    """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
+
+    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool):
+        self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
+        self.peak = peak_flops(device)
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.train_points, self.eval_points = [], []
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                print("warning: tensorboard is not installed; pip install tensorboard to use it")
+        self._last_time, self._last_tokens, self._last_step = time.perf_counter(), 0, 0
+
+    def reset_clock(self, step: int, tokens: int):
+        """Start the throughput window here (after warm-up or resume)."""
+        self._last_time, self._last_tokens, self._last_step = time.perf_counter(), tokens, step
+
+    def train_record(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float) -> dict:
+        """Throughput over the window since the last record, plus memory; appended to metrics.jsonl."""
+        now = time.perf_counter()
+        dt = max(now - self._last_time, 1e-9)
+        tok_s = (tokens - self._last_tokens) / dt
+        record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt,
+                  "mfu": tok_s * self.flops_per_token / self.peak if self.peak else None,
+                  "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
+                  "vram_gb": None, "vram_total_gb": None, "time": time.time()}
+        if self.device.type == "cuda":
+            record["vram_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["vram_total_gb"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        self._last_time, self._last_tokens, self._last_step = now, tokens, step
+        self.train_points.append((step, loss))
+        self._write(record)
+        return record
+
+    def eval_record(self, step: int, val_loss: float, bytes_per_token: float) -> dict:
+        """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token)."""
+        record = {"kind": "eval", "step": step, "val_loss": val_loss,
+                  "val_ppl": float(torch.tensor(val_loss).exp()),
+                  "val_bpb": val_loss / 0.6931471805599453 / bytes_per_token, "time": time.time()}
+        self.eval_points.append((step, val_loss))
+        self._write(record)
+        self.plot()
+        return record
+
+    def _write(self, record: dict):
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def plot(self):
+        """loss.png with train and val curves, when matplotlib is installed."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if self.train_points:
+            ax.plot(*zip(*self.train_points), label="train", linewidth=1)
+        if self.eval_points:
+            ax.plot(*zip(*self.eval_points), "o-", label="val")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
+        plt.close(fig)
+
+    def close(self):
+        self.plot()
+        if self.writer:
+            self.writer.close()
+
+
+def format_postfix(r: dict) -> dict:
+    """The progress bar's fields, plain text."""
+    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr']:.2e}", "tok/s": f"{r['tokens_per_s']:,.0f}",
+            "step/s": f"{r['steps_per_s']:.2f}", "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"}
+    if r["vram_gb"] is not None:
+        post["vram"] = f"{r['vram_gb']:.1f}/{r['vram_total_gb']:.0f}G"
+    if r["gpu_util"] is not None:
+        post["gpu"] = f"{r['gpu_util']:.0f}%"
+    post["ram"] = f"{r['ram_gb']:.1f}G"
+    return post
