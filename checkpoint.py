@@ -13,7 +13,7 @@ import shutil
 from dataclasses import asdict, fields
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import ConfigError, ModelConfig
@@ -143,7 +143,7 @@ def load_weights(ckpt: str, model: torch.nn.Module):
         state = load_file(path, device="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
-    except (SafetensorsError, OSError) as e:
+    except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}), use an earlier checkpoint or {HOW_TO_MAKE_ONE}") from None
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)

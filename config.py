@@ -147,7 +147,7 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
         _require(0 <= self.warmup_steps < self.max_steps, "warmup_steps", self.warmup_steps,
-                 f"must be >= 0 and shorter than max_steps={self.max_steps}")
+                 f"must be >= 0 and shorter than max_steps={self.max_steps}, lower --warmup_steps")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.restart_period >= 0, "restart_period", self.restart_period, "must be >= 0")
 

@@ -1,0 +1,303 @@
+"""Muon for the hidden weight matrices and AdamW for every other parameter, behind one optimizer object.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) takes the Nesterov momentum of the
+gradient, replaces it by a near-orthogonal matrix with a quintic Newton-Schulz iteration, scales it by a
+shape rule and applies decoupled weight decay. The default rule is "keller", sqrt(max(1, rows/cols));
+"moonshot", 0.2 * sqrt(max(rows, cols)) (arXiv 2502.16982), matches AdamW's update RMS, so set muon_lr
+near the AdamW rate with it. `python muon_optimizer.py` times a step against torch.optim.Muon.
+"""
+
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0 that still converges
+NS_STEPS = 5
+NS_EPS = 1e-7
+SHAPE_RULES = ("keller", "moonshot")
+
+
+def default_ns_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (tensor cores); fp32 elsewhere, where bf16 matmuls are often emulated and slow."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS,
+                               eps: float = NS_EPS, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """About U V^T for G = U S V^T, of one matrix or a batch (..., rows, cols), returned in the compute dtype.
+
+    The quintic does not converge to 1: singular values end roughly in [0.7, 1.2], which trains as well.
+    """
+    a, b, c = coefficients
+    X = G.to(dtype or default_ns_dtype(G.device)).reshape(-1, *G.shape[-2:])
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT  # iterate on the wide orientation so the Gram matrix X X^T is the smaller one
+    # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1]; a zero G stays 0.
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return (X.mT if tall else X).reshape(G.shape)
+
+
+def shape_scale(shape: torch.Size, rule: str) -> float:
+    """The factor the orthogonalised update of a (rows, cols) matrix is multiplied by."""
+    rows, cols = shape[0], shape[1]
+    if rule == "keller":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "moonshot":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"muon_shape_rule={rule!r} is invalid: choose one of {', '.join(SHAPE_RULES)}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2D parameters; one batched Newton-Schulz call per matrix shape, spread over ranks if distributed.
+
+    Written rather than torch.optim.Muon because that one always iterates in bf16 (50-100x slower on CPUs
+    without native bf16) and calls Newton-Schulz once per matrix; the state layout is the same.
+    """
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, shape_rule: str = "keller", ns_steps: int = NS_STEPS,
+                 ns_dtype: torch.dtype | None = None):
+        shape_scale((1, 1), shape_rule)  # validates the rule
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        shape_rule=shape_rule)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2D parameters only, got shape {tuple(p.shape)}")
+        self.ns_steps, self.ns_dtype = ns_steps, ns_dtype
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype Newton-Schulz runs in for parameters on this device."""
+        return self.ns_dtype or default_ns_dtype(device)
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: torch.Tensor | None = None):
+        """Momentum, orthogonalisation, decoupled weight decay and the scaled update, for every group.
+
+        found_inf: a 0-D device tensor, 1 to skip this step (non-finite gradients) without a host sync:
+        momentum and weights then stay exactly as they were.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo, updates = [], []
+        keep = None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            m = group["momentum"]
+            if found_inf is None:
+                # Lerp form, as Keller's and torch's Muon: (1 - m) times buf = m buf + g, a scale Newton-Schulz drops.
+                torch._foreach_lerp_(bufs, grads, 1 - m)
+            else:
+                keep = 1 - found_inf.to(params[0].device, torch.float32)
+                grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]  # a skipped step may hold NaN
+                for buf, g in zip(bufs, grads):
+                    buf.lerp_(g, (1 - m) * keep)  # weight 0 leaves the buffer bit-identical
+            updates += torch._foreach_lerp(grads, bufs, m) if group["nesterov"] else bufs
+            todo += [(p, group) for p in params]
+        for (p, group), o in zip(todo, self.orthogonalize(updates)):
+            lr, scale = group["lr"], shape_scale(p.shape, group["shape_rule"])
+            if keep is None:
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(o, alpha=-lr * scale)
+            else:
+                p.mul_(1 - lr * group["weight_decay"] * keep)
+                p.addcmul_(o, keep, value=-lr * scale)
+        return loss
+
+    def orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Newton-Schulz of every update, one batched call per shape; each rank does a slice when distributed."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        by_shape = {}
+        for i, u in enumerate(updates):  # insertion order, so every rank builds the same batches
+            by_shape.setdefault((tuple(u.shape), u.device, u.dtype), []).append(i)
+        out = [None] * len(updates)
+        for idx in by_shape.values():
+            stack = torch.stack([updates[i] for i in idx])
+            ortho = self._orthogonalize_spread(stack, world) if world > 1 else self._newtonschulz(stack)
+            for i, o in zip(idx, ortho.unbind(0)):
+                out[i] = o
+        return out
+
+    def _newtonschulz(self, stack: torch.Tensor) -> torch.Tensor:
+        """Orthogonalise a (n, rows, cols) stack in this optimizer's compute dtype."""
+        return zeropower_via_newtonschulz(stack, self.ns_steps, dtype=self.compute_dtype(stack.device))
+
+    def _orthogonalize_spread(self, stack: torch.Tensor, world: int) -> torch.Tensor:
+        """Rank r orthogonalises slice r of the stack, then an all-gather gives every rank all slices."""
+        n, per = stack.size(0), -(-stack.size(0) // world)
+        pad = stack.new_zeros(per * world - n, *stack.shape[1:])  # zeros orthogonalise to zeros
+        mine = torch.cat([stack, pad])[dist.get_rank() * per:(dist.get_rank() + 1) * per]
+        mine = self._newtonschulz(mine).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        return torch.cat(parts)[:n]
+
+
+class MuonAdamW:
+    """Muon and AdamW stepped, zeroed, scheduled and checkpointed as one optimizer.
+
+    `param_groups` lists the groups of both parts, so the schedule's `lr = initial_lr * multiplier` and
+    torch.amp.GradScaler's unscale_/step (one inf check for both parts) reach everything.
+    """
+
+    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
+        self.parts = parts
+        self.optimizers = list(parts.values())
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every group of every part; the dicts are the parts' own, so edits reach them."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients of every part."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None, found_inf: torch.Tensor | None = None):
+        """Step every part; a closure, if given, is evaluated once.
+
+        found_inf: a 0-D device tensor, nonzero to skip the whole step. Muon and fused AdamW skip on the
+        device; AdamW's foreach kernels cannot, so there it costs one host sync.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            if found_inf is None:
+                opt.step()
+            elif isinstance(opt, Muon):
+                opt.step(found_inf=found_inf)
+            elif all(g.get("fused") for g in opt.param_groups):
+                opt.found_inf, opt.grad_scale = found_inf, None  # the attributes GradScaler uses to skip
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf, opt.grad_scale
+            elif not found_inf.item():  # sync point: foreach AdamW has no device-side skip
+                opt.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        """Each part's state dict under its name; tensors, numbers, strings and containers only."""
+        return {name: opt.state_dict() for name, opt in self.parts.items()}
+
+    def load_state_dict(self, state_dict: dict):
+        """Restore every part; keeps this run's fused/foreach choice, which depends on the device."""
+        if set(state_dict) != set(self.parts):
+            raise ValueError(f"optimizer state holds {sorted(state_dict)} but this run uses {sorted(self.parts)}, "
+                             "resume with the optimizer setting the checkpoint was trained with")
+        for name, opt in self.parts.items():
+            impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
+            opt.load_state_dict(state_dict[name])
+            for g, kept in zip(opt.param_groups, impl):
+                g.update(kept)
+
+    def describe(self) -> str:
+        """A few lines: per group, tensors, parameters, peak lr, weight decay and the method's settings."""
+        lines = ["optimizer: " + " + ".join(type(opt).__name__ for opt in self.optimizers)]
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                count = sum(p.numel() for p in g["params"])
+                if isinstance(opt, Muon):
+                    dtype = str(opt.compute_dtype(g["params"][0].device)).removeprefix("torch.")
+                    extra = (f"momentum {g['momentum']:g}{' nesterov' if g['nesterov'] else ''}, "
+                             f"shape rule {g['shape_rule']}, Newton-Schulz {opt.ns_steps} steps in {dtype}")
+                else:
+                    impl = "fused" if g.get("fused") else "foreach"
+                    extra = f"betas ({g['betas'][0]:g}, {g['betas'][1]:g}), eps {g['eps']:g}, {impl}"
+                lines.append(f"  {g['name']:<15}{len(g['params']):>4} tensors{count:>13,} params  "
+                             f"peak lr {g['initial_lr']:g}  wd {g['weight_decay']:g}  {extra}")
+        return "\n".join(lines)
+
+
+def split_parameters(model: nn.Module, use_muon: bool = True) -> dict[str, list[nn.Parameter]]:
+    """Trainable parameters by group: block matrices to Muon, other matrices decayed, vectors not."""
+    groups = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
+    for name, p in model.named_parameters():  # yields a tied embedding/head weight once
+        if not p.requires_grad:
+            continue
+        name = name.replace("_orig_mod.", "").replace("module.", "")  # compiled or DDP-wrapped by mistake
+        if use_muon and p.ndim == 2 and name.startswith("layers."):
+            groups["muon"].append(p)
+        else:
+            groups["adamw_decay" if p.ndim >= 2 else "adamw_no_decay"].append(p)
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg, ns_dtype: torch.dtype | None = None) -> MuonAdamW:
+    """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone."""
+    if cfg.optimizer not in ("muon", "adamw"):
+        raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
+    groups = split_parameters(model, use_muon=cfg.optimizer == "muon")
+    parts = {}
+    if groups["muon"]:
+        parts["muon"] = Muon([{"name": "muon", "params": groups["muon"], "initial_lr": cfg.muon_lr}],
+                             lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+                             shape_rule=cfg.muon_shape_rule, ns_dtype=ns_dtype)
+    adam_groups = [{"name": name, "params": groups[name], "initial_lr": cfg.learning_rate, "weight_decay": wd}
+                   for name, wd in (("adamw_decay", cfg.weight_decay), ("adamw_no_decay", 0.0)) if groups[name]]
+    if adam_groups:
+        params = groups["adamw_decay"] + groups["adamw_no_decay"]
+        # Fused kernels exist for CUDA and CPU (equal to foreach within float rounding); foreach elsewhere.
+        fused = all(p.device.type in ("cuda", "cpu") for p in params) and len({p.device for p in params}) == 1
+        parts["adamw"] = torch.optim.AdamW(adam_groups, lr=cfg.learning_rate, eps=cfg.adam_eps,
+                                           betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           fused=fused or None, foreach=None if fused else True)
+    opt = MuonAdamW(parts)
+    seen = sorted(id(p) for g in opt.param_groups for p in g["params"])
+    assert seen == sorted({id(p) for p in model.parameters() if p.requires_grad}), "a parameter is lost or doubled"
+    return opt
+
+
+def _benchmark(shape: str = "tiny", layers: int = 0, repeats: int = 3):
+    """Time one Muon step over a preset's block matrices: torch.optim.Muon against this file's Muon."""
+    d, n_layers, heads, kv, inter = {"tiny": (256, 4, 4, 2, 768), "small": (768, 12, 12, 4, 2048)}[shape]
+    hd, n_layers = d // heads, layers or n_layers
+    shapes = [(heads * hd, d), (kv * hd, d), (kv * hd, d), (d, heads * hd), (inter, d), (inter, d), (d, inter)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen) * 0.02 for s in shapes * n_layers]
+    grads = [torch.randn(s, generator=gen) for s in shapes * n_layers]
+    makers = {"torch.optim.Muon (bf16, per matrix)": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1),
+              "ours, bf16 (batched)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.bfloat16),
+              "ours, fp32 (batched, CPU default)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.float32)}
+    print(f"{shape} shape, {n_layers} layers, {len(weights)} matrices, {torch.get_num_threads()} threads; "
+          f"seconds per Muon step, best of {repeats} after one warm-up")
+    times = {}
+    for label, make in makers.items():
+        ps = [nn.Parameter(w.clone()) for w in weights]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt = make(ps)
+        opt.step()
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            runs.append(time.perf_counter() - start)
+        times[label] = min(runs)
+    base = times[next(iter(times))]
+    for label, t in times.items():
+        print(f"  {label:<36}{t:9.3f} s   {base / t:7.1f}x")
+
+
+if __name__ == "__main__":
+    # python muon_optimizer.py [tiny|small] [layers, 0: the preset's] [timed repeats]
+    _benchmark(sys.argv[1] if len(sys.argv) > 1 else "tiny", *(int(a) for a in sys.argv[2:4]))

@@ -1,0 +1,578 @@
+"""The data module: corpus sources, tokenizer, token cache, batch loader, chat template and loss masks.
+
+Reads text files, folders, JSONL or chat JSONL (default: this Python's standard library), trains a
+byte-level tokenizer on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
+meta.json and tokenizer.json; the same settings later reuse that folder. Batches are a pure function of
+(seed, step, micro_step, rank). Build the cache ahead of training, and see how fast that goes:
+    python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
+"""
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
+from config import DEFAULT_TEXT_FIELDS, ConfigError, DataConfig, error_exit, parse_config
+
+EOT_TOKEN = "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOT_TOKEN, IM_START, IM_END]  # trained tokenizers give them ids 0, 1, 2
+ROLES = ("system", "user", "assistant")
+# The one chat format (ChatML), for transformers' apply_chat_template; _chat_segments renders the same text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+BYTE_ALPHABET = 256  # every byte-level tokenizer keeps one token per byte, so any text encodes
+PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
+ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
+TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
+BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
+SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
+
+
+class DataError(ValueError):
+    """Bad data input: the message names the file (and line), the problem and what to do."""
+
+
+@dataclass
+class ReadStats:
+    """What one pass over the sources saw."""
+    files: int = 0
+    documents: int = 0
+    bytes: int = 0
+    chats: int = 0
+    binary_skipped: int = 0
+    first_binary: str = ""
+    bad_lines: int = 0
+    first_bad: str = ""
+    invalid_utf8: int = 0
+    first_invalid: str = ""
+
+
+@dataclass
+class PreparedData:
+    """A finished cache folder and its meta.json."""
+    path: str
+    meta: dict
+
+    @property
+    def tokenizer_path(self) -> str:
+        return os.path.join(self.path, "tokenizer.json")
+
+
+# ----------------------------------------------------------------------------- sources
+
+def _walk(root: str, suffix=None) -> list[str]:
+    """Files under root, sorted, without hidden files, caches and installed packages."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
+        found += [os.path.join(folder, n) for n in names
+                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))]
+    return sorted(found)
+
+
+def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
+    """Every file to read, in a fixed order, each with whether it came from a folder."""
+    if not cfg.sources:
+        return [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")]
+    files = []
+    for source in cfg.sources:
+        path = os.path.abspath(source)
+        if os.path.isdir(path):
+            files += [(p, True) for p in _walk(path)]
+        elif os.path.isfile(path):
+            files.append((path, False))
+        else:
+            raise DataError(f"data source {source} does not exist, check the path given to --sources")
+    return files
+
+
+def _decode(data: bytes, path: str, stats: ReadStats) -> str:
+    """UTF-8 text; invalid bytes become U+FFFD and are counted."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        # A U+FFFD that was already in the file is valid UTF-8; only the new ones are replacements.
+        stats.invalid_utf8 += text.count("\ufffd") - data.count("\ufffd".encode())
+        stats.first_invalid = stats.first_invalid or path
+        return text
+
+
+def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
+    """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
+    with open(path, "rb") as f:
+        for piece, block in enumerate(iter(lambda: f.read(PIECE_BYTES), b"")):
+            if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
+                if not in_folder:
+                    raise DataError(f"{path} looks binary (it holds NUL bytes), pass text files, .jsonl "
+                                    "files or folders (where binary files are skipped)")
+                stats.binary_skipped += 1
+                stats.first_binary = stats.first_binary or path
+                return
+            if piece == 0:
+                stats.files += 1
+            block += f.readline()  # finish the line, so no piece ends inside a word or a character
+            yield piece, _decode(block, path, stats), len(block)
+
+
+def _check_messages(messages, need_assistant: bool = True) -> list:
+    """Raise DataError unless messages is a list of {role, content} with known roles."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise DataError(f"unknown role {role!r}, use one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"a {m['role']} message has no string content")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise DataError("the conversation has no assistant turn, so nothing in it would be learned")
+    return messages
+
+
+def _parse_line(line: str, text_fields):
+    """A JSONL line's document: its text, or its list of chat messages; DataError says why not."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"not valid JSON ({e.msg})") from None
+    if isinstance(obj, dict) and "messages" in obj:
+        return _check_messages(obj["messages"])
+    for name in text_fields:
+        if isinstance(obj, dict) and isinstance(obj.get(name), str):
+            return obj[name]
+    raise DataError(f"no text field (looked for {', '.join(text_fields)} and messages)")
+
+
+def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
+    """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
+    text_fields = (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
+    stats.files += 1
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                doc = _parse_line(_decode(raw, path, stats), text_fields)
+            except DataError as e:
+                stats.bad_lines += 1
+                stats.first_bad = stats.first_bad or f"{path} line {number}: {e}"
+                continue
+            stats.chats += not isinstance(doc, str)
+            if doc:
+                yield 0, doc, len(raw)
+
+
+def _documents(files, cfg: DataConfig, stats: ReadStats):
+    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after max_source_mb."""
+    budget = cfg.max_source_mb * 1e6 or math.inf
+    doc_id = -1
+    for path, in_folder in files:
+        reader = _jsonl_documents(path, cfg, stats) if path.endswith(".jsonl") else \
+            _text_pieces(path, in_folder, stats)
+        for piece, doc, size in reader:
+            if piece == 0:
+                doc_id += 1
+            stats.documents += 1
+            stats.bytes += size
+            yield doc_id, piece, doc
+            if stats.bytes >= budget:
+                return
+
+
+def _scan(files, cfg: DataConfig, log) -> ReadStats:
+    """Read the sources once to count documents and to refuse bad input before anything is written."""
+    stats = ReadStats()
+    for _ in _documents(files, cfg, stats):
+        pass
+    where = ", ".join(cfg.sources) or "the Python standard library"
+    if stats.bad_lines and not cfg.skip_bad_lines:
+        raise DataError(f"{stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}; fix them, "
+                        "or pass --skip_bad_lines true to leave them out")
+    if stats.documents == 0:
+        raise DataError(f"no text found in {where} (files empty, binary, or every line skipped), "
+                        "pass files that hold text")
+    if stats.documents == 1:
+        raise DataError(f"{where} holds a single document, so the validation split would be empty; add "
+                        f"documents (more files, JSONL lines, or text longer than {PIECE_BYTES // 1024} KiB)")
+    if stats.bad_lines:
+        log(f"data: skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
+    if stats.binary_skipped:
+        log(f"data: skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
+    if stats.invalid_utf8:
+        log(f"data: replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, "
+            f"the first in {stats.first_invalid}")
+    return stats
+
+
+def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
+    """Which documents are validation: a seeded choice of round(n * val_fraction), at least one."""
+    k = max(1, round(n_docs * val_fraction))
+    is_val = np.zeros(n_docs, dtype=bool)
+    is_val[np.random.default_rng(seed).choice(n_docs, size=k, replace=False)] = True
+    return is_val
+
+
+# ----------------------------------------------------------------------------- tokenizer and chat format
+
+def _new_tokenizer(kind: str, vocab_size: int):
+    """An untrained byte-level tokenizer of the given kind, and its trainer."""
+    common = dict(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if kind == "bpe":
+        model, trainer = models.BPE(), trainers.BpeTrainer(**common)
+    elif kind == "wordpiece":
+        # No "##" prefix: the byte-level decoder then joins pieces as they are, and decoding stays lossless.
+        model = models.WordPiece(continuing_subword_prefix="")
+        trainer = trainers.WordPieceTrainer(continuing_subword_prefix="", **common)
+    else:
+        model, trainer = models.Unigram(), trainers.UnigramTrainer(**common)
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, trainer
+
+
+def _tokenizer_file(path: str) -> str:
+    """The tokenizer.json that a --tokenizer path names (the file or its folder)."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise DataError(f"tokenizer {path} not found, pass a tokenizer.json file or a folder holding one")
+    return file
+
+
+def _existing_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+    """A local tokenizer.json, with the special tokens added where it lacks them."""
+    try:
+        tok = Tokenizer.from_file(_tokenizer_file(path))
+    except Exception as e:
+        raise DataError(f"{path} is not a tokenizers JSON file ({str(e).splitlines()[0]}), "
+                        "pass a tokenizer.json saved by the tokenizers library") from None
+    tok.add_special_tokens(SPECIAL_TOKENS)  # keeps the ids of tokens it already has
+    if tok.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer {path} has {tok.get_vocab_size()} tokens, more than vocab_size={vocab_size}, "
+                        f"pass --vocab_size {tok.get_vocab_size()} or more")
+    return tok
+
+
+def _tokenizer_sample(files, cfg: DataConfig, is_val, total_bytes: int):
+    """Training-split texts, about TOKENIZER_SAMPLE_BYTES of them, spread over the whole corpus."""
+    stride = max(1, math.ceil(total_bytes / TOKENIZER_SAMPLE_BYTES))
+    for i, ((_, _, doc), val) in enumerate(zip(_documents(files, cfg, ReadStats()), is_val)):
+        if i % stride == 0 and not val:
+            # A conversation trains as its template text without the special tokens.
+            yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
+
+
+def _make_tokenizer(files, cfg: DataConfig, vocab_size: int, is_val, total_bytes: int, log) -> Tokenizer:
+    """The configured local tokenizer, or a new one trained on the training split."""
+    start = time.perf_counter()
+    if cfg.tokenizer:
+        tok = _existing_tokenizer(cfg.tokenizer, vocab_size)
+        log(f"data: using tokenizer {cfg.tokenizer} ({tok.get_vocab_size()} tokens)")
+        return tok
+    tok, trainer = _new_tokenizer(cfg.tokenizer_type, vocab_size)
+    tok.train_from_iterator(_tokenizer_sample(files, cfg, is_val, total_bytes), trainer)
+    log(f"data: trained a {cfg.tokenizer_type} tokenizer of {tok.get_vocab_size()} tokens "
+        f"in {time.perf_counter() - start:.1f}s")
+    return tok
+
+
+def _chat_segments(messages) -> list[tuple[str, bool, bool]]:
+    """CHAT_TEMPLATE as (text, learned, is_special) pieces: assistant content and its <|im_end|> are learned."""
+    out = []
+    for m in messages:
+        learned = m["role"] == "assistant"
+        out += [(IM_START, False, True), (m["role"] + "\n", False, False), (m["content"], learned, False),
+                (IM_END, learned, True), ("\n", False, False)]
+    return out
+
+
+def _encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
+    """Token ids and learned-flags of documents given as segments, with one parallel encode call."""
+    # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
+    texts = [text for segs in docs for text, _, special in segs if not special]
+    # Text that happens to contain "<|endoftext|>" stays text: it must not forge a boundary or a turn.
+    before, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        encoded = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
+    finally:
+        tok.encode_special_tokens = before
+    out = []
+    for segs in docs:
+        ids, mask = [], []
+        for text, learned, special in segs:
+            piece = [tok.token_to_id(text)] if special else next(encoded).ids
+            ids += piece
+            mask += [learned] * len(piece)
+        out.append((ids, mask))
+    return out
+
+
+def render_chat(tok, messages) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation in CHAT_TEMPLATE and its loss mask (True: learned)."""
+    backend = getattr(tok, "backend_tokenizer", tok)  # the Rust tokenizer inside a transformers one
+    return _encode_segments(backend, [_chat_segments(_check_messages(messages, False))])[0]
+
+
+def chat_prompt_ids(tok, messages) -> list[int]:
+    """Token ids of the conversation so far followed by '<|im_start|>assistant\\n', to generate the reply."""
+    prompt = [(IM_START, False, True), ("assistant\n", False, False)]
+    segments = _chat_segments(_check_messages(messages, False)) + prompt
+    return _encode_segments(getattr(tok, "backend_tokenizer", tok), [segments])[0][0]
+
+
+def load_tokenizer(path: str):
+    """A tokenizer.json (or its folder) as a transformers fast tokenizer with eos and chat template set."""
+    from transformers import PreTrainedTokenizerFast  # slow import, needed only by its callers
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=_tokenizer_file(path), eos_token=EOT_TOKEN, pad_token=EOT_TOKEN)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# ----------------------------------------------------------------------------- token cache
+
+class _SplitWriter:
+    """Appends a split's documents to <split>.bin and <split>_mask.bin, EOT wherever the text breaks off."""
+
+    def __init__(self, folder: str, split: str, dtype, eot: int):
+        self.paths = [os.path.join(folder, f"{split}.bin"), os.path.join(folder, f"{split}_mask.bin")]
+        self.files = [open(p, "wb") for p in self.paths]
+        self.dtype, self.eot = dtype, eot
+        self.tokens = self.documents = self.bytes = 0
+        self.last = None  # (doc_id, piece, is its last token learned) of the piece written last
+        self.pending = []
+
+    def add(self, doc_id: int, piece: int, ids: list, mask: list, nbytes: int):
+        """Append one piece; an EOT (learned like the end before it) first if it doesn't continue the last."""
+        if self.last and self.last[:2] != (doc_id, piece - 1):
+            self._append([self.eot], [self.last[2]])
+        self._append(ids, mask)
+        self.last = (doc_id, piece, bool(mask and mask[-1]))
+        self.documents += 1
+        self.bytes += nbytes
+
+    def _append(self, ids: list, mask: list):
+        self.pending.append((np.asarray(ids, self.dtype), np.asarray(mask, np.uint8)))
+        self.tokens += len(ids)
+
+    def flush(self):
+        """Write what add() collected."""
+        for f, parts in zip(self.files, zip(*self.pending)):
+            np.concatenate(parts).tofile(f)
+        self.pending = []
+
+    def close(self, keep_masks: bool):
+        """End the last document with EOT, flush to disk, and drop the mask file when no chat needs it."""
+        if self.last:
+            self._append([self.eot], [self.last[2]])
+        self.flush()
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        if not keep_masks:
+            os.remove(self.paths[1])
+
+
+def _write_splits(folder: str, files, cfg: DataConfig, tok: Tokenizer, is_val, total_bytes: int) -> dict:
+    """Tokenize every document in parallel batches, streaming each to its split; returns the counts."""
+    vocab = tok.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    writers = {s: _SplitWriter(folder, s, dtype, tok.token_to_id(EOT_TOKEN)) for s in ("train", "val")}
+    stats, batch = ReadStats(), []
+
+    def flush():
+        segments = [[(doc, True, False)] if isinstance(doc, str) else _chat_segments(doc) for *_, doc in batch]
+        for (writer, doc_id, piece, _), segs, (ids, mask) in zip(batch, segments, _encode_segments(tok, segments)):
+            writer.add(doc_id, piece, ids, mask, sum(len(text.encode("utf-8")) for text, _, _ in segs))
+        for writer in writers.values():
+            writer.flush()
+        batch.clear()
+
+    done = 0  # bytes encoded so far (tqdm's own count stays 0 when the bar is off)
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
+        # zip reads one document past the split's end if the sources grew, and the check below sees it.
+        for (doc_id, piece, doc), val in zip(_documents(files, cfg, stats), is_val):
+            batch.append((writers["val" if val else "train"], doc_id, piece, doc))
+            if stats.bytes - done >= ENCODE_BATCH_BYTES:
+                flush()
+                bar.update(stats.bytes - done)
+                done = stats.bytes
+        flush()
+        bar.update(stats.bytes - done)
+    if stats.documents != len(is_val):
+        raise DataError("the sources changed while they were being prepared, run again")
+    for writer in writers.values():
+        writer.close(keep_masks=stats.chats > 0)
+    meta = {"vocab_size": vocab, "dtype": np.dtype(dtype).name, "has_masks": stats.chats > 0,
+            "eot_id": tok.token_to_id(EOT_TOKEN)}
+    for split, w in writers.items():
+        meta.update({f"{split}_tokens": w.tokens, f"{split}_documents": w.documents, f"{split}_bytes": w.bytes})
+    meta["val_bytes_per_token"] = writers["val"].bytes / max(1, writers["val"].tokens)
+    return meta
+
+
+def _check_window(split: str, tokens: int, seq_len: int):
+    """A split must hold one training window of seq_len + 1 tokens."""
+    if tokens < seq_len + 1:
+        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
+                        f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
+
+
+def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
+    """Hash of everything the cache depends on: files (path, size, mtime), tokenizer and split settings."""
+    settings = {k: getattr(cfg, k) for k in ("sources", "text_field", "skip_bad_lines", "max_source_mb",
+                                             "tokenizer", "tokenizer_type", "val_fraction", "data_seed")}
+    settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    paths = [p for p, _ in files] + ([_tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
+    for path in paths:
+        st = os.stat(path)
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log):
+    """Scan, split, train the tokenizer and write the cache under a temporary name, renamed when complete."""
+    start = time.perf_counter()
+    stats = _scan(files, cfg, log)
+    log(f"data: {stats.files} files, {stats.documents} documents, {stats.bytes / 1e6:.1f} MB "
+        f"(scanned in {time.perf_counter() - start:.1f}s)")
+    is_val = _val_mask(stats.documents, cfg.data_seed, cfg.val_fraction)
+    tok = _make_tokenizer(files, cfg, vocab_size, is_val, stats.bytes, log)
+    tmp = f"{path}.tmp-{os.getpid()}"  # never read as a cache: only a folder named <fingerprint> is
+    os.makedirs(tmp, exist_ok=True)  # a crashed run with the same pid may have left one behind
+    try:
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        meta = _write_splits(tmp, files, cfg, tok, is_val, stats.bytes)
+        for split in ("train", "val"):
+            _check_window(split, meta[f"{split}_tokens"], seq_len)
+        seconds = time.perf_counter() - start
+        meta.update(sources=cfg.sources or [sysconfig.get_paths()["stdlib"]], files=stats.files,
+                    source_bytes=stats.bytes, binary_files_skipped=stats.binary_skipped,
+                    bad_lines_skipped=stats.bad_lines, invalid_utf8_replaced=stats.invalid_utf8,
+                    tokenizer=cfg.tokenizer or cfg.tokenizer_type, seconds=round(seconds, 2),
+                    mb_per_second=round(stats.bytes / 1e6 / seconds, 2), format=CACHE_FORMAT)
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.isfile(os.path.join(path, "meta.json")):
+            shutil.rmtree(tmp)  # another process finished the same cache meanwhile
+        else:
+            shutil.rmtree(path, ignore_errors=True)  # a folder without meta.json is incomplete
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"data: prepared {stats.bytes / 1e6:.1f} MB in {seconds:.1f}s ({meta['mb_per_second']} MB/s), "
+        f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens, "
+        f"{meta['val_bytes_per_token']:.2f} bytes per token")
+
+
+def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> PreparedData:
+    """Build the token cache for these settings, or reuse the finished one; raises DataError on bad input."""
+    if cfg.data_seed < 0:
+        raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
+    minimum = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+    if not cfg.tokenizer and vocab_size < minimum:
+        raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
+                        f"which needs {minimum} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
+                        f"pass --vocab_size {minimum} or more")
+    files = source_files(cfg)
+    path = os.path.join(cfg.cache_dir, _fingerprint(files, cfg, vocab_size))
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        log(f"data: reusing {path}")
+    else:
+        _build(path, files, cfg, vocab_size, seq_len, log)
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        data = PreparedData(path, json.load(f))
+    for split in ("train", "val"):
+        _check_window(split, data.meta[f"{split}_tokens"], seq_len)
+    return data
+
+
+# ----------------------------------------------------------------------------- batches
+
+class Batches:
+    """Micro-batches of one split; the windows read are a pure function of (seed, step, micro_step, rank)."""
+
+    def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
+                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1):
+        if split not in ("train", "val"):
+            raise DataError(f"split {split!r} does not exist, use 'train' or 'val'")
+        if seed < 0 or rank < 0:
+            raise DataError(f"seed={seed} and rank={rank} must be >= 0")
+        self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.device = torch.device(device)
+        self.dtype = np.dtype(data.meta["dtype"])
+        self.tokens = os.path.join(data.path, f"{split}.bin")
+        self.masks = os.path.join(data.path, f"{split}_mask.bin") if data.meta["has_masks"] else None
+        self.length = data.meta[f"{split}_tokens"]
+        _check_window(split, self.length, seq_len)
+
+    def starts(self, step: int, micro_step: int) -> np.ndarray:
+        """First token of each window in this micro-batch, shape (B,)."""
+        span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
+        if self.split == "train":
+            rng = np.random.default_rng([self.seed, step, micro_step, self.rank])
+            return rng.integers(0, span, size=self.batch_size)
+        # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
+        first = (micro_step * self.world_size + self.rank) * self.batch_size
+        return np.arange(first, first + self.batch_size) * self.seq_len % span
+
+    def _windows(self, path: str, dtype, starts) -> np.ndarray:
+        # A fresh memmap per batch, as nanoGPT does: one kept open maps every page it ever touched,
+        # so the process's memory would grow over a long run.
+        data = np.memmap(path, dtype=dtype, mode="r")
+        return np.stack([data[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+
+    def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token labels, both (B, T) int64 on the device; -100 labels are not learned."""
+        starts = self.starts(step, micro_step)
+        windows = self._windows(self.tokens, self.dtype, starts)
+        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
+        if self.masks:
+            learned = self._windows(self.masks, np.uint8, starts)[:, 1:]
+            y[torch.from_numpy(learned == 0)] = -100
+        if self.device.type == "cuda":  # pinned pages let the copy overlap with the previous step's compute
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+        return x.to(self.device), y.to(self.device)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv=None):
+    """Prepare (or find) the cache for the command line's settings and print a summary."""
+    try:
+        cfg, _ = parse_config(argv)
+        data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
+    except (ConfigError, DataError) as e:
+        error_exit(str(e))
+    except OSError as e:
+        error_exit(f"could not read or write the data ({e}), check the paths and free disk space", 1)
+    m = data.meta
+    print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
+          f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
+          f"{m['val_bytes_per_token']:.2f} bytes per token, masks {'yes' if m['has_masks'] else 'no'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,410 @@
+"""Tests of prepare_data.py: sources, tokenizer, cache, splits, batches, chat masks and bad input.
+
+Run: python -m pytest -q tests/test_prepare_data.py
+"""
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import prepare_data as pd  # noqa: E402
+from config import DataConfig  # noqa: E402
+
+WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
+         "dog, and. (x) = 42; if else return").split()
+VOCAB, SEQ = 300, 16
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def text_corpus(folder, n_docs=12, n_words=150, seed=0) -> dict:
+    """Write n_docs text files of random words (one nested); return {path: text}."""
+    rng = random.Random(seed)
+    texts = {}
+    for i in range(n_docs):
+        path = folder / ("sub" if i % 3 == 0 else "") / f"doc{i}.{'md' if i % 2 else 'txt'}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        texts[str(path)] = "\n".join(words(rng, n_words // 5) for _ in range(5)) + "\n"
+        path.write_text(texts[str(path)], encoding="utf-8")
+    return texts
+
+
+def conversations(n=12, seed=0) -> list:
+    rng = random.Random(seed)
+    convs = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "You are terse."}] if i % 2 else []
+        for _ in range(1 + i % 3):
+            msgs += [{"role": "user", "content": words(rng, 8) + "?"},
+                     {"role": "assistant", "content": words(rng, 10) + "."}]
+        convs.append(msgs)
+    return convs
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def config(tmp_path, sources, **kw) -> DataConfig:
+    return DataConfig(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def prepare(cfg, vocab=VOCAB, seq=SEQ, logs=None):
+    return pd.prepare(cfg, vocab_size=vocab, seq_len=seq, log=(logs.append if logs is not None else lambda m: None))
+
+
+def split_arrays(data, split):
+    tokens = np.fromfile(os.path.join(data.path, f"{split}.bin"), dtype=data.meta["dtype"])
+    mask_path = os.path.join(data.path, f"{split}_mask.bin")
+    return tokens, (np.fromfile(mask_path, dtype=np.uint8) if os.path.exists(mask_path) else None)
+
+
+def documents(data) -> list[str]:
+    """Decode both splits back into their documents (split at EOT)."""
+    tok = Tokenizer.from_file(data.tokenizer_path)
+    docs = []
+    for split in ("train", "val"):
+        tokens = split_arrays(data, split)[0].tolist()
+        cuts = [i for i, t in enumerate(tokens) if t == data.meta["eot_id"]]
+        docs += [tok.decode(tokens[a + 1:b], skip_special_tokens=False) for a, b in zip([-1] + cuts, cuts)]
+    return docs
+
+
+def cache_entries(cfg) -> list:
+    return os.listdir(cfg.cache_dir) if os.path.isdir(cfg.cache_dir) else []
+
+
+# ----------------------------------------------------------------------------- sources
+
+def test_folder_is_read_recursively_skips_binary_and_keeps_text_exact(tmp_path):
+    """Prevents lost or altered files in a folder source, binary files tokenized as text, and special-token
+    strings inside ordinary text being turned into real document boundaries."""
+    texts = text_corpus(tmp_path / "corpus")
+    forged = tmp_path / "corpus" / "forged.txt"
+    forged.write_text("before <|endoftext|> after <|im_end|>\n", encoding="utf-8")
+    texts[str(forged)] = forged.read_text(encoding="utf-8")
+    (tmp_path / "corpus" / "image.bin").write_bytes(b"\x89PNG\0\0\x01\x02" * 64)
+    (tmp_path / "corpus" / ".hidden").mkdir()
+    (tmp_path / "corpus" / ".hidden" / "secret.txt").write_text("not corpus text\n")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    assert data.meta["files"] == len(texts)
+    assert data.meta["binary_files_skipped"] == 1
+    assert sorted(documents(data)) == sorted(texts.values())
+    assert data.meta["train_documents"] + data.meta["val_documents"] == len(texts)
+    assert not data.meta["has_masks"] and not os.path.exists(os.path.join(data.path, "train_mask.bin"))
+
+
+def test_long_text_file_is_cut_at_line_ends_into_documents(tmp_path):
+    """Prevents a single long file (a book) from being one document that cannot be split, or being cut
+    inside a line or a multi-byte character."""
+    rng = random.Random(1)
+    text = "".join(f"{i} {words(rng, 12)}\n" for i in range(3000))  # about 220 KB
+    (tmp_path / "book.txt").write_text(text, encoding="utf-8")
+    data = prepare(config(tmp_path, [tmp_path / "book.txt"]))
+    assert data.meta["train_documents"] + data.meta["val_documents"] >= len(text.encode()) // pd.PIECE_BYTES
+    assert data.meta["val_documents"] >= 1
+    # Pieces that follow each other in one split stay joined; EOT marks only where the text breaks off.
+    docs = documents(data)
+    assert len(docs) >= 2 and sum(map(len, docs)) == len(text)
+    for doc in docs:
+        assert doc.endswith("\n") and ("\n" + doc) in ("\n" + text)
+
+
+def test_jsonl_takes_the_first_known_text_field_or_the_configured_one(tmp_path):
+    """Prevents JSONL documents being dropped or read from the wrong field."""
+    rng = random.Random(2)
+    fields = ["text", "content", "message", "body", "output"]
+    rows = [{"id": i, fields[i % 5]: words(rng, 30), "title": f"title {i} " + words(rng, 20)} for i in range(10)]
+    path = write_jsonl(tmp_path / "docs.jsonl", rows[:5] + [""] + rows[5:])  # a blank line is ignored
+    data = prepare(config(tmp_path, [path]))
+    assert sorted(documents(data)) == sorted(r[fields[r["id"] % 5]] for r in rows)
+    titled = prepare(config(tmp_path, [path], text_field="title"))
+    assert sorted(documents(titled)) == sorted(r["title"] for r in rows)
+
+
+def test_default_corpus_is_the_standard_library(tmp_path):
+    """Prevents the default corpus from picking up installed packages, changing order between runs, or
+    ignoring max_source_mb."""
+    files = [p for p, _ in pd.source_files(DataConfig())]
+    assert files == sorted(files) and len(files) > 100
+    assert all(p.endswith(".py") and "site-packages" not in p and "dist-packages" not in p for p in files)
+    data = prepare(DataConfig(cache_dir=str(tmp_path / "cache"), max_source_mb=0.2))
+    assert 0.2e6 <= data.meta["source_bytes"] < 0.2e6 + 2 * pd.PIECE_BYTES
+    assert data.meta["val_tokens"] > SEQ and data.meta["train_tokens"] > data.meta["val_tokens"]
+
+
+# ----------------------------------------------------------------------------- chat and masks
+
+def test_chat_jsonl_masks_cover_exactly_the_assistant_tokens(tmp_path):
+    """Prevents training on system/user text or template headers, and forgetting the closing <|im_end|>."""
+    convs = conversations()
+    data = prepare(config(tmp_path, [write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])]))
+    assert data.meta["has_masks"]
+    tok = Tokenizer.from_file(data.tokenizer_path)
+    im_end = tok.token_to_id(pd.IM_END)
+    # Independently: each assistant turn is its content's tokens followed by <|im_end|>.
+    expected = [tuple(tok.encode(m["content"], add_special_tokens=False).ids + [im_end])
+                for c in convs for m in c if m["role"] == "assistant"]
+    runs = []
+    for split in ("train", "val"):
+        tokens, mask = split_arrays(data, split)
+        assert mask is not None and len(mask) == len(tokens) and set(np.unique(mask)) <= {0, 1}
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        runs += [tuple(tokens[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
+    assert sorted(runs) == sorted(expected)
+
+
+def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
+    """Prevents off-by-one labels and masks applied to the wrong position of a window."""
+    data = prepare(config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()])]))
+    tokens, mask = split_arrays(data, "train")
+    batches = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=7)
+    x, y = batches.get(3, 1)
+    assert x.shape == y.shape == (4, SEQ) and x.dtype == y.dtype == torch.int64
+    for row, s in enumerate(batches.starts(3, 1)):
+        nxt = tokens[s + 1:s + SEQ + 1].astype(np.int64)
+        assert x[row].tolist() == tokens[s:s + SEQ].tolist()
+        assert y[row].tolist() == np.where(mask[s + 1:s + SEQ + 1] == 1, nxt, -100).tolist()
+
+
+def test_chat_template_matches_renderer_and_transformers_tokenization(tmp_path):
+    """Prevents the exported CHAT_TEMPLATE drifting from the renderer, and generation prompts that are not a
+    prefix of what training saw."""
+    data = prepare(config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()])]))
+    tok = pd.load_tokenizer(data.tokenizer_path)
+    assert tok.eos_token == pd.EOT_TOKEN
+    msgs = conversations()[5]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    ids, mask = pd.render_chat(tok, msgs)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    # Independently, from character offsets: learned = tokens inside an assistant's content + <|im_end|>.
+    spans, pos = [], 0
+    for m in msgs:
+        start = text.index(pd.IM_START + m["role"] + "\n", pos) + len(pd.IM_START + m["role"] + "\n")
+        pos = start + len(m["content"]) + len(pd.IM_END)
+        if m["role"] == "assistant":
+            spans.append((start, pos))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == ids
+    assert mask == [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
+    prompt = pd.chat_prompt_ids(tok, msgs[:-1])
+    assert tok.decode(prompt, skip_special_tokens=False) == tok.apply_chat_template(
+        msgs[:-1], tokenize=False, add_generation_prompt=True)
+    assert ids[:len(prompt)] == prompt
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece", "unigram"])
+def test_decode_of_encode_gives_back_the_text(tmp_path, kind):
+    """Prevents a tokenizer type that loses whitespace, bytes or characters."""
+    texts = text_corpus(tmp_path / "corpus")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"], tokenizer_type=kind))
+    tok = pd.load_tokenizer(data.tokenizer_path)
+    assert len(tok) <= VOCAB
+    for text in list(texts.values())[:4] + ["tabs\tand\r\nCRLF  double  spaces \u00e9\u4e2d\U0001f600 \x00\n"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+# ----------------------------------------------------------------------------- cache
+
+def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, monkeypatch):
+    """Prevents re-tokenizing an unchanged corpus on every run, and serving a stale cache after an edit."""
+    text_corpus(tmp_path / "corpus")
+    cfg = config(tmp_path, [tmp_path / "corpus"])
+    first = prepare(cfg)
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as m:
+        m.setattr(pd, "_encode_segments", no_tokenizing)
+        m.setattr(pd, "_new_tokenizer", no_tokenizing)
+        again = prepare(cfg)
+    assert again.path == first.path and again.meta == first.meta
+    path = tmp_path / "corpus" / "doc1.md"
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    rebuilt = prepare(cfg)
+    assert rebuilt.path != first.path and os.path.isfile(os.path.join(rebuilt.path, "meta.json"))
+
+
+def test_existing_tokenizer_is_used_not_trained(tmp_path, monkeypatch):
+    """Prevents --tokenizer being ignored (a silently retrained vocabulary) or a tokenizer larger than the
+    model's embedding being accepted."""
+    text_corpus(tmp_path / "corpus")
+    trained = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    monkeypatch.setattr(pd, "_new_tokenizer", lambda *a: pytest.fail("trained a tokenizer"))
+    cfg = config(tmp_path, [tmp_path / "corpus"], tokenizer=os.path.dirname(trained.tokenizer_path))
+    reused = prepare(cfg)
+    assert reused.path != trained.path
+    assert open(reused.tokenizer_path).read() == open(trained.tokenizer_path).read()
+    with pytest.raises(pd.DataError, match="more than vocab_size=290"):
+        prepare(cfg, vocab=290)
+
+
+def test_interrupted_preparation_leaves_no_cache_folder(tmp_path, monkeypatch):
+    """Prevents a Ctrl-C during tokenizing from leaving a folder that a later run would take as complete."""
+    text_corpus(tmp_path / "corpus")
+    cfg = config(tmp_path, [tmp_path / "corpus"])
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pd._SplitWriter, "close", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg)
+    assert cache_entries(cfg) == []
+
+
+# ----------------------------------------------------------------------------- determinism and batches
+
+CHILD = """
+import hashlib, json, sys
+sys.path.insert(0, {root!r})
+import prepare_data as pd
+from config import DataConfig
+data = pd.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16, log=lambda m: None)
+out = {{s: hashlib.sha256(open(f"{{data.path}}/{{s}}.bin", "rb").read()).hexdigest() for s in ("train", "val")}}
+for split, rank, step, micro in [("train", 0, 0, 0), ("train", 0, 5, 1), ("train", 1, 5, 1), ("val", 0, 0, 2)]:
+    x, y = pd.Batches(data, split, batch_size=4, seq_len=16, seed=1337, rank=rank).get(step, micro)
+    out[f"{{split}} {{rank}} {{step}} {{micro}}"] = x.tolist() + y.tolist()
+print(json.dumps(out))
+"""
+
+
+def test_split_and_batches_are_identical_across_processes(tmp_path):
+    """Prevents a split or batch order that depends on the process (hash seeds, dict or file-system order),
+    which would make a resumed run see different data."""
+    text_corpus(tmp_path / "corpus", n_docs=30)
+    outputs = []
+    for i in (1, 2):
+        code = CHILD.format(root=ROOT, src=str(tmp_path / "corpus"), cache=str(tmp_path / f"cache{i}"))
+        env = dict(os.environ, PYTHONHASHSEED=str(i))
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 0, run.stderr
+        outputs.append(json.loads(run.stdout))
+    assert outputs[0] == outputs[1]
+    out = outputs[0]
+    assert out["train 0 0 0"] != out["train 0 5 1"] != out["train 1 5 1"]
+
+
+def test_batches_are_a_pure_function_of_seed_step_micro_step_rank(tmp_path):
+    """Prevents loader state (an advancing generator) making a resumed run's batches differ."""
+    text_corpus(tmp_path / "corpus")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    a = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
+    b = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
+    for step in (0, 1, 2):
+        a.get(step, 0)
+    assert torch.equal(a.get(9, 2)[0], b.get(9, 2)[0])
+    assert not torch.equal(b.get(9, 2)[0], b.get(10, 2)[0])
+    assert not torch.equal(b.get(9, 2)[0], pd.Batches(data, "train", 4, SEQ, seed=2).get(9, 2)[0])
+
+
+def test_val_batches_tile_the_split_the_same_way_every_time(tmp_path):
+    """Prevents noisy or drifting eval losses from random eval windows."""
+    text_corpus(tmp_path / "corpus")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    val = pd.Batches(data, "val", batch_size=2, seq_len=SEQ, seed=1)
+    assert val.starts(0, 0).tolist() == [0, SEQ] and val.starts(0, 1).tolist() == [2 * SEQ, 3 * SEQ]
+    assert torch.equal(val.get(0, 1)[1], val.get(50, 1)[1])
+    assert pd.Batches(data, "val", 2, SEQ, seed=1, rank=1, world_size=2).starts(0, 0).tolist() == [2 * SEQ, 3 * SEQ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_equal_cpu_batches(tmp_path):
+    """Prevents the pinned, non-blocking copy path from delivering different or unfinished data."""
+    text_corpus(tmp_path / "corpus")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    cpu = pd.Batches(data, "train", 4, SEQ, seed=3).get(2, 1)
+    gpu = pd.Batches(data, "train", 4, SEQ, seed=3, device=torch.device("cuda")).get(2, 1)
+    assert all(g.is_cuda and torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _bad_jsonl(tmp_path, bad_row, good=10):
+    rng = random.Random(3)
+    rows = [{"text": words(rng, 30)} for _ in range(good)]
+    return [write_jsonl(tmp_path / "data.jsonl", rows[:2] + [bad_row] + rows[2:])]
+
+
+BAD_INPUTS = {
+    "missing path": (lambda p: [p / "nope.txt"], {}, r"data source .*nope\.txt does not exist"),
+    "empty corpus": (lambda p: [(p / "empty.txt", (p / "empty.txt").write_text(""))[0]], {}, r"no text found"),
+    "not json": (lambda p: _bad_jsonl(p, "{not json"), {},
+                 r"1 bad JSONL line.*data\.jsonl line 3: not valid JSON.*skip_bad_lines"),
+    "no text field": (lambda p: _bad_jsonl(p, {"title": "x"}), {}, r"data\.jsonl line 3: no text field"),
+    "unknown role": (lambda p: _bad_jsonl(p, {"messages": [{"role": "bot", "content": "hi"}]}), {},
+                     r"data\.jsonl line 3: unknown role 'bot'"),
+    "no assistant": (lambda p: _bad_jsonl(p, {"messages": [{"role": "user", "content": "hi"}]}), {},
+                     r"data\.jsonl line 3: the conversation has no assistant turn"),
+    "binary file": (lambda p: [(p / "x.txt", (p / "x.txt").write_bytes(b"ab\0cd"))[0]], {}, r"x\.txt looks binary"),
+    "vocab too small": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"vocab": 258}, r"vocab_size=258 is too small"),
+    "single document": (lambda p: [(p / "one.txt", (p / "one.txt").write_text("just one\n"))[0]], {},
+                        r"one\.txt holds a single document"),
+    "shorter than a window": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"seq": 5000},
+                              r"split holds \d+ tokens, fewer than one window of max_seq_len \+ 1 = 5001"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gives_a_clear_error_and_no_cache(tmp_path, case):
+    """Prevents tracebacks from deep inside on bad input, messages that don't name the file and line, and
+    half-written cache folders."""
+    make, kw, pattern = BAD_INPUTS[case]
+    cfg = config(tmp_path, make(tmp_path))
+    with pytest.raises(pd.DataError, match=pattern) as err:
+        prepare(cfg, **kw)
+    assert "\n" not in str(err.value)
+    assert cache_entries(cfg) == []
+
+
+def test_skip_bad_lines_skips_and_reports_the_count(tmp_path):
+    """Prevents skip_bad_lines from failing anyway, or skipping lines silently."""
+    rng = random.Random(4)
+    rows = [{"text": words(rng, 30)} for _ in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows[:3] + ["{oops", {"name": "no text"}] + rows[3:])
+    logs = []
+    data = prepare(config(tmp_path, [path], skip_bad_lines=True), logs=logs)
+    assert data.meta["bad_lines_skipped"] == 2
+    assert sorted(documents(data)) == sorted(r["text"] for r in rows)
+    assert any("skipped 2 bad JSONL line" in m and "d.jsonl line 4" in m for m in logs)
+
+
+def test_invalid_utf8_is_replaced_counted_and_reported(tmp_path):
+    """Prevents a crash on a badly encoded file, and replacements that nobody hears about."""
+    texts = text_corpus(tmp_path / "corpus")
+    # Two invalid bytes, and one U+FFFD that is valid UTF-8 and must not be counted.
+    (tmp_path / "corpus" / "latin1.txt").write_bytes(b"caf\xe9 na\xefve \xef\xbf\xbd ok\n")
+    logs = []
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]), logs=logs)
+    assert data.meta["invalid_utf8_replaced"] == 2
+    assert any("replaced 2 invalid UTF-8" in m and "latin1.txt" in m for m in logs)
+    assert sorted(documents(data)) == sorted(list(texts.values()) + ["caf\ufffd na\ufffdve \ufffd ok\n"])
+
+
+def test_command_line_prepares_and_reports_errors_in_one_line(tmp_path):
+    """Prevents the script from printing a traceback or exiting 0 on bad input."""
+    text_corpus(tmp_path / "corpus")
+    common = [sys.executable, os.path.join(ROOT, "prepare_data.py"), "--cache_dir", str(tmp_path / "cache"),
+              "--vocab_size", "300", "--max_seq_len", "16", "--preset", "tiny"]
+    ok = subprocess.run(common + ["--sources", str(tmp_path / "corpus")], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "train" in ok.stdout and "val" in ok.stdout
+    bad = subprocess.run(common + ["--sources", str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: data source")

@@ -1,0 +1,230 @@
+"""Tests of the training loop on CPU with a tiny model: end to end, accumulation, exact resume, signals,
+the NaN guard, corrupt checkpoints and the metrics file."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint as ckpt_io
+import gpu_training_optimized as trainer
+from config import TrainConfig
+from modern_llm import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small folder of real Python text and one shared cache folder, so preparation runs once."""
+    base = tmp_path_factory.mktemp("corpus")
+    src = base / "src"
+    src.mkdir()
+    import textwrap, argparse as stdlib_module  # noqa: E401  real Python source as training text
+    text = open(stdlib_module.__file__, encoding="utf-8").read()
+    (src / "a.py").write_text(text[: len(text) // 2])
+    (src / "b.py").write_text(text[len(text) // 2:])
+    (src / "c.py").write_text(open(textwrap.__file__, encoding="utf-8").read())
+    return {"src": str(src), "cache": str(base / "cache")}
+
+
+def argv_for(corpus, run_dir, *extra):
+    return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
+            "--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+            "--num_key_value_heads", "2", "--max_seq_len", "64", "--micro_batch_size", "4", "--compile", "off",
+            "--warmup_steps", "2", "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
+
+
+def read_metrics(run_dir, kind="train"):
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path):
+    """The main command must train, evaluate and leave a checkpoint the generator can load, with every field
+    promised in metrics.jsonl and bits per byte computed from meta.json."""
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 6, "--save_interval", 6)) == 0
+    ckpt = ckpt_io.latest_checkpoint(str(run))
+    assert ckpt.endswith("step_000012")
+    assert sorted(os.listdir(ckpt)) == ["model.safetensors", "model_config.json", "tokenizer.json",
+                                        "trainer_state.pt"]
+    model = Transformer(ckpt_io.load_model_config(ckpt))
+    ckpt_io.load_weights(ckpt, model)
+    state = ckpt_io.load_trainer_state(ckpt)  # weights_only=True inside
+    assert state["step"] == 12 and state["tokens"] == 12 * 4 * 64
+    train = read_metrics(run)
+    assert [r["step"] for r in train] == list(range(1, 13))
+    for field in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "steps_per_s", "mfu", "ram_gb",
+                  "gpu_util", "vram_gb"):
+        assert field in train[0]
+    assert train[-1]["loss"] < train[0]["loss"]
+    evals = read_metrics(run, "eval")
+    assert [r["step"] for r in evals] == [6, 12]
+    cache = next(os.path.join(corpus["cache"], d) for d in os.listdir(corpus["cache"]) if not d.startswith("."))
+    with open(os.path.join(cache, "meta.json"), encoding="utf-8") as f:
+        bytes_per_token = json.load(f)["val_bytes_per_token"]
+    r = evals[-1]
+    assert math.isclose(r["val_bpb"], r["val_loss"] / math.log(2) / bytes_per_token, rel_tol=1e-9)
+    assert math.isclose(r["val_ppl"], math.exp(r["val_loss"]), rel_tol=1e-5)
+    assert math.isclose(state["best_val_loss"], min(e["val_loss"] for e in evals), rel_tol=1e-9)
+    assert json.load(open(run / "config.json"))["train"]["max_steps"] == 12
+
+
+class FixedBatches:
+    """Micro-batches cut from one fixed batch, to compare accumulation with one large batch."""
+
+    def __init__(self, x, y, micro):
+        self.x, self.y, self.micro, self.device = x, y, micro, x.device
+
+    def get(self, step, micro_step):
+        sl = slice(micro_step * self.micro, (micro_step + 1) * self.micro)
+        return self.x[sl], self.y[sl]
+
+
+def test_accumulating_micro_batches_equals_one_large_batch():
+    """k micro-batches of b must update the weights like one batch of k*b (loss scaled by 1/k)."""
+    from config import ModelConfig
+    from muon_optimizer import build_optimizer
+    import distributed
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_seq_len=16)
+    ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+    results = []
+    for micro, accum in ((8, 1), (2, 4)):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", warmup_steps=0)
+        opt = build_optimizer(model, t)
+        trainer.set_lr(opt, 1.0)
+        loss, norm, ok = trainer.train_step(model, opt, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
+                                            trainer.autocast(torch.device("cpu"), None), None, False,
+                                            distributed.setup())
+        results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
+    (l1, n1, p1), (l2, n2, p2) = results
+    assert torch.allclose(l1, l2, atol=1e-6) and torch.allclose(n1, n2, rtol=1e-4)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_lr_schedule_warmup_cosine_floor_and_restarts():
+    """Warmup must rise linearly to the peak, cosine must end at the floor, restarts must return to the peak."""
+    t = TrainConfig(max_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    assert trainer.lr_multiplier(0, t) == pytest.approx(0.1) and trainer.lr_multiplier(9, t) == pytest.approx(1.0)
+    assert trainer.lr_multiplier(10, t) == pytest.approx(1.0)
+    assert trainer.lr_multiplier(60, t) == pytest.approx(0.55)
+    assert trainer.lr_multiplier(110, t) == pytest.approx(0.1)
+    r = TrainConfig(max_steps=110, warmup_steps=10, lr_schedule="cosine_restarts", restart_period=25)
+    assert trainer.lr_multiplier(35, r) == pytest.approx(1.0) and trainer.lr_multiplier(34, r) < 0.2
+
+
+def test_resume_gives_bit_identical_losses(corpus, tmp_path):
+    """N steps, then --resume for N more, must log exactly the losses of 2N steps in one run."""
+    full = tmp_path / "full"
+    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8)
+    trainer.main(argv_for(corpus, full, *common))
+    reference = [r["loss"] for r in read_metrics(full)]
+    # Interrupt a fresh run after step 8 by asking it to stop, as SIGTERM would.
+    broken = tmp_path / "broken"
+    original = trainer.train_step
+    calls = {"n": 0}
+
+    def stop_after_eight(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 8:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    trainer.train_step = stop_after_eight
+    try:
+        trainer.main(argv_for(corpus, broken, *common))
+    finally:
+        trainer.train_step = original
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert ckpt_io.latest_checkpoint(str(broken)).endswith("step_000008")
+    trainer.main(argv_for(corpus, broken, *common, "--resume"))
+    resumed = [r["loss"] for r in read_metrics(broken)]
+    assert len(resumed) == 16 and resumed == reference  # bit-identical, not approximately equal
+
+
+def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path):
+    """A real SIGTERM mid-run must leave a loadable checkpoint, exit 0, and print how to resume."""
+    run = tmp_path / "run"
+    args = argv_for(corpus, run, "--max_steps", 400, "--eval_interval", 400, "--save_interval", 400)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "resume with: python gpu_training_optimized.py" in out and "--resume" in out
+    ckpt = ckpt_io.latest_checkpoint(str(run))
+    step = ckpt_io.load_trainer_state(ckpt)["step"]
+    assert 3 <= step < 400
+    model = Transformer(ckpt_io.load_model_config(ckpt))
+    ckpt_io.load_weights(ckpt, model)
+
+
+def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpus, tmp_path, monkeypatch, capsys):
+    """Injected NaN losses must not reach the weights; enough consecutive ones stop the run with exit 1."""
+    run = tmp_path / "run"
+    original = Transformer.forward
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, labels=None, **kw):
+        logits, loss = original(self, input_ids, labels=labels, **kw)
+        calls["n"] += 1
+        if loss is not None and calls["n"] > 4:
+            loss = loss * float("nan")
+        return logits, loss
+    monkeypatch.setattr(Transformer, "forward", poisoned)
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(argv_for(corpus, run, "--max_steps", 40, "--save_interval", 2, "--eval_interval", 40,
+                             "--max_bad_steps", 3))
+    assert exit_info.value.code == 1
+    assert "consecutive steps had a non-finite loss" in capsys.readouterr().err
+    for ckpt in ckpt_io.list_checkpoints(str(run)):
+        model = Transformer(ckpt_io.load_model_config(ckpt))
+        ckpt_io.load_weights(ckpt, model)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_corrupt_checkpoint_gives_clear_error_and_previous_still_loads(corpus, tmp_path, capsys):
+    """A truncated weights file must be reported by path, and the checkpoint before it must still load."""
+    run = tmp_path / "run"
+    trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4))
+    first, second = ckpt_io.list_checkpoints(str(run))
+    weights = os.path.join(second, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    model = Transformer(ckpt_io.load_model_config(second))
+    with pytest.raises(ckpt_io.CheckpointError, match="model.safetensors"):
+        ckpt_io.load_weights(second, model)
+    ckpt_io.load_weights(first, model)
+    capsys.readouterr()  # drop the first run's output
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(argv_for(corpus, run, "--max_steps", 6, "--resume"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+    assert "step_000002" in err  # names the earlier checkpoint to fall back to
+
+
+def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys):
+    """Resuming with another shape must name the differing field instead of failing inside load_state_dict."""
+    run = tmp_path / "run"
+    trainer.main(argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3))
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(argv_for(corpus, run, "--max_steps", 4, "--resume", "--hidden_size", "128"))
+    assert exit_info.value.code == 2
+    assert "hidden_size" in capsys.readouterr().err
