@@ -223,7 +223,10 @@ def resume(cfg: Config, raw_model, opt, scaler, dist) -> tuple[int, int, float]:
         hint = f"; to resume from {earlier[-1]}, write that name into {cfg.train.run_dir}/checkpoints/LATEST" \
             if earlier else ""
         raise ckpt_io.CheckpointError(f"{e}{hint}") from None
+    peak_lrs = [g["initial_lr"] for g in opt.param_groups]
     opt.load_state_dict(state["optimizer"])
+    for group, lr in zip(opt.param_groups, peak_lrs):  # learning rates given now win over the checkpoint's
+        group["initial_lr"] = lr
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng_torch"])

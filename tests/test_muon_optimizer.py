@@ -252,3 +252,34 @@ def test_distributed_spread_matches_single_process(tmp_path):
     for a, b, s in zip(*ranks, single):
         assert torch.equal(a, b)  # every rank ends with identical weights
         torch.testing.assert_close(a, s, rtol=0, atol=1e-6)  # bit-identical here; BLAS blocking may vary
+
+
+def test_found_inf_skips_both_parts_bit_identically():
+    """A step flagged non-finite on the device must leave weights and all optimizer state exactly as they were
+    (a NaN that leaked into a momentum buffer or Adam moment would poison every later step)."""
+    import copy
+    from config import ModelConfig, TrainConfig
+    from modern_llm import Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_seq_len=16))
+    opt = build_optimizer(model, TrainConfig())
+    ids = torch.randint(0, 64, (2, 17))
+
+    def step(flag, poison=False):
+        _, loss = model(ids[:, :-1], labels=ids[:, 1:])
+        (loss * float("nan") if poison else loss).backward()
+        opt.step(found_inf=torch.tensor(flag))
+        opt.zero_grad(set_to_none=True)
+
+    step(0.0)
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    step(1.0, poison=True)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    after = opt.state_dict()
+    for part in state:
+        for pid, slots in state[part]["state"].items():
+            for key, value in slots.items():
+                assert torch.equal(value, after[part]["state"][pid][key]), (part, key)
+    step(0.0)
+    assert not torch.equal(weights["layers.0.attn.q_proj.weight"], model.state_dict()["layers.0.attn.q_proj.weight"])
