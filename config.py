@@ -132,6 +132,8 @@ class TrainConfig:
     save_interval: int = arg(500, "checkpoint every this many steps (and at the end)")
     keep_checkpoints: int = arg(3, "checkpoints kept on disk; older ones are deleted")
     resume: bool = arg(False, "continue from the run folder's newest checkpoint")
+    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder) with a fresh "
+                             "optimizer; the model shape and tokenizer come from there")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")

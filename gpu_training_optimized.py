@@ -8,6 +8,7 @@ Python standard library's own sources, into runs/default, then `python text_gene
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -17,10 +18,12 @@ import time
 from dataclasses import asdict
 
 import torch
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 import checkpoint as ckpt_io
 import distributed as dist_utils
+import export_hf
 from config import Config, ConfigError, describe, error_exit, parse_config
 from modern_llm import Transformer
 from monitor import Monitor, device_report, format_postfix
@@ -198,6 +201,24 @@ def save(cfg: Config, raw_model, opt, scaler, step: int, tokens: int, best_val: 
                                    cfg.train.keep_checkpoints)
 
 
+def apply_init_from(cfg: Config) -> dict:
+    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
+    path = cfg.train.init_from
+    if export_hf.is_hf_folder(path):
+        model_cfg, state, tokenizer = export_hf.load_hf_folder(path)
+    else:
+        ckpt = ckpt_io.resolve_checkpoint(path)
+        model_cfg, tokenizer = ckpt_io.load_model_config(ckpt), os.path.join(ckpt, ckpt_io.TOKENIZER)
+        state = load_file(os.path.join(ckpt, ckpt_io.WEIGHTS), device="cpu")
+    if not tokenizer:
+        raise ConfigError(f"--init_from {path} has no tokenizer.json, import it with export_hf.py --tokenizer")
+    # Only the weights' shape is taken: context length and memory settings stay this run's.
+    cfg.model = dataclasses.replace(model_cfg, max_seq_len=cfg.model.max_seq_len,
+                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+    cfg.data.tokenizer = cfg.data.tokenizer or tokenizer  # the data must be tokenized as the model was
+    return state
+
+
 def check_same_shape(cfg: Config, ckpt: str):
     """Refuse to resume into a model of another shape, naming the fields that differ."""
     saved = asdict(ckpt_io.load_model_config(ckpt))
@@ -217,6 +238,8 @@ def resume(cfg: Config, raw_model, opt, scaler, dist) -> tuple[int, int, float]:
     check_same_shape(cfg, ckpt)
     try:
         state = ckpt_io.load_trainer_state(ckpt)
+        if "optimizer" not in state:
+            raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
         ckpt_io.load_weights(ckpt, raw_model)  # read on the CPU, then copied into the device's parameters
     except ckpt_io.CheckpointError as e:
         earlier = [os.path.basename(c) for c in ckpt_io.list_checkpoints(cfg.train.run_dir) if c != ckpt]
@@ -271,6 +294,7 @@ def start_report(cfg, device, amp_dtype, raw_model, opt, dist, tokens_per_step) 
 def main(argv=None) -> int:
     cfg, _ = parse_config(argv)
     t = cfg.train
+    init_state = apply_init_from(cfg) if t.init_from else None  # before the data: it may set the tokenizer
     dist = dist_utils.setup()
     device = pick_device(t.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
                          dist.local_rank)
@@ -299,6 +323,8 @@ def main(argv=None) -> int:
     raw_model.to_empty(device=device)
     torch.manual_seed(t.seed)
     raw_model.init_weights()  # the same weights on every rank and every device
+    if init_state is not None and not t.resume:
+        raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
     if t.auto_micro_batch and device.type == "cuda":
         fit_micro_batch(raw_model, cfg, amp, dist)
     model = dist.wrap(raw_model)

@@ -228,3 +228,15 @@ def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys):
         trainer.run(argv_for(corpus, run, "--max_steps", 4, "--resume", "--hidden_size", "128"))
     assert exit_info.value.code == 2
     assert "hidden_size" in capsys.readouterr().err
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path):
+    """--init_from must load the weights (not just the shape): the new run's first loss is the old run's level,
+    far below a fresh start."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    trainer.main(argv_for(corpus, first, "--max_steps", 30, "--eval_interval", 30, "--learning_rate", 1e-2))
+    trainer.main(argv_for(corpus, second, "--max_steps", 3, "--eval_interval", 3, "--init_from", first))
+    before, after = read_metrics(first), read_metrics(second)
+    assert after[0]["loss"] < before[0]["loss"] - 1.0
+    assert abs(after[0]["loss"] - before[-1]["loss"]) < 0.5
+    assert ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(second)))["step"] == 3

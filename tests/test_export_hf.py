@@ -1,0 +1,262 @@
+"""Tests of export_hf.py: our checkpoints as transformers folders and back, with equal logits, equal greedy
+generations, an equal tokenizer and chat template, and clear refusals of what our model cannot represent."""
+
+import json
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the network
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import checkpoint as ckpt_io
+import export_hf
+import prepare_data
+from config import DataConfig, ModelConfig
+from modern_llm import Transformer
+
+VOCAB, SEQ = 384, 64
+TEXTS = ["def main():\n    return 0\n", "  spaces\tand tabs\n\n", "<|im_start|>user\nhi<|im_end|>\n",
+         "text<|endoftext|>more", "unicode: caf\u00e9 \u00fc \u4e2d\u6587", ""]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tokenizer trained by prepare_data on real Python text, and its token cache for training batches."""
+    import argparse
+    import textwrap
+    base = tmp_path_factory.mktemp("hf_corpus")
+    (base / "src").mkdir()
+    for module in (argparse, textwrap):
+        shutil.copyfile(module.__file__, base / "src" / os.path.basename(module.__file__))
+    cfg = DataConfig(sources=[str(base / "src")], cache_dir=str(base / "cache"), val_fraction=0.2)
+    return prepare_data.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_seq_len=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5)
+    return ModelConfig(**{**base, **kw})
+
+
+def train(model: Transformer, data, steps: int, seed: int = 0) -> Transformer:
+    """A few AdamW steps on real text: every weight, norms included, moves away from its initial value."""
+    batches = prepare_data.Batches(data, "train", 4, SEQ, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(steps):
+        x, y = batches.get(step, 0)
+        model(x, labels=y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+def save(model: Transformer, data, run_dir, step: int) -> str:
+    return ckpt_io.save_checkpoint(str(run_dir), step, ckpt_io.weights_state_dict(model), model.config,
+                                   data.tokenizer_path, {"step": step}, keep=2)
+
+
+def load_ours(ckpt: str) -> Transformer:
+    model = Transformer(ckpt_io.load_model_config(ckpt))
+    ckpt_io.load_weights(ckpt, model)
+    return model.eval()
+
+
+def load_theirs(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def assert_same_logits(ours: Transformer, theirs, seed: int = 0):
+    ids = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        a, b = ours(ids)[0], theirs(input_ids=ids).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+
+
+def greedy(model: Transformer, prompt: list[int], n: int, stop: set) -> tuple[list[int], torch.Tensor]:
+    """Our own greedy decoding with the KV cache (one prefill, then one token per step): tokens, step logits."""
+    cache = model.make_kv_cache(1, len(prompt) + n)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt]), kv_cache=cache)
+        out, steps = [], []
+        for _ in range(n):
+            steps.append(logits[0, -1])
+            out.append(int(steps[-1].argmax()))
+            if out[-1] in stop:
+                break
+            logits, _ = model(torch.tensor([out[-1:]]), kv_cache=cache)
+    return out, torch.stack(steps)
+
+
+def export(src, out, *flags):
+    assert export_hf.main([str(src), str(out), *flags]) == 0
+    return out
+
+
+def hf_folder(tmp_path, data, model_type: str, **kw):
+    """A randomly initialised transformers Qwen3/Llama model saved with save_pretrained, our tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        model_type]
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**{**shape, **kw})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norm scales start at exactly 1, which would hide a swapped or missing norm
+                p.uniform_(0.5, 1.5)
+    folder = tmp_path / f"hf_{model_type}"
+    model.save_pretrained(str(folder), max_shard_size="40KB" if model_type == "llama" else "5GB")
+    PreTrainedTokenizerFast(tokenizer_file=data.tokenizer_path).save_pretrained(str(folder))
+    return folder, model
+
+
+def read_json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def edit_json(path, **changes):
+    """Change a config.json the way a different model's file would read; "DELETE" removes the key."""
+    values = read_json(path)
+    values.update(changes)
+    values = {k: v for k, v in values.items() if v != "DELETE"}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(values, f)
+
+
+@pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
+def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_norm, tied):
+    """The exported folder must load in transformers as the right architecture and compute our function exactly
+    (a wrong name map, norm order, eps, head_dim, RoPE layout or tie flag changes the logits), and HF's cached
+    greedy generate must produce our tokens (catches position or cache mismatches that a full forward hides)."""
+    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied)), data, steps=10)
+    save(model, data, tmp_path / "run", 10)
+    out = export(tmp_path / "run", tmp_path / "hf")
+    config = read_json(out / "config.json")
+    assert config["architectures"] == ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"]
+    assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                       "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert export_hf.is_hf_folder(str(out))
+    theirs = load_theirs(out)
+    assert theirs.config.tie_word_embeddings == tied and theirs.config.head_dim == 16
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == tied
+    assert_same_logits(model, theirs)
+
+    tok = Tokenizer.from_file(data.tokenizer_path)
+    stop = set(theirs.generation_config.eos_token_id)
+    for text in ("import os\n", "def parse_args(self", "class HelpFormatter(object):\n    "):
+        prompt = tok.encode(text).ids
+        mine, my_logits = greedy(model, prompt, 12, stop)
+        ids = torch.tensor([prompt])
+        generated = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+        assert generated.sequences[0, len(prompt):].tolist() == mine, text
+        # Every step's logits, not only the argmax: a repeated token would hide a position or cache bug.
+        torch.testing.assert_close(torch.cat(generated.logits), my_logits, rtol=1e-5, atol=2e-5)
+
+
+def test_exported_tokenizer_matches_ours(data, tmp_path):
+    """AutoTokenizer on the export must encode and decode like our tokenizer, special tokens included, and its
+    chat template must render the text prepare_data trains on; eos and pad must be the tokens we chose."""
+    from transformers import AutoTokenizer, GenerationConfig
+    save(Transformer(tiny()), data, tmp_path / "run", 1)
+    out = export(tmp_path / "run", tmp_path / "hf", "--eos", "<|im_end|>")
+    theirs, ours = AutoTokenizer.from_pretrained(str(out)), Tokenizer.from_file(data.tokenizer_path)
+    for text in TEXTS:
+        ids = ours.encode(text).ids
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids) == ours.decode(ids, skip_special_tokens=False) == text
+    assert (theirs.eos_token, theirs.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    eot, im_end = ours.token_to_id("<|endoftext|>"), ours.token_to_id("<|im_end|>")
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == [im_end, eot]
+
+    ids, _ = prepare_data.render_chat(ours, CHAT)
+    assert theirs.apply_chat_template(CHAT, tokenize=False) == ours.decode(ids, skip_special_tokens=False)
+    prompt = prepare_data.chat_prompt_ids(ours, CHAT)
+    rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert rendered == ours.decode(prompt, skip_special_tokens=False)
+    assert theirs(rendered)["input_ids"] == prompt
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_import_train_export_round_trip(data, tmp_path, model_type):
+    """A transformers model imported as our checkpoint must compute the same logits (Qwen3: a hub-style config
+    with rope_theta on top and an unused sliding_window, which must not be refused; Llama: untied, sharded),
+    keep doing so after training in our format, and come back out loadable by transformers."""
+    folder, theirs = hf_folder(tmp_path, data, model_type, tie_word_embeddings=model_type == "qwen3")
+    if model_type == "qwen3":  # how Qwen3 folders on the hub (written by transformers 4.x) look
+        edit_json(folder / "config.json", rope_parameters="DELETE", layer_types="DELETE", rope_theta=20000.0,
+                  rope_scaling=None, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                  torch_dtype="float32")
+    else:
+        assert (folder / "model.safetensors.index.json").is_file()
+    assert export_hf.is_hf_folder(str(folder))
+    assert export_hf.main(["--import", str(folder), str(tmp_path / "run")]) == 0
+    ckpt = ckpt_io.latest_checkpoint(str(tmp_path / "run"))
+    assert not export_hf.is_hf_folder(ckpt) and not export_hf.is_hf_folder(str(tmp_path / "run"))
+    ours = load_ours(ckpt)
+    assert ours.config.qk_norm == (model_type == "qwen3") and ours.config.rope_theta == 20000.0
+    assert ckpt_io.load_trainer_state(ckpt)["step"] == 0
+    assert_same_logits(ours, theirs)
+
+    cfg, state, tokenizer = export_hf.load_hf_folder(str(folder))  # the generator's direct path
+    assert cfg == ours.config and tokenizer == str(folder / "tokenizer.json")
+    torch.testing.assert_close(state, ckpt_io.weights_state_dict(ours))
+
+    trained = train(ours, data, steps=3)
+    out = export(save(trained, data, tmp_path / "run", 3), tmp_path / "out")
+    assert_same_logits(trained, load_theirs(out), seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(data, tmp_path_factory):
+    return hf_folder(tmp_path_factory.mktemp("refuse"), data, "qwen3")[0]
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(attention_bias=True), "attention_bias=true"),
+    (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types="DELETE"),
+     "sliding window attention in use"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'linear'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+    (dict(model_type="qwen3_moe"), "model_type='qwen3_moe' is not supported"),
+], ids=["bias", "sliding", "rope-scaling", "act", "layer-types", "moe"])
+def test_unrepresentable_folder_is_refused(qwen3_folder, tmp_path, capsys, changes, reason):
+    """Importing a model our architecture cannot compute must stop with one `error:` line naming the feature
+    and exit 2, instead of writing a checkpoint that silently computes something else."""
+    folder = tmp_path / "hf"
+    shutil.copytree(qwen3_folder, folder)
+    edit_json(folder / "config.json", **changes)
+    with pytest.raises(SystemExit) as exit_info:
+        export_hf.main(["--import", str(folder), str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and reason in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys):
+    """An existing folder must not be overwritten without --overwrite; with it, the new export replaces it
+    whole and no temporary folder is left behind; bf16 export stores bf16 tensors and says so."""
+    save(Transformer(tiny()), data, tmp_path / "run", 1)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    with pytest.raises(SystemExit) as exit_info:
+        export_hf.main([str(tmp_path / "run"), str(out)])
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert os.listdir(out) == ["precious.txt"]
+    export(tmp_path / "run", out, "--overwrite", "--dtype", "bfloat16")
+    assert "precious.txt" not in os.listdir(out) and sorted(os.listdir(tmp_path)) == ["hf", "run"]
+    assert read_json(out / "config.json")["dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
