@@ -4,12 +4,26 @@
 Started without torchrun, every method here is a no-op on one device, so the loop has one code path.
 """
 
+import atexit
 import datetime
+import functools
+import inspect
 import os
+import time
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 from torch.nn.parallel import DistributedDataParallel
+
+from config import ConfigError
+
+# A rank that dies mid-collective leaves the others waiting; this turns that wait into an error. Under torchrun
+# on one node the agent kills the other workers as soon as one exits non-zero, so this matters across nodes.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# barrier() waits through the rendezvous store, not a collective, so rank 0 may build a large data cache
+# meanwhile; it gives up after this long.
+BARRIER_TIMEOUT_S = 6 * 3600
 
 
 class Dist:
@@ -20,21 +34,51 @@ class Dist:
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.is_main = self.rank == 0
+        self.device = torch.device("cpu")
+        self._barriers = 0
+        self._vote = self._vote_host = self._vote_done = None  # stop_vote's buffers
         if self.enabled and not torch_dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            device_id = None
             if backend == "nccl":
+                if self.local_rank >= torch.cuda.device_count():
+                    raise ConfigError(f"local rank {self.local_rank} has no GPU: this node shows "
+                                      f"{torch.cuda.device_count()}, so start at most that many processes per "
+                                      "node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES")
                 torch.cuda.set_device(self.local_rank)
-            # A rank that dies leaves the others waiting in a collective; the timeout turns that hang into an error.
-            torch_dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+                self.device = device_id = torch.device("cuda", self.local_rank)  # one GPU per local rank
+            # device_id binds the group to this GPU at once: collectives and barriers never guess the device.
+            torch_dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
+            # Destroy the group however the process ends (return, error exit, exception), not only on success.
+            atexit.register(self.cleanup)
 
     def print(self, *args, **kwargs):
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
     def barrier(self):
-        if self.enabled:
+        """Wait until every rank gets here. Through the rendezvous store rather than a collective, so rank 0 may
+        take longer than COLLECTIVE_TIMEOUT before it arrives (building the data cache of a large corpus)."""
+        if not self.enabled:
+            return
+        get_store = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+        if get_store is None:  # a torch without it: a plain barrier, bounded by COLLECTIVE_TIMEOUT
             torch_dist.barrier()
+            return
+        store = get_store()
+        self._barriers += 1
+        key = f"train_barrier_{self._barriers}"
+        store.add(key, 1)
+        deadline, pause = time.monotonic() + BARRIER_TIMEOUT_S, 0.01
+        # Polled rather than store.wait(): a Python loop stays interruptible by Ctrl-C and torchrun's signals.
+        while int(store.add(key, 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: the other ranks did not reach the barrier within "
+                                   f"{BARRIER_TIMEOUT_S / 3600:g} h")
+            time.sleep(pause)
+            pause = min(1.0, pause * 1.5)  # at most one store request per second per rank on long waits
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The average of a scalar tensor over ranks."""
@@ -45,12 +89,55 @@ class Dist:
                               else torch_dist.ReduceOp.SUM)
         return value if torch_dist.get_backend() == "nccl" else value / self.world_size
 
+    def stop_vote(self, requested: bool) -> bool:
+        """Whether every rank should stop now: true on all ranks together once any rank asked to stop.
+
+        A signal reaches the ranks at slightly different steps; a rank that leaves the loop alone leaves the
+        others in a collective (and a non-zero rank leaving first means rank 0 never saves). Call once per
+        step on every rank, before the step is queued. Distributed, the answer is one call late: it reads the
+        vote sent by the previous call, which on a GPU finished before the previous step's work began, so the
+        host never waits for the step in flight (no pipeline drain, no per-step sync).
+        """
+        if not self.enabled:
+            return requested
+        agreed = False
+        if self._vote is None:
+            self._vote = torch.zeros((), dtype=torch.int32, device=self.device)
+            self._vote_host = torch.zeros((), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        else:
+            if self._vote_done is not None:
+                self._vote_done.synchronize()  # waits for the previous vote only, not for the work queued after it
+            agreed = bool(self._vote_host.item())  # a host tensor: no device sync
+        self._vote.fill_(int(requested))  # a kernel, not a host-to-device copy (which would sync)
+        torch_dist.all_reduce(self._vote, op=torch_dist.ReduceOp.MAX)  # NCCL: queued, the host does not wait
+        self._vote_host.copy_(self._vote, non_blocking=True)
+        if self.device.type == "cuda":
+            self._vote_done = torch.cuda.Event()
+            self._vote_done.record()
+        return agreed
+
+    def launcher(self) -> str:
+        """How this process was started, for the resume hint: python, or torchrun with this run's shape."""
+        if not self.enabled:
+            return "python"
+        nodes = max(1, self.world_size // max(1, self.local_world_size))
+        if nodes == 1:
+            return f"torchrun --nproc_per_node={self.local_world_size}"
+        return (f"torchrun --nnodes={nodes} --nproc_per_node={self.local_world_size} "
+                "--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT (on every node)")
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP under torchrun (gradients averaged across ranks); the model itself otherwise."""
         if not self.enabled:
             return model
-        ids = [self.local_rank] if torch.cuda.is_available() else None
-        return DistributedDataParallel(model, device_ids=ids)
+        ids = [self.local_rank] if self.device.type == "cuda" else None
+        # No buffer broadcast before every forward: the only buffers (RoPE tables) are computed alike on every
+        # rank, so it would be a wasted collective per micro-batch. Newer torch names the flag differently.
+        params = inspect.signature(DistributedDataParallel).parameters
+        keep_buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                        else {"broadcast_buffers": False})
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, one gradient-sized copy fewer.
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, **keep_buffers)
 
     def set_grad_sync(self, model: torch.nn.Module, sync: bool):
         """Let DDP all-reduce only on the last micro-batch of an accumulation."""
@@ -59,9 +146,21 @@ class Dist:
             ddp.require_backward_grad_sync = sync
 
     def cleanup(self):
+        """Destroy the process group; safe to call more than once (the loop's end, then atexit)."""
         if self.enabled and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
 
 
 def setup() -> Dist:
     return Dist()
+
+
+def record(fn):
+    """Under torchrun, torch's @record: an exception escaping fn on any rank is written where torchrun reads it, so
+    its final report names that rank's error as the root cause. Without torchrun, fn as it is."""
+    recorded = elastic_record(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return (recorded if "TORCHELASTIC_ERROR_FILE" in os.environ else fn)(*args, **kwargs)
+    return wrapper

@@ -291,6 +291,7 @@ def start_report(cfg, device, amp_dtype, raw_model, opt, dist, tokens_per_step) 
     ])
 
 
+@dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
     cfg, _ = parse_config(argv)
     t = cfg.train
@@ -352,6 +353,7 @@ def main(argv=None) -> int:
     for step in range(start, t.max_steps + 1):
         last_step = step == t.max_steps
         fresh = step == start  # just started or resumed: this step's eval and save are already done
+        stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         if not fresh and (last_step or step % t.eval_interval == 0):
             val_loss = evaluate(compiled, val_batches, t, amp, cudagraphs, dist)
             best_val = min(best_val, val_loss)
@@ -359,10 +361,10 @@ def main(argv=None) -> int:
                 last_val = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"])
                 bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {last_val['val_ppl']:.2f}, "
                           f"bpb {last_val['val_bpb']:.4f}")
-        if not fresh and (last_step or step % t.save_interval == 0 or stop.requested):
+        if not fresh and (last_step or step % t.save_interval == 0 or stopping):
             last_ckpt = save(cfg, raw_model, opt, scaler, step, tokens, best_val, ds.tokenizer_path,
                              ds.path, dist) or last_ckpt
-        if last_step or (stop.requested and not fresh):
+        if last_step or (stopping and not fresh):
             break
 
         set_lr(opt, lr_multiplier(step, t))
@@ -400,12 +402,13 @@ def main(argv=None) -> int:
     if monitor:
         monitor.close()
     if dist.is_main:
-        print_summary(cfg, step, tokens, time.perf_counter() - t0, best_val, ds, last_ckpt, device, stop.requested)
+        print_summary(cfg, step, tokens, time.perf_counter() - t0, best_val, ds, last_ckpt, device, stopping,
+                      dist.launcher())
     dist.cleanup()
     return 0
 
 
-def print_summary(cfg, step, tokens, seconds, best_val, ds, ckpt, device, interrupted):
+def print_summary(cfg, step, tokens, seconds, best_val, ds, ckpt, device, interrupted, launcher="python"):
     bpb = best_val / math.log(2) / ds.meta["val_bytes_per_token"] if math.isfinite(best_val) else float("nan")
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
     print(f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
@@ -414,7 +417,7 @@ def print_summary(cfg, step, tokens, seconds, best_val, ds, ckpt, device, interr
         print(f"checkpoint: {ckpt}")
         print(f"chat with it: python text_generator.py {ckpt}")
     if interrupted:
-        print(f"resume with: python gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
+        print(f"resume with: {launcher} gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
             " --resume --resume", " --resume"))
 
 

@@ -532,7 +532,9 @@ class Batches:
         """First token of each window in this micro-batch, shape (B,)."""
         span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
         if self.split == "train":
-            rng = np.random.default_rng([self.seed, step, micro_step, self.rank])
+            # Window slot micro_step * world + rank: W ranks x A micro-steps read what one process with
+            # W * A micro-steps reads, so a run resumes on another GPU count with the same batches.
+            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
             return rng.integers(0, span, size=self.batch_size)
         # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
         first = (micro_step * self.world_size + self.rank) * self.batch_size
