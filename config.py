@@ -202,8 +202,8 @@ def preset_tiny() -> Config:
     return Config(
         model=ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=2, max_seq_len=256),
-        train=TrainConfig(micro_batch_size=16, max_steps=600, warmup_steps=30, eval_interval=150,
-                          save_interval=300, learning_rate=3e-3, muon_lr=0.02))
+        train=TrainConfig(micro_batch_size=16, max_steps=450, warmup_steps=30, eval_interval=150,
+                          save_interval=150, learning_rate=3e-3, muon_lr=0.02))
 
 
 def preset_small() -> Config:
