@@ -303,10 +303,10 @@ def main(argv=None) -> int:
     amp = autocast(device, amp_dtype)
     dist.print(describe(cfg))
 
-    if dist.is_main:  # rank 0 builds the cache; the others then find it complete
-        prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len, log=dist.print)
+    # Rank 0 builds the cache; the others wait, then find it complete.
+    ds = prepare(cfg.data, cfg.model.vocab_size, cfg.model.max_seq_len, log=dist.print) if dist.is_main else None
     dist.barrier()
-    ds = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len, log=lambda *a: None)
+    ds = ds or prepare(cfg.data, cfg.model.vocab_size, cfg.model.max_seq_len, log=lambda *a: None)
     if ds.meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.meta['vocab_size']} tokens but vocab_size={cfg.model.vocab_size}, "
                           f"set --vocab_size {ds.meta['vocab_size']} or more")
