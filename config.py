@@ -11,8 +11,8 @@ import json
 import math
 import os
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import Literal, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -186,10 +186,6 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-
-    def __post_init__(self):
-        _require(self.train.micro_batch_size * self.model.max_seq_len > 0, "max_seq_len", self.model.max_seq_len,
-                 "must be positive")
 
     def to_dict(self) -> dict:
         return {"model": asdict(self.model), "data": asdict(self.data), "train": asdict(self.train)}

@@ -4,6 +4,7 @@ Everything here reads values the loop already has on the host; nothing here forc
 """
 
 import json
+import math
 import os
 import time
 
@@ -93,8 +94,8 @@ class Monitor:
     def eval_record(self, step: int, val_loss: float, bytes_per_token: float) -> dict:
         """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token)."""
         record = {"kind": "eval", "step": step, "val_loss": val_loss,
-                  "val_ppl": float(torch.tensor(val_loss).exp()),
-                  "val_bpb": val_loss / 0.6931471805599453 / bytes_per_token, "time": time.time()}
+                  "val_ppl": math.exp(min(val_loss, 700.0)),  # 700: exp overflows past ~709
+                  "val_bpb": val_loss / math.log(2) / bytes_per_token, "time": time.time()}
         self.eval_points.append((step, val_loss))
         self._write(record)
         self.plot()

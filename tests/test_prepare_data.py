@@ -3,7 +3,6 @@
 Run: python -m pytest -q tests/test_prepare_data.py
 """
 
-import hashlib
 import json
 import os
 import random
