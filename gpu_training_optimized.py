@@ -404,6 +404,7 @@ def main(argv=None) -> int:
     if dist.is_main:
         print_summary(cfg, step, tokens, time.perf_counter() - t0, best_val, ds, last_ckpt, device, stopping,
                       dist.launcher())
+    dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()
     return 0
 
