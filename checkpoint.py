@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import ConfigError, ModelConfig
+from distributed import shard_as
 
 WEIGHTS, MODEL_CONFIG, TOKENIZER, TRAINER_STATE = ("model.safetensors", "model_config.json", "tokenizer.json",
                                                    "trainer_state.pt")
@@ -45,9 +46,10 @@ def _write_text_atomic(path: str, text: str):
     os.replace(tmp, path)
 
 
-def weights_state_dict(model: torch.nn.Module) -> dict:
-    """The model's tensors for safetensors: contiguous, on CPU, the tied head stored once (as the embedding)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict:
+    """The model's tensors (or `state`, whole tensors of it) for safetensors: contiguous, on CPU, the tied head
+    stored once (as the embedding)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in (state or model.state_dict()).items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -145,6 +147,8 @@ def load_weights(ckpt: str, model: torch.nn.Module):
         raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}), use an earlier checkpoint or {HOW_TO_MAKE_ONE}") from None
+    own = model.state_dict()
+    state = {k: shard_as(v, own[k]) if k in own else v for k, v in state.items()}  # FSDP2: this rank's rows
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:

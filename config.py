@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,14 @@ def arg(default, help: str):
 def _require(ok: bool, name: str, value, rule: str):
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: {rule}")
+
+
+def _require_choices(cfg):
+    """Every Literal-typed field holds one of its values (the command line checks too; code may not)."""
+    for f in fields(cfg):
+        if get_origin(f.type) is Literal:
+            value = getattr(cfg, f.name)
+            _require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
 
 
 @dataclass
@@ -50,6 +58,7 @@ class ModelConfig:
     init_std: float = arg(0.02, "std of the normal initialisation of weight matrices")
 
     def __post_init__(self):
+        _require_choices(self)
         # Remember which derived fields were filled in, so overriding hidden_size later recomputes them.
         self._derived = set()
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -92,6 +101,7 @@ class DataConfig:
     cache_dir: str = arg("data_cache", "folder of tokenized corpora, one subfolder per fingerprint")
 
     def __post_init__(self):
+        _require_choices(self)
         _require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)")
         _require(self.max_source_mb >= 0, "max_source_mb", self.max_source_mb, "must be >= 0")
 
@@ -108,6 +118,8 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp16", "fp32"] = arg("auto", "autocast dtype; auto: bf16 where fast, "
                                                              "else fp16 on GPU, fp32 on CPU")
     compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
+    data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
+                                                "sharding weights, gradients and optimizer state over GPUs")
     micro_batch_size: int = arg(16, "sequences per forward pass")
     grad_accum_steps: int = arg(1, "micro-batches per optimizer step")
     max_steps: int = arg(1000, "optimizer steps in the run")
@@ -139,6 +151,7 @@ class TrainConfig:
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
 
     def __post_init__(self):
+        _require_choices(self)
         for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
                      "log_interval", "save_interval", "keep_checkpoints", "max_bad_steps"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
@@ -171,6 +184,7 @@ class SampleConfig:
     compile: bool = arg(False, "compile the decode step (CUDA graphs on CUDA)")
 
     def __post_init__(self):
+        _require_choices(self)
         _require(self.max_new_tokens > 0, "max_new_tokens", self.max_new_tokens, "must be a positive integer")
         _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 turns it off)")

@@ -1,7 +1,10 @@
-"""Several processes under torchrun: the process group, DDP wrapping, and the collectives the loop needs.
+"""Several processes under torchrun: the process group, DDP or FSDP2 wrapping, and the collectives the loop needs.
 
-    torchrun --nproc_per_node=4 gpu_training_optimized.py ...
+    torchrun --nproc_per_node=4 gpu_training_optimized.py ...                        # DDP
+    torchrun --nproc_per_node=4 gpu_training_optimized.py --data_parallel fsdp ...   # FSDP2
 Started without torchrun, every method here is a no-op on one device, so the loop has one code path.
+Under FSDP2 parameters, gradients and optimizer state are DTensors sharded by rows over the ranks;
+full_state() and shard_as() convert between them and the whole tensors checkpoints hold.
 """
 
 import atexit
@@ -17,6 +20,12 @@ from torch.distributed.elastic.multiprocessing.errors import record as elastic_r
 from torch.nn.parallel import DistributedDataParallel
 
 from config import ConfigError
+
+try:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a torch built without distributed support: nothing is ever sharded
+    DTensor = FSDPModule = ()
 
 # A rank that dies mid-collective leaves the others waiting; this turns that wait into an error. Under torchrun
 # on one node the agent kills the other workers as soon as one exits non-zero, so this matters across nodes.
@@ -126,10 +135,14 @@ class Dist:
         return (f"torchrun --nnodes={nodes} --nproc_per_node={self.local_world_size} "
                 "--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT (on every node)")
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP under torchrun (gradients averaged across ranks); the model itself otherwise."""
+    def wrap(self, model: torch.nn.Module, data_parallel: str = "ddp",
+             param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """Under torchrun, DDP (gradients averaged across ranks) or FSDP2 (sharded in place, so the model
+        itself comes back); the model untouched otherwise. param_dtype: FSDP2 gathers weights in it."""
         if not self.enabled:
             return model
+        if data_parallel == "fsdp":
+            return shard_model(model, param_dtype)
         ids = [self.local_rank] if self.device.type == "cuda" else None
         # No buffer broadcast before every forward: the only buffers (RoPE tables) are computed alike on every
         # rank, so it would be a wasted collective per micro-batch. Newer torch names the flag differently.
@@ -140,15 +153,58 @@ class Dist:
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, **keep_buffers)
 
     def set_grad_sync(self, model: torch.nn.Module, sync: bool):
-        """Let DDP all-reduce only on the last micro-batch of an accumulation."""
-        ddp = getattr(model, "_orig_mod", model)  # the DDP module under torch.compile's wrapper
-        if isinstance(ddp, DistributedDataParallel):
-            ddp.require_backward_grad_sync = sync
+        """Let DDP all-reduce (FSDP2 reduce-scatter) only on the last micro-batch of an accumulation."""
+        wrapped = getattr(model, "_orig_mod", model)  # the DDP or FSDP module under torch.compile's wrapper
+        if isinstance(wrapped, DistributedDataParallel):
+            wrapped.require_backward_grad_sync = sync
+        elif isinstance(wrapped, FSDPModule):
+            wrapped.set_requires_gradient_sync(sync)
 
     def cleanup(self):
         """Destroy the process group; safe to call more than once (the loop's end, then atexit)."""
         if self.enabled and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """FSDP2: each block, then the rest (embedding, tied head, final norm), sharded over every rank.
+
+    A block's weights are gathered just before its forward and freed after it (and again for its backward),
+    so a GPU holds one block whole at a time. Gradients are reduced in fp32 whatever param_dtype is.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    # The root's weights (embedding and tied head) are needed again at once by the loss: keep them gathered.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a sharded tensor (a view: writing to it writes the DTensor); a plain tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_as(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor cut the way `like` is sharded (a DTensor), or `full` itself when `like` is plain.
+    Every rank holds `full`, so each keeps its rows with no communication."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def full_state(obj, keep: bool = True):
+    """obj (nested dicts and lists of tensors) with every DTensor gathered whole onto the CPU; where keep is
+    False the gathered copies are dropped (None), so only the saving rank holds them. Every rank must call it
+    with the same structure: each DTensor is an all-gather."""
+    if isinstance(obj, DTensor):
+        whole = obj.full_tensor()
+        return whole.cpu() if keep else None
+    if isinstance(obj, dict):
+        return {k: full_state(v, keep) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full_state(v, keep) for v in obj)
+    return obj
 
 
 def setup() -> Dist:

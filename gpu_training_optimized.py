@@ -129,6 +129,8 @@ def train_step(model, opt, batches, step: int, t, amp, scaler, cudagraphs: bool,
     if scaler:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))  # inf: measure only
+    if isinstance(grad_norm, dist_utils.DTensor):  # FSDP2: each rank's share of the squares, summed
+        grad_norm = grad_norm.full_tensor()
     ok = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
     if scaler:
         scaler.step(opt)  # the scaler skips non-finite steps and lowers the scale
@@ -186,14 +188,17 @@ def fit_micro_batch(raw_model, cfg: Config, amp, dist):
 
 def save(cfg: Config, raw_model, opt, scaler, step: int, tokens: int, best_val: float, tokenizer_path: str,
          fingerprint: str, dist) -> str | None:
-    """Write a checkpoint (rank 0; DDP keeps every rank's weights identical), refusing NaN or Inf."""
+    """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
+    refusing NaN or Inf. Every rank calls it."""
+    weights = dist_utils.full_state(raw_model.state_dict(), keep=dist.is_main)
+    opt_state = dist_utils.full_state(opt.state_dict(), keep=dist.is_main)
     if not dist.is_main:
         return None
-    state = ckpt_io.weights_state_dict(raw_model)
+    state = ckpt_io.weights_state_dict(raw_model, weights)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
-    trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt.state_dict(),
+    trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
                      "scaler": scaler.state_dict() if scaler else {}, "data_fingerprint": fingerprint,
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
                      "config": json.dumps(cfg.to_dict())}
@@ -281,7 +286,8 @@ def start_report(cfg, device, amp_dtype, raw_model, opt, dist, tokens_per_step) 
     dtype = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling", None: "fp32"}[amp_dtype]
     n, n_body = raw_model.num_parameters(), raw_model.num_parameters(exclude_embeddings=True)
     return "\n".join([
-        f"device: {device_report(device)} | precision: {dtype} | compile: {t.compile} | world size: {dist.world_size}",
+        f"device: {device_report(device)} | precision: {dtype} | compile: {t.compile} | world size: {dist.world_size}"
+        + (f" ({t.data_parallel})" if dist.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
         f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP per token",
         f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
@@ -328,7 +334,10 @@ def main(argv=None) -> int:
         raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
     if t.auto_micro_batch and device.type == "cuda":
         fit_micro_batch(raw_model, cfg, amp, dist)
-    model = dist.wrap(raw_model)
+    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and dist.enabled:
+        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
+                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
+    model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     start, tokens, best_val = resume(cfg, raw_model, opt, scaler, dist) if t.resume else (0, 0, float("inf"))

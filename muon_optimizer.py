@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distributed import DTensor, local, shard_as
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0 that still converges
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -98,8 +100,9 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            # Element-wise work on this rank's rows; under FSDP2 only orthogonalize() needs whole matrices.
+            grads = [local(p.grad) for p in params]
+            bufs = [local(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))) for p in params]
             m = group["momentum"]
             if found_inf is None:
                 # Lerp form, as Keller's and torch's Muon: (1 - m) times buf = m buf + g, a scale Newton-Schulz drops.
@@ -111,18 +114,27 @@ class Muon(torch.optim.Optimizer):
                     buf.lerp_(g, (1 - m) * keep)  # weight 0 leaves the buffer bit-identical
             updates += torch._foreach_lerp(grads, bufs, m) if group["nesterov"] else bufs
             todo += [(p, group) for p in params]
-        for (p, group), o in zip(todo, self.orthogonalize(updates)):
+        params = [p for p, _ in todo]
+        for (p, group), o in zip(todo, self.orthogonalize(updates, params)):
             lr, scale = group["lr"], shape_scale(p.shape, group["shape_rule"])
+            w = local(p)
             if keep is None:
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o, alpha=-lr * scale)
+                w.mul_(1 - lr * group["weight_decay"])
+                w.add_(o, alpha=-lr * scale)
             else:
-                p.mul_(1 - lr * group["weight_decay"] * keep)
-                p.addcmul_(o, keep, value=-lr * scale)
+                w.mul_(1 - lr * group["weight_decay"] * keep)
+                w.addcmul_(o, keep, value=-lr * scale)
         return loss
 
-    def orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Newton-Schulz of every update, one batched call per shape; each rank does a slice when distributed."""
+    def orthogonalize(self, updates: list[torch.Tensor], params: list[torch.Tensor] | None = None
+                      ) -> list[torch.Tensor]:
+        """Newton-Schulz of every update, one batched call per shape; each rank does a slice when distributed.
+
+        Under FSDP2 an update holds this rank's rows of its parameter (in params): the whole matrix is
+        gathered first, and this rank's rows of the result come back.
+        """
+        params = params or updates
+        updates = [whole_matrix(u, p) for u, p in zip(updates, params)]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         by_shape = {}
         for i, u in enumerate(updates):  # insertion order, so every rank builds the same batches
@@ -132,7 +144,7 @@ class Muon(torch.optim.Optimizer):
             stack = torch.stack([updates[i] for i in idx])
             ortho = self._orthogonalize_spread(stack, world) if world > 1 else self._newtonschulz(stack)
             for i, o in zip(idx, ortho.unbind(0)):
-                out[i] = o
+                out[i] = local(shard_as(o, params[i]))
         return out
 
     def _newtonschulz(self, stack: torch.Tensor) -> torch.Tensor:
@@ -148,6 +160,14 @@ class Muon(torch.optim.Optimizer):
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine)
         return torch.cat(parts)[:n]
+
+
+def whole_matrix(rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole matrix whose local rows, sharded like `param`, are `rows` (an all-gather under FSDP2)."""
+    if not isinstance(param, DTensor):
+        return rows
+    return DTensor.from_local(rows, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride()).full_tensor()
 
 
 class MuonAdamW:
@@ -210,6 +230,10 @@ class MuonAdamW:
             opt.load_state_dict(state_dict[name])
             for g, kept in zip(opt.param_groups, impl):
                 g.update(kept)
+            for p, slots in opt.state.items():  # checkpoints hold whole tensors; FSDP2 keeps its rows of each
+                for key, value in slots.items():
+                    if torch.is_tensor(value) and value.ndim and value.shape == p.shape:
+                        slots[key] = shard_as(value, p)
 
     def describe(self) -> str:
         """A few lines: per group, tensors, parameters, peak lr, weight decay and the method's settings."""

@@ -32,6 +32,8 @@ def test_invalid_model_configs_name_the_field(kwargs, field):
     (dict(adam_beta2=1.0), "adam_beta2"),
     (dict(grad_clip=-1.0), "grad_clip"),
     (dict(min_lr_ratio=2.0), "min_lr_ratio"),
+    (dict(data_parallel="zero3"), "data_parallel"),  # choices are checked in code too, not only on the CLI
+    (dict(optimizer="sgd"), "optimizer"),
 ])
 def test_invalid_train_configs_name_the_field(kwargs, field):
     """Out-of-range training values must be refused with the field's name."""

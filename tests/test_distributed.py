@@ -1,4 +1,5 @@
-"""Multi-process training on CPU: 2 ranks over gloo under torchrun (python -m torch.distributed.run), a tiny model.
+"""Multi-process training on CPU: 2 ranks over gloo under torchrun (python -m torch.distributed.run), a tiny model,
+with DDP and with FSDP2.
 
 The torchrun runs start the trainer through a small probe script written into tmp_path: it imports the trainer,
 records what each rank saw (windows read, weight and optimizer-state hashes, the DDP all-reduces and the
@@ -37,13 +38,15 @@ import prepare_data
 
 out, rank = os.environ["PROBE_OUT"], int(os.environ.get("RANK", 0))
 fail_step, signal_step = int(os.environ.get("PROBE_FAIL_STEP", -1)), int(os.environ.get("PROBE_SIGNAL_STEP", -1))
-log = {"windows": {}, "hashes": {}, "allreduce_in_sync_micro": [], "spread_calls": 0, "group_alive_at_exit": None}
+log = {"windows": {}, "hashes": {}, "allreduce_in_sync_micro": [], "reduce_scatter_in_sync_micro": [],
+       "spread_calls": 0, "group_alive_at_exit": None}
 now = {"sync": None}
 
 
 def digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
+        t = dist_utils.local(t)  # FSDP2: this rank's rows
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -71,8 +74,8 @@ def logged_set_grad_sync(self, model, sync):
 dist_utils.Dist.set_grad_sync = logged_set_grad_sync
 
 wrap = dist_utils.Dist.wrap
-def hooked_wrap(self, model):
-    ddp = wrap(self, model)
+def hooked_wrap(self, model, *args, **kwargs):
+    ddp = wrap(self, model, *args, **kwargs)
     if ddp is not model:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         def hook(state, bucket):  # runs for every bucket DDP all-reduces
@@ -81,6 +84,12 @@ def hooked_wrap(self, model):
         ddp.register_comm_hook(None, hook)
     return ddp
 dist_utils.Dist.wrap = hooked_wrap
+
+reduce_scatter = torch.distributed.reduce_scatter_single
+def logged_reduce_scatter(*args, **kwargs):  # FSDP2 reduces and shards gradients through this
+    log["reduce_scatter_in_sync_micro"].append(now["sync"])
+    return reduce_scatter(*args, **kwargs)
+torch.distributed.reduce_scatter_single = logged_reduce_scatter
 
 spread = muon_optimizer.Muon._orthogonalize_spread
 def counted_spread(self, *args):
@@ -281,11 +290,14 @@ def test_ranks_read_different_windows(two_ranks):
     assert not set(w0.values()) & set(w1.values())
 
 
-def test_accumulation_all_reduces_only_on_the_last_micro_batch(two_ranks):
-    """DDP must not all-reduce on every micro-step of an accumulation: catches set_grad_sync not reaching the DDP
-    module (e.g. under a wrapper), which would double the communication at accumulation 2."""
+@pytest.mark.parametrize("run,collective", [("two_ranks", "allreduce"), ("two_ranks_fsdp", "reduce_scatter")])
+def test_accumulation_reduces_gradients_only_on_the_last_micro_batch(run, collective, request):
+    """DDP must not all-reduce, nor FSDP2 reduce-scatter, on every micro-step of an accumulation: catches
+    set_grad_sync not reaching the wrapped module (e.g. under a wrapper), which would double the communication
+    at accumulation 2."""
+    logs = request.getfixturevalue(run)["logs"]
     for r in (0, 1):
-        calls = two_ranks["logs"][r]["allreduce_in_sync_micro"]
+        calls = logs[r][f"{collective}_in_sync_micro"]
         assert calls and len(calls) % 6 == 0, calls  # the same number of buckets in each of the 6 steps
         assert all(c is True for c in calls), calls  # never during a micro-step that asked for no sync
 
@@ -322,13 +334,18 @@ def test_process_group_destroyed_at_exit(two_ranks):
 def test_two_rank_checkpoint_resumes_in_one_process(corpus, two_ranks, tmp_path):
     """A checkpoint written by 2 ranks must resume in 1 process with accumulation 4 and continue exactly as the
     2 ranks did: catches rank-dependent optimizer state or a DDP 'module.' prefix in the saved weights."""
-    run = tmp_path / "run"
-    rewind(two_ranks["run"], run, 3)
+    assert_one_process_continues(corpus, two_ranks["run"], tmp_path / "run")
+
+
+def assert_one_process_continues(corpus, two_rank_run, run):
+    """Rewind the 2-rank run to step 3 into `run`, resume it in one process with accumulation 4: it must
+    continue exactly as the 2 ranks did."""
+    rewind(two_rank_run, run, 3)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "Batches", AsIfWorld)
         assert trainer.main(args_for(corpus, run, 4, "--eval_batches", 4, "--resume")) == 0
-    assert_losses_close(metrics(run), metrics(two_ranks["run"])[3:])
-    assert_weights_close(weights(run, 6), weights(two_ranks["run"], 6))
+    assert_losses_close(metrics(run), metrics(two_rank_run)[3:])
+    assert_weights_close(weights(run, 6), weights(two_rank_run, 6))
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(corpus, one_process, tmp_path):
@@ -344,6 +361,52 @@ def test_one_process_checkpoint_resumes_in_two_ranks(corpus, one_process, tmp_pa
     assert logs[0]["hashes"]["6"] == logs[1]["hashes"]["6"]
 
 
+@pytest.fixture(scope="module")
+def two_ranks_fsdp(corpus, tmp_path_factory):
+    """As two_ranks, with FSDP2: weights, gradients and optimizer state sharded over the 2 ranks."""
+    base = tmp_path_factory.mktemp("two_ranks_fsdp")
+    run = base / "run"
+    rc, output, _, logs = torchrun(corpus, base / "probe", args_for(corpus, run, 2, "--data_parallel", "fsdp"))
+    assert rc == 0, output[-4000:]
+    assert set(logs) == {0, 1}, output[-4000:]
+    return {"run": str(run), "output": output, "logs": logs}
+
+
+def test_fsdp_two_ranks_match_one_process_with_twice_the_accumulation(two_ranks_fsdp, one_process):
+    """FSDP2 must train exactly as one process with every micro-batch: catches Muon orthogonalising one rank's
+    rows instead of the whole matrix, a gradient norm over one shard, reduce-scattered gradients summed rather
+    than averaged, and a checkpoint holding one rank's rows (it would not even load)."""
+    assert "world size: 2 (fsdp)" in two_ranks_fsdp["output"]
+    assert_losses_close(metrics(two_ranks_fsdp["run"]), metrics(one_process["run"]))
+    for a, b in zip(metrics(two_ranks_fsdp["run"]), metrics(one_process["run"])):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    for a, b in zip(metrics(two_ranks_fsdp["run"], "eval"), metrics(one_process["run"], "eval")):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    assert_weights_close(weights(two_ranks_fsdp["run"], 6), weights(one_process["run"], 6))
+
+
+def test_fsdp_checkpoint_resumes_in_one_process_and_loads_in_the_generator(corpus, two_ranks_fsdp, tmp_path):
+    """A checkpoint of an FSDP2 run holds whole tensors: one process resumes it and continues as the 2 ranks
+    did (optimizer state included), and the generator loads it as it is."""
+    import text_generator
+    assert_one_process_continues(corpus, two_ranks_fsdp["run"], tmp_path / "run")
+    model = text_generator.load_for_inference(two_ranks_fsdp["run"], torch.device("cpu"))[0]
+    assert_weights_close({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
+                         weights(two_ranks_fsdp["run"], 6))
+
+
+def test_one_process_checkpoint_resumes_under_fsdp(corpus, one_process, tmp_path):
+    """A whole-tensor checkpoint of one process must resume under FSDP2, each rank taking its rows of weights,
+    Muon momentum and Adam moments, and continue exactly as the one process did."""
+    run = tmp_path / "run"
+    rewind(one_process["run"], run, 3)
+    rc, output, _, _ = torchrun(corpus, tmp_path / "probe", args_for(corpus, run, 2, "--resume",
+                                                                      "--data_parallel", "fsdp"))
+    assert rc == 0, output[-4000:]
+    assert_losses_close(metrics(run), metrics(one_process["run"])[3:])
+    assert_weights_close(weights(run, 6), weights(one_process["run"], 6))
+
+
 def test_error_on_one_rank_stops_every_rank_with_its_message(corpus, tmp_path):
     """An exception on rank 1 must end both processes promptly with rank 1's message in the output: catches
     rank 0 waiting in a collective until the process-group timeout (10 minutes)."""
@@ -354,7 +417,7 @@ def test_error_on_one_rank_stops_every_rank_with_its_message(corpus, tmp_path):
     assert rc != 0
     assert "RuntimeError: probe failure on rank 1 at step 2" in output.split("Root Cause")[-1]  # torchrun's report
     with open(out / "failed_at", encoding="utf-8") as f:
-        assert ended - float(f.read()) < 20, output[-4000:]
+        assert ended - float(f.read()) < 60, output[-4000:]  # far below the 10-minute collective timeout
     assert logs[1]["group_alive_at_exit"] is False  # the failing rank destroyed its group on the way out
 
 
