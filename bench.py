@@ -4,6 +4,8 @@
     python bench.py --preset large --bench_steps 20        # GPU: bf16, compiled like the trainer
 Both models train on the same random tokens with the same batch, precision, compile mode and fused AdamW,
 one after the other in the same process; the report gives tokens/s, MFU, peak memory and the ratio.
+`--optimizer_share` then times our model with the trainer's own optimizer (Muon + AdamW by default) and
+reports the optimizer step's share of the training step, the device drained around it.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
 
@@ -17,6 +19,7 @@ from config import error_exit, ConfigError, parse_config
 from gpu_training_optimized import autocast, compile_model, pick_device, pick_precision
 from modern_llm import Transformer
 from monitor import device_report, peak_flops
+from muon_optimizer import build_optimizer
 
 
 def hf_twin(m):
@@ -82,11 +85,43 @@ def measure(name, model, make_loss, cfg, device, amp_dtype, steps: int, warmup: 
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
 
+def optimizer_share(cfg, device, amp_dtype, steps: int, warmup: int) -> dict:
+    """Seconds per step in forward + backward and in the optimizer (cfg.train.optimizer), timed apart."""
+    t = cfg.train
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).to(device).train()
+    opt = build_optimizer(model, t)
+    loss_fn = ours_loss(compile_model(model, t.compile))
+    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, cfg.model.max_seq_len + 1)).to(device)
+    amp = autocast(device, amp_dtype)
+    drain = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    spent = {"forward_backward_s": 0.0, "optimizer_s": 0.0}
+    for i in range(warmup + steps):
+        drain()
+        start = time.perf_counter()
+        for _ in range(t.grad_accum_steps):
+            with amp:
+                loss = loss_fn(batch) / t.grad_accum_steps
+            loss.backward()
+        drain()
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        drain()
+        if i >= warmup:
+            spent["forward_backward_s"] += (middle - start) / steps
+            spent["optimizer_s"] += (time.perf_counter() - middle) / steps
+    spent["share"] = spent["optimizer_s"] / (spent["optimizer_s"] + spent["forward_backward_s"])
+    return spent
+
+
 def main(argv=None):
     def extra(parser):
         parser.add_argument("--bench_steps", type=int, default=10, help="timed optimizer steps per model")
         parser.add_argument("--warmup_steps_bench", type=int, default=3, help="untimed steps first (compile)")
         parser.add_argument("--skip_hf", action="store_true", help="time our model only")
+        parser.add_argument("--optimizer_share", action="store_true",
+                            help="also time the trainer's optimizer step against forward + backward")
         parser.add_argument("--json", default="", help="also write the results to this file")
     cfg, args = parse_config(argv, extra=extra)
     device = pick_device(cfg.train.device)
@@ -113,9 +148,15 @@ def main(argv=None):
         print(f"{r['model']:<10} {r['tokens_per_s']:>12,.0f} tokens/s   MFU {mfu:>6}   peak memory {mem}")
     if len(results) == 2:
         print(f"ratio ours / hf: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+    share = None
+    if args.optimizer_share:
+        share = optimizer_share(cfg, device, amp_dtype, args.bench_steps, args.warmup_steps_bench)
+        print(f"optimizer step ({cfg.train.optimizer}): {1e3 * share['optimizer_s']:.1f} ms, forward + backward "
+              f"{1e3 * share['forward_backward_s']:.1f} ms per step: {100 * share['share']:.1f}% of the step")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"config": cfg.to_dict(), "device": device_report(device), "results": results}, f, indent=2)
+            json.dump({"config": cfg.to_dict(), "device": device_report(device), "results": results,
+                       "optimizer_share": share}, f, indent=2)
 
 
 if __name__ == "__main__":
