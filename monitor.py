@@ -77,10 +77,11 @@ class Monitor:
         """Throughput over the window since the last record, plus memory; appended to metrics.jsonl."""
         now = time.perf_counter()
         dt = max(now - self._last_time, 1e-9)
-        tok_s = (tokens - self._last_tokens) / dt
+        timed = step > self._last_step  # no step since the clock was reset (the untimed first step): no rate
+        tok_s = (tokens - self._last_tokens) / dt if timed else None
         record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt,
-                  "mfu": tok_s * self.flops_per_token / self.peak if self.peak else None,
+                  "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt if timed
+                  else None, "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
                   "vram_gb": None, "vram_total_gb": None, "time": time.time()}
         if self.device.type == "cuda":
@@ -138,8 +139,11 @@ class Monitor:
 
 def format_postfix(r: dict) -> dict:
     """The progress bar's fields, plain text."""
-    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr']:.2e}", "tok/s": f"{r['tokens_per_s']:,.0f}",
-            "step/s": f"{r['steps_per_s']:.2f}", "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"}
+    timed = r["tokens_per_s"] is not None
+    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr']:.2e}",
+            "tok/s": f"{r['tokens_per_s']:,.0f}" if timed else "n/a",
+            "step/s": f"{r['steps_per_s']:.2f}" if timed else "n/a",
+            "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"}
     if r["vram_gb"] is not None:
         post["vram"] = f"{r['vram_gb']:.1f}/{r['vram_total_gb']:.0f}G"
     if r["gpu_util"] is not None:

@@ -64,6 +64,8 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path)
     for field in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "steps_per_s", "mfu", "ram_gb",
                   "gpu_util", "vram_gb"):
         assert field in train[0]
+    assert train[0]["tokens_per_s"] is None  # the first step (compilation) is not timed, not reported as 0
+    assert all(r["tokens_per_s"] > 0 and r["steps_per_s"] > 0 for r in train[1:])
     assert train[-1]["loss"] < train[0]["loss"]
     evals = read_metrics(run, "eval")
     assert [r["step"] for r in evals] == [6, 12]
