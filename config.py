@@ -149,6 +149,7 @@ class TrainConfig:
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
+    wandb: bool = arg(False, "also log to Weights & Biases in offline mode, under the run folder (needs wandb)")
 
     def __post_init__(self):
         _require_choices(self)

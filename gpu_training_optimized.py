@@ -349,7 +349,8 @@ def main(argv=None) -> int:
     val_batches = Batches(ds, "val", t.micro_batch_size, cfg.model.max_seq_len, t.seed, dist.rank, device,
                           world_size=dist.world_size)
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
-    monitor = Monitor(t.run_dir, device, raw_model.flops_per_token(), t.tensorboard) if dist.is_main else None
+    monitor = Monitor(t.run_dir, device, raw_model.flops_per_token(), t.tensorboard, t.wandb,
+                      cfg.to_dict()) if dist.is_main else None
     dist.print(start_report(cfg, device, amp_dtype, raw_model, opt, dist, tokens_per_step))
 
     stop = StopFlag()

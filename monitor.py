@@ -1,4 +1,4 @@
-"""What the training loop reports: MFU, memory, GPU use, metrics.jsonl, the loss plot, TensorBoard.
+"""What the training loop reports: MFU, memory, GPU use, metrics.jsonl, the loss plot, TensorBoard, W&B.
 
 Everything here reads values the loop already has on the host; nothing here forces a GPU sync.
 """
@@ -55,18 +55,28 @@ def device_report(device: torch.device) -> str:
 class Monitor:
     """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
 
-    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool):
+    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool,
+                 wandb: bool = False, config: dict | None = None):
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
         self.peak = peak_flops(device)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.train_points, self.eval_points = [], []
-        self.writer = None
+        self.writer = self.wandb_run = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
             except ImportError:
                 print("warning: tensorboard is not installed; pip install tensorboard to use it")
+        if wandb:
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                print("warning: wandb is not installed; pip install wandb to use it")
+            else:
+                # Offline: no account or network needed; `wandb sync <run_dir>/wandb/offline-run-*` uploads later.
+                self.wandb_run = wandb_lib.init(project="modern-llm", name=os.path.basename(os.path.normpath(run_dir)),
+                                                dir=run_dir, mode="offline", config=config or {})
         self._last_time, self._last_tokens, self._last_step = time.perf_counter(), 0, 0
 
     def reset_clock(self, step: int, tokens: int):
@@ -105,10 +115,13 @@ class Monitor:
     def _write(self, record: dict):
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {f"{record['kind']}/{key}": value for key, value in record.items()
+                   if isinstance(value, (int, float)) and key not in ("step", "time")}
         if self.writer:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time"):
-                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, record["step"])
+        if self.wandb_run:
+            self.wandb_run.log(scalars, step=record["step"])
 
     def plot(self):
         """loss.png with train and val curves, when matplotlib is installed."""
@@ -135,6 +148,8 @@ class Monitor:
         self.plot()
         if self.writer:
             self.writer.close()
+        if self.wandb_run:
+            self.wandb_run.finish()
 
 
 def format_postfix(r: dict) -> dict:

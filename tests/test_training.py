@@ -242,3 +242,34 @@ def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path):
     assert after[0]["loss"] < before[0]["loss"] - 1.0
     assert abs(after[0]["loss"] - before[-1]["loss"]) < 0.5
     assert ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(second)))["step"] == 3
+
+
+def test_wandb_logs_offline_into_the_run_folder(corpus, tmp_path, monkeypatch):
+    """--wandb must open an offline run under the run folder (no account, no network) and log every
+    metrics.jsonl value at its step; a stand-in wandb module records the calls."""
+    import types
+    calls = {"init": None, "logs": [], "finished": False}
+
+    class Run:
+        def log(self, values, step):
+            calls["logs"].append((step, values))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--eval_interval", 4, "--save_interval", 4,
+                                 "--wandb", "true")) == 0
+    assert calls["init"]["mode"] == "offline" and calls["init"]["dir"] == str(run)
+    assert calls["init"]["config"]["train"]["max_steps"] == 4
+    logged = {step: values for step, values in calls["logs"] if "train/loss" in values}
+    for record in read_metrics(run):
+        assert logged[record["step"]]["train/loss"] == record["loss"]
+    evals = [values for step, values in calls["logs"] if step == 4 and "eval/val_bpb" in values]
+    assert evals and evals[0]["eval/val_bpb"] == read_metrics(run, "eval")[-1]["val_bpb"]
+    assert calls["finished"]
