@@ -134,7 +134,8 @@ class Muon(torch.optim.Optimizer):
         gathered first, and this rank's rows of the result come back.
         """
         params = params or updates
-        updates = [whole_matrix(u, p) for u, p in zip(updates, params)]
+        # Cast first: Newton-Schulz starts with this cast anyway, and in bf16 the gathers move half the bytes.
+        updates = [whole_matrix(u.to(self.compute_dtype(u.device)), p) for u, p in zip(updates, params)]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         by_shape = {}
         for i, u in enumerate(updates):  # insertion order, so every rank builds the same batches
