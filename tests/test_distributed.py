@@ -165,20 +165,12 @@ class AsIfWorld(Batches):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small folder of real Python text and one shared cache folder, so preparation runs once."""
-    base = tmp_path_factory.mktemp("corpus")
-    src = base / "src"
-    src.mkdir()
-    import argparse, textwrap  # noqa: E401  real Python source as training text
-    text = open(argparse.__file__, encoding="utf-8").read()
-    (src / "a.py").write_text(text[: len(text) // 2])
-    (src / "b.py").write_text(text[len(text) // 2:])
-    (src / "c.py").write_text(open(textwrap.__file__, encoding="utf-8").read())
-    probe, helpers = base / "probe.py", base / "helpers.py"
+def corpus(corpus):
+    """The shared corpus (conftest.py), plus the probe and helper scripts the torchrun runs start."""
+    probe, helpers = corpus["base"] / "probe.py", corpus["base"] / "helpers.py"
     probe.write_text(PROBE)
     helpers.write_text(HELPERS)
-    return {"src": str(src), "cache": str(base / "cache"), "probe": str(probe), "helpers": str(helpers)}
+    return {**corpus, "probe": str(probe), "helpers": str(helpers)}
 
 
 def args_for(corpus, run_dir, accum, *extra):

@@ -20,20 +20,6 @@ from modern_llm import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small folder of real Python text and one shared cache folder, so preparation runs once."""
-    base = tmp_path_factory.mktemp("corpus")
-    src = base / "src"
-    src.mkdir()
-    import textwrap, argparse as stdlib_module  # noqa: E401  real Python source as training text
-    text = open(stdlib_module.__file__, encoding="utf-8").read()
-    (src / "a.py").write_text(text[: len(text) // 2])
-    (src / "b.py").write_text(text[len(text) // 2:])
-    (src / "c.py").write_text(open(textwrap.__file__, encoding="utf-8").read())
-    return {"src": str(src), "cache": str(base / "cache")}
-
-
 def argv_for(corpus, run_dir, *extra):
     return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
             "--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
