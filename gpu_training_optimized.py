@@ -306,6 +306,9 @@ def main(argv=None) -> int:
     device = pick_device(t.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
                          dist.local_rank)
     amp_dtype = pick_precision(t.precision, device)
+    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and dist.enabled:
+        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
+                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     amp = autocast(device, amp_dtype)
     dist.print(describe(cfg))
 
@@ -334,9 +337,6 @@ def main(argv=None) -> int:
         raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
     if t.auto_micro_batch and device.type == "cuda":
         fit_micro_batch(raw_model, cfg, amp, dist)
-    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and dist.enabled:
-        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
-                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
