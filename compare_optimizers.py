@@ -43,18 +43,21 @@ def run_once(args, optimizer: str, lr: float, seed: int) -> dict:
         with open(log, "w", encoding="utf-8") as f:
             if subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 sys.exit(f"error: the run failed; the end of {log}:\n" + "".join(open(log).readlines()[-5:]))
-    records = [json.loads(line) for line in open(metrics, encoding="utf-8")]
+    records = read_records(metrics)
     evals = [r for r in records if r["kind"] == "eval"]
     return {"optimizer": optimizer, "lr": lr, "seed": seed,
             "train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
             "val_loss": evals[-1]["val_loss"], "val_bpb": evals[-1]["val_bpb"]}
 
 
+def read_records(metrics: str) -> list[dict]:
+    with open(metrics, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 def finished(metrics: str, steps: int) -> bool:
-    if not os.path.isfile(metrics):
-        return False
-    return any(json.loads(line).get("kind") == "eval" and json.loads(line)["step"] == steps
-               for line in open(metrics, encoding="utf-8"))
+    """Whether the run at `metrics` got as far as its last evaluation."""
+    return os.path.isfile(metrics) and any(r["kind"] == "eval" and r["step"] == steps for r in read_records(metrics))
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
