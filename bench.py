@@ -2,10 +2,10 @@
 
     python bench.py --preset tiny --compile off            # CPU
     python bench.py --preset large --bench_steps 20        # GPU: bf16, compiled like the trainer
-Both models train on the same random tokens with the same batch, precision, compile mode and fused AdamW,
-one after the other in the same process; the report gives tokens/s, MFU, peak memory and the ratio.
-`--optimizer_share` then times our model with the trainer's own optimizer (Muon + AdamW by default) and
-reports the optimizer step's share of the training step, the device drained around it.
+Both models run the trainer's own step (gpu_training_optimized.build and train_step: the same optimizer,
+precision, compile mode, accumulation and device-side skip) on the same random tokens, one after the other
+in the same process; the report gives tokens/s, MFU, peak memory and the ratio. `--optimizer_share` then
+times our model's optimizer step inside that step, the device drained around it, and reports its share.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
 
@@ -15,104 +15,87 @@ import time
 
 import torch
 
-from config import error_exit, ConfigError, parse_config
-from gpu_training_optimized import autocast, compile_model, pick_device, pick_precision
-from modern_llm import Transformer
+import distributed as dist_utils
+from config import ConfigError, error_exit, parse_config
+from device import PRECISION_NAMES, pick_device, pick_precision, synchronize
+from gpu_training_optimized import build, new_model, train_step
+from hf_format import hf_twin
 from monitor import device_report, peak_flops
-from muon_optimizer import build_optimizer
 
 
-def hf_twin(m):
-    """An equal-shape transformers Qwen3ForCausalLM with SDPA attention."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                      num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                      num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
-                      max_position_embeddings=m.max_seq_len, rms_norm_eps=m.rms_norm_eps,
-                      tie_word_embeddings=m.tie_word_embeddings, attention_dropout=0.0)
-    cfg._attn_implementation = "sdpa"
-    return Qwen3ForCausalLM(cfg)
+class FixedBatches:
+    """One batch of random tokens, served for every (step, micro-step): speed does not depend on the data."""
+
+    def __init__(self, cfg, device: torch.device):
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len + 1),
+                            generator=gen).to(device)
+        self.x, self.y, self.device = ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), device
+
+    def get(self, step: int, micro_step: int):
+        return self.x, self.y
 
 
-def ours_loss(model):
-    def loss_fn(ids):
-        _, loss = model(ids[:, :-1], labels=ids[:, 1:])
-        return loss
-    return loss_fn
+class TwinForTraining(torch.nn.Module):
+    """A transformers causal LM behind our forward contract: (input_ids, labels) -> (logits, loss), with labels
+    already shifted (transformers' own loss function, told not to shift them again)."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, labels=None):
+        shifted = None if labels is None else labels.contiguous()  # transformers flattens it with view()
+        out = self.hf(input_ids=input_ids, labels=shifted, shift_labels=shifted, use_cache=False)
+        return out.logits, out.loss
 
 
-def hf_loss(model):
-    def loss_fn(ids):
-        return model(input_ids=ids[:, :-1], labels=ids[:, :-1], use_cache=False).loss  # HF shifts labels itself
-    return loss_fn
+def timed_optimizer(b, device) -> list[float]:
+    """Make b.opt.step drain the device before and after and record its seconds; returns the list it fills."""
+    spent, step = [], b.opt.step
+
+    def timed(*args, **kwargs):
+        synchronize(device)
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        synchronize(device)
+        spent.append(time.perf_counter() - start)
+        return out
+    b.opt.step = timed
+    return spent
 
 
-def measure(name, model, make_loss, cfg, device, amp_dtype, steps: int, warmup: int) -> dict:
-    """Warm up (compile), then time `steps` optimizer steps; tokens/s, MFU and peak memory."""
-    t = cfg.train
-    model = model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))
-    step_fn = make_loss(compile_model(model, t.compile))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, cfg.model.max_seq_len + 1), generator=gen)
-    batch = batch.to(device)
-    amp = autocast(device, amp_dtype)
-    cudagraphs = t.compile in ("reduce-overhead", "max-autotune") and device.type == "cuda"
-
-    def one_step():
-        for _ in range(t.grad_accum_steps):
-            if cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with amp:
-                loss = step_fn(batch) / t.grad_accum_steps
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    for _ in range(warmup):
-        one_step()
+def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: bool = False) -> dict:
+    """Warm up (compile), then time `steps` of the trainer's train_step; tokens/s, peak memory and, with
+    share, the optimizer step's seconds and fraction of the step."""
+    t, dist = cfg.train, dist_utils.setup()
+    b = build(cfg, device, dist, raw_model=raw_model)
+    batches = FixedBatches(cfg, device)
+    optimizer_s = timed_optimizer(b, device) if share else []
+    for step in range(warmup):
+        train_step(b, batches, step, t, dist)
+    synchronize(device)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    optimizer_s.clear()
     start = time.perf_counter()
-    for _ in range(steps):
-        last = one_step()
-    last.item()  # sync point: wait for the queued steps before stopping the clock
+    for step in range(warmup, warmup + steps):
+        loss, _, _ = train_step(b, batches, step, t, dist)
+    loss.item()  # sync point: wait for the queued steps before stopping the clock
     seconds = time.perf_counter() - start
     tokens = steps * t.grad_accum_steps * t.micro_batch_size * cfg.model.max_seq_len
-    return {"model": name, "tokens_per_s": tokens / seconds, "seconds": seconds,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    result = {"model": name, "tokens_per_s": tokens / seconds, "seconds": seconds,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    if share:
+        step_s, opt_s = seconds / steps, sum(optimizer_s) / steps
+        result.update(optimizer_s=opt_s, forward_backward_s=step_s - opt_s, share=opt_s / step_s)
+    return result
 
 
-def optimizer_share(cfg, device, amp_dtype, steps: int, warmup: int) -> dict:
-    """Seconds per step in forward + backward and in the optimizer (cfg.train.optimizer), timed apart."""
-    t = cfg.train
-    torch.manual_seed(0)
-    model = Transformer(cfg.model).to(device).train()
-    opt = build_optimizer(model, t)
-    loss_fn = ours_loss(compile_model(model, t.compile))
-    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, cfg.model.max_seq_len + 1)).to(device)
-    amp = autocast(device, amp_dtype)
-    drain = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    spent = {"forward_backward_s": 0.0, "optimizer_s": 0.0}
-    for i in range(warmup + steps):
-        drain()
-        start = time.perf_counter()
-        for _ in range(t.grad_accum_steps):
-            with amp:
-                loss = loss_fn(batch) / t.grad_accum_steps
-            loss.backward()
-        drain()
-        middle = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        drain()
-        if i >= warmup:
-            spent["forward_backward_s"] += (middle - start) / steps
-            spent["optimizer_s"] += (time.perf_counter() - middle) / steps
-    spent["share"] = spent["optimizer_s"] / (spent["optimizer_s"] + spent["forward_backward_s"])
-    return spent
+def release(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -125,22 +108,22 @@ def main(argv=None):
         parser.add_argument("--json", default="", help="also write the results to this file")
     cfg, args = parse_config(argv, extra=extra)
     device = pick_device(cfg.train.device)
-    amp_dtype = pick_precision(cfg.train.precision, device)
-    torch.manual_seed(0)
-    ours = Transformer(cfg.model)
-    flops = ours.flops_per_token()
+    ours = new_model(cfg, device)
+    flops, params = ours.flops_per_token(), ours.num_parameters()
     peak = peak_flops(device)
-    print(f"device: {device_report(device)} | precision: {amp_dtype or 'fp32'} | compile: {cfg.train.compile} | "
-          f"batch {cfg.train.micro_batch_size} x {cfg.model.max_seq_len} x {cfg.train.grad_accum_steps} | "
-          f"{ours.num_parameters() / 1e6:.1f}M parameters")
-    results = [measure("ours", ours, ours_loss, cfg, device, amp_dtype, args.bench_steps, args.warmup_steps_bench)]
+    precision = PRECISION_NAMES[pick_precision(cfg.train.precision, device)]
+    print(f"device: {device_report(device)} | precision: {precision} | compile: "
+          f"{cfg.train.compile} | batch {cfg.train.micro_batch_size} x {cfg.model.max_seq_len} x "
+          f"{cfg.train.grad_accum_steps} | {params / 1e6:.1f}M parameters | optimizer {cfg.train.optimizer}")
+    steps, warmup = args.bench_steps, args.warmup_steps_bench
+    results = [measure("ours", cfg, device, ours, steps, warmup)]
     del ours
-    gc.collect()
+    release(device)
     if not args.skip_hf:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        results.append(measure("hf_qwen3", hf_twin(cfg.model), hf_loss, cfg, device, amp_dtype, args.bench_steps,
-                               args.warmup_steps_bench))
+        twin = TwinForTraining(hf_twin(cfg.model))
+        results.append(measure("hf_qwen3" if cfg.model.qk_norm else "hf_llama", cfg, device, twin, steps, warmup))
+        del twin
+        release(device)
     for r in results:
         r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None  # same shape: our FLOP count serves both
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -150,7 +133,7 @@ def main(argv=None):
         print(f"ratio ours / hf: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
     share = None
     if args.optimizer_share:
-        share = optimizer_share(cfg, device, amp_dtype, args.bench_steps, args.warmup_steps_bench)
+        share = measure("ours", cfg, device, None, steps, warmup, share=True)
         print(f"optimizer step ({cfg.train.optimizer}): {1e3 * share['optimizer_s']:.1f} ms, forward + backward "
               f"{1e3 * share['forward_backward_s']:.1f} ms per step: {100 * share['share']:.1f}% of the step")
     if args.json:

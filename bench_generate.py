@@ -1,4 +1,4 @@
-"""Decode speed of text_generator.generate next to Hugging Face Qwen3ForCausalLM.generate, on the same weights.
+"""Decode speed of sampling.generate next to Hugging Face Qwen3ForCausalLM.generate, on the same weights.
 
     python bench_generate.py                          # tiny preset shape on CPU, batch 1 and 8
     python bench_generate.py --threads 1              # steadier on a shared machine
@@ -11,31 +11,24 @@ import argparse
 import time
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from config import SampleConfig, preset_tiny
+from device import pick_device
+from hf_format import hf_twin
 from modern_llm import Transformer
-from export_hf import hf_name
-from text_generator import generate, pick_device
+from sampling import generate
 
 
-def to_hf(model: Transformer) -> Qwen3ForCausalLM:
-    """The same network as Hugging Face's Qwen3, holding a copy of the model's weights."""
-    c = model.config
-    cfg = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                      tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa")
-    hf = Qwen3ForCausalLM(cfg).to(model.embed_tokens.weight.device).eval()
-    hf.load_state_dict({hf_name(k): v for k, v in model.state_dict().items()}, strict=True)
+def to_hf(model: Transformer):
+    """The same network as a transformers Qwen3 (Llama without QK-norm), holding a copy of the model's weights."""
+    hf = hf_twin(model.config, model.state_dict()).to(model.embed_tokens.weight.device).eval()
     hf.generation_config.eos_token_id = None  # never stop early: both sides generate exactly N tokens
     hf.generation_config.pad_token_id = 0
     return hf
 
 
 def ours(model, prompts, n, compile=False):
-    """(B, n) new ids from text_generator.generate, greedy."""
+    """(B, n) new ids from sampling.generate, greedy."""
     return generate(model, prompts.tolist(), SampleConfig(temperature=0.0, max_new_tokens=n, compile=compile))
 
 

@@ -1,31 +1,29 @@
-"""Checkpoints of a run folder: atomic writes, the LATEST pointer, and loading without unpickling.
+"""Checkpoints of a run folder: atomic writes, the LATEST pointer, and the project's one reader of weights.
 
     <run>/checkpoints/step_000500/{model.safetensors, model_config.json, tokenizer.json, trainer_state.pt}
     <run>/checkpoints/LATEST   names the newest complete checkpoint folder
 
 A checkpoint is written to a hidden temporary folder, flushed, renamed into place, and only then
-does LATEST move, so a crash at any moment leaves the previous checkpoint usable.
+does LATEST move, so a crash at any moment leaves the previous checkpoint usable. read_model() opens
+a checkpoint, a run folder (its newest checkpoint) or a Hugging Face folder, never unpickling anything.
 """
 
 import json
 import os
 import shutil
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from config import ConfigError, ModelConfig
+from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
+from hf_format import check_weights, expected_shapes, is_hf_folder, load_hf_folder
+from tokenizer import TOKENIZER_FILE as TOKENIZER
 
-WEIGHTS, MODEL_CONFIG, TOKENIZER, TRAINER_STATE = ("model.safetensors", "model_config.json", "tokenizer.json",
-                                                   "trainer_state.pt")
+WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
 HOW_TO_MAKE_ONE = "train one with: python gpu_training_optimized.py"
-
-
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint; the message says which file and what to do."""
 
 
 def _fsync_dir(path: str):
@@ -138,17 +136,22 @@ def load_model_config(ckpt: str) -> ModelConfig:
         raise CheckpointError(f"{path} is not a valid model config ({e}), {HOW_TO_MAKE_ONE}") from None
 
 
-def load_weights(ckpt: str, model: torch.nn.Module):
-    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding."""
+def _read_weights(ckpt: str) -> dict:
+    """Every tensor of a checkpoint's model.safetensors, on the CPU; CheckpointError naming the file otherwise."""
     path = os.path.join(ckpt, WEIGHTS)
     try:
-        state = load_file(path, device="cpu")
+        return load_file(path, device="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}), use an earlier checkpoint or {HOW_TO_MAKE_ONE}") from None
+
+
+def load_weights(ckpt: str, model: torch.nn.Module):
+    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding."""
+    path = os.path.join(ckpt, WEIGHTS)
     own = model.state_dict()
-    state = {k: shard_as(v, own[k]) if k in own else v for k, v in state.items()}  # FSDP2: this rank's rows
+    state = {k: shard_as(v, own[k]) if k in own else v for k, v in _read_weights(ckpt).items()}  # FSDP2: our rows
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:
@@ -157,6 +160,34 @@ def load_weights(ckpt: str, model: torch.nn.Module):
     if set(missing) - allowed or unexpected:
         raise CheckpointError(f"{path} does not fit the model: missing {sorted(set(missing) - allowed)}, "
                               f"unexpected {sorted(unexpected)}")
+
+
+@dataclass
+class ModelFiles:
+    """What read_model() found: the shape, the weights (CPU, our names, a tied head stored once), the tokenizer."""
+    config: ModelConfig
+    state: dict
+    tokenizer_path: str | None
+    path: str  # the checkpoint or Hugging Face folder read
+
+
+def read_model(path: str, max_seq_len: int = 0) -> ModelFiles:
+    """The model of a checkpoint folder, a run folder (its newest checkpoint) or a Hugging Face Qwen3/Llama
+    folder, checked name by name and shape by shape; CheckpointError with one line for every failure.
+    max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight)."""
+    if is_hf_folder(path):
+        cfg, state, tokenizer = load_hf_folder(path, max_seq_len)
+        return ModelFiles(cfg, state, tokenizer, path)
+    ckpt = resolve_checkpoint(path)
+    cfg = load_model_config(ckpt)
+    if max_seq_len:
+        cfg = replace(cfg, max_seq_len=max_seq_len)
+    state = _read_weights(ckpt)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    check_weights(state, expected_shapes(cfg), os.path.join(ckpt, WEIGHTS))
+    tokenizer = os.path.join(ckpt, TOKENIZER)
+    return ModelFiles(cfg, state, tokenizer if os.path.isfile(tokenizer) else None, ckpt)
 
 
 def load_trainer_state(ckpt: str) -> dict:

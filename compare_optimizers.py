@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from config import PRESETS
+from monitor import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RATE_FLAG = {"adamw": "learning_rate", "muon": "muon_lr"}
@@ -28,8 +29,7 @@ RATE_FLAG = {"adamw": "learning_rate", "muon": "muon_lr"}
 def run_once(args, optimizer: str, lr: float, seed: int) -> dict:
     """Train one run (or reuse a finished one); its train curve and final validation numbers."""
     run_dir = os.path.join(args.out, f"{optimizer}_lr{lr:g}_seed{seed}")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not finished(metrics, args.steps):
+    if not finished(run_dir, args.steps):
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
         os.makedirs(args.out, exist_ok=True)
         cmd = [sys.executable, os.path.join(HERE, "gpu_training_optimized.py"), "--preset", args.preset,
@@ -43,21 +43,15 @@ def run_once(args, optimizer: str, lr: float, seed: int) -> dict:
         with open(log, "w", encoding="utf-8") as f:
             if subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 sys.exit(f"error: the run failed; the end of {log}:\n" + "".join(open(log).readlines()[-5:]))
-    records = read_records(metrics)
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = read_metrics(run_dir, "eval")
     return {"optimizer": optimizer, "lr": lr, "seed": seed,
-            "train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
+            "train": [(r["step"], r["loss"]) for r in read_metrics(run_dir, "train")],
             "val_loss": evals[-1]["val_loss"], "val_bpb": evals[-1]["val_bpb"]}
 
 
-def read_records(metrics: str) -> list[dict]:
-    with open(metrics, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def finished(metrics: str, steps: int) -> bool:
-    """Whether the run at `metrics` got as far as its last evaluation."""
-    return os.path.isfile(metrics) and any(r["kind"] == "eval" and r["step"] == steps for r in read_records(metrics))
+def finished(run_dir: str, steps: int) -> bool:
+    """Whether the run in run_dir got as far as its last evaluation."""
+    return any(r.get("step") == steps for r in read_metrics(run_dir, "eval"))
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:

@@ -19,6 +19,14 @@ class ConfigError(ValueError):
     """A bad setting: the message names the field, the value and what to do."""
 
 
+class DataError(ValueError):
+    """Bad data input: the message names the file (and line), the problem and what to do."""
+
+
+class CheckpointError(ValueError):
+    """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
+
+
 def arg(default, help: str):
     """A dataclass field whose help text `--help` prints next to its default."""
     if isinstance(default, list):
@@ -166,6 +174,11 @@ class TrainConfig:
                  f"must be >= 0 and shorter than max_steps={self.max_steps}, lower --warmup_steps")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.restart_period >= 0, "restart_period", self.restart_period, "must be >= 0")
+
+
+def default_run_dir() -> str:
+    """TrainConfig's run_dir as written in this file, read without validating the other training fields."""
+    return TrainConfig.__dataclass_fields__["run_dir"].default
 
 
 @dataclass

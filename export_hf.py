@@ -6,294 +6,50 @@ Export writes config.json (Qwen3ForCausalLM with QK-norm, else LlamaForCausalLM)
 tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and AutoTokenizer load it
 offline. Import reads a local Qwen3 or Llama folder (sharded or not) into RUN_DIR/checkpoints/step_000000,
 refusing what our model cannot represent. CHECKPOINT is a checkpoint or run folder (default runs/default).
+The format itself lives in hf_format.py; this file is only the command line.
 """
 
 import argparse
-import json
 import os
-import shutil
 import sys
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
-import checkpoint as ckpt_io
-from checkpoint import CheckpointError
-from config import ConfigError, ModelConfig, error_exit
-from modern_llm import Transformer
-from prepare_data import CHAT_TEMPLATE, EOT_TOKEN
-
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
-
-
-# ----------------------------------------------------------------------------- names and shapes
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> Hugging Face's (layers.0.attn.q_proj.weight -> model.layers.0.self_attn.q_proj.weight)."""
-    return name if name == "lm_head.weight" else "model." + name.replace(".attn.", ".self_attn.")
-
-
-def our_name(name: str) -> str:
-    """Hugging Face's parameter name -> ours; the inverse of hf_name."""
-    return name if name == "lm_head.weight" else name.removeprefix("model.").replace(".self_attn.", ".attn.")
-
-
-def expected_shapes(cfg: ModelConfig) -> dict:
-    """Our name -> shape of every stored tensor (a tied head is stored once, as the embedding)."""
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = Transformer(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        shapes.pop("lm_head.weight")
-    return shapes
-
-
-def check_weights(state: dict, shapes: dict, where: str):
-    """Raise CheckpointError naming missing, unexpected and misshapen tensors."""
-    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-    wrong = [f"{k} {tuple(state[k].shape)} instead of {shapes[k]}" for k in shapes
-             if k in state and tuple(state[k].shape) != shapes[k]]
-    if missing or unexpected or wrong:
-        parts = [f"{label} {items[:4]}" + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-                 for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                 if items]
-        raise CheckpointError(f"{where} does not fit the model its config describes: {'; '.join(parts)}")
-
-
-# ----------------------------------------------------------------------------- export
-
-def hf_config(cfg: ModelConfig, dtype: str, bos: int | None, eos: int, pad: int) -> dict:
-    """config.json of the equal Qwen3 (QK-norm) or Llama model, readable by transformers 4.56 and 5.x."""
-    model_type = "qwen3" if cfg.qk_norm else "llama"
-    if model_type == "llama" and cfg.hidden_size % cfg.num_attention_heads:
-        raise CheckpointError(f"transformers' LlamaConfig needs hidden_size={cfg.hidden_size} divisible by "
-                              f"num_attention_heads={cfg.num_attention_heads}; this model cannot be exported")
-    config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
-        # transformers 5 reads rope_parameters; 4.x reads rope_theta and ignores the other.
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
-        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
-        "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, "dtype": dtype, "torch_dtype": dtype,
-    }
-    if model_type == "qwen3":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers,
-                      layer_types=["full_attention"] * cfg.num_hidden_layers)
-    else:
-        config.update(mlp_bias=False, pretraining_tp=1)
-    return config
-
-
-def _write_json(path: str, values: dict):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(values, f, indent=2)
-
-
-def write_tokenizer(tokenizer_path: str, out: str, eos: str, pad: str, max_len: int):
-    """tokenizer.json + tokenizer_config.json with eos, pad and the chat template, via transformers."""
-    from transformers import PreTrainedTokenizerFast  # slow import, needed only here
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_path, eos_token=eos, pad_token=pad,
-                                  model_max_length=max_len)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(out)
-    # transformers 5 names the class TokenizersBackend and keeps the template in chat_template.jinja;
-    # 4.x knows neither, and both versions read these two keys.
-    path = os.path.join(out, "tokenizer_config.json")
-    with open(path, encoding="utf-8") as f:
-        values = json.load(f)
-    _write_json(path, {**values, "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE})
-
-
-def write_hf_folder(ckpt: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN):
-    """Write the transformers files of checkpoint folder ckpt into the existing folder out."""
-    from tokenizers import Tokenizer
-
-    cfg = ckpt_io.load_model_config(ckpt)
-    tokenizer_path = os.path.join(ckpt, ckpt_io.TOKENIZER)
-    try:
-        tok = Tokenizer.from_file(tokenizer_path)
-        state = load_file(os.path.join(ckpt, ckpt_io.WEIGHTS), device="cpu")
-    except Exception as e:  # tokenizers raises a bare Exception for missing and malformed files alike
-        raise CheckpointError(f"cannot read {ckpt} ({str(e).splitlines()[0]}), export another checkpoint") from None
-    eos_id, eot_id = tok.token_to_id(eos), tok.token_to_id(EOT_TOKEN)
-    if eos_id is None:
-        raise CheckpointError(f"the tokenizer of {ckpt} has no token {eos!r}, pass --eos with its end token")
-    pad, pad_id = (EOT_TOKEN, eot_id) if eot_id is not None else (eos, eos_id)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    check_weights(state, expected_shapes(cfg), os.path.join(ckpt, ckpt_io.WEIGHTS))
-    _write_json(os.path.join(out, "config.json"), hf_config(cfg, dtype, eot_id, eos_id, pad_id))
-    save_file({hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in state.items()},
-              os.path.join(out, HF_WEIGHTS), metadata={"format": "pt"})
-    # Generation stops at the chosen end token and at <|endoftext|>, the document separator.
-    stop = [eos_id] + ([eot_id] if eot_id not in (None, eos_id) else [])
-    _write_json(os.path.join(out, "generation_config.json"),
-                {"bos_token_id": eot_id, "eos_token_id": stop, "pad_token_id": pad_id})
-    write_tokenizer(tokenizer_path, out, eos, pad, cfg.max_seq_len)
+from checkpoint import TOKENIZER, latest_checkpoint, read_model, save_checkpoint
+from config import CheckpointError, ConfigError, DataError, default_run_dir, error_exit
+from hf_format import DTYPES, is_hf_folder, write_hf_folder
+from tokenizer import EOT_TOKEN
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False) -> str:
-    """Export a checkpoint (or a run folder's newest) to out atomically: a temp folder renamed into place."""
-    ckpt = ckpt_io.resolve_checkpoint(checkpoint)
-    out = os.path.abspath(out)
-    if (os.path.abspath(ckpt) + os.sep).startswith(out + os.sep):
-        raise CheckpointError(f"{out} holds the checkpoint being exported, choose another output folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"{out} already exists and is not empty, pass --overwrite or choose another folder")
-    tmp = os.path.join(os.path.dirname(out), f".tmp_{os.path.basename(out)}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        write_hf_folder(ckpt, tmp, dtype, eos)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(out):  # the old folder goes aside first and is deleted only once the new one is in
-            os.rename(out, tmp + ".old")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.exists(tmp + ".old") and not os.path.exists(out):
-            os.rename(tmp + ".old", out)  # put the previous export back
-        raise
-    shutil.rmtree(tmp + ".old", ignore_errors=True)
-    return ckpt
-
-
-# ----------------------------------------------------------------------------- import
-
-def is_hf_folder(path: str) -> bool:
-    """True for a folder with config.json and safetensors weights (ours keep model_config.json instead)."""
-    return (os.path.isfile(os.path.join(path, "config.json"))
-            and any(os.path.isfile(os.path.join(path, f)) for f in (HF_WEIGHTS, HF_INDEX)))
-
-
-def unsupported(hf, raw: dict) -> list[str]:
-    """What a transformers config asks for that our model cannot represent; empty when it fits."""
-    model_type = raw["model_type"]
-    why = []
-    if raw.get("architectures") not in (None, [ARCHITECTURES[model_type]]):
-        why.append(f"architectures={raw['architectures']} (only {ARCHITECTURES[model_type]})")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        why.append(f"hidden_act={hf.hidden_act!r} (ours is silu)")
-    for name in ("attention_bias", "mlp_bias"):
-        if getattr(hf, name, False):
-            why.append(f"{name}=true (our linear layers have no bias)")
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        why.append(f"rope scaling {rope_type!r} (ours is plain RoPE)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        why.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (ours rotates every channel)")
-    layer_types = getattr(hf, "layer_types", None) or []
-    if "sliding_attention" in layer_types:
-        why.append(f"sliding window attention in use (sliding_window={raw.get('sliding_window')} on "
-                   f"{layer_types.count('sliding_attention')} of {len(layer_types)} layers; ours attends to all)")
-    elif any(t != "full_attention" for t in layer_types):
-        why.append(f"layer_types {sorted(set(layer_types))} (every layer must be full_attention)")
-    if any(k in raw for k in MOE_KEYS):
-        why.append("mixture of experts (ours has one dense MLP per layer)")
-    if raw.get("quantization_config"):
-        why.append("quantized weights (quantization_config)")
-    return why
-
-
-def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
-    """Our ModelConfig for a Qwen3 or Llama folder; CheckpointError naming what differs if there is none."""
-    from transformers import AutoConfig  # it fills in the defaults that save_pretrained leaves out
-
-    file = os.path.join(path, "config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file} ({e})") from None
-    if raw.get("model_type") not in ARCHITECTURES:
-        raise CheckpointError(f"{file}: model_type={raw.get('model_type')!r} is not supported, "
-                              f"only {' or '.join(ARCHITECTURES)}")
-    try:
-        hf = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{file} is not a valid transformers config ({str(e).splitlines()[0]})") from None
-    why = unsupported(hf, raw)
-    if why:
-        raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
-    rope = getattr(hf, "rope_parameters", None) or {}
-    try:
-        return ModelConfig(
-            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
-            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-            head_dim=getattr(hf, "head_dim", None) or 0, intermediate_size=hf.intermediate_size,
-            max_seq_len=max_seq_len or hf.max_position_embeddings,
-            rope_theta=float(rope.get("rope_theta") or getattr(hf, "rope_theta", 10000.0)),
-            rms_norm_eps=float(hf.rms_norm_eps), qk_norm=raw["model_type"] == "qwen3",
-            tie_word_embeddings=bool(hf.tie_word_embeddings), init_std=float(hf.initializer_range))
-    except ConfigError as e:
-        raise CheckpointError(f"{file} gives an invalid model shape: {e}") from None
-
-
-def _read_hf_weights(path: str) -> dict:
-    """Every tensor of model.safetensors, or of the shards that model.safetensors.index.json lists."""
-    index = os.path.join(path, HF_INDEX)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = [HF_WEIGHTS]
-    state = {}
-    for name in files:
-        try:
-            state.update(load_file(os.path.join(path, name), device="cpu"))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {os.path.join(path, name)} ({e})") from None
-    return state
-
-
-def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str | None]:
-    """(ModelConfig, fp32 state dict in our names, tokenizer.json path or None) of a Qwen3/Llama folder.
-
-    A tied head is left out of the state dict, as in our checkpoints; max_seq_len overrides
-    max_position_embeddings (it sizes only the RoPE tables, no weight depends on it).
-    """
-    if not is_hf_folder(path):
-        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with {HF_WEIGHTS} or "
-                              f"{HF_INDEX}), save the model with save_pretrained(safe_serialization=True)")
-    cfg = model_config_from_hf(path, max_seq_len)
-    hf_state = {k: v for k, v in _read_hf_weights(path).items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        hf_state.pop("lm_head.weight", None)  # some tied folders store the head as well
-    shapes = {hf_name(k): v for k, v in expected_shapes(cfg).items()}
-    check_weights(hf_state, shapes, path)
-    state = {our_name(k): v.float().contiguous() for k, v in hf_state.items()}
-    tokenizer = os.path.join(path, ckpt_io.TOKENIZER)
-    return cfg, state, tokenizer if os.path.isfile(tokenizer) else None
+    """Export a checkpoint (or a run folder's newest) to out, atomically; returns the checkpoint folder read."""
+    if is_hf_folder(checkpoint):
+        raise CheckpointError(f"{checkpoint} is already a Hugging Face folder, export a checkpoint or run folder")
+    model = read_model(checkpoint)
+    if model.tokenizer_path is None:
+        raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
+    if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):
+        raise CheckpointError(f"{os.path.abspath(out)} holds the checkpoint being exported, choose another "
+                              "output folder")
+    write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite)
+    return model.path
 
 
 def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0) -> str:
     """Write a Qwen3/Llama folder as step 0 of run_dir (weights, shape, tokenizer; no optimizer state)."""
-    if ckpt_io.latest_checkpoint(run_dir):
+    if latest_checkpoint(run_dir):
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
-    cfg, state, found = load_hf_folder(path, max_seq_len)
+    if not is_hf_folder(path):
+        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors), "
+                              "save the model with save_pretrained(safe_serialization=True)")
+    model = read_model(path, max_seq_len)
     if tokenizer and os.path.isdir(tokenizer):
-        tokenizer = os.path.join(tokenizer, ckpt_io.TOKENIZER)
-    tokenizer = tokenizer or found
+        tokenizer = os.path.join(tokenizer, TOKENIZER)
+    tokenizer = tokenizer or model.tokenizer_path
     if not tokenizer or not os.path.isfile(tokenizer):
-        raise CheckpointError(f"{path} has no {ckpt_io.TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
+        raise CheckpointError(f"{path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
     # No optimizer state: the trainer starts it fresh (--init_from), so this is a start, not a resume.
     trainer_state = {"step": 0, "tokens": 0, "best_val_loss": float("inf"), "imported_from": path}
-    return ckpt_io.save_checkpoint(run_dir, 0, state, cfg, tokenizer, trainer_state, keep=1)
+    return save_checkpoint(run_dir, 0, model.state, model.config, tokenizer, trainer_state, keep=1)
 
-
-# ----------------------------------------------------------------------------- command line
 
 def parse_args(argv) -> argparse.Namespace:
     """Paths and flags of both directions; exits 2 with one line when the paths don't fit."""
@@ -323,11 +79,11 @@ def main(argv=None) -> int:
             print(f"imported {args.paths[0]} as {ckpt}")
             print(f"generate with: python text_generator.py {ckpt}")
         else:
-            checkpoint, out = args.paths if len(args.paths) == 2 else ("runs/default", args.paths[0])
+            checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
             ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite)
             print(f"exported {ckpt} to {out} ({args.dtype})")
             print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, DataError) as e:
         error_exit(str(e), 2)
     except OSError as e:
         error_exit(f"could not read or write ({e}), check the paths and free disk space", 1)

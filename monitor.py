@@ -1,6 +1,7 @@
 """What the training loop reports: MFU, memory, GPU use, metrics.jsonl, the loss plot, TensorBoard, W&B.
 
 Everything here reads values the loop already has on the host; nothing here forces a GPU sync.
+metrics.jsonl has one writer (Monitor) and one reader (read_metrics), both here.
 """
 
 import json
@@ -10,6 +11,8 @@ import time
 
 import psutil
 import torch
+
+METRICS_FILE = "metrics.jsonl"
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets. The first
 # entry whose name occurs in the device name wins, so specific names come before general ones.
@@ -59,7 +62,7 @@ class Monitor:
                  wandb: bool = False, config: dict | None = None):
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
         self.peak = peak_flops(device)
-        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.metrics_path = os.path.join(run_dir, METRICS_FILE)
         self.train_points, self.eval_points = [], []
         self.writer = self.wandb_run = None
         if tensorboard:
@@ -83,13 +86,16 @@ class Monitor:
         """Start the throughput window here (after warm-up or resume)."""
         self._last_time, self._last_tokens, self._last_step = time.perf_counter(), tokens, step
 
-    def train_record(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float) -> dict:
-        """Throughput over the window since the last record, plus memory; appended to metrics.jsonl."""
+    def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float) -> dict:
+        """Throughput over the window since the last record, plus memory; appended to metrics.jsonl.
+
+        lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...}).
+        """
         now = time.perf_counter()
         dt = max(now - self._last_time, 1e-9)
         timed = step > self._last_step  # no step since the clock was reset (the untimed first step): no rate
         tok_s = (tokens - self._last_tokens) / dt if timed else None
-        record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
                   "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt if timed
                   else None, "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
@@ -152,10 +158,31 @@ class Monitor:
             self.wandb_run.finish()
 
 
+def read_metrics(run_dir: str, kind: str | None = None) -> list[dict]:
+    """The records of a run's metrics.jsonl in file order, only those of `kind` ("train", "eval") when given.
+
+    A missing file reads as no records; a line that is not a JSON object (the half-written last line of a
+    killed run, say) is skipped.
+    """
+    records = []
+    try:
+        with open(os.path.join(run_dir, METRICS_FILE), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and (kind is None or record.get("kind") == kind):
+                    records.append(record)
+    except FileNotFoundError:
+        pass
+    return records
+
+
 def format_postfix(r: dict) -> dict:
     """The progress bar's fields, plain text."""
     timed = r["tokens_per_s"] is not None
-    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr']:.2e}",
+    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr_scale']:.3f}x",
             "tok/s": f"{r['tokens_per_s']:,.0f}" if timed else "n/a",
             "step/s": f"{r['steps_per_s']:.2f}" if timed else "n/a",
             "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"}

@@ -222,19 +222,24 @@ class MuonAdamW:
         return {name: opt.state_dict() for name, opt in self.parts.items()}
 
     def load_state_dict(self, state_dict: dict):
-        """Restore every part; keeps this run's fused/foreach choice, which depends on the device."""
+        """Restore every part's state (moments, momentum buffers, step counts). The settings stay this run's:
+        learning rates, decay, betas and the fused/foreach choice come from the config given now."""
         if set(state_dict) != set(self.parts):
             raise ValueError(f"optimizer state holds {sorted(state_dict)} but this run uses {sorted(self.parts)}, "
                              "resume with the optimizer setting the checkpoint was trained with")
         for name, opt in self.parts.items():
-            impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             opt.load_state_dict(state_dict[name])
-            for g, kept in zip(opt.param_groups, impl):
+            for g, kept in zip(opt.param_groups, settings):
                 g.update(kept)
             for p, slots in opt.state.items():  # checkpoints hold whole tensors; FSDP2 keeps its rows of each
                 for key, value in slots.items():
                     if torch.is_tensor(value) and value.ndim and value.shape == p.shape:
                         slots[key] = shard_as(value, p)
+
+    def lrs(self) -> dict[str, float]:
+        """The current learning rate of each part, by name ("muon", "adamw")."""
+        return {name: opt.param_groups[0]["lr"] for name, opt in self.parts.items()}
 
     def describe(self) -> str:
         """A few lines: per group, tensors, parameters, peak lr, weight decay and the method's settings."""
@@ -260,8 +265,9 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> dict[str, list[
     for name, p in model.named_parameters():  # yields a tied embedding/head weight once
         if not p.requires_grad:
             continue
-        name = name.replace("_orig_mod.", "").replace("module.", "")  # compiled or DDP-wrapped by mistake
-        if use_muon and p.ndim == 2 and name.startswith("layers."):
+        # Block matrices: ours are layers.N.*, a transformers twin's model.layers.N.* (compiled or wrapped too).
+        in_block = name.startswith("layers.") or ".layers." in name
+        if use_muon and p.ndim == 2 and in_block:
             groups["muon"].append(p)
         else:
             groups["adamw_decay" if p.ndim >= 2 else "adamw_no_decay"].append(p)

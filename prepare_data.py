@@ -1,7 +1,7 @@
-"""The data module: corpus sources, tokenizer, token cache, batch loader, chat template and loss masks.
+"""The data module: corpus sources, the token cache with its loss masks, and the batch loader.
 
 Reads text files, folders, JSONL or chat JSONL (default: this Python's standard library), trains a
-byte-level tokenizer on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
+byte-level tokenizer (tokenizer.py) on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
 meta.json and tokenizer.json; the same settings later reuse that folder. Batches are a pure function of
 (seed, step, micro_step, rank). Build the cache ahead of training, and see how fast that goes:
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
@@ -19,33 +19,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from config import DEFAULT_TEXT_FIELDS, ConfigError, DataConfig, error_exit, parse_config
+from config import DEFAULT_TEXT_FIELDS, ConfigError, DataConfig, DataError, error_exit, parse_config
+from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, check_messages,
+                       encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
 
-EOT_TOKEN = "<|endoftext|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [EOT_TOKEN, IM_START, IM_END]  # trained tokenizers give them ids 0, 1, 2
-ROLES = ("system", "user", "assistant")
-# The one chat format (ChatML), for transformers' apply_chat_template; _chat_segments renders the same text.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-
-BYTE_ALPHABET = 256  # every byte-level tokenizer keeps one token per byte, so any text encodes
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
 BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
 SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
-
-
-class DataError(ValueError):
-    """Bad data input: the message names the file (and line), the problem and what to do."""
 
 
 @dataclass
@@ -71,7 +57,7 @@ class PreparedData:
 
     @property
     def tokenizer_path(self) -> str:
-        return os.path.join(self.path, "tokenizer.json")
+        return os.path.join(self.path, TOKENIZER_FILE)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -131,21 +117,6 @@ def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
             yield piece, _decode(block, path, stats), len(block)
 
 
-def _check_messages(messages, need_assistant: bool = True) -> list:
-    """Raise DataError unless messages is a list of {role, content} with known roles."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError("messages must be a non-empty list of {\"role\", \"content\"} objects")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            raise DataError(f"unknown role {role!r}, use one of {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise DataError(f"a {m['role']} message has no string content")
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise DataError("the conversation has no assistant turn, so nothing in it would be learned")
-    return messages
-
-
 def _parse_line(line: str, text_fields):
     """A JSONL line's document: its text, or its list of chat messages; DataError says why not."""
     try:
@@ -153,7 +124,7 @@ def _parse_line(line: str, text_fields):
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
     if isinstance(obj, dict) and "messages" in obj:
-        return _check_messages(obj["messages"])
+        return check_messages(obj["messages"])
     for name in text_fields:
         if isinstance(obj, dict) and isinstance(obj.get(name), str):
             return obj[name]
@@ -229,47 +200,7 @@ def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
     return is_val
 
 
-# ----------------------------------------------------------------------------- tokenizer and chat format
-
-def _new_tokenizer(kind: str, vocab_size: int):
-    """An untrained byte-level tokenizer of the given kind, and its trainer."""
-    common = dict(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    if kind == "bpe":
-        model, trainer = models.BPE(), trainers.BpeTrainer(**common)
-    elif kind == "wordpiece":
-        # No "##" prefix: the byte-level decoder then joins pieces as they are, and decoding stays lossless.
-        model = models.WordPiece(continuing_subword_prefix="")
-        trainer = trainers.WordPieceTrainer(continuing_subword_prefix="", **common)
-    else:
-        model, trainer = models.Unigram(), trainers.UnigramTrainer(**common)
-    tok = Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok, trainer
-
-
-def _tokenizer_file(path: str) -> str:
-    """The tokenizer.json that a --tokenizer path names (the file or its folder)."""
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise DataError(f"tokenizer {path} not found, pass a tokenizer.json file or a folder holding one")
-    return file
-
-
-def _existing_tokenizer(path: str, vocab_size: int) -> Tokenizer:
-    """A local tokenizer.json, with the special tokens added where it lacks them."""
-    try:
-        tok = Tokenizer.from_file(_tokenizer_file(path))
-    except Exception as e:
-        raise DataError(f"{path} is not a tokenizers JSON file ({str(e).splitlines()[0]}), "
-                        "pass a tokenizer.json saved by the tokenizers library") from None
-    tok.add_special_tokens(SPECIAL_TOKENS)  # keeps the ids of tokens it already has
-    if tok.get_vocab_size() > vocab_size:
-        raise DataError(f"tokenizer {path} has {tok.get_vocab_size()} tokens, more than vocab_size={vocab_size}, "
-                        f"pass --vocab_size {tok.get_vocab_size()} or more")
-    return tok
-
+# ----------------------------------------------------------------------------- tokenizer
 
 def _tokenizer_sample(files, cfg: DataConfig, is_val, total_bytes: int):
     """Training-split texts, about TOKENIZER_SAMPLE_BYTES of them, spread over the whole corpus."""
@@ -284,66 +215,12 @@ def _make_tokenizer(files, cfg: DataConfig, vocab_size: int, is_val, total_bytes
     """The configured local tokenizer, or a new one trained on the training split."""
     start = time.perf_counter()
     if cfg.tokenizer:
-        tok = _existing_tokenizer(cfg.tokenizer, vocab_size)
+        tok = existing_tokenizer(cfg.tokenizer, vocab_size)
         log(f"data: using tokenizer {cfg.tokenizer} ({tok.get_vocab_size()} tokens)")
         return tok
-    tok, trainer = _new_tokenizer(cfg.tokenizer_type, vocab_size)
-    tok.train_from_iterator(_tokenizer_sample(files, cfg, is_val, total_bytes), trainer)
+    tok = train_tokenizer(_tokenizer_sample(files, cfg, is_val, total_bytes), cfg.tokenizer_type, vocab_size)
     log(f"data: trained a {cfg.tokenizer_type} tokenizer of {tok.get_vocab_size()} tokens "
         f"in {time.perf_counter() - start:.1f}s")
-    return tok
-
-
-def _chat_segments(messages) -> list[tuple[str, bool, bool]]:
-    """CHAT_TEMPLATE as (text, learned, is_special) pieces: assistant content and its <|im_end|> are learned."""
-    out = []
-    for m in messages:
-        learned = m["role"] == "assistant"
-        out += [(IM_START, False, True), (m["role"] + "\n", False, False), (m["content"], learned, False),
-                (IM_END, learned, True), ("\n", False, False)]
-    return out
-
-
-def _encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
-    """Token ids and learned-flags of documents given as segments, with one parallel encode call."""
-    # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
-    texts = [text for segs in docs for text, _, special in segs if not special]
-    # Text that happens to contain "<|endoftext|>" stays text: it must not forge a boundary or a turn.
-    before, tok.encode_special_tokens = tok.encode_special_tokens, True
-    try:
-        encoded = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
-    finally:
-        tok.encode_special_tokens = before
-    out = []
-    for segs in docs:
-        ids, mask = [], []
-        for text, learned, special in segs:
-            piece = [tok.token_to_id(text)] if special else next(encoded).ids
-            ids += piece
-            mask += [learned] * len(piece)
-        out.append((ids, mask))
-    return out
-
-
-def render_chat(tok, messages) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation in CHAT_TEMPLATE and its loss mask (True: learned)."""
-    backend = getattr(tok, "backend_tokenizer", tok)  # the Rust tokenizer inside a transformers one
-    return _encode_segments(backend, [_chat_segments(_check_messages(messages, False))])[0]
-
-
-def chat_prompt_ids(tok, messages) -> list[int]:
-    """Token ids of the conversation so far followed by '<|im_start|>assistant\\n', to generate the reply."""
-    prompt = [(IM_START, False, True), ("assistant\n", False, False)]
-    segments = _chat_segments(_check_messages(messages, False)) + prompt
-    return _encode_segments(getattr(tok, "backend_tokenizer", tok), [segments])[0][0]
-
-
-def load_tokenizer(path: str):
-    """A tokenizer.json (or its folder) as a transformers fast tokenizer with eos and chat template set."""
-    from transformers import PreTrainedTokenizerFast  # slow import, needed only by its callers
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=_tokenizer_file(path), eos_token=EOT_TOKEN, pad_token=EOT_TOKEN)
-    tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
@@ -400,8 +277,8 @@ def _write_splits(folder: str, files, cfg: DataConfig, tok: Tokenizer, is_val, t
     stats, batch = ReadStats(), []
 
     def flush():
-        segments = [[(doc, True, False)] if isinstance(doc, str) else _chat_segments(doc) for *_, doc in batch]
-        for (writer, doc_id, piece, _), segs, (ids, mask) in zip(batch, segments, _encode_segments(tok, segments)):
+        segments = [[(doc, True, False)] if isinstance(doc, str) else chat_segments(doc) for *_, doc in batch]
+        for (writer, doc_id, piece, _), segs, (ids, mask) in zip(batch, segments, encode_segments(tok, segments)):
             writer.add(doc_id, piece, ids, mask, sum(len(text.encode("utf-8")) for text, _, _ in segs))
         for writer in writers.values():
             writer.flush()
@@ -443,7 +320,7 @@ def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
                                              "tokenizer", "tokenizer_type", "val_fraction", "data_seed")}
     settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    paths = [p for p, _ in files] + ([_tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
+    paths = [p for p, _ in files] + ([tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
     for path in paths:
         st = os.stat(path)
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -461,7 +338,7 @@ def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log
     tmp = f"{path}.tmp-{os.getpid()}"  # never read as a cache: only a folder named <fingerprint> is
     os.makedirs(tmp, exist_ok=True)  # a crashed run with the same pid may have left one behind
     try:
-        tok.save(os.path.join(tmp, "tokenizer.json"))
+        tok.save(os.path.join(tmp, TOKENIZER_FILE))
         meta = _write_splits(tmp, files, cfg, tok, is_val, stats.bytes)
         for split in ("train", "val"):
             _check_window(split, meta[f"{split}_tokens"], seq_len)
@@ -490,11 +367,10 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
     """Build the token cache for these settings, or reuse the finished one; raises DataError on bad input."""
     if cfg.data_seed < 0:
         raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
-    minimum = BYTE_ALPHABET + len(SPECIAL_TOKENS)
-    if not cfg.tokenizer and vocab_size < minimum:
+    if not cfg.tokenizer and vocab_size < MIN_VOCAB:
         raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
-                        f"which needs {minimum} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
-                        f"pass --vocab_size {minimum} or more")
+                        f"which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
+                        f"pass --vocab_size {MIN_VOCAB} or more")
     files = source_files(cfg)
     path = os.path.join(cfg.cache_dir, _fingerprint(files, cfg, vocab_size))
     if os.path.isfile(os.path.join(path, "meta.json")):

@@ -20,6 +20,8 @@ import torch.distributed
 from safetensors.torch import load_file
 
 import gpu_training_optimized as trainer
+from conftest import TINY_MODEL
+from monitor import read_metrics
 from prepare_data import Batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,28 +100,28 @@ def counted_spread(self, *args):
 muon_optimizer.Muon._orthogonalize_spread = counted_spread
 
 save = trainer.save
-def hashed_save(cfg, raw_model, opt, scaler, step, *args):  # every rank calls save; rank 0 alone writes
-    tensors = list(raw_model.state_dict().values())
+def hashed_save(cfg, b, step, *args):  # every rank calls save; rank 0 alone writes
+    tensors = list(b.raw_model.state_dict().values())
     def walk(v):
         if torch.is_tensor(v):
             tensors.append(v)
         elif isinstance(v, dict):
             for k in sorted(v, key=str):
                 walk(v[k])
-    walk(opt.state_dict())
+    walk(b.opt.state_dict())
     log["hashes"][str(step)] = digest(tensors)
-    return save(cfg, raw_model, opt, scaler, step, *args)
+    return save(cfg, b, step, *args)
 trainer.save = hashed_save
 
 train_step = trainer.train_step
-def probed_train_step(model, opt, batches, step, *args):
+def probed_train_step(b, batches, step, *args):
     if rank == 1 and step == fail_step:
         with open(os.path.join(out, "failed_at"), "w") as f:
             f.write(repr(time.time()))
         raise RuntimeError(f"probe failure on rank 1 at step {step}")
     if rank == 1 and step == signal_step:
         os.kill(os.getpid(), signal.SIGTERM)  # as if the signal reached rank 1 a step before rank 0
-    return train_step(model, opt, batches, step, *args)
+    return train_step(b, batches, step, *args)
 trainer.train_step = probed_train_step
 
 sys.exit(trainer.run(sys.argv[1:]))
@@ -175,11 +177,10 @@ def corpus(corpus):
 
 def args_for(corpus, run_dir, accum, *extra):
     return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
-            "--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-            "--num_key_value_heads", "2", "--max_seq_len", "64", "--micro_batch_size", "4", "--compile", "off",
-            "--precision", "fp32", "--log_interval", "1", "--warmup_steps", "2", "--max_steps", "6",
-            "--eval_interval", "3", "--save_interval", "3", "--eval_batches", "2", "--grad_accum_steps", str(accum),
-            *map(str, extra)]
+            *(word for name, value in TINY_MODEL.items() for word in (f"--{name}", str(value))),
+            "--micro_batch_size", "4", "--compile", "off", "--precision", "fp32", "--log_interval", "1",
+            "--warmup_steps", "2", "--max_steps", "6", "--eval_interval", "3", "--save_interval", "3",
+            "--eval_batches", "2", "--grad_accum_steps", str(accum), *map(str, extra)]
 
 
 def torchrun(corpus, out, args, timeout=120, script="probe", **probe_env):
@@ -204,8 +205,7 @@ def torchrun(corpus, out, args, timeout=120, script="probe", **probe_env):
 
 
 def metrics(run_dir, kind="train"):
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [r for r in map(json.loads, f) if r["kind"] == kind]
+    return read_metrics(run_dir, kind)
 
 
 def weights(run_dir, step):

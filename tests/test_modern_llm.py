@@ -7,14 +7,13 @@ import torch
 import torch.nn.functional as F
 
 import config
-from config import ModelConfig
 from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
 
 
-def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
+@pytest.fixture(scope="module")
+def tiny(tiny_config):
+    """The tiny model with a vocabulary (97) and context (32) of their own, so shapes cannot be confused."""
+    return lambda **kw: tiny_config(**{"vocab_size": 97, "max_seq_len": 32, **kw})
 
 
 def model_of(cfg, seed=0) -> Transformer:
@@ -22,7 +21,7 @@ def model_of(cfg, seed=0) -> Transformer:
     return Transformer(cfg).eval()
 
 
-def test_causality():
+def test_causality(tiny):
     """Changing token t must never change the logits before t (a leak makes training meaningless)."""
     m = model_of(tiny())
     ids = torch.randint(0, 97, (2, 20))
@@ -78,7 +77,7 @@ def naive_attention_logits(m: Transformer, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 4, True), (4, 2, True), (4, 1, True), (4, 2, False)])
-def test_attention_matches_float64_reference(heads, kv_heads, qk_norm):
+def test_attention_matches_float64_reference(heads, kv_heads, qk_norm, tiny):
     """SDPA with grouped heads must equal plain multi-head attention (MHA, GQA, MQA; with and without QK-norm)."""
     m = model_of(tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, qk_norm=qk_norm))
     ids = torch.randint(0, 97, (2, 16))
@@ -87,7 +86,7 @@ def test_attention_matches_float64_reference(heads, kv_heads, qk_norm):
     assert torch.allclose(ours.double(), ref, atol=2e-5, rtol=1e-4), (ours.double() - ref).abs().max()
 
 
-def test_kv_cache_decode_matches_full_forward_for_ragged_batch():
+def test_kv_cache_decode_matches_full_forward_for_ragged_batch(tiny):
     """Prefill of right-padded prompts then one-token steps must give the full forward's logits per row."""
     m = model_of(tiny())
     ids = torch.randint(0, 97, (3, 14))
@@ -123,7 +122,7 @@ def test_rope_scores_depend_on_relative_position_only():
     assert not torch.allclose(score(9, 2), base, atol=1e-3)
 
 
-def test_activation_checkpointing_gives_same_gradients():
+def test_activation_checkpointing_gives_same_gradients(tiny):
     """Recomputing activations in backward must not change any gradient."""
     ids = torch.randint(0, 97, (2, 16))
     grads = []
@@ -136,7 +135,7 @@ def test_activation_checkpointing_gives_same_gradients():
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
 
 
-def test_tied_embeddings_are_one_tensor_and_untie_flag_works():
+def test_tied_embeddings_are_one_tensor_and_untie_flag_works(tiny):
     """A tied head must be the embedding itself, also after re-initialisation; the flag unties."""
     m = model_of(tiny())
     assert m.lm_head.weight is m.embed_tokens.weight
@@ -147,7 +146,7 @@ def test_tied_embeddings_are_one_tensor_and_untie_flag_works():
     assert untied.num_parameters() == m.num_parameters() + 97 * 64
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "medium", "large", "xl"])
+@pytest.mark.parametrize("name", [name for name in config.PRESETS if name != "auto"])
 def test_parameter_count_matches_closed_form_for_every_preset(name):
     """The formula used for presets and MFU must equal what the module really allocates (on meta)."""
     cfg = config.PRESETS[name]().model
@@ -158,7 +157,7 @@ def test_parameter_count_matches_closed_form_for_every_preset(name):
     assert m.num_parameters(exclude_embeddings=True) == config.count_parameters(cfg) - v * d
 
 
-def test_flops_per_token_formula():
+def test_flops_per_token_formula(tiny):
     """6 FLOPs per matmul weight (head included, lookup not) plus PaLM's 12*L*H*hd*T attention term."""
     cfg = tiny()
     m = model_of(cfg)
@@ -182,7 +181,7 @@ def test_loss_is_fp32_mean_over_unmasked_and_zero_when_all_masked():
     assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
 
 
-def test_tiny_model_overfits_one_batch():
+def test_tiny_model_overfits_one_batch(tiny):
     """A few hundred AdamW steps on one fixed batch must drive the loss below a tenth of its start."""
     torch.manual_seed(0)
     m = Transformer(tiny(vocab_size=64, max_seq_len=32)).train()

@@ -10,18 +10,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from config import ModelConfig, TrainConfig
+from config import TrainConfig
 from modern_llm import Transformer
 from muon_optimizer import Muon, build_optimizer, zeropower_via_newtonschulz
 
 SHAPES = {"square": (48, 48), "tall": (96, 32), "wide": (32, 96)}
 
 
-def tiny_model(tie: bool = True) -> nn.Module:
-    """The project's model at a size that builds in milliseconds."""
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_seq_len=16, tie_word_embeddings=tie))
+@pytest.fixture(scope="module")
+def tiny_model(tiny_config):
+    """The project's model at a size that builds in milliseconds, from seed 0; tiny_model(tie=False) unties."""
+    def make(tie: bool = True) -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16, tie_word_embeddings=tie))
+    return make
 
 
 def random_grads(model: nn.Module, seed: int):
@@ -95,7 +97,7 @@ def test_zero_gradient_gives_no_nan():
     assert torch.equal(p.detach(), torch.full((8, 4), 0.95))
 
 
-def test_adamw_part_matches_torch_adamw():
+def test_adamw_part_matches_torch_adamw(tiny_model):
     """Catches wrong AdamW hyperparameters or decay groups (embedding decayed, norms not)."""
     cfg = TrainConfig(learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-7)
     model = tiny_model()
@@ -117,7 +119,7 @@ def test_adamw_part_matches_torch_adamw():
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_every_parameter_in_exactly_one_group(tie):
+def test_every_parameter_in_exactly_one_group(tie, tiny_model):
     """Catches a lost or doubled parameter, a norm or embedding sent to Muon, or decay on norm scales."""
     model = tiny_model(tie)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -140,11 +142,12 @@ def test_every_parameter_in_exactly_one_group(tie):
     assert set(groups) == {"adamw_decay", "adamw_no_decay"} and len(adamw_only.optimizers) == 1
     assert {names[id(p)] for p in groups["adamw_decay"]["params"]} == {n for n, p in model.named_parameters()
                                                                       if p.ndim == 2}
-    assert all(p.ndim == 1 for p in groups["adamw_no_decay"]["params"]) and groups["adamw_no_decay"]["weight_decay"] == 0
+    no_decay = groups["adamw_no_decay"]
+    assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
-def test_state_round_trip_is_bit_identical(optimizer):
+def test_state_round_trip_is_bit_identical(optimizer, tiny_model):
     """Catches state lost or mangled by a checkpoint: a resumed run must take exactly the same next steps."""
     cfg = TrainConfig(optimizer=optimizer)
     model = tiny_model()
@@ -170,7 +173,7 @@ def test_state_round_trip_is_bit_identical(optimizer):
         other.load_state_dict(state)
 
 
-def test_lr_multiplier_scales_both_parts():
+def test_lr_multiplier_scales_both_parts(tiny_model):
     """Catches a schedule that reaches only one optimizer or ignores initial_lr."""
     cfg = TrainConfig(learning_rate=1e-3, muon_lr=0.05)
     deltas = []
@@ -191,7 +194,7 @@ def test_lr_multiplier_scales_both_parts():
         torch.testing.assert_close(quarter, 0.25 * full, rtol=1e-5, atol=3e-7, msg=name)
 
 
-def test_grad_scaler_unscales_and_skips_both_parts():
+def test_grad_scaler_unscales_and_skips_both_parts(tiny_model):
     """Catches a GradScaler that misses one part: finite steps match unscaled ones, an inf skips everything."""
     model = tiny_model()
     ref_model = copy.deepcopy(model)
@@ -260,15 +263,10 @@ def test_distributed_spread_matches_single_process(tmp_path):
         torch.testing.assert_close(a, s, rtol=0, atol=1e-6)  # bit-identical here; BLAS blocking may vary
 
 
-def test_found_inf_skips_both_parts_bit_identically():
+def test_found_inf_skips_both_parts_bit_identically(tiny_model):
     """A step flagged non-finite on the device must leave weights and all optimizer state exactly as they were
     (a NaN that leaked into a momentum buffer or Adam moment would poison every later step)."""
-    import copy
-    from config import ModelConfig, TrainConfig
-    from modern_llm import Transformer
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, max_seq_len=16))
+    model = tiny_model()
     opt = build_optimizer(model, TrainConfig())
     ids = torch.randint(0, 64, (2, 17))
 

@@ -1,4 +1,4 @@
-"""Tests of prepare_data.py: sources, tokenizer, cache, splits, batches, chat masks and bad input.
+"""Tests of prepare_data.py: sources, cache, splits, batches, chat masks and bad input.
 
 Run: python -m pytest -q tests/test_prepare_data.py
 """
@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
+from tokenizer import IM_END  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
@@ -154,7 +155,7 @@ def test_chat_jsonl_masks_cover_exactly_the_assistant_tokens(tmp_path):
     data = prepare(config(tmp_path, [write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])]))
     assert data.meta["has_masks"]
     tok = Tokenizer.from_file(data.tokenizer_path)
-    im_end = tok.token_to_id(pd.IM_END)
+    im_end = tok.token_to_id(IM_END)
     # Independently: each assistant turn is its content's tokens followed by <|im_end|>.
     expected = [tuple(tok.encode(m["content"], add_special_tokens=False).ids + [im_end])
                 for c in convs for m in c if m["role"] == "assistant"]
@@ -180,43 +181,6 @@ def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
         assert y[row].tolist() == np.where(mask[s + 1:s + SEQ + 1] == 1, nxt, -100).tolist()
 
 
-def test_chat_template_matches_renderer_and_transformers_tokenization(tmp_path):
-    """Prevents the exported CHAT_TEMPLATE drifting from the renderer, and generation prompts that are not a
-    prefix of what training saw."""
-    data = prepare(config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()])]))
-    tok = pd.load_tokenizer(data.tokenizer_path)
-    assert tok.eos_token == pd.EOT_TOKEN
-    msgs = conversations()[5]
-    text = tok.apply_chat_template(msgs, tokenize=False)
-    ids, mask = pd.render_chat(tok, msgs)
-    assert tok.decode(ids, skip_special_tokens=False) == text
-    # Independently, from character offsets: learned = tokens inside an assistant's content + <|im_end|>.
-    spans, pos = [], 0
-    for m in msgs:
-        start = text.index(pd.IM_START + m["role"] + "\n", pos) + len(pd.IM_START + m["role"] + "\n")
-        pos = start + len(m["content"]) + len(pd.IM_END)
-        if m["role"] == "assistant":
-            spans.append((start, pos))
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert enc["input_ids"] == ids
-    assert mask == [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
-    prompt = pd.chat_prompt_ids(tok, msgs[:-1])
-    assert tok.decode(prompt, skip_special_tokens=False) == tok.apply_chat_template(
-        msgs[:-1], tokenize=False, add_generation_prompt=True)
-    assert ids[:len(prompt)] == prompt
-
-
-@pytest.mark.parametrize("kind", ["bpe", "wordpiece", "unigram"])
-def test_decode_of_encode_gives_back_the_text(tmp_path, kind):
-    """Prevents a tokenizer type that loses whitespace, bytes or characters."""
-    texts = text_corpus(tmp_path / "corpus")
-    data = prepare(config(tmp_path, [tmp_path / "corpus"], tokenizer_type=kind))
-    tok = pd.load_tokenizer(data.tokenizer_path)
-    assert len(tok) <= VOCAB
-    for text in list(texts.values())[:4] + ["tabs\tand\r\nCRLF  double  spaces \u00e9\u4e2d\U0001f600 \x00\n"]:
-        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-
-
 # ----------------------------------------------------------------------------- cache
 
 def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, monkeypatch):
@@ -229,8 +193,8 @@ def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, m
         raise AssertionError("tokenized again")
 
     with monkeypatch.context() as m:
-        m.setattr(pd, "_encode_segments", no_tokenizing)
-        m.setattr(pd, "_new_tokenizer", no_tokenizing)
+        m.setattr(pd, "encode_segments", no_tokenizing)
+        m.setattr(pd, "train_tokenizer", no_tokenizing)
         again = prepare(cfg)
     assert again.path == first.path and again.meta == first.meta
     path = tmp_path / "corpus" / "doc1.md"
@@ -244,7 +208,7 @@ def test_existing_tokenizer_is_used_not_trained(tmp_path, monkeypatch):
     model's embedding being accepted."""
     text_corpus(tmp_path / "corpus")
     trained = prepare(config(tmp_path, [tmp_path / "corpus"]))
-    monkeypatch.setattr(pd, "_new_tokenizer", lambda *a: pytest.fail("trained a tokenizer"))
+    monkeypatch.setattr(pd, "train_tokenizer", lambda *a: pytest.fail("trained a tokenizer"))
     cfg = config(tmp_path, [tmp_path / "corpus"], tokenizer=os.path.dirname(trained.tokenizer_path))
     reused = prepare(cfg)
     assert reused.path != trained.path

@@ -13,26 +13,30 @@ import pytest
 import torch
 
 import checkpoint as ckpt_io
+import distributed
 import gpu_training_optimized as trainer
-from config import TrainConfig
+from config import Config, TrainConfig
 from modern_llm import Transformer
+from monitor import read_metrics as read_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def argv_for(corpus, run_dir, *extra):
-    return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
-            "--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-            "--num_key_value_heads", "2", "--max_seq_len", "64", "--micro_batch_size", "4", "--compile", "off",
-            "--warmup_steps", "2", "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
+@pytest.fixture(scope="module")
+def argv_for(tiny_flags):
+    """Trainer arguments for the tiny model on a corpus fixture, into run_dir, then `extra`."""
+    def make(corpus, run_dir, *extra):
+        return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir",
+                str(run_dir), *tiny_flags, "--micro_batch_size", "4", "--compile", "off", "--warmup_steps", "2",
+                "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
+    return make
 
 
 def read_metrics(run_dir, kind="train"):
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [r for r in map(json.loads, f) if r["kind"] == kind]
+    return read_all(str(run_dir), kind)
 
 
-def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path):
+def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path, argv_for):
     """The main command must train, evaluate and leave a checkpoint the generator can load, with every field
     promised in metrics.jsonl and bits per byte computed from meta.json."""
     run = tmp_path / "run"
@@ -47,9 +51,12 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path)
     assert state["step"] == 12 and state["tokens"] == 12 * 4 * 64
     train = read_metrics(run)
     assert [r["step"] for r in train] == list(range(1, 13))
-    for field in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "steps_per_s", "mfu", "ram_gb",
-                  "gpu_util", "vram_gb"):
+    for field in ("loss", "lr_scale", "lr_muon", "lr_adamw", "grad_norm", "tokens", "tokens_per_s", "steps_per_s",
+                  "mfu", "ram_gb", "gpu_util", "vram_gb"):
         assert field in train[0]
+    # Both parts' rates are logged by name, each its own peak times the schedule (tiny: Muon 0.02, AdamW 3e-3).
+    assert train[0]["lr_muon"] == pytest.approx(0.02 * train[0]["lr_scale"])
+    assert train[0]["lr_adamw"] == pytest.approx(3e-3 * train[0]["lr_scale"])
     assert train[0]["tokens_per_s"] is None  # the first step (compilation) is not timed, not reported as 0
     assert all(r["tokens_per_s"] > 0 and r["steps_per_s"] > 0 for r in train[1:])
     assert train[-1]["loss"] < train[0]["loss"]
@@ -76,29 +83,37 @@ class FixedBatches:
         return self.x[sl], self.y[sl]
 
 
-def test_accumulating_micro_batches_equals_one_large_batch():
+def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
     """k micro-batches of b must update the weights like one batch of k*b (loss scaled by 1/k)."""
-    from config import ModelConfig
-    from muon_optimizer import build_optimizer
-    import distributed
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_seq_len=16)
+    model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
     ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
     results = []
     for micro, accum in ((8, 1), (2, 4)):
-        torch.manual_seed(0)
-        model = Transformer(cfg)
-        t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", warmup_steps=0)
-        opt = build_optimizer(model, t)
-        trainer.set_lr(opt, 1.0)
-        loss, norm, ok = trainer.train_step(model, opt, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
-                                            trainer.autocast(torch.device("cpu"), None), None, False,
+        t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", warmup_steps=0,
+                        compile="off", precision="fp32")
+        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        trainer.set_lr(b.opt, 1.0)
+        loss, norm, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
                                             distributed.setup())
-        results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
+        results.append((loss, norm, [p.detach().clone() for p in b.raw_model.parameters()]))
     (l1, n1, p1), (l2, n2, p2) = results
     assert torch.allclose(l1, l2, atol=1e-6) and torch.allclose(n1, n2, rtol=1e-4)
     for a, b in zip(p1, p2):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkeypatch, argv_for):
+    """config.json must hold the batch the run really used: it was once written before --auto_micro_batch
+    changed it, so `--config run/config.json` reproduced another run."""
+    def halve(raw_model, cfg, amp, dist):  # what the CUDA search does when the whole batch does not fit
+        cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 2, 2
+    monkeypatch.setattr(trainer, "fit_micro_batch", halve)
+    run = tmp_path / "run"
+    argv = argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3, "--auto_micro_batch", "true")
+    assert trainer.main(argv) == 0
+    saved = json.load(open(run / "config.json"))["train"]
+    assert (saved["micro_batch_size"], saved["grad_accum_steps"]) == (2, 2)
+    assert read_metrics(run)[-1]["tokens"] == 3 * 2 * 2 * 64  # steps x micro-batch x accumulation x context
 
 
 def test_lr_schedule_warmup_cosine_floor_and_restarts():
@@ -112,7 +127,7 @@ def test_lr_schedule_warmup_cosine_floor_and_restarts():
     assert trainer.lr_multiplier(35, r) == pytest.approx(1.0) and trainer.lr_multiplier(34, r) < 0.2
 
 
-def test_resume_gives_bit_identical_losses(corpus, tmp_path):
+def test_resume_gives_bit_identical_losses(corpus, tmp_path, argv_for):
     """N steps, then --resume for N more, must log exactly the losses of 2N steps in one run."""
     full = tmp_path / "full"
     common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8)
@@ -142,7 +157,7 @@ def test_resume_gives_bit_identical_losses(corpus, tmp_path):
     assert len(resumed) == 16 and resumed == reference  # bit-identical, not approximately equal
 
 
-def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path):
+def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path, argv_for):
     """A real SIGTERM mid-run must leave a loadable checkpoint, exit 0, and print how to resume."""
     run = tmp_path / "run"
     args = argv_for(corpus, run, "--max_steps", 400, "--eval_interval", 400, "--save_interval", 400)
@@ -163,7 +178,8 @@ def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path):
     ckpt_io.load_weights(ckpt, model)
 
 
-def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpus, tmp_path, monkeypatch, capsys):
+def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpus, tmp_path, monkeypatch, capsys,
+                                                                          argv_for):
     """Injected NaN losses must not reach the weights; enough consecutive ones stop the run with exit 1."""
     run = tmp_path / "run"
     original = Transformer.forward
@@ -187,7 +203,7 @@ def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpu
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_corrupt_checkpoint_gives_clear_error_and_previous_still_loads(corpus, tmp_path, capsys):
+def test_corrupt_checkpoint_gives_clear_error_and_previous_still_loads(corpus, tmp_path, capsys, argv_for):
     """A truncated weights file must be reported by path, and the checkpoint before it must still load."""
     run = tmp_path / "run"
     trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4))
@@ -208,7 +224,7 @@ def test_corrupt_checkpoint_gives_clear_error_and_previous_still_loads(corpus, t
     assert "step_000002" in err  # names the earlier checkpoint to fall back to
 
 
-def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys):
+def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys, argv_for):
     """Resuming with another shape must name the differing field instead of failing inside load_state_dict."""
     run = tmp_path / "run"
     trainer.main(argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3))
@@ -218,7 +234,7 @@ def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys):
     assert "hidden_size" in capsys.readouterr().err
 
 
-def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path):
+def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path, argv_for):
     """--init_from must load the weights (not just the shape): the new run's first loss is the old run's level,
     far below a fresh start."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -230,7 +246,7 @@ def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path):
     assert ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(second)))["step"] == 3
 
 
-def test_wandb_logs_offline_into_the_run_folder(corpus, tmp_path, monkeypatch):
+def test_wandb_logs_offline_into_the_run_folder(corpus, tmp_path, monkeypatch, argv_for):
     """--wandb must open an offline run under the run folder (no account, no network) and log every
     metrics.jsonl value at its step; a stand-in wandb module records the calls."""
     import types

@@ -1,5 +1,6 @@
-"""Tests of export_hf.py: our checkpoints as transformers folders and back, with equal logits, equal greedy
-generations, an equal tokenizer and chat template, and clear refusals of what our model cannot represent."""
+"""Tests of hf_format.py through export_hf.py, its command line: our checkpoints as transformers folders and
+back, with equal logits, equal greedy generations, an equal tokenizer and chat template, clear refusals of
+what our model cannot represent, and the benchmarks' transformers twins computing our function."""
 
 import json
 import os
@@ -14,8 +15,10 @@ from tokenizers import Tokenizer
 import checkpoint as ckpt_io
 import export_hf
 import prepare_data
-from config import DataConfig, ModelConfig
+from config import DataConfig
+from hf_format import hf_twin, is_hf_folder, load_hf_folder
 from modern_llm import Transformer
+from tokenizer import chat_prompt_ids, render_chat
 
 VOCAB, SEQ = 384, 64
 TEXTS = ["def main():\n    return 0\n", "  spaces\tand tabs\n\n", "<|im_start|>user\nhi<|im_end|>\n",
@@ -37,10 +40,11 @@ def data(tmp_path_factory):
     return prepare_data.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
 
 
-def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_seq_len=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5)
-    return ModelConfig(**{**base, **kw})
+@pytest.fixture(scope="module")
+def tiny(tiny_config):
+    """The tiny model at this file's vocabulary, with rope_theta and eps away from every library's default."""
+    return lambda **kw: tiny_config(**{"vocab_size": VOCAB, "max_seq_len": SEQ, "rope_theta": 5000.0,
+                                       "rms_norm_eps": 1e-5, **kw})
 
 
 def train(model: Transformer, data, steps: int, seed: int = 0) -> Transformer:
@@ -134,7 +138,7 @@ def edit_json(path, **changes):
 
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
-def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_norm, tied):
+def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_norm, tied, tiny):
     """The exported folder must load in transformers as the right architecture and compute our function exactly
     (a wrong name map, norm order, eps, head_dim, RoPE layout or tie flag changes the logits), and HF's cached
     greedy generate must produce our tokens (catches position or cache mismatches that a full forward hides)."""
@@ -145,7 +149,7 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
     assert config["architectures"] == ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"]
     assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json", "generation_config.json",
                                        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    assert export_hf.is_hf_folder(str(out))
+    assert is_hf_folder(str(out))
     theirs = load_theirs(out)
     assert theirs.config.tie_word_embeddings == tied and theirs.config.head_dim == 16
     assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == tied
@@ -164,7 +168,7 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
         torch.testing.assert_close(torch.cat(generated.logits), my_logits, rtol=1e-5, atol=2e-5)
 
 
-def test_exported_tokenizer_matches_ours(data, tmp_path):
+def test_exported_tokenizer_matches_ours(data, tmp_path, tiny):
     """AutoTokenizer on the export must encode and decode like our tokenizer, special tokens included, and its
     chat template must render the text prepare_data trains on; eos and pad must be the tokens we chose."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -179,9 +183,9 @@ def test_exported_tokenizer_matches_ours(data, tmp_path):
     eot, im_end = ours.token_to_id("<|endoftext|>"), ours.token_to_id("<|im_end|>")
     assert GenerationConfig.from_pretrained(str(out)).eos_token_id == [im_end, eot]
 
-    ids, _ = prepare_data.render_chat(ours, CHAT)
+    ids, _ = render_chat(ours, CHAT)
     assert theirs.apply_chat_template(CHAT, tokenize=False) == ours.decode(ids, skip_special_tokens=False)
-    prompt = prepare_data.chat_prompt_ids(ours, CHAT)
+    prompt = chat_prompt_ids(ours, CHAT)
     rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert rendered == ours.decode(prompt, skip_special_tokens=False)
     assert theirs(rendered)["input_ids"] == prompt
@@ -199,16 +203,16 @@ def test_import_train_export_round_trip(data, tmp_path, model_type):
                   torch_dtype="float32")
     else:
         assert (folder / "model.safetensors.index.json").is_file()
-    assert export_hf.is_hf_folder(str(folder))
+    assert is_hf_folder(str(folder))
     assert export_hf.main(["--import", str(folder), str(tmp_path / "run")]) == 0
     ckpt = ckpt_io.latest_checkpoint(str(tmp_path / "run"))
-    assert not export_hf.is_hf_folder(ckpt) and not export_hf.is_hf_folder(str(tmp_path / "run"))
+    assert not is_hf_folder(ckpt) and not is_hf_folder(str(tmp_path / "run"))
     ours = load_ours(ckpt)
     assert ours.config.qk_norm == (model_type == "qwen3") and ours.config.rope_theta == 20000.0
     assert ckpt_io.load_trainer_state(ckpt)["step"] == 0
     assert_same_logits(ours, theirs)
 
-    cfg, state, tokenizer = export_hf.load_hf_folder(str(folder))  # the generator's direct path
+    cfg, state, tokenizer = load_hf_folder(str(folder))  # the generator's direct path
     assert cfg == ours.config and tokenizer == str(folder / "tokenizer.json")
     torch.testing.assert_close(state, ckpt_io.weights_state_dict(ours))
 
@@ -244,7 +248,7 @@ def test_unrepresentable_folder_is_refused(qwen3_folder, tmp_path, capsys, chang
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
-def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys):
+def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys, tiny):
     """An existing folder must not be overwritten without --overwrite; with it, the new export replaces it
     whole and no temporary folder is left behind; bf16 export stores bf16 tensors and says so."""
     save(Transformer(tiny()), data, tmp_path / "run", 1)
@@ -260,3 +264,22 @@ def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys):
     assert read_json(out / "config.json")["dtype"] == "bfloat16"
     from safetensors.torch import load_file
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
+def test_benchmark_twins_compute_our_function(data, qk_norm, tied, tiny):
+    """The transformers twins the benchmarks time must be the same network as ours, rope_theta included (three
+    hand-written twin configs once drifted on it, so the benchmarks compared different models); the training
+    twin's loss must be our loss on the same labels."""
+    import bench
+    import bench_generate
+    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied, rope_theta=777.0)), data, steps=2)
+    twin = hf_twin(model.config, model.state_dict()).eval()
+    assert twin.config.rope_parameters["rope_theta"] == 777.0 == model.config.rope_theta
+    assert_same_logits(model, twin)
+    assert_same_logits(model, bench_generate.to_hf(model))
+    ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids[:, :-1], labels=ids[:, 1:])[1]
+        theirs = bench.TwinForTraining(twin)(ids[:, :-1], labels=ids[:, 1:])[1]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)

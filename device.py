@@ -1,0 +1,90 @@
+"""Where and in what precision the model runs: device choice, autocast dtype, torch.compile helpers.
+
+Every script picks its device and precision here, so training, generation and the benchmarks agree:
+CUDA, then Apple MPS, then CPU; bf16 where the hardware computes it natively, else fp16 with loss
+scaling on CUDA and fp32 elsewhere. Nothing here knows about models or data.
+"""
+
+import contextlib
+
+import torch
+
+from config import ConfigError
+
+# Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling", None: "fp32"}
+
+
+def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """CUDA, then Apple MPS, then CPU for "auto"; the named device otherwise (CUDA: this local rank's GPU)."""
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if name == "auto":
+        name = "cuda" if cuda else "mps" if mps else "cpu"
+    if (name == "cuda" and not cuda) or (name == "mps" and not mps):
+        raise ConfigError(f"device={name} is not available on this machine, use --device auto or cpu")
+    if name == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX), so bf16 autocast is faster."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cuda_has_native_bf16() -> bool:
+    """True on GPUs with bf16 tensor cores (Ampere and newer); older ones only emulate it, slowly."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def pick_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for training, or None for plain fp32."""
+    if precision == "auto":
+        if device.type == "cuda":
+            precision = "bf16" if cuda_has_native_bf16() else "fp16"
+        else:
+            precision = "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"precision=fp16 needs a CUDA device (found {device.type}), use bf16 or fp32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """The dtype generation keeps weights in: bf16 on GPUs that compute it natively, else fp32."""
+    return torch.bfloat16 if device.type == "cuda" and cuda_has_native_bf16() else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """An autocast context for dtype, or a no-op one for fp32."""
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
+    """Whether a compile mode captures CUDA graphs on this device (it never does off CUDA)."""
+    return mode in CUDA_GRAPH_MODES and device.type == "cuda"
+
+
+def compile_model(model: torch.nn.Module, mode: str):
+    """torch.compile with fixed shapes, or the model itself when compiling is off."""
+    if mode == "off":
+        return model
+    # dynamic=False: every batch has the same shape, so one static graph and no recompiles.
+    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def is_compile_failure(e: BaseException) -> bool:
+    """Errors raised by the compiler stack itself (no C compiler, unsupported backend), not by our code."""
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def synchronize(device: torch.device):
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU work is already done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

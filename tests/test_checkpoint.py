@@ -1,0 +1,111 @@
+"""Tests of checkpoint.py: atomic writes, LATEST, read_model over every kind of folder, one-line refusals
+of broken files, and loading without unpickling."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import checkpoint as ckpt_io
+import export_hf
+import gpu_training_optimized as trainer
+from config import CheckpointError
+from conftest import CODE
+from modern_llm import Transformer
+
+
+def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_checkpoint, tmp_path):
+    """The same weights, shape and tokenizer must come back whichever folder names the model."""
+    run = os.path.dirname(os.path.dirname(tiny_checkpoint))
+    export_hf.export(tiny_checkpoint, str(tmp_path / "hf"))
+    found = [ckpt_io.read_model(p) for p in (tiny_checkpoint, run, str(tmp_path / "hf"))]
+    assert [f.path for f in found] == [tiny_checkpoint, tiny_checkpoint, str(tmp_path / "hf")]
+    for f in found[1:]:
+        assert f.config == found[0].config
+        assert f.state.keys() == found[0].state.keys() and "lm_head.weight" not in f.state  # tied: stored once
+        for k in f.state:
+            assert torch.equal(f.state[k], found[0].state[k]), k
+        theirs, ours = (Tokenizer.from_file(x.tokenizer_path) for x in (f, found[0]))
+        assert theirs.get_vocab() == ours.get_vocab()
+        assert theirs.encode(CODE).ids == ours.encode(CODE).ids
+    assert ckpt_io.read_model(tiny_checkpoint, max_seq_len=32).config.max_seq_len == 32
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("truncate", ["model.safetensors", "corrupt"]),
+    ("no_weights", ["model.safetensors", "missing"]),
+    ("bad_config", ["model_config.json", "not a valid model config"]),
+    ("other_shape", ["model.safetensors", "wrong shape"]),
+], ids=["truncated", "no-weights", "bad-config", "other-shape"])
+def test_broken_checkpoints_are_refused_naming_the_file(tiny_checkpoint, tmp_path, damage, words):
+    """Every way a checkpoint breaks gives a CheckpointError naming the file, never a raw traceback from
+    safetensors, json or load_state_dict (read through the run folder, as the generator does by default)."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    ckpt = ckpt_io.latest_checkpoint(str(run))
+    weights, config = os.path.join(ckpt, "model.safetensors"), os.path.join(ckpt, "model_config.json")
+    if damage == "truncate":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif damage == "no_weights":
+        os.remove(weights)
+    elif damage == "bad_config":
+        with open(config, "w") as f:
+            f.write("{not json")
+    else:
+        values = json.load(open(config))
+        with open(config, "w") as f:
+            json.dump({**values, "hidden_size": 128, "head_dim": 0, "intermediate_size": 0}, f)
+    with pytest.raises(CheckpointError) as e:
+        ckpt_io.read_model(str(run))
+    message = str(e.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_corrupt_init_from_is_one_error_line_and_exit_2(tiny_checkpoint, tmp_path, capsys):
+    """--init_from with corrupt weights once ended in a safetensors traceback (it read the file itself)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad")
+    with pytest.raises(SystemExit) as e:
+        trainer.run(["--preset", "tiny", "--init_from", str(bad), "--run_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ")
+    assert "model.safetensors" in err[0] and "corrupt" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_save_is_atomic_latest_moves_last_and_pruning_keeps_the_newest(tiny_checkpoint, tmp_path):
+    """LATEST must always name a complete folder; leftovers of an interrupted write are cleared; only the newest
+    `keep` checkpoints stay."""
+    found = ckpt_io.read_model(tiny_checkpoint)
+    run = str(tmp_path / "run")
+    os.makedirs(os.path.join(run, "checkpoints", ".tmp_step_000001"))  # an interrupted earlier write
+    for step in (1, 2, 3):
+        path = ckpt_io.save_checkpoint(run, step, found.state, found.config, found.tokenizer_path,
+                                       {"step": step}, keep=2)
+        assert ckpt_io.latest_checkpoint(run) == path
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["LATEST", "step_000002", "step_000003"]
+    assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(run)] == ["step_000002", "step_000003"]
+    model = Transformer(found.config)
+    ckpt_io.load_weights(ckpt_io.latest_checkpoint(run), model)
+    assert torch.equal(model.embed_tokens.weight, found.state["embed_tokens.weight"])
+
+
+class Payload:
+    """An object whose unpickling would run code: torch.load(weights_only=True) must refuse it."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_trainer_state_is_read_without_unpickling_code(tiny_checkpoint, tmp_path):
+    """A hostile trainer_state.pt must be refused with a CheckpointError, not executed."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    torch.save({"step": 1, "evil": Payload()}, ckpt / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="trainer_state.pt"):
+        ckpt_io.load_trainer_state(str(ckpt))

@@ -1,0 +1,71 @@
+"""Tests of the project's shape (DESIGN.md): imports flow one way, nothing in the core imports a tool, each
+format has one reader, and no file outgrows a screenful of screens."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The core in import order: a module may import only the ones before it. The three of the second line
+# share a rank: none of them imports another.
+CORE = ["config",
+        "device", "distributed", "monitor",
+        "tokenizer", "prepare_data", "modern_llm", "sampling", "muon_optimizer", "hf_format", "checkpoint",
+        "gpu_training_optimized", "text_generator"]
+PEERS = {"device", "distributed", "monitor"}
+TOOLS = ["export_hf", "bench", "bench_generate", "compare_optimizers"]
+MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
+
+
+def project_imports(module: str) -> set[str]:
+    """The project modules that module.py imports, at any depth of the file."""
+    with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & set(CORE + TOOLS)
+
+
+def test_every_python_file_is_listed():
+    """A new top-level module must take its place in the flow (and in README's table)."""
+    found = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    assert found == set(CORE + TOOLS)
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_flow_one_way(module):
+    """No import goes back up the flow (a cycle, or the model importing the optimizer) and none reaches a tool
+    (the trainer and generator once loaded weights through the export tool)."""
+    rank = CORE.index(module)
+    for imported in project_imports(module):
+        assert imported not in TOOLS, f"{module} imports the tool {imported}"
+        assert CORE.index(imported) < rank, f"{module} imports {imported}, which comes after it"
+        assert not (module in PEERS and imported in PEERS), f"{module} imports its peer {imported}"
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_tools_sit_on_the_core_only(module):
+    assert not project_imports(module) & set(TOOLS) - {module}
+
+
+def test_weights_and_metrics_have_one_reader():
+    """safetensors files are read only by checkpoint.py (and hf_format.py for Hugging Face folders, on its
+    behalf); metrics.jsonl only by monitor.py."""
+    for module in CORE + TOOLS:
+        with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+            source = f.read()
+        if module not in ("checkpoint", "hf_format"):
+            assert "load_file(" not in source and "safe_open(" not in source, module
+        if module != "monitor":
+            assert '"metrics.jsonl"' not in source, module
+
+
+@pytest.mark.parametrize("module", CORE + TOOLS)
+def test_files_stay_small(module):
+    with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+        assert len(f.readlines()) <= MAX_LINES, f"{module}.py: move one self-contained concern into its own module"

@@ -1,0 +1,171 @@
+"""The tokenizer format: special tokens, the chat template, loss-mask segments, training and loading.
+
+Every tokenizer here is byte-level (any text encodes, decoding is lossless) and knows three special
+tokens: <|endoftext|> between documents, <|im_start|> and <|im_end|> around chat turns (ChatML).
+prepare_data.py trains one from the texts it hands over; load_tokenizer() is the one way to open a
+tokenizer.json for generation or export, with eos, pad and the chat template set.
+"""
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from config import DataError
+
+EOT_TOKEN = "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOT_TOKEN, IM_START, IM_END]  # trained tokenizers give them ids 0, 1, 2
+ROLES = ("system", "user", "assistant")
+# The one chat format (ChatML), for transformers' apply_chat_template; chat_segments renders the same text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+BYTE_ALPHABET = 256  # every byte-level tokenizer keeps one token per byte, so any text encodes
+MIN_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+TOKENIZER_FILE = "tokenizer.json"
+
+
+# ----------------------------------------------------------------------------- files
+
+def tokenizer_file(path: str) -> str:
+    """The tokenizer.json that a path names (the file or its folder)."""
+    file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise DataError(f"tokenizer {path} not found, pass a tokenizer.json file or a folder holding one")
+    return file
+
+
+def read_tokenizer(path: str) -> Tokenizer:
+    """The tokenizers.Tokenizer of a tokenizer.json (or its folder); DataError when it is not one."""
+    file = tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise DataError(f"{file} is not a tokenizers JSON file ({str(e).splitlines()[0]}), "
+                        "pass a tokenizer.json saved by the tokenizers library") from None
+
+
+def load_tokenizer(path: str):
+    """A tokenizer.json (or its folder) as a transformers fast tokenizer: <|endoftext|> as eos and pad where
+    the vocabulary has it, and the chat template."""
+    from transformers import PreTrainedTokenizerFast  # slow import, needed only by its callers
+
+    raw = read_tokenizer(path)
+    eot = EOT_TOKEN if raw.token_to_id(EOT_TOKEN) is not None else None
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eot, pad_token=eot)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def stop_ids(tokenizer, chat: bool = False) -> list[int]:
+    """Ids that end a generation: <|endoftext|>, and <|im_end|> in chat."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[n] for n in ([EOT_TOKEN, IM_END] if chat else [EOT_TOKEN]) if n in vocab]
+
+
+def can_chat(tokenizer) -> bool:
+    """Whether the tokenizer has the ChatML tokens a chat-trained model needs."""
+    vocab = tokenizer.get_vocab()
+    return IM_START in vocab and IM_END in vocab
+
+
+# ----------------------------------------------------------------------------- training
+
+def new_tokenizer(kind: str, vocab_size: int):
+    """An untrained byte-level tokenizer of the given kind, and its trainer."""
+    common = dict(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if kind == "bpe":
+        model, trainer = models.BPE(), trainers.BpeTrainer(**common)
+    elif kind == "wordpiece":
+        # No "##" prefix: the byte-level decoder then joins pieces as they are, and decoding stays lossless.
+        model = models.WordPiece(continuing_subword_prefix="")
+        trainer = trainers.WordPieceTrainer(continuing_subword_prefix="", **common)
+    elif kind == "unigram":
+        model, trainer = models.Unigram(), trainers.UnigramTrainer(**common)
+    else:
+        raise DataError(f"tokenizer_type={kind!r} is invalid: choose bpe, wordpiece or unigram")
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, trainer
+
+
+def train_tokenizer(texts, kind: str, vocab_size: int) -> Tokenizer:
+    """A byte-level tokenizer of `kind` trained on an iterable of strings."""
+    tok, trainer = new_tokenizer(kind, vocab_size)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def existing_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+    """A local tokenizer.json, with the special tokens added where it lacks them."""
+    tok = read_tokenizer(path)
+    tok.add_special_tokens(SPECIAL_TOKENS)  # keeps the ids of tokens it already has
+    if tok.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer {path} has {tok.get_vocab_size()} tokens, more than vocab_size={vocab_size}, "
+                        f"pass --vocab_size {tok.get_vocab_size()} or more")
+    return tok
+
+
+# ----------------------------------------------------------------------------- chat format and loss masks
+
+def check_messages(messages, need_assistant: bool = True) -> list:
+    """Raise DataError unless messages is a list of {role, content} with known roles."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise DataError(f"unknown role {role!r}, use one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"a {m['role']} message has no string content")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise DataError("the conversation has no assistant turn, so nothing in it would be learned")
+    return messages
+
+
+def chat_segments(messages) -> list[tuple[str, bool, bool]]:
+    """CHAT_TEMPLATE as (text, learned, is_special) pieces: assistant content and its <|im_end|> are learned."""
+    out = []
+    for m in messages:
+        learned = m["role"] == "assistant"
+        out += [(IM_START, False, True), (m["role"] + "\n", False, False), (m["content"], learned, False),
+                (IM_END, learned, True), ("\n", False, False)]
+    return out
+
+
+def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
+    """Token ids and learned-flags of documents given as segments, with one parallel encode call."""
+    # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
+    texts = [text for segs in docs for text, _, special in segs if not special]
+    # Text that happens to contain "<|endoftext|>" stays text: it must not forge a boundary or a turn.
+    before, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        encoded = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
+    finally:
+        tok.encode_special_tokens = before
+    out = []
+    for segs in docs:
+        ids, mask = [], []
+        for text, learned, special in segs:
+            piece = [tok.token_to_id(text)] if special else next(encoded).ids
+            ids += piece
+            mask += [learned] * len(piece)
+        out.append((ids, mask))
+    return out
+
+
+def render_chat(tok, messages) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation in CHAT_TEMPLATE and its loss mask (True: learned)."""
+    backend = getattr(tok, "backend_tokenizer", tok)  # the Rust tokenizer inside a transformers one
+    return encode_segments(backend, [chat_segments(check_messages(messages, False))])[0]
+
+
+def chat_prompt_ids(tok, messages) -> list[int]:
+    """Token ids of the conversation so far followed by '<|im_start|>assistant\\n', to generate the reply."""
+    prompt = [(IM_START, False, True), ("assistant\n", False, False)]
+    segments = chat_segments(check_messages(messages, False)) + prompt
+    return encode_segments(getattr(tok, "backend_tokenizer", tok), [segments])[0][0]
