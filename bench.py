@@ -17,10 +17,11 @@ import torch
 
 import distributed as dist_utils
 from config import ConfigError, error_exit, parse_config
-from device import PRECISION_NAMES, pick_device, pick_precision, synchronize
+from device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
 from gpu_training_optimized import build, new_model, train_step
 from hf_format import hf_twin
 from monitor import device_report, peak_flops
+from sizing import fill_automatic
 
 
 class FixedBatches:
@@ -108,6 +109,8 @@ def main(argv=None):
         parser.add_argument("--json", default="", help="also write the results to this file")
     cfg, args = parse_config(argv, extra=extra)
     device = pick_device(cfg.train.device)
+    for note in fill_automatic(cfg, machine(device), corpus_bytes=None):  # config.py's automatic fields
+        print(note)
     ours = new_model(cfg, device)
     flops, params = ours.flops_per_token(), ours.num_parameters()
     peak = peak_flops(device)

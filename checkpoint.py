@@ -1,15 +1,19 @@
 """Checkpoints of a run folder: atomic writes, the LATEST pointer, and the project's one reader of weights.
 
-    <run>/checkpoints/step_000500/{model.safetensors, model_config.json, tokenizer.json, trainer_state.pt}
-    <run>/checkpoints/LATEST   names the newest complete checkpoint folder
+    <run>/checkpoints/step_000500/{model.safetensors, model_config.json, tokenizer.json, trainer_state.pt,
+                                   manifest.json}
+    <run>/checkpoints/LATEST   names the newest complete checkpoint folder; BEST the one of lowest val loss
 
-A checkpoint is written to a hidden temporary folder, flushed, renamed into place, and only then
-does LATEST move, so a crash at any moment leaves the previous checkpoint usable. read_model() opens
+A checkpoint is written to a hidden temporary folder, its manifest last, flushed, renamed into place,
+and only then does LATEST move, so a crash at any moment leaves the previous checkpoint usable (and a
+lost LATEST is found again by scanning for complete folders). read_model() opens
 a checkpoint, a run folder (its newest checkpoint) or a Hugging Face folder, never unpickling anything.
 """
 
 import json
+import math
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -23,6 +27,8 @@ from hf_format import check_weights, expected_shapes, is_hf_folder, load_hf_fold
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
+MANIFEST = "manifest.json"  # written last: the step, its validation loss and every file's size
+STEP_FOLDER = re.compile(r"step_(\d{6,})")
 HOW_TO_MAKE_ONE = "train one with: python gpu_training_optimized.py"
 
 
@@ -54,8 +60,9 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
 
 
 def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
-                    trainer_state: dict, keep: int) -> str:
-    """Write checkpoint `step` atomically, point LATEST at it, keep the newest `keep`; return its folder."""
+                    trainer_state: dict, keep: int, val_loss: float | None = None) -> str:
+    """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),
+    keep the newest `keep` and the best; return its folder."""
     root = os.path.join(run_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     name = f"step_{step:06d}"
@@ -67,6 +74,9 @@ def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelCon
         json.dump(asdict(model_config), f, indent=2)
     shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
     torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+    sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
+        json.dump({"step": step, "val_loss": val_loss, "files": sizes}, f, indent=1)
     for file in os.listdir(tmp):
         with open(os.path.join(tmp, file), "rb") as f:
             os.fsync(f.fileno())
@@ -76,18 +86,66 @@ def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelCon
     os.rename(tmp, final)
     _fsync_dir(root)
     _write_text_atomic(os.path.join(root, "LATEST"), name + "\n")
-    _prune(root, keep)
+    best = best_checkpoint(run_dir)
+    if val_loss is not None and (best is None or val_loss < _manifest(best).get("val_loss", math.inf)):
+        _write_text_atomic(os.path.join(root, "BEST"), name + "\n")
+    _prune(run_dir, keep)
     return final
 
 
-def _prune(root: str, keep: int):
-    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted writes."""
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.isdir(os.path.join(root, d)))
-    for d in done[:-keep]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+def _prune(run_dir: str, keep: int):
+    """Delete all but the newest `keep` complete checkpoints and the best, and leftovers of interrupted writes."""
+    root, best = os.path.join(run_dir, "checkpoints"), best_checkpoint(run_dir)
+    for path in list_checkpoints(run_dir)[:-keep]:
+        if path != best:
+            shutil.rmtree(path, ignore_errors=True)
     for d in os.listdir(root):
         if d.startswith(".tmp_"):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def _manifest(ckpt: str) -> dict:
+    """A checkpoint's manifest.json ({} when it has none, or an unreadable one)."""
+    try:
+        with open(os.path.join(ckpt, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def incomplete(ckpt: str) -> str | None:
+    """What is missing from a checkpoint folder, or None when every file is there at its written size (by the
+    manifest, written last; checkpoints from before manifests need their four files)."""
+    files = _manifest(ckpt).get("files")
+    if not files:
+        if os.path.exists(os.path.join(ckpt, MANIFEST)):
+            return f"{MANIFEST} is unreadable"
+        needed = (WEIGHTS, MODEL_CONFIG, TOKENIZER, TRAINER_STATE)
+        missing = [f for f in needed if not os.path.isfile(os.path.join(ckpt, f))]
+        return f"{', '.join(missing)} missing" if missing else None
+    for name, size in files.items():
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} holds {os.path.getsize(path):,} of its {size:,} bytes"
+    return None
+
+
+def is_complete(ckpt: str) -> bool:
+    return incomplete(ckpt) is None
+
+
+def checkpoint_step(ckpt: str) -> int:
+    """The step in a checkpoint folder's name (step_000500 -> 500)."""
+    return int(STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))).group(1))
+
+
+def holds_checkpoints(run_dir: str) -> bool:
+    """Whether the run folder has any checkpoint folder at all, complete or not, LATEST or not."""
+    root = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(root) and any(STEP_FOLDER.fullmatch(d) for d in os.listdir(root))
 
 
 def list_checkpoints(run_dir: str) -> list[str]:
@@ -95,28 +153,66 @@ def list_checkpoints(run_dir: str) -> list[str]:
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
-    return [os.path.join(root, d) for d in sorted(os.listdir(root))
-            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, WEIGHTS))]
+    found = [os.path.join(root, d) for d in os.listdir(root) if STEP_FOLDER.fullmatch(d)]
+    return sorted((p for p in found if is_complete(p)), key=checkpoint_step)
+
+
+def _pointer(run_dir: str, name: str) -> str | None:
+    """The complete checkpoint folder that checkpoints/<name> names; None if it is missing, unreadable, or
+    names anything but a step folder beside it (a pointer is never followed out of the run folder)."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", name), "rb") as f:
+            target = f.read(64).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.join(run_dir, "checkpoints", target)
+    return path if STEP_FOLDER.fullmatch(target) and is_complete(path) else None
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    """The folder LATEST names, or None when the run has no checkpoint yet."""
+    """The newest complete checkpoint: the one LATEST names, else (LATEST lost or damaged, say by a crash just
+    after a checkpoint's rename) the newest complete folder; None when the run has none."""
+    return _pointer(run_dir, "LATEST") or (list_checkpoints(run_dir) or [None])[-1]
+
+
+def latest_problem(run_dir: str) -> str | None:
+    """Why latest_checkpoint() could not take what LATEST names, in a sentence; None when it could."""
     pointer = os.path.join(run_dir, "checkpoints", "LATEST")
-    if not os.path.isfile(pointer):
+    if _pointer(run_dir, "LATEST") or not holds_checkpoints(run_dir):
         return None
-    with open(pointer, encoding="utf-8") as f:
-        path = os.path.join(run_dir, "checkpoints", f.read().strip())
-    return path if os.path.isdir(path) else None
+    if not os.path.isfile(pointer):
+        return f"{pointer} is missing"
+    try:
+        with open(pointer, "rb") as f:
+            target = f.read(64).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return f"{pointer} is unreadable"
+    if not STEP_FOLDER.fullmatch(target):
+        return f"{pointer} does not name a checkpoint folder of the run"
+    path = os.path.join(run_dir, "checkpoints", target)
+    return f"{path} is incomplete ({incomplete(path) if os.path.isdir(path) else 'the folder is missing'})"
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder from a checkpoint folder, a run folder or its checkpoints/ folder."""
+def best_checkpoint(run_dir: str) -> str | None:
+    """The checkpoint with the lowest validation loss that BEST names; None before the first one."""
+    return _pointer(run_dir, "BEST")
+
+
+def resolve_checkpoint(path: str, best: bool = False) -> str:
+    """A checkpoint folder from a checkpoint folder, a run folder or its checkpoints/ folder; a run's newest
+    complete checkpoint, or with best its best one."""
     if os.path.isfile(os.path.join(path, WEIGHTS)):
         return path
     for run_dir in (path, os.path.dirname(os.path.normpath(path))):
-        found = latest_checkpoint(run_dir)
+        found = best_checkpoint(run_dir) if best else latest_checkpoint(run_dir)
         if found:
             return found
+        if best and list_checkpoints(run_dir):
+            raise CheckpointError(f"{run_dir} has no best checkpoint yet (none was saved at an evaluation), "
+                                  "load its newest without --best")
+        if holds_checkpoints(run_dir):
+            raise CheckpointError(f"{run_dir} holds no complete checkpoint ({latest_problem(run_dir)}), "
+                                  f"{HOW_TO_MAKE_ONE}")
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}, {HOW_TO_MAKE_ONE}")
     raise CheckpointError(f"{path} holds no checkpoint (no {WEIGHTS} and no checkpoints/LATEST), {HOW_TO_MAKE_ONE}")
@@ -171,14 +267,15 @@ class ModelFiles:
     path: str  # the checkpoint or Hugging Face folder read
 
 
-def read_model(path: str, max_seq_len: int = 0) -> ModelFiles:
+def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFiles:
     """The model of a checkpoint folder, a run folder (its newest checkpoint) or a Hugging Face Qwen3/Llama
     folder, checked name by name and shape by shape; CheckpointError with one line for every failure.
-    max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight)."""
+    max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight); best
+    picks a run folder's best checkpoint instead of its newest."""
     if is_hf_folder(path):
         cfg, state, tokenizer = load_hf_folder(path, max_seq_len)
         return ModelFiles(cfg, state, tokenizer, path)
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, best)
     cfg = load_model_config(ckpt)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)

@@ -27,11 +27,13 @@ class CheckpointError(ValueError):
     """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
 
 
-def arg(default, help: str):
-    """A dataclass field whose help text `--help` prints next to its default."""
+def arg(default, help: str, const=None):
+    """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
+    given bare (`--resume`), meaning that value."""
+    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {})}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _require(ok: bool, name: str, value, rule: str):
@@ -47,17 +49,21 @@ def _require_choices(cfg):
             _require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
 
 
+AUTO = 0  # the value of a size or rate that sizing.py chooses for the device and corpus (printed at start)
+
+
 @dataclass
 class ModelConfig:
-    """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy."""
-    vocab_size: int = arg(8192, "tokens in the vocabulary (the tokenizer is trained to this size)")
-    hidden_size: int = arg(256, "width of the residual stream")
-    num_hidden_layers: int = arg(4, "number of transformer blocks")
-    num_attention_heads: int = arg(4, "query heads per attention layer")
-    num_key_value_heads: int = arg(2, "key/value heads (GQA); equal to query heads is MHA, 1 is MQA")
-    head_dim: int = arg(0, "width of one head; 0: hidden_size // num_attention_heads")
-    intermediate_size: int = arg(0, "SwiGLU hidden width; 0: 8/3 * hidden_size rounded up to 256")
-    max_seq_len: int = arg(256, "training context length and the largest KV cache a model builds")
+    """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy.
+    Fields at 0 are automatic: sizing.py fills them for the device and corpus, and never touches the others."""
+    vocab_size: int = arg(AUTO, "tokens in the vocabulary (the tokenizer is trained to this size); 0: automatic")
+    hidden_size: int = arg(AUTO, "width of the residual stream; 0: automatic")
+    num_hidden_layers: int = arg(AUTO, "number of transformer blocks; 0: automatic")
+    num_attention_heads: int = arg(AUTO, "query heads per attention layer; 0: automatic")
+    num_key_value_heads: int = arg(AUTO, "key/value heads (GQA); equal to query heads is MHA, 1 is MQA; 0: automatic")
+    head_dim: int = arg(AUTO, "width of one head; 0: hidden_size // num_attention_heads")
+    intermediate_size: int = arg(AUTO, "SwiGLU hidden width; 0: 8/3 * hidden_size rounded up to 256")
+    max_seq_len: int = arg(AUTO, "training context length and the largest KV cache a model builds; 0: automatic")
     rope_theta: float = arg(10000.0, "RoPE base frequency")
     rms_norm_eps: float = arg(1e-6, "epsilon of every RMSNorm")
     qk_norm: bool = arg(True, "RMSNorm on queries and keys before RoPE (Qwen3); off gives Llama")
@@ -70,26 +76,32 @@ class ModelConfig:
         # Remember which derived fields were filled in, so overriding hidden_size later recomputes them.
         self._derived = set()
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_seq_len"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
-        _require(self.hidden_size % self.num_attention_heads == 0 or self.head_dim > 0, "hidden_size",
-                 self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads} "
-                 "(or set head_dim)")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
-        _require(self.head_dim >= 0 and self.intermediate_size >= 0, "head_dim/intermediate_size",
-                 (self.head_dim, self.intermediate_size), "must be 0 (automatic) or positive")
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+                     "num_key_value_heads", "max_seq_len", "head_dim", "intermediate_size"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.hidden_size and heads and not self.head_dim:
+            _require(self.hidden_size % heads == 0, "hidden_size", self.hidden_size,
+                     f"must be divisible by num_attention_heads={heads} (or set head_dim)")
+            self.head_dim = self.hidden_size // heads
             self._derived.add("head_dim")
+        if heads and kv:
+            _require(heads % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
         _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
                  "must be even, because RoPE rotates pairs of channels")
-        if self.intermediate_size == 0:
+        if self.hidden_size and not self.intermediate_size:
             self.intermediate_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
             self._derived.add("intermediate_size")
         _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be positive")
         _require(0 < self.rms_norm_eps < 1, "rms_norm_eps", self.rms_norm_eps, "must be in (0, 1)")
         _require(self.init_std > 0, "init_std", self.init_std, "must be positive")
+
+    def automatic(self) -> list[str]:
+        """The fields still left for sizing.py to choose."""
+        return [name for name in MODEL_SIZED if getattr(self, name) == AUTO]
+
+
+MODEL_SIZED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "max_seq_len")
 
 
 DEFAULT_TEXT_FIELDS = ("text", "content", "message", "body", "output")
@@ -119,21 +131,27 @@ CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-
 
 @dataclass
 class TrainConfig:
-    """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices."""
+    """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices.
+    Fields at 0 are automatic: sizing.py fills them for the device and corpus, and never touches the others."""
     run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
     seed: int = arg(1337, "seed of weights and batch order")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = arg("auto", "autocast dtype; auto: bf16 where fast, "
-                                                             "else fp16 on GPU, fp32 on CPU")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = arg("auto", "autocast dtype; auto: bf16 where the "
+                                                             "hardware has it, else fp16 on GPU, fp32 on CPU")
     compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
                                                 "sharding weights, gradients and optimizer state over GPUs")
-    micro_batch_size: int = arg(16, "sequences per forward pass")
-    grad_accum_steps: int = arg(1, "micro-batches per optimizer step")
-    max_steps: int = arg(1000, "optimizer steps in the run")
+    micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic")
+    grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic")
+    max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget on a CPU, four passes "
+                               "over the corpus on a GPU)")
+    max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
+                                   "final evaluation and checkpoint inside it; 0: automatic (10 on a CPU when "
+                                   "max_steps is automatic, else none)")
     optimizer: Literal["muon", "adamw"] = arg("muon", "muon: Muon for hidden matrices + AdamW for the rest")
-    learning_rate: float = arg(3e-3, "peak AdamW learning rate (embeddings, head, norms; everything if adamw)")
-    muon_lr: float = arg(0.02, "peak Muon learning rate for the hidden matrices")
+    learning_rate: float = arg(AUTO, "peak AdamW learning rate (embeddings, head, norms; everything if adamw); "
+                                     "0: automatic")
+    muon_lr: float = arg(AUTO, "peak Muon learning rate for the hidden matrices; 0: automatic")
     muon_momentum: float = arg(0.95, "Muon Nesterov momentum")
     muon_shape_rule: Literal["keller", "moonshot"] = arg("keller", "Muon update scale: keller sqrt(max(1,rows/cols)), "
                                                          "moonshot 0.2*sqrt(max(rows,cols))")
@@ -142,16 +160,18 @@ class TrainConfig:
     adam_beta2: float = arg(0.95, "AdamW beta2")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
-    warmup_steps: int = arg(50, "linear warmup steps")
+    warmup_ratio: float = arg(0.05, "fraction of the run (its steps, or its time budget) warming the rate up")
     lr_schedule: Literal["cosine", "cosine_restarts", "constant"] = arg("cosine", "shape after warmup")
-    restart_period: int = arg(0, "steps per cosine cycle for cosine_restarts; 0: max_steps // 4")
+    restart_cycles: int = arg(4, "cosine cycles over the run for cosine_restarts")
     min_lr_ratio: float = arg(0.1, "the schedule's floor, as a fraction of the peak")
-    eval_interval: int = arg(200, "evaluate every this many steps (and at the end)")
+    eval_interval: int = arg(AUTO, "evaluate every this many steps (and at the end); 0: six evaluations spread "
+                                   "over the run")
     eval_batches: int = arg(20, "micro-batches per evaluation")
     log_interval: int = arg(10, "update logged metrics every this many steps")
-    save_interval: int = arg(500, "checkpoint every this many steps (and at the end)")
-    keep_checkpoints: int = arg(3, "checkpoints kept on disk; older ones are deleted")
-    resume: bool = arg(False, "continue from the run folder's newest checkpoint")
+    save_interval: int = arg(AUTO, "checkpoint every this many steps (and at the end); 0: at every evaluation")
+    keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
+    resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
+                          "the checkpoint folder given", const="latest")
     init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder) with a fresh "
                              "optimizer; the model shape and tokenizer come from there")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
@@ -161,19 +181,26 @@ class TrainConfig:
 
     def __post_init__(self):
         _require_choices(self)
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
-                     "log_interval", "save_interval", "keep_checkpoints", "max_bad_steps"):
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "save_interval"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")
+        for name in ("eval_batches", "log_interval", "keep_checkpoints", "max_bad_steps", "restart_cycles"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
-        for name in ("learning_rate", "muon_lr", "adam_eps"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
+        for name in ("learning_rate", "muon_lr", "max_minutes"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be positive (0: automatic)")
+        _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "must be positive")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
-        _require(0 <= self.warmup_steps < self.max_steps, "warmup_steps", self.warmup_steps,
-                 f"must be >= 0 and shorter than max_steps={self.max_steps}, lower --warmup_steps")
+        _require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _require(self.restart_period >= 0, "restart_period", self.restart_period, "must be >= 0")
+
+    def automatic(self) -> list[str]:
+        """The fields still left for sizing.py to choose."""
+        return [name for name in TRAIN_SIZED if getattr(self, name) == AUTO]
+
+
+TRAIN_SIZED = ("micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate", "muon_lr")
 
 
 def default_run_dir() -> str:
@@ -181,17 +208,21 @@ def default_run_dir() -> str:
     return TrainConfig.__dataclass_fields__["run_dir"].default
 
 
+MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a request
+
+
 @dataclass
 class SampleConfig:
     """Text generation settings (text_generator.py)."""
     checkpoint: str = arg("", "checkpoint or run folder, or an exported Hugging Face folder; "
-                              "empty: newest checkpoint of runs/default")
+                              "empty: newest checkpoint of the default run folder")
+    best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
     max_new_tokens: int = arg(200, "tokens generated per prompt")
     temperature: float = arg(0.8, "softmax temperature; 0: greedy")
     top_k: int = arg(50, "keep the k most likely tokens; 0: off")
     top_p: float = arg(0.95, "keep the smallest set of tokens whose probability reaches p; 1: off")
     repetition_penalty: float = arg(1.0, "divide the logits of tokens already present by this; 1: off")
-    num_return_sequences: int = arg(1, "samples per prompt")
+    num_return_sequences: int = arg(1, f"samples per prompt, at most {MAX_SEQUENCES}")
     seed: int = arg(-1, "sampling seed; -1: random")
     stop: list[str] = arg([], "strings that end a generation")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
@@ -204,8 +235,8 @@ class SampleConfig:
         _require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 turns it off)")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be positive")
-        _require(self.num_return_sequences > 0, "num_return_sequences", self.num_return_sequences,
-                 "must be a positive integer")
+        _require(0 < self.num_return_sequences <= MAX_SEQUENCES, "num_return_sequences", self.num_return_sequences,
+                 f"must be between 1 and {MAX_SEQUENCES}")
 
 
 @dataclass
@@ -221,90 +252,54 @@ class Config:
 
 # ----------------------------------------------------------------------------- presets
 
+def _preset(model: dict, train: dict) -> Config:
+    """config.py's values with these fields replaced: a preset sets a size, not every setting."""
+    base = Config()
+    return Config(model=replace(base.model, **model), data=base.data, train=replace(base.train, **train))
+
+
+def preset_auto() -> Config:
+    """config.py as written; sizing.py fills its automatic fields for the device and corpus at start."""
+    return Config()
+
+
 def preset_tiny() -> Config:
-    """About 4M parameters: trains on two CPU cores in minutes; also the test model."""
-    return Config(
-        model=ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=2, max_seq_len=256),
-        train=TrainConfig(micro_batch_size=16, max_steps=450, warmup_steps=30, eval_interval=150,
-                          save_interval=150, learning_rate=3e-3, muon_lr=0.02))
+    """About 4M parameters: trains on two CPU cores in minutes (the CPU's automatic size); also the test model."""
+    return _preset(dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_seq_len=256),
+                   dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=3e-3, muon_lr=0.02))
 
 
 def preset_small() -> Config:
-    """About 110M parameters, GPT-2 small's size."""
-    return Config(
-        model=ModelConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                          num_key_value_heads=4, max_seq_len=1024),
-        train=TrainConfig(micro_batch_size=16, grad_accum_steps=2, max_steps=5000, warmup_steps=200,
-                          learning_rate=1.5e-3, eval_interval=500, save_interval=1000))
+    """About 100M parameters, GPT-2 small's size."""
+    return _preset(dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=4, max_seq_len=1024),
+                   dict(micro_batch_size=16, grad_accum_steps=2, learning_rate=1.5e-3, muon_lr=0.02))
 
 
 def preset_medium() -> Config:
     """About 300M parameters."""
-    cfg = preset_small()
-    cfg.model = ModelConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                            num_key_value_heads=4, max_seq_len=1024)
-    cfg.train = replace(cfg.train, micro_batch_size=16, grad_accum_steps=2, learning_rate=1e-3)
-    return cfg
+    return _preset(dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        num_key_value_heads=4, max_seq_len=1024),
+                   dict(micro_batch_size=16, grad_accum_steps=2, learning_rate=1e-3, muon_lr=0.02))
 
 
 def preset_large() -> Config:
     """The seed shape: 1536 wide, 12 layers, 24 heads over 6 KV heads, 32000 tokens, context 384."""
-    cfg = preset_small()
-    cfg.model = ModelConfig(vocab_size=32000, hidden_size=1536, num_hidden_layers=12, num_attention_heads=24,
-                            num_key_value_heads=6, max_seq_len=384)
-    cfg.train = replace(cfg.train, micro_batch_size=32, grad_accum_steps=2, learning_rate=8e-4)
-    return cfg
+    return _preset(dict(vocab_size=32000, hidden_size=1536, num_hidden_layers=12, num_attention_heads=24,
+                        num_key_value_heads=6, max_seq_len=384),
+                   dict(micro_batch_size=32, grad_accum_steps=2, learning_rate=8e-4, muon_lr=0.02))
 
 
 def preset_xl() -> Config:
     """About 1.4B parameters; wants 40 GB or more."""
-    cfg = preset_small()
-    cfg.model = ModelConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                            num_key_value_heads=8, max_seq_len=1024, gradient_checkpointing=True)
-    cfg.train = replace(cfg.train, micro_batch_size=8, grad_accum_steps=4, learning_rate=6e-4)
-    return cfg
+    return _preset(dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, max_seq_len=1024, gradient_checkpointing=True),
+                   dict(micro_batch_size=8, grad_accum_steps=4, learning_rate=6e-4, muon_lr=0.02))
 
 
-def count_parameters(m: ModelConfig) -> int:
-    """Closed-form parameter count of modern_llm.Transformer for this config."""
-    d, h = m.hidden_size, m.head_dim
-    attn = d * h * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)  # q, o, k, v
-    norms = 2 * d + (2 * h if m.qk_norm else 0)
-    per_layer = attn + 3 * d * m.intermediate_size + norms
-    embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
-    return m.num_hidden_layers * per_layer + embed + d
-
-
-def training_bytes_estimate(cfg: Config) -> int:
-    """Rough peak memory of training: 16 bytes per parameter (fp32 weight, grad, two moments) plus
-    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing."""
-    m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * m.max_seq_len
-    per_layer = 34 * m.hidden_size * (0.1 if m.gradient_checkpointing else 1)
-    logits = tokens * m.vocab_size * 6  # bf16 logits plus one fp32 chunk
-    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + logits)
-
-
-def preset_auto() -> Config:
-    """The largest preset whose estimated training memory fits in 80% of the GPU; tiny without a GPU."""
-    import torch
-    if not torch.cuda.is_available():
-        print("auto preset: tiny (no CUDA device found)")
-        return preset_tiny()
-    total = torch.cuda.get_device_properties(0).total_memory
-    for name in ("xl", "large", "medium", "small"):
-        cfg = PRESETS[name]()
-        need = training_bytes_estimate(cfg)
-        if need <= 0.8 * total:
-            print(f"auto preset: {name} (needs about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB)")
-            return cfg
-    print(f"auto preset: tiny (the GPU's {total / 2**30:.1f} GiB fits no larger preset)")
-    return preset_tiny()
-
-
-PRESETS = {"tiny": preset_tiny, "small": preset_small, "medium": preset_medium,
-           "large": preset_large, "xl": preset_xl, "auto": preset_auto}
+PRESETS = {"auto": preset_auto, "tiny": preset_tiny, "small": preset_small, "medium": preset_medium,
+           "large": preset_large, "xl": preset_xl}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -319,9 +314,10 @@ def _file_overrides(path: str, types) -> list[str]:
     """Turn a JSON or YAML file of {field: value} (flat, or nested by section) into command-line words."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist, pass the path of a .json or .yaml file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
     try:
+        text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is fine
         if path.endswith((".yaml", ".yml")):
             import yaml  # optional: only YAML config files need PyYAML
             values = yaml.safe_load(text) or {}
@@ -329,6 +325,8 @@ def _file_overrides(path: str, types) -> list[str]:
             values = json.loads(text)
     except ImportError:
         raise ConfigError(f"reading {path} needs PyYAML, pip install pyyaml or use a .json file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}), save it as UTF-8") from None
     except Exception as e:
         raise ConfigError(f"config file {path} is not valid: {str(e).splitlines()[0]}") from None
     if not isinstance(values, dict):
@@ -394,18 +392,18 @@ def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="auto")
-    known, rest = pre.parse_known_args(argv)
+    known, _ = pre.parse_known_args(argv)
     if known.preset not in PRESETS:
         raise ConfigError(f"unknown preset {known.preset!r}, choose one of {', '.join(PRESETS)}")
 
     def add_preset(parser):
         parser.add_argument("--preset", default="auto", choices=list(PRESETS),
-                            help="starting point that the other settings override")
+                            help="a model size with its batch and rates, over config.py's values; auto: "
+                                 "config.py as written, its automatic fields sized for this machine")
         if extra:
             extra(parser)
 
-    wants_help = any(a in ("-h", "--help") for a in rest)
-    base = preset_tiny() if wants_help and known.preset == "auto" else PRESETS[known.preset]()
+    base = PRESETS[known.preset]()
     (model, data, train), extras = parse_sections(
         (ModelConfig, DataConfig, TrainConfig), (base.model, base.data, base.train), argv,
         "Train a GQA/RoPE/SwiGLU transformer. Every field below can be set as --name value.", add_preset)

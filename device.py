@@ -7,9 +7,11 @@ scaling on CUDA and fp32 elsewhere. Nothing here knows about models or data.
 
 import contextlib
 
+import psutil
 import torch
 
 from config import ConfigError
+from sizing import Machine
 
 # Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -27,6 +29,15 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device(name)
+
+
+def machine(device: torch.device) -> Machine:
+    """What automatic sizing needs to know of the device: its kind, its name, its memory."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Machine("cuda", props.name, props.total_memory)
+    return Machine(device.type, f"{device.type}, {torch.get_num_threads()} threads, "
+                                f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -98,6 +98,14 @@ class Dist:
                               else torch_dist.ReduceOp.SUM)
         return value if torch_dist.get_backend() == "nccl" else value / self.world_size
 
+    def maximum(self, values: list[float]) -> list[float]:
+        """The element-wise largest of every rank's values (a collective: the host waits for it)."""
+        if not self.enabled:
+            return list(values)
+        agreed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(agreed, op=torch_dist.ReduceOp.MAX)
+        return agreed.tolist()
+
     def stop_vote(self, requested: bool) -> bool:
         """Whether every rank should stop now: true on all ranks together once any rank asked to stop.
 

@@ -7,14 +7,14 @@ Python standard library's own sources, into runs/default, then `python text_gene
 `--help` lists every setting. Ctrl-C or SIGTERM finishes the step, saves, and prints how to resume.
 """
 
-import dataclasses
+import itertools
 import json
 import math
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -22,29 +22,16 @@ from tqdm import tqdm
 import checkpoint as ckpt_io
 import distributed as dist_utils
 from config import CheckpointError, Config, ConfigError, DataError, describe, error_exit, parse_config
-from device import (PRECISION_NAMES, autocast, compile_model, is_compile_failure, pick_device, pick_precision,
-                    uses_cuda_graphs)
+from device import (PRECISION_NAMES, autocast, compile_model, is_compile_failure, machine, pick_device,
+                    pick_precision, uses_cuda_graphs)
 from modern_llm import Transformer
 from monitor import Monitor, device_report, format_postfix
 from muon_optimizer import MuonAdamW, build_optimizer
+from corpus import corpus_bytes
 from prepare_data import Batches, PreparedData, prepare
-
-
-# ----------------------------------------------------------------------------- schedule
-
-def lr_multiplier(step: int, t) -> float:
-    """Linear warmup, then cosine (optionally restarting) down to min_lr_ratio, or constant."""
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    if t.lr_schedule == "constant":
-        return 1.0
-    since = step - t.warmup_steps
-    if t.lr_schedule == "cosine_restarts":
-        period = t.restart_period or max(1, (t.max_steps - t.warmup_steps) // 4)
-        progress = (since % period) / period
-    else:
-        progress = since / max(1, t.max_steps - t.warmup_steps)
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
+from schedule import RunClock, lr_multiplier
+from sizing import fill_automatic, fill_run_length
 
 
 def set_lr(opt, multiplier: float):
@@ -177,17 +164,16 @@ def first_train_step(b: Built, batches, step: int, t, dist):
 
 @torch.no_grad()
 def evaluate(b: Built, val_batches, t, dist) -> float:
-    """Mean validation loss over eval_batches fixed micro-batches (averaged over ranks)."""
-    b.compiled.eval()
+    """Mean validation loss over eval_batches fixed micro-batches (averaged over ranks). Runs the uncompiled
+    model: a compiled one would compile again for inference (no gradients, other guards) inside the run."""
+    b.raw_model.eval()
     total = torch.zeros((), device=val_batches.device)
     for i in range(t.eval_batches):
         x, y = val_batches.get(0, i)
-        if b.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
         with b.amp:
-            _, loss = b.compiled(x, labels=y)
+            _, loss = b.raw_model(x, labels=y)
         total += loss.float()
-    b.compiled.train()
+    b.raw_model.train()
     return dist.mean(total / t.eval_batches).item()  # sync point: once per evaluation
 
 
@@ -212,11 +198,12 @@ class LossWindow:
         return mean
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- checkpoints and setup
 
-def save(cfg: Config, b: Built, step: int, tokens: int, best_val: float, data: PreparedData, dist) -> str | None:
+def save(cfg: Config, b: Built, step: int, tokens: int, best_val: float, data: PreparedData, dist, clock: RunClock,
+         val_loss: float | None = None) -> str | None:
     """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
-    refusing NaN or Inf. Every rank calls it."""
+    refusing NaN or Inf. Every rank calls it. val_loss: the evaluation at this step, if there was one."""
     weights = dist_utils.full_state(b.raw_model.state_dict(), keep=dist.is_main)
     opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
     if not dist.is_main:
@@ -228,60 +215,10 @@ def save(cfg: Config, b: Built, step: int, tokens: int, best_val: float, data: P
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
                      "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": data.path,
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
-                     "config": json.dumps(cfg.to_dict())}
+                     "config": json.dumps(cfg.to_dict()), **clock.state()}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, data.tokenizer_path, trainer_state,
-                                   cfg.train.keep_checkpoints)
+                                   cfg.train.keep_checkpoints, val_loss)
 
-
-def apply_init_from(cfg: Config) -> dict:
-    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
-    found = ckpt_io.read_model(cfg.train.init_from)
-    if not found.tokenizer_path:
-        raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
-                          "export_hf.py --tokenizer")
-    # Only the weights' shape is taken: context length and memory settings stay this run's.
-    cfg.model = dataclasses.replace(found.config, max_seq_len=cfg.model.max_seq_len,
-                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
-    cfg.data.tokenizer = cfg.data.tokenizer or found.tokenizer_path  # the data must be tokenized as the model was
-    return found.state
-
-
-def check_same_shape(cfg: Config, ckpt: str):
-    """Refuse to resume into a model of another shape, naming the fields that differ."""
-    saved = asdict(ckpt_io.load_model_config(ckpt))
-    ours = asdict(cfg.model)
-    differ = [f"{k}: checkpoint {saved[k]} vs config {ours[k]}" for k in ours
-              if k != "gradient_checkpointing" and saved.get(k) != ours[k]]
-    if differ:
-        raise ConfigError(f"cannot resume {ckpt}: the model shape differs ({'; '.join(differ)}), "
-                          "use the run's own settings or a new --run_dir")
-
-
-def resume(cfg: Config, b: Built, dist) -> tuple[int, int, float]:
-    """Load the newest checkpoint of the run folder onto the CPU, then into model and optimizer."""
-    ckpt = ckpt_io.latest_checkpoint(cfg.train.run_dir)
-    if ckpt is None:
-        raise ConfigError(f"--resume: {cfg.train.run_dir} has no checkpoint yet, start without --resume")
-    check_same_shape(cfg, ckpt)
-    try:
-        state = ckpt_io.load_trainer_state(ckpt)
-        if "optimizer" not in state:
-            raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
-        ckpt_io.load_weights(ckpt, b.raw_model)  # read on the CPU, then copied into the device's parameters
-    except CheckpointError as e:
-        earlier = [os.path.basename(c) for c in ckpt_io.list_checkpoints(cfg.train.run_dir) if c != ckpt]
-        hint = f"; to resume from {earlier[-1]}, write that name into {cfg.train.run_dir}/checkpoints/LATEST" \
-            if earlier else ""
-        raise CheckpointError(f"{e}{hint}") from None
-    b.opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
-    if b.scaler and state["scaler"]:
-        b.scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng_torch"])
-    dist.print(f"resumed from {ckpt} at step {state['step']}")
-    return state["step"], state["tokens"], state["best_val_loss"]
-
-
-# ----------------------------------------------------------------------------- setup around the loop
 
 def prepare_once(cfg: Config, dist) -> PreparedData:
     """The token cache: rank 0 builds it while the others wait, then they find it complete."""
@@ -294,9 +231,9 @@ def prepare_once(cfg: Config, dist) -> PreparedData:
     return ds
 
 
-def check_run_folder(t):
-    """A new run never writes into a folder that holds another run's checkpoints."""
-    if ckpt_io.latest_checkpoint(t.run_dir) and not t.resume:
+def check_run_folder(t, resuming: bool):
+    """A new run never writes into a folder that holds checkpoints, complete or not, LATEST or not."""
+    if ckpt_io.holds_checkpoints(t.run_dir) and not resuming:
         raise ConfigError(f"{t.run_dir} already holds checkpoints, pass --resume to continue it "
                           "or --run_dir NEW_FOLDER for a new run")
 
@@ -326,19 +263,21 @@ class StopFlag:
 def start_report(cfg, device, b: Built, dist, tokens_per_step) -> str:
     t = cfg.train
     n, n_body = b.raw_model.num_parameters(), b.raw_model.num_parameters(exclude_embeddings=True)
+    length = (f"{t.max_steps} steps" if t.max_steps else "") + (" or " if t.max_steps and t.max_minutes else "") + \
+        (f"{t.max_minutes:g} minutes" if t.max_minutes else "")
     return "\n".join([
         f"device: {device_report(device)} | precision: {PRECISION_NAMES[b.amp_dtype]} | compile: {t.compile} | "
         f"world size: {dist.world_size}" + (f" ({t.data_parallel})" if dist.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
         f"{b.raw_model.flops_per_token() / 1e6:.1f} MFLOP per token",
         f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
-        f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {t.max_steps} steps",
+        f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
         b.opt.describe(),
         f"run folder: {t.run_dir}",
     ])
 
 
-def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, t, dist, monitor, bar):
+def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, t, dist, monitor, bar, lr_scale):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
     worst = int(window.worst.item())  # sync point: the only per-window host reads of device values
     if worst >= t.max_bad_steps:
@@ -348,67 +287,117 @@ def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, 
     mean_loss = dist.mean(window.mean()).item()
     if monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
-        r = monitor.train_record(step, tokens, mean_loss, lr_multiplier(step - 1, t), lrs, grad_norm.item())
+        r = monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item())
         bar.set_postfix(format_postfix(r), refresh=False)
+
+
+def progress_bar(t, clock: RunClock, start: int, dist):
+    """Steps, or for a time budget the seconds of it spent (steps in the description)."""
+    if not clock.by_time:
+        return tqdm(total=t.max_steps, initial=start, disable=not dist.is_main, dynamic_ncols=True, desc="train")
+    return tqdm(total=round(clock.budget_s), initial=round(clock.spent_s()), disable=not dist.is_main,
+                dynamic_ncols=True, desc=f"train step {start}",
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the time budget{postfix}")
+
+
+def advance_bar(bar, clock: RunClock, step: int):
+    if clock.by_time:
+        bar.set_description(f"train step {step}", refresh=False)
+        bar.update(max(0, round(clock.spent_s()) - bar.n))
+    else:
+        bar.update(1)
+
+
+def timed(clock: RunClock, kind: str, fn, *args):
+    """fn(*args), its seconds noted on the clock (the final evaluation and checkpoint are kept room for)."""
+    start = time.monotonic()
+    out = fn(*args)
+    clock.note_overhead(kind, time.monotonic() - start)
+    return out
 
 
 # ----------------------------------------------------------------------------- main
 
 @dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
+    launch = time.monotonic()  # a time budget counts from here
     cfg, _ = parse_config(argv)
     t = cfg.train
-    init_state = apply_init_from(cfg) if t.init_from else None  # before the data: it may set the tokenizer
     dist = dist_utils.setup()
     device = pick_device(t.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
                          dist.local_rank)
-    dist.print(describe(cfg))
+    init_state = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
+    ckpt, saved, notes = resume_point(cfg)
+    notes += carry_settings(cfg, saved) if saved else []  # automatic fields as the resumed run had them
+    notes += fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
+    dist.print("\n".join([describe(cfg), *notes]))
+    t = cfg.train
     ds = prepare_once(cfg, dist)
+    for note in fill_run_length(cfg, machine(device), ds.meta["train_tokens"], dist.world_size):
+        dist.print(note)
+    if ckpt and t.max_steps and saved["step"] >= t.max_steps:
+        raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
+                          "leaves nothing to train, raise --max_steps")
     if dist.is_main:
-        check_run_folder(t)
-    b = build(cfg, device, dist, init_state=None if t.resume else init_state)
-    start, tokens, best_val = resume(cfg, b, dist) if t.resume else (0, 0, float("inf"))
+        check_run_folder(t, resuming=ckpt is not None)
+    if ckpt:
+        check_same_shape(cfg, ckpt)
+        check_same_data(cfg, saved, ds.path)
+    b = build(cfg, device, dist, init_state=None if ckpt else init_state)
+    start, tokens, best_val, budget = load_into(ckpt, saved, b.raw_model, b.opt, b.scaler, t.run_dir) if ckpt \
+        else (0, 0, float("inf"), {})
+    clock = RunClock(t, launch, **budget)
     if dist.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
     batches, val_batches = (Batches(ds, split, t.micro_batch_size, cfg.model.max_seq_len, t.seed, dist.rank, device,
                                     world_size=dist.world_size) for split in ("train", "val"))
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
-    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb,
-                      cfg.to_dict()) if dist.is_main else None
-    dist.print(start_report(cfg, device, b, dist, tokens_per_step))
+    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb, cfg.to_dict(),
+                      resume_step=start if ckpt else None) if dist.is_main else None
+    dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "")
+               + start_report(cfg, device, b, dist, tokens_per_step))
 
     stop, window = StopFlag(), LossWindow(device)
-    bar = tqdm(total=t.max_steps, initial=start, disable=not dist.is_main, dynamic_ncols=True, desc="train")
-    last_ckpt, t0 = None, time.perf_counter()
-    for step in range(start, t.max_steps + 1):
-        last_step = step == t.max_steps
+    bar = progress_bar(t, clock, start, dist)
+    clock.sync(start, dist)
+    last_ckpt = None
+    for step in itertools.count(start):
+        last_step = clock.finished(step)
         fresh = step == start  # just started or resumed: this step's eval and save are already done
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
-        if not fresh and (last_step or step % t.eval_interval == 0):
-            val_loss = evaluate(b, val_batches, t, dist)
+        evaluated = not fresh and (last_step or clock.eval_due(step))
+        if evaluated:
+            val_loss = timed(clock, "eval", evaluate, b, val_batches, t, dist)
             best_val = min(best_val, val_loss)
             if monitor:
                 r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"])
                 bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}")
-        if not fresh and (last_step or step % t.save_interval == 0 or stopping):
-            last_ckpt = save(cfg, b, step, tokens, best_val, ds, dist) or last_ckpt
+        if not fresh and (last_step or clock.save_due(step, evaluated) or stopping):
+            last_ckpt = timed(clock, "save", save, cfg, b, step, tokens, best_val, ds, dist, clock,
+                              val_loss if evaluated else None) or last_ckpt
         if last_step or (stopping and not fresh):
             break
 
-        set_lr(b.opt, lr_multiplier(step, t))
+        lr_scale = lr_multiplier(clock.progress(step), t)
+        set_lr(b.opt, lr_scale)
         loss, grad_norm, ok = (first_train_step if fresh else train_step)(b, batches, step, t, dist)
         window.add(loss, ok)
         tokens += tokens_per_step
-        bar.update(1)
+        done = step + 1
         if fresh and monitor:
-            monitor.reset_clock(step + 1, tokens)  # the first step includes compilation: not timed
-        if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
-            log_window(step + 1, tokens, window, grad_norm, b, t, dist, monitor, bar)
+            monitor.reset_clock(done, tokens)  # the first step includes compilation: not timed
+        if done % t.log_interval == 0 or done - start <= 2 or done == t.max_steps:
+            clock.sync(done, dist, measure=done - start > 1)  # the first step compiles: not a speed
+            log_window(done, tokens, window, grad_norm, b, t, dist, monitor, bar, lr_scale)
+        advance_bar(bar, clock, done)
     bar.close()
+    if step == start and not ckpt:
+        raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
+                          f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
     if monitor:
         monitor.close()
     if dist.is_main:
-        print_summary(cfg, step, tokens, time.perf_counter() - t0, best_val, ds, last_ckpt, device, stopping,
+        print_summary(cfg, step, tokens, clock.spent_s(), best_val, ds, last_ckpt, device, stopping,
                       dist.launcher())
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()

@@ -59,11 +59,17 @@ class Monitor:
     """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
 
     def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool,
-                 wandb: bool = False, config: dict | None = None):
+                 wandb: bool = False, config: dict | None = None, resume_step: int | None = None):
+        """resume_step: the run continues from this step, so records logged after it (by the session that went
+        on past its last checkpoint) are dropped: the file then reads as one uninterrupted run."""
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
         self.peak = peak_flops(device)
         self.metrics_path = os.path.join(run_dir, METRICS_FILE)
-        self.train_points, self.eval_points = [], []
+        kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] if resume_step is not None else []
+        if resume_step is not None:
+            self._rewrite(kept)
+        self.train_points = [(r["step"], r["loss"]) for r in kept if r.get("kind") == "train"]
+        self.eval_points = [(r["step"], r["val_loss"]) for r in kept if r.get("kind") == "eval"]
         self.writer = self.wandb_run = None
         if tensorboard:
             try:
@@ -117,6 +123,13 @@ class Monitor:
         self._write(record)
         self.plot()
         return record
+
+    def _rewrite(self, records: list[dict]):
+        """Replace metrics.jsonl by these records, atomically."""
+        tmp = self.metrics_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(tmp, self.metrics_path)
 
     def _write(self, record: dict):
         with open(self.metrics_path, "a", encoding="utf-8") as f:

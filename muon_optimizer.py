@@ -278,6 +278,9 @@ def build_optimizer(model: nn.Module, cfg, ns_dtype: torch.dtype | None = None) 
     """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone."""
     if cfg.optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
+    if not (cfg.learning_rate > 0 and cfg.muon_lr > 0):
+        raise ValueError(f"learning_rate={cfg.learning_rate} and muon_lr={cfg.muon_lr} must be positive: fill the "
+                         "automatic ones (sizing.fill_automatic) before building the optimizer")
     groups = split_parameters(model, use_muon=cfg.optimizer == "muon")
     parts = {}
     if groups["muon"]:

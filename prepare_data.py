@@ -1,7 +1,7 @@
-"""The data module: corpus sources, the token cache with its loss masks, and the batch loader.
+"""The token cache with its loss masks, and the batch loader that reads it.
 
-Reads text files, folders, JSONL or chat JSONL (default: this Python's standard library), trains a
-byte-level tokenizer (tokenizer.py) on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
+Takes the documents corpus.py reads from text files, folders, JSONL or chat JSONL (default: this Python's
+standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
 meta.json and tokenizer.json; the same settings later reuse that folder. Batches are a pure function of
 (seed, step, micro_step, rank). Build the cache ahead of training, and see how fast that goes:
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
@@ -22,31 +22,16 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from config import DEFAULT_TEXT_FIELDS, ConfigError, DataConfig, DataError, error_exit, parse_config
-from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, check_messages,
-                       encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
+from config import ConfigError, DataConfig, DataError, error_exit, parse_config
+from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
+from device import machine, pick_device
+from sizing import fill_automatic
+from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, encode_segments,
+                       existing_tokenizer, tokenizer_file, train_tokenizer)
 
-PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
-BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
-SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
-
-
-@dataclass
-class ReadStats:
-    """What one pass over the sources saw."""
-    files: int = 0
-    documents: int = 0
-    bytes: int = 0
-    chats: int = 0
-    binary_skipped: int = 0
-    first_binary: str = ""
-    bad_lines: int = 0
-    first_bad: str = ""
-    invalid_utf8: int = 0
-    first_invalid: str = ""
 
 
 @dataclass
@@ -58,138 +43,6 @@ class PreparedData:
     @property
     def tokenizer_path(self) -> str:
         return os.path.join(self.path, TOKENIZER_FILE)
-
-
-# ----------------------------------------------------------------------------- sources
-
-def _walk(root: str, suffix=None) -> list[str]:
-    """Files under root, sorted, without hidden files, caches and installed packages."""
-    found = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
-        found += [os.path.join(folder, n) for n in names
-                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))]
-    return sorted(found)
-
-
-def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
-    """Every file to read, in a fixed order, each with whether it came from a folder."""
-    if not cfg.sources:
-        return [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")]
-    files = []
-    for source in cfg.sources:
-        path = os.path.abspath(source)
-        if os.path.isdir(path):
-            files += [(p, True) for p in _walk(path)]
-        elif os.path.isfile(path):
-            files.append((path, False))
-        else:
-            raise DataError(f"data source {source} does not exist, check the path given to --sources")
-    return files
-
-
-def _decode(data: bytes, path: str, stats: ReadStats) -> str:
-    """UTF-8 text; invalid bytes become U+FFFD and are counted."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = data.decode("utf-8", errors="replace")
-        # A U+FFFD that was already in the file is valid UTF-8; only the new ones are replacements.
-        stats.invalid_utf8 += text.count("\ufffd") - data.count("\ufffd".encode())
-        stats.first_invalid = stats.first_invalid or path
-        return text
-
-
-def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
-    """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
-    with open(path, "rb") as f:
-        for piece, block in enumerate(iter(lambda: f.read(PIECE_BYTES), b"")):
-            if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
-                if not in_folder:
-                    raise DataError(f"{path} looks binary (it holds NUL bytes), pass text files, .jsonl "
-                                    "files or folders (where binary files are skipped)")
-                stats.binary_skipped += 1
-                stats.first_binary = stats.first_binary or path
-                return
-            if piece == 0:
-                stats.files += 1
-            block += f.readline()  # finish the line, so no piece ends inside a word or a character
-            yield piece, _decode(block, path, stats), len(block)
-
-
-def _parse_line(line: str, text_fields):
-    """A JSONL line's document: its text, or its list of chat messages; DataError says why not."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"not valid JSON ({e.msg})") from None
-    if isinstance(obj, dict) and "messages" in obj:
-        return check_messages(obj["messages"])
-    for name in text_fields:
-        if isinstance(obj, dict) and isinstance(obj.get(name), str):
-            return obj[name]
-    raise DataError(f"no text field (looked for {', '.join(text_fields)} and messages)")
-
-
-def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
-    """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
-    text_fields = (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
-    stats.files += 1
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                doc = _parse_line(_decode(raw, path, stats), text_fields)
-            except DataError as e:
-                stats.bad_lines += 1
-                stats.first_bad = stats.first_bad or f"{path} line {number}: {e}"
-                continue
-            stats.chats += not isinstance(doc, str)
-            if doc:
-                yield 0, doc, len(raw)
-
-
-def _documents(files, cfg: DataConfig, stats: ReadStats):
-    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after max_source_mb."""
-    budget = cfg.max_source_mb * 1e6 or math.inf
-    doc_id = -1
-    for path, in_folder in files:
-        reader = _jsonl_documents(path, cfg, stats) if path.endswith(".jsonl") else \
-            _text_pieces(path, in_folder, stats)
-        for piece, doc, size in reader:
-            if piece == 0:
-                doc_id += 1
-            stats.documents += 1
-            stats.bytes += size
-            yield doc_id, piece, doc
-            if stats.bytes >= budget:
-                return
-
-
-def _scan(files, cfg: DataConfig, log) -> ReadStats:
-    """Read the sources once to count documents and to refuse bad input before anything is written."""
-    stats = ReadStats()
-    for _ in _documents(files, cfg, stats):
-        pass
-    where = ", ".join(cfg.sources) or "the Python standard library"
-    if stats.bad_lines and not cfg.skip_bad_lines:
-        raise DataError(f"{stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}; fix them, "
-                        "or pass --skip_bad_lines true to leave them out")
-    if stats.documents == 0:
-        raise DataError(f"no text found in {where} (files empty, binary, or every line skipped), "
-                        "pass files that hold text")
-    if stats.documents == 1:
-        raise DataError(f"{where} holds a single document, so the validation split would be empty; add "
-                        f"documents (more files, JSONL lines, or text longer than {PIECE_BYTES // 1024} KiB)")
-    if stats.bad_lines:
-        log(f"data: skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
-    if stats.binary_skipped:
-        log(f"data: skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
-    if stats.invalid_utf8:
-        log(f"data: replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, "
-            f"the first in {stats.first_invalid}")
-    return stats
 
 
 def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
@@ -205,7 +58,7 @@ def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
 def _tokenizer_sample(files, cfg: DataConfig, is_val, total_bytes: int):
     """Training-split texts, about TOKENIZER_SAMPLE_BYTES of them, spread over the whole corpus."""
     stride = max(1, math.ceil(total_bytes / TOKENIZER_SAMPLE_BYTES))
-    for i, ((_, _, doc), val) in enumerate(zip(_documents(files, cfg, ReadStats()), is_val)):
+    for i, ((_, _, doc), val) in enumerate(zip(documents(files, cfg, ReadStats()), is_val)):
         if i % stride == 0 and not val:
             # A conversation trains as its template text without the special tokens.
             yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
@@ -287,7 +140,7 @@ def _write_splits(folder: str, files, cfg: DataConfig, tok: Tokenizer, is_val, t
     done = 0  # bytes encoded so far (tqdm's own count stays 0 when the bar is off)
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
         # zip reads one document past the split's end if the sources grew, and the check below sees it.
-        for (doc_id, piece, doc), val in zip(_documents(files, cfg, stats), is_val):
+        for (doc_id, piece, doc), val in zip(documents(files, cfg, stats), is_val):
             batch.append((writers["val" if val else "train"], doc_id, piece, doc))
             if stats.bytes - done >= ENCODE_BATCH_BYTES:
                 flush()
@@ -330,7 +183,7 @@ def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
 def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log):
     """Scan, split, train the tokenizer and write the cache under a temporary name, renamed when complete."""
     start = time.perf_counter()
-    stats = _scan(files, cfg, log)
+    stats = scan(files, cfg, log)
     log(f"data: {stats.files} files, {stats.documents} documents, {stats.bytes / 1e6:.1f} MB "
         f"(scanned in {time.perf_counter() - start:.1f}s)")
     is_val = _val_mask(stats.documents, cfg.data_seed, cfg.val_fraction)
@@ -441,6 +294,8 @@ def main(argv=None):
     """Prepare (or find) the cache for the command line's settings and print a summary."""
     try:
         cfg, _ = parse_config(argv)
+        for note in fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data)):
+            print(note)  # the vocabulary and context the trainer would choose here
         data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
     except (ConfigError, DataError) as e:
         error_exit(str(e))

@@ -8,6 +8,7 @@ text_generator.py (REPL and one-shot) and by the tools on top of it.
 
 import weakref
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -154,6 +155,17 @@ def _decode_step(model, batch: int, max_len: int, compile: bool):
     return cache, replay
 
 
+def check_memory(model, batch: int, max_len: int):
+    """Refuse a batch whose KV cache and logits would not fit in the memory free now (ValueError, a message)."""
+    c, w = model.config, model.embed_tokens.weight
+    cache = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * max_len * c.head_dim * w.element_size()
+    need = cache + 4 * batch * max_len * c.vocab_size * 4  # the prefill's logits in fp32, and a few copies
+    free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
+    if need > 0.9 * free:
+        raise ValueError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
+                         f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
+
+
 def generate(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), tokenizer=None,
              on_text=None) -> list[list[int]]:
     """Continue each prompt (token ids) num_return_sequences times; return the new ids of each sequence.
@@ -186,6 +198,7 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=()
         lengths = torch.tensor([len(p) for p in rows], device=device)
         # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
         padded = torch.tensor([p + p[-1:] * (longest - len(p)) for p in rows], device=device)
+        check_memory(model, B, min(ctx, longest + settings.max_new_tokens))
         cache, step = _decode_step(model, B, min(ctx, longest + settings.max_new_tokens), settings.compile)
         logits, _ = model(padded, kv_cache=cache, input_lengths=lengths)
         logits = logits[torch.arange(B, device=device), lengths - 1]  # (B, V) after each row's last token

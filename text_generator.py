@@ -15,29 +15,31 @@ from dataclasses import fields, replace
 
 import torch
 
-from checkpoint import HOW_TO_MAKE_ONE, WEIGHTS, list_checkpoints, load_model_config, read_model
-from config import (CheckpointError, ConfigError, SampleConfig, count_parameters, default_run_dir, error_exit,
-                    parse_sections)
+from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
+                        load_model_config, read_model)
+from config import CheckpointError, ConfigError, SampleConfig, default_run_dir, error_exit, parse_sections
 from device import inference_dtype, pick_device
 from modern_llm import Transformer
 from monitor import read_metrics
 from sampling import generate_text
+from sizing import count_parameters
 from tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
-SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "device", "compile")]
+SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile")]
 
 
 # ----------------------------------------------------------------------------- loading
 
-def load_for_inference(path: str = "", device=None):
+def load_for_inference(path: str = "", device=None, best: bool = False):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
-    path "" means the newest checkpoint of the default run folder; device None or "auto" picks CUDA, MPS or
-    CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32. Raises CheckpointError.
+    path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
+    picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32.
+    Raises CheckpointError.
     """
     device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir())
+    found = read_model(path or default_run_dir(), best=best)
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
@@ -51,6 +53,48 @@ def load_for_inference(path: str = "", device=None):
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
     return model.eval().requires_grad_(False), tokenizer, cfg, found.path
+
+
+class TextGenerator:
+    """Load a model once, then generate from Python as the command line does:
+
+        g = TextGenerator("runs/default")
+        print(g.generate("def f(x):", max_new_tokens=64, temperature=0.7))
+        texts = g.generate(["import os", "class A:"], temperature=0)      # a batch: one completion each
+        reply = g.chat([{"role": "user", "content": "Hi"}])              # chat-trained models
+
+    Keyword settings are SampleConfig's fields (max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+    num_return_sequences, seed, stop); given to the constructor they last, given to a call they apply to it.
+    """
+
+    def __init__(self, path: str = "", device: str = "auto", best: bool = False, **settings):
+        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best)
+        self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device), settings)
+
+    @staticmethod
+    def _with(base: SampleConfig, changes: dict) -> SampleConfig:
+        unknown = sorted(set(changes) - set(SETTABLE))
+        if unknown:
+            raise ConfigError(f"unknown setting {', '.join(unknown)}, valid names are: {', '.join(SETTABLE)}")
+        return replace(base, **changes)
+
+    def generate(self, prompt: str | list[str], **settings) -> str | list[str]:
+        """The completion of a prompt (without the prompt), or a list: one per prompt, or num_return_sequences
+        per prompt grouped by prompt."""
+        s = self._with(self.settings, settings)
+        texts, _ = generate_text(self.model, self.tokenizer, [prompt] if isinstance(prompt, str) else list(prompt),
+                                 s)
+        return texts[0] if isinstance(prompt, str) and s.num_return_sequences == 1 else texts
+
+    def chat(self, messages: list[dict], **settings) -> str:
+        """The assistant's reply to a dialogue of {"role", "content"} messages (ChatML models only)."""
+        if not can_chat(self.tokenizer):
+            raise ValueError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
+                             "conversations")
+        s = replace(self._with(self.settings, settings), num_return_sequences=1)
+        texts, _ = generate_text(self.model, self.tokenizer, [chat_prompt_ids(self.tokenizer, messages)], s,
+                                 stop_ids(self.tokenizer, chat=True))
+        return texts[0].strip()
 
 
 # ----------------------------------------------------------------------------- command line
@@ -73,8 +117,9 @@ def list_runs(root: str) -> str:
     lines = [f"{'run':<20} {'step':>7} {'params':>8} {'size':>9} {'val loss':>8} {'bpb':>6}  date"]
     for run in runs:
         evals = [r for r in read_metrics(run, "eval") if isinstance(r.get("step"), int)]
+        best = best_checkpoint(run)
         for ckpt in list_checkpoints(run):
-            step = int("".join(c for c in os.path.basename(ckpt) if c.isdigit()) or -1)
+            step = checkpoint_step(ckpt)
             try:
                 params = _human(count_parameters(load_model_config(ckpt)))
             except CheckpointError:
@@ -86,7 +131,7 @@ def list_runs(root: str) -> str:
             date = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(os.path.join(ckpt, WEIGHTS))))
             name = os.path.basename(os.path.normpath(run))
             lines.append(f"{name:<20} {step:>7} {params:>8} {_human(size, ('B', 'KB', 'MB', 'GB')):>9} "
-                         f"{loss:>8} {bpb:>6}  {date}")
+                         f"{loss:>8} {bpb:>6}  {date}" + ("  best" if ckpt == best else ""))
     return "\n".join(lines) if len(lines) > 1 else f"no checkpoints under {root}, {HOW_TO_MAKE_ONE}"
 
 
@@ -224,7 +269,7 @@ class Repl:
         print(f"  {name} = {getattr(self.settings, name)!r}")
 
     def cmd_help(self, _=""):
-        print(HELP)
+        print("\n".join(line for line in HELP.splitlines() if self.can_chat or not line.startswith("  chat")))
 
     def cmd_quit(self, _=""):
         return "quit"
@@ -279,14 +324,17 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 become U+FFFD, as in the data path
     try:
         settings, extras = parse_args(sys.argv[1:] if argv is None else argv)
         if extras.list:
             print(list_runs(extras.path or os.path.dirname(default_run_dir())))
             return 0
-        model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device)
+        model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best)
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors: bad input, exit 2
         error_exit(str(e))
+    settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     weight = model.embed_tokens.weight
     if settings.compile and weight.device.type == "mps":
         settings = replace(settings, compile=False)

@@ -35,11 +35,12 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
 
 
 @pytest.mark.parametrize("damage,words", [
-    ("truncate", ["model.safetensors", "corrupt"]),
-    ("no_weights", ["model.safetensors", "missing"]),
+    ("truncate", ["model.safetensors", "incomplete", "holds"]),
+    ("no_weights", ["model.safetensors", "is missing"]),
+    ("garbage", ["model.safetensors", "corrupt"]),
     ("bad_config", ["model_config.json", "not a valid model config"]),
     ("other_shape", ["model.safetensors", "wrong shape"]),
-], ids=["truncated", "no-weights", "bad-config", "other-shape"])
+], ids=["truncated", "no-weights", "garbage", "bad-config", "other-shape"])
 def test_broken_checkpoints_are_refused_naming_the_file(tiny_checkpoint, tmp_path, damage, words):
     """Every way a checkpoint breaks gives a CheckpointError naming the file, never a raw traceback from
     safetensors, json or load_state_dict (read through the run folder, as the generator does by default)."""
@@ -52,10 +53,15 @@ def test_broken_checkpoints_are_refused_naming_the_file(tiny_checkpoint, tmp_pat
             f.truncate(os.path.getsize(weights) // 2)
     elif damage == "no_weights":
         os.remove(weights)
+    elif damage == "garbage":  # damaged in place: the size still matches the manifest
+        with open(weights, "r+b") as f:
+            f.write(b"\xff" * 16)
     elif damage == "bad_config":
+        size = os.path.getsize(config)
         with open(config, "w") as f:
-            f.write("{not json")
-    else:
+            f.write("{not json".ljust(size))
+    else:  # a checkpoint from before manifests, whose config was edited by hand
+        os.remove(os.path.join(ckpt, "manifest.json"))
         values = json.load(open(config))
         with open(config, "w") as f:
             json.dump({**values, "hidden_size": 128, "head_dim": 0, "intermediate_size": 0}, f)

@@ -179,7 +179,7 @@ def args_for(corpus, run_dir, accum, *extra):
     return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
             *(word for name, value in TINY_MODEL.items() for word in (f"--{name}", str(value))),
             "--micro_batch_size", "4", "--compile", "off", "--precision", "fp32", "--log_interval", "1",
-            "--warmup_steps", "2", "--max_steps", "6", "--eval_interval", "3", "--save_interval", "3",
+            "--warmup_ratio", "0.3", "--max_steps", "6", "--eval_interval", "3", "--save_interval", "3",
             "--eval_batches", "2", "--grad_accum_steps", str(accum), *map(str, extra)]
 
 
@@ -311,7 +311,7 @@ def test_rank_zero_alone_prints_and_writes(two_ranks):
     assert [r["step"] for r in train] == list(range(1, 7))
     assert [r["step"] for r in metrics(two_ranks["run"], "eval")] == [3, 6]
     assert train[-1]["tokens"] == 6 * 4 * 64 * 2 * 2
-    assert sorted(os.listdir(os.path.join(two_ranks["run"], "checkpoints"))) == ["LATEST", "step_000003",
+    assert sorted(os.listdir(os.path.join(two_ranks["run"], "checkpoints"))) == ["BEST", "LATEST", "step_000003",
                                                                                   "step_000006"]
     out = two_ranks["output"]
     assert out.count("4 x 64 tokens x 2 accumulation x 2 ranks = 1,024 tokens per step") == 1
@@ -407,7 +407,9 @@ def test_error_on_one_rank_stops_every_rank_with_its_message(corpus, tmp_path):
                                    fail_step=2)
     ended = time.time()
     assert rc != 0
-    assert "RuntimeError: probe failure on rank 1 at step 2" in output.split("Root Cause")[-1]  # torchrun's report
+    # torchrun's closing report (its failures and root cause, ordered by the second each was recorded in) must
+    # carry rank 1's error, not only the collective error it caused on rank 0.
+    assert "RuntimeError: probe failure on rank 1 at step 2" in output.split("Failures:")[-1]
     with open(out / "failed_at", encoding="utf-8") as f:
         assert ended - float(f.read()) < 60, output[-4000:]  # far below the 10-minute collective timeout
     assert logs[1]["group_alive_at_exit"] is False  # the failing rank destroyed its group on the way out

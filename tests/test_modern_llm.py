@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import config
 from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
+from sizing import count_parameters
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +153,9 @@ def test_parameter_count_matches_closed_form_for_every_preset(name):
     cfg = config.PRESETS[name]().model
     with torch.device("meta"):
         m = Transformer(cfg)
-    assert m.num_parameters() == config.count_parameters(cfg)
+    assert m.num_parameters() == count_parameters(cfg)
     d, v = cfg.hidden_size, cfg.vocab_size
-    assert m.num_parameters(exclude_embeddings=True) == config.count_parameters(cfg) - v * d
+    assert m.num_parameters(exclude_embeddings=True) == count_parameters(cfg) - v * d
 
 
 def test_flops_per_token_formula(tiny):

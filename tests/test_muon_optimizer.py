@@ -15,6 +15,7 @@ from modern_llm import Transformer
 from muon_optimizer import Muon, build_optimizer, zeropower_via_newtonschulz
 
 SHAPES = {"square": (48, 48), "tall": (96, 32), "wide": (32, 96)}
+RATES = dict(learning_rate=3e-3, muon_lr=0.02)  # config.py leaves both automatic (0); sizing fills them
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_zero_gradient_gives_no_nan():
 
 def test_adamw_part_matches_torch_adamw(tiny_model):
     """Catches wrong AdamW hyperparameters or decay groups (embedding decayed, norms not)."""
-    cfg = TrainConfig(learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-7)
+    cfg = TrainConfig(learning_rate=3e-3, muon_lr=0.02, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-7)
     model = tiny_model()
     ref_model = copy.deepcopy(model)
     opt = build_optimizer(model, cfg)
@@ -126,7 +127,7 @@ def test_every_parameter_in_exactly_one_group(tie, tiny_model):
     block_matrices = {n for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2}
     assert len(block_matrices) == 2 * 7  # q, k, v, o, gate, up, down per layer
 
-    opt = build_optimizer(model, TrainConfig())
+    opt = build_optimizer(model, TrainConfig(**RATES))
     in_groups = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     assert sorted(in_groups) == sorted(names.values())  # each trainable parameter once, tied weight once
     groups = {g["name"]: g for g in opt.param_groups}
@@ -137,7 +138,7 @@ def test_every_parameter_in_exactly_one_group(tie, tiny_model):
     assert groups["adamw_no_decay"]["weight_decay"] == 0.0 and groups["adamw_decay"]["weight_decay"] == 0.1
     assert "muon" in opt.describe() and "adamw_no_decay" in opt.describe()
 
-    adamw_only = build_optimizer(model, TrainConfig(optimizer="adamw"))
+    adamw_only = build_optimizer(model, TrainConfig(optimizer="adamw", **RATES))
     groups = {g["name"]: g for g in adamw_only.param_groups}
     assert set(groups) == {"adamw_decay", "adamw_no_decay"} and len(adamw_only.optimizers) == 1
     assert {names[id(p)] for p in groups["adamw_decay"]["params"]} == {n for n, p in model.named_parameters()
@@ -149,7 +150,7 @@ def test_every_parameter_in_exactly_one_group(tie, tiny_model):
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_state_round_trip_is_bit_identical(optimizer, tiny_model):
     """Catches state lost or mangled by a checkpoint: a resumed run must take exactly the same next steps."""
-    cfg = TrainConfig(optimizer=optimizer)
+    cfg = TrainConfig(optimizer=optimizer, **RATES)
     model = tiny_model()
     opt = build_optimizer(model, cfg)
     for step in range(3):
@@ -168,7 +169,8 @@ def test_state_round_trip_is_bit_identical(optimizer, tiny_model):
             o.step()
     for (name, a), b in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(a, b), name
-    other = build_optimizer(copy.deepcopy(model), TrainConfig(optimizer="adamw" if optimizer == "muon" else "muon"))
+    other_kind = "adamw" if optimizer == "muon" else "muon"
+    other = build_optimizer(copy.deepcopy(model), TrainConfig(optimizer=other_kind, **RATES))
     with pytest.raises(ValueError, match="optimizer setting"):
         other.load_state_dict(state)
 
@@ -198,7 +200,7 @@ def test_grad_scaler_unscales_and_skips_both_parts(tiny_model):
     """Catches a GradScaler that misses one part: finite steps match unscaled ones, an inf skips everything."""
     model = tiny_model()
     ref_model = copy.deepcopy(model)
-    opt, ref = build_optimizer(model, TrainConfig()), build_optimizer(ref_model, TrainConfig())
+    opt, ref = build_optimizer(model, TrainConfig(**RATES)), build_optimizer(ref_model, TrainConfig(**RATES))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     scaler.scale(torch.ones(()))  # the scaler creates its scale tensor lazily
     random_grads(model, 0)
@@ -267,7 +269,7 @@ def test_found_inf_skips_both_parts_bit_identically(tiny_model):
     """A step flagged non-finite on the device must leave weights and all optimizer state exactly as they were
     (a NaN that leaked into a momentum buffer or Adam moment would poison every later step)."""
     model = tiny_model()
-    opt = build_optimizer(model, TrainConfig())
+    opt = build_optimizer(model, TrainConfig(**RATES))
     ids = torch.randint(0, 64, (2, 17))
 
     def step(flag, poison=False):

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import corpus  # noqa: E402
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
 from tokenizer import IM_END  # noqa: E402
@@ -115,7 +116,7 @@ def test_long_text_file_is_cut_at_line_ends_into_documents(tmp_path):
     text = "".join(f"{i} {words(rng, 12)}\n" for i in range(3000))  # about 220 KB
     (tmp_path / "book.txt").write_text(text, encoding="utf-8")
     data = prepare(config(tmp_path, [tmp_path / "book.txt"]))
-    assert data.meta["train_documents"] + data.meta["val_documents"] >= len(text.encode()) // pd.PIECE_BYTES
+    assert data.meta["train_documents"] + data.meta["val_documents"] >= len(text.encode()) // corpus.PIECE_BYTES
     assert data.meta["val_documents"] >= 1
     # Pieces that follow each other in one split stay joined; EOT marks only where the text breaks off.
     docs = documents(data)
@@ -139,11 +140,11 @@ def test_jsonl_takes_the_first_known_text_field_or_the_configured_one(tmp_path):
 def test_default_corpus_is_the_standard_library(tmp_path):
     """Prevents the default corpus from picking up installed packages, changing order between runs, or
     ignoring max_source_mb."""
-    files = [p for p, _ in pd.source_files(DataConfig())]
+    files = [p for p, _ in corpus.source_files(DataConfig())]
     assert files == sorted(files) and len(files) > 100
     assert all(p.endswith(".py") and "site-packages" not in p and "dist-packages" not in p for p in files)
     data = prepare(DataConfig(cache_dir=str(tmp_path / "cache"), max_source_mb=0.2))
-    assert 0.2e6 <= data.meta["source_bytes"] < 0.2e6 + 2 * pd.PIECE_BYTES
+    assert 0.2e6 <= data.meta["source_bytes"] < 0.2e6 + 2 * corpus.PIECE_BYTES
     assert data.meta["val_tokens"] > SEQ and data.meta["train_tokens"] > data.meta["val_tokens"]
 
 

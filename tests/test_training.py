@@ -18,6 +18,7 @@ import gpu_training_optimized as trainer
 from config import Config, TrainConfig
 from modern_llm import Transformer
 from monitor import read_metrics as read_all
+from schedule import RunClock, lr_multiplier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +28,7 @@ def argv_for(tiny_flags):
     """Trainer arguments for the tiny model on a corpus fixture, into run_dir, then `extra`."""
     def make(corpus, run_dir, *extra):
         return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir",
-                str(run_dir), *tiny_flags, "--micro_batch_size", "4", "--compile", "off", "--warmup_steps", "2",
+                str(run_dir), *tiny_flags, "--micro_batch_size", "4", "--compile", "off", "--warmup_ratio", "0.1",
                 "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
     return make
 
@@ -43,7 +44,7 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path,
     assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 6, "--save_interval", 6)) == 0
     ckpt = ckpt_io.latest_checkpoint(str(run))
     assert ckpt.endswith("step_000012")
-    assert sorted(os.listdir(ckpt)) == ["model.safetensors", "model_config.json", "tokenizer.json",
+    assert sorted(os.listdir(ckpt)) == ["manifest.json", "model.safetensors", "model_config.json", "tokenizer.json",
                                         "trainer_state.pt"]
     model = Transformer(ckpt_io.load_model_config(ckpt))
     ckpt_io.load_weights(ckpt, model)
@@ -89,8 +90,8 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
     ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
     results = []
     for micro, accum in ((8, 1), (2, 4)):
-        t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", warmup_steps=0,
-                        compile="off", precision="fp32")
+        t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", learning_rate=3e-3,
+                        muon_lr=0.02, compile="off", precision="fp32")
         b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         trainer.set_lr(b.opt, 1.0)
         loss, norm, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
@@ -117,14 +118,19 @@ def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkey
 
 
 def test_lr_schedule_warmup_cosine_floor_and_restarts():
-    """Warmup must rise linearly to the peak, cosine must end at the floor, restarts must return to the peak."""
-    t = TrainConfig(max_steps=110, warmup_steps=10, min_lr_ratio=0.1)
-    assert trainer.lr_multiplier(0, t) == pytest.approx(0.1) and trainer.lr_multiplier(9, t) == pytest.approx(1.0)
-    assert trainer.lr_multiplier(10, t) == pytest.approx(1.0)
-    assert trainer.lr_multiplier(60, t) == pytest.approx(0.55)
-    assert trainer.lr_multiplier(110, t) == pytest.approx(0.1)
-    r = TrainConfig(max_steps=110, warmup_steps=10, lr_schedule="cosine_restarts", restart_period=25)
-    assert trainer.lr_multiplier(35, r) == pytest.approx(1.0) and trainer.lr_multiplier(34, r) < 0.2
+    """Warmup must rise linearly to the peak over warmup_ratio of the run, cosine must end at the floor exactly
+    where the run ends, restarts must return to the peak."""
+    t = TrainConfig(warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert lr_multiplier(0.01, t) == pytest.approx(0.1) and lr_multiplier(0.1, t) == pytest.approx(1.0)
+    assert lr_multiplier(0.55, t) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
+    assert lr_multiplier(1.0, t) == pytest.approx(0.1)
+    r = TrainConfig(warmup_ratio=0.1, lr_schedule="cosine_restarts", restart_cycles=4)
+    assert lr_multiplier(0.325 + 1e-9, r) == pytest.approx(1.0) and lr_multiplier(0.32, r) < 0.2
+    assert lr_multiplier(1.0, r) == pytest.approx(0.1)  # the last cycle ends at the floor, not back at the peak
+    steps = TrainConfig(max_steps=20, warmup_ratio=0.1)
+    clock = RunClock(steps, time.monotonic())
+    assert [clock.progress(s) for s in (0, 1, 19)] == [0.05, 0.1, 1.0]  # (step + 1) / max_steps
+    assert not clock.finished(19) and clock.finished(20)
 
 
 def test_resume_gives_bit_identical_losses(corpus, tmp_path, argv_for):
@@ -203,25 +209,33 @@ def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpu
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_corrupt_checkpoint_gives_clear_error_and_previous_still_loads(corpus, tmp_path, capsys, argv_for):
-    """A truncated weights file must be reported by path, and the checkpoint before it must still load."""
+def test_damaged_checkpoints_are_named_and_resume_falls_back_to_a_complete_one(corpus, tmp_path, capsys, argv_for):
+    """A weights file cut short (a full disk, a copy interrupted) makes its checkpoint incomplete: --resume says
+    so and continues from the newest complete one. Bytes damaged in place (same size) are found on loading:
+    one error line naming the file and the checkpoint to resume instead, exit 2."""
     run = tmp_path / "run"
     trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4))
     first, second = ckpt_io.list_checkpoints(str(run))
     weights = os.path.join(second, "model.safetensors")
+    size = os.path.getsize(weights)
     with open(weights, "r+b") as f:
-        f.truncate(os.path.getsize(weights) // 2)
-    model = Transformer(ckpt_io.load_model_config(second))
+        f.write(b"\xff" * 16)  # the header's length field: garbage, at the same size
     with pytest.raises(ckpt_io.CheckpointError, match="model.safetensors"):
-        ckpt_io.load_weights(second, model)
-    ckpt_io.load_weights(first, model)
+        ckpt_io.load_weights(second, Transformer(ckpt_io.load_model_config(second)))
     capsys.readouterr()  # drop the first run's output
     with pytest.raises(SystemExit) as exit_info:
         trainer.run(argv_for(corpus, run, "--max_steps", 6, "--resume"))
-    assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "model.safetensors" in err and len(err.strip().splitlines()) == 1
-    assert "step_000002" in err  # names the earlier checkpoint to fall back to
+    assert exit_info.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "model.safetensors" in err and f"--resume {first}" in err  # names the checkpoint to fall back to
+
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    assert ckpt_io.latest_checkpoint(str(run)) == first
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 6, "--resume")) == 0
+    out = capsys.readouterr().out
+    assert "step_000004 is incomplete" in out and f"resumed from {first} at step 2" in out
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 7))  # steps 3-4 logged once, not twice
 
 
 def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys, argv_for):

@@ -1,0 +1,170 @@
+"""The corpus: the documents that text files, folders, JSONL and chat JSONL files hold, read in a fixed order.
+
+Folders are walked recursively (hidden files, caches and installed packages skipped; binary files skipped
+and counted); long text files are cut at line ends into documents of about 32 KiB; a JSONL line is one
+document, its text or its chat messages. Nothing here tokenizes: prepare_data.py does, from documents().
+"""
+
+import json
+import math
+import os
+import sysconfig
+from dataclasses import dataclass
+
+from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
+from tokenizer import check_messages
+
+PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
+BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
+SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+
+
+@dataclass
+class ReadStats:
+    """What one pass over the sources saw."""
+    files: int = 0
+    documents: int = 0
+    bytes: int = 0
+    chats: int = 0
+    binary_skipped: int = 0
+    first_binary: str = ""
+    bad_lines: int = 0
+    first_bad: str = ""
+    invalid_utf8: int = 0
+    first_invalid: str = ""
+
+
+def _walk(root: str, suffix=None) -> list[str]:
+    """Files under root, sorted, without hidden files, caches and installed packages."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
+        found += [os.path.join(folder, n) for n in names
+                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))]
+    return sorted(found)
+
+
+def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
+    """Every file to read, in a fixed order, each with whether it came from a folder."""
+    if not cfg.sources:
+        return [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")]
+    files = []
+    for source in cfg.sources:
+        path = os.path.abspath(source)
+        if os.path.isdir(path):
+            files += [(p, True) for p in _walk(path)]
+        elif os.path.isfile(path):
+            files.append((path, False))
+        else:
+            raise DataError(f"data source {source} does not exist, check the path given to --sources")
+    return files
+
+
+def corpus_bytes(cfg: DataConfig) -> int:
+    """The size of the text the sources hold (within max_source_mb), from the file sizes: no reading."""
+    total = sum(os.path.getsize(path) for path, _ in source_files(cfg))
+    return min(total, int(cfg.max_source_mb * 1e6)) if cfg.max_source_mb else total
+
+
+def _decode(data: bytes, path: str, stats: ReadStats) -> str:
+    """UTF-8 text; invalid bytes become U+FFFD and are counted."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        # A U+FFFD that was already in the file is valid UTF-8; only the new ones are replacements.
+        stats.invalid_utf8 += text.count("\ufffd") - data.count("\ufffd".encode())
+        stats.first_invalid = stats.first_invalid or path
+        return text
+
+
+def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
+    """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
+    with open(path, "rb") as f:
+        for piece, block in enumerate(iter(lambda: f.read(PIECE_BYTES), b"")):
+            if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
+                if not in_folder:
+                    raise DataError(f"{path} looks binary (it holds NUL bytes), pass text files, .jsonl "
+                                    "files or folders (where binary files are skipped)")
+                stats.binary_skipped += 1
+                stats.first_binary = stats.first_binary or path
+                return
+            if piece == 0:
+                stats.files += 1
+            block += f.readline()  # finish the line, so no piece ends inside a word or a character
+            yield piece, _decode(block, path, stats), len(block)
+
+
+def _parse_line(line: str, text_fields):
+    """A JSONL line's document: its text, or its list of chat messages; DataError says why not."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"not valid JSON ({e.msg})") from None
+    if isinstance(obj, dict) and "messages" in obj:
+        return check_messages(obj["messages"])
+    for name in text_fields:
+        if isinstance(obj, dict) and isinstance(obj.get(name), str):
+            return obj[name]
+    raise DataError(f"no text field (looked for {', '.join(text_fields)} and messages)")
+
+
+def _jsonldocuments(path: str, cfg: DataConfig, stats: ReadStats):
+    """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
+    text_fields = (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
+    stats.files += 1
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                doc = _parse_line(_decode(raw, path, stats), text_fields)
+            except DataError as e:
+                stats.bad_lines += 1
+                stats.first_bad = stats.first_bad or f"{path} line {number}: {e}"
+                continue
+            stats.chats += not isinstance(doc, str)
+            if doc:
+                yield 0, doc, len(raw)
+
+
+def documents(files, cfg: DataConfig, stats: ReadStats):
+    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after max_source_mb."""
+    budget = cfg.max_source_mb * 1e6 or math.inf
+    doc_id = -1
+    for path, in_folder in files:
+        reader = _jsonldocuments(path, cfg, stats) if path.endswith(".jsonl") else \
+            _text_pieces(path, in_folder, stats)
+        for piece, doc, size in reader:
+            if piece == 0:
+                doc_id += 1
+            stats.documents += 1
+            stats.bytes += size
+            yield doc_id, piece, doc
+            if stats.bytes >= budget:
+                return
+
+
+def scan(files, cfg: DataConfig, log) -> ReadStats:
+    """Read the sources once to count documents and to refuse bad input before anything is written."""
+    stats = ReadStats()
+    for _ in documents(files, cfg, stats):
+        pass
+    where = ", ".join(cfg.sources) or "the Python standard library"
+    if stats.bad_lines and not cfg.skip_bad_lines:
+        raise DataError(f"{stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}; fix them, "
+                        "or pass --skip_bad_lines true to leave them out")
+    if stats.documents == 0:
+        raise DataError(f"no text found in {where} (files empty, binary, or every line skipped), "
+                        "pass files that hold text")
+    if stats.documents == 1:
+        raise DataError(f"{where} holds a single document, so the validation split would be empty; add "
+                        f"documents (more files, JSONL lines, or text longer than {PIECE_BYTES // 1024} KiB)")
+    if stats.bad_lines:
+        log(f"data: skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
+    if stats.binary_skipped:
+        log(f"data: skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
+    if stats.invalid_utf8:
+        log(f"data: replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, "
+            f"the first in {stats.first_invalid}")
+    return stats

@@ -1,0 +1,123 @@
+"""Continuing a run, or starting one from trained weights: which checkpoint --resume means, the settings
+it carries, the checks that it fits this run, and loading it into the model and optimizer.
+
+    --resume            the run folder's newest complete checkpoint (LATEST, or a scan if LATEST is lost)
+    --resume FOLDER     that checkpoint (a run folder: its newest), for example into a new --run_dir
+    --init_from FOLDER  a checkpoint, run or Hugging Face folder's weights, shape and tokenizer; new optimizer
+"""
+
+import json
+import os
+from dataclasses import asdict, fields, replace
+
+import torch
+
+import checkpoint as ckpt_io
+from config import AUTO, CheckpointError, Config, ConfigError
+
+
+def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
+    """The checkpoint to resume, its trainer state (read once) and report lines; (None, None, []) for a new
+    run. Refuses a missing checkpoint, imported weights, and an earlier checkpoint of a run that went on."""
+    t, notes = cfg.train, []
+    if not t.resume:
+        return None, None, notes
+    if t.resume == "latest":
+        ckpt, problem = ckpt_io.latest_checkpoint(t.run_dir), ckpt_io.latest_problem(t.run_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume: {t.run_dir} has no complete checkpoint"
+                              + (f" ({problem})" if problem else " yet") + ", start without --resume")
+        if problem:
+            notes.append(f"note: {problem}; resuming from {ckpt}, the newest complete checkpoint")
+    else:
+        ckpt = ckpt_io.resolve_checkpoint(t.resume)
+        later = [c for c in ckpt_io.list_checkpoints(t.run_dir) if ckpt_io.checkpoint_step(c) >
+                 ckpt_io.checkpoint_step(ckpt) and not os.path.samefile(c, ckpt)]
+        if later:
+            raise ConfigError(f"--resume {t.resume}: {t.run_dir} holds later checkpoints "
+                              f"({os.path.basename(later[-1])}) of a run that went on past it; resume into a new "
+                              f"folder: --run_dir NEW --resume {ckpt}")
+    state = _trainer_state(ckpt, t.run_dir)
+    if "optimizer" not in state:
+        raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
+    return ckpt, state, notes
+
+
+def _trainer_state(ckpt: str, run_dir: str) -> dict:
+    """trainer_state.pt, with a hint naming the checkpoint before it when this one is damaged."""
+    try:
+        return ckpt_io.load_trainer_state(ckpt)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
+
+
+def _earlier_hint(ckpt: str, run_dir: str) -> str:
+    step = ckpt_io.checkpoint_step(ckpt)
+    earlier = [c for c in ckpt_io.list_checkpoints(run_dir) if ckpt_io.checkpoint_step(c) < step]
+    return f"; resume from the one before with --resume {earlier[-1]}" if earlier else ""
+
+
+def carry_settings(cfg: Config, state: dict) -> list[str]:
+    """Fill cfg's automatic fields with the values the checkpoint's run used, so a run resumes as it was
+    sized wherever it resumes; values given now stay. Returns report lines."""
+    saved = json.loads(state.get("config", "{}"))
+    taken = []
+    for section in ("model", "train"):
+        ours, theirs = getattr(cfg, section), saved.get(section, {})
+        values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO}
+        setattr(cfg, section, replace(ours, **values))
+        taken += [f"{k}={v}" for k, v in values.items()]
+    return [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []
+
+
+def check_same_shape(cfg: Config, ckpt: str):
+    """Refuse to resume into a model of another shape, naming the fields that differ."""
+    saved = asdict(ckpt_io.load_model_config(ckpt))
+    ours = asdict(cfg.model)
+    differ = [f"{k}: checkpoint {saved[k]} vs config {ours[k]}" for k in ours
+              if k != "gradient_checkpointing" and saved.get(k) != ours[k]]
+    if differ:
+        raise ConfigError(f"cannot resume {ckpt}: the model shape differs ({'; '.join(differ)}), "
+                          "use the run's own settings or a new --run_dir")
+
+
+def check_same_data(cfg: Config, state: dict, data_path: str):
+    """Refuse to resume on other data: its tokenizer and token cache would not be the checkpoint's."""
+    saved = os.path.basename(os.path.normpath(state.get("data_fingerprint", "")))
+    if not saved or saved == os.path.basename(os.path.normpath(data_path)):
+        return
+    theirs = json.loads(state.get("config", "{}")).get("data", {})
+    differ = [f"{f.name}: checkpoint {theirs[f.name]!r} vs now {getattr(cfg.data, f.name)!r}"
+              for f in fields(cfg.data) if f.name != "cache_dir" and f.name in theirs
+              and theirs[f.name] != getattr(cfg.data, f.name)]
+    what = "; ".join(differ) if differ else "the source files changed since (sizes or modification times)"
+    raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; resume "
+                      f"with the run's data settings, or train on the new data with --init_from CHECKPOINT")
+
+
+def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
+    """Weights, optimizer, loss scaler and RNG state from the checkpoint; returns (step, tokens, best val
+    loss, the time budget's state)."""
+    try:
+        ckpt_io.load_weights(ckpt, raw_model)  # read on the CPU, then copied into the device's parameters
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
+    opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
+    if scaler and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng_torch"])
+    budget = {"spent_s": state["spent_s"]} if "spent_s" in state else {}
+    return state["step"], state["tokens"], state["best_val_loss"], budget
+
+
+def apply_init_from(cfg: Config) -> dict:
+    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
+    found = ckpt_io.read_model(cfg.train.init_from)
+    if not found.tokenizer_path:
+        raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
+                          "export_hf.py --tokenizer")
+    # Only the weights' shape is taken: context length (when set) and memory settings stay this run's.
+    cfg.model = replace(found.config, max_seq_len=cfg.model.max_seq_len or found.config.max_seq_len,
+                        gradient_checkpointing=cfg.model.gradient_checkpointing)
+    cfg.data.tokenizer = cfg.data.tokenizer or found.tokenizer_path  # the data must be tokenized as the model was
+    return found.state

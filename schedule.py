@@ -1,0 +1,119 @@
+"""The run's length and shape: the learning-rate schedule, and when to evaluate, save and stop.
+
+A run is measured in steps (max_steps) or in time (max_minutes, from launch to the end of its final
+checkpoint, data preparation and compile included). Either way the schedule sees progress, the fraction
+of the run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps
+are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
+for the final evaluation and checkpoint; a resumed run carries on with what its earlier sessions left.
+Evaluations left automatic fall at every sixth of the run.
+"""
+
+import math
+import time
+
+AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
+
+
+def lr_multiplier(progress: float, t) -> float:
+    """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio, or
+    constant. progress is the fraction of the run done when the step ends, in (0, 1]."""
+    if progress < t.warmup_ratio:
+        return progress / t.warmup_ratio
+    if t.lr_schedule == "constant":
+        return 1.0
+    x = min(1.0, (progress - t.warmup_ratio) / (1 - t.warmup_ratio))
+    if t.lr_schedule == "cosine_restarts" and x < 1:
+        x = x * t.restart_cycles % 1.0
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * x))
+
+
+class RunClock:
+    """Progress by steps, or by time under a budget; decides where the run evaluates and where it stops.
+
+    Time figures change only in sync(), which every rank calls at the same steps with the same agreed
+    values, so every rank computes the same learning rate and stops at the same step.
+    """
+
+    def __init__(self, t, launch: float, spent_s: float = 0.0):
+        """launch: time.monotonic() when this session started; spent_s: the budget earlier sessions used."""
+        self.t, self.by_time = t, t.max_minutes > 0
+        self.budget_s = t.max_minutes * 60
+        self.launch = launch - spent_s
+        self.step_s = 0.0  # the mean seconds of a step, 0 until measured
+        self.overhead_s = {"eval": 0.0, "save": 0.0}  # the longest evaluation and checkpoint seen
+        self.synced_step, self.synced_remaining = 0, math.inf
+        self._window_start = self._window_step = None
+        self._window_overhead = 0.0
+        self._sixths = None  # sixths of the run already evaluated at
+
+    # ---- measuring
+    def spent_s(self) -> float:
+        """Seconds of the budget used, this session and the earlier ones."""
+        return time.monotonic() - self.launch
+
+    def note_overhead(self, kind: str, seconds: float):
+        """An evaluation or checkpoint just took this long: the final ones are kept room for."""
+        self.overhead_s[kind] = max(self.overhead_s[kind], seconds)
+        self._window_overhead += seconds
+
+    def reserve_s(self, eval_batches: int, grad_accum: int) -> float:
+        """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any."""
+        evaluation = self.overhead_s["eval"] or eval_batches * self.step_s / grad_accum / 2  # forward only
+        save = self.overhead_s["save"] or 2.0
+        return 1.25 * (evaluation + save) + self.step_s
+
+    def sync(self, step: int, dist, measure: bool = True):
+        """Measure the steps since the last sync and agree on the time figures over ranks (a collective).
+        Call on every rank at the same steps; measure=False counts the steps' time but not their speed
+        (the first step of a session, which compiles)."""
+        now = time.monotonic()
+        if measure and self._window_start is not None and step > self._window_step:
+            self.step_s = (now - self._window_start - self._window_overhead) / (step - self._window_step)
+        self._window_start, self._window_step, self._window_overhead = now, step, 0.0
+        remaining = self.budget_s - self.spent_s() - self.reserve_s(self.t.eval_batches, self.t.grad_accum_steps)
+        # The slowest rank's clock is everyone's: the longest step, the least time left.
+        self.step_s, neg_remaining = dist.maximum([self.step_s, -remaining])
+        self.synced_step, self.synced_remaining = step, -neg_remaining
+
+    # ---- deciding
+    def _since_sync(self, step: int) -> float:
+        return (step - self.synced_step) * self.step_s
+
+    def progress(self, step: int) -> float:
+        """The fraction of the run done when this step (0-based) ends: in steps, of max_steps or, under a time
+        budget, of the steps the budget holds at the measured speed (0 until a step is measured)."""
+        if not self.by_time:
+            return min(1.0, (step + 1) / self.t.max_steps)
+        if not self.step_s:
+            return 0.0
+        total = self.synced_step + self.synced_remaining / self.step_s
+        return min(1.0, (step + 1) / max(total, step + 1))
+
+    def finished(self, step: int) -> bool:
+        """Whether the run ends before this step: its last step is done, or the budget holds no other."""
+        if self.t.max_steps and step >= self.t.max_steps:
+            return True
+        return self.by_time and self.synced_remaining - self._since_sync(step) < self.step_s
+
+    def eval_due(self, step: int) -> bool:
+        """An evaluation before this step (besides the final one): every eval_interval steps, or at each
+        sixth of the run when automatic."""
+        if self.t.eval_interval:
+            return step % self.t.eval_interval == 0
+        if step == 0:
+            return False
+        reached = math.floor(AUTO_EVALS * self.progress(step - 1) + 1e-9)  # sixths done when the last step ended
+        if self._sixths is None:  # first call of the session: no evaluation owed for the sixths already past
+            self._sixths = reached
+        due = reached > self._sixths
+        self._sixths = max(self._sixths, reached)
+        return due
+
+    def save_due(self, step: int, evaluated: bool) -> bool:
+        """A checkpoint before this step (besides the final one): every save_interval steps, or with each
+        evaluation when automatic."""
+        return step % self.t.save_interval == 0 if self.t.save_interval else evaluated
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run continues the budget."""
+        return {"spent_s": self.spent_s()}

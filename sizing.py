@@ -1,0 +1,110 @@
+"""Automatic sizing: values for the fields config.py leaves at 0, chosen for this machine and corpus.
+
+Only automatic fields are filled; a value written in config.py, a preset, a --config file or a flag is never
+changed. Every choice comes back as a line for the start report, saying why.
+- CPU (or Apple MPS): the tiny preset's shape, batch and rates, and a 10-minute time budget.
+- CUDA: the largest preset whose estimated training memory, without activation checkpointing, fits in 80%
+  of the GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger
+  than its data memorises it); four passes over the corpus.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+from config import AUTO, PRESETS, Config, ConfigError, ModelConfig
+
+CPU_SIZE, CPU_MINUTES = "tiny", 10.0
+GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
+MEMORY_FRACTION = 0.8  # of the GPU's memory; the rest is for the allocator's slack and CUDA's own use
+PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
+BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
+GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
+MIN_STEPS = 100
+
+
+@dataclass
+class Machine:
+    """What sizing needs to know about where the run trains."""
+    kind: str  # "cpu", "mps" or "cuda"
+    name: str  # for the report
+    memory: int = 0  # bytes of GPU memory; 0 off CUDA
+
+
+def count_parameters(m: ModelConfig) -> int:
+    """Closed-form parameter count of modern_llm.Transformer for this config."""
+    d, h = m.hidden_size, m.head_dim
+    attn = d * h * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)  # q, o, k, v
+    norms = 2 * d + (2 * h if m.qk_norm else 0)
+    per_layer = attn + 3 * d * m.intermediate_size + norms
+    embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
+    return m.num_hidden_layers * per_layer + embed + d
+
+
+def training_bytes_estimate(cfg: Config) -> int:
+    """Rough peak memory of training: 16 bytes per parameter (fp32 weight, grad, two moments) plus
+    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * m.max_seq_len
+    per_layer = 34 * m.hidden_size * (0.1 if m.gradient_checkpointing else 1)
+    logits = tokens * m.vocab_size * 6  # bf16 logits plus one fp32 chunk
+    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + logits)
+
+
+def _filled(cfg: Config, size: str) -> Config:
+    """cfg with its automatic shape, batch and rates taken from preset `size`."""
+    source = PRESETS[size]()
+    model = {k: getattr(source.model, k) for k in cfg.model.automatic()}
+    train = {k: getattr(source.train, k) for k in cfg.train.automatic() if getattr(source.train, k) != AUTO}
+    try:
+        return Config(model=replace(cfg.model, **model), data=cfg.data, train=replace(cfg.train, **train))
+    except ConfigError as e:
+        raise ConfigError(f"{e} (after filling the automatic fields {', '.join([*model, *train])} from the {size} "
+                          "preset); set them in config.py or on the command line") from None
+
+
+def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[str, str]:
+    """The preset whose values fill the automatic fields, and why (corpus_bytes None: memory alone decides)."""
+    if machine.kind != "cuda":
+        return CPU_SIZE, f"no CUDA device ({machine.name})"
+    corpus_tokens = math.inf if corpus_bytes is None else corpus_bytes / BYTES_PER_TOKEN
+    feeds = "" if corpus_bytes is None else (f", and the corpus (about {corpus_tokens / 1e6:.1f}M tokens) feeds up "
+                                             f"to {PARAMETERS_PER_TOKEN} parameters per token")
+    budget = MEMORY_FRACTION * machine.memory
+    for size in GPU_SIZES:
+        candidate = _filled(cfg, size)
+        candidate.model = replace(candidate.model, gradient_checkpointing=False)
+        need, params = training_bytes_estimate(candidate), count_parameters(candidate.model)
+        if need <= budget and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
+            return size, (f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB of training memory in "
+                          f"{budget / 2**30:.1f} GiB ({MEMORY_FRACTION:.0%} of {machine.name}){feeds}")
+    return CPU_SIZE, f"no larger preset fits {budget / 2**30:.1f} GiB of {machine.name}{feeds}"
+
+
+def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> list[str]:
+    """Fill cfg's automatic shape, batch and rates in place; one report line per value chosen."""
+    wanted = cfg.model.automatic() + [k for k in cfg.train.automatic() if k not in ("max_steps", "max_minutes")]
+    if not wanted:
+        return []
+    size, why = choose_size(cfg, machine, corpus_bytes)
+    filled = _filled(cfg, size)
+    cfg.model, cfg.train = filled.model, filled.train
+    section = {name: "model" if name in cfg.model.__dataclass_fields__ else "train" for name in wanted}
+    values = ", ".join(f"{k}={getattr(getattr(cfg, section[k]), k)}" for k in wanted)
+    return [f"automatic: {values} (the {size} preset: {why})"]
+
+
+def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1) -> list[str]:
+    """Fill max_steps and max_minutes where automatic, once the corpus is tokenized; report lines."""
+    t, notes = cfg.train, []
+    if t.max_minutes == AUTO and t.max_steps == AUTO and machine.kind != "cuda":
+        t.max_minutes = CPU_MINUTES
+        notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
+                     "or max_minutes to change it)")
+    if t.max_steps == AUTO and t.max_minutes == AUTO:
+        per_step = t.micro_batch_size * t.grad_accum_steps * world_size * cfg.model.max_seq_len
+        t.max_steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * train_tokens / per_step))
+        notes.append(f"automatic: max_steps={t.max_steps} ({GPU_EPOCHS} passes over {train_tokens:,} training "
+                     f"tokens at {per_step:,} tokens per step)")
+    elif t.max_steps == AUTO:
+        notes.append(f"automatic: no step limit, the {t.max_minutes:g}-minute budget ends the run")
+    return notes
