@@ -38,7 +38,9 @@ def arg(default, help: str, const=None):
 
 def _require(ok: bool, name: str, value, rule: str):
     if not ok:
-        raise ConfigError(f"{name}={value!r} is invalid: {rule}")
+        error = ConfigError(f"{name}={value!r} is invalid: {rule}")
+        error.field, error.value = name, value
+        raise error
 
 
 def _require_choices(cfg):
@@ -114,8 +116,9 @@ class DataConfig:
     text_field: str = arg("", "JSONL field holding the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
     skip_bad_lines: bool = arg(False, "skip JSONL lines that are not JSON or lack text, instead of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
-    tokenizer: str = arg("", "existing tokenizer.json (or its folder) to use; empty: train one")
-    tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train")
+    tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
+    tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "
+                                                                             "tiktoken: BPE split as GPT-4 does")
     val_fraction: float = arg(0.02, "fraction of documents held out for evaluation")
     data_seed: int = arg(1234, "seed of the train/val split")
     cache_dir: str = arg("data_cache", "folder of tokenized corpora, one subfolder per fingerprint")
@@ -349,6 +352,13 @@ def _file_overrides(path: str, types) -> list[str]:
     return words
 
 
+def _naming_config_py(e: ConfigError, types) -> ConfigError:
+    """e, saying so when the refused value is the one written in config.py (not a flag's or a file's)."""
+    written = [t.__dataclass_fields__[e.field].default for t in types if e.field in t.__dataclass_fields__] \
+        if hasattr(e, "field") else []
+    return ConfigError(f"{e} (as written in config.py)") if written and e.value in written else e
+
+
 def parse_sections(types, defaults, argv, description: str, extra=None):
     """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
 
@@ -373,6 +383,8 @@ def parse_sections(types, defaults, argv, description: str, extra=None):
     valid = sorted({a.dest for a in parser._actions if a.dest != "help"})
     try:
         out = parser.parse_args_into_dataclasses(rest, return_remaining_strings=False, look_for_args_file=False)
+    except ConfigError as e:
+        raise _naming_config_py(e, types) from None
     except ValueError as e:
         if "not used by the HfArgumentParser" in str(e):
             bad = [w for w in rest if w.startswith("--") and w[2:].split("=")[0] not in valid]
@@ -403,9 +415,13 @@ def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
         if extra:
             extra(parser)
 
-    base = PRESETS[known.preset]()
+    types = (ModelConfig, DataConfig, TrainConfig)
+    try:
+        base = PRESETS[known.preset]()
+    except ConfigError as e:
+        raise _naming_config_py(e, types) from None
     (model, data, train), extras = parse_sections(
-        (ModelConfig, DataConfig, TrainConfig), (base.model, base.data, base.train), argv,
+        types, (base.model, base.data, base.train), argv,
         "Train a GQA/RoPE/SwiGLU transformer. Every field below can be set as --name value.", add_preset)
     return Config(model=model, data=data, train=train), extras
 

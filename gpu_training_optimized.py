@@ -177,6 +177,15 @@ def evaluate(b: Built, val_batches, t, dist) -> float:
     return dist.mean(total / t.eval_batches).item()  # sync point: once per evaluation
 
 
+def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, monitor, bar) -> float:
+    """evaluate(), its metrics record and plot, and its line under the progress bar."""
+    val_loss = evaluate(b, val_batches, t, dist)
+    if monitor:
+        r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"])
+        bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}")
+    return val_loss
+
+
 class LossWindow:
     """Device-side sums of the losses between two log lines, and the longest run of skipped steps."""
 
@@ -367,11 +376,8 @@ def main(argv=None) -> int:
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
         if evaluated:
-            val_loss = timed(clock, "eval", evaluate, b, val_batches, t, dist)
+            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar)
             best_val = min(best_val, val_loss)
-            if monitor:
-                r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"])
-                bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}")
         if not fresh and (last_step or clock.save_due(step, evaluated) or stopping):
             last_ckpt = timed(clock, "save", save, cfg, b, step, tokens, best_val, ds, dist, clock,
                               val_loss if evaluated else None) or last_ckpt

@@ -143,7 +143,11 @@ class Monitor:
             self.wandb_run.log(scalars, step=record["step"])
 
     def plot(self):
-        """loss.png with train and val curves, when matplotlib is installed."""
+        """loss.png with train and val curves, when matplotlib is installed (and the curves changed)."""
+        drawn = (len(self.train_points), len(self.eval_points))
+        if drawn == getattr(self, "_drawn", None):
+            return
+        self._drawn = drawn
         try:
             import matplotlib
             matplotlib.use("Agg")

@@ -1,9 +1,10 @@
 """The token cache with its loss masks, and the batch loader that reads it.
 
 Takes the documents corpus.py reads from text files, folders, JSONL or chat JSONL (default: this Python's
-standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes <cache_dir>/<fingerprint>/ with train.bin, val.bin,
-meta.json and tokenizer.json; the same settings later reuse that folder. Batches are a pure function of
-(seed, step, micro_step, rank). Build the cache ahead of training, and see how fast that goes:
+standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes
+<cache_dir>/<fingerprint>/ with train.bin, val.bin, meta.json and tokenizer.json; the same settings later
+reuse that folder. Batches are a pure function of (seed, step, micro_step, rank). Build the cache ahead
+of training, and see how fast that goes:
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
 """
 

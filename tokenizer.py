@@ -6,9 +6,11 @@ prepare_data.py trains one from the texts it hands over; load_tokenizer() is the
 tokenizer.json for generation or export, with eos, pad and the chat template set.
 """
 
+import base64
 import os
+import re
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from config import DataError
 
@@ -23,6 +25,11 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 BYTE_ALPHABET = 256  # every byte-level tokenizer keeps one token per byte, so any text encodes
+# GPT-4's (cl100k) pre-tokenisation: contractions, letter runs, digit groups of up to 3, punctuation, spaces.
+GPT4_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+KINDS = ("bpe", "tiktoken", "wordpiece", "unigram")
+TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?")  # one token of a tiktoken rank file
 MIN_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -38,13 +45,43 @@ def tokenizer_file(path: str) -> str:
 
 
 def read_tokenizer(path: str) -> Tokenizer:
-    """The tokenizers.Tokenizer of a tokenizer.json (or its folder); DataError when it is not one."""
+    """The tokenizers.Tokenizer of a tokenizer.json (or its folder), or of a tiktoken rank file (lines of
+    'base64-token rank', such as cl100k_base.tiktoken); DataError when it is neither."""
     file = tokenizer_file(path)
+    with open(file, "rb") as f:
+        head = f.read(256)
+    if TIKTOKEN_LINE.match(head.split(b"\n", 1)[0]):
+        return _from_tiktoken(file)
     try:
         return Tokenizer.from_file(file)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise DataError(f"{file} is not a tokenizers JSON file ({str(e).splitlines()[0]}), "
-                        "pass a tokenizer.json saved by the tokenizers library") from None
+                        "pass a tokenizer.json saved by the tokenizers library or a tiktoken file") from None
+
+
+def _tiktoken_ranks(file: str) -> dict[bytes, int]:
+    """bytes -> rank of a tiktoken file, read as data (base64 and integers): nothing in it runs."""
+    ranks = {}
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not TIKTOKEN_LINE.match(line.rstrip(b"\n")):
+                raise DataError(f"{file} line {number} is not 'base64-token rank', pass a tiktoken file")
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _from_tiktoken(file: str) -> Tokenizer:
+    """A tiktoken rank file as a byte-level BPE with GPT-4's pre-tokenisation (transformers' converter)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class LocalFile(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path):  # the converter's own loader needs the tiktoken package
+            return _tiktoken_ranks(path)
+    return LocalFile(vocab_file=file, pattern=GPT4_PATTERN).converted()
 
 
 def load_tokenizer(path: str):
@@ -77,18 +114,23 @@ def new_tokenizer(kind: str, vocab_size: int):
     """An untrained byte-level tokenizer of the given kind, and its trainer."""
     common = dict(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    if kind == "bpe":
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if kind in ("bpe", "tiktoken"):
         model, trainer = models.BPE(), trainers.BpeTrainer(**common)
+        if kind == "tiktoken":  # GPT-4's split first, then bytes: a tiktoken-style BPE
+            byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated"),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif kind == "wordpiece":
         # No "##" prefix: the byte-level decoder then joins pieces as they are, and decoding stays lossless.
-        model = models.WordPiece(continuing_subword_prefix="")
+        # No word length limit: every byte is in the vocabulary, so no word ever needs an [UNK] it lacks.
+        model = models.WordPiece(continuing_subword_prefix="", max_input_chars_per_word=2**31 - 1)
         trainer = trainers.WordPieceTrainer(continuing_subword_prefix="", **common)
     elif kind == "unigram":
         model, trainer = models.Unigram(), trainers.UnigramTrainer(**common)
     else:
-        raise DataError(f"tokenizer_type={kind!r} is invalid: choose bpe, wordpiece or unigram")
+        raise DataError(f"tokenizer_type={kind!r} is invalid: choose {', '.join(KINDS)}")
     tok = Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     return tok, trainer
 
@@ -96,7 +138,13 @@ def new_tokenizer(kind: str, vocab_size: int):
 def train_tokenizer(texts, kind: str, vocab_size: int) -> Tokenizer:
     """A byte-level tokenizer of `kind` trained on an iterable of strings."""
     tok, trainer = new_tokenizer(kind, vocab_size)
-    tok.train_from_iterator(texts, trainer)
+    try:
+        tok.train_from_iterator(texts, trainer)
+    except Exception as e:  # the Rust trainers raise bare Exceptions
+        if isinstance(e, DataError):  # from the texts' iterator: already says what is wrong with the data
+            raise
+        raise DataError(f"training a {kind} tokenizer of {vocab_size} tokens failed ({str(e).splitlines()[0]}), "
+                        "try another --tokenizer_type or --vocab_size") from None
     return tok
 
 
@@ -145,6 +193,9 @@ def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bo
     before, tok.encode_special_tokens = tok.encode_special_tokens, True
     try:
         encoded = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
+    except Exception as e:  # a tokenizer from elsewhere may fail on some text (a WordPiece without [UNK], say)
+        raise DataError(f"the tokenizer cannot encode this text ({str(e).splitlines()[0]}), pass another "
+                        "--tokenizer or --tokenizer_type") from None
     finally:
         tok.encode_special_tokens = before
     out = []

@@ -7,6 +7,11 @@ import textwrap
 import pytest
 import torch
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs scripts in subprocesses or under torchrun; "
+                                       "-m 'not slow' leaves them out for a fast edit loop")
+
+
 # The tests' tiny model: builds in milliseconds, trains a step in a few on two CPU cores.
 TINY_MODEL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_seq_len=64)

@@ -26,8 +26,9 @@ from prepare_data import Batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                 reason="needs torch.distributed with gloo")]
 
 PROBE = r'''
 import atexit, hashlib, json, os, signal, sys, time

@@ -69,3 +69,11 @@ def test_weights_and_metrics_have_one_reader():
 def test_files_stay_small(module):
     with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
         assert len(f.readlines()) <= MAX_LINES, f"{module}.py: move one self-contained concern into its own module"
+
+
+def test_ci_runs_exactly_the_test_command_readme_gives():
+    """A new user runs README's command; CI must run the same one, or a broken install step goes unseen."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    command = readme.split("Run the tests")[1].split("```bash\n")[1].split("\n```")[0].strip()
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().strip().splitlines()
+    assert ci[-1] == command and "pytest" in command and "--durations=15" in command

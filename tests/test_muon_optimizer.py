@@ -255,6 +255,7 @@ def distributed_worker(rank: int, init_file: str, out_dir: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_spread_matches_single_process(tmp_path):
     """Catches ranks that drift apart or a split/gather that reorders matrices."""
     mp.spawn(distributed_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)

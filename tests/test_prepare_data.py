@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 import corpus  # noqa: E402
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
-from tokenizer import IM_END  # noqa: E402
+from tokenizer import IM_END, KINDS  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
@@ -107,6 +107,20 @@ def test_folder_is_read_recursively_skips_binary_and_keeps_text_exact(tmp_path):
     assert sorted(documents(data)) == sorted(texts.values())
     assert data.meta["train_documents"] + data.meta["val_documents"] == len(texts)
     assert not data.meta["has_masks"] and not os.path.exists(os.path.join(data.path, "train_mask.bin"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tokenizer_type_prepares_ordinary_text_losslessly(tmp_path, kind):
+    """Every tokenizer type README names must prepare real-looking text, lines of box-drawing characters and
+    long runs of spaces included (wordpiece once failed on any piece over 100 characters, with a raw
+    'Missing [UNK] token' traceback), and give every document back exactly."""
+    texts = text_corpus(tmp_path / "corpus", n_docs=6)
+    odd = tmp_path / "corpus" / "table.txt"
+    odd.write_text("\u250c" + "\u2500" * 300 + "\u2510\n" + " " * 250 + "indented\n\ttab " + "=" * 180 + "\n",
+                   encoding="utf-8")
+    texts[str(odd)] = odd.read_text(encoding="utf-8")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"], tokenizer_type=kind))
+    assert sorted(documents(data)) == sorted(texts.values())
 
 
 def test_long_text_file_is_cut_at_line_ends_into_documents(tmp_path):
@@ -248,6 +262,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_split_and_batches_are_identical_across_processes(tmp_path):
     """Prevents a split or batch order that depends on the process (hash seeds, dict or file-system order),
     which would make a resumed run see different data."""
@@ -305,6 +320,15 @@ def _bad_jsonl(tmp_path, bad_row, good=10):
     return [write_jsonl(tmp_path / "data.jsonl", rows[:2] + [bad_row] + rows[2:])]
 
 
+def _strict_wordpiece(tmp_path) -> str:
+    """A tokenizer.json from elsewhere: WordPiece with its usual 100-character word limit and no [UNK] token."""
+    from tokenizers import Tokenizer as Tok, models as tok_models, pre_tokenizers
+    tok = Tok(tok_models.WordPiece({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(tmp_path / "strict.json"))
+    return str(tmp_path / "strict.json")
+
+
 BAD_INPUTS = {
     "missing path": (lambda p: [p / "nope.txt"], {}, r"data source .*nope\.txt does not exist"),
     "empty corpus": (lambda p: [(p / "empty.txt", (p / "empty.txt").write_text(""))[0]], {}, r"no text found"),
@@ -321,6 +345,8 @@ BAD_INPUTS = {
                         r"one\.txt holds a single document"),
     "shorter than a window": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"seq": 5000},
                               r"split holds \d+ tokens, fewer than one window of max_seq_len \+ 1 = 5001"),
+    "tokenizer that fails": (lambda p: _bad_jsonl(p, {"text": "x" * 300}), {"tokenizer": _strict_wordpiece},
+                             r"the tokenizer cannot encode this text \(.*\[UNK\].*\), pass another --tokenizer"),
 }
 
 
@@ -329,7 +355,8 @@ def test_bad_input_gives_a_clear_error_and_no_cache(tmp_path, case):
     """Prevents tracebacks from deep inside on bad input, messages that don't name the file and line, and
     half-written cache folders."""
     make, kw, pattern = BAD_INPUTS[case]
-    cfg = config(tmp_path, make(tmp_path))
+    data_kw = {"tokenizer": kw.pop("tokenizer")(tmp_path)} if "tokenizer" in kw else {}
+    cfg = config(tmp_path, make(tmp_path), **data_kw)
     with pytest.raises(pd.DataError, match=pattern) as err:
         prepare(cfg, **kw)
     assert "\n" not in str(err.value)
@@ -360,6 +387,7 @@ def test_invalid_utf8_is_replaced_counted_and_reported(tmp_path):
     assert sorted(documents(data)) == sorted(list(texts.values()) + ["caf\ufffd na\ufffdve \ufffd ok\n"])
 
 
+@pytest.mark.slow
 def test_command_line_prepares_and_reports_errors_in_one_line(tmp_path):
     """Prevents the script from printing a traceback or exiting 0 on bad input."""
     text_corpus(tmp_path / "corpus")

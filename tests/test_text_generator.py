@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import text_generator as tg
+from checkpoint import read_model, save_checkpoint, weights_state_dict
 from config import SampleConfig
+from modern_llm import Transformer
 from sampling import generate_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +92,7 @@ def cli(args, cwd, stdin=""):
                           env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
     """--prompt prints exactly the completion; stdin lines are prompts, one completion each."""
     model, tok = loaded
@@ -101,6 +104,7 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
     assert many.returncode == 0 and many.stdout == expect[0] + "\n" + expect[1] + "\n"
 
 
+@pytest.mark.slow
 def test_repl_covers_every_command(ckpt, tmp_path):
     """Drive the REPL through stdin: every command works, a bad `set` is one error line, quit leaves."""
     script = "\n".join(["help", "settings", "set temperature 0", "set max_new_tokens 5", "set nope 1",
@@ -111,13 +115,72 @@ def test_repl_covers_every_command(ckpt, tmp_path):
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 2 and "valid names are: " in errors[0] and "top_p" in errors[1]
     for expected in ("greedy TEXT", "temperature = 0.0", "max_new_tokens = 5", "--- 4 ---", "chat mode",
-                     "(dialogue cleared)", "plain mode"):
+                     "(dialogue cleared)", "plain mode", f"checkpoint = {ckpt!r}"):
         assert expected in r.stdout
     assert r.stderr.count("tokens/s") == 6  # greedy, sample, batch, bare line, two chat replies
 
 
+@pytest.mark.slow
 def test_missing_default_checkpoint_cli(tmp_path):
     """With no argument and no runs/default, the real exit code is 2 and the message says how to train."""
     r = cli(["--prompt", "x"], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: no checkpoint at runs/default")
     assert "python gpu_training_optimized.py" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
+    """TextGenerator: one load, then generate() with the CLI's settings, one prompt or a batch; bad settings are
+    refused by name; the settings record what was loaded."""
+    g = tg.TextGenerator(ckpt, device="cpu", max_new_tokens=6, temperature=0.0)
+    assert g.settings.checkpoint == ckpt
+    one = g.generate("def")
+    expected = generate_text(g.model, g.tokenizer, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
+    assert isinstance(one, str) and one == expected
+    batch = g.generate(["def", "x ="], max_new_tokens=4)
+    assert batch == [generate_text(g.model, g.tokenizer, [p], replace(GREEDY, max_new_tokens=4))[0][0]
+                     for p in ("def", "x =")]
+    samples = g.generate("import", temperature=1.0, num_return_sequences=3, seed=4)
+    assert len(samples) == 3 and samples == g.generate("import", temperature=1.0, num_return_sequences=3, seed=4)
+    with pytest.raises(ValueError, match="valid names are"):
+        g.generate("def", temprature=0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        g.generate("def", top_p=2.0)
+    reply = g.chat([{"role": "user", "content": "hello"}])
+    assert isinstance(reply, str)
+
+
+@pytest.mark.slow
+def test_best_checkpoint_is_listed_and_loaded(ckpt, tmp_path, capsys):
+    """--list marks the run's best checkpoint, --best loads it instead of the newest."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(ckpt)), run)
+    found = read_model(ckpt)
+    for step, loss in ((20, 1.5), (30, 1.9)):
+        save_checkpoint(str(run), step, found.state, found.config, found.tokenizer_path, {"step": step}, keep=5,
+                           val_loss=loss)
+    assert tg.main(["--list", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [l.split()[1] for l in lines] == ["10", "20", "30"]
+    assert [l.endswith("  best") for l in lines] == [False, True, False]
+    *_, newest = tg.load_for_inference(str(run), "cpu")
+    *_, best = tg.load_for_inference(str(run), "cpu", best=True)
+    assert newest.endswith("step_000030") and best.endswith("step_000020")
+    r = cli([str(run), "--best", "--prompt", "x", "--max_new_tokens", "2"], tmp_path)
+    assert r.returncode == 0 and "loaded " + best in r.stderr
+
+
+@pytest.mark.slow
+def test_chat_is_offered_only_when_the_tokenizer_has_its_tokens(tmp_path, tiny_config):
+    """A model whose tokenizer lacks <|im_start|>/<|im_end|> gets no chat command in help, and `chat` says why."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain.train_from_iterator(["def f(x): return x\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    plain.save(str(tmp_path / "tokenizer.json"))
+    cfg = tiny_config(vocab_size=plain.get_vocab_size())
+    model = Transformer(cfg)
+    path = save_checkpoint(str(tmp_path / "run"), 1, weights_state_dict(model), cfg,
+                           str(tmp_path / "tokenizer.json"), {"step": 1}, keep=1)
+    r = cli([path, "--interactive"], tmp_path, stdin="help\nchat\nquit\n")
+    assert r.returncode == 0 and "  chat " not in r.stdout and "chat needs a model trained on conversations" in r.stderr

@@ -1,6 +1,7 @@
 """Tests of tokenizer.py: training every kind, lossless round trips, the chat template and its loss masks,
 and the one loader that generation and export use."""
 
+import base64
 import random
 
 import pytest
@@ -36,14 +37,15 @@ def tokenizer_path(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["bpe", "wordpiece", "unigram"])
+@pytest.mark.parametrize("kind", tk.KINDS)
 def test_decode_of_encode_gives_back_the_text(kind):
     """Prevents a tokenizer type that loses whitespace, bytes or characters."""
     rng = random.Random(1)
     tok = tk.train_tokenizer(["\n".join(words(rng, 30) for _ in range(5)) for _ in range(12)], kind, VOCAB)
     assert tok.get_vocab_size() <= VOCAB
     assert [tok.token_to_id(t) for t in tk.SPECIAL_TOKENS] == [0, 1, 2]
-    for text in [words(rng, 40), "tabs\tand\r\nCRLF  double  spaces \u00e9\u4e2d\U0001f600 \x00\n"]:
+    for text in [words(rng, 40), "tabs\tand\r\nCRLF  double  spaces \u00e9\u4e2d\U0001f600 \x00\n",
+                 "\u2500" * 300 + " " * 250 + "don't 1234567"]:
         assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
 
 
@@ -108,3 +110,26 @@ def test_existing_tokenizer_gains_the_special_tokens_and_keeps_its_ids(tmp_path)
     (tmp_path / "bad.json").write_text("{not a tokenizer")
     with pytest.raises(DataError, match="bad.json"):
         tk.load_tokenizer(str(tmp_path / "bad.json"))
+
+
+def test_a_tiktoken_file_loads_as_the_bpe_it_describes(tmp_path):
+    """--tokenizer may name a tiktoken rank file ('base64-token rank' lines): written from a tiktoken-style BPE
+    trained here, it must encode exactly as that BPE does, and decode losslessly once the special tokens are
+    added."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    rng = random.Random(4)
+    tok = tk.train_tokenizer([words(rng, 200) + " don't 12345" for _ in range(20)], "tiktoken", VOCAB)
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = sorted((i, s) for s, i in tok.get_vocab().items() if s not in tk.SPECIAL_TOKENS)
+    with open(tmp_path / "mine.tiktoken", "wb") as f:
+        for rank, (_, s) in enumerate(ranks):  # ranks from 0, as tiktoken files have them
+            f.write(base64.b64encode(bytes(to_byte[c] for c in s)) + f" {rank}\n".encode())
+    loaded = tk.read_tokenizer(str(tmp_path / "mine.tiktoken"))
+    shift = {i: rank for rank, (i, _) in enumerate(ranks)}
+    sample = words(rng, 60) + " don't 1234567 \u65e5\u672c"
+    assert loaded.encode(sample).ids == [shift[i] for i in tok.encode(sample).ids]
+    extended = tk.existing_tokenizer(str(tmp_path / "mine.tiktoken"), vocab_size=VOCAB)
+    assert extended.decode(extended.encode(sample).ids) == sample
+    (tmp_path / "bad.tiktoken").write_bytes(b"aGk= 0\nnot a line\n")
+    with pytest.raises(DataError, match="line 2"):
+        tk.read_tokenizer(str(tmp_path / "bad.tiktoken"))

@@ -15,7 +15,7 @@ import torch
 import checkpoint as ckpt_io
 import distributed
 import gpu_training_optimized as trainer
-from config import Config, TrainConfig
+from config import Config, ConfigError, TrainConfig
 from modern_llm import Transformer
 from monitor import read_metrics as read_all
 from schedule import RunClock, lr_multiplier
@@ -163,6 +163,7 @@ def test_resume_gives_bit_identical_losses(corpus, tmp_path, argv_for):
     assert len(resumed) == 16 and resumed == reference  # bit-identical, not approximately equal
 
 
+@pytest.mark.slow
 def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path, argv_for):
     """A real SIGTERM mid-run must leave a loadable checkpoint, exit 0, and print how to resume."""
     run = tmp_path / "run"
@@ -289,3 +290,86 @@ def test_wandb_logs_offline_into_the_run_folder(corpus, tmp_path, monkeypatch, a
     evals = [values for step, values in calls["logs"] if step == 4 and "eval/val_bpb" in values]
     assert evals and evals[0]["eval/val_bpb"] == read_metrics(run, "eval")[-1]["val_bpb"]
     assert calls["finished"]
+
+
+def snapshot(run_dir) -> dict:
+    """Every file under run_dir with its bytes: what a refused command must leave exactly as it was."""
+    files = {}
+    for folder, _, names in os.walk(run_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, run_dir)] = open(path, "rb").read()
+    return files
+
+
+def test_a_refused_resume_writes_nothing(corpus, tmp_path, capsys, argv_for):
+    """config.json was once rewritten before --resume's checks failed, so the run's own config then failed to
+    resume it too. A refused --resume (another shape, past max_steps, no checkpoint) must change no file."""
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3)) == 0
+    before = snapshot(run)
+    for extra in (("--hidden_size", 128), ("--max_steps", 3)):
+        with pytest.raises(SystemExit) as e:
+            trainer.run(argv_for(corpus, run, "--max_steps", 4, "--resume", *extra))
+        assert e.value.code == 2 and snapshot(run) == before
+    assert "already at step 3 and max_steps=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        trainer.run(argv_for(corpus, tmp_path / "empty", "--max_steps", 4, "--resume"))
+    assert e.value.code == 2 and not (tmp_path / "empty").exists()
+    again = trainer.main(argv_for(corpus, run, "--config", run / "config.json", "--max_steps", 5, "--resume"))
+    assert again == 0 and [r["step"] for r in read_metrics(run)][-2:] == [4, 5]
+
+
+def test_resume_from_a_chosen_checkpoint_into_a_new_folder(corpus, tmp_path, argv_for):
+    """--resume FOLDER continues from that checkpoint exactly (the losses of the uninterrupted run), into a new
+    run folder; in its own run folder, which went on past it, it is refused rather than mixing two histories."""
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 6, "--eval_interval", 3, "--keep_checkpoints", 5)) == 0
+    ckpt = os.path.join(run, "checkpoints", "step_000003")
+    with pytest.raises(ConfigError, match="holds later checkpoints"):
+        trainer.main(argv_for(corpus, run, "--max_steps", 6, "--resume", ckpt))
+    branch = tmp_path / "branch"
+    assert trainer.main(argv_for(corpus, branch, "--max_steps", 6, "--eval_interval", 3, "--resume", ckpt)) == 0
+    assert [r["loss"] for r in read_metrics(branch)] == [r["loss"] for r in read_metrics(run) if r["step"] > 3]
+
+
+def test_the_best_checkpoint_survives_pruning(corpus, tmp_path, monkeypatch, argv_for):
+    """keep_checkpoints prunes old checkpoints but never the one of lowest validation loss, which BEST names and
+    --best loads; scripted validation losses make step 4 the best of six evaluations."""
+    losses = iter([3.0, 2.0, 2.5, 2.7, 2.9, 3.1])
+    monkeypatch.setattr(trainer, "evaluate", lambda *args: next(losses))
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 2, "--keep_checkpoints", 1)) == 0
+    assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(str(run))] == ["step_000004", "step_000012"]
+    assert ckpt_io.best_checkpoint(str(run)).endswith("step_000004")
+    assert ckpt_io.read_model(str(run), best=True).path == ckpt_io.best_checkpoint(str(run))
+    assert ckpt_io.read_model(str(run)).path.endswith("step_000012")
+
+
+def test_one_step_runs_and_warmup_fits_any_length(corpus, tmp_path, argv_for):
+    """--max_steps 1 must run (warmup once outlasted short runs and was refused): warmup is a share of the run."""
+    assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--warmup_ratio", 0.5)) == 0
+    (record,) = read_metrics(tmp_path / "run")
+    assert record["step"] == 1 and record["lr_scale"] == pytest.approx(0.1)  # the last step: the schedule's floor
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, capsys, argv_for):
+    """Under --max_minutes the run stops inside the budget, final evaluation and checkpoint included, and the
+    learning rate reaches its floor at the last step; six automatic evaluations spread over the run."""
+    run = tmp_path / "run"
+    start = time.monotonic()
+    assert trainer.main(argv_for(corpus, run, "--max_minutes", 0.4, "--eval_batches", 2, "--log_interval", 1)) == 0
+    took = time.monotonic() - start
+    assert took <= 0.4 * 60 + 1, took  # a second for the last log line and the summary
+    train, evals = read_metrics(run, "train"), read_metrics(run, "eval")
+    assert len(train) > 20 and train[-1]["lr_scale"] == pytest.approx(0.1, abs=0.03)
+    assert max(r["lr_scale"] for r in train) == pytest.approx(1.0, abs=0.05)
+    assert 4 <= len(evals) <= 7 and evals[-1]["step"] == train[-1]["step"]
+    state = ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(run)))
+    assert 0.3 * 60 < state["spent_s"] <= 0.4 * 60
+    # Resumed with a longer budget, the run continues from its step with what the budget has left.
+    assert trainer.main(argv_for(corpus, run, "--max_minutes", 0.6, "--eval_batches", 2, "--resume")) == 0
+    more = read_metrics(run, "train")
+    assert more[-1]["step"] > train[-1]["step"] and more[-1]["lr_scale"] == pytest.approx(0.1, abs=0.03)
+    assert "resumed from" in capsys.readouterr().out

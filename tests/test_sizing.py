@@ -1,0 +1,70 @@
+"""Tests of sizing.py: automatic values fill only the fields left automatic, for the machine and corpus given
+(GPUs stubbed as Machine records), and every choice is reported with its reason."""
+
+import pytest
+
+import sizing
+from config import Config, ConfigError, ModelConfig, TrainConfig, preset_tiny
+from sizing import Machine
+
+CPU = Machine("cpu", "cpu, 2 threads")
+GIB = 2**30
+
+
+def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
+    cfg = Config()
+    notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=30_000_000)
+    tiny = preset_tiny()
+    assert cfg.model == tiny.model
+    assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 3e-3, 0.02)
+    assert len(notes) == 1 and "hidden_size=256" in notes[0] and "no CUDA device" in notes[0]
+    notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
+    assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 10.0)
+    assert "max_minutes=10" in notes[0] and "no step limit" in notes[1]
+
+
+def test_values_written_by_hand_are_never_changed():
+    """A width, a step count and a rate given by the user stay; the fields that depend on them follow."""
+    cfg = Config(model=ModelConfig(hidden_size=512), train=TrainConfig(max_steps=33, learning_rate=1e-3))
+    notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=1_000_000)
+    assert (cfg.model.hidden_size, cfg.train.max_steps, cfg.train.learning_rate) == (512, 33, 1e-3)
+    assert cfg.model.head_dim == 512 // cfg.model.num_attention_heads and cfg.model.intermediate_size == 1536
+    assert "hidden_size" not in notes[0] and "learning_rate" not in notes[0]
+    assert sizing.fill_run_length(cfg, CPU, train_tokens=1_000_000) == []  # steps written: no time budget
+    assert cfg.train.max_minutes == 0
+    assert sizing.fill_automatic(cfg, CPU, corpus_bytes=1) == []  # nothing left automatic: nothing to say
+
+
+def test_a_written_value_that_fits_no_automatic_one_is_refused_with_both_named():
+    with pytest.raises(ConfigError, match=r"hidden_size=90 .*num_attention_heads=4 .*after filling the automatic "
+                                          r"fields .*num_attention_heads.*tiny preset"):
+        sizing.fill_automatic(Config(model=ModelConfig(hidden_size=90)), CPU, corpus_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("memory_gib,corpus_mb,expected", [
+    (80, 32, "small"),  # the default corpus (the stdlib, ~8M tokens) feeds no more than ~160M parameters
+    (80, 40_000, "xl"),  # a 10B-token corpus and an 80 GB GPU: the largest preset
+    (24, 40_000, "large"),  # xl needs more than 80% of 24 GB
+    (16, 40_000, "small"),  # so do large and medium of 16 GB
+    (4, 40_000, "tiny"),  # not even small fits
+])
+def test_a_gpu_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gib, corpus_mb, expected):
+    """The size weighs memory (without activation checkpointing) and the corpus: an 80 GB GPU once got the
+    1.4B-parameter xl for a corpus of 8M tokens, which it memorises in minutes."""
+    cfg = Config()
+    notes = sizing.fill_automatic(cfg, Machine("cuda", "GPU", memory_gib * GIB), corpus_bytes=corpus_mb * 10**6)
+    assert f"the {expected} preset" in notes[0]
+    assert not cfg.model.gradient_checkpointing  # config.py's value, which no preset overrides here
+    if expected != "tiny":  # the chosen size fits both limits
+        tokens = corpus_mb * 10**6 / sizing.BYTES_PER_TOKEN
+        assert sizing.count_parameters(cfg.model) <= sizing.PARAMETERS_PER_TOKEN * tokens
+        assert sizing.training_bytes_estimate(cfg) <= 0.8 * memory_gib * GIB
+
+
+def test_a_gpu_run_passes_over_its_corpus_four_times():
+    cfg = Config()
+    sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=32 * 10**6)
+    notes = sizing.fill_run_length(cfg, Machine("cuda", "GPU", 80 * GIB), train_tokens=8_000_000, world_size=2)
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 2 * cfg.model.max_seq_len
+    assert cfg.train.max_steps == -(-4 * 8_000_000 // per_step) and cfg.train.max_minutes == 0
+    assert "4 passes over 8,000,000 training tokens" in notes[0]
