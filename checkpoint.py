@@ -21,33 +21,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
-from hf_format import check_weights, expected_shapes, is_hf_folder, load_hf_folder
+from hf_format import (check_declared_size, check_weights, expected_shapes, is_hf_folder, load_hf_folder,
+                       stored_shapes)
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
 MANIFEST = "manifest.json"  # written last: the step, its validation loss and every file's size
 STEP_FOLDER = re.compile(r"step_(\d{6,})")
 HOW_TO_MAKE_ONE = "train one with: python gpu_training_optimized.py"
-
-
-def _fsync_dir(path: str):
-    if hasattr(os, "O_DIRECTORY"):  # directories cannot be opened for fsync on Windows
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_text_atomic(path: str, text: str):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict:
@@ -62,35 +46,39 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
 def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
                     trainer_state: dict, keep: int, val_loss: float | None = None) -> str:
     """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),
-    keep the newest `keep` and the best; return its folder."""
-    root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
-    name = f"step_{step:06d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(tmp, MODEL_CONFIG), "w", encoding="utf-8") as f:
-        json.dump(asdict(model_config), f, indent=2)
-    shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
-    torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
-    sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
-        json.dump({"step": step, "val_loss": val_loss, "files": sizes}, f, indent=1)
-    for file in os.listdir(tmp):
-        with open(os.path.join(tmp, file), "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if os.path.exists(final):  # a re-run reaching the same step replaces it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_text_atomic(os.path.join(root, "LATEST"), name + "\n")
+    keep the newest `keep` and the best; return its folder. A failed write (a full disk) leaves no trace and
+    the previous checkpoints as they were, and raises WriteError saying how much room it needs."""
+    root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:06d}"
+    final = os.path.join(root, name)
+    need = _tensor_bytes(state) + _tensor_bytes(trainer_state)
+    previous = latest_checkpoint(run_dir)
+    keeps = f"; {previous} is intact" if previous else ""
+    with atomic.folder(final, f"writing checkpoint {name} (the run stopped here{keeps})", need) as tmp:
+        save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, MODEL_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(asdict(model_config), f, indent=2)
+        shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
+        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+        sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
+            json.dump({"step": step, "val_loss": val_loss, "files": sizes}, f, indent=1)
+    atomic.write_text(os.path.join(root, "LATEST"), name + "\n")
     best = best_checkpoint(run_dir)
     if val_loss is not None and (best is None or val_loss < _manifest(best).get("val_loss", math.inf)):
-        _write_text_atomic(os.path.join(root, "BEST"), name + "\n")
+        atomic.write_text(os.path.join(root, "BEST"), name + "\n")
     _prune(run_dir, keep)
     return final
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor in nested dicts and lists: about what a checkpoint of them takes on disk."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def _prune(run_dir: str, keep: int):
@@ -177,9 +165,12 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 def latest_problem(run_dir: str) -> str | None:
     """Why latest_checkpoint() could not take what LATEST names, in a sentence; None when it could."""
-    pointer = os.path.join(run_dir, "checkpoints", "LATEST")
+    pointer, root = os.path.join(run_dir, "checkpoints", "LATEST"), os.path.join(run_dir, "checkpoints")
     if _pointer(run_dir, "LATEST") or not holds_checkpoints(run_dir):
         return None
+    if not list_checkpoints(run_dir):  # nothing complete at all: say what the newest folder lacks
+        newest = max((d for d in os.listdir(root) if STEP_FOLDER.fullmatch(d)), key=lambda d: int(d[5:]))
+        return f"{os.path.join(root, newest)} is incomplete ({incomplete(os.path.join(root, newest))})"
     if not os.path.isfile(pointer):
         return f"{pointer} is missing"
     try:
@@ -273,18 +264,25 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFile
     max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight); best
     picks a run folder's best checkpoint instead of its newest."""
     if is_hf_folder(path):
-        cfg, state, tokenizer = load_hf_folder(path, max_seq_len)
-        return ModelFiles(cfg, state, tokenizer, path)
-    ckpt = resolve_checkpoint(path, best)
-    cfg = load_model_config(ckpt)
-    if max_seq_len:
-        cfg = replace(cfg, max_seq_len=max_seq_len)
-    state = _read_weights(ckpt)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    check_weights(state, expected_shapes(cfg), os.path.join(ckpt, WEIGHTS))
-    tokenizer = os.path.join(ckpt, TOKENIZER)
-    return ModelFiles(cfg, state, tokenizer if os.path.isfile(tokenizer) else None, ckpt)
+        found = ModelFiles(*load_hf_folder(path, max_seq_len), path)
+    else:
+        ckpt = resolve_checkpoint(path, best)
+        cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
+        if max_seq_len:
+            cfg = replace(cfg, max_seq_len=max_seq_len)
+        # From the header: an absurd config is refused before anything is built or loaded.
+        stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
+        check_declared_size(cfg, stored, ckpt)
+        kept = {k: v for k, v in stored.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        check_weights(kept, expected_shapes(cfg), weights)
+        state = {k: v for k, v in _read_weights(ckpt).items() if k in kept}
+        tokenizer = os.path.join(ckpt, TOKENIZER)
+        found = ModelFiles(cfg, state, tokenizer if os.path.isfile(tokenizer) else None, ckpt)
+    broken = [k for k, v in found.state.items() if not torch.isfinite(v).all()]
+    if broken:
+        raise CheckpointError(f"{found.path}: the weights {', '.join(broken[:3])} hold NaN or Inf (the run diverged "
+                              "before it was saved); use an earlier checkpoint")
+    return found
 
 
 def load_trainer_state(ckpt: str) -> dict:

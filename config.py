@@ -27,6 +27,10 @@ class CheckpointError(ValueError):
     """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
 
 
+class WriteError(RuntimeError):
+    """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays."""
+
+
 def arg(default, help: str, const=None):
     """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
     given bare (`--resume`), meaning that value."""

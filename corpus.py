@@ -5,6 +5,7 @@ and counted); long text files are cut at line ends into documents of about 32 Ki
 document, its text or its chat messages. Nothing here tokenizes: prepare_data.py does, from documents().
 """
 
+import codecs
 import json
 import math
 import os
@@ -91,6 +92,7 @@ def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
                 return
             if piece == 0:
                 stats.files += 1
+                block = block.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not text
             block += f.readline()  # finish the line, so no piece ends inside a word or a character
             yield piece, _decode(block, path, stats), len(block)
 
@@ -109,12 +111,14 @@ def _parse_line(line: str, text_fields):
     raise DataError(f"no text field (looked for {', '.join(text_fields)} and messages)")
 
 
-def _jsonldocuments(path: str, cfg: DataConfig, stats: ReadStats):
+def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
     """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
     text_fields = (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
     stats.files += 1
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not JSON
             if not raw.strip():
                 continue
             try:
@@ -133,7 +137,7 @@ def documents(files, cfg: DataConfig, stats: ReadStats):
     budget = cfg.max_source_mb * 1e6 or math.inf
     doc_id = -1
     for path, in_folder in files:
-        reader = _jsonldocuments(path, cfg, stats) if path.endswith(".jsonl") else \
+        reader = _jsonl_documents(path, cfg, stats) if path.endswith(".jsonl") else \
             _text_pieces(path, in_folder, stats)
         for piece, doc, size in reader:
             if piece == 0:
@@ -154,17 +158,27 @@ def scan(files, cfg: DataConfig, log) -> ReadStats:
     if stats.bad_lines and not cfg.skip_bad_lines:
         raise DataError(f"{stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}; fix them, "
                         "or pass --skip_bad_lines true to leave them out")
+    found = _findings(stats)
+    also = f" ({'; '.join(found)})" if found else ""
     if stats.documents == 0:
-        raise DataError(f"no text found in {where} (files empty, binary, or every line skipped), "
+        raise DataError(f"no text found in {where} (files empty, binary, or every line skipped){also}, "
                         "pass files that hold text")
     if stats.documents == 1:
-        raise DataError(f"{where} holds a single document, so the validation split would be empty; add "
+        raise DataError(f"{where} holds a single document, so the validation split would be empty{also}; add "
                         f"documents (more files, JSONL lines, or text longer than {PIECE_BYTES // 1024} KiB)")
-    if stats.bad_lines:
-        log(f"data: skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
-    if stats.binary_skipped:
-        log(f"data: skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
-    if stats.invalid_utf8:
-        log(f"data: replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, "
-            f"the first in {stats.first_invalid}")
+    for finding in found:
+        log(f"data: {finding}")
     return stats
+
+
+def _findings(stats: ReadStats) -> list[str]:
+    """What reading skipped or repaired, in words."""
+    found = []
+    if stats.bad_lines:
+        found.append(f"skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
+    if stats.binary_skipped:
+        found.append(f"skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
+    if stats.invalid_utf8:
+        found.append(f"replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, the first in "
+                     f"{stats.first_invalid}")
+    return found

@@ -14,7 +14,7 @@ import os
 import sys
 
 from checkpoint import TOKENIZER, latest_checkpoint, read_model, save_checkpoint
-from config import CheckpointError, ConfigError, DataError, default_run_dir, error_exit
+from config import CheckpointError, ConfigError, DataError, WriteError, default_run_dir, error_exit
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
 from tokenizer import EOT_TOKEN
 
@@ -85,6 +85,8 @@ def main(argv=None) -> int:
             print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
     except (CheckpointError, ConfigError, DataError) as e:
         error_exit(str(e), 2)
+    except WriteError as e:
+        error_exit(str(e), 1)
     except OSError as e:
         error_exit(f"could not read or write ({e}), check the paths and free disk space", 1)
     return 0

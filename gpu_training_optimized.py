@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import atomic
 import checkpoint as ckpt_io
 import distributed as dist_utils
-from config import CheckpointError, Config, ConfigError, DataError, describe, error_exit, parse_config
+from config import CheckpointError, Config, ConfigError, DataError, WriteError, describe, error_exit, parse_config
 from device import (PRECISION_NAMES, autocast, compile_model, is_compile_failure, machine, pick_device,
                     pick_precision, uses_cuda_graphs)
 from modern_llm import Transformer
@@ -241,17 +242,17 @@ def prepare_once(cfg: Config, dist) -> PreparedData:
 
 
 def check_run_folder(t, resuming: bool):
-    """A new run never writes into a folder that holds checkpoints, complete or not, LATEST or not."""
+    """A folder this process can write to, and, for a new run, one that holds no checkpoint folder, complete
+    or not, LATEST or not: a new run never writes over another's checkpoints."""
     if ckpt_io.holds_checkpoints(t.run_dir) and not resuming:
         raise ConfigError(f"{t.run_dir} already holds checkpoints, pass --resume to continue it "
                           "or --run_dir NEW_FOLDER for a new run")
+    atomic.writable_folder(t.run_dir, "--run_dir")
 
 
 def write_run_config(cfg: Config):
     """config.json in the run folder: every value this run uses (after automatic sizing)."""
-    os.makedirs(cfg.train.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
+    atomic.write_text(os.path.join(cfg.train.run_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
 
 
 class StopFlag:
@@ -337,6 +338,8 @@ def main(argv=None) -> int:
                          dist.local_rank)
     init_state = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
+    if dist.is_main:
+        check_run_folder(t, resuming=ckpt is not None)  # before the data, which may take a while
     notes += carry_settings(cfg, saved) if saved else []  # automatic fields as the resumed run had them
     notes += fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
     dist.print("\n".join([describe(cfg), *notes]))
@@ -347,8 +350,6 @@ def main(argv=None) -> int:
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
                           "leaves nothing to train, raise --max_steps")
-    if dist.is_main:
-        check_run_folder(t, resuming=ckpt is not None)
     if ckpt:
         check_same_shape(cfg, ckpt)
         check_same_data(cfg, saved, ds.path)
@@ -426,9 +427,17 @@ def print_summary(cfg, step, tokens, seconds, best_val, ds, ckpt, device, interr
 def run(argv=None) -> int:
     """main() with the error contract of DESIGN.md: bad input exits 2, understood failures exit 1."""
     try:
-        return main(argv)
+        try:
+            return main(argv)
+        finally:
+            for bar in list(tqdm._instances):  # an error line then starts on a line of its own, under the bar
+                bar.close()
     except (ConfigError, DataError, CheckpointError) as e:
         error_exit(str(e), 2)
+    except WriteError as e:
+        error_exit(str(e), 1)
+    except OSError as e:  # a write outside the checkpoint (metrics, the loss plot) the disk refused
+        error_exit(str(atomic.write_error(e, "writing the run's files", where=e.filename or "")), 1)
     except torch.OutOfMemoryError:
         error_exit("out of GPU memory; lower --micro_batch_size (raise --grad_accum_steps to keep tokens per "
                    "step), lower --max_seq_len, set --gradient_checkpointing true, try --auto_micro_batch true, "

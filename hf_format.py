@@ -7,21 +7,26 @@ their transformers twins with hf_twin(), so every path agrees on every field (ro
 """
 
 import json
+import math
 import os
-import shutil
 
+import psutil
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from modern_llm import Transformer
+from sizing import count_parameters
 from tokenizer import EOT_TOKEN, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
+INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "max_seq_len")
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -46,11 +51,41 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+def stored_shapes(files: list[str], remedy: str = "use another model folder") -> dict[str, tuple]:
+    """Name -> shape of every tensor in these safetensors files, read from their headers: nothing is loaded."""
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing, {remedy}") from None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file} is corrupt ({e}), {remedy}") from None
+    return shapes
+
+
+def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
+    """Refuse a config whose parameter count is not what the weight files hold, before anything is built from
+    it (a config declaring 10^7 layers would build for hours), and weights too large for the free memory."""
+    stored = sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")
+                 and not (cfg.tie_word_embeddings and name == "lm_head.weight"))
+    declared = count_parameters(cfg)
+    if stored != declared:
+        raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files hold "
+                              f"{stored:,}; the config does not belong to these weights")
+    need, free = 4 * stored, psutil.virtual_memory().available  # read as fp32 on the CPU
+    if need > free:
+        raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and {free / 2**30:.1f} GiB "
+                              "are free; close other programs or use a machine with more memory")
+
+
 def check_weights(state: dict, shapes: dict, where: str):
-    """Raise CheckpointError naming missing, unexpected and misshapen tensors."""
-    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-    wrong = [f"{k} {tuple(state[k].shape)} instead of {shapes[k]}" for k in shapes
-             if k in state and tuple(state[k].shape) != shapes[k]]
+    """Raise CheckpointError naming missing, unexpected and misshapen tensors; state maps names to tensors or
+    to shapes."""
+    found = {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in state.items()}
+    missing, unexpected = sorted(set(shapes) - set(found)), sorted(set(found) - set(shapes))
+    wrong = [f"{k} {found[k]} instead of {shapes[k]}" for k in shapes if k in found and found[k] != shapes[k]]
     if missing or unexpected or wrong:
         parts = [f"{label} {items[:4]}" + (f" and {len(items) - 4} more" if len(items) > 4 else "")
                  for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
@@ -145,26 +180,12 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
 def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str = "float32",
                     eos: str = EOT_TOKEN, overwrite: bool = False):
     """Write a transformers folder atomically: into a temporary folder, renamed into place when complete."""
-    out = os.path.abspath(out)
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"{out} already exists and is not empty, pass --overwrite or choose another folder")
-    tmp = os.path.join(os.path.dirname(out), f".tmp_{os.path.basename(out)}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+        raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
+                              "another folder")
+    need = sum(v.numel() for v in state.values()) * DTYPES[dtype].itemsize
+    with atomic.folder(out, f"exporting to {out}", need) as tmp:
         _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(out):  # the old folder goes aside first and is deleted only once the new one is in
-            os.rename(out, tmp + ".old")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.exists(tmp + ".old") and not os.path.exists(out):
-            os.rename(tmp + ".old", out)  # put the previous export back
-        raise
-    shutil.rmtree(tmp + ".old", ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- reading a folder
@@ -209,25 +230,12 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
     """Our ModelConfig for a Qwen3 or Llama folder; CheckpointError naming what differs if there is none."""
     from transformers import AutoConfig  # it fills in the defaults that save_pretrained leaves out
 
-    file = os.path.join(path, HF_CONFIG)
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file} ({e})") from None
-    if raw.get("model_type") not in ARCHITECTURES:
-        raise CheckpointError(f"{file}: model_type={raw.get('model_type')!r} is not supported, "
-                              f"only {' or '.join(ARCHITECTURES)}")
+    file, raw = os.path.join(path, HF_CONFIG), _raw_config(path)
     try:
         hf = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{file} is not a valid transformers config ({str(e).splitlines()[0]})") from None
-    why = unsupported(hf, raw)
-    if why:
-        raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
-    rope = getattr(hf, "rope_parameters", None) or {}
-    try:
-        return ModelConfig(
+        why = unsupported(hf, raw)
+        rope = getattr(hf, "rope_parameters", None) or {}
+        cfg = ModelConfig(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
             head_dim=getattr(hf, "head_dim", None) or 0, intermediate_size=hf.intermediate_size,
@@ -237,22 +245,80 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
             tie_word_embeddings=bool(hf.tie_word_embeddings), init_std=float(hf.initializer_range))
     except ConfigError as e:
         raise CheckpointError(f"{file} gives an invalid model shape: {e}") from None
+    except Exception as e:  # transformers raises many kinds for a malformed file; a field of a wrong type too
+        raise CheckpointError(f"{file} is not a valid transformers config ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
+    if why:
+        raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
+    if any(not isinstance(getattr(cfg, f), int) or isinstance(getattr(cfg, f), bool) for f in INT_FIELDS):
+        raise CheckpointError(f"{file}: the sizes {', '.join(INT_FIELDS)} must be integers")
+    return cfg
 
 
-def _read_hf_weights(path: str) -> dict:
-    """Every tensor of model.safetensors, or of the shards that model.safetensors.index.json lists."""
+def _raw_config(path: str) -> dict:
+    """config.json as written, refused unless it is an object naming a model type we can represent."""
+    file = os.path.join(path, HF_CONFIG)
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file} ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a config object")
+    if raw.get("model_type") not in ARCHITECTURES:
+        raise CheckpointError(f"{file}: model_type={raw.get('model_type')!r} is not supported, "
+                              f"only {' or '.join(ARCHITECTURES)}")
+    return raw
+
+
+def _declared_shape(raw: dict, file: str) -> ModelConfig:
+    """The shape config.json declares, read from its own fields: transformers is not given a config before
+    its sizes are checked against the weights (building one with 10^7 layers takes it minutes)."""
+    heads = raw.get("num_attention_heads")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
+            raise CheckpointError(f"{file} is not a valid transformers config ({name}={raw.get(name)!r} is not an "
+                                  "integer)")
+    try:
+        return ModelConfig(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                           num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+                           num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                           head_dim=raw.get("head_dim") or 0, intermediate_size=raw["intermediate_size"],
+                           qk_norm=raw["model_type"] == "qwen3", max_seq_len=1,
+                           tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{file} is not a valid transformers config ({type(e).__name__}: {e})") from None
+
+
+def _weight_files(path: str) -> list[str]:
+    """model.safetensors, or the shards model.safetensors.index.json lists: files of this folder only."""
     index = os.path.join(path, HF_INDEX)
-    if os.path.isfile(index):
+    if not os.path.isfile(index):
+        return [os.path.join(path, HF_WEIGHTS)]
+    try:
         with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = [HF_WEIGHTS]
+            shards = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a weight index with a weight_map ({type(e).__name__}: {e})") from None
+    bad = sorted(str(n) for n in shards if not isinstance(n, str) or os.path.basename(n) != n
+                 or not n.endswith(".safetensors"))
+    if bad or not shards:
+        raise CheckpointError(f"{index} names {bad[:3] or 'no shards'}: shards must be .safetensors files of the "
+                              "folder itself")
+    missing = sorted(n for n in shards if not os.path.isfile(os.path.join(path, n)))
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} shard(s) its index lists: {', '.join(missing[:3])}")
+    return [os.path.join(path, n) for n in sorted(shards)]
+
+
+def _read_hf_weights(files: list[str]) -> dict:
+    """Every tensor of these safetensors files, on the CPU."""
     state = {}
-    for name in files:
+    for file in files:
         try:
-            state.update(load_file(os.path.join(path, name), device="cpu"))
+            state.update(load_file(file, device="cpu"))
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {os.path.join(path, name)} ({e})") from None
+            raise CheckpointError(f"cannot read {file} ({e})") from None
     return state
 
 
@@ -265,12 +331,13 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     if not is_hf_folder(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder ({HF_CONFIG} with {HF_WEIGHTS} or "
                               f"{HF_INDEX}), save the model with save_pretrained(safe_serialization=True)")
+    files = _weight_files(path)
+    stored = stored_shapes(files)
+    check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
-    hf_state = {k: v for k, v in _read_hf_weights(path).items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        hf_state.pop("lm_head.weight", None)  # some tied folders store the head as well
-    shapes = {hf_name(k): v for k, v in expected_shapes(cfg).items()}
-    check_weights(hf_state, shapes, path)
-    state = {our_name(k): v.float().contiguous() for k, v in hf_state.items()}
+    drop = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some tied folders store the head as well
+    kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and k not in drop}
+    check_weights(kept, {hf_name(k): v for k, v in expected_shapes(cfg).items()}, path)
+    state = {our_name(k): v.float().contiguous() for k, v in _read_hf_weights(files).items() if k in kept}
     tokenizer = os.path.join(path, TOKENIZER_FILE)
     return cfg, state, tokenizer if os.path.isfile(tokenizer) else None

@@ -12,6 +12,8 @@ import time
 import psutil
 import torch
 
+import atomic
+
 METRICS_FILE = "metrics.jsonl"
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets. The first
@@ -126,10 +128,7 @@ class Monitor:
 
     def _rewrite(self, records: list[dict]):
         """Replace metrics.jsonl by these records, atomically."""
-        tmp = self.metrics_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        os.replace(tmp, self.metrics_path)
+        atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in records))
 
     def _write(self, record: dict):
         with open(self.metrics_path, "a", encoding="utf-8") as f:

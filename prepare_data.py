@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import sysconfig
 import time
@@ -23,7 +22,8 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from config import ConfigError, DataConfig, DataError, error_exit, parse_config
+import atomic
+from config import ConfigError, DataConfig, DataError, WriteError, error_exit, parse_config
 from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
 from device import machine, pick_device
 from sizing import fill_automatic
@@ -189,9 +189,8 @@ def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log
         f"(scanned in {time.perf_counter() - start:.1f}s)")
     is_val = _val_mask(stats.documents, cfg.data_seed, cfg.val_fraction)
     tok = _make_tokenizer(files, cfg, vocab_size, is_val, stats.bytes, log)
-    tmp = f"{path}.tmp-{os.getpid()}"  # never read as a cache: only a folder named <fingerprint> is
-    os.makedirs(tmp, exist_ok=True)  # a crashed run with the same pid may have left one behind
-    try:
+    # Under a temporary name, never read as a cache: only a folder named <fingerprint> with meta.json is.
+    with atomic.folder(path, f"writing the token cache {path}", need=4 * stats.bytes) as tmp:
         tok.save(os.path.join(tmp, TOKENIZER_FILE))
         meta = _write_splits(tmp, files, cfg, tok, is_val, stats.bytes)
         for split in ("train", "val"):
@@ -204,14 +203,6 @@ def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log
                     mb_per_second=round(stats.bytes / 1e6 / seconds, 2), format=CACHE_FORMAT)
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
-        if os.path.isfile(os.path.join(path, "meta.json")):
-            shutil.rmtree(tmp)  # another process finished the same cache meanwhile
-        else:
-            shutil.rmtree(path, ignore_errors=True)  # a folder without meta.json is incomplete
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"data: prepared {stats.bytes / 1e6:.1f} MB in {seconds:.1f}s ({meta['mb_per_second']} MB/s), "
         f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens, "
         f"{meta['val_bytes_per_token']:.2f} bytes per token")
@@ -300,8 +291,10 @@ def main(argv=None):
         data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
     except (ConfigError, DataError) as e:
         error_exit(str(e))
+    except WriteError as e:
+        error_exit(str(e), 1)
     except OSError as e:
-        error_exit(f"could not read or write the data ({e}), check the paths and free disk space", 1)
+        error_exit(f"could not read the data ({e.strerror or e}, {e.filename}), check the paths", 2)
     m = data.meta
     print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
           f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "

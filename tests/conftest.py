@@ -48,6 +48,17 @@ def tiny_flags():
     return [word for name, value in TINY_MODEL.items() for word in (f"--{name}", str(value))]
 
 
+@pytest.fixture(scope="session")
+def argv_for(tiny_flags):
+    """Trainer arguments for the tiny model on a corpus fixture, into run_dir, then `extra`: no compile, short
+    evaluations, a log line every step."""
+    def make(corpus, run_dir, *extra):
+        return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir",
+                str(run_dir), *tiny_flags, "--micro_batch_size", "4", "--compile", "off", "--warmup_ratio", "0.1",
+                "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
+    return make
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small folder of real Python text and one cache folder per test module, so preparation runs once."""

@@ -39,7 +39,7 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
     ("no_weights", ["model.safetensors", "is missing"]),
     ("garbage", ["model.safetensors", "corrupt"]),
     ("bad_config", ["model_config.json", "not a valid model config"]),
-    ("other_shape", ["model.safetensors", "wrong shape"]),
+    ("other_shape", ["declares", "parameters", "does not belong to these weights"]),
 ], ids=["truncated", "no-weights", "garbage", "bad-config", "other-shape"])
 def test_broken_checkpoints_are_refused_naming_the_file(tiny_checkpoint, tmp_path, damage, words):
     """Every way a checkpoint breaks gives a CheckpointError naming the file, never a raw traceback from

@@ -23,16 +23,6 @@ from schedule import RunClock, lr_multiplier
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def argv_for(tiny_flags):
-    """Trainer arguments for the tiny model on a corpus fixture, into run_dir, then `extra`."""
-    def make(corpus, run_dir, *extra):
-        return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir",
-                str(run_dir), *tiny_flags, "--micro_batch_size", "4", "--compile", "off", "--warmup_ratio", "0.1",
-                "--eval_batches", "2", "--log_interval", "1", *map(str, extra)]
-    return make
-
-
 def read_metrics(run_dir, kind="train"):
     return read_all(str(run_dir), kind)
 

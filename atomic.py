@@ -1,0 +1,133 @@
+"""Writing files and folders so that a crash, a kill -9 or a full disk never leaves half of one behind.
+
+Everything that persists work goes through here: checkpoints, the data cache, Hugging Face exports, the
+pointer files. A folder is written under a temporary name beside its place, every file flushed to disk,
+then renamed into place (a previous folder of that name moves aside first and goes only once the new one
+is in). A write that fails removes its partial copy and raises one line: what failed, where, and for a
+full disk how much room the write needs against what is free.
+"""
+
+import contextlib
+import errno
+import os
+import shutil
+
+from config import ConfigError, WriteError
+
+FILE_MODE = 0o666  # what open() gives a new file, before the umask: one mode for every file written
+
+
+def fsync_dir(path: str):
+    """Make a rename in this folder durable (directories cannot be opened for fsync on Windows)."""
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text(path: str, text: str):
+    """Replace a small text file atomically (a pointer such as LATEST)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(e, f"writing {path}") from None
+
+
+def write_error(e: OSError, what: str, need: int = 0, where: str = "") -> Exception:
+    """One line for a failed write: WriteError (a runtime failure, exit 1) for a full disk or an I/O error,
+    ConfigError (a bad path, exit 2) for a folder that cannot be written or a file where a folder belongs."""
+    reason = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        folder = where or os.path.dirname(e.filename or "") or "."
+        room = ""
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(_existing(folder)).free
+            room = f": it needs about {_mb(need)} and {_mb(free)} are free in {folder}" if need else \
+                f" ({_mb(free)} free in {folder})"
+        return WriteError(f"{what} failed ({reason}){room}; free some space and run again")
+    return ConfigError(f"{what} failed ({reason}, {e.filename or where}), choose a folder you can write to")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
+
+
+def _existing(path: str) -> str:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+@contextlib.contextmanager
+def folder(final: str, what: str, need: int = 0):
+    """Yield a temporary folder beside `final`; when the block ends, its files are flushed and it is renamed to
+    `final` (replacing a folder of that name only then). If the block fails, the temporary folder goes and
+    `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the
+    message of a full disk."""
+    parent, name = os.path.split(os.path.abspath(final))
+    tmp, aside = os.path.join(parent, f".tmp_{name}_{os.getpid()}"), os.path.join(parent, f".old_{name}_{os.getpid()}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same pid
+        os.makedirs(tmp)
+        yield tmp
+        mode = FILE_MODE & ~_umask()
+        for file in os.listdir(tmp):
+            path = os.path.join(tmp, file)
+            os.chmod(path, mode)  # some writers (safetensors) create their files 0600
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if os.path.exists(final):
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(aside) and not os.path.exists(final):
+            os.rename(aside, final)  # put the previous one back
+        raise write_error(e, what, need, parent) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(aside) and not os.path.exists(final):
+            os.rename(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def writable_folder(path: str, what: str) -> bool:
+    """Check that `path` is, or can become, a folder this process writes to, by writing a small file in it;
+    returns whether the folder had to be created (so a caller refusing later can remove it again)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a file, name a folder")
+    existed = os.path.isdir(path)
+    probe = os.path.join(path, f".write_test_{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        raise write_error(e, f"writing in {what} {path}", where=path) from None
+    return not existed
