@@ -162,6 +162,8 @@ class TrainConfig:
     muon_momentum: float = arg(0.95, "Muon Nesterov momentum")
     muon_shape_rule: Literal["keller", "moonshot"] = arg("keller", "Muon update scale: keller sqrt(max(1,rows/cols)), "
                                                          "moonshot 0.2*sqrt(max(rows,cols))")
+    muon_precision: Literal["auto", "bf16", "fp32"] = arg("auto", "Newton-Schulz dtype; auto: bf16 where the "
+                                                          "hardware computes it natively, else fp32")
     weight_decay: float = arg(0.1, "decoupled weight decay of matrices (never norms)")
     adam_beta1: float = arg(0.9, "AdamW beta1")
     adam_beta2: float = arg(0.95, "AdamW beta2")
@@ -176,6 +178,9 @@ class TrainConfig:
     eval_batches: int = arg(20, "micro-batches per evaluation")
     log_interval: int = arg(10, "update logged metrics every this many steps")
     save_interval: int = arg(AUTO, "checkpoint every this many steps (and at the end); 0: at every evaluation")
+    sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in samples.jsonl); "
+                                        "empty: 'def ', 'class ', 'import ' for the default corpus, else the start "
+                                        "of three validation documents")
     keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")

@@ -6,6 +6,7 @@ scaling on CUDA and fp32 elsewhere. Nothing here knows about models or data.
 """
 
 import contextlib
+import functools
 
 import psutil
 import torch
@@ -40,6 +41,7 @@ def machine(device: torch.device) -> Machine:
                                 f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM")
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX), so bf16 autocast is faster."""
     try:

@@ -25,10 +25,11 @@ import distributed as dist_utils
 from config import CheckpointError, Config, ConfigError, DataError, WriteError, describe, error_exit, parse_config
 from device import (PRECISION_NAMES, autocast, compile_model, is_compile_failure, machine, pick_device,
                     pick_precision, uses_cuda_graphs)
-from modern_llm import Transformer
-from monitor import Monitor, device_report, format_postfix
-from muon_optimizer import MuonAdamW, build_optimizer
 from corpus import corpus_bytes
+from evaluation import Probe, evaluate
+from modern_llm import Transformer
+from monitor import Monitor, advance_bar, format_postfix, progress_bar, start_report, summary
+from muon_optimizer import MuonAdamW, build_optimizer
 from prepare_data import Batches, PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
 from schedule import RunClock, lr_multiplier
@@ -163,27 +164,19 @@ def first_train_step(b: Built, batches, step: int, t, dist):
         return train_step(b, batches, step, t, dist)
 
 
-@torch.no_grad()
-def evaluate(b: Built, val_batches, t, dist) -> float:
-    """Mean validation loss over eval_batches fixed micro-batches (averaged over ranks). Runs the uncompiled
-    model: a compiled one would compile again for inference (no gradients, other guards) inside the run."""
-    b.raw_model.eval()
-    total = torch.zeros((), device=val_batches.device)
-    for i in range(t.eval_batches):
-        x, y = val_batches.get(0, i)
-        with b.amp:
-            _, loss = b.raw_model(x, labels=y)
-        total += loss.float()
-    b.raw_model.train()
-    return dist.mean(total / t.eval_batches).item()  # sync point: once per evaluation
-
-
-def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, monitor, bar) -> float:
-    """evaluate(), its metrics record and plot, and its line under the progress bar."""
-    val_loss = evaluate(b, val_batches, t, dist)
+def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, monitor, bar, probe) -> float:
+    """The validation loss, the code metric and the samples (every rank computes them: under FSDP2 a forward
+    needs every rank), recorded, plotted and written under the progress bar."""
+    val_loss = evaluate(b.raw_model, b.amp, val_batches, t.eval_batches, dist)
+    with b.amp:
+        (code_ok, code_n), samples = probe.code(b.raw_model), probe.samples(b.raw_model)
     if monitor:
-        r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"])
-        bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}")
+        r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"], code_ok=code_ok, code_samples=code_n)
+        code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
+        bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}{code}")
+        monitor.samples_record(step, samples)
+        for sample in samples:
+            bar.write(f"  {sample['prompt'] + sample['text']!r}")
     return val_loss
 
 
@@ -270,23 +263,6 @@ class StopFlag:
         self.requested = True
 
 
-def start_report(cfg, device, b: Built, dist, tokens_per_step) -> str:
-    t = cfg.train
-    n, n_body = b.raw_model.num_parameters(), b.raw_model.num_parameters(exclude_embeddings=True)
-    length = (f"{t.max_steps} steps" if t.max_steps else "") + (" or " if t.max_steps and t.max_minutes else "") + \
-        (f"{t.max_minutes:g} minutes" if t.max_minutes else "")
-    return "\n".join([
-        f"device: {device_report(device)} | precision: {PRECISION_NAMES[b.amp_dtype]} | compile: {t.compile} | "
-        f"world size: {dist.world_size}" + (f" ({t.data_parallel})" if dist.enabled else ""),
-        f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
-        f"{b.raw_model.flops_per_token() / 1e6:.1f} MFLOP per token",
-        f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
-        f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
-        b.opt.describe(),
-        f"run folder: {t.run_dir}",
-    ])
-
-
 def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, t, dist, monitor, bar, lr_scale):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
     worst = int(window.worst.item())  # sync point: the only per-window host reads of device values
@@ -299,23 +275,6 @@ def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, 
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
         r = monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item())
         bar.set_postfix(format_postfix(r), refresh=False)
-
-
-def progress_bar(t, clock: RunClock, start: int, dist):
-    """Steps, or for a time budget the seconds of it spent (steps in the description)."""
-    if not clock.by_time:
-        return tqdm(total=t.max_steps, initial=start, disable=not dist.is_main, dynamic_ncols=True, desc="train")
-    return tqdm(total=round(clock.budget_s), initial=round(clock.spent_s()), disable=not dist.is_main,
-                dynamic_ncols=True, desc=f"train step {start}",
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the time budget{postfix}")
-
-
-def advance_bar(bar, clock: RunClock, step: int):
-    if clock.by_time:
-        bar.set_description(f"train step {step}", refresh=False)
-        bar.update(max(0, round(clock.spent_s()) - bar.n))
-    else:
-        bar.update(1)
 
 
 def timed(clock: RunClock, kind: str, fn, *args):
@@ -364,11 +323,12 @@ def main(argv=None) -> int:
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb, cfg.to_dict(),
                       resume_step=start if ckpt else None) if dist.is_main else None
-    dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "")
-               + start_report(cfg, device, b, dist, tokens_per_step))
+    dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
+        cfg, device, b.raw_model, b.opt, PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step))
+    probe = Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts)
 
     stop, window = StopFlag(), LossWindow(device)
-    bar = progress_bar(t, clock, start, dist)
+    bar = progress_bar(clock, start, enabled=dist.is_main)
     clock.sync(start, dist)
     last_ckpt = None
     for step in itertools.count(start):
@@ -377,13 +337,16 @@ def main(argv=None) -> int:
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
         if evaluated:
-            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar)
+            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar, probe)
             best_val = min(best_val, val_loss)
-        if not fresh and (last_step or clock.save_due(step, evaluated) or stopping):
+        saving = not fresh and (last_step or clock.save_due(step, evaluated) or stopping)
+        if saving:
             last_ckpt = timed(clock, "save", save, cfg, b, step, tokens, best_val, ds, dist, clock,
                               val_loss if evaluated else None) or last_ckpt
         if last_step or (stopping and not fresh):
             break
+        if clock.by_time and (evaluated or saving):
+            clock.sync(step, dist, measure=False)  # the time they took is gone from the budget: count it now
 
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
@@ -404,24 +367,11 @@ def main(argv=None) -> int:
     if monitor:
         monitor.close()
     if dist.is_main:
-        print_summary(cfg, step, tokens, clock.spent_s(), best_val, ds, last_ckpt, device, stopping,
-                      dist.launcher())
+        print(summary(step, tokens, clock.spent_s(), best_val, ds.meta["val_bytes_per_token"], last_ckpt, device,
+                      stopping, dist.launcher()))
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()
     return 0
-
-
-def print_summary(cfg, step, tokens, seconds, best_val, ds, ckpt, device, interrupted, launcher="python"):
-    bpb = best_val / math.log(2) / ds.meta["val_bytes_per_token"] if math.isfinite(best_val) else float("nan")
-    peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
-    print(f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
-          f"best val loss {best_val:.4f} ({bpb:.4f} bits per byte), peak memory {peak}")
-    if ckpt:
-        print(f"checkpoint: {ckpt}")
-        print(f"chat with it: python text_generator.py {ckpt}")
-    if interrupted:
-        print(f"resume with: {launcher} gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
-            " --resume --resume", " --resume"))
 
 
 def run(argv=None) -> int:

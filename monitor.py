@@ -1,4 +1,5 @@
-"""What the training loop reports: MFU, memory, GPU use, metrics.jsonl, the loss plot, TensorBoard, W&B.
+"""What the training loop reports: the start report, the progress bar, MFU, memory, GPU use, metrics.jsonl
+and samples.jsonl, the loss plot, TensorBoard, W&B, the summary.
 
 Everything here reads values the loop already has on the host; nothing here forces a GPU sync.
 metrics.jsonl has one writer (Monitor) and one reader (read_metrics), both here.
@@ -7,14 +8,16 @@ metrics.jsonl has one writer (Monitor) and one reader (read_metrics), both here.
 import json
 import math
 import os
+import sys
 import time
 
 import psutil
 import torch
+from tqdm import tqdm
 
 import atomic
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets. The first
 # entry whose name occurs in the device name wins, so specific names come before general ones.
@@ -72,6 +75,8 @@ class Monitor:
             self._rewrite(kept)
         self.train_points = [(r["step"], r["loss"]) for r in kept if r.get("kind") == "train"]
         self.eval_points = [(r["step"], r["val_loss"]) for r in kept if r.get("kind") == "eval"]
+        self.code_points = [(r["step"], 100 * r["code_ok"]) for r in kept
+                            if r.get("kind") == "eval" and r.get("code_ok") is not None]
         self.writer = self.wandb_run = None
         if tensorboard:
             try:
@@ -116,15 +121,25 @@ class Monitor:
         self._write(record)
         return record
 
-    def eval_record(self, step: int, val_loss: float, bytes_per_token: float) -> dict:
-        """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token)."""
+    def eval_record(self, step: int, val_loss: float, bytes_per_token: float, **extra) -> dict:
+        """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token), and any other figures
+        of the evaluation (the code metric: code_ok, code_samples)."""
         record = {"kind": "eval", "step": step, "val_loss": val_loss,
                   "val_ppl": math.exp(min(val_loss, 700.0)),  # 700: exp overflows past ~709
-                  "val_bpb": val_loss / math.log(2) / bytes_per_token, "time": time.time()}
+                  "val_bpb": val_loss / math.log(2) / bytes_per_token,
+                  **{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in extra.items()},
+                  "time": time.time()}
         self.eval_points.append((step, val_loss))
+        if record.get("code_ok") is not None:
+            self.code_points.append((step, 100 * record["code_ok"]))
         self._write(record)
         self.plot()
         return record
+
+    def samples_record(self, step: int, samples: list[dict]):
+        """The evaluation's samples, one line each in samples.jsonl."""
+        with open(os.path.join(self.run_dir, SAMPLES_FILE), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
 
     def _rewrite(self, records: list[dict]):
         """Replace metrics.jsonl by these records, atomically."""
@@ -142,7 +157,7 @@ class Monitor:
             self.wandb_run.log(scalars, step=record["step"])
 
     def plot(self):
-        """loss.png with train and val curves, when matplotlib is installed (and the curves changed)."""
+        """loss.png: train and val loss, and the code metric beside them when there is one (matplotlib only)."""
         drawn = (len(self.train_points), len(self.eval_points))
         if drawn == getattr(self, "_drawn", None):
             return
@@ -153,7 +168,9 @@ class Monitor:
             import matplotlib.pyplot as plt
         except ImportError:
             return
-        fig, ax = plt.subplots(figsize=(7, 4))
+        panels = 2 if self.code_points else 1
+        fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
+        ax = axes[0][0]
         if self.train_points:
             ax.plot(*zip(*self.train_points), label="train", linewidth=1)
         if self.eval_points:
@@ -162,6 +179,13 @@ class Monitor:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
+        if self.code_points:
+            code = axes[0][1]
+            code.plot(*zip(*self.code_points), "o-", color="tab:green")
+            code.set_xlabel("step")
+            code.set_ylabel("function bodies that parse (%)")
+            code.set_ylim(0, 100)
+            code.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
         plt.close(fig)
@@ -174,15 +198,13 @@ class Monitor:
             self.wandb_run.finish()
 
 
-def read_metrics(run_dir: str, kind: str | None = None) -> list[dict]:
-    """The records of a run's metrics.jsonl in file order, only those of `kind` ("train", "eval") when given.
-
-    A missing file reads as no records; a line that is not a JSON object (the half-written last line of a
-    killed run, say) is skipped.
-    """
+def read_metrics(run_dir: str, kind: str | None = None, file: str = METRICS_FILE) -> list[dict]:
+    """The records of a run's metrics.jsonl (or samples.jsonl) in file order, only those of `kind` ("train",
+    "eval") when given. A missing file reads as no records; a line that is not a JSON object (the
+    half-written last line of a killed run, say) is skipped."""
     records = []
     try:
-        with open(os.path.join(run_dir, METRICS_FILE), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(run_dir, file), encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -193,6 +215,57 @@ def read_metrics(run_dir: str, kind: str | None = None) -> list[dict]:
     except FileNotFoundError:
         pass
     return records
+
+
+def start_report(cfg, device: torch.device, model, opt, precision: str, dist, tokens_per_step: int) -> str:
+    """The lines printed before the first step: device, model, batch and run length, optimizer, folder."""
+    t = cfg.train
+    n, n_body = model.num_parameters(), model.num_parameters(exclude_embeddings=True)
+    length = " or ".join(([f"{t.max_steps} steps"] if t.max_steps else [])
+                         + ([f"{t.max_minutes:g} minutes"] if t.max_minutes else []))
+    return "\n".join([
+        f"device: {device_report(device)} | precision: {precision} | compile: {t.compile} | "
+        f"world size: {dist.world_size}" + (f" ({t.data_parallel})" if dist.enabled else ""),
+        f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
+        f"{model.flops_per_token() / 1e6:.1f} MFLOP per token",
+        f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
+        f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
+        opt.describe(),
+        f"run folder: {t.run_dir}",
+    ])
+
+
+def progress_bar(clock, start: int, enabled: bool):
+    """The one progress bar: steps, or for a time budget the seconds of it spent (steps in the description)."""
+    if not clock.by_time:
+        return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled, dynamic_ncols=True, desc="train")
+    return tqdm(total=round(clock.budget_s), initial=round(clock.spent_s()), disable=not enabled,
+                dynamic_ncols=True, desc=f"train step {start}",
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the time budget{postfix}")
+
+
+def advance_bar(bar, clock, step: int):
+    """One step further: one tick, or the seconds spent under a time budget."""
+    if clock.by_time:
+        bar.set_description(f"train step {step}", refresh=False)
+        bar.update(max(0, round(clock.spent_s()) - bar.n))
+    else:
+        bar.update(1)
+
+
+def summary(step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,
+            device: torch.device, interrupted: bool, launcher: str = "python") -> str:
+    """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on."""
+    bpb = best_val / math.log(2) / bytes_per_token if math.isfinite(best_val) else float("nan")
+    peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
+    lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
+             f"best val loss {best_val:.4f} ({bpb:.4f} bits per byte), peak memory {peak}"]
+    if ckpt:
+        lines += [f"checkpoint: {ckpt}", f"chat with it: python text_generator.py {ckpt}"]
+    if interrupted:
+        lines.append(f"resume with: {launcher} gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
+            " --resume --resume", " --resume"))
+    return "\n".join(lines)
 
 
 def format_postfix(r: dict) -> dict:

@@ -45,6 +45,13 @@ class PreparedData:
     def tokenizer_path(self) -> str:
         return os.path.join(self.path, TOKENIZER_FILE)
 
+    def texts(self, split: str) -> list[str]:
+        """The split's documents as text, decoded from the cache (special tokens of chats kept)."""
+        tokens = np.fromfile(os.path.join(self.path, f"{split}.bin"), dtype=self.meta["dtype"]).tolist()
+        tok, eot = Tokenizer.from_file(self.tokenizer_path), self.meta["eot_id"]
+        cuts = [i for i, t in enumerate(tokens) if t == eot]
+        return [tok.decode(tokens[a + 1:b], skip_special_tokens=False) for a, b in zip([-1] + cuts, cuts)]
+
 
 def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
     """Which documents are validation: a seeded choice of round(n * val_fraction), at least one."""

@@ -179,7 +179,8 @@ def corpus(corpus):
 def args_for(corpus, run_dir, accum, *extra):
     return ["--preset", "tiny", "--sources", corpus["src"], "--cache_dir", corpus["cache"], "--run_dir", str(run_dir),
             *(word for name, value in TINY_MODEL.items() for word in (f"--{name}", str(value))),
-            "--micro_batch_size", "4", "--compile", "off", "--precision", "fp32", "--log_interval", "1",
+            "--micro_batch_size", "4", "--compile", "off", "--precision", "fp32", "--muon_precision", "fp32",
+            "--log_interval", "1",
             "--warmup_ratio", "0.3", "--max_steps", "6", "--eval_interval", "3", "--save_interval", "3",
             "--eval_batches", "2", "--grad_accum_steps", str(accum), *map(str, extra)]
 

@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["config", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "corpus", "prepare_data", "modern_llm", "sampling", "muon_optimizer", "hf_format", "checkpoint",
-        "schedule", "resume", "gpu_training_optimized", "text_generator"]
+        "tokenizer", "corpus", "prepare_data", "modern_llm", "sampling", "evaluation", "muon_optimizer",
+        "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
 TOOLS = ["export_hf", "bench", "bench_generate", "compare_optimizers"]
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module

@@ -81,7 +81,7 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
     results = []
     for micro, accum in ((8, 1), (2, 4)):
         t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", learning_rate=3e-3,
-                        muon_lr=0.02, compile="off", precision="fp32")
+                        muon_lr=0.02, compile="off", precision="fp32", muon_precision="fp32")
         b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         trainer.set_lr(b.opt, 1.0)
         loss, norm, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,

@@ -1,0 +1,168 @@
+"""What a model has learned, measured on text: bits per byte, Python function bodies that parse, samples.
+
+- bits_per_byte(): the model's loss over the whole of some texts, in bits per UTF-8 byte, so models with
+  different tokenizers compare on the same bytes.
+- code_parse_rate(): N function signatures with docstrings taken from the texts; the model writes each
+  body (fixed, seeded sampling), the body ends at the first line that dedents back to the signature, and
+  the share that `ast.parse` accepts is the metric. A body needs one statement besides the docstring.
+- sample_texts(): continuations of a few fixed prompts, to read what the model writes.
+The trainer runs evaluate() and, through a Probe, the last two at every evaluation; `text_generator.py
+--eval` runs the first two on any files.
+"""
+
+import ast
+import math
+import re
+import textwrap
+from dataclasses import replace
+
+import torch
+
+from config import SampleConfig
+from sampling import generate_text
+from tokenizer import load_tokenizer
+
+CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
+CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0)
+SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+PYTHON_PROMPTS = ["def ", "class ", "import "]  # the default corpus is Python
+SIGNATURE = re.compile(r"( *)(?:async )?def \w+\(.*\)(?: -> .+)?:\s*")  # a one-line signature
+
+
+def function_prompts(texts: list[str], n: int = CODE_PROMPTS) -> list[tuple[str, int]]:
+    """The first n (signature + docstring, indent of the signature) found in the texts, in their order."""
+    found = []
+    for text in texts:
+        lines = text.split("\n")
+        for i, line in enumerate(lines[:-1]):
+            match = SIGNATURE.fullmatch(line)
+            if not match:
+                continue
+            indent, doc = len(match.group(1)), lines[i + 1].strip()
+            if len(lines[i + 1]) - len(lines[i + 1].lstrip()) <= indent or doc[:3] not in ('"""', "'''"):
+                continue
+            quote = doc[:3]
+            end = i + 1 if len(doc) >= 6 and doc.endswith(quote) else next(
+                (j for j in range(i + 2, len(lines)) if quote in lines[j]), None)
+            if end is None:
+                continue
+            found.append(("\n".join(lines[i:end + 1]) + "\n", indent))
+            if len(found) == n:
+                return found
+    return found
+
+
+def function_body(completion: str, indent: int, complete: bool) -> str:
+    """The completion up to the first line that dedents back to the signature's level; when generation ran out
+    of tokens before that line, its last line (maybe cut mid-way) is left out."""
+    lines = completion.split("\n")
+    body = []
+    for number, line in enumerate(lines):
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            return "\n".join(body)  # the function ended here
+        if number == len(lines) - 1 and not complete:
+            break
+        body.append(line)
+    return "\n".join(body)
+
+
+def parses(prompt: str, body: str) -> bool:
+    """Whether signature + docstring + body is Python with at least one statement after the docstring."""
+    if not any(line.strip() and not line.strip().startswith("#") for line in body.split("\n")):
+        return False
+    try:
+        ast.parse(textwrap.dedent(prompt + body))
+        return True
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte in the text
+        return False
+
+
+@torch.no_grad()
+def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig = CODE_SETTINGS) -> tuple[float, int]:
+    """(share of bodies that parse, bodies tried); (nan, 0) when the texts hold no function with a docstring."""
+    room = model.config.max_seq_len - settings.max_new_tokens
+    prompts = [(p, i) for p, i in function_prompts(texts, 4 * CODE_PROMPTS)
+               if 0 < len(tokenizer.encode(p, add_special_tokens=False)) < room][:CODE_PROMPTS]
+    if not prompts:
+        return math.nan, 0
+    completions, ids = generate_text(model, tokenizer, [p for p, _ in prompts], settings)
+    ok = [parses(p, function_body(text, indent, complete=len(new) < settings.max_new_tokens))
+          for (p, indent), text, new in zip(prompts, completions, ids)]
+    return sum(ok) / len(ok), len(ok)
+
+
+def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) -> list[str]:
+    """Python openings for a Python corpus, else the first characters of the first few texts."""
+    return list(PYTHON_PROMPTS) if python else [t[:chars] for t in texts if t.strip()][:n]
+
+
+@torch.no_grad()
+def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
+    """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone)."""
+    texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1))
+    return [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
+
+
+@torch.no_grad()
+def bits_per_byte(model, tokenizer, texts: list[str], batch_size: int = 8) -> dict:
+    """The model's mean loss over every token of the texts (documents joined with <|endoftext|>, cut into
+    windows of its context), as bits per UTF-8 byte of the texts; also the tokens and bytes counted."""
+    eos = tokenizer.eos_token_id
+    ids = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False) + ([eos] if eos is not None else [])
+    window = model.config.max_seq_len
+    device = next(model.parameters()).device
+    starts = list(range(0, max(1, len(ids) - 1), window))
+    total = 0.0
+    for i in range(0, len(starts), batch_size):
+        chunk = [ids[s:s + window + 1] for s in starts[i:i + batch_size]]
+        width = max(map(len, chunk))
+        batch = torch.tensor([c + [0] * (width - len(c)) for c in chunk], device=device)
+        labels = torch.tensor([c[1:] + [-100] * (width - len(c)) for c in chunk], device=device)
+        logits, _ = model(batch[:, :-1])
+        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                   ignore_index=-100, reduction="sum").item()
+    tokens, nbytes = len(ids) - 1, sum(len(t.encode("utf-8")) for t in texts)
+    return {"bits_per_byte": total / math.log(2) / nbytes, "loss": total / tokens, "tokens": tokens,
+            "bytes": nbytes}
+
+
+@torch.no_grad()
+def evaluate(model, amp, val_batches, n: int, dist) -> float:
+    """Mean validation loss over n fixed micro-batches (averaged over ranks). Takes the uncompiled model: a
+    compiled one would compile again for inference (no gradients, other guards) inside the run."""
+    model.eval()
+    total = torch.zeros((), device=val_batches.device)
+    for i in range(n):
+        x, y = val_batches.get(0, i)
+        with amp:
+            _, loss = model(x, labels=y)
+        total += loss.float()
+    model.train()
+    return dist.mean(total / n).item()  # sync point: once per evaluation
+
+
+class Probe:
+    """The code metric and the samples of a run, on its validation texts, ready for each evaluation."""
+
+    def __init__(self, model_config, data, python: bool, prompts: list[str] | None = None):
+        self.tokenizer = load_tokenizer(data.tokenizer_path)
+        self.texts = data.texts("val")
+        self.prompts = list(prompts) if prompts else sample_prompts(self.texts, python)
+        ctx = model_config.max_seq_len
+        self.sample_settings = replace(SAMPLE_SETTINGS, max_new_tokens=min(SAMPLE_SETTINGS.max_new_tokens, ctx // 2))
+        self.code_settings = replace(CODE_SETTINGS, max_new_tokens=min(CODE_SETTINGS.max_new_tokens, ctx // 2))
+
+    def code(self, model) -> tuple[float, int]:
+        return self._eval(model, code_parse_rate, self.texts, self.code_settings)
+
+    def samples(self, model) -> list[dict]:
+        return self._eval(model, sample_texts, self.prompts, self.sample_settings)
+
+    def _eval(self, model, fn, inputs, settings):
+        model.eval()
+        try:
+            return fn(model, self.tokenizer, inputs, settings)
+        finally:
+            model.train()
