@@ -16,7 +16,8 @@ import time
 import torch
 
 import distributed as dist_utils
-from config import ConfigError, error_exit, parse_config
+from cli import parse_config
+from config import ConfigError, error_exit
 from device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
 from gpu_training_optimized import build, new_model, train_step
 from hf_format import hf_twin

@@ -1,101 +1,156 @@
-"""Decode speed of sampling.generate next to Hugging Face Qwen3ForCausalLM.generate, on the same weights.
+"""Decode speed of our engine next to Hugging Face's generate, on the same weights, against the bandwidth bound.
 
-    python bench_generate.py                          # tiny preset shape on CPU, batch 1 and 8
-    python bench_generate.py --threads 1              # steadier on a shared machine
-    python bench_generate.py --device cuda --batch_sizes 1 8 32 --compile
-Weights are random (speed does not depend on them). Before timing, both greedy outputs must agree.
-Decode tokens/s = batch * (N - 1) / (time for N new tokens - time for 1), so the prefill cancels out.
+    python bench_generate.py                                   # CPU: the tiny and 12.6M shapes, batch 1 and 8
+    python bench_generate.py --threads 2 --batch_sizes 1       # steadier on a shared machine
+    python bench_generate.py --shapes large --batch_sizes 1 8 32   # a GPU: bf16, preset shapes
+Side by side in one run: ours (engine.generate, compiled: a CUDA graph on CUDA), Hugging Face's generate in
+its fastest mode (static cache + torch.compile) and in its default mode, and the bandwidth bound: the bytes a
+decode step reads (weights, and the KV cache at the mean position) over the device's memory bandwidth (a
+table of datasheet figures for GPUs; measured with a large copy on a CPU). Weights are random: speed does not
+depend on them. Before timing, each greedy output must equal ours. Decode tokens/s = batch * (N - 1) /
+(time for N new tokens - time for 1), so the prefill cancels out.
 """
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
-from config import SampleConfig, preset_tiny
-from device import pick_device
+from config import ModelConfig, PRESETS, SampleConfig
+from device import inference_dtype, pick_device, quantize_int8
+from engine import generate
 from hf_format import hf_twin
 from modern_llm import Transformer
-from sampling import generate
+
+# Dense memory bandwidth in GB/s from the vendors' datasheets; the first name found in the device's wins.
+BANDWIDTH_GBS = [("H200", 4800), ("H100 PCIe", 2000), ("H100 NVL", 3900), ("H100", 3350), ("GH200", 4000),
+                 ("B200", 8000), ("A100-SXM4-80GB", 2039), ("A100 80GB PCIe", 1935), ("A100", 1555),
+                 ("L40S", 864), ("L40", 864), ("L4", 300), ("A10G", 600), ("A10", 600), ("RTX 6000 Ada", 960),
+                 ("RTX 5090", 1792), ("RTX 4090", 1008), ("RTX 4080", 717), ("RTX 3090", 936), ("V100", 900),
+                 ("T4", 320)]
+CPU_SHAPES = {  # context 512: a 128-token prompt and 256 new tokens fit
+    "tiny": replace(PRESETS["tiny"]().model, max_seq_len=512),
+    "12m": ModelConfig(vocab_size=8192, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                       num_key_value_heads=2, max_seq_len=512),
+}
 
 
-def to_hf(model: Transformer):
-    """The same network as a transformers Qwen3 (Llama without QK-norm), holding a copy of the model's weights."""
-    hf = hf_twin(model.config, model.state_dict()).to(model.embed_tokens.weight.device).eval()
-    hf.generation_config.eos_token_id = None  # never stop early: both sides generate exactly N tokens
-    hf.generation_config.pad_token_id = 0
-    return hf
+def shape(name: str) -> ModelConfig:
+    return CPU_SHAPES[name] if name in CPU_SHAPES else PRESETS[name]().model
 
 
-def ours(model, prompts, n, compile=False):
-    """(B, n) new ids from sampling.generate, greedy."""
-    return generate(model, prompts.tolist(), SampleConfig(temperature=0.0, max_new_tokens=n, compile=compile))
+def bandwidth(device: torch.device) -> float:
+    """The device's memory bandwidth in bytes/s: the datasheet's for a known GPU, else a timed large copy."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, gbs in BANDWIDTH_GBS:
+            if key in name:
+                return gbs * 1e9
+    src = torch.empty(2**28 // 4, device=device)  # 256 MB: far past every cache
+    dst = torch.empty_like(src)
+    seconds = min(timed(lambda: dst.copy_(src), device) for _ in range(5))
+    return 2 * src.numel() * 4 / seconds  # a copy reads and writes
 
 
-def theirs(hf, prompts, n):
-    """(B, n) new ids from Qwen3ForCausalLM.generate, greedy."""
+def bytes_per_step(model, batch: int, mean_position: float) -> float:
+    """What one decode step must read: every weight but the embedding rows not looked up, and the KV cache."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table counts once: the head
+    if not c.tie_word_embeddings:  # an embedding table of its own is read only at the rows looked up
+        table = model.embed_tokens.weight
+        weights -= table.numel() * table.element_size() * (1 - batch / c.vocab_size)
+    kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * mean_position * c.head_dim
+    return weights + kv * model.embed_tokens.weight.element_size()
+
+
+def timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def decode_rate(fn, batch: int, n: int, reps: int, device) -> float:
+    """Decode tokens/s with the prefill and the first token subtracted; each time the fastest of reps after
+    one warm-up run (which compiles)."""
+    def best(k):
+        fn(k)
+        return min(timed(lambda: fn(k), device) for _ in range(reps))
+    return batch * (n - 1) / (best(n) - best(1))
+
+
+def ours(model, prompts, n, compile_mode="true"):
+    """(B, n) new ids from engine.generate, greedy."""
+    return generate(model, prompts.tolist(), SampleConfig(temperature=0.0, max_new_tokens=n, compile=compile_mode))
+
+
+def theirs(hf, prompts, n, fastest: bool):
+    """(B, n) new ids from transformers' generate, greedy: static cache and compiled forward, or the default."""
+    kwargs = {}
+    if fastest:
+        from transformers import CompileConfig
+        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+        kwargs = dict(cache_implementation="static", compile_config=compile_config)
     with torch.no_grad():
         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False)
+                          do_sample=False, **kwargs)
     return out[:, prompts.shape[1]:].tolist()
 
 
-def seconds(fn, reps: int) -> float:
-    """The fastest of `reps` runs, after one warm-up run."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def decode_rate(fn, batch: int, n: int, reps: int) -> float:
-    """Decode tokens/s with the prefill and the first token subtracted."""
-    return batch * (n - 1) / (seconds(lambda: fn(n), reps) - seconds(lambda: fn(1), reps))
-
-
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    p.add_argument("--shapes", nargs="+", default=[], help=f"{', '.join(CPU_SHAPES)} or a preset name; default: "
+                                                           "the CPU shapes on a CPU, large on a GPU")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--new_tokens", type=int, default=200, help="N; prompt + N must fit the context (256)")
-    p.add_argument("--prompt_len", type=int, default=16)
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--compile", action="store_true", help="compile our decode step (CUDA graphs on CUDA)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0: torch's default. 1 gives steady "
-                                                          "figures on a machine that other jobs share")
-    args = p.parse_args()
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help="our model's weights in int8")
+    p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0: torch's default")
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
     device = pick_device(args.device)
-    cfg = preset_tiny().model
-    model = Transformer(cfg).to(device).eval().requires_grad_(False)
-    hf = to_hf(model)
-    print(f"tiny preset: {model.num_parameters() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, "
-          f"{cfg.num_hidden_layers} layers; {device}, {torch.get_num_threads()} threads, fp32, "
-          f"torch {torch.__version__}")
-
-    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), device=device)
-    a, b = ours(model, prompt, 64, args.compile), theirs(hf, prompt, 64)
-    agree = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), 64)
-    print(f"greedy check: {agree}/64 tokens identical" + ("" if agree == 64 else ", MISMATCH"))
-    if agree < 64:
-        raise SystemExit(1)
-
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6}   (decode, {args.new_tokens} new tokens)")
-    for batch in args.batch_sizes:
-        prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), device=device)
-        mine = decode_rate(lambda n: ours(model, prompts, n, args.compile), batch, args.new_tokens, args.reps)
-        hf_rate = decode_rate(lambda n: theirs(hf, prompts, n), batch, args.new_tokens, args.reps)
-        print(f"{batch:>5} {mine:>11.0f} {hf_rate:>9.0f} {mine / hf_rate:>5.2f}x")
+    dtype = inference_dtype(device)
+    for name in args.shapes or (list(CPU_SHAPES) if device.type == "cpu" else ["large"]):
+        torch.manual_seed(0)
+        cfg = shape(name)
+        model = Transformer(cfg).to(device, dtype).eval().requires_grad_(False)
+        prompt_len = min(args.prompt_len, cfg.max_seq_len // 4)
+        n = min(args.new_tokens, cfg.max_seq_len - prompt_len - 1)
+        print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, prompt {prompt_len}, "
+              f"{n} new tokens; {device}, {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}"
+              f"{', ours int8' if args.quantize == 'int8' else ''}, torch {torch.__version__}", flush=True)
+        hfs = {} if args.skip_hf else {"hf fastest": True, "hf default": False}
+        twin = None if args.skip_hf else hf_twin(cfg, model.state_dict()).to(device, dtype).eval()
+        if twin is not None:
+            twin.generation_config.eos_token_id, twin.generation_config.pad_token_id = None, 0  # exactly n tokens
+        if args.quantize == "int8":
+            quantize_int8(model)
+        check = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
+        mine = ours(model, check, 32)
+        for label, fastest in hfs.items():
+            same = theirs(twin, check, 32, fastest) == mine
+            print(f"  greedy check, {label}: {'identical' if same else 'DIFFERENT'} for 32 tokens", flush=True)
+        peak = bandwidth(device)
+        print(f"  {'batch':>5} {'ours tok/s':>11} {'% of bound':>10}" + "".join(f" {k + ' tok/s':>16}" for k in hfs)
+              + "  ours / hf fastest", flush=True)
+        for batch in args.batch_sizes:
+            prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+            rate = decode_rate(lambda k: ours(model, prompts, k), batch, n, args.reps, device)
+            bound = batch * peak / bytes_per_step(model, batch, prompt_len + n / 2)
+            rates = {k: decode_rate(lambda k2, f=f: theirs(twin, prompts, k2, f), batch, n, args.reps, device)
+                     for k, f in hfs.items()}
+            ratio = f"  {rate / rates['hf fastest']:.2f}x" if rates else ""
+            print(f"  {batch:>5} {rate:>11,.0f} {100 * rate / bound:>9.0f}%"
+                  + "".join(f" {r:>16,.0f}" for r in rates.values()) + ratio, flush=True)
 
 
 if __name__ == "__main__":

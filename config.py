@@ -1,15 +1,13 @@
 """Every setting of the project, as typed dataclasses with defaults, help text and validation.
 
-Edit the defaults here, or override any field on the command line of any script:
+Edit the defaults here: what is written here is what runs. Fields at 0 are automatic (sizing.py fills them
+for the machine and corpus). Any field can also be given on the command line of any script (cli.py):
     python gpu_training_optimized.py --preset small --learning_rate 1e-3 --max_steps 2000
     python gpu_training_optimized.py --config my_run.yaml --micro_batch_size 8
 `--help` lists every field with its default and comment. Presets are small functions at the bottom.
 """
 
-import argparse
-import json
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_origin
@@ -143,7 +141,8 @@ class TrainConfig:
     run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
     seed: int = arg(1337, "seed of weights and batch order")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = arg("auto", "autocast dtype; auto: bf16 where the "
+    precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg("auto", "autocast dtype; fp8: linear layers in FP8 "
+                                                                     "(H100-class GPUs, torchao); auto: bf16 where the "
                                                              "hardware has it, else fp16 on GPU, fp32 on CPU")
     compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
@@ -175,7 +174,7 @@ class TrainConfig:
     min_lr_ratio: float = arg(0.1, "the schedule's floor, as a fraction of the peak")
     eval_interval: int = arg(AUTO, "evaluate every this many steps (and at the end); 0: six evaluations spread "
                                    "over the run")
-    eval_batches: int = arg(20, "micro-batches per evaluation")
+    eval_batches: int = arg(AUTO, "micro-batches per evaluation; 0: enough for 81,920 tokens (20 of tiny's)")
     log_interval: int = arg(10, "update logged metrics every this many steps")
     save_interval: int = arg(AUTO, "checkpoint every this many steps (and at the end); 0: at every evaluation")
     sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in samples.jsonl); "
@@ -188,14 +187,17 @@ class TrainConfig:
                              "optimizer; the model shape and tokenizer come from there")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
+    profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
+                               "<run>/profile/")
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
     wandb: bool = arg(False, "also log to Weights & Biases in offline mode, under the run folder (needs wandb)")
 
     def __post_init__(self):
         _require_choices(self)
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "save_interval"):
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "save_interval",
+                     "eval_batches"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")
-        for name in ("eval_batches", "log_interval", "keep_checkpoints", "max_bad_steps", "restart_cycles"):
+        for name in ("log_interval", "keep_checkpoints", "max_bad_steps", "restart_cycles"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
         for name in ("learning_rate", "muon_lr", "max_minutes"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be positive (0: automatic)")
@@ -212,7 +214,8 @@ class TrainConfig:
         return [name for name in TRAIN_SIZED if getattr(self, name) == AUTO]
 
 
-TRAIN_SIZED = ("micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate", "muon_lr")
+TRAIN_SIZED = ("micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate", "muon_lr",
+               "eval_batches")
 
 
 def default_run_dir() -> str:
@@ -238,7 +241,10 @@ class SampleConfig:
     seed: int = arg(-1, "sampling seed; -1: random")
     stop: list[str] = arg([], "strings that end a generation")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
-    compile: bool = arg(False, "compile the decode step (CUDA graphs on CUDA)")
+    compile: Literal["auto", "true", "false"] = arg("auto", "compile prefill and decode step (CUDA graphs on CUDA), "
+                                                            "once at load; auto: on CUDA")
+    quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers (torchao): half the bytes "
+                                                    "read per token")
 
     def __post_init__(self):
         _require_choices(self)
@@ -282,166 +288,41 @@ def preset_tiny() -> Config:
                    dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=3e-3, muon_lr=0.02))
 
 
+# The GPU presets take 0.25-0.4M tokens per optimizer step, through accumulation, as Muon runs are tuned for
+# (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets' rates, tuned at
+# 32-64k tokens per step, scaled by the square root of the larger batch. Not yet measured on a GPU.
+
 def preset_small() -> Config:
-    """About 100M parameters, GPT-2 small's size."""
+    """About 100M parameters, GPT-2 small's size; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                         num_key_value_heads=4, max_seq_len=1024),
-                   dict(micro_batch_size=16, grad_accum_steps=2, learning_rate=1.5e-3, muon_lr=0.02))
+                   dict(micro_batch_size=16, grad_accum_steps=16, learning_rate=4e-3, muon_lr=0.02))
 
 
 def preset_medium() -> Config:
-    """About 300M parameters."""
+    """About 300M parameters; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                         num_key_value_heads=4, max_seq_len=1024),
-                   dict(micro_batch_size=16, grad_accum_steps=2, learning_rate=1e-3, muon_lr=0.02))
+                   dict(micro_batch_size=16, grad_accum_steps=16, learning_rate=2.8e-3, muon_lr=0.02))
 
 
 def preset_large() -> Config:
-    """The seed shape: 1536 wide, 12 layers, 24 heads over 6 KV heads, 32000 tokens, context 384."""
+    """The seed shape: 1536 wide, 12 layers, 24 heads over 6 KV heads, 32000 tokens, context 384; 393k tokens
+    per step."""
     return _preset(dict(vocab_size=32000, hidden_size=1536, num_hidden_layers=12, num_attention_heads=24,
                         num_key_value_heads=6, max_seq_len=384),
-                   dict(micro_batch_size=32, grad_accum_steps=2, learning_rate=8e-4, muon_lr=0.02))
+                   dict(micro_batch_size=32, grad_accum_steps=32, learning_rate=2.3e-3, muon_lr=0.02))
 
 
 def preset_xl() -> Config:
-    """About 1.4B parameters; wants 40 GB or more."""
+    """About 1.4B parameters; wants 40 GB or more; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, max_seq_len=1024, gradient_checkpointing=True),
-                   dict(micro_batch_size=8, grad_accum_steps=4, learning_rate=6e-4, muon_lr=0.02))
+                   dict(micro_batch_size=8, grad_accum_steps=32, learning_rate=1.7e-3, muon_lr=0.02))
 
 
 PRESETS = {"auto": preset_auto, "tiny": preset_tiny, "small": preset_small, "medium": preset_medium,
            "large": preset_large, "xl": preset_xl}
-
-
-# ----------------------------------------------------------------------------- command line
-
-def _explicit_values(section) -> dict:
-    """Field values to layer under the command line; derived fields stay automatic."""
-    derived = getattr(section, "_derived", set())
-    return {f.name: getattr(section, f.name) for f in fields(section) if f.name not in derived}
-
-
-def _file_overrides(path: str, types) -> list[str]:
-    """Turn a JSON or YAML file of {field: value} (flat, or nested by section) into command-line words."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist, pass the path of a .json or .yaml file")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is fine
-        if path.endswith((".yaml", ".yml")):
-            import yaml  # optional: only YAML config files need PyYAML
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
-    except ImportError:
-        raise ConfigError(f"reading {path} needs PyYAML, pip install pyyaml or use a .json file") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}), save it as UTF-8") from None
-    except Exception as e:
-        raise ConfigError(f"config file {path} is not valid: {str(e).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of field names to values")
-    sections = {t.__name__.removesuffix("Config").lower() for t in types}
-    flat = {}
-    for key, value in values.items():
-        if key in sections and isinstance(value, dict):
-            flat.update(value)  # nested form, as in a run folder's config.json
-        else:
-            flat[key] = value
-    words = []
-    for key, value in flat.items():
-        if isinstance(value, list):
-            words += [f"--{key}", *map(str, value)] if value else []
-        elif isinstance(value, bool):
-            words += [f"--{key}", str(value).lower()]
-        else:
-            words += [f"--{key}", str(value)]
-    return words
-
-
-def _naming_config_py(e: ConfigError, types) -> ConfigError:
-    """e, saying so when the refused value is the one written in config.py (not a flag's or a file's)."""
-    written = [t.__dataclass_fields__[e.field].default for t in types if e.field in t.__dataclass_fields__] \
-        if hasattr(e, "field") else []
-    return ConfigError(f"{e} (as written in config.py)") if written and e.value in written else e
-
-
-def parse_sections(types, defaults, argv, description: str, extra=None):
-    """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
-
-    `extra` adds script-specific arguments; it is called with the parser and its values come back as a
-    Namespace. Raises ConfigError for unknown names and bad values.
-    """
-    from transformers import HfArgumentParser  # imported here: config.py stays light to import
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default="")
-    known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(list(types), description=description, exit_on_error=False,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default="", help="JSON or YAML file of field values, applied before "
-                                                     "the command line")
-    if extra:
-        extra(parser)
-    for d in defaults:
-        parser.set_defaults(**_explicit_values(d))
-    if known.config:
-        rest = _file_overrides(known.config, types) + rest
-    valid = sorted({a.dest for a in parser._actions if a.dest != "help"})
-    try:
-        out = parser.parse_args_into_dataclasses(rest, return_remaining_strings=False, look_for_args_file=False)
-    except ConfigError as e:
-        raise _naming_config_py(e, types) from None
-    except ValueError as e:
-        if "not used by the HfArgumentParser" in str(e):
-            bad = [w for w in rest if w.startswith("--") and w[2:].split("=")[0] not in valid]
-            raise ConfigError(f"unknown setting {' '.join(bad) or rest}, valid names are: "
-                              + ", ".join(valid)) from None
-        raise ConfigError(str(e)) from None
-    except argparse.ArgumentError as e:
-        raise ConfigError(f"{e}, run with --help to see every setting") from None
-    # Arguments that belong to no dataclass come back as one Namespace after the sections.
-    sections = list(out[:len(types)])
-    extras = out[len(types)] if len(out) > len(types) else argparse.Namespace()
-    return sections, extras
-
-
-def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
-    """The training command line: --preset NAME, --config FILE, then any field of any section."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="auto")
-    known, _ = pre.parse_known_args(argv)
-    if known.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {known.preset!r}, choose one of {', '.join(PRESETS)}")
-
-    def add_preset(parser):
-        parser.add_argument("--preset", default="auto", choices=list(PRESETS),
-                            help="a model size with its batch and rates, over config.py's values; auto: "
-                                 "config.py as written, its automatic fields sized for this machine")
-        if extra:
-            extra(parser)
-
-    types = (ModelConfig, DataConfig, TrainConfig)
-    try:
-        base = PRESETS[known.preset]()
-    except ConfigError as e:
-        raise _naming_config_py(e, types) from None
-    (model, data, train), extras = parse_sections(
-        types, (base.model, base.data, base.train), argv,
-        "Train a GQA/RoPE/SwiGLU transformer. Every field below can be set as --name value.", add_preset)
-    return Config(model=model, data=data, train=train), extras
-
-
-def describe(cfg) -> str:
-    """A compact one-line-per-section summary of a config's values."""
-    parts = []
-    for name, section in ((n, getattr(cfg, n)) for n in ("model", "data", "train")):
-        items = " ".join(f"{k}={v}" for k, v in asdict(section).items())
-        parts.append(f"{name}: {items}")
-    return "\n".join(parts)
 
 
 def error_exit(message: str, code: int = 2):

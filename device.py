@@ -28,6 +28,9 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device={name} is not available on this machine, use --device auto or cpu")
     if name == "cuda":
         torch.cuda.set_device(local_rank)
+        # TF32 tensor cores for what runs in fp32 (--precision fp32, the optimizer's matmuls): several times the
+        # fp32 rate on Ampere and newer, with a 10-bit mantissa on the inputs; autocast regions are unaffected.
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
         return torch.device("cuda", local_rank)
     return torch.device(name)
 
@@ -66,7 +69,31 @@ def pick_precision(precision: str, device: torch.device) -> torch.dtype | None:
             precision = "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError(f"precision=fp16 needs a CUDA device (found {device.type}), use bf16 or fp32")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    if precision == "fp8" and not has_fp8(device):
+        found = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise ConfigError(f"precision=fp8 needs a GPU with FP8 tensor cores, compute capability 8.9 or newer (H100, "
+                          f"L4, RTX 40xx; found {found}), use bf16")
+    # fp8: the linear layers' matmuls in FP8 (float8_training), everything around them in bf16 autocast.
+    return {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+
+def has_fp8(device: torch.device) -> bool:
+    """Whether the device has FP8 tensor cores (Ada, Hopper and newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def float8_training(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its block linear layers computing in FP8 (torchao's float8 training: dynamic per-tensor
+    scales, bf16 master weights untouched). The output head stays bf16, and layers whose sizes are not
+    multiples of 16, which FP8 kernels need, stay as they are. The parameters keep their names."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise ConfigError("precision=fp8 needs torchao, pip install torchao") from None
+
+    def eligible(module, name: str) -> bool:
+        return name.startswith("layers.") and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return convert_to_float8_training(model, module_filter_fn=eligible)
 
 
 def inference_dtype(device: torch.device) -> torch.dtype:
@@ -95,6 +122,17 @@ def compile_model(model: torch.nn.Module, mode: str):
 def is_compile_failure(e: BaseException) -> bool:
     """Errors raised by the compiler stack itself (no C compiler, unsupported backend), not by our code."""
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Weight-only int8 for generation (torchao): every linear layer, the output head included, keeps int8
+    weights with per-channel scales, so a decode step reads about half the bytes of bf16. In place."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ConfigError("quantize=int8 needs torchao, pip install torchao") from None
+    quantize_(model, Int8WeightOnlyConfig())
+    return model
 
 
 def synchronize(device: torch.device):

@@ -19,12 +19,13 @@ from dataclasses import replace
 import torch
 
 from config import SampleConfig
-from sampling import generate_text
+from engine import generate_text
 from tokenizer import load_tokenizer
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
-CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0)
-SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+# Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).
+CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0, compile="false")
+SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0, compile="false")
 PYTHON_PROMPTS = ["def ", "class ", "import "]  # the default corpus is Python
 SIGNATURE = re.compile(r"( *)(?:async )?def \w+\(.*\)(?: -> .+)?:\s*")  # a one-line signature
 
@@ -75,6 +76,11 @@ def parses(prompt: str, body: str) -> bool:
         return True
     except (SyntaxError, ValueError):  # ValueError: a NUL byte in the text
         return False
+
+
+def fitted(settings: SampleConfig, context: int) -> SampleConfig:
+    """settings with at most half the model's context for new tokens, so prompts keep the other half."""
+    return replace(settings, max_new_tokens=min(settings.max_new_tokens, context // 2))
 
 
 @torch.no_grad()
@@ -150,9 +156,8 @@ class Probe:
         self.tokenizer = load_tokenizer(data.tokenizer_path)
         self.texts = data.texts("val")
         self.prompts = list(prompts) if prompts else sample_prompts(self.texts, python)
-        ctx = model_config.max_seq_len
-        self.sample_settings = replace(SAMPLE_SETTINGS, max_new_tokens=min(SAMPLE_SETTINGS.max_new_tokens, ctx // 2))
-        self.code_settings = replace(CODE_SETTINGS, max_new_tokens=min(CODE_SETTINGS.max_new_tokens, ctx // 2))
+        self.sample_settings = fitted(SAMPLE_SETTINGS, model_config.max_seq_len)
+        self.code_settings = fitted(CODE_SETTINGS, model_config.max_seq_len)
 
     def code(self, model) -> tuple[float, int]:
         return self._eval(model, code_parse_rate, self.texts, self.code_settings)

@@ -22,13 +22,14 @@ from tqdm import tqdm
 import atomic
 import checkpoint as ckpt_io
 import distributed as dist_utils
-from config import CheckpointError, Config, ConfigError, DataError, WriteError, describe, error_exit, parse_config
-from device import (PRECISION_NAMES, autocast, compile_model, is_compile_failure, machine, pick_device,
-                    pick_precision, uses_cuda_graphs)
+from cli import describe, parse_config
+from config import CheckpointError, Config, ConfigError, DataError, WriteError, error_exit
+from device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
+                    pick_device, pick_precision, uses_cuda_graphs)
 from corpus import corpus_bytes
 from evaluation import Probe, evaluate
 from modern_llm import Transformer
-from monitor import Monitor, advance_bar, format_postfix, progress_bar, start_report, summary
+from monitor import Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
 from muon_optimizer import MuonAdamW, build_optimizer
 from prepare_data import Batches, PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
@@ -54,6 +55,7 @@ class Built:
     amp_dtype: torch.dtype | None
     amp: object  # the autocast context of amp_dtype
     cudagraphs: bool  # the compile mode captures CUDA graphs
+    persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
@@ -79,13 +81,28 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
+    if t.precision == "fp8":
+        raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     if t.auto_micro_batch:
         fit_micro_batch(raw_model, cfg, amp, dist)
     model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    return Built(raw_model, model, compile_model(model, t.compile), opt, scaler, amp_dtype, amp,
-                 uses_cuda_graphs(t.compile, device))
+    cudagraphs = uses_cuda_graphs(t.compile, device)
+    b = Built(raw_model, model, compile_model(model, t.compile), opt, scaler, amp_dtype, amp, cudagraphs, cudagraphs)
+    if b.persistent_grads:
+        keep_grads(b.opt)
+    return b
+
+
+def keep_grads(opt):
+    """Give every parameter a .grad buffer of its own, which backward then adds into. A CUDA graph's outputs
+    live in its memory pool and the next replay overwrites them, so with graphs on, a gradient must never be
+    such an output (as it is when backward finds .grad None and keeps what it computed)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def fit_micro_batch(raw_model, cfg: Config, amp, dist):
@@ -147,7 +164,7 @@ def train_step(b: Built, batches, step: int, t, dist):
         b.scaler.update()
     else:
         b.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync
-    b.opt.zero_grad(set_to_none=True)
+    b.opt.zero_grad(set_to_none=not b.persistent_grads)
     return loss_sum, grad_norm, ok
 
 
@@ -159,7 +176,7 @@ def first_train_step(b: Built, batches, step: int, t, dist):
         if b.compiled is b.model or not is_compile_failure(e):
             raise
         dist.print(f"warning: torch.compile failed ({str(e).splitlines()[0][:200]}); training eagerly")
-        b.opt.zero_grad(set_to_none=True)
+        b.opt.zero_grad(set_to_none=not b.persistent_grads)
         b.compiled, b.cudagraphs = b.model, False
         return train_step(b, batches, step, t, dist)
 
@@ -322,12 +339,15 @@ def main(argv=None) -> int:
                                     world_size=dist.world_size) for split in ("train", "val"))
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb, cfg.to_dict(),
+                      world_size=dist.world_size,
                       resume_step=start if ckpt else None) if dist.is_main else None
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step))
+        cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
+        PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step))
     probe = Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts)
 
     stop, window = StopFlag(), LossWindow(device)
+    profiler = StepProfiler(t.run_dir, device, first=start + 2) if t.profile and dist.is_main else None
     bar = progress_bar(clock, start, enabled=dist.is_main)
     clock.sync(start, dist)
     last_ckpt = None
@@ -356,6 +376,8 @@ def main(argv=None) -> int:
         done = step + 1
         if fresh and monitor:
             monitor.reset_clock(done, tokens)  # the first step includes compilation: not timed
+        if profiler:
+            profiler.step(done)  # the steps after the first two, which compile
         if done % t.log_interval == 0 or done - start <= 2 or done == t.max_steps:
             clock.sync(done, dist, measure=done - start > 1)  # the first step compiles: not a speed
             log_window(done, tokens, window, grad_norm, b, t, dist, monitor, bar, lr_scale)

@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
 
+LOSS_CHUNK_LOGITS = 2**26  # logits per loss chunk (256 MB in fp32); a smaller loss is computed whole
+
 
 # ----------------------------------------------------------------------------- rotary embeddings
 
@@ -162,12 +164,15 @@ class Transformer(nn.Module):
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
 
-    def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None):
-        """input_ids (B, T) -> (logits (B, T, V), loss or None).
+    def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
+                last_only: bool = False):
+        """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when a loss over logits of more
+        than LOSS_CHUNK_LOGITS values is computed chunk by chunk instead.
 
         labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32.
         With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
         input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
+        last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
@@ -187,7 +192,13 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, kv_cache, i, positions, mask)
         if kv_cache is not None:
             kv_cache.pos += T if input_lengths is None else input_lengths
-        logits = self.lm_head(self.norm(x))
+        if last_only:
+            last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
+            x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
+        x = self.norm(x)
+        if labels is not None and labels.numel() * self.config.vocab_size > LOSS_CHUNK_LOGITS:
+            return None, chunked_cross_entropy(x, self.lm_head.weight, labels)  # the logits never whole
+        logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
 
@@ -216,3 +227,17 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     flat = labels.reshape(-1)
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
     return total / (flat != -100).sum().clamp(min=1)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: rows in chunks, each chunk's
+    logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh the model)."""
+    h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    rows = max(1, LOSS_CHUNK_LOGITS // weight.shape[0])
+    total = sum(checkpoint(_chunk_loss_sum, h[i:i + rows], weight, flat[i:i + rows], use_reentrant=False)
+                for i in range(0, h.shape[0], rows))
+    return total / (flat != -100).sum().clamp(min=1)
+
+
+def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), labels, ignore_index=-100, reduction="sum")

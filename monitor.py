@@ -64,11 +64,13 @@ class Monitor:
     """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
 
     def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool,
-                 wandb: bool = False, config: dict | None = None, resume_step: int | None = None):
+                 wandb: bool = False, config: dict | None = None, resume_step: int | None = None,
+                 world_size: int = 1):
         """resume_step: the run continues from this step, so records logged after it (by the session that went
-        on past its last checkpoint) are dropped: the file then reads as one uninterrupted run."""
+        on past its last checkpoint) are dropped: the file then reads as one uninterrupted run. world_size:
+        GPUs sharing the tokens/s, so MFU is per GPU (the tokens of one GPU against that GPU's peak)."""
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
-        self.peak = peak_flops(device)
+        self.peak = peak_flops(device) * world_size if peak_flops(device) else None
         self.metrics_path = os.path.join(run_dir, METRICS_FILE)
         kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] if resume_step is not None else []
         if resume_step is not None:
@@ -196,6 +198,37 @@ class Monitor:
             self.writer.close()
         if self.wandb_run:
             self.wandb_run.finish()
+
+
+class StepProfiler:
+    """--profile: a torch.profiler trace of a few steps once compiling is done, and on CUDA a memory snapshot
+    of them, written to <run>/profile/ (trace.json opens in chrome://tracing or ui.perfetto.dev; the snapshot in
+    pytorch.org/memory_viz)."""
+
+    def __init__(self, run_dir: str, device: torch.device, first: int, steps: int = 4):
+        self.folder, self.device, self.first, self.last = os.path.join(run_dir, "profile"), device, first, first + steps
+        self.profiler = None
+
+    def step(self, done: int):
+        """Call after each step, with the number of steps done."""
+        if done == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+            self.profiler.__enter__()
+            if self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        elif done == self.last and self.profiler:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the steps' kernels, not only their launches, in the trace
+            self.profiler.__exit__(None, None, None)
+            os.makedirs(self.folder, exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(self.folder, "trace.json"))
+            if self.device.type == "cuda":
+                torch.cuda.memory._dump_snapshot(os.path.join(self.folder, "memory_snapshot.pickle"))
+                torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"profile: steps {self.first + 1}-{self.last} written to {self.folder}")
+            self.profiler = None
 
 
 def read_metrics(run_dir: str, kind: str | None = None, file: str = METRICS_FILE) -> list[dict]:

@@ -23,12 +23,13 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 import atomic
-from config import ConfigError, DataConfig, DataError, WriteError, error_exit, parse_config
+from cli import parse_config
+from config import ConfigError, DataConfig, DataError, WriteError, error_exit
 from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
 from device import machine, pick_device
 from sizing import fill_automatic
-from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, encode_segments,
-                       existing_tokenizer, tokenizer_file, train_tokenizer)
+from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
+                       encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
@@ -59,6 +60,28 @@ def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
     is_val = np.zeros(n_docs, dtype=bool)
     is_val[np.random.default_rng(seed).choice(n_docs, size=k, replace=False)] = True
     return is_val
+
+
+def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
+    """The documents of a split ("train", "val"; None: all) as text, read from the sources with the split the
+    cache of these settings has (no tokenizer, no cache), so any model can be measured on the same bytes.
+    Chats come as their template text."""
+    files = source_files(cfg)
+    is_val = None if split is None else _val_mask(scan(files, cfg, lambda *a: None).documents, cfg.data_seed,
+                                                  cfg.val_fraction)
+    texts, last = [], None
+    for i, (doc_id, piece, doc) in enumerate(documents(files, cfg, ReadStats())):
+        if is_val is not None and is_val[i] != (split == "val"):
+            continue
+        text = doc if isinstance(doc, str) else chat_text(doc)
+        if last == (doc_id, piece - 1):
+            texts[-1] += text  # the next piece of the same file: the cache joins them too
+        else:
+            texts.append(text)
+        last = (doc_id, piece)
+    if not texts:
+        raise DataError(f"no text found in {', '.join(cfg.sources) or 'the default corpus'}, pass files that hold text")
+    return texts
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -1,19 +1,13 @@
-"""Sampling and the generation engine: token ids in, token ids and printable text out.
+"""Sampling: logits in, token ids out; and the text of the ids, streamed.
 
-sample_next() is one pure function, (B, V) logits to (B, 1) ids, with temperature, top-k and top-p;
-generate() runs one right-padded prefill and then one cached decode step per token for a whole batch;
-TextStream turns the ids into text that never splits a character or shows a stop string. Used by
-text_generator.py (REPL and one-shot) and by the tools on top of it.
+pick() is the sampling the engine compiles into its decode step: every setting a (B, 1) tensor, so one
+graph serves any settings and each row its own. sample_next() is the same as one pure function of plain
+arguments, (B, V) logits to (B, 1) ids. TextStream turns ids into text that never splits a character or
+shows a stop string. engine.py runs them; text_generator.py and the server sit on top.
 """
 
-import weakref
-
-import psutil
 import torch
 import torch.nn.functional as F
-
-from config import SampleConfig
-from tokenizer import stop_ids
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -28,7 +22,8 @@ def _check_sampling(temperature: float, top_k: int, top_p: float):
 
 
 def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    """(B, V) logits -> (B, V) probabilities after temperature, top-k and top-p; filtered tokens are 0."""
+    """(B, V) logits -> (B, V) probabilities after temperature, top-k and top-p; filtered tokens are 0: the
+    distribution pick() draws from, written plainly."""
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
@@ -47,23 +42,41 @@ def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
     return probs
 
 
+def pick(logits, seen, noise, temperature, top_k, top_p, penalty) -> torch.Tensor:
+    """(B,) next ids from (B, V) fp32 logits: the repetition penalty on tokens seen, temperature, top-k and
+    nucleus top-p over one sort, then argmax(p / E) with E ~ Exp(1) in `noise`, which draws from p with no host
+    sync (gpt-fast's trick). Settings are (B, 1) tensors; temperature 0 is argmax; top_k >= V, top_p 1 are off."""
+    logits = apply_repetition_penalty(logits, seen, penalty)
+    ordered, order = (logits / temperature.clamp(min=1e-6)).sort(-1, descending=True)
+    rank = torch.arange(logits.size(-1), device=logits.device)
+    probs = ordered.masked_fill(rank >= top_k, float("-inf")).softmax(-1)
+    # Nucleus (Holtzman et al. 2019): drop a token when those ranked above it already reach p, so the first
+    # is always kept.
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+    sampled = order.gather(-1, (probs / noise.gather(-1, order)).argmax(-1, keepdim=True))[:, 0]
+    return torch.where(temperature[:, 0] == 0, logits.argmax(-1), sampled)
+
+
+def exp_noise(shape, device, generator=None) -> torch.Tensor:
+    """Exp(1) draws for pick(); clamped, because Exp(1) can draw 0 and p / 0 would win every argmax."""
+    noise = torch.empty(shape, device=device).exponential_(1, generator=generator)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
 def sample_next(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, generator=None) -> torch.Tensor:
     """(B, V) logits -> (B, 1) token ids; temperature 0 is argmax. ValueError on out-of-range arguments."""
-    if temperature == 0:
-        _check_sampling(temperature, top_k, top_p)
-        return logits.argmax(-1, keepdim=True)
-    probs = filtered_probs(logits, temperature, top_k, top_p)
-    # argmax(p / E) with E ~ Exp(1) picks token i with probability p_i and, unlike torch.multinomial on CUDA,
-    # needs no host sync (gpt-fast's trick). Exp(1) can draw 0, and the 0/0 = NaN of a filtered token would
-    # win the argmax: hence the clamp.
-    noise = torch.empty_like(probs).exponential_(1, generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / noise).argmax(-1, keepdim=True)
+    _check_sampling(temperature, top_k, top_p)
+    B, V = logits.shape
+    col = lambda v, dtype=torch.float32: torch.full((B, 1), v, dtype=dtype, device=logits.device)  # noqa: E731
+    noise = exp_noise((B, V), logits.device, generator) if temperature > 0 else torch.ones_like(logits.float())
+    seen = torch.zeros((B, V), dtype=torch.bool, device=logits.device)
+    return pick(logits.float(), seen, noise, col(temperature), col(top_k or V, torch.long), col(top_p),
+                col(1.0))[:, None]
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty (Keskar et al. 2019) on (B, V) logits where seen (B, V bool): positive / p, negative * p."""
-    if penalty == 1.0:
-        return logits
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al. 2019) on (B, V) logits where seen (B, V bool): positive / p, negative * p.
+    penalty is a number or a (B, 1) tensor; 1 leaves the logits as they are."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
@@ -117,130 +130,3 @@ class TextStream:
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         self.pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold]
-
-
-# ----------------------------------------------------------------------------- generation
-
-_STATIC = weakref.WeakKeyDictionary()  # model -> {batch size: (full-context cache, compiled step)}
-
-
-def _forward_last(model, ids, cache):
-    """(B, 1) ids -> (B, V) logits of the next token; advances every row of the cache by one position."""
-    return model(ids, kv_cache=cache)[0][:, -1]
-
-
-def _decode_step(model, batch: int, max_len: int, compile: bool):
-    """A KV cache for `batch` rows and a step function (B, 1) ids -> (B, V) logits that advances it."""
-    if not compile:
-        cache = model.make_kv_cache(batch, max_len)
-        return cache, lambda ids: _forward_last(model, ids, cache)
-    steps = _STATIC.setdefault(model, {})
-    if batch not in steps:
-        cache = model.make_kv_cache(batch)  # always the full context: one graph serves every prompt length
-        if cache.k.device.type != "cuda":  # no CUDA graphs off CUDA: the default mode is the useful one
-            steps[batch] = cache, torch.compile(_forward_last, dynamic=False)
-        else:
-            for t in (cache.k, cache.v, cache.pos):
-                torch._dynamo.mark_static_address(t)  # updated in place by the graph; addresses never change
-            graph = torch.compile(_forward_last, mode="reduce-overhead", dynamic=False, fullgraph=True)
-            steps[batch] = cache, graph
-    cache, graph = steps[batch]
-    cache.reset()  # stale keys past each row's position are masked out, so nothing else needs clearing
-    if cache.k.device.type != "cuda":
-        return cache, lambda ids: graph(model, ids, cache)
-
-    def replay(ids):
-        torch.compiler.cudagraph_mark_step_begin()  # the last replay's logits were sampled from already
-        return graph(model, ids, cache)
-    return cache, replay
-
-
-def check_memory(model, batch: int, max_len: int):
-    """Refuse a batch whose KV cache and logits would not fit in the memory free now (ValueError, a message)."""
-    c, w = model.config, model.embed_tokens.weight
-    cache = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * max_len * c.head_dim * w.element_size()
-    need = cache + 4 * batch * max_len * c.vocab_size * 4  # the prefill's logits in fp32, and a few copies
-    free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
-    if need > 0.9 * free:
-        raise ValueError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
-                         f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
-
-
-def generate(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), tokenizer=None,
-             on_text=None) -> list[list[int]]:
-    """Continue each prompt (token ids) num_return_sequences times; return the new ids of each sequence.
-
-    Sequences come grouped by prompt: [p0 s0, p0 s1, ..., p1 s0, ...]. All share one right-padded prefill,
-    then one cached decode step per token. A sequence ends at an id of eos_ids (not returned), after
-    max_new_tokens, when it fills the model's context, or, given a tokenizer, at a string of settings.stop
-    (its ids then end with the token that completed the stop string). With a tokenizer, on_text(i, text)
-    receives sequence i's printable text as it grows, without the stop string.
-    """
-    rows = [list(p) for p in prompts for _ in range(settings.num_return_sequences)]
-    ctx = model.config.max_seq_len
-    for p in rows:
-        if not p or len(p) >= ctx:
-            raise ValueError(f"a prompt has {len(p)} tokens, it needs 1 to {ctx - 1} (the model's context is "
-                             f"{ctx}), shorten it")
-    device, B, longest = model.embed_tokens.weight.device, len(rows), max(map(len, rows))
-    limits = [min(settings.max_new_tokens, ctx - len(p)) for p in rows]
-    generator = torch.Generator(device).manual_seed(settings.seed) if settings.seed >= 0 else None
-    streams = [TextStream(tokenizer, settings.stop) for _ in rows] if tokenizer is not None else None
-    out, active = [[] for _ in rows], set(range(B))
-
-    def finish(i):
-        active.discard(i)
-        text = streams[i].flush() if streams else ""
-        if text and on_text:
-            on_text(i, text)
-
-    with torch.no_grad():
-        lengths = torch.tensor([len(p) for p in rows], device=device)
-        # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
-        padded = torch.tensor([p + p[-1:] * (longest - len(p)) for p in rows], device=device)
-        check_memory(model, B, min(ctx, longest + settings.max_new_tokens))
-        cache, step = _decode_step(model, B, min(ctx, longest + settings.max_new_tokens), settings.compile)
-        logits, _ = model(padded, kv_cache=cache, input_lengths=lengths)
-        logits = logits[torch.arange(B, device=device), lengths - 1]  # (B, V) after each row's last token
-        seen = None
-        if settings.repetition_penalty != 1.0:
-            seen = torch.zeros(logits.shape, dtype=torch.bool, device=device).scatter_(1, padded, True)
-        while True:
-            if seen is not None:
-                logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
-            next_ids = sample_next(logits.float(), settings.temperature, settings.top_k, settings.top_p,
-                                   generator)  # (B, 1)
-            if seen is not None:
-                seen.scatter_(1, next_ids, True)
-            for i, token in enumerate(next_ids[:, 0].tolist()):  # host sync: streaming and stops need the ids
-                if i not in active:
-                    continue
-                if token in eos_ids:
-                    finish(i)
-                    continue
-                out[i].append(token)
-                text = streams[i].push(token) if streams else ""
-                if text and on_text:
-                    on_text(i, text)
-                if len(out[i]) >= limits[i] or (streams and streams[i].stopped):
-                    finish(i)
-            if not active:
-                return out
-            logits = step(next_ids)
-
-
-def generate_text(model, tokenizer, prompts: list, settings: SampleConfig, eos_ids=None, on_text=None):
-    """Prompts as text (or token ids) -> (completions, new ids), one per sequence, stop strings cut off.
-
-    An empty text prompt starts a fresh document from <|endoftext|>; eos_ids default to stop_ids(tokenizer).
-    """
-    eos_ids = stop_ids(tokenizer) if eos_ids is None else eos_ids
-    ids = [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=False) or list(eos_ids[:1])
-           for p in prompts]
-    texts = [""] * (len(ids) * settings.num_return_sequences)
-
-    def collect(i, text):
-        texts[i] += text
-        if on_text:
-            on_text(i, text)
-    return texts, generate(model, ids, settings, eos_ids, tokenizer, collect)

@@ -20,6 +20,7 @@ PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
+EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
 
 
 @dataclass
@@ -82,7 +83,8 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
 
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> list[str]:
     """Fill cfg's automatic shape, batch and rates in place; one report line per value chosen."""
-    wanted = cfg.model.automatic() + [k for k in cfg.train.automatic() if k not in ("max_steps", "max_minutes")]
+    wanted = cfg.model.automatic() + [k for k in cfg.train.automatic()
+                                      if k not in ("max_steps", "max_minutes", "eval_batches")]
     if not wanted:
         return []
     size, why = choose_size(cfg, machine, corpus_bytes)
@@ -94,8 +96,10 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> l
 
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1) -> list[str]:
-    """Fill max_steps and max_minutes where automatic, once the corpus is tokenized; report lines."""
+    """Fill max_steps, max_minutes and eval_batches where automatic, once the corpus is tokenized; report lines."""
     t, notes = cfg.train, []
+    if t.eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
+        t.eval_batches = math.ceil(EVAL_TOKENS / (t.micro_batch_size * cfg.model.max_seq_len))
     if t.max_minutes == AUTO and t.max_steps == AUTO and machine.kind != "cuda":
         t.max_minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "

@@ -17,26 +17,30 @@ import torch
 
 from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                         load_model_config, read_model)
-from config import CheckpointError, ConfigError, SampleConfig, default_run_dir, error_exit, parse_sections
-from device import inference_dtype, pick_device
+from cli import parse_sections
+from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir, error_exit
+from device import inference_dtype, pick_device, quantize_int8
+from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, fitted
 from modern_llm import Transformer
 from monitor import read_metrics
-from sampling import generate_text
+from prepare_data import split_texts
+from engine import CHUNK, compiles, generate_text
 from sizing import count_parameters
 from tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
-SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile")]
+SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile",
+                                                                  "quantize")]
 
 
 # ----------------------------------------------------------------------------- loading
 
-def load_for_inference(path: str = "", device=None, best: bool = False):
+def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none"):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
     path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
-    picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32.
-    Raises CheckpointError.
+    picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32;
+    quantize "int8" stores its linear weights in int8. Raises CheckpointError.
     """
     device = device if isinstance(device, torch.device) else pick_device(device or "auto")
     found = read_model(path or default_run_dir(), best=best)
@@ -52,6 +56,8 @@ def load_for_inference(path: str = "", device=None, best: bool = False):
                               f"{cfg.vocab_size}, the checkpoint mixes two runs; {HOW_TO_MAKE_ONE}")
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
+    if quantize == "int8":
+        quantize_int8(model)
     return model.eval().requires_grad_(False), tokenizer, cfg, found.path
 
 
@@ -67,9 +73,11 @@ class TextGenerator:
     num_return_sequences, seed, stop); given to the constructor they last, given to a call they apply to it.
     """
 
-    def __init__(self, path: str = "", device: str = "auto", best: bool = False, **settings):
-        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best)
-        self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device), settings)
+    def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
+                 compile: str = "auto", **settings):
+        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best, quantize)
+        self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device, quantize=quantize,
+                                                compile=compile), settings)
 
     @staticmethod
     def _with(base: SampleConfig, changes: dict) -> SampleConfig:
@@ -307,6 +315,33 @@ class Repl:
         self.messages = dialogue + [{"role": "assistant", "content": reply[0].strip()}]
 
 
+def warm_up(model, tokenizer, settings: SampleConfig):
+    """Compile the prefill and decode step once, at load, saying so (prompts of longer buckets and larger batches
+    compile on first use)."""
+    print(f"compiling the decode step{' into a CUDA graph' if model.embed_tokens.weight.is_cuda else ''}...",
+          file=sys.stderr, end="", flush=True)
+    start = time.perf_counter()
+    generate_text(model, tokenizer, [[0]], replace(settings, max_new_tokens=2 * CHUNK, num_return_sequences=1,
+                                                   stop=[]), eos_ids=[])
+    print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
+    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line."""
+    try:
+        texts = split_texts(DataConfig(sources=files), split=None) if files else split_texts(DataConfig())
+    except ValueError as e:
+        error_exit(str(e))
+    r = bits_per_byte(model, tokenizer, texts)
+    rate, n = code_parse_rate(model, tokenizer, texts, fitted(CODE_SETTINGS, model.config.max_seq_len))
+    what = ", ".join(files) if files else "the validation split of config.py's data"
+    code = f"{round(rate * n)}/{n} Python function bodies parse ({100 * rate:.0f}%)" if n else \
+        "no Python function with a docstring to complete"
+    print(f"{ckpt}: {r['bits_per_byte']:.4f} bits per byte on {what} ({r['bytes']:,} bytes, {r['tokens']:,} "
+          f"tokens, loss {r['loss']:.4f}); {code}")
+    return 0
+
+
 def parse_args(argv):
     """(SampleConfig, extras) from the command line; extras hold path, prompt, list, interactive."""
     def extra(parser):
@@ -315,6 +350,10 @@ def parse_args(argv):
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")
         parser.add_argument("--interactive", action="store_true", help="the REPL even when stdin is not a terminal")
+        parser.add_argument("--eval", action="store_true", help="measure the model instead: bits per byte and the "
+                                                                "share of Python function bodies that parse")
+        parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
+                                                                        "validation split of config.py's data")
     (settings,), extras = parse_sections((SampleConfig,), (SampleConfig(),), argv,
                                          "Generate text with a trained checkpoint.", extra)
     if extras.path and settings.checkpoint and extras.path != settings.checkpoint:
@@ -331,19 +370,19 @@ def main(argv=None) -> int:
         if extras.list:
             print(list_runs(extras.path or os.path.dirname(default_run_dir())))
             return 0
-        model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best)
+        model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best,
+                                                         settings.quantize)
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors: bad input, exit 2
         error_exit(str(e))
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
+    if extras.eval:
+        return measure(model, tokenizer, ckpt, extras.eval_files)
     weight = model.embed_tokens.weight
-    if settings.compile and weight.device.type == "mps":
-        settings = replace(settings, compile=False)
-        print("note: compile is skipped on MPS", file=sys.stderr)
-    elif settings.compile:
-        print(f"note: compiling the decode step on first use ({'CUDA graphs' if weight.is_cuda else 'default mode'})",
-              file=sys.stderr)
     print(f"loaded {ckpt}: {_human(model.num_parameters())} parameters, context {cfg.max_seq_len} tokens, "
-          f"{weight.device.type} {str(weight.dtype).removeprefix('torch.')}", file=sys.stderr)
+          f"{weight.device.type} {str(weight.dtype).removeprefix('torch.')}"
+          + (", int8 linear weights" if settings.quantize == "int8" else ""), file=sys.stderr)
+    if compiles(settings, weight.device):
+        warm_up(model, tokenizer, settings)
     if extras.prompt is None and (sys.stdin.isatty() or extras.interactive):
         return Repl(model, tokenizer, settings).loop()
     prompts = [extras.prompt] if extras.prompt is not None else (l.rstrip("\r\n") for l in sys.stdin)

@@ -185,6 +185,11 @@ def chat_segments(messages) -> list[tuple[str, bool, bool]]:
     return out
 
 
+def chat_text(messages) -> str:
+    """A conversation as the text CHAT_TEMPLATE renders (special tokens written out)."""
+    return "".join(text for text, _, _ in chat_segments(messages))
+
+
 def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
     """Token ids and learned-flags of documents given as segments, with one parallel encode call."""
     # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.

@@ -1,11 +1,12 @@
-"""Tests of config.py: validation, presets, command-line and file overrides."""
+"""Tests of config.py and cli.py: validation, presets, command-line and file overrides."""
 
 import json
 
 import pytest
 
 import config
-from config import ConfigError, ModelConfig, TrainConfig, parse_config
+from cli import parse_config
+from config import ConfigError, ModelConfig, TrainConfig
 
 
 @pytest.mark.parametrize("kwargs,field", [

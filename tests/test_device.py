@@ -39,3 +39,29 @@ def test_a_device_that_is_not_there_is_refused():
     with pytest.raises(ConfigError, match="device=cuda is not available"):
         device.pick_device("cuda")
     assert device.pick_device("auto").type in ("cpu", "mps")
+
+
+def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch):
+    """--precision fp8 needs Ada/Hopper tensor cores; anywhere else one line says so (and what to use)."""
+    with pytest.raises(ConfigError, match="precision=fp8 needs a GPU with FP8 tensor cores.*found cpu.*use bf16"):
+        device.pick_precision("fp8", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # an A100
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match="found NVIDIA A100"):
+        device.pick_precision("fp8", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))  # an H100
+    assert device.pick_precision("fp8", torch.device("cuda", 0)) == torch.bfloat16
+
+
+def test_float8_conversion_keeps_names_and_skips_the_head(tiny_config):
+    """The FP8 conversion swaps the blocks' linear layers only, and every parameter keeps its name, so
+    checkpoints, the optimizer's split and exports are unchanged."""
+    pytest.importorskip("torchao")
+    from modern_llm import Transformer
+    model = Transformer(tiny_config())
+    names = [n for n, _ in model.named_parameters()]
+    device.float8_training(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj", "lm_head"))}
+    assert kinds["layers.0.attn.q_proj"] == "Float8Linear" and kinds["layers.1.mlp.down_proj"] == "Float8Linear"
+    assert kinds["lm_head"] == "Linear"

@@ -266,12 +266,12 @@ def test_the_generator_takes_bytes_that_are_not_utf8_and_bounds_batches(tiny_che
 
 def test_a_batch_larger_than_memory_is_refused_before_allocating(tiny_checkpoint, monkeypatch):
     import psutil
-    import sampling
+    import engine
     from config import SampleConfig
     model, tok, *_ = tg.load_for_inference(tiny_checkpoint, "cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**6})())
     with pytest.raises(ValueError, match="need about .* GiB, more than the .* GiB free; lower num_return_sequences"):
-        sampling.generate(model, [[1, 2, 3]], SampleConfig(num_return_sequences=1000, max_new_tokens=50))
+        engine.generate(model, [[1, 2, 3]], SampleConfig(num_return_sequences=1000, max_new_tokens=50))
 
 
 def test_a_byte_order_mark_is_not_text(tmp_path):

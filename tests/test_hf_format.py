@@ -13,9 +13,10 @@ import torch
 from tokenizers import Tokenizer
 
 import checkpoint as ckpt_io
+import engine
 import export_hf
 import prepare_data
-from config import DataConfig
+from config import DataConfig, SampleConfig
 from hf_format import hf_twin, is_hf_folder, load_hf_folder
 from modern_llm import Transformer
 from tokenizer import chat_prompt_ids, render_chat
@@ -164,6 +165,9 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
         generated = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                     output_logits=True, return_dict_in_generate=True)
         assert generated.sequences[0, len(prompt):].tolist() == mine, text
+        ours = engine.generate(model, [prompt], SampleConfig(temperature=0, max_new_tokens=12, compile="false"),
+                               eos_ids=sorted(stop))[0]  # the engine users run: eos ids are not returned
+        assert ours == [t for t in mine if t not in stop][:len(ours)] and len(ours) == len(mine) - (mine[-1] in stop)
         # Every step's logits, not only the argmax: a repeated token would hide a position or cache bug.
         torch.testing.assert_close(torch.cat(generated.logits), my_logits, rtol=1e-5, atol=2e-5)
 
@@ -272,12 +276,10 @@ def test_benchmark_twins_compute_our_function(data, qk_norm, tied, tiny):
     hand-written twin configs once drifted on it, so the benchmarks compared different models); the training
     twin's loss must be our loss on the same labels."""
     import bench
-    import bench_generate
     model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied, rope_theta=777.0)), data, steps=2)
     twin = hf_twin(model.config, model.state_dict()).eval()
     assert twin.config.rope_parameters["rope_theta"] == 777.0 == model.config.rope_theta
     assert_same_logits(model, twin)
-    assert_same_logits(model, bench_generate.to_hf(model))
     ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = model(ids[:, :-1], labels=ids[:, 1:])[1]

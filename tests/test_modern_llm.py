@@ -196,3 +196,24 @@ def test_tiny_model_overfits_one_batch(tiny):
         loss.backward()
         opt.step()
     assert loss.item() < first / 10, (first, loss.item())
+
+
+def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny, monkeypatch):
+    """Past LOSS_CHUNK_LOGITS the loss is computed chunk by chunk, logits recomputed in backward (the fp32
+    logits of a 32k vocabulary would not fit beside a large model): same loss, same gradients, masks kept."""
+    import modern_llm
+    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(2))
+    labels = ids.roll(-1, 1)
+    labels[0, :7] = -100
+    results = []
+    for limit in (10**9, 97 * 7):  # whole, then chunks of 7 rows (the last one shorter)
+        monkeypatch.setattr(modern_llm, "LOSS_CHUNK_LOGITS", limit)
+        m = model_of(tiny()).train()
+        logits, loss = m(ids, labels=labels)
+        loss.backward()
+        results.append((logits, loss, {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (whole_logits, whole, g1), (none, chunked, g2) = results
+    assert whole_logits is not None and none is None
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -64,7 +64,7 @@ def test_a_gpu_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gi
 def test_a_gpu_run_passes_over_its_corpus_four_times():
     cfg = Config()
     sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=32 * 10**6)
-    notes = sizing.fill_run_length(cfg, Machine("cuda", "GPU", 80 * GIB), train_tokens=8_000_000, world_size=2)
+    notes = sizing.fill_run_length(cfg, Machine("cuda", "GPU", 80 * GIB), train_tokens=80_000_000, world_size=2)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 2 * cfg.model.max_seq_len
-    assert cfg.train.max_steps == -(-4 * 8_000_000 // per_step) and cfg.train.max_minutes == 0
-    assert "4 passes over 8,000,000 training tokens" in notes[0]
+    assert cfg.train.max_steps == -(-4 * 80_000_000 // per_step) > sizing.MIN_STEPS and cfg.train.max_minutes == 0
+    assert "4 passes over 80,000,000 training tokens" in notes[-1]

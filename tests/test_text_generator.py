@@ -16,7 +16,7 @@ import text_generator as tg
 from checkpoint import read_model, save_checkpoint, weights_state_dict
 from config import SampleConfig
 from modern_llm import Transformer
-from sampling import generate_text
+from engine import generate_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "text_generator.py")

@@ -60,6 +60,13 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path,
     assert math.isclose(r["val_bpb"], r["val_loss"] / math.log(2) / bytes_per_token, rel_tol=1e-9)
     assert math.isclose(r["val_ppl"], math.exp(r["val_loss"]), rel_tol=1e-5)
     assert math.isclose(state["best_val_loss"], min(e["val_loss"] for e in evals), rel_tol=1e-9)
+    # What the model writes, at each evaluation: the code metric beside the loss (no documented function of the
+    # validation text fits this 64-token model's prompt room, so it is reported as not measured), samples.
+    assert all(r["code_ok"] is None and not r["code_samples"] for r in evals)
+    samples = read_all(str(run), file="samples.jsonl")
+    at_6, at_12 = ([s["prompt"] for s in samples if s["step"] == k] for k in (6, 12))
+    assert at_6 and at_6 == at_12 and len(samples) == 2 * len(at_6)  # the same prompts at every evaluation
+    assert all(isinstance(s["prompt"], str) and isinstance(s["text"], str) for s in samples)
     assert json.load(open(run / "config.json"))["train"]["max_steps"] == 12
 
 
@@ -363,3 +370,69 @@ def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, capsys, 
     more = read_metrics(run, "train")
     assert more[-1]["step"] > train[-1]["step"] and more[-1]["lr_scale"] == pytest.approx(0.1, abs=0.03)
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
+    """Under CUDA graphs a backward's outputs live in the graph's pool and the next replay overwrites them, so
+    gradients must stay in buffers of their own: with persistent gradients (forced here on a CPU), every .grad
+    keeps one storage across micro-steps and steps, and training takes exactly the usual steps."""
+    ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    t = TrainConfig(micro_batch_size=4, grad_accum_steps=2, learning_rate=3e-3, muon_lr=0.02, compile="off",
+                    precision="fp32")
+    cfg = Config(model=tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16), train=t)
+    usual, kept = (trainer.build(cfg, torch.device("cpu"), distributed.setup()) for _ in range(2))
+    kept.persistent_grads = True
+    trainer.keep_grads(kept.opt)
+    seen = {}
+    for p in kept.raw_model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(id(p), set()).add(p.grad.data_ptr()))
+    for b in (usual, kept):
+        for step in range(3):
+            trainer.set_lr(b.opt, 1.0)
+            trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], 4), step, t, distributed.setup())
+    assert len(seen) == len(list(kept.raw_model.parameters())) and all(len(ptrs) == 1 for ptrs in seen.values())
+    assert all(p.grad is None for p in usual.raw_model.parameters())  # the usual path frees them
+    for a, b in zip(usual.raw_model.parameters(), kept.raw_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_mfu_is_per_gpu_under_several_ranks(tmp_path, monkeypatch):
+    """tokens/s counts every rank's tokens: MFU once divided them by one GPU's peak, so 8 GPUs read 8x."""
+    import monitor
+    monkeypatch.setattr(monitor, "peak_flops", lambda device: 100e12)
+    flops, tokens, world = 1e6, 40_000, 4
+    m = monitor.Monitor(str(tmp_path), torch.device("cpu"), flops, False, world_size=world)
+    m.reset_clock(0, 0)
+    time.sleep(0.2)
+    r = m.train_record(1, tokens, 2.0, 1.0, {}, 1.0)
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] / world * flops / 100e12)
+
+
+def test_profile_writes_a_trace_of_steps_after_compiling(corpus, tmp_path, argv_for):
+    """--profile true: a chrome trace of four steps after the first two (which compile) in <run>/profile/."""
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 7, "--eval_interval", 7, "--profile", "true")) == 0
+    trace = json.load(open(run / "profile" / "trace.json"))
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names)
+    assert any("Optimizer.step" in n or "MuonAdamW" in n or "aten::_foreach" in n for n in names)
+
+
+@pytest.mark.slow
+def test_evaluations_compile_nothing_inside_the_run(corpus, tmp_path, monkeypatch, argv_for):
+    """The first evaluation once recompiled the model (other mode, no gradients): inside the timed loop. Count
+    dynamo's compiled graphs at every step of a compiled run with evaluations between: no growth after step 1."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, original = [], trainer.train_step
+
+    def counting(b, batches, step, *args):
+        out = original(b, batches, step, *args)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return out
+    monkeypatch.setattr(trainer, "train_step", counting)
+    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 6, "--eval_interval", 2)
+    argv[argv.index("--compile") + 1] = "default"
+    assert trainer.main(argv) == 0
+    assert len(graphs) == 6 and graphs[0] > 0 and len(set(graphs)) == 1, graphs

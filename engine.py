@@ -1,0 +1,282 @@
+"""The generation engine: prompts in, each sequence's new tokens (and printable text) out, at the speed of
+reading the weights.
+
+One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt
+of that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature,
+top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device, compiled (a
+CUDA graph on CUDA). The host reads the new tokens back every CHUNK steps, not every token: streaming
+stays smooth and the device never waits for Python. Sampling settings are tensors, one row each, so one
+compiled step serves every setting and a batch may mix them (the server does).
+"""
+
+import weakref
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from config import SampleConfig
+from sampling import TextStream, exp_noise, pick
+from tokenizer import stop_ids
+
+CHUNK = 8  # decode steps between two reads of the new tokens by the host
+MIN_BUCKET = 16
+# Each prompt bucket and batch size compiles its own graph: keep more of them than dynamo's default 8.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def bucket(length: int, ctx: int) -> int:
+    """The padded prefill length of a prompt: the next power of two from 16, at most the context."""
+    return min(ctx, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
+
+
+@dataclass
+class State:
+    """The tensors a decode step reads and writes in place, one row per sequence: static addresses, so a CUDA
+    graph can replay over them."""
+    tokens: torch.Tensor  # (B, 1) the last token of each row
+    seen: torch.Tensor  # (B, V) bool: tokens in the prompt or generated, for the repetition penalty
+    done: torch.Tensor  # (B,) bool
+    count: torch.Tensor  # (B,) tokens generated
+    noise: torch.Tensor  # (B, V) the Exp(1) draws of this step
+    temperature: torch.Tensor  # (B, 1), and the same for the other settings
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    penalty: torch.Tensor
+    limit: torch.Tensor  # (B,) max new tokens of each row
+    eos: torch.Tensor  # (E,) ids that end a row
+
+    @classmethod
+    def empty(cls, batch: int, vocab: int, device, eos_slots: int = 4) -> "State":
+        z = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(z(batch, 1, dtype=torch.long), z(batch, vocab, dtype=torch.bool), z(batch, dtype=torch.bool),
+                   z(batch, dtype=torch.long), z(batch, vocab), z(batch, 1), z(batch, 1, dtype=torch.long),
+                   z(batch, 1), z(batch, 1), z(batch, dtype=torch.long), z(eos_slots, dtype=torch.long))
+
+    def sampling(self):
+        return self.temperature, self.top_k, self.top_p, self.penalty
+
+
+def advance(state: State, nxt: torch.Tensor):
+    """Write the picked ids into the state; a finished row keeps its token (its steps are thrown away)."""
+    nxt = torch.where(state.done, state.tokens[:, 0], nxt)
+    state.tokens.copy_(nxt[:, None])
+    state.seen.scatter_(1, nxt[:, None], True)
+    state.count.add_((~state.done).long())
+    state.done.logical_or_(torch.isin(nxt, state.eos) | (state.count >= state.limit))
+
+
+def prefill_step(model, ids, lengths, cache, state: State):
+    """The prompts into the cache, and the first new token of each row into the state."""
+    logits = model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0].float()
+    advance(state, pick(logits, state.seen, state.noise, *state.sampling()))
+
+
+def decode_step(model, cache, state: State):
+    """One token for every row: the forward, sampling and checks, all on the device, all in place."""
+    logits = model(state.tokens, kv_cache=cache)[0][:, -1].float()
+    advance(state, pick(logits, state.seen, state.noise, *state.sampling()))
+
+
+# ----------------------------------------------------------------------------- one model's compiled steps
+
+_COMPILED = weakref.WeakKeyDictionary()  # model -> {batch size: Slot}
+
+
+@dataclass
+class Slot:
+    """A batch size's full-context cache, state and compiled steps, kept for the model's life."""
+    cache: object
+    state: State
+    prefill: object
+    decode: object
+
+
+def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
+    """The cache, state and steps for `batch` rows: compiled ones built once per batch size and kept (with the
+    full context, so one graph serves every length), plain ones sized to this call."""
+    device, vocab = model.embed_tokens.weight.device, model.config.vocab_size
+    if not compiled:
+        return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device), prefill_step,
+                    decode_step)
+    slots = _COMPILED.setdefault(model, {})
+    if batch not in slots:
+        cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
+        prefill = torch.compile(prefill_step, dynamic=False)
+        if device.type == "cuda":
+            for t in (cache.k, cache.v, cache.pos, *vars(state).values()):
+                torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
+            decode = torch.compile(decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        else:  # no CUDA graphs off CUDA: the default mode is the useful one
+            decode = torch.compile(decode_step, dynamic=False)
+        slots[batch] = Slot(cache, state, prefill, decode)
+    return slots[batch]
+
+
+def compiles(settings: SampleConfig, device: torch.device) -> bool:
+    """Whether generation compiles its steps: "auto" on CUDA, where CUDA graphs pay back the compile."""
+    return settings.compile == "true" or (settings.compile == "auto" and device.type == "cuda")
+
+
+def check_memory(model, batch: int, max_len: int):
+    """Refuse a batch whose KV cache and logits would not fit in the memory free now (ValueError, a message)."""
+    c, w = model.config, model.embed_tokens.weight
+    cache = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * max_len * c.head_dim * w.element_size()
+    need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16  # sampling, activations
+    free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
+    if need > 0.9 * free:
+        raise ValueError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
+                         f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
+
+
+# ----------------------------------------------------------------------------- the API
+
+def generate(model, prompts: list[list[int]], settings: SampleConfig | list[SampleConfig], eos_ids=(),
+             tokenizer=None, on_text=None, cancelled=None) -> list[list[int]]:
+    """Continue each prompt (token ids) num_return_sequences times; return the new ids of each sequence.
+
+    Sequences come grouped by prompt: [p0 s0, p0 s1, ..., p1 s0, ...]. settings may also be a list, one per
+    prompt (num_return_sequences 1 each): every row samples with its own. A sequence ends at an id of eos_ids
+    (not returned), after max_new_tokens, when it fills the model's context, or, given a tokenizer, at a string
+    of its stop list (its ids then end with the token that completed the stop string). With a tokenizer,
+    on_text(i, text) receives sequence i's printable text as it grows, without the stop string. cancelled(i),
+    asked at each read, ends sequence i where it is (a client gone, say).
+    """
+    per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
+    rows = [(list(p), s) for p, s in zip(prompts, per_prompt) for _ in range(s.num_return_sequences)]
+    ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
+    for p, _ in rows:
+        if not p or len(p) >= ctx:
+            raise ValueError(f"a prompt has {len(p)} tokens, it needs 1 to {ctx - 1} (the model's context is "
+                             f"{ctx}), shorten it")
+    if len(eos_ids) > 4:
+        raise ValueError(f"at most 4 end ids, got {len(eos_ids)}")
+    B, width = len(rows), bucket(max(len(p) for p, _ in rows), ctx)
+    limits = [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
+    compiled = compiles(rows[0][1], device)
+    check_memory(model, B, ctx if compiled else min(ctx, width + max(limits)))
+    with torch.no_grad():
+        slot = _slot(model, B, min(ctx, width + max(limits)), compiled)
+        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, on_text, cancelled)
+
+
+def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int):
+    """Load a batch's settings and prompts into the (reused) state tensors, in place."""
+    as_col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype)[:, None]  # noqa: E731
+    state.temperature.copy_(as_col([s.temperature for _, s in rows]))
+    state.top_k.copy_(as_col([s.top_k or vocab for _, s in rows], torch.long))
+    state.top_p.copy_(as_col([s.top_p for _, s in rows]))
+    state.penalty.copy_(as_col([s.repetition_penalty for _, s in rows]))
+    state.limit.copy_(torch.tensor(limits))
+    state.eos.copy_(torch.tensor((list(eos_ids) + [-1] * 4)[:4]))  # -1 matches no token
+    state.done.zero_()
+    state.count.zero_()
+    state.seen.zero_().scatter_(1, padded, True)
+    state.noise.fill_(1.0)
+
+
+def _noise(state: State, generators: list):
+    """This step's Exp(1) draws, each row from its own seeded generator (rows sharing a seed share a draw
+    call), or none at all when every row is greedy."""
+    for gen, rows in generators:
+        if rows is None:
+            state.noise.exponential_(1, generator=gen).clamp_(min=torch.finfo(state.noise.dtype).tiny)
+        else:
+            state.noise[rows] = exp_noise((len(rows), state.noise.size(1)), state.noise.device, gen)
+
+
+def _generators(rows, device) -> list:
+    """(generator, row indices or None for all rows) for the rows that sample: one per seed, the global RNG
+    for unseeded rows; empty when every row is greedy."""
+    sampling = [i for i, (_, s) in enumerate(rows) if s.temperature > 0]
+    if not sampling:
+        return []
+    seeds = {rows[i][1].seed for i in sampling}
+    if len(seeds) == 1 and len(sampling) == len(rows):
+        seed = seeds.pop()
+        return [(torch.Generator(device).manual_seed(seed) if seed >= 0 else None, None)]
+    return [(torch.Generator(device).manual_seed(seed) if seed >= 0 else None,
+             [i for i in sampling if rows[i][1].seed == seed]) for seed in sorted(seeds)]
+
+
+def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_text, cancelled) -> list[list[int]]:
+    device, B = model.embed_tokens.weight.device, len(rows)
+    # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
+    padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)
+    lengths = torch.tensor([len(p) for p, _ in rows], device=device)
+    state, cache = slot.state, slot.cache
+    _fill(state, rows, limits, padded, eos_ids, model.config.vocab_size)
+    cache.reset()  # stale keys past each row's position are masked out, so nothing else needs clearing
+    generators = _generators(rows, device)
+    streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
+    out, active = [[] for _ in rows], set(range(B))
+    chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
+    host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
+    graphs = device.type == "cuda" and slot.decode is not decode_step
+    _noise(state, generators)
+    slot.prefill(model, padded, lengths, cache, state)
+    chunk[:, 0] = state.tokens[:, 0]
+    for step in range(1, max(limits) + 1):
+        if step % CHUNK == 0 or step == max(limits):
+            host[:, :step % CHUNK or CHUNK].copy_(chunk[:, :step % CHUNK or CHUNK], non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # sync point: once per CHUNK tokens
+            if cancelled:
+                for i in [i for i in active if cancelled(i)]:
+                    active.discard(i)
+                    state.done[i] = True
+            _read(host[:, :step % CHUNK or CHUNK].tolist(), out, active, limits, eos_ids, streams, on_text, state)
+            if not active:
+                break
+        _noise(state, generators)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        slot.decode(model, cache, state)
+        chunk[:, step % CHUNK] = state.tokens[:, 0]
+    for i in sorted(active):
+        _finish(i, streams, on_text)
+    return out
+
+
+def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, on_text, state: State):
+    """The host's share of CHUNK steps: each active row's new ids, its text, its stops."""
+    for i in sorted(active):
+        for token in block[i]:
+            if token in eos_ids:
+                _finish(i, streams, on_text)
+                active.discard(i)
+                break
+            out[i].append(token)
+            text = streams[i].push(token) if streams else ""
+            if text and on_text:
+                on_text(i, text)
+            if len(out[i]) >= limits[i] or (streams and streams[i].stopped):
+                _finish(i, streams, on_text)
+                active.discard(i)
+                state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
+                break
+
+
+def _finish(i: int, streams, on_text):
+    text = streams[i].flush() if streams else ""
+    if text and on_text:
+        on_text(i, text)
+
+
+def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list[SampleConfig], eos_ids=None,
+                  on_text=None):
+    """Prompts as text (or token ids) -> (completions, new ids), one per sequence, stop strings cut off.
+
+    An empty text prompt starts a fresh document from <|endoftext|>; eos_ids default to stop_ids(tokenizer).
+    """
+    eos_ids = stop_ids(tokenizer) if eos_ids is None else eos_ids
+    ids = [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=False) or list(eos_ids[:1])
+           for p in prompts]
+    per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
+    texts = [""] * sum(s.num_return_sequences for s in per_prompt)
+
+    def collect(i, text):
+        texts[i] += text
+        if on_text:
+            on_text(i, text)
+    return texts, generate(model, ids, settings, eos_ids, tokenizer, collect)

@@ -1,0 +1,151 @@
+"""Tests of engine.py: cached batched generation against full forwards, eos and stop strings read back in
+chunks, per-row settings, seeds, the compiled decode step against the eager one, and transformers' greedy.
+
+The model and tokenizer are the tiny checkpoint of conftest.py, loaded as the generator loads it.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import engine
+import sampling
+from config import SampleConfig
+from conftest import CODE as TEXT
+from text_generator import load_for_inference
+
+GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    model, tok, cfg, path = load_for_inference(tiny_checkpoint, "cpu")
+    return model, tok
+
+
+def ids_of(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_greedy_matches_full_forward_argmax(loaded):
+    """The cached decode must equal argmax over a full forward per step (catches cache/position bugs)."""
+    model, tok = loaded
+    prompt = ids_of(tok, "def push(self")
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY.max_new_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    first = engine.generate(model, [prompt], GREEDY)
+    assert first == [ids[len(prompt):]]
+    assert engine.generate(model, [prompt], GREEDY) == first  # deterministic
+
+def test_top_k_one_is_greedy(loaded):
+    """top_k=1 must pick the argmax whatever the temperature (an off-by-one in the k-th value breaks it)."""
+    model, tok = loaded
+    prompt = [ids_of(tok, "class Stack")]
+    sampled = engine.generate(model, prompt, replace(GREEDY, temperature=1.5, top_k=1, top_p=1.0, seed=3))
+    assert sampled == engine.generate(model, prompt, GREEDY)
+    logits = torch.randn(5, 50)
+    assert torch.equal(sampling.sample_next(logits, 2.0, top_k=1), logits.argmax(-1, keepdim=True))
+
+def test_repetition_penalty_counts_prompt_and_generated_tokens(loaded):
+    """With a huge penalty, greedy never repeats a token of the prompt or of its own output."""
+    model, tok = loaded
+    prompt = ids_of(tok, "return n")
+    out = engine.generate(model, [prompt], replace(GREEDY, repetition_penalty=1e6, max_new_tokens=20))[0]
+    assert len(set(out)) == len(out) and not set(out) & set(prompt)
+
+def test_batch_of_different_lengths_equals_one_by_one(loaded):
+    """Right-padded prefill with input_lengths must not let padding or other rows change any row."""
+    model, tok = loaded
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
+    batched = engine.generate(model, prompts, GREEDY)
+    assert batched == [engine.generate(model, [p], GREEDY)[0] for p in prompts]
+
+def test_seed_and_counts(loaded):
+    """Same seed, same samples; max_new_tokens and num_return_sequences are respected exactly."""
+    model, tok = loaded
+    prompts = [ids_of(tok, "def pop"), ids_of(tok, "for name")]
+    s = SampleConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=9, num_return_sequences=3, seed=5)
+    a, b = engine.generate(model, prompts, s), engine.generate(model, prompts, s)
+    assert a == b and len(a) == 6 and all(len(x) == 9 for x in a)
+    assert engine.generate(model, prompts, replace(s, seed=6)) != a
+    assert len({tuple(x) for x in a}) > 1  # the sequences of one prompt are different samples
+
+def test_eos_ends_a_sequence(loaded):
+    """A sampled eos id ends its row, is not returned, and the other rows go on."""
+    model, tok = loaded
+    prompts = [ids_of(tok, "def pop"), ids_of(tok, "import")]
+    full = engine.generate(model, prompts, GREEDY)
+    eos = full[0][3]
+    cut = engine.generate(model, prompts, GREEDY, eos_ids=[eos])
+    assert cut[0] == full[0][:full[0].index(eos)]
+    assert cut[1] == (full[1][:full[1].index(eos)] if eos in full[1] else full[1])
+
+def test_generation_stops_at_the_context(loaded):
+    """A row that reaches max_seq_len stops there (the cache cannot grow); a too-long prompt is refused."""
+    model, tok = loaded
+    ctx = model.config.max_seq_len
+    prompt = (ids_of(tok, TEXT) * 4)[:ctx - 5]
+    out = engine.generate(model, [prompt, prompt[:10]], replace(GREEDY, max_new_tokens=30))
+    assert [len(o) for o in out] == [5, 30]
+    with pytest.raises(ValueError, match="context"):
+        engine.generate(model, [prompt + prompt[:5]], GREEDY)
+
+def test_stop_strings_stop_and_are_not_printed(loaded):
+    """Generation ends at a stop string spanning tokens; the streamed text ends just before it."""
+    model, tok = loaded
+    s = replace(GREEDY, max_new_tokens=30)
+    (text,), (ids,) = engine.generate_text(model, tok, ["def push"], s, eos_ids=[])
+    stop = text[8:12]  # some text the model does produce
+    assert len(stop) == 4 and stop not in text[:11]
+    (cut,), (cut_ids,) = engine.generate_text(model, tok, ["def push"], replace(s, stop=["zzz", stop]), eos_ids=[])
+    assert cut == text[:text.index(stop)]
+    assert tok.decode(cut_ids).startswith(cut + stop) and len(cut_ids) < len(ids)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_cuda_decode_matches_eager(tiny_checkpoint):
+    """The CUDA-graph decode step must give eager's greedy tokens, across calls and batch sizes (a stale
+    graph output or a cache whose address changed would show up here)."""
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cuda")
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
+    eager = engine.generate(model, prompts, GREEDY)
+    for batch in (prompts, prompts[:1], prompts):
+        assert engine.generate(model, batch, replace(GREEDY, compile="true")) == eager[:len(batch)]
+
+
+def test_the_host_reads_tokens_once_per_chunk(loaded, monkeypatch):
+    """No host sync per token: the new ids come back CHUNK steps at a time (the last read may be shorter)."""
+    model, tok = loaded
+    reads = []
+    original = engine._read
+    monkeypatch.setattr(engine, "_read", lambda block, *a: (reads.append(len(block[0])), original(block, *a))[1])
+    out = engine.generate(model, [ids_of(tok, "def f")], replace(GREEDY, max_new_tokens=2 * engine.CHUNK + 3))
+    assert len(out[0]) == 2 * engine.CHUNK + 3 and reads == [engine.CHUNK, engine.CHUNK, 3]
+
+
+def test_each_row_of_a_batch_may_have_its_own_settings(loaded):
+    """A batch mixing greedy, seeded sampling and a repetition penalty (as the server batches requests) gives
+    every row what it gets alone."""
+    model, tok = loaded
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "class Stack")]
+    settings = [GREEDY, replace(GREEDY, temperature=1.0, top_k=20, top_p=0.9, seed=7, max_new_tokens=9),
+                replace(GREEDY, repetition_penalty=3.0, max_new_tokens=15)]
+    together = engine.generate(model, prompts, settings)
+    assert together == [engine.generate(model, [p], s)[0] for p, s in zip(prompts, settings)]
+    assert [len(o) for o in together] == [12, 9, 15]
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_on_cpu(loaded):
+    """The compiled prefill (bucketed) and decode step give the eager path's greedy tokens for ragged prompts and
+    two batch sizes, and reproduce seeded samples."""
+    model, tok = loaded
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if n < 2:\n        return", "x")]
+    compiled = replace(GREEDY, compile="true", max_new_tokens=20)
+    for batch in (prompts, prompts[:1]):
+        assert engine.generate(model, batch, compiled) == engine.generate(model, batch, replace(compiled,
+                                                                                              compile="false"))
+    sampled = replace(compiled, temperature=0.9, top_k=30, seed=11)
+    assert engine.generate(model, prompts, sampled) == engine.generate(model, prompts, sampled)
