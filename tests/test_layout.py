@@ -14,7 +14,7 @@ CORE = ["config", "cli", "atomic", "sizing",
         "tokenizer", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation", "muon_optimizer",
         "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
-TOOLS = ["export_hf", "bench", "bench_generate", "compare_optimizers", "gpu_check"]
+TOOLS = ["export_hf", "bench", "bench_generate", "compare_optimizers", "gpu_check", "serve"]
 TOOL_BASES = {"gpu_check": {"bench"}}  # a tool may build on another only where declared here
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
 

@@ -1,0 +1,179 @@
+"""Tests of serve.py through the openai client and plain HTTP, against a server started on 127.0.0.1: results
+equal to the one-shot CLI's, streaming, OpenAI-style refusals the server survives, the API key, the context
+limit, clients leaving mid-stream, and a burst of 50 concurrent requests."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from config import SampleConfig
+from engine import generate_text
+from text_generator import load_for_inference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(ckpt: str, *flags):
+    """The server in a subprocess, once it answers; (process, base URL)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), ckpt, "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/models", timeout=1)
+            return proc, url
+        except urllib.error.HTTPError:  # answering (401 with an API key)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read())
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    proc, url = start(tiny_checkpoint)
+    yield proc, url, openai.OpenAI(base_url=url, api_key="unused")
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint):
+    """What the one-shot CLI prints for a prompt (greedy): the engine's text, in this process."""
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
+    return lambda prompt, n: generate_text(model, tok, [prompt], SampleConfig(temperature=0, max_new_tokens=n))[0][0]
+
+
+def post(url: str, path: str, body: bytes, headers=None) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_models_and_greedy_completions_equal_the_cli(server, expected):
+    _, _, client = server
+    (model,) = client.models.list().data
+    assert model.id == "run1"
+    for prompt in ("def push(self", "import os\n"):
+        r = client.completions.create(model="run1", prompt=prompt, max_tokens=10, temperature=0)
+        assert r.choices[0].text == expected(prompt, 10) and r.usage.completion_tokens <= 10
+        assert r.choices[0].finish_reason in ("stop", "length") and r.object == "text_completion"
+
+
+def test_streams_give_the_same_text_as_whole_answers(server):
+    _, _, client = server
+    whole = client.completions.create(model="run1", prompt="class Stack", max_tokens=12, temperature=0)
+    parts = [c.choices[0].text for c in client.completions.create(model="run1", prompt="class Stack", max_tokens=12,
+                                                                  temperature=0, stream=True)]
+    assert "".join(parts) == whole.choices[0].text and len(parts) > 2
+    messages = [{"role": "user", "content": "hello"}]
+    reply = client.chat.completions.create(model="run1", messages=messages, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="run1", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+
+
+def test_seeded_samples_repeat_and_stop_strings_end_them(server):
+    _, _, client = server
+    ask = lambda **kw: client.completions.create(model="run1", prompt="def", max_tokens=12, **kw)  # noqa: E731
+    a, b = ask(temperature=0.9, seed=3, n=2), ask(temperature=0.9, seed=3, n=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    full = ask(temperature=0).choices[0].text
+    cut = ask(temperature=0, stop=[full[3:6]]).choices[0]
+    assert cut.text == full[:full.index(full[3:6])] and cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    (json.dumps({"model": "other", "prompt": "x"}).encode(), "model"),
+    (json.dumps({"model": "run1", "prompt": "x", "max_tokens": 10**6}).encode(), "max_tokens"),
+    (json.dumps({"model": "run1", "prompt": "x", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"model": "run1", "prompt": 5}).encode(), "prompt"),
+    (json.dumps({"model": "run1", "prompt": "x", "stop": 7}).encode(), "stop"),
+    (json.dumps([1, 2]).encode(), None),
+], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list"])
+def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
+    proc, url, client = server
+    status, answer = post(url, "/completions", body)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
+    assert proc.poll() is None and client.completions.create(model="run1", prompt="x", max_tokens=2).choices
+
+
+def test_a_request_past_the_context_stops_there(server, tiny_checkpoint):
+    """max_tokens up to the context is accepted; the answer ends where the context does, as 'length'."""
+    from engine import generate
+    from tokenizer import stop_ids
+    _, _, client = server
+    model, tok, cfg, _ = load_for_inference(tiny_checkpoint, "cpu")
+    ids = tok.encode("def push(self, item): return item\n" * 20, add_special_tokens=False)[:cfg.max_seq_len - 6]
+    prompt = tok.decode(ids)
+    alone = generate(model, [ids], SampleConfig(temperature=0, max_new_tokens=cfg.max_seq_len), stop_ids(tok))[0]
+    r = client.completions.create(model="run1", prompt=prompt, max_tokens=cfg.max_seq_len, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(alone)
+    assert r.choices[0].finish_reason == ("length" if len(alone) == 6 else "stop")
+
+
+def test_the_api_key_is_required_when_set(tiny_checkpoint):
+    proc, url = start(tiny_checkpoint, "--api_key", "sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong").models.list()
+        assert post(url, "/completions", b'{"prompt": "x"}')[0] == 401
+        good = openai.OpenAI(base_url=url, api_key="sesame")
+        assert good.completions.create(model="run1", prompt="x", max_tokens=2).choices
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_burst_of_requests_is_batched_correctly_and_memory_stays_flat(server, expected):
+    """50 concurrent greedy requests, several prompts: each answer must be its own prompt's (rows never mix), a
+    client leaving mid-stream frees its row, and the server's memory is flat after the burst."""
+    proc, url, client = server
+    prompts = ["def ", "class A", "import os", "for name in", "return n"]
+    want = {p: expected(p, 8) for p in prompts}
+    def ask(prompt):
+        return client.completions.create(model="run1", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(ask, prompts * 2))  # warm: the engine's first batches of each size
+        rss = psutil.Process(proc.pid).memory_info().rss
+        start = time.time()
+        answers = list(pool.map(ask, prompts * 10))
+        seconds = time.time() - start
+    assert answers == [want[p] for p in prompts * 10]
+    stream = client.completions.create(model="run1", prompt="def", max_tokens=60, temperature=0.8, stream=True)
+    next(iter(stream))
+    stream.close()  # gone mid-stream
+    assert ask("def ") == want["def "]
+    grown = psutil.Process(proc.pid).memory_info().rss - rss
+    assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB more after the burst"
+    print(f"50 requests in {seconds:.2f} s: {50 / seconds:.1f} requests/s, {50 * 8 / seconds:.0f} tokens/s")
