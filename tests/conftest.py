@@ -91,3 +91,11 @@ def tiny_checkpoint(tmp_path_factory, tiny_config):
     with open(run / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"kind": "eval", "step": 10, "val_loss": 2.125, "val_ppl": 8.4, "val_bpb": 1.0625}) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_checkpoint):
+    """The tiny checkpoint loaded as the generator loads it: (model, tokenizer). Shared: do not change it."""
+    from text_generator import load_for_inference
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
+    return model, tok

@@ -18,19 +18,13 @@ from text_generator import load_for_inference
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    model, tok, cfg, path = load_for_inference(tiny_checkpoint, "cpu")
-    return model, tok
-
-
 def ids_of(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_greedy_matches_full_forward_argmax(loaded):
+def test_greedy_matches_full_forward_argmax(tiny_loaded):
     """The cached decode must equal argmax over a full forward per step (catches cache/position bugs)."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompt = ids_of(tok, "def push(self")
     ids = list(prompt)
     with torch.no_grad():
@@ -40,32 +34,32 @@ def test_greedy_matches_full_forward_argmax(loaded):
     assert first == [ids[len(prompt):]]
     assert engine.generate(model, [prompt], GREEDY) == first  # deterministic
 
-def test_top_k_one_is_greedy(loaded):
+def test_top_k_one_is_greedy(tiny_loaded):
     """top_k=1 must pick the argmax whatever the temperature (an off-by-one in the k-th value breaks it)."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompt = [ids_of(tok, "class Stack")]
     sampled = engine.generate(model, prompt, replace(GREEDY, temperature=1.5, top_k=1, top_p=1.0, seed=3))
     assert sampled == engine.generate(model, prompt, GREEDY)
     logits = torch.randn(5, 50)
     assert torch.equal(sampling.sample_next(logits, 2.0, top_k=1), logits.argmax(-1, keepdim=True))
 
-def test_repetition_penalty_counts_prompt_and_generated_tokens(loaded):
+def test_repetition_penalty_counts_prompt_and_generated_tokens(tiny_loaded):
     """With a huge penalty, greedy never repeats a token of the prompt or of its own output."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompt = ids_of(tok, "return n")
     out = engine.generate(model, [prompt], replace(GREEDY, repetition_penalty=1e6, max_new_tokens=20))[0]
     assert len(set(out)) == len(out) and not set(out) & set(prompt)
 
-def test_batch_of_different_lengths_equals_one_by_one(loaded):
+def test_batch_of_different_lengths_equals_one_by_one(tiny_loaded):
     """Right-padded prefill with input_lengths must not let padding or other rows change any row."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
     batched = engine.generate(model, prompts, GREEDY)
     assert batched == [engine.generate(model, [p], GREEDY)[0] for p in prompts]
 
-def test_seed_and_counts(loaded):
+def test_seed_and_counts(tiny_loaded):
     """Same seed, same samples; max_new_tokens and num_return_sequences are respected exactly."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompts = [ids_of(tok, "def pop"), ids_of(tok, "for name")]
     s = SampleConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=9, num_return_sequences=3, seed=5)
     a, b = engine.generate(model, prompts, s), engine.generate(model, prompts, s)
@@ -73,9 +67,9 @@ def test_seed_and_counts(loaded):
     assert engine.generate(model, prompts, replace(s, seed=6)) != a
     assert len({tuple(x) for x in a}) > 1  # the sequences of one prompt are different samples
 
-def test_eos_ends_a_sequence(loaded):
+def test_eos_ends_a_sequence(tiny_loaded):
     """A sampled eos id ends its row, is not returned, and the other rows go on."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompts = [ids_of(tok, "def pop"), ids_of(tok, "import")]
     full = engine.generate(model, prompts, GREEDY)
     eos = full[0][3]
@@ -83,9 +77,9 @@ def test_eos_ends_a_sequence(loaded):
     assert cut[0] == full[0][:full[0].index(eos)]
     assert cut[1] == (full[1][:full[1].index(eos)] if eos in full[1] else full[1])
 
-def test_generation_stops_at_the_context(loaded):
+def test_generation_stops_at_the_context(tiny_loaded):
     """A row that reaches max_seq_len stops there (the cache cannot grow); a too-long prompt is refused."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     ctx = model.config.max_seq_len
     prompt = (ids_of(tok, TEXT) * 4)[:ctx - 5]
     out = engine.generate(model, [prompt, prompt[:10]], replace(GREEDY, max_new_tokens=30))
@@ -93,9 +87,9 @@ def test_generation_stops_at_the_context(loaded):
     with pytest.raises(ValueError, match="context"):
         engine.generate(model, [prompt + prompt[:5]], GREEDY)
 
-def test_stop_strings_stop_and_are_not_printed(loaded):
+def test_stop_strings_stop_and_are_not_printed(tiny_loaded):
     """Generation ends at a stop string spanning tokens; the streamed text ends just before it."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     s = replace(GREEDY, max_new_tokens=30)
     (text,), (ids,) = engine.generate_text(model, tok, ["def push"], s, eos_ids=[])
     stop = text[8:12]  # some text the model does produce
@@ -115,9 +109,9 @@ def test_compiled_cuda_decode_matches_eager(tiny_checkpoint):
         assert engine.generate(model, batch, replace(GREEDY, compile="true")) == eager[:len(batch)]
 
 
-def test_the_host_reads_tokens_once_per_chunk(loaded, monkeypatch):
+def test_the_host_reads_tokens_once_per_chunk(tiny_loaded, monkeypatch):
     """No host sync per token: the new ids come back CHUNK steps at a time (the last read may be shorter)."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     reads = []
     original = engine._read
     monkeypatch.setattr(engine, "_read", lambda block, *a: (reads.append(len(block[0])), original(block, *a))[1])
@@ -125,10 +119,10 @@ def test_the_host_reads_tokens_once_per_chunk(loaded, monkeypatch):
     assert len(out[0]) == 2 * engine.CHUNK + 3 and reads == [engine.CHUNK, engine.CHUNK, 3]
 
 
-def test_each_row_of_a_batch_may_have_its_own_settings(loaded):
+def test_each_row_of_a_batch_may_have_its_own_settings(tiny_loaded):
     """A batch mixing greedy, seeded sampling and a repetition penalty (as the server batches requests) gives
     every row what it gets alone."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "class Stack")]
     settings = [GREEDY, replace(GREEDY, temperature=1.0, top_k=20, top_p=0.9, seed=7, max_new_tokens=9),
                 replace(GREEDY, repetition_penalty=3.0, max_new_tokens=15)]
@@ -138,10 +132,10 @@ def test_each_row_of_a_batch_may_have_its_own_settings(loaded):
 
 
 @pytest.mark.slow
-def test_compiled_decode_matches_eager_on_cpu(loaded):
+def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
     """The compiled prefill (bucketed) and decode step give the eager path's greedy tokens for ragged prompts and
     two batch sizes, and reproduce seeded samples."""
-    model, tok = loaded
+    model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if n < 2:\n        return", "x")]
     compiled = replace(GREEDY, compile="true", max_new_tokens=20)
     for batch in (prompts, prompts[:1]):

@@ -7,13 +7,6 @@ import pytest
 import torch
 
 import sampling
-from text_generator import load_for_inference
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    model, tok, cfg, path = load_for_inference(tiny_checkpoint, "cpu")
-    return model, tok
-
 
 def ids_of(tok, text):
     return tok.encode(text, add_special_tokens=False)
@@ -54,9 +47,9 @@ def test_repetition_penalty_matches_hand_computation():
     out = sampling.apply_repetition_penalty(logits, seen, 2.0)
     assert torch.equal(out, torch.tensor([[1.0, -2.0, 0.5, 3.0]]))
 
-def test_stream_never_prints_a_broken_utf8_character(loaded):
+def test_stream_never_prints_a_broken_utf8_character(tiny_loaded):
     """Multi-byte characters split across byte-level tokens must come out whole, never as U+FFFD."""
-    _, tok = loaded
+    _, tok = tiny_loaded
     text = "naïve café 日本語 ☃ def f(): return 'ß→∞' 🙂"
     ids = ids_of(tok, text)
     assert len(ids) > len(text.encode("utf-8")) // 2  # really byte-level pieces of multi-byte characters
@@ -68,9 +61,9 @@ def test_stream_never_prints_a_broken_utf8_character(loaded):
     half = sampling.TextStream(tok)
     assert "".join(half.push(i) for i in ids_of(tok, "日")[:-1]) + half.flush() == ""  # incomplete tail dropped
 
-def test_stream_holds_back_possible_stop_prefix(loaded):
+def test_stream_holds_back_possible_stop_prefix(tiny_loaded):
     """Text that may begin a stop string waits; if the stop string does not follow, it is released."""
-    _, tok = loaded
+    _, tok = tiny_loaded
     stream = sampling.TextStream(tok, stops=["\n\n"])
     out = "".join(stream.push(i) for i in ids_of(tok, "a\nb\n"))
     assert out == "a\nb" and stream.flush() == "\n"
