@@ -26,12 +26,15 @@ CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny
 # Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).
 CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0, compile="false")
 SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0, compile="false")
-PYTHON_PROMPTS = ["def ", "class ", "import "]  # the default corpus is Python
+# No trailing space or newline: BPE merges whitespace with what follows, so a prompt ending in it ends on a
+# token the model rarely saw there (it went on with the codec tables' runs of spaces instead of a name).
+PYTHON_PROMPTS = ["def", "class", "import"]  # the default corpus is Python
 SIGNATURE = re.compile(r"( *)(?:async )?def \w+\(.*\)(?: -> .+)?:\s*")  # a one-line signature
 
 
 def function_prompts(texts: list[str], n: int = CODE_PROMPTS) -> list[tuple[str, int]]:
-    """The first n (signature + docstring, indent of the signature) found in the texts, in their order."""
+    """The first n (signature + docstring, indent of the signature) found in the texts, in their order. A prompt
+    ends at the closing quotes, without the newline: the model writes the newline and the body's indent."""
     found = []
     for text in texts:
         lines = text.split("\n")
@@ -47,19 +50,20 @@ def function_prompts(texts: list[str], n: int = CODE_PROMPTS) -> list[tuple[str,
                 (j for j in range(i + 2, len(lines)) if quote in lines[j]), None)
             if end is None:
                 continue
-            found.append(("\n".join(lines[i:end + 1]) + "\n", indent))
+            found.append(("\n".join(lines[i:end + 1]), indent))
             if len(found) == n:
                 return found
     return found
 
 
 def function_body(completion: str, indent: int, complete: bool) -> str:
-    """The completion up to the first line that dedents back to the signature's level; when generation ran out
-    of tokens before that line, its last line (maybe cut mid-way) is left out."""
+    """The completion up to the first line that dedents back to the signature's level (its first line goes on
+    from the prompt's closing quotes); when generation ran out of tokens before that line, its last line (maybe
+    cut mid-way) is left out."""
     lines = completion.split("\n")
     body = []
     for number, line in enumerate(lines):
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+        if number > 0 and line.strip() and len(line) - len(line.lstrip()) <= indent:
             return "\n".join(body)  # the function ended here
         if number == len(lines) - 1 and not complete:
             break
@@ -99,7 +103,7 @@ def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig =
 
 def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) -> list[str]:
     """Python openings for a Python corpus, else the first characters of the first few texts."""
-    return list(PYTHON_PROMPTS) if python else [t[:chars] for t in texts if t.strip()][:n]
+    return list(PYTHON_PROMPTS) if python else [t[:chars].rstrip() for t in texts if t[:chars].strip()][:n]
 
 
 @torch.no_grad()

@@ -40,25 +40,29 @@ async def fetch(url):
 
 
 def test_function_prompts_are_signatures_with_their_docstrings():
-    """Prompts end with the docstring (one line or several, either quotes); functions without one are skipped."""
+    """Prompts end at the docstring's closing quotes, without the newline (one line or several, either quotes);
+    functions without one are skipped."""
     prompts = ev.function_prompts([SOURCE])
     assert [indent for _, indent in prompts] == [0, 4, 0]
-    assert prompts[0][0] == 'def area(width, height):\n    """The area of a rectangle."""\n'
+    assert prompts[0][0] == 'def area(width, height):\n    """The area of a rectangle."""'
     assert prompts[1][0].startswith("    def scale(self, factor: float) -> \"Shape\":\n")
-    assert prompts[1][0].endswith('        Long docstrings end on a later line.\n        """\n')
-    assert prompts[2][0] == "async def fetch(url):\n    '''Single quotes.'''\n"
+    assert prompts[1][0].endswith('        Long docstrings end on a later line.\n        """')
+    assert prompts[2][0] == "async def fetch(url):\n    '''Single quotes.'''"
     assert len(ev.function_prompts([SOURCE] * 5, n=7)) == 7
 
 
 @pytest.mark.parametrize("completion,complete,parsed", [
-    ("    return width * height\n\n\ndef next_one():\n", True, True),  # cut at the dedent: the body parses
-    ("    if width:\n        return width\n    return 0\nclass", True, True),
-    ("    return width *\n", True, False),  # a broken statement
-    ("\n\ndef other():\n    pass\n", True, False),  # no statement before the dedent: only a docstring
-    ("    # a comment only\n", True, False),
-    ("    x = 1\n    y = (2", False, True),  # out of tokens: the cut last line is left out
-    ("    x = 1\n    y = (2\n", True, False),  # finished (eos): the unclosed bracket counts
-], ids=["dedent", "nested", "broken", "empty", "comment", "out-of-tokens", "finished-broken"])
+    ("\n    return width * height\n\n\ndef next_one():\n", True, True),  # cut at the dedent: the body parses
+    ("\n    if width:\n        return width\n    return 0\nclass", True, True),
+    ("\n    return width *\n", True, False),  # a broken statement
+    ("\n\n\ndef other():\n    pass\n", True, False),  # no statement before the dedent: only a docstring
+    ("\n    # a comment only\n", True, False),
+    ("\n    x = 1\n    y = (2", False, True),  # out of tokens: the cut last line is left out
+    ("\n    x = 1\n    y = (2\n", True, False),  # finished (eos): the unclosed bracket counts
+    ("  # the closing line goes on\n    return 1\n", True, True),  # the first line continues the quotes' line
+    (" x = 1\n    return 1\n", True, False),  # code after the closing quotes, on their line
+], ids=["dedent", "nested", "broken", "empty", "comment", "out-of-tokens", "finished-broken", "same-line-comment",
+        "same-line-code"])
 def test_a_body_ends_at_the_first_dedent_and_must_parse(completion, complete, parsed):
     prompt, indent = ev.function_prompts([SOURCE])[0]
     assert ev.parses(prompt, ev.function_body(completion, indent, complete)) is parsed
@@ -66,14 +70,14 @@ def test_a_body_ends_at_the_first_dedent_and_must_parse(completion, complete, pa
 
 def test_a_method_body_is_judged_at_its_own_indent():
     prompt, indent = ev.function_prompts([SOURCE])[1]
-    body = ev.function_body("        return Shape()\n    def other(self):\n", indent, True)
-    assert body == "        return Shape()" and ev.parses(prompt, body)
+    body = ev.function_body("\n        return Shape()\n    def other(self):\n", indent, True)
+    assert body == "\n        return Shape()" and ev.parses(prompt, body)
 
 
 def test_the_code_metric_counts_what_parses(monkeypatch, tiny_checkpoint):
     """End to end on scripted completions: 2 of 3 bodies parse, whatever the model."""
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
-    scripted = ["    return width * height\ndef x():\n", "        return (\n", "    return url\n"]
+    scripted = ["\n    return width * height\ndef x():\n", "\n        return (\n", "\n    return url\n"]
     monkeypatch.setattr(ev, "generate_text", lambda m, t, prompts, s: (scripted[:len(prompts)], [[1]] * len(prompts)))
     monkeypatch.setattr(model.config, "max_seq_len", 512)  # room for every prompt; the model never runs here
     rate, n = ev.code_parse_rate(model, tok, [SOURCE])
@@ -104,9 +108,9 @@ def test_samples_are_seeded_and_follow_their_prompts(tiny_checkpoint):
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     prompts = ev.sample_prompts([SOURCE], python=True)
     a, b = ev.sample_texts(model, tok, prompts), ev.sample_texts(model, tok, prompts)
-    assert [s["prompt"] for s in a] == ["def ", "class ", "import "] and a == b
-    assert ev.sample_prompts(["first document text, long enough", "x"], python=False) == [
-        "first document text, lon", "x"]
+    assert [s["prompt"] for s in a] == ["def", "class", "import"] and a == b
+    texts = ["first document text, long enough", "x", "a sentence with a space at 24"]
+    assert ev.sample_prompts(texts, python=False) == ["first document text, lon", "x", "a sentence with a space"]
 
 
 @pytest.mark.slow

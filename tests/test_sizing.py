@@ -17,7 +17,7 @@ def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
     tiny = preset_tiny()
     assert cfg.model == tiny.model
     assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 3e-3, 0.02)
-    assert len(notes) == 1 and "hidden_size=256" in notes[0] and "no CUDA device" in notes[0]
+    assert len(notes) == 1 and "hidden_size=192" in notes[0] and "no CUDA device" in notes[0]
     notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
     assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 10.0)
     assert "max_minutes=10" in notes[0] and "no step limit" in notes[1]
