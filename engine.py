@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from config import SampleConfig
-from sampling import TextStream, exp_noise, pick
+from sampling import TextStream, candidates, exp_noise, pick
 from tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
@@ -66,16 +66,17 @@ def advance(state: State, nxt: torch.Tensor):
     state.done.logical_or_(torch.isin(nxt, state.eos) | (state.count >= state.limit))
 
 
-def prefill_step(model, ids, lengths, cache, state: State):
+def prefill_step(model, ids, lengths, cache, state: State, ranked: int):
     """The prompts into the cache, and the first new token of each row into the state."""
     logits = model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0].float()
-    advance(state, pick(logits, state.seen, state.noise, *state.sampling()))
+    advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
 
 
-def decode_step(model, cache, state: State):
-    """One token for every row: the forward, sampling and checks, all on the device, all in place."""
+def decode_step(model, cache, state: State, ranked: int):
+    """One token for every row: the forward, sampling and checks, all on the device, all in place. ranked:
+    sampling.candidates() of the batch, a constant of the compiled step."""
     logits = model(state.tokens, kv_cache=cache)[0][:, -1].float()
-    advance(state, pick(logits, state.seen, state.noise, *state.sampling()))
+    advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
 
 
 # ----------------------------------------------------------------------------- one model's compiled steps
@@ -104,7 +105,7 @@ def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
         cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
         prefill = torch.compile(prefill_step, dynamic=False)
         if device.type == "cuda":
-            for t in (cache.k, cache.v, cache.pos, *vars(state).values()):
+            for t in (*cache.k, *cache.v, cache.pos, *vars(state).values()):
                 torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
             decode = torch.compile(decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # no CUDA graphs off CUDA: the default mode is the useful one
@@ -213,8 +214,9 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
     chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
     host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
     graphs = device.type == "cuda" and slot.decode is not decode_step
+    ranked = candidates([s.temperature for _, s in rows], [s.top_k for _, s in rows], model.config.vocab_size)
     _noise(state, generators)
-    slot.prefill(model, padded, lengths, cache, state)
+    slot.prefill(model, padded, lengths, cache, state, ranked)
     chunk[:, 0] = state.tokens[:, 0]
     for step in range(1, max(limits) + 1):
         if step % CHUNK == 0 or step == max(limits):
@@ -231,7 +233,7 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
         _noise(state, generators)
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        slot.decode(model, cache, state)
+        slot.decode(model, cache, state, ranked)
         chunk[:, step % CHUNK] = state.tokens[:, 0]
     for i in sorted(active):
         _finish(i, streams, on_text)

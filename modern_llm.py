@@ -40,16 +40,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------- KV cache
 
 class KVCache:
-    """Static-shape keys and values of every layer, (n_layer, B, n_kv_head, max_len, head_dim).
+    """Static-shape keys and values, one (B, n_kv_head, max_len, head_dim) tensor per layer.
 
     `pos` holds, per sequence, how many positions are filled; it lives on the device so a decode step
-    needs no host sync (and can be captured in a CUDA graph). Rows may have different lengths.
+    needs no host sync (and can be captured in a CUDA graph). Rows may have different lengths. One tensor per
+    layer, not one stacked: a compiled step then writes each in place, where a write into a view of a stacked
+    tensor made it copy the whole cache every step.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.pos = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.max_len = max_len
 
@@ -60,8 +62,8 @@ class KVCache:
         """Write (B, Hkv, T, hd) keys/values at per-row positions (B, T); return the layer's whole cache."""
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # Advanced indices around a slice put the indexed dims first: the target is (B, T, Hkv, hd).
-        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
         return self.k[layer], self.v[layer]
 
 

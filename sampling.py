@@ -42,13 +42,31 @@ def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
     return probs
 
 
-def pick(logits, seen, noise, temperature, top_k, top_p, penalty) -> torch.Tensor:
+def candidates(temperatures: list[float], top_ks: list[int], vocab: int) -> int:
+    """How many of the most likely tokens pick() must rank for these rows: 0 when every row is greedy (an
+    argmax, no ranking), a power of two from 64 covering every row's top_k when all have one (a top-k, far
+    cheaper than sorting the vocabulary), else the whole vocabulary. One compiled step per value."""
+    if all(t == 0 for t in temperatures):
+        return 0
+    if all(k > 0 for k in top_ks):
+        return min(vocab, max(64, 1 << (max(top_ks) - 1).bit_length()))
+    return vocab
+
+
+def pick(logits, seen, noise, temperature, top_k, top_p, penalty, ranked: int | None = None) -> torch.Tensor:
     """(B,) next ids from (B, V) fp32 logits: the repetition penalty on tokens seen, temperature, top-k and
-    nucleus top-p over one sort, then argmax(p / E) with E ~ Exp(1) in `noise`, which draws from p with no host
-    sync (gpt-fast's trick). Settings are (B, 1) tensors; temperature 0 is argmax; top_k >= V, top_p 1 are off."""
+    nucleus top-p over the `ranked` most likely tokens (candidates(); default all), then argmax(p / E) with
+    E ~ Exp(1) in `noise`, which draws from p with no host sync (gpt-fast's trick). Settings are (B, 1) tensors;
+    temperature 0 is argmax; top_k >= V, top_p 1 are off."""
     logits = apply_repetition_penalty(logits, seen, penalty)
-    ordered, order = (logits / temperature.clamp(min=1e-6)).sort(-1, descending=True)
-    rank = torch.arange(logits.size(-1), device=logits.device)
+    if ranked == 0:
+        return logits.argmax(-1)
+    scaled = logits / temperature.clamp(min=1e-6)
+    if ranked is None or ranked >= logits.size(-1):
+        ordered, order = scaled.sort(-1, descending=True)
+    else:
+        ordered, order = scaled.topk(ranked, dim=-1)  # sorted, most likely first
+    rank = torch.arange(ordered.size(-1), device=logits.device)
     probs = ordered.masked_fill(rank >= top_k, float("-inf")).softmax(-1)
     # Nucleus (Holtzman et al. 2019): drop a token when those ranked above it already reach p, so the first
     # is always kept.

@@ -69,3 +69,22 @@ def test_stream_holds_back_possible_stop_prefix(tiny_loaded):
     assert out == "a\nb" and stream.flush() == "\n"
     stream = sampling.TextStream(tok, stops=["\n\n"])
     assert "".join(stream.push(i) for i in ids_of(tok, "a\n\nb")) == "a" and stream.stopped
+
+
+def test_ranking_only_the_top_candidates_draws_the_same_tokens():
+    """The engine ranks only the top 64 tokens when every row has a top_k within them, and none when every
+    row is greedy: the draws must equal those over the fully sorted vocabulary, with the same noise."""
+    torch.manual_seed(0)
+    B, V = 6, 500
+    logits, seen = torch.randn(B, V) * 3, torch.rand(B, V) < 0.05
+    noise = sampling.exp_noise((B, V), "cpu", torch.Generator().manual_seed(2))
+    col = lambda *v, dtype=torch.float32: torch.tensor(v, dtype=dtype)[:, None]  # noqa: E731
+    settings = (col(0.7, 1.0, 1.3, 0.5, 0.0, 2.0), col(1, 10, 40, 64, 5, 50, dtype=torch.long),
+                col(1.0, 0.9, 0.8, 1.0, 0.5, 0.95), col(1.0, 1.3, 1.0, 2.0, 1.0, 1.1))
+    assert sampling.candidates([0.7, 1.0, 1.3, 0.5, 0.0, 2.0], [1, 10, 40, 64, 5, 50], V) == 64
+    everything = sampling.pick(logits, seen, noise, *settings)
+    assert torch.equal(sampling.pick(logits, seen, noise, *settings, ranked=64), everything)
+    greedy = (col(*[0.0] * B), *settings[1:])
+    assert sampling.candidates([0.0] * B, [0] * B, V) == 0
+    assert torch.equal(sampling.pick(logits, seen, noise, *greedy, ranked=0), sampling.pick(logits, seen, noise, *greedy))
+    assert sampling.candidates([1.0, 0.0], [0, 5], V) == V and sampling.candidates([1.0], [300], V) == 500
