@@ -86,5 +86,6 @@ def test_ranking_only_the_top_candidates_draws_the_same_tokens():
     assert torch.equal(sampling.pick(logits, seen, noise, *settings, ranked=64), everything)
     greedy = (col(*[0.0] * B), *settings[1:])
     assert sampling.candidates([0.0] * B, [0] * B, V) == 0
-    assert torch.equal(sampling.pick(logits, seen, noise, *greedy, ranked=0), sampling.pick(logits, seen, noise, *greedy))
+    argmax = sampling.pick(logits, seen, noise, *greedy)
+    assert torch.equal(sampling.pick(logits, seen, noise, *greedy, ranked=0), argmax)
     assert sampling.candidates([1.0, 0.0], [0, 5], V) == V and sampling.candidates([1.0], [300], V) == 500
