@@ -92,7 +92,7 @@ def test_json_and_yaml_files_override_preset_and_cli_overrides_file(tmp_path):
 
 def test_saved_run_config_round_trips(tmp_path):
     """A run folder's config.json, passed back with --config, must rebuild the same configuration."""
-    cfg, _ = parse_config(["--preset", "tiny", "--max_steps", "123", "--hidden_size", "128"])
+    cfg, _ = parse_config(["--preset", "tiny", "--max_steps", "123", "--hidden_size", "96"])
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     again, _ = parse_config(["--preset", "tiny", "--config", str(path)])

@@ -16,7 +16,7 @@ def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
     notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=30_000_000)
     tiny = preset_tiny()
     assert cfg.model == tiny.model
-    assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 3e-3, 0.02)
+    assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 5e-3, 0.03)
     assert len(notes) == 1 and "hidden_size=192" in notes[0] and "no CUDA device" in notes[0]
     notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
     assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 10.0)
@@ -25,10 +25,10 @@ def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
 
 def test_values_written_by_hand_are_never_changed():
     """A width, a step count and a rate given by the user stay; the fields that depend on them follow."""
-    cfg = Config(model=ModelConfig(hidden_size=512), train=TrainConfig(max_steps=33, learning_rate=1e-3))
+    cfg = Config(model=ModelConfig(hidden_size=384), train=TrainConfig(max_steps=33, learning_rate=1e-3))
     notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=1_000_000)
-    assert (cfg.model.hidden_size, cfg.train.max_steps, cfg.train.learning_rate) == (512, 33, 1e-3)
-    assert cfg.model.head_dim == 512 // cfg.model.num_attention_heads and cfg.model.intermediate_size == 1536
+    assert (cfg.model.hidden_size, cfg.train.max_steps, cfg.train.learning_rate) == (384, 33, 1e-3)
+    assert cfg.model.head_dim == 384 // cfg.model.num_attention_heads and cfg.model.intermediate_size == 1024
     assert "hidden_size" not in notes[0] and "learning_rate" not in notes[0]
     assert sizing.fill_run_length(cfg, CPU, train_tokens=1_000_000) == []  # steps written: no time budget
     assert cfg.train.max_minutes == 0
@@ -36,9 +36,9 @@ def test_values_written_by_hand_are_never_changed():
 
 
 def test_a_written_value_that_fits_no_automatic_one_is_refused_with_both_named():
-    with pytest.raises(ConfigError, match=r"hidden_size=90 .*num_attention_heads=4 .*after filling the automatic "
+    with pytest.raises(ConfigError, match=r"hidden_size=100 .*num_attention_heads=3 .*after filling the automatic "
                                           r"fields .*num_attention_heads.*tiny preset"):
-        sizing.fill_automatic(Config(model=ModelConfig(hidden_size=90)), CPU, corpus_bytes=1_000_000)
+        sizing.fill_automatic(Config(model=ModelConfig(hidden_size=100)), CPU, corpus_bytes=1_000_000)
 
 
 @pytest.mark.parametrize("memory_gib,corpus_mb,expected", [
