@@ -115,7 +115,10 @@ def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
 
 
 def compiles(settings: SampleConfig, device: torch.device) -> bool:
-    """Whether generation compiles its steps: "auto" on CUDA, where CUDA graphs pay back the compile."""
+    """Whether generation compiles its steps: "auto" on CUDA, where CUDA graphs pay back the compile; never on
+    MPS, where the compiled decode step is not supported as it is on CUDA and CPU."""
+    if device.type == "mps":
+        return False
     return settings.compile == "true" or (settings.compile == "auto" and device.type == "cuda")
 
 

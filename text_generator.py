@@ -20,11 +20,11 @@ from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_st
 from cli import parse_sections
 from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir, error_exit
 from device import inference_dtype, pick_device, quantize_int8
+from engine import CHUNK, compiles, generate_text
 from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, fitted
 from modern_llm import Transformer
 from monitor import read_metrics
 from prepare_data import split_texts
-from engine import CHUNK, compiles, generate_text
 from sizing import count_parameters
 from tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
 

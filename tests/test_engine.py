@@ -143,3 +143,10 @@ def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
                                                                                               compile="false"))
     sampled = replace(compiled, temperature=0.9, top_k=30, seed=11)
     assert engine.generate(model, prompts, sampled) == engine.generate(model, prompts, sampled)
+
+
+def test_compile_auto_means_cuda_and_never_mps():
+    on = lambda mode, kind: engine.compiles(SampleConfig(compile=mode), torch.device(kind))  # noqa: E731
+    assert [on("auto", k) for k in ("cuda", "cpu", "mps")] == [True, False, False]
+    assert [on("true", k) for k in ("cuda", "cpu", "mps")] == [True, True, False]
+    assert not on("false", "cuda")
