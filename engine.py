@@ -9,6 +9,7 @@ stays smooth and the device never waits for Python. Sampling settings are tensor
 compiled step serves every setting and a batch may mix them (the server does).
 """
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -221,26 +222,37 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
     _noise(state, generators)
     slot.prefill(model, padded, lengths, cache, state, ranked)
     chunk[:, 0] = state.tokens[:, 0]
-    for step in range(1, max(limits) + 1):
-        if step % CHUNK == 0 or step == max(limits):
-            host[:, :step % CHUNK or CHUNK].copy_(chunk[:, :step % CHUNK or CHUNK], non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # sync point: once per CHUNK tokens
-            if cancelled:
-                for i in [i for i in active if cancelled(i)]:
-                    active.discard(i)
-                    state.done[i] = True
-            _read(host[:, :step % CHUNK or CHUNK].tolist(), out, active, limits, eos_ids, streams, on_text, state)
-            if not active:
-                break
-        _noise(state, generators)
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        slot.decode(model, cache, state, ranked)
-        chunk[:, step % CHUNK] = state.tokens[:, 0]
+    with contextlib.ExitStack() as unguarded:
+        for step in range(1, max(limits) + 1):
+            if step % CHUNK == 0 or step == max(limits):
+                block = _sync(chunk[:, :step % CHUNK or CHUNK], host, cancelled, active, state)
+                _read(block, out, active, limits, eos_ids, streams, on_text, state)
+                if not active:
+                    break
+            _noise(state, generators)
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            slot.decode(model, cache, state, ranked)
+            if step == 1 and slot.decode is not decode_step:
+                # Its guards passed (or it compiled) once; the other steps repeat the same arguments exactly.
+                unguarded.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
+            chunk[:, step % CHUNK] = state.tokens[:, 0]
     for i in sorted(active):
         _finish(i, streams, on_text)
     return out
+
+
+def _sync(chunk: torch.Tensor, host: torch.Tensor, cancelled, active: set, state: State) -> list[list[int]]:
+    """The new tokens of the last steps on the host (the one sync of CHUNK steps); rows a caller cancelled end."""
+    host = host[:, :chunk.size(1)]
+    host.copy_(chunk, non_blocking=True)
+    if chunk.is_cuda:
+        torch.cuda.current_stream(chunk.device).synchronize()
+    if cancelled:
+        for i in [i for i in active if cancelled(i)]:
+            active.discard(i)
+            state.done[i] = True
+    return host.tolist()
 
 
 def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, on_text, state: State):

@@ -69,16 +69,35 @@ class KVCache:
 
 # ----------------------------------------------------------------------------- layers
 
+class Linear(nn.Linear):
+    """A bias-free nn.Linear. Compiled on a CPU, a few rows (decoding) multiply and sum instead of calling
+    BLAS: inductor makes that one pass over the weight at memory speed, where BLAS reaches a third of it."""
+    REDUCE_ROWS = 16  # measured on a 2-core CPU: faster than BLAS through 16 rows, slower at 32
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        if self._reduces(x):
+            return (x.unsqueeze(-2) * self.weight).sum(-1)
+        return F.linear(x, self.weight)
+
+    def _reduces(self, x) -> bool:
+        """Compiled, on a CPU, few rows, a plain weight (a quantized one keeps its own kernel), no autocast."""
+        return (torch.compiler.is_compiling() and x.device.type == "cpu" and x.numel() <= self.REDUCE_ROWS * x.shape[-1]
+                and type(self.weight) in (torch.Tensor, nn.Parameter) and not torch.is_autocast_enabled("cpu"))
+
+
 class Attention(nn.Module):
     """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and no biases."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_head * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim)
+        self.o_proj = Linear(self.n_head * self.head_dim, cfg.hidden_size)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
@@ -102,9 +121,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -134,7 +153,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -4,6 +4,7 @@ chunks, per-row settings, seeds, the compiled decode step against the eager one,
 The model and tokenizer are the tiny checkpoint of conftest.py, loaded as the generator loads it.
 """
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -133,16 +134,21 @@ def test_each_row_of_a_batch_may_have_its_own_settings(tiny_loaded):
 
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
-    """The compiled prefill (bucketed) and decode step give the eager path's greedy tokens for ragged prompts and
-    two batch sizes, and reproduce seeded samples."""
+    """The compiled prefill (bucketed) and decode step give the eager path's tokens for ragged prompts, two batch
+    sizes, greedy and seeded sampling, and two models of one shape taking turns: each step after the first skips
+    dynamo's guards, so a step that ran another batch's, setting's or model's graph would show up here."""
     model, tok = tiny_loaded
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-1.0)  # tied: the embedding too
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if n < 2:\n        return", "x")]
-    compiled = replace(GREEDY, compile="true", max_new_tokens=20)
-    for batch in (prompts, prompts[:1]):
-        assert engine.generate(model, batch, compiled) == engine.generate(model, batch, replace(compiled,
-                                                                                              compile="false"))
-    sampled = replace(compiled, temperature=0.9, top_k=30, seed=11)
-    assert engine.generate(model, prompts, sampled) == engine.generate(model, prompts, sampled)
+    greedy = replace(GREEDY, compile="true", max_new_tokens=20)
+    sampled = replace(greedy, temperature=0.9, top_k=30, seed=11)
+    runs = [(m, batch, s) for s in (greedy, sampled) for batch in (prompts, prompts[:1]) for m in (model, other)]
+    outputs = [engine.generate(m, batch, s) for m, batch, s in runs + runs]
+    for (m, batch, s), out, again in zip(runs, outputs, outputs[len(runs):]):
+        assert out == again == engine.generate(m, batch, replace(s, compile="false"))
+    assert len({str(out) for out in outputs[:len(runs)]}) == len(runs)  # every run differs from every other
 
 
 def test_compile_auto_means_cuda_and_never_mps():

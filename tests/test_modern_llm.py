@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import config
-from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
+from modern_llm import Linear, Transformer, apply_rope, cross_entropy, rope_tables
 from sizing import count_parameters
 
 
@@ -106,6 +106,30 @@ def test_kv_cache_decode_matches_full_forward_for_ragged_batch(tiny):
         logits, _ = m(nxt, kv_cache=cache)
         torch.testing.assert_close(logits[:, 0], full[torch.arange(3), lengths + step], atol=1e-5, rtol=1e-5)
     assert cache.pos.tolist() == (lengths + 5).tolist()
+
+
+def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
+    """Compiled on a CPU, up to REDUCE_ROWS rows become a multiply and a sum (the fast decode), more rows and
+    autocast regions keep F.linear; either way the result is the float64 product's."""
+    torch.manual_seed(0)
+    lin = Linear(48, 80)
+
+    def ops_of(x, autocast=False):
+        graph = []
+        record = lambda gm, inputs: (graph.extend(str(n.target) for n in gm.graph.nodes), gm.forward)[1]  # noqa: E731
+        torch._dynamo.reset()
+        with torch.no_grad(), torch.autocast("cpu", enabled=autocast):
+            out = torch.compile(lin, backend=record, fullgraph=True)(x)
+        if not autocast:
+            assert torch.allclose(out.double(), x.double() @ lin.weight.double().T, atol=1e-5)
+        return graph
+
+    assert "sum" in ops_of(torch.randn(1, 1, 48)) and "sum" in ops_of(torch.randn(Linear.REDUCE_ROWS, 48))
+    for graph in (ops_of(torch.randn(2, Linear.REDUCE_ROWS, 48)), ops_of(torch.randn(1, 48), autocast=True)):
+        assert "sum" not in graph and any("linear" in op for op in graph)
+    x = torch.randn(3, 48)
+    assert torch.allclose(torch.compile(lin)(x).double(), x.double() @ lin.weight.double().T, atol=1e-5)
+    torch._dynamo.reset()
 
 
 def test_rope_scores_depend_on_relative_position_only():
