@@ -178,6 +178,7 @@ def first_train_step(b: Built, batches, step: int, t, dist):
         dist.print(f"warning: torch.compile failed ({str(e).splitlines()[0][:200]}); training eagerly")
         b.opt.zero_grad(set_to_none=not b.persistent_grads)
         b.compiled, b.cudagraphs = b.model, False
+        b.opt.use_compile(False)
         return train_step(b, batches, step, t, dist)
 
 

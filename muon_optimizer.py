@@ -66,13 +66,14 @@ class Muon(torch.optim.Optimizer):
     """Muon over 2D parameters; one batched Newton-Schulz call per matrix shape, spread over ranks if distributed.
 
     Written rather than torch.optim.Muon because that one always iterates in bf16, about 50x slower per
-    step on a CPU without native bf16 than fp32 here; its math and state layout are the same. Batching is
-    for GPUs (fewer, larger kernels) and for the distributed split; on CPU it measured even.
+    step on a CPU without native bf16 than fp32 here; its math and state layout are the same. Every other step
+    of the update is one foreach call over all matrices, with the learning rate a 0-D tensor: compiled=True
+    (the trainer's choice on CUDA) compiles the three parts once, and a changing rate never recompiles them.
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, shape_rule: str = "keller", ns_steps: int = NS_STEPS,
-                 ns_dtype: torch.dtype | None = None):
+                 ns_dtype: torch.dtype | None = None, compiled: bool = False):
         shape_scale((1, 1), shape_rule)  # validates the rule
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         shape_rule=shape_rule)
@@ -82,6 +83,14 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes 2D parameters only, got shape {tuple(p.shape)}")
         self.ns_steps, self.ns_dtype = ns_steps, ns_dtype
+        self._lrs = {}  # group index -> its learning rate as a 0-D tensor on the group's device
+        self.use_compile(compiled)
+
+    def use_compile(self, compiled: bool):
+        """Run the momentum, Newton-Schulz and update parts compiled (one graph each, fixed shapes) or eagerly."""
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+        self._momentum, self._apply = wrap(momentum_update), wrap(apply_update)
+        self._zeropower = wrap(zeropower_via_newtonschulz)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype Newton-Schulz runs in for parameters on this device."""
@@ -99,35 +108,22 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         todo, updates = [], []
-        keep = None
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             # Element-wise work on this rank's rows; under FSDP2 only orthogonalize() needs whole matrices.
             grads = [local(p.grad) for p in params]
             bufs = [local(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))) for p in params]
-            m = group["momentum"]
-            if found_inf is None:
-                # Lerp form, as Keller's and torch's Muon: (1 - m) times buf = m buf + g, a scale Newton-Schulz drops.
-                torch._foreach_lerp_(bufs, grads, 1 - m)
-            else:
-                keep = 1 - found_inf.to(params[0].device, torch.float32)
-                grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]  # a skipped step may hold NaN
-                for buf, g in zip(bufs, grads):
-                    buf.lerp_(g, (1 - m) * keep)  # weight 0 leaves the buffer bit-identical
-            updates += torch._foreach_lerp(grads, bufs, m) if group["nesterov"] else bufs
-            todo += [(p, group) for p in params]
-        params = [p for p, _ in todo]
-        for (p, group), o in zip(todo, self.orthogonalize(updates, params)):
-            lr, scale = group["lr"], shape_scale(p.shape, group["shape_rule"])
-            w = local(p)
-            if keep is None:
-                w.mul_(1 - lr * group["weight_decay"])
-                w.add_(o, alpha=-lr * scale)
-            else:
-                w.mul_(1 - lr * group["weight_decay"] * keep)
-                w.addcmul_(o, keep, value=-lr * scale)
+            keep = None if found_inf is None else 1 - found_inf.to(grads[0].device, torch.float32)
+            updates += self._momentum(grads, bufs, group["momentum"], group["nesterov"], keep)
+            lr = self._lrs.setdefault(i, torch.zeros((), device=grads[0].device)).fill_(group["lr"])  # no sync
+            todo.append((params, group, lr, keep))
+        ortho = iter(self.orthogonalize(updates, [p for params, *_ in todo for p in params]))
+        for params, group, lr, keep in todo:
+            scales = [shape_scale(p.shape, group["shape_rule"]) for p in params]
+            self._apply([local(p) for p in params], [next(ortho) for _ in params], scales, lr,
+                        group["weight_decay"], keep)
         return loss
 
     def orthogonalize(self, updates: list[torch.Tensor], params: list[torch.Tensor] | None = None
@@ -154,7 +150,7 @@ class Muon(torch.optim.Optimizer):
 
     def _newtonschulz(self, stack: torch.Tensor) -> torch.Tensor:
         """Orthogonalise a (n, rows, cols) stack in this optimizer's compute dtype."""
-        return zeropower_via_newtonschulz(stack, self.ns_steps, dtype=self.compute_dtype(stack.device))
+        return self._zeropower(stack, self.ns_steps, dtype=self.compute_dtype(stack.device))
 
     def _orthogonalize_spread(self, stack: torch.Tensor, world: int) -> torch.Tensor:
         """Rank r orthogonalises slice r of the stack, then an all-gather gives every rank all slices."""
@@ -165,6 +161,25 @@ class Muon(torch.optim.Optimizer):
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine)
         return torch.cat(parts)[:n]
+
+
+def momentum_update(grads: list, bufs: list, momentum: float, nesterov: bool, keep=None) -> list:
+    """buf <- m buf + (1 - m) g for every matrix, in place (keep, a 0-D tensor, at 0 leaves each bit-identical);
+    returns the updates to orthogonalise: Nesterov's lerp(g, buf, m), or buf itself."""
+    if keep is None:
+        # Lerp form, as Keller's and torch's Muon: (1 - m) times buf = m buf + g, a scale Newton-Schulz drops.
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    else:
+        grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]  # a skipped step may hold NaN (one kernel compiled)
+        torch._foreach_add_(bufs, torch._foreach_mul(torch._foreach_sub(grads, bufs), (1 - momentum) * keep))
+    return torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
+
+
+def apply_update(weights: list, ortho: list, scales: list[float], lr: torch.Tensor, weight_decay: float, keep=None):
+    """w <- (1 - lr wd) w - lr scale o for every matrix, in place; lr and keep are 0-D tensors (keep 0: no step)."""
+    lr = lr if keep is None else lr * keep
+    torch._foreach_mul_(weights, 1 - lr * weight_decay)
+    torch._foreach_add_(weights, torch._foreach_mul(torch._foreach_mul(ortho, scales), -lr))
 
 
 def whole_matrix(rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -220,6 +235,12 @@ class MuonAdamW:
             elif not found_inf.item():  # sync point: foreach AdamW has no device-side skip
                 opt.step()
         return loss
+
+    def use_compile(self, compiled: bool):
+        """Compile Muon's step, or not (AdamW's fused kernels are already one launch per group)."""
+        for opt in self.optimizers:
+            if isinstance(opt, Muon):
+                opt.use_compile(compiled)
 
     def state_dict(self) -> dict:
         """Each part's state dict under its name; tensors, numbers, strings and containers only."""
@@ -290,7 +311,8 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
     if groups["muon"]:
         parts["muon"] = Muon([{"name": "muon", "params": groups["muon"], "initial_lr": cfg.muon_lr}],
                              lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                             shape_rule=cfg.muon_shape_rule, ns_dtype=NS_DTYPES[cfg.muon_precision])
+                             shape_rule=cfg.muon_shape_rule, ns_dtype=NS_DTYPES[cfg.muon_precision],
+                             compiled=cfg.compile != "off" and groups["muon"][0].is_cuda)  # CPU: not worth its compile
     adam_groups = [{"name": name, "params": groups[name], "initial_lr": cfg.learning_rate, "weight_decay": wd}
                    for name, wd in (("adamw_decay", cfg.weight_decay), ("adamw_no_decay", 0.0)) if groups[name]]
     if adam_groups:

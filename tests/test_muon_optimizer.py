@@ -12,7 +12,7 @@ from torch import nn
 
 from config import TrainConfig
 from modern_llm import Transformer
-from muon_optimizer import Muon, build_optimizer, zeropower_via_newtonschulz
+from muon_optimizer import Muon, build_optimizer, split_parameters, zeropower_via_newtonschulz
 
 SHAPES = {"square": (48, 48), "tall": (96, 32), "wide": (32, 96)}
 RATES = dict(learning_rate=3e-3, muon_lr=0.02)  # config.py leaves both automatic (0); sizing fills them
@@ -290,3 +290,26 @@ def test_found_inf_skips_both_parts_bit_identically(tiny_model):
                 assert torch.equal(value, after[part]["state"][pid][key]), (part, key)
     step(0.0)
     assert not torch.equal(weights["layers.0.attn.q_proj.weight"], model.state_dict()["layers.0.attn.q_proj.weight"])
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_and_a_new_rate_never_recompiles(tiny_model):
+    """Muon compiled (the trainer's choice on CUDA) gives the eager step's weights, skips a flagged step on the
+    device, and the schedule's changing learning rate recompiles nothing (it reaches the graphs as a 0-D tensor)."""
+    from torch._dynamo.utils import counters
+    models = [tiny_model(), tiny_model()]
+    opts = [Muon(split_parameters(m)["muon"], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, compiled=compiled)
+            for m, compiled in zip(models, (False, True))]
+    for step in range(4):
+        if step == 1:
+            counters.clear()  # the first step compiled each part once
+        before = copy.deepcopy(models[1].state_dict())
+        for model, opt in zip(models, opts):
+            random_grads(model, seed=step)
+            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 4)
+            opt.step(found_inf=torch.tensor(float(step == 2)))
+        eager, compiled = models[0].state_dict(), models[1].state_dict()
+        assert all(torch.allclose(eager[k], compiled[k], atol=1e-6, rtol=1e-5) for k in eager)
+        changed = [not torch.equal(before[k], compiled[k]) for k in compiled if k.startswith("layers.")]
+        assert not any(changed) if step == 2 else any(changed)
+    assert counters["stats"]["unique_graphs"] == 0
