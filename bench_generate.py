@@ -56,12 +56,19 @@ def bandwidth(device: torch.device) -> float:
 def bytes_per_step(model, batch: int, mean_position: float) -> float:
     """What one decode step must read: every weight but the embedding rows not looked up, and the KV cache."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table counts once: the head
-    if not c.tie_word_embeddings:  # an embedding table of its own is read only at the rows looked up
-        table = model.embed_tokens.weight
-        weights -= table.numel() * table.element_size() * (1 - batch / c.vocab_size)
+    weights = sum(stored_bytes(p) for p in model.parameters())  # a tied table counts once: the head
+    table = model.embed_tokens.weight
+    if table is not model.lm_head.weight:  # an embedding table of its own is read only at the rows looked up
+        weights -= stored_bytes(table) * (1 - batch / c.vocab_size)
     kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * mean_position * c.head_dim
     return weights + kv * model.embed_tokens.weight.element_size()
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds: a quantized one's inner tensors (int8 values, scales), else elements x size."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
 
 
 def timed(fn, device) -> float:

@@ -14,6 +14,7 @@ import engine
 import sampling
 from config import SampleConfig
 from conftest import CODE as TEXT
+from device import quantize_int8
 from text_generator import load_for_inference
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
@@ -149,6 +150,22 @@ def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
     for (m, batch, s), out, again in zip(runs, outputs, outputs[len(runs):]):
         assert out == again == engine.generate(m, batch, replace(s, compile="false"))
     assert len({str(out) for out in outputs[:len(runs)]}) == len(runs)  # every run differs from every other
+
+
+@pytest.mark.slow
+def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
+    """--quantize int8: the compiled decode step (reading the int8 values itself) gives torchao's eager tokens,
+    and the int8 model's next-token distributions stay near fp32's."""
+    model, tok = tiny_loaded
+    int8 = quantize_int8(copy.deepcopy(model))
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if")]
+    compiled = replace(GREEDY, compile="true", max_new_tokens=16)
+    eager = engine.generate(int8, prompts, replace(compiled, compile="false"))
+    assert engine.generate(int8, prompts, compiled) == eager
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        p, p8 = model(ids)[0].softmax(-1), int8(ids)[0].softmax(-1)
+    assert 0 < (p - p8).abs().sum(-1).max() / 2 < 0.05  # total variation distance at every position (2% seen)
 
 
 def test_compile_auto_means_cuda_and_never_mps():

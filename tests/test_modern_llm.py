@@ -132,6 +132,24 @@ def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
     torch._dynamo.reset()
 
 
+def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
+    """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the int8
+    values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
+    from device import quantize_int8
+    torch.manual_seed(0)
+    lin = quantize_int8(torch.nn.Sequential(Linear(64, 40)))[0]
+    x = torch.randn(1, 64)
+    reference = x.double() @ lin.weight.dequantize().double().T
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled, eager = torch.compile(lin)(x), lin(x)
+    assert torch.allclose(compiled.double(), reference, atol=1e-4) and torch.allclose(eager.double(), reference,
+                                                                                      atol=1e-2)
+    code = torch._inductor.utils.run_and_get_code(torch.compile(lin), x)[1]
+    assert "int8_t" in " ".join(code) and "extern_kernels.mm" not in " ".join(code)  # not: dequantize, then BLAS
+    torch._dynamo.reset()
+
+
 def test_rope_scores_depend_on_relative_position_only():
     """Shifting query and key positions together must leave q.k unchanged (the point of RoPE)."""
     hd = 16
