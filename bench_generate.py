@@ -8,7 +8,8 @@ its fastest mode (static cache + torch.compile) and in its default mode, and the
 decode step reads (weights, and the KV cache at the mean position) over the device's memory bandwidth (a
 table of datasheet figures for GPUs; measured with a large copy on a CPU). Weights are random: speed does not
 depend on them. Before timing, each greedy output must equal ours. Decode tokens/s = batch * (N - 1) /
-(time for N new tokens - time for 1), so the prefill cancels out.
+(time for N new tokens - time for 1), so the prefill cancels out; the time for 1 is the time to the first
+token (a compiled prefill of the prompt's bucket and one sampling step).
 """
 
 import argparse
@@ -81,13 +82,14 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(fn, batch: int, n: int, reps: int, device) -> float:
-    """Decode tokens/s with the prefill and the first token subtracted; each time the fastest of reps after
-    one warm-up run (which compiles)."""
+def decode_rate(fn, batch: int, n: int, reps: int, device) -> tuple[float, float]:
+    """(decode tokens/s with the prefill and the first token subtracted, seconds to the first token: the
+    prefill); each time the fastest of reps after one warm-up run (which compiles)."""
     def best(k):
         fn(k)
         return min(timed(lambda: fn(k), device) for _ in range(reps))
-    return batch * (n - 1) / (best(n) - best(1))
+    first = best(1)
+    return batch * (n - 1) / (best(n) - first), first
 
 
 def ours(model, prompts, n, compile_mode="true"):
@@ -147,16 +149,16 @@ def main(argv=None):
             same = theirs(twin, check, 32, fastest) == mine
             print(f"  greedy check, {label}: {'identical' if same else 'DIFFERENT'} for 32 tokens", flush=True)
         peak = bandwidth(device)
-        print(f"  {'batch':>5} {'ours tok/s':>11} {'% of bound':>10}" + "".join(f" {k + ' tok/s':>16}" for k in hfs)
-              + "  ours / hf fastest", flush=True)
+        print(f"  {'batch':>5} {'ours tok/s':>11} {'% of bound':>10} {'first token':>11}"
+              + "".join(f" {k + ' tok/s':>16}" for k in hfs) + "  ours / hf fastest", flush=True)
         for batch in args.batch_sizes:
             prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-            rate = decode_rate(lambda k: ours(model, prompts, k), batch, n, args.reps, device)
+            rate, first = decode_rate(lambda k: ours(model, prompts, k), batch, n, args.reps, device)
             bound = batch * peak / bytes_per_step(model, batch, prompt_len + n / 2)
-            rates = {k: decode_rate(lambda k2, f=f: theirs(twin, prompts, k2, f), batch, n, args.reps, device)
+            rates = {k: decode_rate(lambda k2, f=f: theirs(twin, prompts, k2, f), batch, n, args.reps, device)[0]
                      for k, f in hfs.items()}
             ratio = f"  {rate / rates['hf fastest']:.2f}x" if rates else ""
-            print(f"  {batch:>5} {rate:>11,.0f} {100 * rate / bound:>9.0f}%"
+            print(f"  {batch:>5} {rate:>11,.0f} {100 * rate / bound:>9.0f}% {1000 * first:>8.1f} ms"
                   + "".join(f" {r:>16,.0f}" for r in rates.values()) + ratio, flush=True)
 
 

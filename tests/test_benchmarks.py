@@ -55,3 +55,34 @@ def test_optimizer_share_measures_a_known_optimizer_cost(tmp_path, monkeypatch):
     assert stub["forward_backward_s"] == pytest.approx(real["forward_backward_s"], rel=0.5, abs=0.02)
     assert stub["share"] == pytest.approx(0.1 / (0.1 + stub["forward_backward_s"]), rel=0.15)
     assert 0 < real["optimizer_s"] < 0.1
+
+
+def test_stored_bytes_count_what_a_quantized_weight_holds():
+    """The bandwidth bound counts int8 weights at a byte each (plus their scales), not at the float size they
+    report; and a tied head is read once, an untied table only at the rows looked up."""
+    import torch
+    from bench_generate import bytes_per_step
+    from device import quantize_int8
+    from modern_llm import Transformer
+    from config import ModelConfig
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_seq_len=32)
+    model = Transformer(cfg)
+    fp32 = sum(p.numel() for p in model.parameters()) * 4
+    assert bytes_per_step(model, 1, 0) == fp32
+    quantize_int8(model)  # every linear weight int8 now (the head too); the embedding table a float of its own
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    int8 = sum(w.shape[0] * w.shape[1] + w.shape[0] * (4 + 1) for w in linears)  # values; a scale, a zero point
+    vectors = sum(p.numel() * 4 for p in model.parameters() if p.ndim == 1)
+    expected = int8 + vectors + 64 * 4  # one row of the table looked up
+    assert bytes_per_step(model, 1, 0) == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_bench_generate_reports_a_rate_within_the_bound(capsys):
+    import bench_generate
+    bench_generate.main(["--shapes", "tiny", "--batch_sizes", "1", "--prompt_len", "16", "--new_tokens", "24",
+                         "--reps", "1", "--skip_hf", "--threads", "2"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[0] == "1" and float(row[1].replace(",", "")) > 0 and 0 < float(row[2].rstrip("%")) <= 100
+    assert row[4] == "ms" and float(row[3]) > 0
