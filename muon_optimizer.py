@@ -66,9 +66,9 @@ class Muon(torch.optim.Optimizer):
     """Muon over 2D parameters; one batched Newton-Schulz call per matrix shape, spread over ranks if distributed.
 
     Written rather than torch.optim.Muon because that one always iterates in bf16, about 50x slower per
-    step on a CPU without native bf16 than fp32 here; its math and state layout are the same. Every other step
-    of the update is one foreach call over all matrices, with the learning rate a 0-D tensor: compiled=True
-    (the trainer's choice on CUDA) compiles the three parts once, and a changing rate never recompiles them.
+    step on a CPU without native bf16 than fp32 here; its math and state layout are the same. The rest of the
+    update is a few foreach calls over all matrices, with the learning rate a 0-D tensor: compiled=True (the
+    trainer's choice on CUDA) compiles the three parts once each, and a changing rate never recompiles them.
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
@@ -117,7 +117,9 @@ class Muon(torch.optim.Optimizer):
             bufs = [local(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))) for p in params]
             keep = None if found_inf is None else 1 - found_inf.to(grads[0].device, torch.float32)
             updates += self._momentum(grads, bufs, group["momentum"], group["nesterov"], keep)
-            lr = self._lrs.setdefault(i, torch.zeros((), device=grads[0].device)).fill_(group["lr"])  # no sync
+            if i not in self._lrs:
+                self._lrs[i] = torch.zeros((), device=grads[0].device)
+            lr = self._lrs[i].fill_(group["lr"])  # a device tensor: no sync, and no recompile when it changes
             todo.append((params, group, lr, keep))
         ortho = iter(self.orthogonalize(updates, [p for params, *_ in todo for p in params]))
         for params, group, lr, keep in todo:
