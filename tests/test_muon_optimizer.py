@@ -293,9 +293,9 @@ def test_found_inf_skips_both_parts_bit_identically(tiny_model):
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager_and_a_new_rate_never_recompiles(tiny_model):
-    """Muon compiled (the trainer's choice on CUDA) gives the eager step's weights, skips a flagged step on the
-    device, and the schedule's changing learning rate recompiles nothing (it reaches the graphs as a 0-D tensor)."""
+def test_compiled_step_equals_eager_skips_on_the_device_and_compiles_once(tiny_model):
+    """Muon compiled (the trainer's choice on CUDA) gives the eager step's weights with the schedule's rate
+    changing, skips a flagged step on the device, and compiles nothing after its first step."""
     from torch._dynamo.utils import counters
     models = [tiny_model(), tiny_model()]
     opts = [Muon(split_parameters(m)["muon"], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, compiled=compiled)
