@@ -36,6 +36,7 @@ def test_greedy_matches_full_forward_argmax(tiny_loaded):
     assert first == [ids[len(prompt):]]
     assert engine.generate(model, [prompt], GREEDY) == first  # deterministic
 
+
 def test_top_k_one_is_greedy(tiny_loaded):
     """top_k=1 must pick the argmax whatever the temperature (an off-by-one in the k-th value breaks it)."""
     model, tok = tiny_loaded
@@ -45,6 +46,7 @@ def test_top_k_one_is_greedy(tiny_loaded):
     logits = torch.randn(5, 50)
     assert torch.equal(sampling.sample_next(logits, 2.0, top_k=1), logits.argmax(-1, keepdim=True))
 
+
 def test_repetition_penalty_counts_prompt_and_generated_tokens(tiny_loaded):
     """With a huge penalty, greedy never repeats a token of the prompt or of its own output."""
     model, tok = tiny_loaded
@@ -52,12 +54,14 @@ def test_repetition_penalty_counts_prompt_and_generated_tokens(tiny_loaded):
     out = engine.generate(model, [prompt], replace(GREEDY, repetition_penalty=1e6, max_new_tokens=20))[0]
     assert len(set(out)) == len(out) and not set(out) & set(prompt)
 
+
 def test_batch_of_different_lengths_equals_one_by_one(tiny_loaded):
     """Right-padded prefill with input_lengths must not let padding or other rows change any row."""
     model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
     batched = engine.generate(model, prompts, GREEDY)
     assert batched == [engine.generate(model, [p], GREEDY)[0] for p in prompts]
+
 
 def test_seed_and_counts(tiny_loaded):
     """Same seed, same samples; max_new_tokens and num_return_sequences are respected exactly."""
@@ -69,6 +73,7 @@ def test_seed_and_counts(tiny_loaded):
     assert engine.generate(model, prompts, replace(s, seed=6)) != a
     assert len({tuple(x) for x in a}) > 1  # the sequences of one prompt are different samples
 
+
 def test_eos_ends_a_sequence(tiny_loaded):
     """A sampled eos id ends its row, is not returned, and the other rows go on."""
     model, tok = tiny_loaded
@@ -78,6 +83,7 @@ def test_eos_ends_a_sequence(tiny_loaded):
     cut = engine.generate(model, prompts, GREEDY, eos_ids=[eos])
     assert cut[0] == full[0][:full[0].index(eos)]
     assert cut[1] == (full[1][:full[1].index(eos)] if eos in full[1] else full[1])
+
 
 def test_generation_stops_at_the_context(tiny_loaded):
     """A row that reaches max_seq_len stops there (the cache cannot grow); a too-long prompt is refused."""
@@ -89,6 +95,7 @@ def test_generation_stops_at_the_context(tiny_loaded):
     with pytest.raises(ValueError, match="context"):
         engine.generate(model, [prompt + prompt[:5]], GREEDY)
 
+
 def test_stop_strings_stop_and_are_not_printed(tiny_loaded):
     """Generation ends at a stop string spanning tokens; the streamed text ends just before it."""
     model, tok = tiny_loaded
@@ -99,6 +106,7 @@ def test_stop_strings_stop_and_are_not_printed(tiny_loaded):
     (cut,), (cut_ids,) = engine.generate_text(model, tok, ["def push"], replace(s, stop=["zzz", stop]), eos_ids=[])
     assert cut == text[:text.index(stop)]
     assert tok.decode(cut_ids).startswith(cut + stop) and len(cut_ids) < len(ids)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_cuda_decode_matches_eager(tiny_checkpoint):
