@@ -38,8 +38,8 @@ def test_a_run_counts_as_finished_only_with_its_last_evaluation(tmp_path):
 
 def test_optimizer_share_measures_a_known_optimizer_cost(tmp_path, monkeypatch):
     """The share must time the optimizer step inside the trainer's own step: with a stub optimizer step that
-    sleeps a known 0.1 s, the reported optimizer time is that 0.1 s (not the forward or backward) and the
-    forward + backward time stays what it is with the real optimizer."""
+    sleeps a known 0.3 s, the reported optimizer time is that 0.3 s and none of it lands in the forward +
+    backward time (the bounds leave room for a busy machine: this model's step takes about 10 ms)."""
     import muon_optimizer
 
     def run(name):
@@ -49,11 +49,11 @@ def test_optimizer_share_measures_a_known_optimizer_cost(tmp_path, monkeypatch):
         return json.loads(out.read_text())["optimizer_share"]
 
     real = run("real")
-    monkeypatch.setattr(muon_optimizer.MuonAdamW, "step", lambda self, *a, **k: time.sleep(0.1))
+    monkeypatch.setattr(muon_optimizer.MuonAdamW, "step", lambda self, *a, **k: time.sleep(0.3))
     stub = run("stub")
-    assert 0.1 <= stub["optimizer_s"] < 0.13
-    assert stub["forward_backward_s"] == pytest.approx(real["forward_backward_s"], rel=0.5, abs=0.02)
-    assert stub["share"] == pytest.approx(0.1 / (0.1 + stub["forward_backward_s"]), rel=0.15)
+    assert 0.3 <= stub["optimizer_s"] < 0.4
+    assert stub["forward_backward_s"] < real["forward_backward_s"] + 0.15
+    assert stub["share"] > 0.6  # 0.3 s of at most about 0.45 s
     assert 0 < real["optimizer_s"] < 0.1
 
 
