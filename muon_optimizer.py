@@ -239,7 +239,7 @@ class MuonAdamW:
         return loss
 
     def use_compile(self, compiled: bool):
-        """Compile Muon's step, or not (AdamW's fused kernels are already one launch per group)."""
+        """Compile Muon's Newton-Schulz, or not (AdamW's fused kernels are already one launch per group)."""
         for opt in self.optimizers:
             if isinstance(opt, Muon):
                 opt.use_compile(compiled)
