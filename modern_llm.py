@@ -72,7 +72,8 @@ class KVCache:
 class Linear(nn.Linear):
     """A bias-free nn.Linear. Compiled on a CPU, a few rows (decoding) multiply and sum instead of calling a
     matmul kernel: inductor makes that one pass over the weight at memory speed, where BLAS for one row reaches
-    a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Elsewhere, and under autocast, it is F.linear."""
+    a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Elsewhere, and under
+    autocast, it is F.linear."""
     REDUCE_ROWS = 16  # measured on a 2-core CPU: faster than BLAS through 16 rows, slower at 32
 
     def __init__(self, in_features: int, out_features: int):
