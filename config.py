@@ -29,6 +29,10 @@ class WriteError(RuntimeError):
     """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays."""
 
 
+class CompileError(RuntimeError):
+    """torch.compile failed on this machine (a runtime failure): the message names the error and the way out."""
+
+
 def arg(default, help: str, const=None):
     """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
     given bare (`--resume`), meaning that value."""
@@ -145,6 +149,9 @@ class TrainConfig:
                                                                      "(H100-class GPUs, torchao); auto: bf16 where the "
                                                              "hardware has it, else fp16 on GPU, fp32 on CPU")
     compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
+    compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
+                                                             "(much slower), false stops with the error; auto: "
+                                                             "false on CUDA, true elsewhere")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
                                                 "sharding weights, gradients and optimizer state over GPUs")
     micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic")

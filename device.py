@@ -28,11 +28,17 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device={name} is not available on this machine, use --device auto or cpu")
     if name == "cuda":
         torch.cuda.set_device(local_rank)
-        # TF32 tensor cores for what runs in fp32 (--precision fp32, the optimizer's matmuls): several times the
-        # fp32 rate on Ampere and newer, with a 10-bit mantissa on the inputs; autocast regions are unaffected.
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        enable_tf32()
         return torch.device("cuda", local_rank)
     return torch.device(name)
+
+
+def enable_tf32():
+    """TF32 tensor cores for what runs in fp32 (--precision fp32, the optimizer's matmuls): several times the
+    fp32 rate on Ampere and newer, with a 10-bit mantissa on the inputs; autocast regions are unaffected. Set
+    through the one API Inductor reads: setting the per-backend fp32_precision instead makes Inductor's GEMM
+    autotuning (max-autotune) fail on "a mix of the legacy and new APIs" in torch 2.14 and older."""
+    torch.set_float32_matmul_precision("high")
 
 
 def machine(device: torch.device) -> Machine:

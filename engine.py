@@ -22,13 +22,22 @@ from tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
 MIN_BUCKET = 16
-# Each prompt bucket and batch size compiles its own graph: keep more of them than dynamo's default 8.
+GREEDY_ONE = SampleConfig(temperature=0.0, max_new_tokens=1)  # the settings of a row that pads a batch
+# Each prompt bucket and batch size compiles its own graph (batches padded to powers of two bound them): keep
+# more than dynamo's default 8, and past the limit fail loudly rather than generate eagerly without a word.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def bucket(length: int, ctx: int) -> int:
     """The padded prefill length of a prompt: the next power of two from 16, at most the context."""
     return min(ctx, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch a compiled step runs: the next power of two, so a server's changing batch sizes reuse a few
+    compiled graphs instead of compiling (and stalling every request) for each new size."""
+    return 1 << (rows - 1).bit_length()
 
 
 @dataclass
@@ -156,13 +165,15 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
                              f"{ctx}), shorten it")
     if len(eos_ids) > 4:
         raise ValueError(f"at most 4 end ids, got {len(eos_ids)}")
-    B, width = len(rows), bucket(max(len(p) for p, _ in rows), ctx)
-    limits = [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
-    compiled = compiles(rows[0][1], device)
-    check_memory(model, B, ctx if compiled else min(ctx, width + max(limits)))
+    width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
+    compiled, real = compiles(rows[0][1], device), len(rows)
+    if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read
+        padding = batch_bucket(real) - real
+        rows, limits = rows + [(rows[0][0], GREEDY_ONE)] * padding, limits + [1] * padding
+    check_memory(model, len(rows), ctx if compiled else min(ctx, width + max(limits)))
     with torch.no_grad():
-        slot = _slot(model, B, min(ctx, width + max(limits)), compiled)
-        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, on_text, cancelled)
+        slot = _slot(model, len(rows), min(ctx, width + max(limits)), compiled)
+        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, on_text, cancelled, real)
 
 
 def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int):
@@ -180,12 +191,13 @@ def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int)
     state.noise.fill_(1.0)
 
 
-def _noise(state: State, generators: list):
+def _noise(state: State, generators: list, real: int):
     """This step's Exp(1) draws, each row from its own seeded generator (rows sharing a seed share a draw
-    call), or none at all when every row is greedy."""
+    call), or none at all when every row is greedy. Rows past `real` pad the batch and draw nothing, so a
+    padded batch draws what the unpadded one would."""
     for gen, rows in generators:
         if rows is None:
-            state.noise.exponential_(1, generator=gen).clamp_(min=torch.finfo(state.noise.dtype).tiny)
+            state.noise[:real].exponential_(1, generator=gen).clamp_(min=torch.finfo(state.noise.dtype).tiny)
         else:
             state.noise[rows] = exp_noise((len(rows), state.noise.size(1)), state.noise.device, gen)
 
@@ -197,14 +209,16 @@ def _generators(rows, device) -> list:
     if not sampling:
         return []
     seeds = {rows[i][1].seed for i in sampling}
-    if len(seeds) == 1 and len(sampling) == len(rows):
+    if len(seeds) == 1 and sampling == list(range(len(sampling))):  # every row but the padding samples
         seed = seeds.pop()
         return [(torch.Generator(device).manual_seed(seed) if seed >= 0 else None, None)]
     return [(torch.Generator(device).manual_seed(seed) if seed >= 0 else None,
              [i for i in sampling if rows[i][1].seed == seed]) for seed in sorted(seeds)]
 
 
-def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_text, cancelled) -> list[list[int]]:
+def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_text, cancelled,
+         real: int) -> list[list[int]]:
+    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch)."""
     device, B = model.embed_tokens.weight.device, len(rows)
     # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
     padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)
@@ -214,12 +228,12 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
     cache.reset()  # stale keys past each row's position are masked out, so nothing else needs clearing
     generators = _generators(rows, device)
     streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
-    out, active = [[] for _ in rows], set(range(B))
+    out, active = [[] for _ in rows], set(range(real))
     chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
     host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
     graphs = device.type == "cuda" and slot.decode is not decode_step
     ranked = candidates([s.temperature for _, s in rows], [s.top_k for _, s in rows], model.config.vocab_size)
-    _noise(state, generators)
+    _noise(state, generators, real)
     slot.prefill(model, padded, lengths, cache, state, ranked)
     chunk[:, 0] = state.tokens[:, 0]
     with contextlib.ExitStack() as unguarded:
@@ -229,7 +243,7 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
                 _read(block, out, active, limits, eos_ids, streams, on_text, state)
                 if not active:
                     break
-            _noise(state, generators)
+            _noise(state, generators, real)
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             slot.decode(model, cache, state, ranked)
@@ -239,7 +253,7 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
             chunk[:, step % CHUNK] = state.tokens[:, 0]
     for i in sorted(active):
         _finish(i, streams, on_text)
-    return out
+    return out[:real]
 
 
 def _sync(chunk: torch.Tensor, host: torch.Tensor, cancelled, active: set, state: State) -> list[list[int]]:

@@ -1,8 +1,10 @@
-"""Every GPU figure of README from one command, in parts that each finish within about 8 minutes.
+"""Every GPU figure of README from one command, in parts that each finish within about 8 minutes; and, with no
+GPU at all, the compile check (--compile_only).
 
     python gpu_check.py --out gpu_results                    # every part, one after the other
     python gpu_check.py --part throughput --out gpu_results  # one part; the report is rebuilt after each
     python gpu_check.py --dry_run --out /tmp/dry             # CPU: every configuration on the tiny shape
+    python gpu_check.py --compile_only                       # no GPU: the GPU path compiled on fake tensors
 Parts: throughput (ours and Hugging Face's Qwen3 of the same shape, small/medium/large, bf16, compile default,
 on the trainer's own train_step; MFU, peak memory against the estimate, the optimizer's share), autotune
 (the same with max-autotune), graphs (CUDA-graph modes at accumulation 1 and 4 against compile default),
@@ -26,6 +28,7 @@ from dataclasses import replace
 import torch
 
 import bench
+import compile_check
 from config import PRESETS, Config, error_exit
 from device import machine, pick_device
 from distributed import setup
@@ -206,7 +209,10 @@ def write_report(out: str, path: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for each part's JSON and the data cache")
+    p.add_argument("--compile_only", action="store_true", help="no GPU needed: compile the training step and the "
+                                                               "decode steps for an H100 (and an RTX 4090, an A100) "
+                                                               "on fake tensors, down to cubin (compile_check.py)")
+    p.add_argument("--out", help="folder for each part's JSON and the data cache")
     p.add_argument("--part", choices=PARTS + ("all",), default="all")
     p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step each, "
                                                           "no compile: checks the script on a CPU")
@@ -214,6 +220,10 @@ def main(argv=None) -> int:
     p.add_argument("--report", default="", help="where the report goes; default docs/gpu_report.md, or OUT/ for a "
                                                 "dry run")
     args = p.parse_args(argv)
+    if args.compile_only:
+        return compile_check.main([])
+    if not args.out:
+        error_exit("--out FOLDER is needed for the GPU figures (or pass --compile_only)")
     args.report = args.report or (os.path.join(args.out, "gpu_report.md") if args.dry_run else
                                   os.path.join(HERE, "docs", "gpu_report.md"))
     if not (args.dry_run or torch.cuda.is_available()):

@@ -23,7 +23,7 @@ import atomic
 import checkpoint as ckpt_io
 import distributed as dist_utils
 from cli import describe, parse_config
-from config import CheckpointError, Config, ConfigError, DataError, WriteError, error_exit
+from config import CheckpointError, CompileError, Config, ConfigError, DataError, WriteError, error_exit
 from device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
                     pick_device, pick_precision, uses_cuda_graphs)
 from corpus import corpus_bytes
@@ -34,7 +34,7 @@ from muon_optimizer import MuonAdamW, build_optimizer
 from prepare_data import Batches, PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
 from schedule import RunClock, lr_multiplier
-from sizing import fill_automatic, fill_run_length
+from sizing import fill_automatic, fill_run_length, loss_chunk_rows
 
 
 def set_lr(opt, multiplier: float):
@@ -59,10 +59,9 @@ class Built:
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model initialised from cfg.train.seed, built on the meta device then materialised on `device`."""
-    with torch.device("meta"):
+    """The model initialised from cfg.train.seed, built directly on `device` (never whole on the CPU first)."""
+    with torch.device(device):
         raw_model = Transformer(cfg.model)
-    raw_model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     raw_model.init_weights()  # the same weights on every rank and every device
     return raw_model
@@ -81,6 +80,8 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
+    if isinstance(raw_model, Transformer):
+        raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     if t.auto_micro_batch:
@@ -159,27 +160,36 @@ def train_step(b: Built, batches, step: int, t, dist):
     if isinstance(grad_norm, dist_utils.DTensor):  # FSDP2: each rank's share of the squares, summed
         grad_norm = grad_norm.full_tensor()
     ok = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+    b.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync (GradScaler.step would read it)
     if b.scaler:
-        b.scaler.step(b.opt)  # the scaler skips non-finite steps and lowers the scale
-        b.scaler.update()
-    else:
-        b.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync
+        b.scaler.update()  # lowers the scale after the non-finite gradients unscale_ found, raises it after many fine
     b.opt.zero_grad(set_to_none=not b.persistent_grads)
     return loss_sum, grad_norm, ok
 
 
 def first_train_step(b: Built, batches, step: int, t, dist):
-    """train_step, falling back to eager mode when the compiler itself fails (no C compiler, say)."""
+    """train_step, which compiles. When the compiler itself fails (no C compiler, say): a CompileError, or,
+    where compile_fallback allows it, a warning and eager mode from here on."""
     try:
         return train_step(b, batches, step, t, dist)
     except Exception as e:
         if b.compiled is b.model or not is_compile_failure(e):
             raise
-        dist.print(f"warning: torch.compile failed ({str(e).splitlines()[0][:200]}); training eagerly")
+        error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
+        if not falls_back(t, next(b.raw_model.parameters()).device):
+            raise CompileError(f"torch.compile failed ({error}); pass --compile off to train eagerly (much slower), "
+                               "or --compile_fallback true to do so whenever compiling fails") from e
+        dist.print(f"warning: torch.compile failed ({error}); training eagerly")
         b.opt.zero_grad(set_to_none=not b.persistent_grads)
         b.compiled, b.cudagraphs = b.model, False
         b.opt.use_compile(False)
         return train_step(b, batches, step, t, dist)
+
+
+def falls_back(t, device: torch.device) -> bool:
+    """Whether a compile failure becomes an eager run: asked for, or by default off CUDA (where compiling buys
+    less, and a machine without a C compiler should still train); on CUDA eager is a fraction of the speed."""
+    return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
 
 
 def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, monitor, bar, probe) -> float:
@@ -291,7 +301,8 @@ def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, 
     mean_loss = dist.mean(window.mean()).item()
     if monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
-        r = monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item())
+        r = monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
+                                 compiled=b.compiled is not b.model)
         bar.set_postfix(format_postfix(r), refresh=False)
 
 
@@ -344,7 +355,7 @@ def main(argv=None) -> int:
                       resume_step=start if ckpt else None) if dist.is_main else None
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
         cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
-        PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step))
+        PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
     probe = Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts)
 
     stop, window = StopFlag(), LossWindow(device)
@@ -407,7 +418,7 @@ def run(argv=None) -> int:
                 bar.close()
     except (ConfigError, DataError, CheckpointError) as e:
         error_exit(str(e), 2)
-    except WriteError as e:
+    except (WriteError, CompileError) as e:
         error_exit(str(e), 1)
     except OSError as e:  # a write outside the checkpoint (metrics, the loss plot) the disk refused
         error_exit(str(atomic.write_error(e, "writing the run's files", where=e.filename or "")), 1)

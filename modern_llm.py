@@ -16,9 +16,6 @@ from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
 
-LOSS_CHUNK_LOGITS = 2**26  # logits per loss chunk (256 MB in fp32); a smaller loss is computed whole
-
-
 # ----------------------------------------------------------------------------- rotary embeddings
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +158,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
         self.init_weights()
 
     def init_weights(self):
@@ -191,8 +189,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
                 last_only: bool = False):
-        """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when a loss over logits of more
-        than LOSS_CHUNK_LOGITS values is computed chunk by chunk instead.
+        """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when the loss is computed
+        loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
 
         labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32.
         With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
@@ -221,8 +219,8 @@ class Transformer(nn.Module):
             last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
         x = self.norm(x)
-        if labels is not None and labels.numel() * self.config.vocab_size > LOSS_CHUNK_LOGITS:
-            return None, chunked_cross_entropy(x, self.lm_head.weight, labels)  # the logits never whole
+        if labels is not None and 0 < self.loss_chunk_rows < labels.numel():
+            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, self.loss_chunk_rows)
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
@@ -254,11 +252,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (flat != -100).sum().clamp(min=1)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: rows in chunks, each chunk's
-    logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh the model)."""
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: `rows` rows at a time, each
+    chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a model)."""
     h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    rows = max(1, LOSS_CHUNK_LOGITS // weight.shape[0])
     total = sum(checkpoint(_chunk_loss_sum, h[i:i + rows], weight, flat[i:i + rows], use_reentrant=False)
                 for i in range(0, h.shape[0], rows))
     return total / (flat != -100).sum().clamp(min=1)

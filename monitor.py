@@ -101,17 +101,19 @@ class Monitor:
         """Start the throughput window here (after warm-up or resume)."""
         self._last_time, self._last_tokens, self._last_step = time.perf_counter(), tokens, step
 
-    def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float) -> dict:
+    def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float,
+                     compiled: bool = False) -> dict:
         """Throughput over the window since the last record, plus memory; appended to metrics.jsonl.
 
-        lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...}).
+        lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...});
+        compiled: whether the step ran compiled.
         """
         now = time.perf_counter()
         dt = max(now - self._last_time, 1e-9)
         timed = step > self._last_step  # no step since the clock was reset (the untimed first step): no rate
         tok_s = (tokens - self._last_tokens) / dt if timed else None
         record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
-                  "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt if timed
+                  "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt if timed
                   else None, "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
                   "vram_gb": None, "vram_total_gb": None, "time": time.time()}
@@ -250,14 +252,17 @@ def read_metrics(run_dir: str, kind: str | None = None, file: str = METRICS_FILE
     return records
 
 
-def start_report(cfg, device: torch.device, model, opt, precision: str, dist, tokens_per_step: int) -> str:
-    """The lines printed before the first step: device, model, batch and run length, optimizer, folder."""
+def start_report(cfg, device: torch.device, model, opt, precision: str, dist, tokens_per_step: int,
+                 compile_fallback: bool = False) -> str:
+    """The lines printed before the first step: device, model, batch and run length, optimizer, folder.
+    compile_fallback: a compile failure would become an eager run (else it stops the run)."""
     t = cfg.train
     n, n_body = model.num_parameters(), model.num_parameters(exclude_embeddings=True)
     length = " or ".join(([f"{t.max_steps} steps"] if t.max_steps else [])
                          + ([f"{t.max_minutes:g} minutes"] if t.max_minutes else []))
     return "\n".join([
-        f"device: {device_report(device)} | precision: {precision} | compile: {t.compile} | "
+        f"device: {device_report(device)} | precision: {precision} | compile: {t.compile}"
+        f"{' (eager if compiling fails)' if compile_fallback and t.compile != 'off' else ''} | "
         f"world size: {dist.world_size}" + (f" ({t.data_parallel})" if dist.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
         f"{model.flops_per_token() / 1e6:.1f} MFLOP per token",

@@ -46,10 +46,11 @@ def candidates(temperatures: list[float], top_ks: list[int], vocab: int) -> int:
     """How many of the most likely tokens pick() must rank for these rows: 0 when every row is greedy (an
     argmax, no ranking), a power of two from 64 covering every row's top_k when all have one (a top-k, far
     cheaper than sorting the vocabulary), else the whole vocabulary. One compiled step per value."""
-    if all(t == 0 for t in temperatures):
+    ks = [k for t, k in zip(temperatures, top_ks) if t > 0]  # a greedy row ranks nothing, whatever its top_k
+    if not ks:
         return 0
-    if all(k > 0 for k in top_ks):
-        return min(vocab, max(64, 1 << (max(top_ks) - 1).bit_length()))
+    if all(k > 0 for k in ks):
+        return min(vocab, max(64, 1 << (max(ks) - 1).bit_length()))
     return vocab
 
 

@@ -21,6 +21,9 @@ BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-lev
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
 EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
+LOGIT_BYTES = 12  # per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
+CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
+GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
 
 
 @dataclass
@@ -43,12 +46,29 @@ def count_parameters(m: ModelConfig) -> int:
 
 def training_bytes_estimate(cfg: Config) -> int:
     """Rough peak memory of training: 16 bytes per parameter (fp32 weight, grad, two moments) plus
-    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing."""
+    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing, plus the loss's
+    bf16 logits and one fp32 chunk of them."""
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.max_seq_len
     per_layer = 34 * m.hidden_size * (0.1 if m.gradient_checkpointing else 1)
-    logits = tokens * m.vocab_size * 6  # bf16 logits plus one fp32 chunk
-    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + logits)
+    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + _logit_bytes(cfg))
+
+
+def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
+    """Rows per chunk of the training loss, 0 for the logits whole: whole while they fit beside the rest of the
+    step in MEMORY_FRACTION of the GPU (CPU_LOGITS_BYTES off CUDA), else as many rows as fill a quarter of that
+    room, in whole GEMM tiles. Chunks recompute the head's matmul in backward: about 1/3 more head FLOPs."""
+    m, t = cfg.model, cfg.train
+    rows, per_row = t.micro_batch_size * m.max_seq_len, m.vocab_size * LOGIT_BYTES
+    room = CPU_LOGITS_BYTES if machine.kind != "cuda" else \
+        MEMORY_FRACTION * machine.memory - (training_bytes_estimate(cfg) - _logit_bytes(cfg))
+    if rows * per_row <= room:
+        return 0
+    return max(GEMM_ROWS, int(room / 4 / per_row) // GEMM_ROWS * GEMM_ROWS)
+
+
+def _logit_bytes(cfg: Config) -> int:
+    return cfg.train.micro_batch_size * cfg.model.max_seq_len * cfg.model.vocab_size * 6
 
 
 def _filled(cfg: Config, size: str) -> Config:

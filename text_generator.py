@@ -54,11 +54,18 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
     if len(tokenizer) > cfg.vocab_size:
         raise CheckpointError(f"{found.path}: the tokenizer has {len(tokenizer)} tokens but the model only "
                               f"{cfg.vocab_size}, the checkpoint mixes two runs; {HOW_TO_MAKE_ONE}")
-    for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
-        p.data = p.data.to(inference_dtype(device))
+    model = for_inference(model, device)
     if quantize == "int8":
         quantize_int8(model)
-    return model.eval().requires_grad_(False), tokenizer, cfg, found.path
+    return model, tokenizer, cfg, found.path
+
+
+def for_inference(model: Transformer, device: torch.device) -> Transformer:
+    """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that
+    compute it natively, else fp32). In place."""
+    for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
+        p.data = p.data.to(inference_dtype(device))
+    return model.eval().requires_grad_(False)
 
 
 class TextGenerator:

@@ -65,3 +65,16 @@ def test_float8_conversion_keeps_names_and_skips_the_head(tiny_config):
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj", "lm_head"))}
     assert kinds["layers.0.attn.q_proj"] == "Float8Linear" and kinds["layers.1.mlp.down_proj"] == "Float8Linear"
     assert kinds["lm_head"] == "Linear"
+
+
+def test_tf32_is_set_through_the_api_inductor_reads():
+    """Setting TF32 through the per-backend fp32_precision made torch.get_float32_matmul_precision() raise "a mix
+    of the legacy and new APIs", and Inductor's GEMM autotuning reads it: --compile max-autotune failed on the
+    first matmul and the run trained eagerly. After enable_tf32 both readers answer, and agree on TF32."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        device.enable_tf32()
+        assert torch.get_float32_matmul_precision() == "high"  # raised before the fix
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)

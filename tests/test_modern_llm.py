@@ -240,17 +240,16 @@ def test_tiny_model_overfits_one_batch(tiny):
     assert loss.item() < first / 10, (first, loss.item())
 
 
-def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny, monkeypatch):
-    """Past LOSS_CHUNK_LOGITS the loss is computed chunk by chunk, logits recomputed in backward (the fp32
+def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny):
+    """With loss_chunk_rows set the loss is computed chunk by chunk, logits recomputed in backward (the fp32
     logits of a 32k vocabulary would not fit beside a large model): same loss, same gradients, masks kept."""
-    import modern_llm
     ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(2))
     labels = ids.roll(-1, 1)
     labels[0, :7] = -100
     results = []
-    for limit in (10**9, 97 * 7):  # whole, then chunks of 7 rows (the last one shorter)
-        monkeypatch.setattr(modern_llm, "LOSS_CHUNK_LOGITS", limit)
+    for rows in (0, 7):  # whole, then chunks of 7 rows (the last one shorter)
         m = model_of(tiny()).train()
+        m.loss_chunk_rows = rows
         logits, loss = m(ids, labels=labels)
         loss.backward()
         results.append((logits, loss, {n: p.grad.clone() for n, p in m.named_parameters()}))

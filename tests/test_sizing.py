@@ -68,3 +68,25 @@ def test_a_gpu_run_passes_over_its_corpus_four_times():
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 2 * cfg.model.max_seq_len
     assert cfg.train.max_steps == -(-4 * 80_000_000 // per_step) > sizing.MIN_STEPS and cfg.train.max_minutes == 0
     assert "4 passes over 80,000,000 training tokens" in notes[-1]
+
+
+@pytest.mark.parametrize("preset,memory_gib,chunked", [
+    ("large", 80, False),  # an H100: 12,288 rows x 32k logits fit beside the rest of the step
+    ("large", 16, True),  # a 16 GB card: they would not
+    ("tiny", 0, False),  # a CPU: tiny's logits are 200 MB
+    ("small", 0, True),  # a CPU: small's 16k rows x 32k are 6 GB
+])
+def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(preset, memory_gib, chunked):
+    """Chunking recomputes the head's matmul in backward; it ran on every GPU preset, in chunks of 2,097 rows,
+    which Inductor pads (and times) on every chunk. Now: whole logits when they fit, else multiples of 128."""
+    from config import PRESETS
+    cfg = PRESETS[preset]()
+    machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
+    rows = sizing.loss_chunk_rows(cfg, machine)
+    whole = cfg.train.micro_batch_size * cfg.model.max_seq_len
+    assert (rows > 0) == chunked
+    if chunked:
+        assert rows % 128 == 0 and 128 <= rows < whole
+        room = sizing.CPU_LOGITS_BYTES if not memory_gib else \
+            0.8 * memory_gib * GIB - (sizing.training_bytes_estimate(cfg) - whole * cfg.model.vocab_size * 6)
+        assert rows * cfg.model.vocab_size * sizing.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)

@@ -436,3 +436,54 @@ def test_evaluations_compile_nothing_inside_the_run(corpus, tmp_path, monkeypatc
     argv[argv.index("--compile") + 1] = "default"
     assert trainer.main(argv) == 0
     assert len(graphs) == 6 and graphs[0] > 0 and len(set(graphs)) == 1, graphs
+
+
+@pytest.mark.slow
+def test_a_compile_failure_stops_the_run_unless_a_fallback_is_allowed(corpus, tmp_path, argv_for):
+    """A failing compiler (here a C++ compiler that does not exist, as on a machine without one) once turned every
+    run into an eager one with a warning: on a GPU a fraction of the speed, unnoticed. With compile_fallback false
+    (CUDA's default) the run stops with one line naming the error and the ways out; with a fallback it trains
+    eagerly, and metrics.jsonl says the step is not compiled."""
+    env = dict(os.environ, CXX=os.path.join(str(tmp_path), "no-such-c++"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # nothing compiled earlier may be reused
+    runs = {}
+    for fallback in ("false", "auto"):
+        argv = argv_for(corpus, tmp_path / fallback, "--max_steps", 2, "--compile_fallback", fallback)
+        argv[argv.index("--compile") + 1] = "default"
+        runs[fallback] = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *argv],
+                                        env=env, capture_output=True, text=True, timeout=600)
+    stopped, fell_back = runs["false"], runs["auto"]
+    assert stopped.returncode == 1, stopped.stderr[-2000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: torch.compile failed (") and "--compile off" in last and "Traceback" not in \
+        stopped.stderr
+    assert not ckpt_io.holds_checkpoints(str(tmp_path / "false"))
+    assert fell_back.returncode == 0, fell_back.stderr[-2000:]
+    assert "eager if compiling fails" in fell_back.stdout and "training eagerly" in fell_back.stdout + fell_back.stderr
+    assert [r["compiled"] for r in read_metrics(tmp_path / "auto")] == [False, False]
+
+
+def test_loss_scaling_skips_overflowing_steps_on_the_device_and_matches_unscaled_steps(tiny_config):
+    """fp16's GradScaler.step read found_inf on the host every step (a sync, and a step the GPU compile check
+    cannot follow); the step now goes through the optimizer's device-side skip. A power-of-two scale must
+    change no weight, an overflowing one must skip the update and lower the scale."""
+    model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    t = TrainConfig(micro_batch_size=4, grad_accum_steps=1, compile="off", precision="fp32", muon_precision="fp32",
+                    learning_rate=3e-3, muon_lr=0.02)
+    weights = {}
+    for scale in (None, 2.0**10, 2.0**127):  # none, a fine scale, one that overflows fp32 gradients
+        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        start = [p.detach().clone() for p in b.raw_model.parameters()]
+        b.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+        trainer.set_lr(b.opt, 1.0)
+        _, _, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], 4), 0, t, distributed.setup())
+        weights[scale] = (bool(ok), start, [p.detach().clone() for p in b.raw_model.parameters()], b.scaler)
+    ok, start, plain, _ = weights[None]
+    ok_scaled, _, scaled, _ = weights[2.0**10]
+    assert ok and ok_scaled and any(not torch.equal(a, b) for a, b in zip(start, plain))
+    for a, b in zip(plain, scaled):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    ok_over, start, after, scaler = weights[2.0**127]
+    assert not ok_over and all(torch.equal(a, b) for a, b in zip(start, after))
+    assert scaler.get_scale() < 2.0**127

@@ -1,0 +1,301 @@
+"""The GPU path compiled for an H100 (and an RTX 4090, an A100) on a machine with no GPU.
+
+    python gpu_check.py --compile_only              # every configuration; a table; exit 1 on any failure
+    python compile_check.py --only train-default    # one configuration
+Needs a CUDA build of torch (it brings Triton and its ptxas) and a C compiler; no GPU and no driver.
+
+fake_gpu.py stands in for the CUDA runtime and driver: it answers the device queries with the properties of
+the chosen GPU and runs no code; every kernel Triton compiles is checked to be a cubin for that GPU's
+architecture, and counted. The model, the optimizer and the data are fake tensors (FakeTensorMode) on device
+"cuda", so the trainer's own build() and train_step run: dynamo captures, AOTAutograd and Inductor lower,
+Triton compiles to PTX and cubin, and the compiled code then runs as shape propagation on the fake tensors.
+Inductor's decisions by timing are made without it (choose_without_timing says how). What this proves: the
+step compiles and captures for that GPU, with these shapes, dtypes, kernels and memory. What it cannot:
+numbers, speed, or a CUDA graph's replay.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import replace
+
+from fake_gpu import GPUS, fake_gpu_env, shim_library
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------------------- in the fake GPU's process
+
+class DeviceMemory:
+    """A dispatch mode counting the bytes of live CUDA storages as ops create them, and the peak. On fake
+    tensors the compiled code runs as its graph before Inductor's fusion, so the peak is an upper bound of
+    what the compiled step holds."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.ops.add(getattr(func, "overloadpacket", func).__name__)
+                counter.add(out)
+                return out
+        self.mode, self.seen, self.now, self.peak, self.ops = Mode(), WeakIdKeyDictionary(), 0, 0, set()
+
+    def add(self, tensors):
+        import torch
+        from torch.utils._pytree import tree_leaves
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                storage = t.untyped_storage()
+                if storage not in self.seen:
+                    self.seen[storage] = True
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, storage.nbytes())
+
+    def _free(self, n: int):
+        self.now -= n
+
+
+UNALIGNED = []  # matmuls whose padding Inductor would decide by timing: "MxK @ KxN"
+
+
+def choose_without_timing():
+    """Inductor decides some things by timing kernels on the GPU. Here, with fixed timings instead: GEMM
+    autotuning takes the first Triton template (cuBLAS last), which then compiles with the graph; a kernel's
+    coordinate-descent variants tie, so the first stays; fusions are not timed; a matmul whose shape is not
+    a multiple of the tile alignment is not padded, and is recorded (on a GPU: a timing, then maybe a copy)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.triton import TritonScheduling
+    from torch._inductor.fx_passes import pad_mm
+    from torch._inductor.select_algorithm import AlgorithmSelectorCache, ExternKernelCaller
+
+    def make_benchmark_fn(cls, choices, *args, **kwargs):
+        return lambda choices: {c: 1.0 if isinstance(c, ExternKernelCaller) else 0.1 + i * 1e-3
+                                for i, c in enumerate(choices)}
+
+    def should_pad(key: str) -> bool:
+        shapes = re.findall(r"Size\(\[([\d, ]+)\]\)", key)[:2]
+        UNALIGNED.append(" @ ".join(s.replace(", ", "x") for s in shapes))
+        return False
+    AlgorithmSelectorCache.make_benchmark_fn = classmethod(make_benchmark_fn)
+    TritonScheduling.benchmark_codegened_module = lambda self, mod, *args, **kwargs: (1.0, mod.__file__)
+    pad_mm.get_cached_should_pad = should_pad
+    inductor_config.benchmark_epilogue_fusion = False
+    inductor_config.benchmark_fusion = False
+
+
+def check_config(precision: str, compile_mode: str):
+    """The `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and optimizer path of the
+    full model, at a tenth of its compile time."""
+    from config import PRESETS
+    cfg = PRESETS["large"]()
+    cfg.model = replace(cfg.model, num_hidden_layers=2)
+    cfg.train = replace(cfg.train, compile=compile_mode, precision=precision, grad_accum_steps=2)
+    return cfg
+
+
+def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None) -> dict:
+    """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
+    in chunks of that many rows, as a GPU short of memory computes it."""
+    import torch
+    import bench
+    import distributed
+    from device import machine, pick_device
+    from gpu_training_optimized import build, train_step
+    from sizing import fill_automatic, training_bytes_estimate
+    cfg, device, dist = check_config(precision, compile_mode), pick_device("cuda"), distributed.setup()
+    fill_automatic(cfg, machine(device), corpus_bytes=None)
+    memory = DeviceMemory()
+    b = build(cfg, device, dist)
+    b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
+    batches = bench.FixedBatches(cfg, device)
+    train_step(b, batches, 0, cfg.train, dist)
+    torch._dynamo.config.error_on_recompile = True  # "unexpected recompile" is an error from here on
+    for step in (1, 2):
+        train_step(b, batches, step, cfg.train, dist)
+    memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt), batches.x, batches.y])
+    with torch.compiler.set_stance("force_eager"), memory.mode:  # dynamo compiles nothing under a dispatch mode
+        train_step(b, batches, 3, cfg.train, dist)
+    return {"peak_gib": memory.peak / 2**30, "estimate_gib": training_bytes_estimate(cfg) / 2**30,
+            "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
+            "loss_scaling": b.scaler is not None}
+
+
+def run_generation() -> dict:
+    """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them."""
+    import torch
+    import engine
+    from device import pick_device
+    from gpu_training_optimized import new_model
+    from sampling import candidates
+    from text_generator import for_inference
+    cfg, device = check_config("bf16", "default"), pick_device("cuda")
+    model = for_inference(new_model(cfg, device), device)
+    memory = DeviceMemory()
+    with torch.no_grad():
+        for batch in (1, 4):
+            slot = engine._slot(model, batch, cfg.model.max_seq_len, compiled=True)
+            ids = torch.zeros(batch, engine.MIN_BUCKET, dtype=torch.long, device=device)
+            lengths = torch.full((batch,), engine.MIN_BUCKET - 3, device=device)
+            ranked = candidates([0.8] * batch, [50] * batch, cfg.model.vocab_size)
+            for steps in range(2):  # the second round must compile nothing
+                slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
+                for _ in range(3):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    slot.decode(model, slot.cache, slot.state, ranked)
+                torch._dynamo.config.error_on_recompile = steps == 0
+            torch._dynamo.config.error_on_recompile = False  # a new batch size compiles its own steps
+        memory.add([*model.parameters(), *model.buffers(), *slot.cache.k, *slot.cache.v, *vars(slot.state).values()])
+        with torch.compiler.set_stance("force_eager"), memory.mode:
+            engine.prefill_step(model, ids, lengths, slot.cache, slot.state, ranked)
+            engine.decode_step(model, slot.cache, slot.state, ranked)
+    return {"peak_gib": memory.peak / 2**30, "estimate_gib": None, "sdpa": sdpa_backends(memory.ops)}
+
+
+def optimizer_state(opt) -> list:
+    """Every tensor the optimizer keeps (moments, momentum buffers)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    return [t for t in tree_leaves(opt.state_dict()) if isinstance(t, torch.Tensor)]
+
+
+def sdpa_backends(ops: set) -> str:
+    found = sorted({m.group(1) for op in ops if (m := re.match(r"_scaled_dot_product_(\w+?)_attention$", op))})
+    return ", ".join(found) or ("math" if any("scaled_dot_product" in op for op in ops) else "none")
+
+
+CONFIGS = {  # name -> what runs, and which GPU it is compiled for
+    "train-default": (lambda: run_training("bf16", "default"), "h100"),
+    "train-reduce-overhead": (lambda: run_training("bf16", "reduce-overhead"), "h100"),
+    "train-max-autotune-no-cudagraphs": (lambda: run_training("bf16", "max-autotune-no-cudagraphs"), "h100"),
+    "train-max-autotune": (lambda: run_training("bf16", "max-autotune"), "h100"),
+    "train-fp8": (lambda: run_training("fp8", "default"), "h100"),
+    "train-fp16": (lambda: run_training("fp16", "default"), "h100"),
+    "generate": (run_generation, "h100"),
+    "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
+    "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),
+}
+
+
+def child(name: str, library: str) -> dict:
+    """Run one configuration in this (fake-GPU) process; what it compiled and what went wrong."""
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    torch._inductor.config.wrap_inductor_compiled_regions = True  # compiled code runs as fake propagation
+    choose_without_timing()
+    start, failure, result = time.time(), None, {}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            result = CONFIGS[name][0]()
+    except Exception as e:  # the point of the check: any failure is reported, by configuration
+        traceback.print_exc()  # the whole story on stderr, shown with --verbose
+        failure = summary(e)
+    fake = ctypes.CDLL(library)
+    breaks = sum(counters["graph_break"].values())
+    skips = counters["inductor"]["cudagraph_skips"]
+    problems = [failure] if failure else []
+    problems += [f"{breaks} graph breaks: {dict(counters['graph_break'])}"] if breaks else []
+    problems += [f"{counters['frames']['total'] - counters['frames']['ok']} frames not compiled"] \
+        if counters["frames"]["total"] != counters["frames"]["ok"] else []
+    problems += [f"{fake.fake_gpu_foreign_cubins()} kernels compiled for another GPU"] \
+        if fake.fake_gpu_foreign_cubins() else []
+    unaligned = sorted(set(UNALIGNED))
+    problems += [f"matmuls of unaligned shapes: {', '.join(unaligned)}"] if unaligned and name != "generate" else []
+    problems += [f"CUDA graphs skipped {skips} times"] if skips and ("reduce-overhead" in name or "max-autotune"
+                                                                   in name and "no-cudagraphs" not in name) else []
+    return {"name": name, "gpu": CONFIGS[name][1], "ok": not problems, "problems": problems,
+            "graphs": counters["stats"]["unique_graphs"], "kernels": fake.fake_gpu_cubins(), "unaligned": unaligned,
+            "seconds": time.time() - start, **result}
+
+
+def summary(e: BaseException) -> str:
+    """An exception in one line: its type and its first lines that say something (a compiler error wraps the
+    real one after 'raised:')."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.strip().endswith("raised:")]
+    return f"{type(e).__name__}: {' '.join(lines[:2])[:400]}"
+
+
+# ----------------------------------------------------------------------------- the command
+
+def run_all(names: list[str]) -> int:
+    """Each configuration in a fresh fake-GPU process, one after the other; the table; 1 if any failed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("error: the compile check needs a CUDA build of torch (with Triton): pip install torch (the default "
+              "wheel on Linux), in a virtual environment of its own if this one keeps the CPU build",
+              file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="compile_check_") as cache:
+        for name in names:
+            library = shim_library(GPUS[CONFIGS[name][1]])
+            out = os.path.join(cache, f"{name}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out]
+            print(f"{name}: compiling for {GPUS[CONFIGS[name][1]].name}...", flush=True)
+            done = subprocess.run(cmd, env=fake_gpu_env(library, cache), cwd=HERE, capture_output=True, text=True)
+            if os.path.isfile(out):
+                with open(out, encoding="utf-8") as f:
+                    rows.append(json.load(f))
+            else:  # the child died before it could report (a crash in the shim or in torch)
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                rows.append({"name": name, "gpu": CONFIGS[name][1], "ok": False,
+                             "problems": [f"exit {done.returncode}: {tail[0][:300]}"]})
+            print(row_line(rows[-1]), flush=True)
+    print(table(rows))
+    failed = [r["name"] for r in rows if not r["ok"]]
+    if failed:
+        print(f"error: the GPU compile check failed for {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"compile check: {len(rows)} configurations compiled for the GPU, no graph break, no recompile")
+    return 0
+
+
+def row_line(r: dict) -> str:
+    if not r["ok"]:
+        return f"  FAILED: {'; '.join(r['problems'])}"
+    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}, {r['seconds']:.0f} s"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| configuration | GPU | result | Triton kernels (cubin) | graphs | SDPA backend | fake-tensor peak GiB "
+             "| sizing estimate GiB | seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        est = f"{r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else "n/a"
+        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
+        lines.append(f"| {r['name']} | {GPUS[r['gpu']].name} | {'ok' if r['ok'] else 'FAILED'} | "
+                     f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | {peak} | "
+                     f"{est} | {r.get('seconds', 0):.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")
+    p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        result = child(args.child, os.environ["LD_PRELOAD"])
+        with open(args.result, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        return 0
+    return run_all(args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
