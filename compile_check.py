@@ -107,17 +107,20 @@ def check_config(precision: str, compile_mode: str):
     return cfg
 
 
-def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None) -> dict:
+def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None,
+                 deterministic: bool = False) -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
-    in chunks of that many rows, as a GPU short of memory computes it."""
+    in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic."""
     import torch
     import bench
     import distributed
-    from device import machine, pick_device
+    from device import machine, make_deterministic, pick_device
     from gpu_training_optimized import build, train_step
     from sizing import fill_automatic, training_bytes_estimate
     cfg, device, dist = check_config(precision, compile_mode), pick_device("cuda"), distributed.setup()
     fill_automatic(cfg, machine(device), corpus_bytes=None)
+    if deterministic:
+        make_deterministic()
     memory = DeviceMemory()
     b = build(cfg, device, dist)
     b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
@@ -184,6 +187,7 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-max-autotune": (lambda: run_training("bf16", "max-autotune"), "h100"),
     "train-fp8": (lambda: run_training("fp8", "default"), "h100"),
     "train-fp16": (lambda: run_training("fp16", "default"), "h100"),
+    "train-deterministic": (lambda: run_training("bf16", "default", deterministic=True), "h100"),
     "generate": (run_generation, "h100"),
     "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
     "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),

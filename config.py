@@ -152,6 +152,8 @@ class TrainConfig:
     compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
                                                              "(much slower), false stops with the error; auto: "
                                                              "false on CUDA, true elsewhere")
+    deterministic: bool = arg(False, "deterministic kernels only (on a GPU: cuDNN attention off, slower): a resumed "
+                                     "run then repeats an uninterrupted one bit for bit on a GPU too")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
                                                 "sharding weights, gradients and optimizer state over GPUs")
     micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic")

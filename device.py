@@ -7,6 +7,7 @@ scaling on CUDA and fp32 elsewhere. Nothing here knows about models or data.
 
 import contextlib
 import functools
+import os
 
 import psutil
 import torch
@@ -39,6 +40,17 @@ def enable_tf32():
     through the one API Inductor reads: setting the per-backend fp32_precision instead makes Inductor's GEMM
     autotuning (max-autotune) fail on "a mix of the legacy and new APIs" in torch 2.14 and older."""
     torch.set_float32_matmul_precision("high")
+
+
+def make_deterministic():
+    """Deterministic kernels only, for runs that must resume bit for bit on a GPU: cuDNN attention (Hopper's
+    choice), whose backward accumulates in a varying order, is switched off, as are other non-deterministic
+    kernels (an op without a deterministic one raises). cuBLAS needs its workspace fixed before first use."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch._inductor.config.deterministic = True
 
 
 def machine(device: torch.device) -> Machine:

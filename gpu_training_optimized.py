@@ -25,7 +25,7 @@ import distributed as dist_utils
 from cli import describe, parse_config
 from config import CheckpointError, CompileError, Config, ConfigError, DataError, WriteError, error_exit
 from device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
-                    pick_device, pick_precision, uses_cuda_graphs)
+                    make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from corpus import corpus_bytes
 from evaluation import Probe, evaluate
 from modern_llm import Transformer
@@ -324,6 +324,8 @@ def main(argv=None) -> int:
     dist = dist_utils.setup()
     device = pick_device(t.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
                          dist.local_rank)
+    if t.deterministic:
+        make_deterministic()
     init_state = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
     if dist.is_main:

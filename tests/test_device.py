@@ -1,5 +1,7 @@
 """Tests of device.py: the precision chosen for each kind of hardware, decided with the hardware stubbed."""
 
+import os
+
 import pytest
 import torch
 
@@ -78,3 +80,21 @@ def test_tf32_is_set_through_the_api_inductor_reads():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_deterministic_mode_switches_off_cudnn_attention_and_non_deterministic_kernels(monkeypatch):
+    """On Hopper SDPA picks cuDNN attention, whose backward is not bit-deterministic: --deterministic true must
+    take it out of the choice and make torch refuse any other non-deterministic kernel."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cuda.cudnn_sdp_enabled(), torch._inductor.config.deterministic)
+    try:
+        device.make_deterministic()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch._inductor.config.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic = before[1]
+        torch.backends.cuda.enable_cudnn_sdp(before[2])
+        torch._inductor.config.deterministic = before[3]

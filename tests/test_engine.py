@@ -161,6 +161,27 @@ def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
 
 
 @pytest.mark.slow
+def test_mixed_batch_sizes_reuse_a_few_compiled_graphs(tiny_loaded):
+    """Every new batch size once compiled its own prefill and decode step: under the server a request mix of
+    sizes 1-5 stalled every request for a compile per size, and past dynamo's limit generation went eager
+    without a word. Batches now pad to powers of two: sizes 1-5 compile for 1, 2, 4 and 8 only, a second round
+    compiles nothing, and each padded batch gives the tokens of the eager, unpadded one."""
+    from torch._dynamo.utils import counters
+    model, tok = tiny_loaded
+    model = copy.deepcopy(model)  # a model of its own: no compiled steps from other tests
+    prompts = [ids_of(tok, t) for t in ("import os", "def f(x):", "class A:", "x = 1", "for i in")]
+    settings = replace(GREEDY, compile="true", max_new_tokens=10)
+    sizes = (3, 1, 5, 2, 4)
+    first = [engine.generate(model, prompts[:n], settings) for n in sizes]
+    graphs = counters["stats"]["unique_graphs"]
+    again = [engine.generate(model, prompts[:n], settings) for n in sizes]
+    assert counters["stats"]["unique_graphs"] == graphs  # the second round compiled nothing
+    assert sorted(engine._COMPILED[model]) == [1, 2, 4, 8]
+    for n, out, out_again in zip(sizes, first, again):
+        assert out == out_again == engine.generate(model, prompts[:n], replace(settings, compile="false"))
+
+
+@pytest.mark.slow
 def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
     """--quantize int8: the compiled decode step (reading the int8 values itself) gives torchao's eager tokens,
     and the int8 model's next-token distributions stay near fp32's."""

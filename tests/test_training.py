@@ -487,3 +487,17 @@ def test_loss_scaling_skips_overflowing_steps_on_the_device_and_matches_unscaled
     ok_over, start, after, scaler = weights[2.0**127]
     assert not ok_over and all(torch.equal(a, b) for a, b in zip(start, after))
     assert scaler.get_scale() < 2.0**127
+
+
+@pytest.mark.slow
+def test_a_deterministic_run_trains_and_repeats_itself(corpus, tmp_path, argv_for):
+    """--deterministic true switches torch to deterministic kernels only (an op without one raises): the
+    trainer's whole path must still run under it, and two runs must log the same losses."""
+    losses = []
+    for name in ("a", "b"):
+        argv = argv_for(corpus, tmp_path / name, "--max_steps", 3, "--deterministic", "true")
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *argv],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses.append([r["loss"] for r in read_metrics(tmp_path / name)])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
