@@ -381,6 +381,8 @@ def main(argv=None) -> int:
             break
         if clock.by_time and (evaluated or saving):
             clock.sync(step, dist, measure=False)  # the time they took is gone from the budget: count it now
+        if monitor and (evaluated or saving):
+            monitor.reset_clock(step, tokens)  # tokens/s and MFU measure training steps, not the evaluation
 
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)

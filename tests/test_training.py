@@ -501,3 +501,17 @@ def test_a_deterministic_run_trains_and_repeats_itself(corpus, tmp_path, argv_fo
         assert done.returncode == 0, done.stderr[-2000:]
         losses.append([r["loss"] for r in read_metrics(tmp_path / name)])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_path, monkeypatch, argv_for):
+    """Tokens/s and MFU once counted the evaluation and checkpoint time in the window after them, so the bar
+    dipped after each. An evaluation made to take 1.5 s must not show in the next step's rate."""
+    original = trainer.evaluation
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(trainer, "evaluation", slow)
+    assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 6, "--eval_interval", 3)) == 0
+    after = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 4)
+    assert after["steps_per_s"] > 2, after  # one step of the tiny model: tens of ms; with the evaluation, < 0.7
