@@ -40,6 +40,7 @@ class DeviceMemory:
     what the compiled step holds."""
 
     def __init__(self):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.weak import WeakIdKeyDictionary
 
@@ -50,8 +51,11 @@ class DeviceMemory:
                 out = func(*args, **(kwargs or {}))
                 counter.ops.add(getattr(func, "overloadpacket", func).__name__)
                 counter.add(out)
+                if func is torch.ops.aten._to_copy.default and args[0].untyped_storage() in counter.weights:
+                    counter.cast_bytes += args[0].nbytes + out.nbytes  # autocast reading a weight, writing a copy
                 return out
         self.mode, self.seen, self.now, self.peak, self.ops = Mode(), WeakIdKeyDictionary(), 0, 0, set()
+        self.weights, self.cast_bytes = WeakIdKeyDictionary(), 0
 
     def add(self, tensors):
         import torch
@@ -130,10 +134,12 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     for step in (1, 2):
         train_step(b, batches, step, cfg.train, dist)
     memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt), batches.x, batches.y])
+    memory.weights.update({p.untyped_storage(): True for p in b.raw_model.parameters()})
     with torch.compiler.set_stance("force_eager"), memory.mode:  # dynamo compiles nothing under a dispatch mode
         train_step(b, batches, 3, cfg.train, dist)
     return {"peak_gib": memory.peak / 2**30, "estimate_gib": training_bytes_estimate(cfg) / 2**30,
             "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
+            "weight_casts_gib": memory.cast_bytes / 2**30, "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device),
             "loss_scaling": b.scaler is not None}
 
 
@@ -173,6 +179,13 @@ def optimizer_state(opt) -> list:
     import torch
     from torch.utils._pytree import tree_leaves
     return [t for t in tree_leaves(opt.state_dict()) if isinstance(t, torch.Tensor)]
+
+
+def bandwidth(device) -> float:
+    """Bytes per second the GPU's memory moves: double data rate over the bus."""
+    import torch
+    props = torch.cuda.get_device_properties(device)
+    return props.memory_clock_rate * 1e3 * 2 * props.memory_bus_width / 8
 
 
 def sdpa_backends(ops: set) -> str:
@@ -272,18 +285,22 @@ def run_all(names: list[str]) -> int:
 def row_line(r: dict) -> str:
     if not r["ok"]:
         return f"  FAILED: {'; '.join(r['problems'])}"
-    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}, {r['seconds']:.0f} s"
+    casts = f", weight casts {r['weight_casts_gib']:.2f} GiB a step ({r['weight_casts_ms']:.2f} ms)" \
+        if "weight_casts_gib" in r else ""
+    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}, {r['seconds']:.0f} s"
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| configuration | GPU | result | Triton kernels (cubin) | graphs | SDPA backend | fake-tensor peak GiB "
-             "| sizing estimate GiB | seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| sizing estimate GiB | weight casts a step | seconds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         est = f"{r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else "n/a"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
+        casts = f"{r['weight_casts_gib']:.2f} GiB, {r['weight_casts_ms']:.2f} ms" if "weight_casts_gib" in r else "n/a"
         lines.append(f"| {r['name']} | {GPUS[r['gpu']].name} | {'ok' if r['ok'] else 'FAILED'} | "
                      f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | {peak} | "
-                     f"{est} | {r.get('seconds', 0):.0f} |")
+                     f"{est} | {casts} | {r.get('seconds', 0):.0f} |")
     return "\n".join(lines)
 
 
