@@ -139,8 +139,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
         train_step(b, batches, 3, cfg.train, dist)
     return {"peak_gib": memory.peak / 2**30, "estimate_gib": training_bytes_estimate(cfg) / 2**30,
             "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
-            "weight_casts_gib": memory.cast_bytes / 2**30, "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device),
-            "loss_scaling": b.scaler is not None}
+            "weight_casts_gib": memory.cast_bytes / 2**30,
+            "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device), "loss_scaling": b.scaler is not None}
 
 
 def run_generation() -> dict:

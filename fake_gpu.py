@@ -99,8 +99,10 @@ cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
-cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) { *free_bytes = *total = FAKE_MEMORY; return cudaSuccess; }
-cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return cudaSuccess; }
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
+  *free_bytes = *total = FAKE_MEMORY; return cudaSuccess; }
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+  *least = 0; *greatest = -5; return cudaSuccess; }
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned f, int p) { *s = handle(); return cudaSuccess; }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned f) { *s = handle(); return cudaSuccess; }
 cudaError_t cudaStreamGetPriority(cudaStream_t s, int *p) { *p = 0; return cudaSuccess; }
@@ -149,7 +151,8 @@ static int check_cubin(const unsigned char *image) {
   return 0;
 }
 int cuModuleLoadData(void **m, const void *image) { *m = handle(); return check_cubin(image); }
-int cuModuleLoadDataEx(void **m, const void *image, unsigned n, void *o, void **v) { *m = handle(); return check_cubin(image); }
+int cuModuleLoadDataEx(void **m, const void *image, unsigned n, void *o, void **v) {
+  *m = handle(); return check_cubin(image); }
 int cuModuleLoad(void **m, const char *path) {
   unsigned char head[64] = {0};
   FILE *f = fopen(path, "rb");
@@ -179,8 +182,9 @@ NOTHING(cuFuncSetCacheConfig)
 REFUSE(cudaLaunchKernel) REFUSE(cudaLaunchKernelExC) REFUSE(cudaLaunchCooperativeKernel) REFUSE(cudaLaunchHostFunc)
 REFUSE(cudaGraphLaunch) REFUSE(cudaStreamBeginCapture) REFUSE(cudaStreamBeginCaptureToGraph)
 REFUSE(cudaStreamEndCapture) REFUSE(cudaGraphInstantiateWithFlags) REFUSE(cudaMallocAsync) REFUSE(cudaFreeAsync)
-REFUSE(cudaMemcpy2DAsync) REFUSE(cudaMemcpyPeerAsync) REFUSE(cudaMemcpyToSymbol) REFUSE(cudaGetDriverEntryPointByVersion)
-REFUSE(cudaDeviceCanAccessPeer) REFUSE(cudaDeviceEnablePeerAccess) REFUSE(cudaIpcGetMemHandle) REFUSE(cudaIpcOpenMemHandle)
+REFUSE(cudaMemcpy2DAsync) REFUSE(cudaMemcpyPeerAsync) REFUSE(cudaMemcpyToSymbol)
+REFUSE(cudaGetDriverEntryPointByVersion) REFUSE(cudaDeviceCanAccessPeer) REFUSE(cudaDeviceEnablePeerAccess)
+REFUSE(cudaIpcGetMemHandle) REFUSE(cudaIpcOpenMemHandle)
 REFUSE(cudaLibraryLoadData) REFUSE(cudaLibraryGetKernel) REFUSE(cudaFuncGetAttributes) REFUSE(cudaFuncSetAttribute)
 REFUSE(cudaPointerGetAttributes) REFUSE(cudaHostRegister) REFUSE(cudaDeviceGetPCIBusId)
 REFUSE(cuLaunchKernel) REFUSE(cuLaunchKernelEx) REFUSE(cuLaunchCooperativeKernel)

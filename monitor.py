@@ -113,8 +113,9 @@ class Monitor:
         timed = step > self._last_step  # no step since the clock was reset (the untimed first step): no rate
         tok_s = (tokens - self._last_tokens) / dt if timed else None
         record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
-                  "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s, "steps_per_s": (step - self._last_step) / dt if timed
-                  else None, "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
+                  "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s,
+                  "steps_per_s": (step - self._last_step) / dt if timed else None,
+                  "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
                   "vram_gb": None, "vram_total_gb": None, "time": time.time()}
         if self.device.type == "cuda":
