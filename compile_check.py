@@ -260,7 +260,13 @@ def run_all(names: list[str]) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="compile_check_") as cache:
         for name in names:
-            library = shim_library(GPUS[CONFIGS[name][1]])
+            try:
+                library = shim_library(GPUS[CONFIGS[name][1]])
+            except (OSError, subprocess.CalledProcessError) as e:  # no gcc, or it failed
+                detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()[:1]
+                print(f"error: building the fake GPU library needs gcc ({' '.join(detail)}); install gcc",
+                      file=sys.stderr)
+                return 2
             out = os.path.join(cache, f"{name}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out]
             print(f"{name}: compiling for {GPUS[CONFIGS[name][1]].name}...", flush=True)
