@@ -11,13 +11,14 @@ Every training setting of config.py applies (--micro_batch_size, --max_seq_len, 
 
 import gc
 import json
+import sys
 import time
 
 import torch
 
 import distributed as dist_utils
 from cli import parse_config
-from config import ConfigError, error_exit
+from errors import error_contract
 from device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
 from gpu_training_optimized import build, new_model, train_step
 from hf_format import hf_twin
@@ -100,6 +101,7 @@ def release(device):
         torch.cuda.empty_cache()
 
 
+@error_contract
 def main(argv=None):
     def extra(parser):
         parser.add_argument("--bench_steps", type=int, default=10, help="timed optimizer steps per model")
@@ -147,7 +149,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        error_exit(str(e))
+    sys.exit(main())

@@ -13,12 +13,14 @@ token (a compiled prefill of the prompt's bucket and one sampling step).
 """
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 
 import torch
 
 from config import ModelConfig, PRESETS, SampleConfig
+from errors import error_contract
 from device import inference_dtype, pick_device, quantize_int8
 from engine import generate
 from hf_format import hf_twin
@@ -111,6 +113,7 @@ def theirs(hf, prompts, n, fastest: bool):
     return out[:, prompts.shape[1]:].tolist()
 
 
+@error_contract
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
@@ -163,4 +166,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from config import PRESETS
+from errors import error_contract
 from monitor import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,6 +86,7 @@ def plot(best: dict, out: str):
     plt.close(fig)
 
 
+@error_contract
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", choices=[p for p in PRESETS if p != "auto"])
@@ -129,4 +131,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,6 +27,7 @@ import traceback
 import weakref
 from dataclasses import replace
 
+from errors import error_contract
 from fake_gpu import GPUS, fake_gpu_env, shim_library
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -310,6 +311,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@error_contract
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")

@@ -8,29 +8,10 @@ for the machine and corpus). Any field can also be given on the command line of 
 """
 
 import math
-import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_origin
 
-
-class ConfigError(ValueError):
-    """A bad setting: the message names the field, the value and what to do."""
-
-
-class DataError(ValueError):
-    """Bad data input: the message names the file (and line), the problem and what to do."""
-
-
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
-
-
-class WriteError(RuntimeError):
-    """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays."""
-
-
-class CompileError(RuntimeError):
-    """torch.compile failed on this machine (a runtime failure): the message names the error and the way out."""
+from errors import CheckpointError, CompileError, ConfigError, DataError, WriteError  # noqa: F401 (re-exported)
 
 
 def arg(default, help: str, const=None):
@@ -333,9 +314,3 @@ def preset_xl() -> Config:
 
 PRESETS = {"auto": preset_auto, "tiny": preset_tiny, "small": preset_small, "medium": preset_medium,
            "large": preset_large, "xl": preset_xl}
-
-
-def error_exit(message: str, code: int = 2):
-    """Print the one-line error that DESIGN.md promises and leave with the given code."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from config import SampleConfig
+from config import ConfigError, SampleConfig
 from sampling import TextStream, candidates, exp_noise, pick
 from tokenizer import stop_ids
 
@@ -139,7 +139,7 @@ def check_memory(model, batch: int, max_len: int):
     need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16  # sampling, activations
     free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
     if need > 0.9 * free:
-        raise ValueError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
+        raise ConfigError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
                          f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
 
 
@@ -161,10 +161,10 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
     for p, _ in rows:
         if not p or len(p) >= ctx:
-            raise ValueError(f"a prompt has {len(p)} tokens, it needs 1 to {ctx - 1} (the model's context is "
+            raise ConfigError(f"a prompt has {len(p)} tokens, it needs 1 to {ctx - 1} (the model's context is "
                              f"{ctx}), shorten it")
     if len(eos_ids) > 4:
-        raise ValueError(f"at most 4 end ids, got {len(eos_ids)}")
+        raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
     compiled, real = compiles(rows[0][1], device), len(rows)
     if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read

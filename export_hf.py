@@ -14,7 +14,8 @@ import os
 import sys
 
 from checkpoint import TOKENIZER, latest_checkpoint, read_model, save_checkpoint
-from config import CheckpointError, ConfigError, DataError, WriteError, default_run_dir, error_exit
+from config import ConfigError, default_run_dir
+from errors import error_contract
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
 from tokenizer import EOT_TOKEN
 
@@ -66,29 +67,24 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")
     args = p.parse_args(argv)
     if len(args.paths) > 2 or (args.do_import and len(args.paths) != 2):
-        error_exit(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to export or --import HF_DIR RUN_DIR")
+        raise ConfigError(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to export or --import HF_DIR "
+                          "RUN_DIR")
     return args
 
 
+@error_contract
 def main(argv=None) -> int:
     """Export or import as the command line says; bad input exits 2 with one `error:` line."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if args.do_import:
-            ckpt = import_hf(args.paths[0], args.paths[1], args.tokenizer, args.max_seq_len)
-            print(f"imported {args.paths[0]} as {ckpt}")
-            print(f"generate with: python text_generator.py {ckpt}")
-        else:
-            checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
-            ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite)
-            print(f"exported {ckpt} to {out} ({args.dtype})")
-            print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
-    except (CheckpointError, ConfigError, DataError) as e:
-        error_exit(str(e), 2)
-    except WriteError as e:
-        error_exit(str(e), 1)
-    except OSError as e:
-        error_exit(f"could not read or write ({e}), check the paths and free disk space", 1)
+    if args.do_import:
+        ckpt = import_hf(args.paths[0], args.paths[1], args.tokenizer, args.max_seq_len)
+        print(f"imported {args.paths[0]} as {ckpt}")
+        print(f"generate with: python text_generator.py {ckpt}")
+    else:
+        checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
+        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite)
+        print(f"exported {ckpt} to {out} ({args.dtype})")
+        print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
     return 0
 
 

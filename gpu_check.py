@@ -29,7 +29,8 @@ import torch
 
 import bench
 import compile_check
-from config import PRESETS, Config, error_exit
+from config import PRESETS, Config, ConfigError
+from errors import error_contract
 from device import machine, pick_device
 from distributed import setup
 from gpu_training_optimized import build, new_model, train_step
@@ -207,6 +208,7 @@ def write_report(out: str, path: str):
         f.write("\n".join(lines).rstrip() + "\n")
 
 
+@error_contract
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile_only", action="store_true", help="no GPU needed: compile the training step and the "
@@ -223,11 +225,11 @@ def main(argv=None) -> int:
     if args.compile_only:
         return compile_check.main([])
     if not args.out:
-        error_exit("--out FOLDER is needed for the GPU figures (or pass --compile_only)")
+        raise ConfigError("--out FOLDER is needed for the GPU figures (or pass --compile_only)")
     args.report = args.report or (os.path.join(args.out, "gpu_report.md") if args.dry_run else
                                   os.path.join(HERE, "docs", "gpu_report.md"))
     if not (args.dry_run or torch.cuda.is_available()):
-        error_exit("no CUDA device: run on a GPU, or pass --dry_run to check the script on a CPU")
+        raise ConfigError("no CUDA device: run on a GPU, or pass --dry_run to check the script on a CPU")
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": device_report(pick_device("auto")), "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run}

@@ -23,10 +23,11 @@ import atomic
 import checkpoint as ckpt_io
 import distributed as dist_utils
 from cli import describe, parse_config
-from config import CheckpointError, CompileError, Config, ConfigError, DataError, WriteError, error_exit
+from config import CompileError, Config, ConfigError
 from device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
                     make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from corpus import corpus_bytes
+from errors import RunFailure, error_contract
 from evaluation import Probe, evaluate
 from modern_llm import Transformer
 from monitor import Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
@@ -412,26 +413,19 @@ def main(argv=None) -> int:
     return 0
 
 
+@error_contract
 def run(argv=None) -> int:
-    """main() with the error contract of DESIGN.md: bad input exits 2, understood failures exit 1."""
+    """main() under the error contract of DESIGN.md, with the trainer's advice for its own failures."""
     try:
-        try:
-            return main(argv)
-        finally:
-            for bar in list(tqdm._instances):  # an error line then starts on a line of its own, under the bar
-                bar.close()
-    except (ConfigError, DataError, CheckpointError) as e:
-        error_exit(str(e), 2)
-    except (WriteError, CompileError) as e:
-        error_exit(str(e), 1)
-    except OSError as e:  # a write outside the checkpoint (metrics, the loss plot) the disk refused
-        error_exit(str(atomic.write_error(e, "writing the run's files", where=e.filename or "")), 1)
+        return main(argv)
     except torch.OutOfMemoryError:
-        error_exit("out of GPU memory; lower --micro_batch_size (raise --grad_accum_steps to keep tokens per "
-                   "step), lower --max_seq_len, set --gradient_checkpointing true, try --auto_micro_batch true, "
-                   "or pick a smaller --preset", 1)
-    except FloatingPointError as e:
-        error_exit(str(e), 1)
+        raise RunFailure("out of GPU memory; lower --micro_batch_size (raise --grad_accum_steps to keep tokens per "
+                         "step), lower --max_seq_len, set --gradient_checkpointing true, try --auto_micro_batch "
+                         "true, or pick a smaller --preset") from None
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # a write outside the checkpoint (metrics, the loss plot) the disk refused
+        raise atomic.write_error(e, "writing the run's files", where=e.filename or "") from None
 
 
 if __name__ == "__main__":

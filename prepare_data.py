@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 import atomic
 from cli import parse_config
-from config import ConfigError, DataConfig, DataError, WriteError, error_exit
+from config import DataConfig, DataError
+from errors import error_contract
 from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
 from device import machine, pick_device
 from sizing import fill_automatic
@@ -312,19 +313,13 @@ class Batches:
 
 # ----------------------------------------------------------------------------- command line
 
+@error_contract
 def main(argv=None):
     """Prepare (or find) the cache for the command line's settings and print a summary."""
-    try:
-        cfg, _ = parse_config(argv)
-        for note in fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data)):
-            print(note)  # the vocabulary and context the trainer would choose here
-        data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
-    except (ConfigError, DataError) as e:
-        error_exit(str(e))
-    except WriteError as e:
-        error_exit(str(e), 1)
-    except OSError as e:
-        error_exit(f"could not read the data ({e.strerror or e}, {e.filename}), check the paths", 2)
+    cfg, _ = parse_config(argv)
+    for note in fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data)):
+        print(note)  # the vocabulary and context the trainer would choose here
+    data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
     m = data.meta
     print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
           f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
@@ -332,4 +327,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -102,7 +102,12 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
         ckpt_io.load_weights(ckpt, raw_model)  # read on the CPU, then copied into the device's parameters
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
-    opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
+    try:
+        opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
+    except ValueError as e:  # its state has other parts: trained with another --optimizer
+        theirs = json.loads(state.get("config", "{}")).get("train", {}).get("optimizer", "another optimizer")
+        raise ConfigError(f"{ckpt} was trained with --optimizer {theirs} ({e}); resume with --optimizer {theirs}, "
+                          "or start a new run from its weights with --init_from") from None
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng_torch"])

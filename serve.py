@@ -19,7 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from config import ConfigError, SampleConfig, error_exit
+from config import ConfigError, SampleConfig
+from errors import RunFailure, error_contract
 from engine import generate
 from text_generator import load_for_inference
 from tokenizer import can_chat, chat_prompt_ids, stop_ids
@@ -258,6 +259,7 @@ def app_for(server: Server):
                              Route("/v1/chat/completions", chat_completions, methods=["POST"])])
 
 
+@error_contract
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder (default: the default "
@@ -276,11 +278,8 @@ def main(argv=None) -> int:
     try:
         import uvicorn
     except ImportError:
-        error_exit("serving needs starlette and uvicorn: pip install -r requirements.txt", 1)
-    try:
-        server = Server(args)
-    except ValueError as e:
-        error_exit(str(e))
+        raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt") from None
+    server = Server(args)
     print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr,
           flush=True)
     uvicorn.run(app_for(server), host=args.host, port=args.port, log_level="warning")

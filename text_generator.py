@@ -18,7 +18,8 @@ import torch
 from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                         load_model_config, read_model)
 from cli import parse_sections
-from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir, error_exit
+from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir
+from errors import InputError, error_contract
 from device import inference_dtype, pick_device, quantize_int8
 from engine import CHUNK, compiles, generate_text
 from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, fitted
@@ -104,7 +105,7 @@ class TextGenerator:
     def chat(self, messages: list[dict], **settings) -> str:
         """The assistant's reply to a dialogue of {"role", "content"} messages (ChatML models only)."""
         if not can_chat(self.tokenizer):
-            raise ValueError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
+            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
                              "conversations")
         s = replace(self._with(self.settings, settings), num_return_sequences=1)
         texts, _ = generate_text(self.model, self.tokenizer, [chat_prompt_ids(self.tokenizer, messages)], s,
@@ -237,7 +238,7 @@ class Repl:
                     return 0
             except KeyboardInterrupt:
                 print("\n(stopped)")
-            except ValueError as e:  # ConfigError and CheckpointError too: bad input, the REPL goes on
+            except InputError as e:  # a bad command or setting: one line, the REPL goes on
                 print(f"error: {e}", file=sys.stderr, flush=True)
             except torch.OutOfMemoryError:
                 print("error: out of memory, lower max_new_tokens or num_return_sequences", file=sys.stderr)
@@ -255,7 +256,7 @@ class Repl:
 
     def cmd_sample(self, text, settings=None):
         if not text:
-            raise ValueError("give a prompt, for example: sample def main():")
+            raise ConfigError("give a prompt, for example: sample def main():")
         if (settings or self.settings).num_return_sequences > 1:
             return self.cmd_batch(text)
         _write(text)
@@ -266,7 +267,7 @@ class Repl:
 
     def cmd_batch(self, text):
         if not text:
-            raise ValueError("give a prompt, for example: batch def main():")
+            raise ConfigError("give a prompt, for example: batch def main():")
         n = self.settings.num_return_sequences if self.settings.num_return_sequences > 1 else BATCH_SAMPLES
         texts = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=n), text, stream=False)
         for i, t in enumerate(texts, 1):
@@ -293,7 +294,7 @@ class Repl:
 
     def cmd_chat(self, _=""):
         if not self.can_chat:
-            raise ValueError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
+            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
                              "conversations")
         self.chatting, self.messages = True, []
         print("chat mode: type a message; /reset clears the dialogue, /plain returns to plain text")
@@ -316,7 +317,7 @@ class Repl:
             dialogue = dialogue[2:] if len(dialogue) > 2 else dialogue[1:]
             ids = chat_prompt_ids(self.tokenizer, dialogue)
         if len(ids) + room > ctx:
-            raise ValueError(f"the message needs {len(ids)} tokens, more than the context of {ctx} allows")
+            raise ConfigError(f"the message needs {len(ids)} tokens, more than the context of {ctx} allows")
         _write("assistant: ")
         reply = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=1), ids, chat=True)
         self.messages = dialogue + [{"role": "assistant", "content": reply[0].strip()}]
@@ -335,10 +336,7 @@ def warm_up(model, tokenizer, settings: SampleConfig):
 
 def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
     """--eval: bits per byte on the files (or the default validation split) and the code metric; one line."""
-    try:
-        texts = split_texts(DataConfig(sources=files), split=None) if files else split_texts(DataConfig())
-    except ValueError as e:
-        error_exit(str(e))
+    texts = split_texts(DataConfig(sources=files), split=None) if files else split_texts(DataConfig())
     r = bits_per_byte(model, tokenizer, texts)
     rate, n = code_parse_rate(model, tokenizer, texts, fitted(CODE_SETTINGS, model.config.max_seq_len))
     what = ", ".join(files) if files else "the validation split of config.py's data"
@@ -369,18 +367,15 @@ def parse_args(argv):
     return replace(settings, stop=[_unescape(s) for s in settings.stop]), extras
 
 
+@error_contract
 def main(argv=None) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 become U+FFFD, as in the data path
-    try:
-        settings, extras = parse_args(sys.argv[1:] if argv is None else argv)
-        if extras.list:
-            print(list_runs(extras.path or os.path.dirname(default_run_dir())))
-            return 0
-        model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best,
-                                                         settings.quantize)
-    except ValueError as e:  # ConfigError and CheckpointError are ValueErrors: bad input, exit 2
-        error_exit(str(e))
+    settings, extras = parse_args(sys.argv[1:] if argv is None else argv)
+    if extras.list:
+        print(list_runs(extras.path or os.path.dirname(default_run_dir())))
+        return 0
+    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize)
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)
@@ -396,12 +391,7 @@ def main(argv=None) -> int:
     for prompt in prompts:
         if not prompt.strip() and extras.prompt is None:
             continue  # blank lines of stdin separate prompts; --prompt "" asks for a fresh document
-        try:
-            texts = run(model, tokenizer, settings, prompt, stream=settings.num_return_sequences == 1)
-        except ValueError as e:
-            error_exit(str(e))
-        except KeyboardInterrupt:
-            return 130
+        texts = run(model, tokenizer, settings, prompt, stream=settings.num_return_sequences == 1)
         for i, text in enumerate(texts if len(texts) > 1 else [], 1):
             print(f"--- {i} ---\n{text}")
     return 0

@@ -297,3 +297,16 @@ def test_a_single_document_error_also_reports_what_was_skipped(tmp_path):
     cfg = DataConfig(sources=[str(tmp_path)])
     with pytest.raises(DataError, match=r"single document.*skipped 1 binary file.*replaced 1 invalid UTF-8"):
         scan(source_files(cfg), cfg, log=lambda *a: None)
+
+
+def test_resume_with_another_optimizer_is_one_line(corpus, trained, tmp_path, capsys, argv_for):
+    """--resume with another --optimizer once reached a plain ValueError in MuonAdamW.load_state_dict: a
+    traceback. It is bad input: one line naming the optimizer the checkpoint was trained with."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    saved = json.loads((run / "config.json").read_text())["train"]["optimizer"]
+    other = "adamw" if saved == "muon" else "muon"
+    with pytest.raises(SystemExit) as e:
+        trainer.run(argv_for(corpus, run, "--resume", "--max_steps", 6, "--optimizer", other))
+    line = one_error_line(capsys, 2, e)
+    assert f"--optimizer {saved}" in line

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core in import order: a module may import only the ones before it. The three of the second line
 # share a rank: none of them imports another.
-CORE = ["config", "cli", "atomic", "sizing",
+CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
         "tokenizer", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation", "muon_optimizer",
         "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]

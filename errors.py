@@ -1,0 +1,99 @@
+"""The error contract of every script (DESIGN.md): the project's error classes, and error_contract, the one place that
+turns them into an `error:` line and an exit code.
+
+Failures are turned into these classes where they happen (a reader raises DataError naming its file and line);
+error_contract only maps classes to codes: bad input exits 2, a runtime failure we understand exits 1, Ctrl-C 130,
+a reader that closed the pipe leaves quietly. Anything else is a bug and keeps its traceback.
+"""
+
+import functools
+import os
+import sys
+
+
+class InputError(ValueError):
+    """Bad input from the user: exit 2. The message names the file, field or value and what to do."""
+
+
+class ConfigError(InputError):
+    """A bad setting: the message names the field, the value and what to do."""
+
+
+class DataError(InputError):
+    """Bad data input: the message names the file (and line), the problem and what to do."""
+
+
+class CheckpointError(InputError):
+    """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
+
+
+class RunFailure(RuntimeError):
+    """A runtime failure we understand (out of memory, a non-finite loss): exit 1."""
+
+
+class WriteError(RunFailure):
+    """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays."""
+
+
+class CompileError(RunFailure):
+    """torch.compile failed on this machine (a runtime failure): the message names the error and the way out."""
+
+
+def error_exit(message: str, code: int = 2):
+    """Print the one-line error that DESIGN.md promises and leave with the given code."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def exit_code(e: BaseException) -> tuple[int, str | None]:
+    """The exit code for a failure and the line to print (None: print nothing); raises e again for a bug."""
+    torch = sys.modules.get("torch")  # not imported here: config.py imports this file and stays light
+    if isinstance(e, InputError):
+        return 2, str(e)
+    if isinstance(e, (RunFailure, FloatingPointError)):
+        return 1, str(e)
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        return 1, "out of memory; use a smaller batch or model (the script's --help lists the settings)"
+    if isinstance(e, BrokenPipeError):
+        return 1, None  # the reader of our output left (`| head`): nobody is listening for a message
+    if isinstance(e, OSError):  # reads of user input are mapped where they happen; what remains is the system's
+        where = f" ({e.filename})" if e.filename else ""
+        return 1, f"{e.strerror or e}{where}; check the path, its permissions and the free disk space"
+    if isinstance(e, KeyboardInterrupt):
+        return 130, None  # Ctrl-C: the user knows; no traceback
+    raise e
+
+
+def error_contract(main):
+    """Decorates a script's main: it returns what main returns, or prints the failure's one line and exits with
+    its code (SystemExit). A bug keeps its traceback."""
+    @functools.wraps(main)
+    def contracted(*args, **kwargs):
+        try:
+            try:
+                return main(*args, **kwargs)
+            finally:
+                _close_progress_bars()
+        except (Exception, KeyboardInterrupt) as e:
+            code, line = exit_code(e)
+            if isinstance(e, BrokenPipeError):
+                _silence_stdout()
+            if line is not None:
+                print(f"error: {line}", file=sys.stderr)
+            sys.exit(code)
+    return contracted
+
+
+def _close_progress_bars():
+    """An error line then starts on a line of its own, under the bar."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
+        bar.close()
+
+
+def _silence_stdout():
+    """Python flushes stdout at exit; into a closed pipe that would raise again, so point it at /dev/null."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
