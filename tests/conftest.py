@@ -2,10 +2,16 @@
 
 import argparse
 import json
+import os
+import sys
 import textwrap
 
 import pytest
 import torch
+
+# The measurement tools live in tools/ and import each other by name, as when run as scripts.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs scripts in subprocesses or under torchrun; "

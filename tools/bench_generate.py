@@ -1,8 +1,8 @@
 """Decode speed of our engine next to Hugging Face's generate, on the same weights, against the bandwidth bound.
 
-    python bench_generate.py                                   # CPU: the tiny and 12.6M shapes, batch 1 and 8
-    python bench_generate.py --threads 2 --batch_sizes 1       # steadier on a shared machine
-    python bench_generate.py --shapes large --batch_sizes 1 8 32   # a GPU: bf16, preset shapes
+    python tools/bench_generate.py                                   # CPU: the tiny and 12.6M shapes, batch 1 and 8
+    python tools/bench_generate.py --threads 2 --batch_sizes 1       # steadier on a shared machine
+    python tools/bench_generate.py --shapes large --batch_sizes 1 8 32   # a GPU: bf16, preset shapes
 Side by side in one run: ours (engine.generate, compiled: a CUDA graph on CUDA), Hugging Face's generate in
 its fastest mode (static cache + torch.compile) and in its default mode, and the bandwidth bound: the bytes a
 decode step reads (weights, and the KV cache at the mean position) over the device's memory bandwidth (a
@@ -13,9 +13,12 @@ token (a compiled prefill of the prompt's bucket and one sampling step).
 """
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 import torch
 

@@ -1,7 +1,7 @@
 """Muon + AdamW against AdamW alone: same model, same data, same tokens, each at its own best learning rate.
 
-    python compare_optimizers.py                       # tiny preset, 200 steps, on whatever device is found
-    python compare_optimizers.py --preset small --steps 2000 --threads 0
+    python tools/compare_optimizers.py                       # tiny preset, 200 steps, on whatever device is found
+    python tools/compare_optimizers.py --preset small --steps 2000 --threads 0
 
 Every run is `gpu_training_optimized.py` in its own process and run folder under --out. The rate is tuned on
 the first seed: AdamW's --learning_rate, and Muon's --muon_lr (its AdamW part, embeddings and norms, keeps
@@ -19,11 +19,13 @@ import statistics
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
 from config import PRESETS
 from errors import error_contract
 from monitor import read_metrics
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 RATE_FLAG = {"adamw": "learning_rate", "muon": "muon_lr"}
 
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class FakeGPU:
     """The properties the fake device reports (from each card's public specifications)."""

@@ -1,7 +1,7 @@
 """Training throughput of our model against Hugging Face's Qwen3ForCausalLM of the same shape, in one run.
 
-    python bench.py --preset tiny --compile off            # CPU
-    python bench.py --preset large --bench_steps 20        # GPU: bf16, compiled like the trainer
+    python tools/bench.py --preset tiny --compile off            # CPU
+    python tools/bench.py --preset large --bench_steps 20        # GPU: bf16, compiled like the trainer
 Both models run the trainer's own step (gpu_training_optimized.build and train_step: the same optimizer,
 precision, compile mode, accumulation and device-side skip) on the same random tokens, one after the other
 in the same process; the report gives tokens/s, MFU, peak memory and the ratio. `--optimizer_share` then
@@ -11,8 +11,11 @@ Every training setting of config.py applies (--micro_batch_size, --max_seq_len, 
 
 import gc
 import json
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 import torch
 

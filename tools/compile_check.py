@@ -1,7 +1,7 @@
 """The GPU path compiled for an H100 (and an RTX 4090, an A100) on a machine with no GPU.
 
-    python gpu_check.py --compile_only              # every configuration; a table; exit 1 on any failure
-    python compile_check.py --only train-default    # one configuration
+    python tools/gpu_check.py --compile_only              # every configuration; a table; exit 1 on any failure
+    python tools/compile_check.py --only train-default    # one configuration
 Needs a CUDA build of torch (it brings Triton and its ptxas) and a C compiler; no GPU and no driver.
 
 fake_gpu.py stands in for the CUDA runtime and driver: it answers the device queries with the properties of
@@ -27,10 +27,12 @@ import traceback
 import weakref
 from dataclasses import replace
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
 from errors import error_contract
 from fake_gpu import GPUS, fake_gpu_env, shim_library
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 
 
 # ----------------------------------------------------------------------------- in the fake GPU's process

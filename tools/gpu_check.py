@@ -1,10 +1,10 @@
 """Every GPU figure of README from one command, in parts that each finish within about 8 minutes; and, with no
 GPU at all, the compile check (--compile_only).
 
-    python gpu_check.py --out gpu_results                    # every part, one after the other
-    python gpu_check.py --part throughput --out gpu_results  # one part; the report is rebuilt after each
-    python gpu_check.py --dry_run --out /tmp/dry             # CPU: every configuration on the tiny shape
-    python gpu_check.py --compile_only                       # no GPU: the GPU path compiled on fake tensors
+    python tools/gpu_check.py --out gpu_results                    # every part, one after the other
+    python tools/gpu_check.py --part throughput --out gpu_results  # one part; the report is rebuilt after each
+    python tools/gpu_check.py --dry_run --out /tmp/dry             # CPU: every configuration on the tiny shape
+    python tools/gpu_check.py --compile_only                       # no GPU: the GPU path compiled on fake tensors
 Parts: throughput (ours and Hugging Face's Qwen3 of the same shape, small/medium/large, bf16, compile default,
 on the trainer's own train_step; MFU, peak memory against the estimate, the optimizer's share), autotune
 (the same with max-autotune), graphs (CUDA-graph modes at accumulation 1 and 4 against compile default),
@@ -25,6 +25,8 @@ import tempfile
 import time
 from dataclasses import replace
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
 import torch
 
 import bench
@@ -38,7 +40,7 @@ from hf_format import hf_twin
 from monitor import device_report, peak_flops, read_metrics
 from sizing import fill_automatic, training_bytes_estimate
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
@@ -172,7 +174,7 @@ def write_report(out: str, path: str):
     found = {p: json.load(open(os.path.join(out, f"{p}.json"))) for p in PARTS
              if os.path.isfile(os.path.join(out, f"{p}.json"))}
     meta = next(iter(found.values()), {}).get("meta", {})
-    lines = ["# GPU report", "", f"Written by `python gpu_check.py` on {meta.get('device', 'n/a')}, torch "
+    lines = ["# GPU report", "", f"Written by `python tools/gpu_check.py` on {meta.get('device', 'n/a')}, torch "
              f"{meta.get('torch', 'n/a')}, {meta.get('date', '')}.", ""]
     for part in ("throughput", "autotune"):
         if part in found:
