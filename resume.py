@@ -111,7 +111,7 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng_torch"])
-    budget = {"spent_s": state["spent_s"]} if "spent_s" in state else {}
+    budget = {k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state}  # the clock's state()
     return state["step"], state["tokens"], state["best_val_loss"], budget
 
 

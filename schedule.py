@@ -34,13 +34,14 @@ class RunClock:
     values, so every rank computes the same learning rate and stops at the same step.
     """
 
-    def __init__(self, t, launch: float, spent_s: float = 0.0):
-        """launch: time.monotonic() when this session started; spent_s: the budget earlier sessions used."""
+    def __init__(self, t, launch: float, spent_s: float = 0.0, step_s: float = 0.0, overhead_s: dict | None = None):
+        """launch: time.monotonic() when this session started; spent_s, step_s and overhead_s: what earlier
+        sessions measured (state()), so a resumed run's schedule continues where it stopped."""
         self.t, self.by_time = t, t.max_minutes > 0
         self.budget_s = t.max_minutes * 60
         self.launch = launch - spent_s
-        self.step_s = 0.0  # the mean seconds of a step, 0 until measured
-        self.overhead_s = {"eval": 0.0, "save": 0.0}  # the longest evaluation and checkpoint seen
+        self.step_s = step_s  # the mean seconds of a step, 0 until measured
+        self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.synced_step, self.synced_remaining = 0, math.inf
         self._window_start = self._window_step = None
         self._window_overhead = 0.0
@@ -115,5 +116,6 @@ class RunClock:
         return step % self.t.save_interval == 0 if self.t.save_interval else evaluated
 
     def state(self) -> dict:
-        """What a checkpoint keeps so that a resumed run continues the budget."""
-        return {"spent_s": self.spent_s()}
+        """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
+        the step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup)."""
+        return {"spent_s": self.spent_s(), "step_s": self.step_s, "overhead_s": dict(self.overhead_s)}

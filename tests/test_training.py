@@ -372,6 +372,22 @@ def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, capsys, 
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_resumed_time_budget_keeps_its_schedule_position(corpus, tmp_path, argv_for):
+    """Under --max_minutes the clock once saved only the seconds spent: the first steps of a resumed session,
+    before their speed was measured, saw progress 0, so the learning rate dropped from mid-schedule to 0 (or to
+    the peak without warmup) and back. The checkpoint keeps the step time, and the first resumed step continues
+    the schedule."""
+    run = tmp_path / "run"
+    budget = ("--max_minutes", 30, "--warmup_ratio", 0.5, "--eval_interval", 100)
+    assert trainer.main(argv_for(corpus, run, *budget, "--max_steps", 6)) == 0
+    before = read_metrics(run, "train")
+    assert trainer.main(argv_for(corpus, run, *budget, "--max_steps", 9, "--resume")) == 0
+    after = [r for r in read_metrics(run, "train") if r["step"] > 6]
+    assert [r["step"] for r in after] == [7, 8, 9]
+    last, first = before[-1]["lr_scale"], after[0]["lr_scale"]
+    assert last > 0 and 0.5 * last < first < 3 * last, (last, first)  # warmup: it only rises, at the same pace
+
+
 def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
     """Under CUDA graphs a backward's outputs live in the graph's pool and the next replay overwrites them, so
     gradients must stay in buffers of their own: with persistent gradients (forced here on a CPU), every .grad
