@@ -198,7 +198,8 @@ def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, moni
     needs every rank), recorded, plotted and written under the progress bar."""
     val_loss = evaluate(b.raw_model, b.amp, val_batches, t.eval_batches, dist)
     with b.amp:
-        (code_ok, code_n), samples = probe.code(b.raw_model), probe.samples(b.raw_model)
+        (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if probe else \
+            ((float("nan"), 0), [])
     if monitor:
         r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"], code_ok=code_ok, code_samples=code_n)
         code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
@@ -372,7 +373,8 @@ def main(argv=None) -> int:
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
         if evaluated:
-            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar, probe)
+            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar,
+                             probe if clock.full_eval(step, last_step) else None)
             best_val = min(best_val, val_loss)
         saving = not fresh and (last_step or clock.save_due(step, evaluated) or stopping)
         if saving:
@@ -380,7 +382,7 @@ def main(argv=None) -> int:
                               val_loss if evaluated else None) or last_ckpt
         if last_step or (stopping and not fresh):
             break
-        if clock.by_time and (evaluated or saving):
+        if evaluated or saving:
             clock.sync(step, dist, measure=False)  # the time they took is gone from the budget: count it now
         if monitor and (evaluated or saving):
             monitor.reset_clock(step, tokens)  # tokens/s and MFU measure training steps, not the evaluation
@@ -407,7 +409,7 @@ def main(argv=None) -> int:
         monitor.close()
     if dist.is_main:
         print(summary(step, tokens, clock.spent_s(), best_val, ds.meta["val_bytes_per_token"], last_ckpt, device,
-                      stopping, dist.launcher()))
+                      stopping, dist.launcher()) + "\n" + clock.eval_report())
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()
     return 0

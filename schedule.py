@@ -5,13 +5,16 @@ checkpoint, data preparation and compile included). Either way the schedule sees
 of the run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps
 are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
 for the final evaluation and checkpoint; a resumed run carries on with what its earlier sessions left.
-Evaluations left automatic fall at every sixth of the run.
+Evaluations left automatic fall at every sixth of the run, as long as evaluating keeps to EVAL_SHARE of the
+time so far (a 10-step smoke run evaluates only at its end); one that would fall just before the final one is
+left to it.
 """
 
 import math
 import time
 
-AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
+from sizing import AUTO_EVALS, EVAL_SHARE
+
 
 
 def lr_multiplier(progress: float, t) -> float:
@@ -39,13 +42,16 @@ class RunClock:
         sessions measured (state()), so a resumed run's schedule continues where it stopped."""
         self.t, self.by_time = t, t.max_minutes > 0
         self.budget_s = t.max_minutes * 60
-        self.launch = launch - spent_s
+        self.launch, self.session_start = launch - spent_s, launch
         self.step_s = step_s  # the mean seconds of a step, 0 until measured
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
+        self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         self.synced_step, self.synced_remaining = 0, math.inf
+        self.synced_eval = (0.0, 0.0, 0.0)  # (evaluation seconds spent, one evaluation's expected, seconds spent)
         self._window_start = self._window_step = None
         self._window_overhead = 0.0
         self._sixths = None  # sixths of the run already evaluated at
+        self._last_eval = 0.0  # the progress of this session's last automatic evaluation
 
     # ---- measuring
     def spent_s(self) -> float:
@@ -56,12 +62,17 @@ class RunClock:
         """An evaluation or checkpoint just took this long: the final ones are kept room for."""
         self.overhead_s[kind] = max(self.overhead_s[kind], seconds)
         self._window_overhead += seconds
+        if kind == "eval":
+            self.eval_spent_s, self.evals = self.eval_spent_s + seconds, self.evals + 1
 
-    def reserve_s(self, eval_batches: int, grad_accum: int) -> float:
+    def eval_s(self) -> float:
+        """One evaluation's seconds: the longest seen, or before any, twice the forward passes of its batches
+        (a forward is about a third of a step; the code metric and samples cost about as much again)."""
+        return self.overhead_s["eval"] or 2 * self.t.eval_batches * self.step_s / self.t.grad_accum_steps / 3
+
+    def reserve_s(self) -> float:
         """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any."""
-        evaluation = self.overhead_s["eval"] or eval_batches * self.step_s / grad_accum / 2  # forward only
-        save = self.overhead_s["save"] or 2.0
-        return 1.25 * (evaluation + save) + self.step_s
+        return 1.25 * (self.eval_s() + (self.overhead_s["save"] or 2.0)) + self.step_s
 
     def sync(self, step: int, dist, measure: bool = True):
         """Measure the steps since the last sync and agree on the time figures over ranks (a collective).
@@ -71,10 +82,12 @@ class RunClock:
         if measure and self._window_start is not None and step > self._window_step:
             self.step_s = (now - self._window_start - self._window_overhead) / (step - self._window_step)
         self._window_start, self._window_step, self._window_overhead = now, step, 0.0
-        remaining = self.budget_s - self.spent_s() - self.reserve_s(self.t.eval_batches, self.t.grad_accum_steps)
-        # The slowest rank's clock is everyone's: the longest step, the least time left.
-        self.step_s, neg_remaining = dist.maximum([self.step_s, -remaining])
-        self.synced_step, self.synced_remaining = step, -neg_remaining
+        spent = self.spent_s()
+        remaining = self.budget_s - spent - self.reserve_s()
+        # The slowest rank's clock is everyone's: the longest step, the least time left, the most spent.
+        self.step_s, neg_remaining, *evals = dist.maximum([self.step_s, -remaining, self.eval_spent_s, self.eval_s(),
+                                                           spent])
+        self.synced_step, self.synced_remaining, self.synced_eval = step, -neg_remaining, tuple(evals)
 
     # ---- deciding
     def _since_sync(self, step: int) -> float:
@@ -108,7 +121,34 @@ class RunClock:
             self._sixths = reached
         due = reached > self._sixths
         self._sixths = max(self._sixths, reached)
-        return due
+        done = self.progress(step - 1)
+        # Half a sixth apart at least, the final one included: a budget's estimate of the run's length moves.
+        apart = done - self._last_eval > 0.5 / AUTO_EVALS and done < 1 - 0.5 / AUTO_EVALS
+        if due and apart and self.affords_eval(step):
+            self._last_eval = done
+            return True
+        return False
+
+    def affords_eval(self, step: int) -> bool:
+        """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so far
+        (from the figures agreed at the last sync, so every rank decides alike)."""
+        spent_on_evals, one, spent = self.synced_eval
+        if not one:
+            return False  # neither a step nor an evaluation measured yet: nothing to judge the cost by
+        return spent_on_evals + one <= EVAL_SHARE * (spent + self._since_sync(step) + one)
+
+    def full_eval(self, step: int, last_step: bool) -> bool:
+        """Whether the evaluation before this step adds the code metric and samples to the val loss: always, but
+        at the end of a run where they would pass EVAL_SHARE, or, under a budget, cost time not yet measured."""
+        if self.t.eval_interval or not last_step:
+            return True
+        return self.affords_eval(step) and (not self.by_time or self.overhead_s["eval"] > 0)
+
+    def eval_report(self) -> str:
+        """One line: this session's evaluations and their share of its time."""
+        share = self.eval_spent_s / max(time.monotonic() - self.session_start, 1e-9)
+        return (f"evaluation: {self.evals} in {self.eval_spent_s:.1f} s, {100 * share:.1f}% of this session's time"
+                + ("" if self.t.eval_interval else f" (automatic ones keep to {100 * EVAL_SHARE:.0f}%)"))
 
     def save_due(self, step: int, evaluated: bool) -> bool:
         """A checkpoint before this step (besides the final one): every save_interval steps, or with each

@@ -21,6 +21,8 @@ BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-lev
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
 EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
+AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
+EVAL_SHARE = 0.05  # automatic evaluations (val loss, code metric, samples) take at most this share of the time
 LOGIT_BYTES = 12  # per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
 CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
 GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
@@ -118,8 +120,6 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> l
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1) -> list[str]:
     """Fill max_steps, max_minutes and eval_batches where automatic, once the corpus is tokenized; report lines."""
     t, notes = cfg.train, []
-    if t.eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
-        t.eval_batches = math.ceil(EVAL_TOKENS / (t.micro_batch_size * cfg.model.max_seq_len))
     if t.max_minutes == AUTO and t.max_steps == AUTO and machine.kind != "cuda":
         t.max_minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
@@ -131,4 +131,10 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
                      f"tokens at {per_step:,} tokens per step)")
     elif t.max_steps == AUTO:
         notes.append(f"automatic: no step limit, the {t.max_minutes:g}-minute budget ends the run")
+    if t.eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
+        run_tokens = t.max_steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size
+        # A forward is about a third of a step: AUTO_EVALS evaluations of these tokens take EVAL_SHARE of a run in
+        # steps (a 10-step smoke run reads one micro-batch); under a time budget the clock spaces them out.
+        tokens = min(EVAL_TOKENS, 3 * EVAL_SHARE * run_tokens / AUTO_EVALS) if t.max_steps else EVAL_TOKENS
+        t.eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
     return notes
