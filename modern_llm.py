@@ -66,27 +66,12 @@ class KVCache:
 
 # ----------------------------------------------------------------------------- layers
 
-class Linear(nn.Linear):
-    """A bias-free nn.Linear. Compiled on a CPU, a few rows (decoding) multiply and sum instead of calling a
-    matmul kernel: inductor makes that one pass over the weight at memory speed, where BLAS for one row reaches
-    a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Elsewhere, and under
-    autocast, it is F.linear."""
-    REDUCE_ROWS = 16  # measured on a 2-core CPU: faster than BLAS through 16 rows, slower at 32
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose weight takes the input's dtype: under autocast the queries and keys arrive in bf16, and a
+    float32 weight would send F.rms_norm off its fused kernel (with a "Mismatch dtype" warning)."""
 
     def forward(self, x):
-        w = self.weight
-        if not (torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-                and x.numel() <= self.REDUCE_ROWS * x.shape[-1]):
-            return F.linear(x, w)
-        if type(w) in (torch.Tensor, nn.Parameter):
-            return (x.unsqueeze(-2) * w).sum(-1)
-        if type(w).__name__ == "Int8Tensor" and w.scale.shape == (w.shape[0], 1):  # torchao's, a scale per row
-            ints = w.qdata.to(x.dtype) - w.zero_point.to(x.dtype)
-            return (x.unsqueeze(-2) * ints).sum(-1) * w.scale.to(x.dtype).squeeze(-1)
-        return F.linear(x, w)
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 class Attention(nn.Module):
@@ -95,12 +80,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_head * self.head_dim)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim)
-        self.o_proj = Linear(self.n_head * self.head_dim, cfg.hidden_size)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
         B, T, _ = x.shape
@@ -122,9 +107,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -135,9 +120,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
@@ -153,8 +138,8 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

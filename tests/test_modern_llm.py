@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import config
-from modern_llm import Linear, Transformer, apply_rope, cross_entropy, rope_tables
+from engine import RowProductLinear
+from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
 from sizing import count_parameters
 
 
@@ -112,7 +113,7 @@ def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
     """Compiled on a CPU, up to REDUCE_ROWS rows become a multiply and a sum (the fast decode), more rows and
     autocast regions keep F.linear; either way the result is the float64 product's."""
     torch.manual_seed(0)
-    lin = Linear(48, 80)
+    lin = RowProductLinear(48, 80, bias=False)
 
     def ops_of(x, autocast=False):
         graph = []
@@ -124,12 +125,47 @@ def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
             assert torch.allclose(out.double(), x.double() @ lin.weight.double().T, atol=1e-5)
         return graph
 
-    assert "sum" in ops_of(torch.randn(1, 1, 48)) and "sum" in ops_of(torch.randn(Linear.REDUCE_ROWS, 48))
-    for graph in (ops_of(torch.randn(2, Linear.REDUCE_ROWS, 48)), ops_of(torch.randn(1, 48), autocast=True)):
+    assert "sum" in ops_of(torch.randn(1, 1, 48)) and "sum" in ops_of(torch.randn(RowProductLinear.REDUCE_ROWS, 48))
+    for graph in (ops_of(torch.randn(2, RowProductLinear.REDUCE_ROWS, 48)), ops_of(torch.randn(1, 48), autocast=True)):
         assert "sum" not in graph and any("linear" in op for op in graph)
     x = torch.randn(3, 48)
     assert torch.allclose(torch.compile(lin)(x).double(), x.double() @ lin.weight.double().T, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_the_model_is_plain_and_generation_swaps_in_the_decode_path(tiny_config):
+    """The model once branched on compile state, the device, autocast and torchao's int8 layout in its own
+    Linear; it is plain nn.Linear now, and the engine swaps in RowProductLinear when it compiles on a CPU."""
+    from config import SampleConfig
+    from engine import generate
+    source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
+    assert "is_compiling" not in source and "Int8Tensor" not in source
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=64)).eval()
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    prompts = [[1, 2, 3]]
+    eager = generate(model, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="false"))
+    compiled = generate(model, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {RowProductLinear}
+    assert compiled == eager
+    torch._dynamo.reset()
+
+
+def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
+    """Queries and keys reach their RMSNorm in bf16 under autocast; with a float32 weight F.rms_norm fell back
+    to its unfused path and warned "Mismatch dtype" on every run. The norm matches a float64 reference."""
+    from modern_llm import RMSNorm
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16).bfloat16()
+    out = norm(x)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=2e-2, atol=1e-2)
+    model = Transformer(tiny_config(vocab_size=64))  # 2 layers: 4 norms each with QK-norm, and the final one
+    with torch.profiler.profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 64, (2, 16)))
+    assert [e.name for e in prof.events()].count("aten::_fused_rms_norm") == 9
 
 
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
@@ -137,7 +173,7 @@ def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
     values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
     from device import quantize_int8
     torch.manual_seed(0)
-    lin = quantize_int8(torch.nn.Sequential(Linear(64, 40)))[0]
+    lin = quantize_int8(torch.nn.Sequential(RowProductLinear(64, 40, bias=False)))[0]
     x = torch.randn(1, 64)
     reference = x.double() @ lin.weight.dequantize().double().T
     torch._dynamo.reset()
