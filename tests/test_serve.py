@@ -177,3 +177,23 @@ def test_a_burst_of_requests_is_batched_correctly_and_memory_stays_flat(server, 
     grown = psutil.Process(proc.pid).memory_info().rss - rss
     assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB more after the burst"
     print(f"50 requests in {seconds:.2f} s: {50 / seconds:.1f} requests/s, {50 * 8 / seconds:.0f} tokens/s")
+
+
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
+    """The server once derived finish_reason from the length alone, so a stop string completed by the last token
+    max_tokens allows was reported as "length"; the engine now says why each sequence ended."""
+    _, _, client = server
+    ask = lambda prompt, n, **kw: client.completions.create(model="run1", prompt=prompt, max_tokens=n,  # noqa: E731
+                                                           temperature=0, **kw).choices[0]
+    for prompt in ("class Stack", "return n", "import os\n", "def push(self"):
+        for n in (2, 3, 4, 5, 6):
+            before, whole = ask(prompt, n - 1).text, ask(prompt, n)
+            last = whole.text[len(before):]  # the text of the last token, found nowhere before it
+            if whole.finish_reason == "length" and before and last.strip() and whole.text.find(last) == len(before):
+                cut = ask(prompt, n, stop=[last])
+                assert cut.text == before and cut.finish_reason == "stop"
+                chunks = list(client.completions.create(model="run1", prompt=prompt, max_tokens=n, temperature=0,
+                                                        stop=[last], stream=True))
+                assert chunks[-1].choices[0].finish_reason == "stop"
+                return
+    pytest.fail("no prompt's greedy text ends in a token whose text is new; try other prompts")
