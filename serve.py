@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder (default: the default "
                                                        "run folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="1 to 65535")
     p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")
     p.add_argument("--name", default="", help="the model's name in the API (default: the folder's)")
     p.add_argument("--best", action="store_true", help="a run folder's best checkpoint, not its newest")
@@ -316,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
     p.add_argument("--max_batch", type=int, default=8, help="requests generated together at most")
     args = p.parse_args(argv)
+    if not 0 < args.port < 2**16:
+        raise ConfigError(f"--port {args.port} is out of range, use a port from 1 to 65535")
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
     server = Server(args)

@@ -197,3 +197,10 @@ def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
                 assert chunks[-1].choices[0].finish_reason == "stop"
                 return
     pytest.fail("no prompt's greedy text ends in a token whose text is new; try other prompts")
+
+
+def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
+    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), tiny_checkpoint, "--port", "70000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --port 70000") and r.stderr.count("\n") == 1, r.stderr
