@@ -5,7 +5,8 @@
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
 The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and generates through the
 same engine. Requests that arrive together are batched, each row with its own settings; the rest queue.
-A bad request gets a 400 with an OpenAI-style error body and the server goes on.
+A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
+Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it).
 """
 
 import argparse
@@ -28,6 +29,7 @@ from tokenizer import can_chat, chat_prompt_ids, stop_ids
 try:  # optional until serving: main() names what to install
     import uvicorn
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:
@@ -35,6 +37,7 @@ except ImportError:
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
+MAX_BODY = 2**20  # bytes of a request body: the text of a 32k-token context is about 128 KB
 
 
 class BadRequest(Exception):
@@ -117,6 +120,30 @@ class Worker(threading.Thread):
 
 
 # ----------------------------------------------------------------------------- requests
+
+async def read_json(request) -> dict:
+    """The request's JSON object, read up to MAX_BODY bytes (413 past them, before reading when the length
+    says so); BadRequest otherwise."""
+    too_big = BadRequest(f"the request body is over {MAX_BODY} bytes; send a shorter prompt", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise too_big
+    data = bytearray()
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > MAX_BODY:  # a chunked body has no length to check first: stop reading it here
+                raise too_big
+    except ClientDisconnect:
+        raise BadRequest("the client left before sending the whole body") from None
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):  # ValueError: bad JSON or UTF-8, an integer of over 4300 digits
+        raise BadRequest("the request body is not valid JSON (or nests too deeply); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
 
 def number(body: dict, name: str, default, kind=float, low=None, high=None):
     """body[name], or default when absent or null, as an int or float in [low, high]; BadRequest naming it."""
@@ -230,12 +257,8 @@ async def complete(request, chat: bool):
         return refuse(BadRequest("invalid API key: send Authorization: Bearer KEY", status=401,
                                  kind="authentication_error"))
     try:
-        body = json.loads(await request.body())
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+        body = await read_json(request)
         job = server.job(body, chat)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return refuse(BadRequest("the request body is not valid JSON"))
     except BadRequest as e:
         return refuse(e)
     server.worker.jobs.put(job)

@@ -4,6 +4,7 @@ limit, clients leaving mid-stream, and a burst of 50 concurrent requests."""
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+import serve
 from config import SampleConfig
 from engine import generate_text
 from text_generator import load_for_inference
@@ -30,12 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(ckpt: str, *flags):
-    """The server in a subprocess, once it answers; (process, base URL)."""
+def start(ckpt: str, *flags, log: str = os.devnull):
+    """The server in a subprocess, once it answers, its stderr into the file `log`; (process, base URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), ckpt, "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+    with open(log, "w") as err:  # a file, not a pipe: a test reads it while the server runs, and it never fills
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), ckpt, "--port", str(port), *flags],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONPATH": ROOT})
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -46,15 +48,17 @@ def start(ckpt: str, *flags):
             return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read())
+                raise RuntimeError(open(log).read())
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("the server did not start")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    proc, url = start(tiny_checkpoint)
+def server(tiny_checkpoint, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("serve") / "stderr.log")
+    proc, url = start(tiny_checkpoint, log=log)
+    proc.log = log  # what the server printed: no traceback for anything a client sends
     yield proc, url, openai.OpenAI(base_url=url, api_key="unused")
     proc.terminate()
     proc.wait(timeout=30)
@@ -120,8 +124,12 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
     (json.dumps({"model": "run1", "prompt": 5}).encode(), "prompt"),
     (json.dumps({"model": "run1", "prompt": "x", "stop": 7}).encode(), "stop"),
     (json.dumps([1, 2]).encode(), None),
-], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list"])
+    (b'{"prompt": ' + b"[" * 100_000, None),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list",
+        "deep-nesting", "5000-digit-integer"])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
+    """The last two once got a 500: a RecursionError, and the ValueError of an integer past 4300 digits."""
     proc, url, client = server
     status, answer = post(url, "/completions", body)
     assert status == 400 and answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
@@ -204,3 +212,49 @@ def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), tiny_checkpoint, "--port", "70000"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: --port 70000") and r.stderr.count("\n") == 1, r.stderr
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def head(length: str) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n\r\n"
+            .encode())
+
+
+def test_a_body_over_the_bound_is_refused_before_it_is_read(server):
+    """A 50 MB body was once read whole (80 s, 3 GB resident) before its 400; a declared length past MAX_BODY
+    is now refused at once, with nothing of the body sent."""
+    _, url, _ = server
+    with connect(url) as s:
+        s.sendall(head("Content-Length: 50000000"))
+        assert select.select([s], [], [], 10)[0], "no answer without the body"
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_a_chunked_body_is_cut_at_the_bound(server):
+    """A chunked body has no length to check first; the server once buffered all of it. Now the answer is a
+    413 as soon as MAX_BODY bytes have come, while the client is still sending."""
+    proc, url, client = server
+    piece, sent = b"x" * 2**16, 0
+    with connect(url) as s:
+        s.sendall(head("Transfer-Encoding: chunked"))
+        while sent < 8 * serve.MAX_BODY and not select.select([s], [], [], 0.01)[0]:
+            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        assert sent < 8 * serve.MAX_BODY, "no answer while the body kept coming"
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert client.completions.create(model="run1", prompt="x", max_tokens=2).choices
+
+
+def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
+    """A client that closed after part of its declared body once left an 'Exception in ASGI application'
+    traceback in the server's log."""
+    proc, url, client = server
+    with connect(url) as s:
+        s.sendall(head("Content-Length: 100") + b'{"prompt": ')
+    time.sleep(0.5)  # the server sees the connection close
+    assert client.completions.create(model="run1", prompt="x", max_tokens=2).choices
+    assert "Traceback" not in open(proc.log).read()
