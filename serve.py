@@ -6,22 +6,26 @@ Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_k
 The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and generates through the
 same engine. Requests that arrive together are batched, each row with its own settings; the rest queue.
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
-Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it).
+Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
+characters each, n up to 16, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone surrogates
+("\\ud800") in any field, are refused.
 """
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import queue
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field, replace
 
 from config import ConfigError, SampleConfig
-from errors import RunFailure, error_contract
+from errors import RunFailure, error_contract, exit_code
 from engine import check_prompt, generate
 from text_generator import load_for_inference
 from tokenizer import can_chat, chat_prompt_ids, stop_ids
@@ -38,6 +42,9 @@ except ImportError:
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
 MAX_BODY = 2**20  # bytes of a request body: the text of a 32k-token context is about 128 KB
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's 4 stop strings; each one's prefixes are checked at every token
+MAX_N = 16  # choices per request
+INT64_MAX = 2**63 - 1  # a seed or top_k past torch's int64 overflows in the worker
 
 
 class BadRequest(Exception):
@@ -67,9 +74,11 @@ class Job:
     chat: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    heard: bool = False  # an event went out: a failed batch can no longer be retried for this job
     cancelled: bool = False
 
     def put(self, event: Event):
+        self.heard = True
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     async def stream(self):
@@ -111,12 +120,28 @@ class Worker(threading.Thread):
                            on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
                            cancelled=lambda i: owner[i][0].cancelled, on_end=reasons.__setitem__)
         except Exception as e:  # the engine's refusal (memory), or a bug: the requests fail, the server goes on
+            if len(jobs) > 1 and not any(j.heard for j in jobs):
+                for j in jobs:  # nothing sent yet: each request alone, so one's failure stays its own
+                    self.serve([j])
+                return
             for j in jobs:
-                j.put(Event(error=BadRequest(str(e), status=500, kind="server_error")))
+                j.put(Event(error=failure(e)))
             return
         for i, ((job, k), ids) in enumerate(zip(owner, out)):
             if i in reasons:  # a cancelled row has no reason, and no reader
                 job.put(Event(k, finish_reason=reasons[i], tokens=len(ids)))
+
+
+def failure(e: Exception) -> BadRequest:
+    """A failed generation's answer, by the scripts' own classes (errors.exit_code): 400 for bad input (a batch
+    too big for memory), else 500; a bug's traceback goes to the log."""
+    try:
+        code, line = exit_code(e)
+    except Exception:  # exit_code raises a bug again: keep its traceback, in the log
+        traceback.print_exception(e)
+        code, line = 1, None
+    message = line or str(e)
+    return BadRequest(message) if code == 2 else BadRequest(message, status=500, kind="server_error")
 
 
 # ----------------------------------------------------------------------------- requests
@@ -142,38 +167,56 @@ async def read_json(request) -> dict:
         raise BadRequest("the request body is not valid JSON (or nests too deeply); send a JSON object") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_text(body)
     return body
 
 
+def check_text(body: dict):
+    """Refuse a field holding a lone surrogate (JSON's "\\ud800"): no tokenizer or UTF-8 answer can carry one."""
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            name = name.encode("utf-8", "backslashreplace").decode()  # the name itself may hold the surrogate
+            raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                             "text; send valid Unicode", name) from None
+        except RecursionError:
+            raise BadRequest(f"{name} nests too deeply", name) from None
+
+
 def number(body: dict, name: str, default, kind=float, low=None, high=None):
-    """body[name], or default when absent or null, as an int or float in [low, high]; BadRequest naming it."""
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}", name)
+    """body[name], or default when absent or null, as a finite int or float in [low, high]; BadRequest naming it."""
+    value = body.get(name)
+    value = default if value is None else value
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))  # JSON allows Infinity
+    if isinstance(value, bool) or not finite or (kind is int and value != int(value)):
+        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' finite number'}, got {value!r:.40}", name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"{name}={value} is out of range [{low}, {high}]", name)
+        raise BadRequest(f"{name}={value!r:.40} is out of range [{low}, {high}]", name)
     return kind(value)
 
 
 def settings_of(body: dict, ctx: int, chat: bool = False) -> SampleConfig:
     """SampleConfig from an OpenAI request body; BadRequest naming the parameter when a value is wrong. Without
     max_tokens a completion gets OpenAI's 16 tokens and a chat reply the rest of the context."""
-    default = body.get("max_completion_tokens") or (ctx if chat else DEFAULT_MAX_TOKENS)
+    default = number(body, "max_completion_tokens", ctx if chat else DEFAULT_MAX_TOKENS, int, 1, ctx)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+        raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"a stop string has {max(map(len, stop))} characters, more than the {MAX_STOP_CHARS} "
+                         "allowed; shorten it", "stop")
     try:
         return SampleConfig(max_new_tokens=number(body, "max_tokens", default, int, 1, ctx),
                             temperature=number(body, "temperature", 1.0, float, 0, 2),
-                            top_p=max(number(body, "top_p", 1.0, float, 0, 1), 1e-9), top_k=0, stop=stop,
-                            seed=number(body, "seed", -1, int, -1),
-                            num_return_sequences=number(body, "n", 1, int, 1, 16), repetition_penalty=1.0,
-                            compile="false")
+                            top_p=max(number(body, "top_p", 1.0, float, 0, 1), 1e-9),
+                            top_k=max(number(body, "top_k", 0, int, -1, INT64_MAX), 0),  # -1: off, as in vLLM
+                            seed=number(body, "seed", -1, int, -1, INT64_MAX),
+                            num_return_sequences=number(body, "n", 1, int, 1, MAX_N),
+                            stop=stop, repetition_penalty=1.0, compile="false")
     except ConfigError as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), getattr(e, "field", None)) from None
 
 
 class Server:
@@ -189,7 +232,7 @@ class Server:
     def job(self, body: dict, chat: bool) -> Job:
         """The request as a job for the worker, every value checked first: a bad one never joins a batch."""
         if body.get("model") not in (None, self.name):
-            raise BadRequest(f"model {body.get('model')!r} does not exist, this server has {self.name!r}", "model")
+            raise BadRequest(f"model {body.get('model')!r:.80} does not exist, this server has {self.name!r}", "model")
         if chat:
             if not can_chat(self.tokenizer):
                 raise BadRequest("this model was not trained on conversations (its tokenizer has no <|im_start|>); "
@@ -258,6 +301,8 @@ async def complete(request, chat: bool):
                                  kind="authentication_error"))
     try:
         body = await read_json(request)
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            raise BadRequest("stream must be true or false", "stream")
         job = server.job(body, chat)
     except BadRequest as e:
         return refuse(e)

@@ -1,13 +1,16 @@
 """Tests of serve.py through the openai client and plain HTTP, against a server started on 127.0.0.1: results
 equal to the one-shot CLI's, streaming, OpenAI-style refusals the server survives, the API key, the context
-limit, clients leaving mid-stream, and a burst of 50 concurrent requests."""
+limit, clients leaving mid-stream, and a burst of 50 concurrent requests. Batching faults are held to in this
+process, through Starlette's TestClient, with the worker held so that requests share a batch."""
 
+import argparse
 import json
 import os
 import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +22,7 @@ import pytest
 import serve
 from config import SampleConfig
 from engine import generate_text
+from errors import RunFailure
 from text_generator import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,12 +128,27 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
     (json.dumps({"model": "run1", "prompt": 5}).encode(), "prompt"),
     (json.dumps({"model": "run1", "prompt": "x", "stop": 7}).encode(), "stop"),
     (json.dumps([1, 2]).encode(), None),
+    (json.dumps({"prompt": "x", "seed": 1e30}).encode(), "seed"),
+    (json.dumps({"prompt": "x", "max_tokens": float("inf")}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "max_completion_tokens": float("inf")}).encode(), "max_completion_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": float("nan")}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "temperature": float("nan")}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "top_p": float("nan")}).encode(), "top_p"),
+    (json.dumps({"prompt": "x", "top_k": "5"}).encode(), "top_k"),
+    (json.dumps({"prompt": "x", "n": True}).encode(), "n"),
+    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"prompt": "x", "stop": "y" * (serve.MAX_STOP_CHARS + 1)}).encode(), "stop"),
+    (json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
     (b'{"prompt": ' + b"[" * 100_000, None),
     (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
 ], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list",
-        "deep-nesting", "5000-digit-integer"])
+        "huge-seed", "infinite-max-tokens", "infinite-max-completion-tokens", "nan-max-tokens", "nan-temperature",
+        "nan-top-p", "text-top-k", "bool-n", "text-stream", "long-stop", "lone-surrogate", "deep-nesting",
+        "5000-digit-integer"])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
-    """The last two once got a 500: a RecursionError, and the ValueError of an integer past 4300 digits."""
+    """From huge-seed on, each once got a 500 (an overflow, a RecursionError, a tokenizer's TypeError on a lone
+    surrogate), a 400 naming no parameter (NaN), or was served against its meaning (a 1 MB stop string held the
+    worker a minute, "stream": "yes" streamed)."""
     proc, url, client = server
     status, answer = post(url, "/completions", body)
     assert status == 400 and answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
@@ -258,3 +277,64 @@ def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
     time.sleep(0.5)  # the server sees the connection close
     assert client.completions.create(model="run1", prompt="x", max_tokens=2).choices
     assert "Traceback" not in open(proc.log).read()
+
+
+# ----------------------------------------------------------------------------- batches, in this process
+
+@pytest.fixture(scope="module")
+def app(tiny_checkpoint):
+    """The server's application in this process, (server, TestClient), for tests that hold its worker."""
+    from starlette.testclient import TestClient
+    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none",
+                                             name="", api_key="", compile="false", max_batch=8))
+    with TestClient(serve.app_for(server)) as client:
+        yield server, client
+
+
+def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None = None) -> list:
+    """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every body
+    it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
+    server, client = app
+    entered, release, real = threading.Event(), threading.Event(), serve.generate
+
+    def engine(model, prompts, *args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        if fail_on in prompts:
+            raise RunFailure("out of memory (injected)")
+        return real(model, prompts, *args, **kwargs)
+    monkeypatch.setattr(serve, "generate", engine)
+
+    def ask(body):
+        r = client.post("/v1/completions", json={"max_tokens": 4, "temperature": 0, **body})
+        return r.status_code, r.json()
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        held = pool.submit(ask, {"prompt": "def"})
+        assert entered.wait(60)
+        answers = [pool.submit(ask, body) for body in bodies]
+        while sum(a.done() for a in answers) + server.worker.jobs.qsize() < len(bodies):
+            time.sleep(0.01)  # each answered at once, or waiting for the next batch
+        release.set()
+        assert held.result()[0] == 200
+        return [a.result() for a in answers]
+
+
+def test_a_bad_seed_never_fails_its_batch(app, monkeypatch):
+    """"seed": 1e30 once reached the engine and failed every request of its batch with a 500; values are now
+    checked before a request joins a batch."""
+    (good, good_body), (bad, bad_body) = in_one_batch(app, monkeypatch, [{"prompt": "class"},
+                                                                         {"prompt": "import", "seed": 1e30}])
+    assert good == 200 and good_body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert bad == 400 and bad_body["error"]["param"] == "seed"
+
+
+def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
+    """When the engine refused a batch (memory, say), every request in it got the 500; the batch is now retried
+    one request at a time, and only the one that fails alone gets the error."""
+    server, _ = app
+    poison = server.tokenizer.encode("import os", add_special_tokens=False)
+    (good, good_body), (bad, bad_body) = in_one_batch(app, monkeypatch, [{"prompt": "class", "n": 2},
+                                                                         {"prompt": "import os"}], poison)
+    assert good == 200 and len(good_body["choices"]) == 2
+    assert bad == 500 and "injected" in bad_body["error"]["message"]
