@@ -172,26 +172,32 @@ def check_memory(model, batch: int, max_len: int):
                          f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
 
 
+def check_prompt(length: int, ctx: int):
+    """A prompt needs at least one token and room for one new token in the model's context (ConfigError)."""
+    if not 0 < length < ctx:
+        raise ConfigError(f"a prompt has {length} tokens, it needs 1 to {ctx - 1} (the model's context is {ctx}), "
+                          "shorten it")
+
+
 # ----------------------------------------------------------------------------- the API
 
 def generate(model, prompts: list[list[int]], settings: SampleConfig | list[SampleConfig], eos_ids=(),
-             tokenizer=None, on_text=None, cancelled=None) -> list[list[int]]:
+             tokenizer=None, on_text=None, cancelled=None, on_end=None) -> list[list[int]]:
     """Continue each prompt (token ids) num_return_sequences times; return the new ids of each sequence.
 
     Sequences come grouped by prompt: [p0 s0, p0 s1, ..., p1 s0, ...]. settings may also be a list, one per
     prompt (num_return_sequences 1 each): every row samples with its own. A sequence ends at an id of eos_ids
     (not returned), after max_new_tokens, when it fills the model's context, or, given a tokenizer, at a string
     of its stop list (its ids then end with the token that completed the stop string). With a tokenizer,
-    on_text(i, text) receives sequence i's printable text as it grows, without the stop string. cancelled(i),
-    asked at each read, ends sequence i where it is (a client gone, say).
+    on_text(i, text) receives sequence i's printable text as it grows, without the stop string. on_end(i, reason)
+    hears why sequence i ended: "stop" (an end id or a stop string) or "length" (max_new_tokens or the context).
+    cancelled(i), asked at each read, ends sequence i where it is (a client gone, say), with no on_end.
     """
     per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
     rows = [(list(p), s) for p, s in zip(prompts, per_prompt) for _ in range(s.num_return_sequences)]
     ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
     for p, _ in rows:
-        if not p or len(p) >= ctx:
-            raise ConfigError(f"a prompt has {len(p)} tokens, it needs 1 to {ctx - 1} (the model's context is "
-                             f"{ctx}), shorten it")
+        check_prompt(len(p), ctx)
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
@@ -202,7 +208,7 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     check_memory(model, len(rows), ctx if compiled else min(ctx, width + max(limits)))
     with torch.no_grad():
         slot = _slot(model, len(rows), min(ctx, width + max(limits)), compiled)
-        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, on_text, cancelled, real)
+        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, (on_text, on_end), cancelled, real)
 
 
 def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int):
@@ -245,9 +251,10 @@ def _generators(rows, device) -> list:
              [i for i in sampling if rows[i][1].seed == seed]) for seed in sorted(seeds)]
 
 
-def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_text, cancelled,
+def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks, cancelled,
          real: int) -> list[list[int]]:
-    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch)."""
+    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch).
+    hooks: generate()'s (on_text, on_end)."""
     device, B = model.embed_tokens.weight.device, len(rows)
     # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
     padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)
@@ -269,7 +276,7 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
         for step in range(1, max(limits) + 1):
             if step % CHUNK == 0 or step == max(limits):
                 block = _sync(chunk[:, :step % CHUNK or CHUNK], host, cancelled, active, state)
-                _read(block, out, active, limits, eos_ids, streams, on_text, state)
+                _read(block, out, active, limits, eos_ids, streams, hooks, state)
                 if not active:
                     break
             _noise(state, generators, real)
@@ -281,7 +288,7 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, on_tex
                 unguarded.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
             chunk[:, step % CHUNK] = state.tokens[:, 0]
     for i in sorted(active):
-        _finish(i, streams, on_text)
+        _finish(i, "length", active, streams, hooks)
     return out[:real]
 
 
@@ -298,29 +305,33 @@ def _sync(chunk: torch.Tensor, host: torch.Tensor, cancelled, active: set, state
     return host.tolist()
 
 
-def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, on_text, state: State):
+def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, hooks, state: State):
     """The host's share of CHUNK steps: each active row's new ids, its text, its stops."""
+    on_text = hooks[0]
     for i in sorted(active):
         for token in block[i]:
             if token in eos_ids:
-                _finish(i, streams, on_text)
-                active.discard(i)
+                _finish(i, "stop", active, streams, hooks)
                 break
             out[i].append(token)
             text = streams[i].push(token) if streams else ""
             if text and on_text:
                 on_text(i, text)
-            if len(out[i]) >= limits[i] or (streams and streams[i].stopped):
-                _finish(i, streams, on_text)
-                active.discard(i)
+            stopped = bool(streams and streams[i].stopped)
+            if stopped or len(out[i]) >= limits[i]:
+                _finish(i, "stop" if stopped else "length", active, streams, hooks)
                 state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
                 break
 
 
-def _finish(i: int, streams, on_text):
-    text = streams[i].flush() if streams else ""
+def _finish(i: int, reason: str, active: set, streams, hooks):
+    """Row i has ended: its held-back text out, then why it ended."""
+    (on_text, on_end), text = hooks, streams[i].flush() if streams else ""
+    active.discard(i)
     if text and on_text:
         on_text(i, text)
+    if on_end:
+        on_end(i, reason)
 
 
 def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list[SampleConfig], eos_ids=None,

@@ -1,12 +1,16 @@
 """Tests of serve.py through the openai client and plain HTTP, against a server started on 127.0.0.1: results
 equal to the one-shot CLI's, streaming, OpenAI-style refusals the server survives, the API key, the context
-limit, clients leaving mid-stream, and a burst of 50 concurrent requests."""
+limit, clients leaving mid-stream, and a burst of 50 concurrent requests. Batching faults are held to in this
+process, through Starlette's TestClient, with the worker held so that requests share a batch."""
 
+import argparse
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+import serve
 from config import SampleConfig
 from engine import generate_text
+from errors import RunFailure
 from text_generator import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,12 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(ckpt: str, *flags):
-    """The server in a subprocess, once it answers; (process, base URL)."""
+def start(ckpt: str, *flags, log: str = os.devnull):
+    """The server in a subprocess, once it answers, its stderr into the file `log`; (process, base URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), ckpt, "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+    with open(log, "w") as err:  # a file, not a pipe: a test reads it while the server runs, and it never fills
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), ckpt, "--port", str(port), *flags],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONPATH": ROOT})
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -46,15 +52,17 @@ def start(ckpt: str, *flags):
             return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read())
+                raise RuntimeError(open(log).read())
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("the server did not start")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    proc, url = start(tiny_checkpoint)
+def server(tiny_checkpoint, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("serve") / "stderr.log")
+    proc, url = start(tiny_checkpoint, log=log)
+    proc.log = log  # what the server printed: no traceback for anything a client sends
     yield proc, url, openai.OpenAI(base_url=url, api_key="unused")
     proc.terminate()
     proc.wait(timeout=30)
@@ -120,8 +128,27 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
     (json.dumps({"model": "run1", "prompt": 5}).encode(), "prompt"),
     (json.dumps({"model": "run1", "prompt": "x", "stop": 7}).encode(), "stop"),
     (json.dumps([1, 2]).encode(), None),
-], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list"])
+    (json.dumps({"prompt": "x", "seed": 1e30}).encode(), "seed"),
+    (json.dumps({"prompt": "x", "max_tokens": float("inf")}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "max_completion_tokens": float("inf")}).encode(), "max_completion_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": float("nan")}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "temperature": float("nan")}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "top_p": float("nan")}).encode(), "top_p"),
+    (json.dumps({"prompt": "x", "top_k": "5"}).encode(), "top_k"),
+    (json.dumps({"prompt": "x", "n": True}).encode(), "n"),
+    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"prompt": "x", "stop": "y" * (serve.MAX_STOP_CHARS + 1)}).encode(), "stop"),
+    (json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
+    (b'{"prompt": ' + b"[" * 100_000, None),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list",
+        "huge-seed", "infinite-max-tokens", "infinite-max-completion-tokens", "nan-max-tokens", "nan-temperature",
+        "nan-top-p", "text-top-k", "bool-n", "text-stream", "long-stop", "lone-surrogate", "deep-nesting",
+        "5000-digit-integer"])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
+    """From huge-seed on, each once got a 500 (an overflow, a RecursionError, a tokenizer's TypeError on a lone
+    surrogate), a 400 naming no parameter (NaN), or was served against its meaning (a 1 MB stop string held the
+    worker a minute, "stream": "yes" streamed)."""
     proc, url, client = server
     status, answer = post(url, "/completions", body)
     assert status == 400 and answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
@@ -177,3 +204,137 @@ def test_a_burst_of_requests_is_batched_correctly_and_memory_stays_flat(server, 
     grown = psutil.Process(proc.pid).memory_info().rss - rss
     assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB more after the burst"
     print(f"50 requests in {seconds:.2f} s: {50 / seconds:.1f} requests/s, {50 * 8 / seconds:.0f} tokens/s")
+
+
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
+    """The server once derived finish_reason from the length alone, so a stop string completed by the last token
+    max_tokens allows was reported as "length"; the engine now says why each sequence ended."""
+    _, _, client = server
+    ask = lambda prompt, n, **kw: client.completions.create(model="run1", prompt=prompt, max_tokens=n,  # noqa: E731
+                                                           temperature=0, **kw).choices[0]
+    for prompt in ("class Stack", "return n", "import os\n", "def push(self"):
+        for n in (2, 3, 4, 5, 6):
+            before, whole = ask(prompt, n - 1).text, ask(prompt, n)
+            last = whole.text[len(before):]  # the text of the last token, found nowhere before it
+            if whole.finish_reason == "length" and before and last.strip() and whole.text.find(last) == len(before):
+                cut = ask(prompt, n, stop=[last])
+                assert cut.text == before and cut.finish_reason == "stop"
+                chunks = list(client.completions.create(model="run1", prompt=prompt, max_tokens=n, temperature=0,
+                                                        stop=[last], stream=True))
+                assert chunks[-1].choices[0].finish_reason == "stop"
+                return
+    pytest.fail("no prompt's greedy text ends in a token whose text is new; try other prompts")
+
+
+def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
+    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), tiny_checkpoint, "--port", "70000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --port 70000") and r.stderr.count("\n") == 1, r.stderr
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def head(length: str) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n\r\n"
+            .encode())
+
+
+def test_a_body_over_the_bound_is_refused_before_it_is_read(server):
+    """A 50 MB body was once read whole (80 s, 3 GB resident) before its 400; a declared length past MAX_BODY
+    is now refused at once, with nothing of the body sent."""
+    _, url, _ = server
+    with connect(url) as s:
+        s.sendall(head("Content-Length: 50000000"))
+        assert select.select([s], [], [], 10)[0], "no answer without the body"
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_a_chunked_body_is_cut_at_the_bound(server):
+    """A chunked body has no length to check first; the server once buffered all of it. Now the answer is a
+    413 as soon as MAX_BODY bytes have come, while the client is still sending."""
+    proc, url, client = server
+    piece, sent = b"x" * 2**16, 0
+    with connect(url) as s:
+        s.sendall(head("Transfer-Encoding: chunked"))
+        while sent < 8 * serve.MAX_BODY and not select.select([s], [], [], 0.01)[0]:
+            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        assert sent < 8 * serve.MAX_BODY, "no answer while the body kept coming"
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert client.completions.create(model="run1", prompt="x", max_tokens=2).choices
+
+
+def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
+    """A client that closed after part of its declared body once left an 'Exception in ASGI application'
+    traceback in the server's log."""
+    proc, url, client = server
+    with connect(url) as s:
+        s.sendall(head("Content-Length: 100") + b'{"prompt": ')
+    time.sleep(0.5)  # the server sees the connection close
+    assert client.completions.create(model="run1", prompt="x", max_tokens=2).choices
+    assert "Traceback" not in open(proc.log).read()
+
+
+# ----------------------------------------------------------------------------- batches, in this process
+
+@pytest.fixture(scope="module")
+def app(tiny_checkpoint):
+    """The server's application in this process, (server, TestClient), for tests that hold its worker."""
+    from starlette.testclient import TestClient
+    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none",
+                                             name="", api_key="", compile="false", max_batch=8))
+    with TestClient(serve.app_for(server)) as client:
+        yield server, client
+
+
+def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None = None) -> list:
+    """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every body
+    it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
+    server, client = app
+    entered, release, real = threading.Event(), threading.Event(), serve.generate
+
+    def engine(model, prompts, *args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        if fail_on in prompts:
+            raise RunFailure("out of memory (injected)")
+        return real(model, prompts, *args, **kwargs)
+    monkeypatch.setattr(serve, "generate", engine)
+
+    def ask(body):
+        r = client.post("/v1/completions", json={"max_tokens": 4, "temperature": 0, **body})
+        return r.status_code, r.json()
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        held = pool.submit(ask, {"prompt": "def"})
+        assert entered.wait(60)
+        answers = [pool.submit(ask, body) for body in bodies]
+        while sum(a.done() for a in answers) + server.worker.jobs.qsize() < len(bodies):
+            time.sleep(0.01)  # each answered at once, or waiting for the next batch
+        release.set()
+        assert held.result()[0] == 200
+        return [a.result() for a in answers]
+
+
+def test_a_bad_seed_never_fails_its_batch(app, monkeypatch):
+    """"seed": 1e30 once reached the engine and failed every request of its batch with a 500; values are now
+    checked before a request joins a batch."""
+    (good, good_body), (bad, bad_body) = in_one_batch(app, monkeypatch, [{"prompt": "class"},
+                                                                         {"prompt": "import", "seed": 1e30}])
+    assert good == 200 and good_body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert bad == 400 and bad_body["error"]["param"] == "seed"
+
+
+def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
+    """When the engine refused a batch (memory, say), every request in it got the 500; the batch is now retried
+    one request at a time, and only the one that fails alone gets the error."""
+    server, _ = app
+    poison = server.tokenizer.encode("import os", add_special_tokens=False)
+    (good, good_body), (bad, bad_body) = in_one_batch(app, monkeypatch, [{"prompt": "class", "n": 2},
+                                                                         {"prompt": "import os"}], poison)
+    assert good == 200 and len(good_body["choices"]) == 2
+    assert bad == 500 and "injected" in bad_body["error"]["message"]
