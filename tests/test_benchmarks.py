@@ -54,7 +54,41 @@ def test_optimizer_share_measures_a_known_optimizer_cost(tmp_path, monkeypatch):
     assert 0.3 <= stub["optimizer_s"] < 0.4
     assert stub["forward_backward_s"] < real["forward_backward_s"] + 0.15
     assert stub["share"] > 0.6  # 0.3 s of at most about 0.45 s
-    assert 0 < real["optimizer_s"] < 0.1
+    assert 0 < real["optimizer_s"] < 0.3  # this model's real optimizer step takes a few ms on a quiet machine
+
+
+class Recorded:
+    """A contender whose rounds report given rates and record when they ran."""
+
+    def __init__(self, name, rates, log):
+        self.name, self.rates, self.log = name, iter(rates), log
+
+    def round(self, steps):
+        self.log.append(self.name)
+        return next(self.rates)
+
+
+def test_rounds_alternate_so_a_passing_load_falls_on_both():
+    """bench.py once timed ours, then Hugging Face's: a load that came or went between the two phases decided the
+    ratio (0.21x to 11.3x in four runs). Rounds now alternate, in reversed order every other round, and the
+    reported ratio is the median of the rounds' ratios."""
+    log = []
+    rates = bench.alternate([Recorded("a", [10, 20, 30, 40], log), Recorded("b", [5, 10, 60, 20], log)], 4, 1)
+    assert log == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert rates == [[10, 20, 30, 40], [5, 10, 60, 20]]
+
+
+def test_bench_reports_the_median_ratio_of_alternating_rounds(capsys, tmp_path):
+    """Ours against the transformers twin: the printed ratio is the median of the per-round ratios, and each
+    model's figure the median of its rounds."""
+    out = tmp_path / "r.json"
+    bench.main(SMALL + ["--bench_steps", "1", "--rounds", "3", "--warmup_steps_bench", "1", "--json", str(out)])
+    r = json.loads(out.read_text())
+    ours, theirs = (x["rounds_tokens_per_s"] for x in r["results"])
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    assert r["ratio"]["median"] == pytest.approx(ratios[1]) and r["ratio"]["rounds"] == pytest.approx(ratios)
+    assert r["results"][0]["tokens_per_s"] == pytest.approx(sorted(ours)[1])
+    assert f"ratio ours / hf: {ratios[1]:.2f}x (median of 3 rounds" in capsys.readouterr().out
 
 
 def test_stored_bytes_count_what_a_quantized_weight_holds():

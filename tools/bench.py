@@ -3,8 +3,10 @@
     python tools/bench.py --preset tiny --compile off            # CPU
     python tools/bench.py --preset large --bench_steps 20        # GPU: bf16, compiled like the trainer
 Both models run the trainer's own step (gpu_training_optimized.build and train_step: the same optimizer,
-precision, compile mode, accumulation and device-side skip) on the same random tokens, one after the other
-in the same process; the report gives tokens/s, MFU, peak memory and the ratio. `--optimizer_share` then
+precision, compile mode, accumulation and device-side skip) on the same random tokens in the same process,
+in alternating short rounds (ours, theirs, theirs, ours, ...), so a load that comes or goes on a shared machine
+falls on both; the report gives the median tokens/s, MFU and peak memory of each, and the median of the
+rounds' ratios with its range. `--optimizer_share` then
 times our model's optimizer step inside that step, the device drained around it, and reports its share.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
@@ -12,6 +14,7 @@ Every training setting of config.py applies (--micro_batch_size, --max_seq_len, 
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -71,31 +74,65 @@ def timed_optimizer(b, device) -> list[float]:
     return spent
 
 
+class Contender:
+    """One model's trainer step, built and warmed up (compiled), timed in rounds that resume its step count."""
+
+    def __init__(self, name: str, cfg, device, raw_model, warmup: int, share: bool = False):
+        allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        self.name, self.cfg, self.device, self.dist = name, cfg, device, dist_utils.setup()
+        self.b = build(cfg, device, self.dist, raw_model=raw_model)
+        self.batches = FixedBatches(cfg, device)
+        self.optimizer_s = timed_optimizer(self.b, device) if share else []
+        for step in range(warmup):
+            train_step(self.b, self.batches, step, cfg.train, self.dist)
+        synchronize(device)
+        self.step = warmup
+        self.resident = torch.cuda.memory_allocated() - allocated if device.type == "cuda" else 0
+        self.seconds, self.peaks = [], []
+
+    def round(self, steps: int) -> float:
+        """Time `steps` steps; returns tokens/s."""
+        if self.device.type == "cuda":
+            at_rest = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        self.optimizer_s.clear()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss, _, _ = train_step(self.b, self.batches, self.step, self.cfg.train, self.dist)
+            self.step += 1
+        loss.item()  # sync point: wait for the queued steps before stopping the clock
+        self.seconds.append(time.perf_counter() - start)
+        if self.device.type == "cuda":  # its own resident state plus what its step adds over everything resting
+            self.peaks.append(self.resident + torch.cuda.max_memory_allocated() - at_rest)
+        t = self.cfg.train
+        return steps * t.grad_accum_steps * t.micro_batch_size * self.cfg.model.max_seq_len / self.seconds[-1]
+
+
+def alternate(contenders: list, rounds: int, steps: int) -> list[list[float]]:
+    """Each contender's tokens/s per round, the order reversed every round (ABBA...) so neither always goes
+    first after the other."""
+    rates = [[] for _ in contenders]
+    for r in range(rounds):
+        order = list(enumerate(contenders))
+        for i, c in order if r % 2 == 0 else order[::-1]:
+            rates[i].append(c.round(steps))
+    return rates
+
+
+def result(c: Contender, rates: list[float]) -> dict:
+    return {"model": c.name, "tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
+            "peak_gib": max(c.peaks) / 2**30 if c.peaks else None}
+
+
 def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: bool = False) -> dict:
-    """Warm up (compile), then time `steps` of the trainer's train_step; tokens/s, peak memory and, with
-    share, the optimizer step's seconds and fraction of the step."""
-    t, dist = cfg.train, dist_utils.setup()
-    b = build(cfg, device, dist, raw_model=raw_model)
-    batches = FixedBatches(cfg, device)
-    optimizer_s = timed_optimizer(b, device) if share else []
-    for step in range(warmup):
-        train_step(b, batches, step, t, dist)
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    optimizer_s.clear()
-    start = time.perf_counter()
-    for step in range(warmup, warmup + steps):
-        loss, _, _ = train_step(b, batches, step, t, dist)
-    loss.item()  # sync point: wait for the queued steps before stopping the clock
-    seconds = time.perf_counter() - start
-    tokens = steps * t.grad_accum_steps * t.micro_batch_size * cfg.model.max_seq_len
-    result = {"model": name, "tokens_per_s": tokens / seconds, "seconds": seconds,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    """One model alone (the GPU check, on a device of its own): tokens/s and peak memory; with share, also the
+    optimizer step's seconds, timed with the device drained around it, and its fraction of the step."""
+    c = Contender(name, cfg, device, raw_model, warmup, share=share)
+    out = result(c, [c.round(steps)])
     if share:
-        step_s, opt_s = seconds / steps, sum(optimizer_s) / steps
-        result.update(optimizer_s=opt_s, forward_backward_s=step_s - opt_s, share=opt_s / step_s)
-    return result
+        step_s, opt_s = c.seconds[-1] / steps, sum(c.optimizer_s) / steps
+        out.update(optimizer_s=opt_s, forward_backward_s=step_s - opt_s, share=opt_s / step_s)
+    return out
 
 
 def release(device):
@@ -107,7 +144,8 @@ def release(device):
 @error_contract
 def main(argv=None):
     def extra(parser):
-        parser.add_argument("--bench_steps", type=int, default=10, help="timed optimizer steps per model")
+        parser.add_argument("--bench_steps", type=int, default=4, help="timed optimizer steps per model and round")
+        parser.add_argument("--rounds", type=int, default=5, help="rounds, the models alternating")
         parser.add_argument("--warmup_steps_bench", type=int, default=3, help="untimed steps first (compile)")
         parser.add_argument("--skip_hf", action="store_true", help="time our model only")
         parser.add_argument("--optimizer_share", action="store_true",
@@ -125,21 +163,26 @@ def main(argv=None):
           f"{cfg.train.compile} | batch {cfg.train.micro_batch_size} x {cfg.model.max_seq_len} x "
           f"{cfg.train.grad_accum_steps} | {params / 1e6:.1f}M parameters | optimizer {cfg.train.optimizer}")
     steps, warmup = args.bench_steps, args.warmup_steps_bench
-    results = [measure("ours", cfg, device, ours, steps, warmup)]
-    del ours
-    release(device)
+    contenders = [Contender("ours", cfg, device, ours, warmup)]
     if not args.skip_hf:
         twin = TwinForTraining(hf_twin(cfg.model))
-        results.append(measure("hf_qwen3" if cfg.model.qk_norm else "hf_llama", cfg, device, twin, steps, warmup))
-        del twin
-        release(device)
+        contenders.append(Contender("hf_qwen3" if cfg.model.qk_norm else "hf_llama", cfg, device, twin, warmup))
+    rates = alternate(contenders, args.rounds, steps)
+    results = [result(c, r) for c, r in zip(contenders, rates)]
+    del ours, contenders
+    release(device)
     for r in results:
         r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None  # same shape: our FLOP count serves both
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
-        print(f"{r['model']:<10} {r['tokens_per_s']:>12,.0f} tokens/s   MFU {mfu:>6}   peak memory {mem}")
-    if len(results) == 2:
-        print(f"ratio ours / hf: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+        print(f"{r['model']:<10} {r['tokens_per_s']:>12,.0f} tokens/s (median of {args.rounds} rounds)   MFU "
+              f"{mfu:>6}   peak memory {mem}")
+    ratio = None
+    if len(rates) == 2:
+        ratios = sorted(a / b for a, b in zip(*rates))
+        ratio = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1], "rounds": ratios}
+        print(f"ratio ours / hf: {ratio['median']:.2f}x (median of {len(ratios)} rounds, range "
+              f"{ratio['min']:.2f}x-{ratio['max']:.2f}x)")
     share = None
     if args.optimizer_share:
         share = measure("ours", cfg, device, None, steps, warmup, share=True)
@@ -148,7 +191,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": cfg.to_dict(), "device": device_report(device), "results": results,
-                       "optimizer_share": share}, f, indent=2)
+                       "ratio": ratio, "optimizer_share": share}, f, indent=2)
 
 
 if __name__ == "__main__":

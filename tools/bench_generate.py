@@ -9,11 +9,13 @@ decode step reads (weights, and the KV cache at the mean position) over the devi
 table of datasheet figures for GPUs; measured with a large copy on a CPU). Weights are random: speed does not
 depend on them. Before timing, each greedy output must equal ours. Decode tokens/s = batch * (N - 1) /
 (time for N new tokens - time for 1), so the prefill cancels out; the time for 1 is the time to the first
-token (a compiled prefill of the prompt's bucket and one sampling step).
+token (a compiled prefill of the prompt's bucket and one sampling step). The reps interleave the contenders
+and every figure is the median of the reps (the ratio: the median of the reps' ratios, with their range).
 """
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -87,14 +89,25 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(fn, batch: int, n: int, reps: int, device) -> tuple[float, float]:
-    """(decode tokens/s with the prefill and the first token subtracted, seconds to the first token: the
-    prefill); each time the fastest of reps after one warm-up run (which compiles)."""
-    def best(k):
-        fn(k)
-        return min(timed(lambda: fn(k), device) for _ in range(reps))
-    first = best(1)
-    return batch * (n - 1) / (best(n) - first), first
+def decode_rates(fns: dict, batch: int, n: int, reps: int, device) -> dict[str, list[tuple[float, float]]]:
+    """For each of fns (label -> fn(k) generating k tokens), per rep: (decode tokens/s with the prefill and first
+    token subtracted, seconds to the first token). After one warm-up (which compiles), the reps interleave the
+    fns, in reversed order every other rep, so a load that comes or goes on a shared machine falls on all."""
+    for fn in fns.values():
+        fn(1), fn(n)
+    out = {label: [] for label in fns}
+    for r in range(reps):
+        items = list(fns.items())
+        for label, fn in items if r % 2 == 0 else items[::-1]:
+            first = timed(lambda: fn(1), device)
+            out[label].append((batch * (n - 1) / (timed(lambda: fn(n), device) - first), first))
+    return out
+
+
+def median_ratio(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> str:
+    """The median of the reps' rate ratios, with their range."""
+    ratios = sorted(x[0] / y[0] for x, y in zip(a, b))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def ours(model, prompts, n, compile_mode="true"):
@@ -156,14 +169,17 @@ def main(argv=None):
             print(f"  greedy check, {label}: {'identical' if same else 'DIFFERENT'} for 32 tokens", flush=True)
         peak = bandwidth(device)
         print(f"  {'batch':>5} {'ours tok/s':>11} {'% of bound':>10} {'first token':>11}"
-              + "".join(f" {k + ' tok/s':>16}" for k in hfs) + "  ours / hf fastest", flush=True)
+              + "".join(f" {k + ' tok/s':>16}" for k in hfs) + "  ours / hf fastest (median of reps, range)",
+              flush=True)
         for batch in args.batch_sizes:
             prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-            rate, first = decode_rate(lambda k: ours(model, prompts, k), batch, n, args.reps, device)
+            fns = {"ours": lambda k: ours(model, prompts, k),
+                   **{label: (lambda k, f=f: theirs(twin, prompts, k, f)) for label, f in hfs.items()}}
+            runs = decode_rates(fns, batch, n, args.reps, device)
+            rate, first = (statistics.median(x[i] for x in runs["ours"]) for i in (0, 1))
             bound = batch * peak / bytes_per_step(model, batch, prompt_len + n / 2)
-            rates = {k: decode_rate(lambda k2, f=f: theirs(twin, prompts, k2, f), batch, n, args.reps, device)[0]
-                     for k, f in hfs.items()}
-            ratio = f"  {rate / rates['hf fastest']:.2f}x" if rates else ""
+            rates = {k: statistics.median(x[0] for x in runs[k]) for k in hfs}
+            ratio = f"  {median_ratio(runs['ours'], runs['hf fastest'])}" if hfs else ""
             print(f"  {batch:>5} {rate:>11,.0f} {100 * rate / bound:>9.0f}% {1000 * first:>8.1f} ms"
                   + "".join(f" {r:>16,.0f}" for r in rates.values()) + ratio, flush=True)
 
