@@ -85,4 +85,4 @@ def test_ci_runs_exactly_the_test_command_readme_gives():
     command = readme.split("Run the tests")[1].split("```bash\n")[1].split("\n```")[0].strip()
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().strip().splitlines()
     assert command in ci and "pytest" in command and "--durations=15" in command
-    assert any("tools/gpu_check.py --compile_only" in line for line in ci[ci.index(command):])  # then the GPU compile check
+    assert any("tools/gpu_check.py --compile_only" in line for line in ci[ci.index(command):])  # then the compile check
