@@ -330,18 +330,25 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
     return opt
 
 
-def _benchmark(shape: str = "tiny", layers: int = 0, repeats: int = 3):
+def block_shapes(m) -> list[tuple[int, int]]:
+    """The shapes of one block's matrices for a ModelConfig: q, k, v, o, gate, up, down."""
+    d, q, kv, inter = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, \
+        m.intermediate_size
+    return [(q, d), (kv, d), (kv, d), (d, q), (inter, d), (inter, d), (d, inter)]
+
+
+def _benchmark(preset: str = "tiny", layers: int = 0, repeats: int = 3):
     """Time one Muon step over a preset's block matrices: torch.optim.Muon against this file's Muon."""
-    d, n_layers, heads, kv, inter = {"tiny": (256, 4, 4, 2, 768), "small": (768, 12, 12, 4, 2048)}[shape]
-    hd, n_layers = d // heads, layers or n_layers
-    shapes = [(heads * hd, d), (kv * hd, d), (kv * hd, d), (d, heads * hd), (inter, d), (inter, d), (d, inter)]
+    from config import PRESETS  # the benchmark alone reads the presets: the optimizer itself needs no config
+    m = PRESETS[preset]().model
+    shapes, n_layers = block_shapes(m), layers or m.num_hidden_layers
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=gen) * 0.02 for s in shapes * n_layers]
     grads = [torch.randn(s, generator=gen) for s in shapes * n_layers]
     makers = {"torch.optim.Muon (bf16, per matrix)": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1),
               "ours, bf16 (batched)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.bfloat16),
               "ours, fp32 (batched, CPU default)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.float32)}
-    print(f"{shape} shape, {n_layers} layers, {len(weights)} matrices, {torch.get_num_threads()} threads; "
+    print(f"{preset} preset, {n_layers} layers, {len(weights)} matrices, {torch.get_num_threads()} threads; "
           f"seconds per Muon step, best of {repeats} after one warm-up")
     times = {}
     for label, make in makers.items():
@@ -362,5 +369,5 @@ def _benchmark(shape: str = "tiny", layers: int = 0, repeats: int = 3):
 
 
 if __name__ == "__main__":
-    # python muon_optimizer.py [tiny|small] [layers, 0: the preset's] [timed repeats]
+    # python muon_optimizer.py [a preset: tiny, small, ...] [layers, 0: the preset's] [timed repeats]
     _benchmark(sys.argv[1] if len(sys.argv) > 1 else "tiny", *(int(a) for a in sys.argv[2:4]))

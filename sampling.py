@@ -1,46 +1,16 @@
 """Sampling: logits in, token ids out; and the text of the ids, streamed.
 
-pick() is the sampling the engine compiles into its decode step: every setting a (B, 1) tensor, so one
-graph serves any settings and each row its own. sample_next() is the same as one pure function of plain
-arguments, (B, V) logits to (B, 1) ids. TextStream turns ids into text that never splits a character or
-shows a stop string. engine.py runs them; text_generator.py and the server sit on top.
+pick() is the sampling the engine compiles into its decode step: one pure function, (B, V) logits to (B,) ids,
+every setting a (B, 1) tensor, so one graph serves any settings and each row its own (SampleConfig checks
+their ranges; the tests hold a plain reference of the same distribution). TextStream turns ids into text that
+never splits a character or shows a stop string. engine.py runs them; text_generator.py and the server sit
+on top.
 """
 
 import torch
-import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- sampling
-
-def _check_sampling(temperature: float, top_k: int, top_p: float):
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} must be >= 0 (0 turns it off)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 turns it off)")
-
-
-def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    """(B, V) logits -> (B, V) probabilities after temperature, top-k and top-p; filtered tokens are 0: the
-    distribution pick() draws from, written plainly."""
-    _check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1:
-        # Nucleus (Holtzman et al. 2019): drop a token when the tokens ranked above it already reach p;
-        # the most likely token has nothing above it, so at least one is always kept.
-        sorted_p, order = probs.sort(-1, descending=True)
-        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
 
 def candidates(temperatures: list[float], top_ks: list[int], vocab: int) -> int:
     """How many of the most likely tokens pick() must rank for these rows: 0 when every row is greedy (an
@@ -80,17 +50,6 @@ def exp_noise(shape, device, generator=None) -> torch.Tensor:
     """Exp(1) draws for pick(); clamped, because Exp(1) can draw 0 and p / 0 would win every argmax."""
     noise = torch.empty(shape, device=device).exponential_(1, generator=generator)
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-
-
-def sample_next(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, generator=None) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids; temperature 0 is argmax. ValueError on out-of-range arguments."""
-    _check_sampling(temperature, top_k, top_p)
-    B, V = logits.shape
-    col = lambda v, dtype=torch.float32: torch.full((B, 1), v, dtype=dtype, device=logits.device)  # noqa: E731
-    noise = exp_noise((B, V), logits.device, generator) if temperature > 0 else torch.ones_like(logits.float())
-    seen = torch.zeros((B, V), dtype=torch.bool, device=logits.device)
-    return pick(logits.float(), seen, noise, col(temperature), col(top_k or V, torch.long), col(top_p),
-                col(1.0))[:, None]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import engine
-import sampling
 from config import SampleConfig
 from conftest import CODE as TEXT
 from device import quantize_int8
+from test_sampling import sample_next
 from text_generator import load_for_inference
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
@@ -44,7 +44,7 @@ def test_top_k_one_is_greedy(tiny_loaded):
     sampled = engine.generate(model, prompt, replace(GREEDY, temperature=1.5, top_k=1, top_p=1.0, seed=3))
     assert sampled == engine.generate(model, prompt, GREEDY)
     logits = torch.randn(5, 50)
-    assert torch.equal(sampling.sample_next(logits, 2.0, top_k=1), logits.argmax(-1, keepdim=True))
+    assert torch.equal(sample_next(logits, 2.0, top_k=1), logits.argmax(-1, keepdim=True))
 
 
 def test_repetition_penalty_counts_prompt_and_generated_tokens(tiny_loaded):

@@ -313,3 +313,15 @@ def test_compiled_step_equals_eager_skips_on_the_device_and_compiles_once(tiny_m
         changed = [not torch.equal(before[k], compiled[k]) for k in compiled if k.startswith("layers.")]
         assert not any(changed) if step == 2 else any(changed)
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_the_benchmark_times_the_presets_own_matrices():
+    """muon_optimizer.py's benchmark once hard-coded a tiny shape the preset no longer had; it now takes the
+    shapes from the preset, and they are the model's own Muon matrices."""
+    from config import PRESETS
+    from modern_llm import Transformer
+    from muon_optimizer import block_shapes
+    cfg = PRESETS["tiny"]().model
+    model = Transformer(cfg)
+    ours = sorted(tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2)
+    assert ours == sorted(block_shapes(cfg) * cfg.num_hidden_layers)

@@ -5,8 +5,39 @@ The tokenizer is the tiny checkpoint's of conftest.py, loaded as the generator l
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sampling
+from config import ConfigError, SampleConfig
+
+
+def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """The reference: (B, V) logits -> (B, V) probabilities after temperature, top-k and top-p, written plainly
+    over the whole vocabulary (no ranking, no noise); filtered tokens are 0."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1:  # drop a token when those ranked above it already reach p
+        sorted_p, order = probs.sort(-1, descending=True)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, generator=None) -> torch.Tensor:
+    """pick() with plain arguments, every row the same: (B, V) logits -> (B, 1) ids."""
+    B, V = logits.shape
+    col = lambda v, dtype=torch.float32: torch.full((B, 1), v, dtype=dtype)  # noqa: E731
+    noise = sampling.exp_noise((B, V), logits.device, generator) if temperature > 0 else torch.ones(B, V)
+    seen = torch.zeros((B, V), dtype=torch.bool)
+    return sampling.pick(logits.float(), seen, noise, col(temperature), col(top_k or V, torch.long), col(top_p),
+                         col(1.0))[:, None]
+
 
 def ids_of(tok, text):
     return tok.encode(text, add_special_tokens=False)
@@ -15,9 +46,9 @@ def ids_of(tok, text):
 def test_top_p_keeps_smallest_set_reaching_p():
     """Nucleus keeps exactly the top tokens whose mass first reaches p, at least one (not one too many or few)."""
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = lambda p: (sampling.filtered_probs(logits, 1.0, 0, p) > 0).sum().item()  # noqa: E731
+    kept = lambda p: (filtered_probs(logits, 1.0, 0, p) > 0).sum().item()  # noqa: E731
     assert [kept(p) for p in (0.1, 0.4, 0.75, 0.85, 0.97, 1.0)] == [1, 1, 2, 3, 4, 4]
-    probs = sampling.filtered_probs(logits, 1.0, 0, 0.75)
+    probs = filtered_probs(logits, 1.0, 0, 0.75)
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
 
 def test_filters_leave_a_valid_distribution():
@@ -25,20 +56,20 @@ def test_filters_leave_a_valid_distribution():
     torch.manual_seed(0)
     logits = torch.randn(4, 100) * 3
     for t, k, p in [(0.7, 0, 1.0), (1.3, 10, 1.0), (1.0, 0, 0.9), (0.5, 20, 0.8), (0.0, 0, 1.0)]:
-        probs = sampling.filtered_probs(logits, t, k, p)
+        probs = filtered_probs(logits, t, k, p)
         assert torch.allclose(probs.sum(-1), torch.ones(4)) and (probs >= 0).all()
         if k:
             outside = logits < torch.topk(logits, k).values[:, -1:]
             assert (probs[outside] == 0).all() and ((probs > 0).sum(-1) <= k).all()
-        ids = sampling.sample_next(logits, t, k, p, torch.Generator().manual_seed(1))
+        ids = sample_next(logits, t, k, p, torch.Generator().manual_seed(1))
         assert ids.shape == (4, 1) and (probs.gather(1, ids) > 0).all()  # never a filtered token
 
 def test_out_of_range_sampling_arguments_raise():
-    """Bad arguments must raise ValueError (which the REPL reports), not sample garbage."""
-    logits = torch.randn(1, 10)
+    """Bad settings must be refused where every caller's settings are made (the REPL reports the ConfigError),
+    not sample garbage."""
     for kwargs in ({"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
-        with pytest.raises(ValueError):
-            sampling.sample_next(logits, **kwargs)
+        with pytest.raises(ConfigError):
+            SampleConfig(**kwargs)
 
 def test_repetition_penalty_matches_hand_computation():
     """CTRL penalty: seen positive logits divided, seen negative multiplied, unseen untouched."""
