@@ -9,7 +9,6 @@ Python standard library's own sources, into runs/default, then `python text_gene
 
 import itertools
 import json
-import math
 import os
 import signal
 import sys
@@ -35,7 +34,7 @@ from muon_optimizer import MuonAdamW, build_optimizer
 from prepare_data import Batches, PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
 from schedule import RunClock, lr_multiplier
-from sizing import fill_automatic, fill_run_length, loss_chunk_rows
+from sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
 
 
 def set_lr(opt, multiplier: float):
@@ -85,8 +84,6 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
         raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
-    if t.auto_micro_batch:
-        fit_micro_batch(raw_model, cfg, amp, dist)
     model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
@@ -105,35 +102,6 @@ def keep_grads(opt):
         for p in group["params"]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-
-
-def fit_micro_batch(raw_model, cfg: Config, amp, dist):
-    """The largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
-    memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only."""
-    t = cfg.train
-    if next(raw_model.parameters()).device.type != "cuda":
-        dist.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")
-        return
-    sequences = t.micro_batch_size * t.grad_accum_steps
-    micro = sequences
-    while True:
-        try:
-            x = torch.zeros(micro, cfg.model.max_seq_len, dtype=torch.long, device=next(raw_model.parameters()).device)
-            with amp:
-                _, loss = raw_model(x, labels=x)
-            loss.backward()
-            break
-        except torch.OutOfMemoryError:
-            loss = x = None
-            raw_model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            if micro == 1:
-                raise
-            micro //= 2
-    raw_model.zero_grad(set_to_none=True)
-    torch.cuda.empty_cache()
-    t.micro_batch_size, t.grad_accum_steps = micro, math.ceil(sequences / micro)
-    dist.print(f"auto micro-batch: {micro} sequences x {t.grad_accum_steps} accumulation steps")
 
 
 # ----------------------------------------------------------------------------- one step, eval
@@ -193,20 +161,21 @@ def falls_back(t, device: torch.device) -> bool:
     return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
 
 
-def evaluation(b: Built, val_batches, step: int, t, ds: PreparedData, dist, monitor, bar, probe) -> float:
-    """The validation loss, the code metric and the samples (every rank computes them: under FSDP2 a forward
-    needs every rank), recorded, plotted and written under the progress bar."""
-    val_loss = evaluate(b.raw_model, b.amp, val_batches, t.eval_batches, dist)
+def evaluation(run: "Run", b: Built, step: int, full: bool) -> float:
+    """The validation loss and, when full, the code metric and the samples (every rank computes them: under
+    FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar."""
+    val_loss = evaluate(b.raw_model, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
     with b.amp:
-        (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if probe else \
+        (code_ok, code_n), samples = (run.probe.code(b.raw_model), run.probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
-    if monitor:
-        r = monitor.eval_record(step, val_loss, ds.meta["val_bytes_per_token"], code_ok=code_ok, code_samples=code_n)
+    if run.monitor:
+        r = run.monitor.eval_record(step, val_loss, run.data.meta["val_bytes_per_token"], code_ok=code_ok,
+                                    code_samples=code_n)
         code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
-        bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}{code}")
-        monitor.samples_record(step, samples)
+        run.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}{code}")
+        run.monitor.samples_record(step, samples)
         for sample in samples:
-            bar.write(f"  {sample['prompt'] + sample['text']!r}")
+            run.bar.write(f"  {sample['prompt'] + sample['text']!r}")
     return val_loss
 
 
@@ -233,10 +202,10 @@ class LossWindow:
 
 # ----------------------------------------------------------------------------- checkpoints and setup
 
-def save(cfg: Config, b: Built, step: int, tokens: int, best_val: float, data: PreparedData, dist, clock: RunClock,
-         val_loss: float | None = None) -> str | None:
+def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss: float | None = None) -> str | None:
     """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
     refusing NaN or Inf. Every rank calls it. val_loss: the evaluation at this step, if there was one."""
+    cfg, dist = run.cfg, run.dist
     weights = dist_utils.full_state(b.raw_model.state_dict(), keep=dist.is_main)
     opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
     if not dist.is_main:
@@ -246,11 +215,11 @@ def save(cfg: Config, b: Built, step: int, tokens: int, best_val: float, data: P
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
-                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": data.path,
+                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.path,
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
-                     "config": json.dumps(cfg.to_dict()), **clock.state()}
-    return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, data.tokenizer_path, trainer_state,
-                                   cfg.train.keep_checkpoints, val_loss)
+                     "config": json.dumps(cfg.to_dict()), **run.clock.state()}
+    return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, run.data.tokenizer_path,
+                                   trainer_state, cfg.train.keep_checkpoints, val_loss)
 
 
 def prepare_once(cfg: Config, dist) -> PreparedData:
@@ -293,19 +262,19 @@ class StopFlag:
         self.requested = True
 
 
-def log_window(step: int, tokens: int, window: LossWindow, grad_norm, b: Built, t, dist, monitor, bar, lr_scale):
+def log_window(run: "Run", b: Built, step: int, tokens: int, window: LossWindow, grad_norm, lr_scale: float):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
     worst = int(window.worst.item())  # sync point: the only per-window host reads of device values
-    if worst >= t.max_bad_steps:
+    if worst >= run.cfg.train.max_bad_steps:
         raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
                                  "use --precision fp32, then --resume")
-    mean_loss = dist.mean(window.mean()).item()
-    if monitor:
+    mean_loss = run.dist.mean(window.mean()).item()
+    if run.monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
-        r = monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
-                                 compiled=b.compiled is not b.model)
-        bar.set_postfix(format_postfix(r), refresh=False)
+        r = run.monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
+                                     compiled=b.compiled is not b.model)
+        run.bar.set_postfix(format_postfix(r), refresh=False)
 
 
 def timed(clock: RunClock, kind: str, fn, *args):
@@ -316,18 +285,21 @@ def timed(clock: RunClock, kind: str, fn, *args):
     return out
 
 
-# ----------------------------------------------------------------------------- main
+@dataclass
+class Settled:
+    """settle()'s result: the run's final config and what it starts from."""
+    cfg: Config
+    ckpt: str | None  # the checkpoint --resume continues, or None for a new run
+    saved: dict | None  # its trainer state
+    init_state: dict | None  # --init_from's weights, for a new run
+    data: PreparedData
 
-@dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
-def main(argv=None) -> int:
-    launch = time.monotonic()  # a time budget counts from here
-    cfg, _ = parse_config(argv)
+
+def settle(cfg: Config, dist, device: torch.device) -> Settled:
+    """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
+    fields, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
+    tokenized corpus. After this cfg does not change. Refuses what cannot run before the model is built."""
     t = cfg.train
-    dist = dist_utils.setup()
-    device = pick_device(t.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
-                         dist.local_rank)
-    if t.deterministic:
-        make_deterministic()
     init_state = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
     if dist.is_main:
@@ -335,19 +307,56 @@ def main(argv=None) -> int:
     notes += carry_settings(cfg, saved) if saved else []  # automatic fields as the resumed run had them
     notes += fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
     dist.print("\n".join([describe(cfg), *notes]))
-    t = cfg.train
-    ds = prepare_once(cfg, dist)
-    for note in fill_run_length(cfg, machine(device), ds.meta["train_tokens"], dist.world_size):
+    data = prepare_once(cfg, dist)
+    if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
+        probe = new_model(cfg, device)
+        fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
+                        autocast(device, pick_precision(cfg.train.precision, device)), dist)
+        del probe
+    for note in fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size):
         dist.print(note)
+    t = cfg.train
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
                           "leaves nothing to train, raise --max_steps")
     if ckpt:
         check_same_shape(cfg, ckpt)
-        check_same_data(cfg, saved, ds.path)
-    b = build(cfg, device, dist, init_state=None if ckpt else init_state)
-    start, tokens, best_val, budget = load_into(ckpt, saved, b.raw_model, b.opt, b.scaler, t.run_dir) if ckpt \
-        else (0, 0, float("inf"), {})
+        check_same_data(cfg, saved, data.path)
+    return Settled(cfg, ckpt, saved, None if ckpt else init_state, data)
+
+
+@dataclass
+class Run:
+    """What the loop works with besides the model side (Built): the settled config, the data it reads, the clock
+    and where it reports."""
+    cfg: Config
+    dist: object
+    data: PreparedData
+    batches: Batches
+    val_batches: Batches
+    clock: RunClock
+    monitor: Monitor | None  # rank 0 only
+    bar: object
+    probe: Probe
+    tokens_per_step: int
+
+
+# ----------------------------------------------------------------------------- main
+
+@dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
+def main(argv=None) -> int:
+    launch = time.monotonic()  # a time budget counts from here
+    cfg, _ = parse_config(argv)
+    dist = dist_utils.setup()
+    device = pick_device(cfg.train.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
+                         dist.local_rank)
+    if cfg.train.deterministic:
+        make_deterministic()
+    settled = settle(cfg, dist, device)
+    cfg, ckpt, ds, t = settled.cfg, settled.ckpt, settled.data, settled.cfg.train
+    b = build(cfg, device, dist, init_state=settled.init_state)
+    start, tokens, best_val, budget = load_into(ckpt, settled.saved, b.raw_model, b.opt, b.scaler, t.run_dir) \
+        if ckpt else (0, 0, float("inf"), {})
     clock = RunClock(t, launch, **budget)
     if dist.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
@@ -360,11 +369,11 @@ def main(argv=None) -> int:
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
         cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
         PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
-    probe = Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts)
+    run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
+              Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step)
 
     stop, window = StopFlag(), LossWindow(device)
     profiler = StepProfiler(t.run_dir, device, first=start + 2) if t.profile and dist.is_main else None
-    bar = progress_bar(clock, start, enabled=dist.is_main)
     clock.sync(start, dist)
     last_ckpt = None
     for step in itertools.count(start):
@@ -373,12 +382,11 @@ def main(argv=None) -> int:
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
         if evaluated:
-            val_loss = timed(clock, "eval", evaluation, b, val_batches, step, t, ds, dist, monitor, bar,
-                             probe if clock.full_eval(step, last_step) else None)
+            val_loss = timed(clock, "eval", evaluation, run, b, step, clock.full_eval(step, last_step))
             best_val = min(best_val, val_loss)
         saving = not fresh and (last_step or clock.save_due(step, evaluated) or stopping)
         if saving:
-            last_ckpt = timed(clock, "save", save, cfg, b, step, tokens, best_val, ds, dist, clock,
+            last_ckpt = timed(clock, "save", save, run, b, step, tokens, best_val,
                               val_loss if evaluated else None) or last_ckpt
         if last_step or (stopping and not fresh):
             break
@@ -399,9 +407,9 @@ def main(argv=None) -> int:
             profiler.step(done)  # the steps after the first two, which compile
         if done % t.log_interval == 0 or done - start <= 2 or done == t.max_steps:
             clock.sync(done, dist, measure=done - start > 1)  # the first step compiles: not a speed
-            log_window(done, tokens, window, grad_norm, b, t, dist, monitor, bar, lr_scale)
-        advance_bar(bar, clock, done)
-    bar.close()
+            log_window(run, b, done, tokens, window, grad_norm, lr_scale)
+        advance_bar(run.bar, clock, done)
+    run.bar.close()
     if step == start and not ckpt:
         raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
                           f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")

@@ -6,10 +6,13 @@ changed. Every choice comes back as a line for the start report, saying why.
 - CUDA: the largest preset whose estimated training memory, without activation checkpointing, fits in 80%
   of the GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger
   than its data memorises it); four passes over the corpus.
+- --auto_micro_batch on CUDA: the largest micro-batch whose step fits, found by trying (fit_micro_batch).
 """
 
 import math
 from dataclasses import dataclass, replace
+
+import torch
 
 from config import AUTO, PRESETS, Config, ConfigError, ModelConfig
 
@@ -138,3 +141,32 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         tokens = min(EVAL_TOKENS, 3 * EVAL_SHARE * run_tokens / AUTO_EVALS) if t.max_steps else EVAL_TOKENS
         t.eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
     return notes
+
+
+def fit_micro_batch(raw_model, cfg: Config, amp, dist):
+    """The largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
+    memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only."""
+    t = cfg.train
+    if next(raw_model.parameters()).device.type != "cuda":
+        dist.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")
+        return
+    sequences = t.micro_batch_size * t.grad_accum_steps
+    micro = sequences
+    while True:
+        try:
+            x = torch.zeros(micro, cfg.model.max_seq_len, dtype=torch.long, device=next(raw_model.parameters()).device)
+            with amp:
+                _, loss = raw_model(x, labels=x)
+            loss.backward()
+            break
+        except torch.OutOfMemoryError:
+            loss = x = None
+            raw_model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if micro == 1:
+                raise
+            micro //= 2
+    raw_model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    t.micro_batch_size, t.grad_accum_steps = micro, math.ceil(sequences / micro)
+    dist.print(f"auto micro-batch: {micro} sequences x {t.grad_accum_steps} accumulation steps")
