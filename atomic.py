@@ -64,7 +64,9 @@ def write_error(e: OSError, what: str, need: int = 0, where: str = "") -> Except
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
+    if n < 1e6:
+        return f"{n / 1e3:,.0f} kB"
+    return f"{n / 1e6:,.1f} MB" if n < 1e7 else f"{n / 1e6:,.0f} MB"  # a tenth: 1.4 MB needed is not 1 MB free
 
 
 def _existing(path: str) -> str:
