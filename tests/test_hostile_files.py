@@ -3,15 +3,18 @@ preparation killed half-way, two trainers on one folder, a YAML alias bomb, an e
 Every one ends in one `error:` line (exit 2 for bad input, 1 for a runtime failure) or a repair said in one
 line, never a traceback, never half-written output, never lost work."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import checkpoint as ckpt_io
 import gpu_training_optimized as trainer
+import prepare_data as pd
 from test_faults import one_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,3 +71,55 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_di
             assert "step_000001 is intact" in line
             assert ckpt_io.latest_checkpoint(str(run)) == str(run / "checkpoints" / "step_000001")
             assert ckpt_io.read_model(str(run)).path.endswith("step_000001")
+
+
+# ----------------------------------------------------------------------------- a damaged token cache
+
+def edit_meta(change):
+    def damage(cache):
+        (cache / "meta.json").write_text(json.dumps(change(json.loads((cache / "meta.json").read_text()))))
+    return damage
+
+
+def ids_past_the_vocabulary(cache):
+    ids = np.fromfile(cache / "train.bin", dtype=np.uint16)
+    ids[::10] = 60000  # the tiny model's vocabulary is 512
+    ids.tofile(cache / "train.bin")
+
+
+DAMAGED_CACHES = {
+    "meta-garbage-bytes": lambda c: (c / "meta.json").write_bytes(b"\x8f\xff\x00 garbage"),
+    "meta-a-list": lambda c: (c / "meta.json").write_text("[1, 2, 3]"),
+    "meta-missing-keys": edit_meta(lambda m: {k: v for k, v in m.items() if k not in ("train_tokens", "dtype")}),
+    "meta-bad-dtype": edit_meta(lambda m: {**m, "dtype": "nonsense"}),
+    "train-truncated": lambda c: os.truncate(c / "train.bin", os.path.getsize(c / "train.bin") // 2),
+    "train-empty": lambda c: (c / "train.bin").write_bytes(b""),
+    "ids-past-the-vocabulary": ids_past_the_vocabulary,
+}
+
+
+@pytest.fixture(scope="module")
+def pristine_cache(corpus, argv_for, tmp_path_factory):
+    """The corpus's token cache folder, prepared once, to copy and damage."""
+    base = tmp_path_factory.mktemp("pristine")
+    pd.main(argv_for(corpus, base / "run", "--cache_dir", base / "cache"))
+    (folder,) = [d for d in (base / "cache").iterdir() if not d.name.startswith(".")]
+    return folder
+
+
+@pytest.mark.parametrize("script", ["trainer", "prepare_data"])
+@pytest.mark.parametrize("damage", list(DAMAGED_CACHES))
+def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, pristine_cache, tmp_path, capsys, damage,
+                                                       script):
+    """meta.json of garbage bytes, a list, missing keys or an unknown dtype; train.bin cut short, emptied or
+    holding ids past the vocabulary: seven tracebacks (UnicodeDecodeError, TypeError, KeyError, ValueError, an
+    IndexError from the embedding mid-run). A cache is derived data: it is rebuilt, and one line says so."""
+    cache = tmp_path / "cache" / pristine_cache.name
+    shutil.copytree(pristine_cache, cache)
+    DAMAGED_CACHES[damage](cache)
+    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--cache_dir", tmp_path / "cache")
+    assert (trainer.run if script == "trainer" else pd.main)(argv) in (0, None)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and f"data: the token cache {cache} is damaged (" in out, err
+    assert (cache / "train.bin").read_bytes() == (pristine_cache / "train.bin").read_bytes()
+    assert pd._cache_problem(str(cache)) is None and os.listdir(cache.parent) == [cache.name]
