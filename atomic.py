@@ -4,17 +4,21 @@ Everything that persists work goes through here: checkpoints, the data cache, Hu
 pointer files. A folder is written under a temporary name beside its place, every file flushed to disk,
 then renamed into place (a previous folder of that name moves aside first and goes only once the new one
 is in). A write that fails removes its partial copy and raises one line: what failed, where, and for a
-full disk how much room the write needs against what is free.
+full disk how much room the write needs against what is free. What a killed writer left, remove_leftovers()
+clears once that process is gone.
 """
 
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 
 from config import ConfigError, WriteError
 
 FILE_MODE = 0o666  # what open() gives a new file, before the umask: one mode for every file written
+LEFTOVER = re.compile(r"\.(?P<kind>tmp|old)_(?P<name>.+)_(?P<pid>\d+)@(?P<host>[^@]*)")  # folder()'s names
 
 
 def fsync_dir(path: str):
@@ -82,7 +86,8 @@ def folder(final: str, what: str, need: int = 0):
     `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the
     message of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
-    tmp, aside = os.path.join(parent, f".tmp_{name}_{os.getpid()}"), os.path.join(parent, f".old_{name}_{os.getpid()}")
+    owner = f"{os.getpid()}@{socket.gethostname()}"  # remove_leftovers() judges by it whether the writer is gone
+    tmp, aside = (os.path.join(parent, f".{kind}_{name}_{owner}") for kind in ("tmp", "old"))
     try:
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same pid
@@ -110,6 +115,35 @@ def folder(final: str, what: str, need: int = 0):
             os.rename(aside, final)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_leftovers(parent: str):
+    """Clear what folder() left in `parent` when its process died mid-write (kill -9, SIGTERM, a crash): its
+    temporary folders go, and a previous folder it had set aside goes back in place if nothing replaced it.
+    Only this machine's dead processes are judged: another's pid means nothing here."""
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        found = LEFTOVER.fullmatch(entry)
+        if not found or found["host"] != socket.gethostname() or _alive(int(found["pid"])):
+            continue
+        path, final = os.path.join(parent, entry), os.path.join(parent, found["name"])
+        if found["kind"] == "old" and not os.path.exists(final):
+            with contextlib.suppress(OSError):  # best effort: clearing never stops the work that called it
+                os.rename(path, final)  # it died between its two renames: the previous folder is the only one
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this pid runs here (on Windows always assumed: its os.kill(pid, 0) sends Ctrl-C)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def writable_folder(path: str, what: str) -> bool:

@@ -12,10 +12,14 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
 from dataclasses import dataclass
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy as np
 import torch
@@ -294,6 +298,7 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
                         f"pass --vocab_size {MIN_VOCAB} or more")
     files = source_files(cfg)
     path = os.path.join(cfg.cache_dir, _fingerprint(files, cfg, vocab_size))
+    atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
     problem = _cache_problem(path) if os.path.isdir(path) else "absent"
     if problem is None:
         log(f"data: reusing {path}")
