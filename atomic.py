@@ -17,7 +17,14 @@ import socket
 
 from config import ConfigError, WriteError
 
+try:
+    import fcntl
+except ImportError:  # Windows: run folders go unlocked there
+    fcntl = None
+
 FILE_MODE = 0o666  # what open() gives a new file, before the umask: one mode for every file written
+LOCK_FILE = ".lock"  # in a locked folder: flock'ed by its holder, and holding the holder's pid
+_held = {}  # folder -> its open lock file: the lock lasts as long as the descriptor, so as long as the process
 LEFTOVER = re.compile(r"\.(?P<kind>tmp|old)_(?P<name>.+)_(?P<pid>\d+)@(?P<host>[^@]*)")  # folder()'s names
 
 
@@ -167,3 +174,30 @@ def writable_folder(path: str, what: str) -> bool:
             shutil.rmtree(path, ignore_errors=True)
         raise write_error(e, f"writing in {what} {path}", where=path) from None
     return not existed
+
+
+def lock_folder(path: str, what: str):
+    """Lock the folder `path` for the rest of this process's life; one another process holds is refused with
+    one line naming it and that process. Two trainers on one run folder once mixed their steps in one
+    metrics.jsonl. Without fcntl (Windows), or on a file system without locks, nothing is locked."""
+    key = os.path.realpath(path)
+    if fcntl is None or key in _held:
+        return
+    lock = open(os.path.join(path, LOCK_FILE), "a+", encoding="utf-8")  # a+: the holder's pid stays readable
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read(20).strip()
+        lock.close()
+        by = f"process {holder}" if holder.isdigit() else "another process"
+        raise ConfigError(f"{what} {path} is in use by {by}, wait for it to finish or choose another folder") \
+            from None
+    except OSError:
+        lock.close()
+        return  # a file system without locks (some network ones): train unlocked rather than not at all
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _held[key] = lock

@@ -204,3 +204,48 @@ def test_only_the_leftovers_of_dead_writers_on_this_machine_are_cleared(tmp_path
         assert sorted(os.listdir(tmp_path)) == sorted([names[0], "b", names[3]])
     finally:
         writing.kill()
+
+
+# ----------------------------------------------------------------------------- two trainers, one run folder
+
+HOLD_LOCK = "import sys, time, atomic; atomic.lock_folder(sys.argv[1], 'x'); print('locked', flush=True); time.sleep(60)"
+
+
+def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for, tmp_path, capsys):
+    """The second of two trainers on one run folder stopped with a misleading message and left its step-1 line in
+    the first one's metrics.jsonl. Now it stops before any work with one line naming the folder and the holder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(SystemExit) as e:
+            trainer.run(argv_for(corpus, run, "--max_steps", 2))
+        assert f"--run_dir {run} is in use by process {holder.pid}, wait for it" in one_error_line(capsys, 2, e)
+        assert sorted(os.listdir(run)) == [atomic.LOCK_FILE]  # no config.json, no metrics.jsonl
+    finally:
+        holder.kill()
+        holder.wait()
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 1)) == 0  # the holder is gone: the folder is free
+
+
+@pytest.mark.slow
+def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, argv_for, tmp_path, capsys):
+    """Two real trainers on one folder: the second is refused while the first trains on, alone in metrics.jsonl."""
+    from monitor import read_metrics
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"),
+                              *argv_for(corpus, run, "--max_steps", 100000)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        while not read_metrics(str(run), "train"):  # the first one trains
+            assert first.poll() is None, "the first trainer stopped"
+            time.sleep(0.05)
+        with pytest.raises(SystemExit) as e:
+            trainer.run(argv_for(corpus, run, "--max_steps", 2))
+        assert f"{run} is in use by process {first.pid}" in one_error_line(capsys, 2, e)
+    finally:
+        first.kill()
+        first.wait()
+    steps = [r["step"] for r in read_metrics(str(run), "train")]
+    assert steps == sorted(set(steps))  # the first trainer's steps only, each once
