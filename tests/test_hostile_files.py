@@ -208,7 +208,8 @@ def test_only_the_leftovers_of_dead_writers_on_this_machine_are_cleared(tmp_path
 
 # ----------------------------------------------------------------------------- two trainers, one run folder
 
-HOLD_LOCK = "import sys, time, atomic; atomic.lock_folder(sys.argv[1], 'x'); print('locked', flush=True); time.sleep(60)"
+HOLD_LOCK = ("import sys, time, atomic; atomic.lock_folder(sys.argv[1], '--run_dir'); print('locked', flush=True); "
+             "time.sleep(60)")
 
 
 def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for, tmp_path, capsys):
@@ -249,3 +250,25 @@ def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, ar
         first.wait()
     steps = [r["step"] for r in read_metrics(str(run), "train")]
     assert steps == sorted(set(steps))  # the first trainer's steps only, each once
+
+
+# ----------------------------------------------------------------------------- a YAML alias bomb
+
+def alias_bomb(levels: int) -> str:
+    """A 'billion laughs' config: each level lists the one before ten times, 7 * 10**levels bytes written out."""
+    rows = ["  - &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    rows += [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "sample_prompts:\n" + "\n".join(rows) + "\n"
+
+
+@pytest.mark.parametrize("text", [alias_bomb(7), "sample_prompts: &me [*me, *me]\n"], ids=["billion-laughs",
+                                                                                           "recursive"])
+def test_a_yaml_alias_bomb_is_refused_by_name(corpus, argv_for, tmp_path, capsys, text):
+    """A ten-line YAML --config whose aliases repeat a list of lists expanded into a 351 MB config.json and a
+    native abort; a file whose aliases expand past a config's size is refused, naming it, before it is built."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        trainer.run(argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--config", bomb))
+    assert f"config file {bomb} expands past 1,048,576 bytes through its YAML aliases" in one_error_line(capsys, 2, e)
+    assert not (tmp_path / "run").exists()
