@@ -272,3 +272,55 @@ def test_a_yaml_alias_bomb_is_refused_by_name(corpus, argv_for, tmp_path, capsys
         trainer.run(argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--config", bomb))
     assert f"config file {bomb} expands past 1,048,576 bytes through its YAML aliases" in one_error_line(capsys, 2, e)
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- exports and imports into run folders
+
+def a_folder_of_notes(folder):
+    folder.mkdir()
+    (folder / "notes.txt").write_text("a week of observations")
+
+
+def an_export_with_a_readme(folder):
+    import export_hf
+    assert export_hf.main([str(folder.parent / "source"), str(folder)]) == 0
+    (folder / "README.md").write_text("the model card, written by hand")
+
+
+@pytest.mark.parametrize("victim", ["run-folder", "folder-of-notes", "export-with-a-readme"])
+def test_export_overwrite_replaces_only_an_earlier_export(tiny_checkpoint, tmp_path, capsys, victim):
+    """`export_hf.py RUN OUT --overwrite` with OUT a training run folder replaced its checkpoints and metrics with
+    the export. --overwrite may replace an earlier export, never a folder holding anything an export does not."""
+    import export_hf
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), tmp_path / "source")
+    out = tmp_path / "out"
+    if victim == "run-folder":
+        shutil.copytree(tmp_path / "source", out)
+    else:
+        (a_folder_of_notes if victim == "folder-of-notes" else an_export_with_a_readme)(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        export_hf.main([str(tmp_path / "source"), str(out), "--overwrite"])
+    assert f"{out} is not an earlier export (" in one_error_line(capsys, 2, e)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # every file as it was
+    assert sorted(os.listdir(tmp_path)) == ["out", "source"]  # no temporary folder
+
+
+@pytest.mark.parametrize("held", ["complete", "incomplete-only"])
+def test_import_into_a_run_folder_with_checkpoints_is_refused(tiny_checkpoint, tmp_path, capsys, held):
+    """`export_hf.py --import HF RUN` into a folder holding checkpoints added step_000000 beside them and moved
+    LATEST to it (at one time it ended in a NameError instead); it is refused as the trainer refuses a new run."""
+    import export_hf
+    assert export_hf.main([tiny_checkpoint, str(tmp_path / "hf")]) == 0
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    if held == "incomplete-only":
+        os.remove(run / "checkpoints" / "step_000010" / "manifest.json")  # a write cut short, say
+        os.remove(run / "checkpoints" / "step_000010" / "trainer_state.pt")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        export_hf.main(["--import", str(tmp_path / "hf"), str(run)])
+    assert f"{run} already holds checkpoints, choose a new RUN_DIR" in one_error_line(capsys, 2, e)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
