@@ -4,17 +4,28 @@ Everything that persists work goes through here: checkpoints, the data cache, Hu
 pointer files. A folder is written under a temporary name beside its place, every file flushed to disk,
 then renamed into place (a previous folder of that name moves aside first and goes only once the new one
 is in). A write that fails removes its partial copy and raises one line: what failed, where, and for a
-full disk how much room the write needs against what is free.
+full disk how much room the write needs against what is free. What a killed writer left, remove_leftovers()
+clears once that process is gone.
 """
 
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 
 from config import ConfigError, WriteError
 
+try:
+    import fcntl
+except ImportError:  # Windows: run folders go unlocked there
+    fcntl = None
+
 FILE_MODE = 0o666  # what open() gives a new file, before the umask: one mode for every file written
+LOCK_FILE = ".lock"  # in a locked folder: flock'ed by its holder, and holding the holder's pid
+_held = {}  # folder -> its open lock file: the lock lasts as long as the descriptor, so as long as the process
+LEFTOVER = re.compile(r"\.(?P<kind>tmp|old)_(?P<name>.+)_(?P<pid>\d+)@(?P<host>[^@]*)")  # folder()'s names
 
 
 def fsync_dir(path: str):
@@ -64,7 +75,9 @@ def write_error(e: OSError, what: str, need: int = 0, where: str = "") -> Except
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
+    if n < 1e6:
+        return f"{n / 1e3:,.0f} kB"
+    return f"{n / 1e6:,.1f} MB" if n < 1e7 else f"{n / 1e6:,.0f} MB"  # a tenth: 1.4 MB needed is not 1 MB free
 
 
 def _existing(path: str) -> str:
@@ -80,7 +93,8 @@ def folder(final: str, what: str, need: int = 0):
     `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the
     message of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
-    tmp, aside = os.path.join(parent, f".tmp_{name}_{os.getpid()}"), os.path.join(parent, f".old_{name}_{os.getpid()}")
+    owner = f"{os.getpid()}@{socket.gethostname()}"  # remove_leftovers() judges by it whether the writer is gone
+    tmp, aside = (os.path.join(parent, f".{kind}_{name}_{owner}") for kind in ("tmp", "old"))
     try:
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same pid
@@ -110,6 +124,35 @@ def folder(final: str, what: str, need: int = 0):
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def remove_leftovers(parent: str):
+    """Clear what folder() left in `parent` when its process died mid-write (kill -9, SIGTERM, a crash): its
+    temporary folders go, and a previous folder it had set aside goes back in place if nothing replaced it.
+    Only this machine's dead processes are judged: another's pid means nothing here."""
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        found = LEFTOVER.fullmatch(entry)
+        if not found or found["host"] != socket.gethostname() or _alive(int(found["pid"])):
+            continue
+        path, final = os.path.join(parent, entry), os.path.join(parent, found["name"])
+        if found["kind"] == "old" and not os.path.exists(final):
+            with contextlib.suppress(OSError):  # best effort: clearing never stops the work that called it
+                os.rename(path, final)  # it died between its two renames: the previous folder is the only one
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this pid runs here (on Windows always assumed: its os.kill(pid, 0) sends Ctrl-C)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def writable_folder(path: str, what: str) -> bool:
     """Check that `path` is, or can become, a folder this process writes to, by writing a small file in it;
     returns whether the folder had to be created (so a caller refusing later can remove it again)."""
@@ -131,3 +174,30 @@ def writable_folder(path: str, what: str) -> bool:
             shutil.rmtree(path, ignore_errors=True)
         raise write_error(e, f"writing in {what} {path}", where=path) from None
     return not existed
+
+
+def lock_folder(path: str, what: str):
+    """Lock the folder `path` for the rest of this process's life; one another process holds is refused with
+    one line naming it and that process. Two trainers on one run folder once mixed their steps in one
+    metrics.jsonl. Without fcntl (Windows), or on a file system without locks, nothing is locked."""
+    key = os.path.realpath(path)
+    if fcntl is None or key in _held:
+        return
+    lock = open(os.path.join(path, LOCK_FILE), "a+", encoding="utf-8")  # a+: the holder's pid stays readable
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read(20).strip()
+        lock.close()
+        by = f"process {holder}" if holder.isdigit() else "another process"
+        raise ConfigError(f"{what} {path} is in use by {by}, wait for it to finish or choose another folder") \
+            from None
+    except OSError:
+        lock.close()
+        return  # a file system without locks (some network ones): train unlocked rather than not at all
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _held[key] = lock

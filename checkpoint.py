@@ -10,6 +10,8 @@ lost LATEST is found again by scanning for complete folders). read_model() opens
 a checkpoint, a run folder (its newest checkpoint) or a Hugging Face folder, never unpickling anything.
 """
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -54,11 +56,13 @@ def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelCon
     previous = latest_checkpoint(run_dir)
     keeps = f"; {previous} is intact" if previous else ""
     with atomic.folder(final, f"writing checkpoint {name} (the run stopped here{keeps})", need) as tmp:
-        save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        with _refused_writes(tmp):
+            save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, MODEL_CONFIG), "w", encoding="utf-8") as f:
             json.dump(asdict(model_config), f, indent=2)
         shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
-        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+        with _refused_writes(tmp), open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
+            torch.save(trainer_state, f)  # through a Python file, whose OSError the zip writer's error keeps
         sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in sorted(os.listdir(tmp))}
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
             json.dump({"step": step, "val_loss": val_loss, "files": sizes}, f, indent=1)
@@ -68,6 +72,24 @@ def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelCon
         atomic.write_text(os.path.join(root, "BEST"), name + "\n")
     _prune(run_dir, keep)
     return final
+
+
+@contextlib.contextmanager
+def _refused_writes(folder: str):
+    """A write the disk refused, as the OSError it is (atomic.folder turns that into one line): safetensors
+    reports it as SafetensorError '... (os error 28)', torch's zip writer as RuntimeError 'unexpected pos'."""
+    try:
+        yield
+    except SafetensorError as e:
+        number = re.search(r"os error (\d+)", str(e))
+        if not number:
+            raise
+        raise OSError(int(number.group(1)), os.strerror(int(number.group(1))), folder) from None
+    except RuntimeError as e:
+        if "inline_container" not in str(e) and "PytorchStreamWriter" not in str(e):
+            raise
+        refused = e.__context__ if isinstance(e.__context__, OSError) else OSError(errno.EIO, str(e), folder)
+        raise refused from None
 
 
 def _tensor_bytes(obj) -> int:

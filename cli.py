@@ -7,11 +7,14 @@ the flags. Unknown names and values of the wrong type are refused with the list 
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, fields
 
 from config import PRESETS, Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+
+MAX_CONFIG_BYTES = 2**20  # a config file is a few kB: bounds the file, and what its YAML aliases expand to
 
 
 def _explicit_values(section) -> dict:
@@ -25,14 +28,14 @@ def _file_overrides(path: str, types) -> list[str]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist, pass the path of a .json or .yaml file")
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES:,} bytes, which no file of settings is")
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is fine
-        if path.endswith((".yaml", ".yml")):
-            import yaml  # optional: only YAML config files need PyYAML
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
+        values = _load_yaml(text, path) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    except ConfigError:
+        raise
     except ImportError:
         raise ConfigError(f"reading {path} needs PyYAML, pip install pyyaml or use a .json file") from None
     except UnicodeDecodeError as e:
@@ -57,6 +60,34 @@ def _file_overrides(path: str, types) -> list[str]:
         else:
             words += [f"--{key}", str(value)]
     return words
+
+
+def _load_yaml(text: str, path: str):
+    """yaml.safe_load, refusing before anything is built a document whose aliases (&name, *name) expand past
+    MAX_CONFIG_BYTES: a 'billion laughs' file of ten lines once became a 351 MB config.json and a native abort."""
+    import yaml  # optional: only YAML config files need PyYAML
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} expands past {MAX_CONFIG_BYTES:,} bytes through its YAML aliases "
+                              "(*name), write its values out instead")
+        return {} if node is None else loader.construct_document(node)  # an empty file sets nothing
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node, sizes: dict) -> float:
+    """Characters of a YAML node with every alias written out, each shared node measured once (ids in sizes)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = math.inf  # met again inside itself: a recursive alias never ends
+        if isinstance(node.value, str):
+            size = len(node.value)
+        else:  # a sequence's nodes, or a mapping's (key, value) pairs
+            children = [n for item in node.value for n in (item if isinstance(item, tuple) else (item,))]
+            size = sum(_expanded_size(n, sizes) for n in children)
+        sizes[id(node)] = size + 1
+    return sizes[id(node)]
 
 
 def _naming_config_py(e: ConfigError, types) -> ConfigError:

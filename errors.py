@@ -8,7 +8,9 @@ a reader that closed the pipe leaves quietly. Anything else is a bug and keeps i
 
 import functools
 import os
+import signal
 import sys
+import threading
 
 
 class InputError(ValueError):
@@ -69,6 +71,8 @@ def error_contract(main):
     its code (SystemExit). A bug keeps its traceback."""
     @functools.wraps(main)
     def contracted(*args, **kwargs):
+        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a script's imports are over: Ctrl-C is 130
         try:
             try:
                 return main(*args, **kwargs)

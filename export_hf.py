@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-from checkpoint import TOKENIZER, latest_checkpoint, read_model, save_checkpoint
-from config import ConfigError, default_run_dir
+from checkpoint import TOKENIZER, holds_checkpoints, read_model, save_checkpoint
+from config import CheckpointError, ConfigError, default_run_dir
 from errors import error_contract
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
 from tokenizer import EOT_TOKEN
@@ -36,7 +36,7 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
 
 def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0) -> str:
     """Write a Qwen3/Llama folder as step 0 of run_dir (weights, shape, tokenizer; no optimizer state)."""
-    if latest_checkpoint(run_dir):
+    if holds_checkpoints(run_dir):  # complete or not, LATEST or not: as the trainer refuses a new run there
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
     if not is_hf_folder(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors), "

@@ -15,6 +15,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import torch
 from tqdm import tqdm
 
@@ -236,10 +239,11 @@ def prepare_once(cfg: Config, dist) -> PreparedData:
 def check_run_folder(t, resuming: bool):
     """A folder this process can write to, and, for a new run, one that holds no checkpoint folder, complete
     or not, LATEST or not: a new run never writes over another's checkpoints."""
+    atomic.writable_folder(t.run_dir, "--run_dir")
+    atomic.lock_folder(t.run_dir, "--run_dir")  # until this process ends: a second trainer here is refused
     if ckpt_io.holds_checkpoints(t.run_dir) and not resuming:
         raise ConfigError(f"{t.run_dir} already holds checkpoints, pass --resume to continue it "
                           "or --run_dir NEW_FOLDER for a new run")
-    atomic.writable_folder(t.run_dir, "--run_dir")
 
 
 def write_run_config(cfg: Config):

@@ -24,6 +24,7 @@ from tokenizer import EOT_TOKEN, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
@@ -179,13 +180,28 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
 
 def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str = "float32",
                     eos: str = EOT_TOKEN, overwrite: bool = False):
-    """Write a transformers folder atomically: into a temporary folder, renamed into place when complete."""
+    """Write a transformers folder atomically: into a temporary folder, renamed into place when complete.
+    overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints)."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
                               "another folder")
+    problem = _not_an_export(out) if os.path.isdir(out) and os.listdir(out) else None
+    if problem:
+        raise CheckpointError(f"{os.path.abspath(out)} is not an earlier export ({problem}) and --overwrite "
+                              "replaces nothing else, choose another folder")
     need = sum(v.numel() for v in state.values()) * DTYPES[dtype].itemsize
     with atomic.folder(out, f"exporting to {out}", need) as tmp:
         _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
+
+
+def _not_an_export(out: str) -> str | None:
+    """Why the folder out is not an earlier export, which --overwrite may replace; None when it is one: a
+    Hugging Face folder of only the files an export writes (no checkpoints/, no notes of the user's)."""
+    if not is_hf_folder(out):
+        return f"no {HF_CONFIG} with {HF_WEIGHTS}"
+    others = [e for e in sorted(os.listdir(out)) if not (e.endswith(EXPORT_SUFFIXES) and
+                                                         os.path.isfile(os.path.join(out, e)))]
+    return f"it holds {others[0]}" if others else None
 
 
 # ----------------------------------------------------------------------------- reading a folder

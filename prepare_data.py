@@ -12,10 +12,14 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
 from dataclasses import dataclass
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy as np
 import torch
@@ -35,6 +39,9 @@ from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, cha
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
 CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
+META_FIELDS = {"vocab_size": int, "dtype": str, "has_masks": bool, "eot_id": int, "train_tokens": int,
+               "val_tokens": int, "train_documents": int, "val_documents": int, "val_bytes_per_token": (int, float)}
+ID_CHUNK = 2**26  # token ids per max() when a cache is checked: bounds the memory one chunk maps
 
 
 @dataclass
@@ -239,6 +246,48 @@ def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log
         f"{meta['val_bytes_per_token']:.2f} bytes per token")
 
 
+def _has(value, kind) -> bool:
+    """isinstance, without True passing for an int."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _cache_problem(path: str) -> str | None:
+    """What is wrong with a cache folder, in a few words; None when meta.json's fields, the split files' sizes
+    and token ids, and the tokenizer agree. A cache damaged by hand, by a disk or by a copy cut short once
+    ended in one of seven tracebacks (the last an IndexError from the embedding, mid-training)."""
+    try:
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"meta.json is unreadable: {str(e).splitlines()[0][:80]}"
+    if not isinstance(meta, dict):
+        return f"meta.json holds a {type(meta).__name__}, not an object"
+    for key, kind in META_FIELDS.items():
+        if not _has(meta.get(key), kind) or (kind is int and meta[key] < 0):
+            return f"meta.json's {key} is {meta.get(key)!r}"
+    if meta["dtype"] not in ("uint16", "uint32") or meta["eot_id"] >= meta["vocab_size"]:
+        return f"meta.json's dtype {meta['dtype']!r} or eot_id {meta['eot_id']} does not fit its vocabulary"
+    for split in ("train", "val"):
+        tokens, width = meta[f"{split}_tokens"], np.dtype(meta["dtype"]).itemsize
+        for file, need in [(f"{split}.bin", tokens * width)] + [(f"{split}_mask.bin", tokens)] * meta["has_masks"]:
+            where = os.path.join(path, file)
+            if not os.path.isfile(where) or os.path.getsize(where) != need:
+                return f"{file} is missing or not the {need:,} bytes that meta.json's {split}_tokens needs"
+        bin_path = os.path.join(path, f"{split}.bin")
+        ids = np.memmap(bin_path, dtype=meta["dtype"], mode="r") if tokens else []  # np.memmap refuses empty files
+        # Every id, in chunks: the time of reading the file once, against an IndexError hours into a run.
+        top = max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
+        if top >= meta["vocab_size"]:
+            return f"{split}.bin holds token id {top}, past the vocabulary of {meta['vocab_size']}"
+    try:
+        vocab = Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)).get_vocab_size()
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        return f"{TOKENIZER_FILE} is unreadable: {str(e).splitlines()[0][:80]}"
+    if vocab != meta["vocab_size"]:
+        return f"{TOKENIZER_FILE} has {vocab} tokens, meta.json's vocab_size {meta['vocab_size']}"
+    return None
+
+
 def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> PreparedData:
     """Build the token cache for these settings, or reuse the finished one; raises DataError on bad input."""
     if cfg.data_seed < 0:
@@ -249,9 +298,13 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
                         f"pass --vocab_size {MIN_VOCAB} or more")
     files = source_files(cfg)
     path = os.path.join(cfg.cache_dir, _fingerprint(files, cfg, vocab_size))
-    if os.path.isfile(os.path.join(path, "meta.json")):
+    atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
+    problem = _cache_problem(path) if os.path.isdir(path) else "absent"
+    if problem is None:
         log(f"data: reusing {path}")
     else:
+        if problem != "absent":  # a cache is derived data: rebuilt, not refused
+            log(f"data: the token cache {path} is damaged ({problem}), rebuilding it")
         _build(path, files, cfg, vocab_size, seq_len, log)
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         data = PreparedData(path, json.load(f))

@@ -53,8 +53,9 @@ def test_every_script_runs_under_the_contract(script):
     tree = ast.parse(open(os.path.join(ROOT, folder, script + ".py"), encoding="utf-8").read())
     decorated = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                  and any(getattr(d, "id", None) == "error_contract" for d in f.decorator_list)}
-    main_block = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-    called = {c.func.id for c in ast.walk(main_block) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    called = {c.func.id for block in main_blocks for c in ast.walk(block)
+              if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
     assert called & decorated, f"{script}.py: decorate its main with errors.error_contract"
     assert "error_exit(" not in ast.unparse(tree), f"{script}.py: raise an InputError or RunFailure instead"
 

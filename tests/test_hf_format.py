@@ -253,18 +253,22 @@ def test_unrepresentable_folder_is_refused(qwen3_folder, tmp_path, capsys, chang
 
 
 def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys, tiny):
-    """An existing folder must not be overwritten without --overwrite; with it, the new export replaces it
-    whole and no temporary folder is left behind; bf16 export stores bf16 tensors and says so."""
+    """An existing folder must not be overwritten without --overwrite, and with it only when it is an earlier
+    export, which the new export replaces whole, no temporary folder left behind; bf16 export stores bf16
+    tensors and says so."""
     save(Transformer(tiny()), data, tmp_path / "run", 1)
     out = tmp_path / "hf"
     out.mkdir()
     (out / "precious.txt").write_text("keep")
-    with pytest.raises(SystemExit) as exit_info:
-        export_hf.main([str(tmp_path / "run"), str(out)])
-    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    for flags in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as exit_info:
+            export_hf.main([str(tmp_path / "run"), str(out), *flags])
+        assert exit_info.value.code == 2 and "overwrite" in capsys.readouterr().err
     assert os.listdir(out) == ["precious.txt"]
+    os.remove(out / "precious.txt")
+    export(tmp_path / "run", out)
     export(tmp_path / "run", out, "--overwrite", "--dtype", "bfloat16")
-    assert "precious.txt" not in os.listdir(out) and sorted(os.listdir(tmp_path)) == ["hf", "run"]
+    assert sorted(os.listdir(tmp_path)) == ["hf", "run"]
     assert read_json(out / "config.json")["dtype"] == "bfloat16"
     from safetensors.torch import load_file
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
