@@ -59,6 +59,7 @@ class Built:
     amp: object  # the autocast context of amp_dtype
     cudagraphs: bool  # the compile mode captures CUDA graphs
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
+    evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
@@ -92,6 +93,9 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     cudagraphs = uses_cuda_graphs(t.compile, device)
     b = Built(raw_model, model, compile_model(model, t.compile), opt, scaler, amp_dtype, amp, cudagraphs, cudagraphs)
+    # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own (no gradients), which
+    # the loop warms up before it starts timing.
+    b.evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
     if b.persistent_grads:
         keep_grads(b.opt)
     return b
@@ -158,6 +162,23 @@ def first_train_step(b: Built, batches, step: int, t, dist):
         return train_step(b, batches, step, t, dist)
 
 
+def warm_evaluator(b: Built, val_batches, t, dist):
+    """Compile evaluation's own graph (FP8 runs) before the loop times anything; a compiler failure there is
+    handled as in the first step."""
+    if b.evaluator is b.raw_model:
+        return
+    try:
+        evaluate(b.evaluator, b.amp, val_batches, 1, dist)
+    except Exception as e:
+        if not is_compile_failure(e):
+            raise
+        if not falls_back(t, next(b.raw_model.parameters()).device):
+            raise CompileError(f"torch.compile failed on the evaluation graph ({str(e).splitlines()[0][:300]}); "
+                               "pass --compile off, or --compile_fallback true") from e
+        dist.print("warning: torch.compile failed on the evaluation graph; evaluating eagerly")
+        b.evaluator = b.raw_model
+
+
 def falls_back(t, device: torch.device) -> bool:
     """Whether a compile failure becomes an eager run: asked for, or by default off CUDA (where compiling buys
     less, and a machine without a C compiler should still train); on CUDA eager is a fraction of the speed."""
@@ -167,7 +188,7 @@ def falls_back(t, device: torch.device) -> bool:
 def evaluation(run: "Run", b: Built, step: int, full: bool) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar."""
-    val_loss = evaluate(b.raw_model, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
+    val_loss = evaluate(b.evaluator, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
     with b.amp:
         (code_ok, code_n), samples = (run.probe.code(b.raw_model), run.probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
@@ -376,6 +397,7 @@ def main(argv=None) -> int:
     run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
               Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step)
 
+    warm_evaluator(b, val_batches, t, dist)
     stop, window = StopFlag(), LossWindow(device)
     profiler = StepProfiler(t.run_dir, device, first=start + 2) if t.profile and dist.is_main else None
     clock.sync(start, dist)
