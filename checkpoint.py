@@ -95,11 +95,10 @@ def _prune(run_dir: str, keep: int):
 def _manifest(ckpt: str) -> dict:
     """A checkpoint's manifest.json ({} when it has none, or an unreadable one)."""
     try:
-        with open(os.path.join(ckpt, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
-    except (OSError, ValueError):
+        manifest = atomic.read_json(os.path.join(ckpt, MANIFEST), "a manifest", "")
+    except CheckpointError:
         return {}
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
 
 
 def incomplete(ckpt: str) -> str | None:
@@ -212,14 +211,14 @@ def resolve_checkpoint(path: str, best: bool = False) -> str:
 def load_model_config(ckpt: str) -> ModelConfig:
     """The ModelConfig saved beside the weights."""
     path = os.path.join(ckpt, MODEL_CONFIG)
+    values = atomic.read_json(path, "a valid model config", f"the checkpoint is damaged; {HOW_TO_MAKE_ONE}")
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} is not a valid model config (it holds a {type(values).__name__}), "
+                              f"{HOW_TO_MAKE_ONE}")
+    known = {f.name for f in fields(ModelConfig)}
     try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-        known = {f.name for f in fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in values.items() if k in known})
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
-    except (json.JSONDecodeError, TypeError, ConfigError) as e:
+    except (TypeError, ConfigError) as e:
         raise CheckpointError(f"{path} is not a valid model config ({e}), {HOW_TO_MAKE_ONE}") from None
 
 

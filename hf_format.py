@@ -27,6 +27,7 @@ HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.saf
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
+SAVE_IT = "save the model with save_pretrained(safe_serialization=True)"
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -258,11 +259,7 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
 def _raw_config(path: str) -> dict:
     """config.json as written, refused unless it is an object naming a model type we can represent."""
     file = os.path.join(path, HF_CONFIG)
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file} ({e})") from None
+    raw = atomic.read_json(file, "a transformers config", SAVE_IT)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a config object")
     if raw.get("model_type") not in ARCHITECTURES:
@@ -295,10 +292,10 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, HF_INDEX)
     if not os.path.isfile(index):
         return [os.path.join(path, HF_WEIGHTS)]
+    values = atomic.read_json(index, "a weight index", SAVE_IT)
     try:
-        with open(index, encoding="utf-8") as f:
-            shards = set(json.load(f)["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        shards = set(values["weight_map"].values())
+    except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a weight index with a weight_map ({type(e).__name__}: {e})") from None
     bad = sorted(str(n) for n in shards if not isinstance(n, str) or os.path.basename(n) != n
                  or not n.endswith(".safetensors"))
@@ -330,7 +327,7 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     """
     if not is_hf_folder(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder ({HF_CONFIG} with {HF_WEIGHTS} or "
-                              f"{HF_INDEX}), save the model with save_pretrained(safe_serialization=True)")
+                              f"{HF_INDEX}), {SAVE_IT}")
     files = _weight_files(path)
     stored = stored_shapes(files)
     check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)

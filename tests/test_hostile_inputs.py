@@ -1,0 +1,111 @@
+"""Hostile inputs met at load, listing, resume and evaluation, each reproduced as a user meets it: JSON nested
+past the parser's depth, a context of 10^12 positions, a tokenizer larger than its model, bytes that are not
+UTF-8 on the command line, stray files beside runs, a model folder given to --resume, garbage in metrics.jsonl,
+a one-line file of megabytes to evaluate, a named pipe as data. Each ends in one `error:` line and exit 2, or
+in the run going on."""
+
+import json
+import math
+import os
+import re
+import shutil
+import tracemalloc
+
+import pytest
+import torch
+
+import export_hf
+import gpu_training_optimized as trainer
+import text_generator as tg
+from checkpoint import save_checkpoint, weights_state_dict
+from config import DataConfig
+from corpus import PIECE_BYTES, source_files
+from modern_llm import Transformer
+from monitor import read_metrics
+from prepare_data import split_texts
+
+DEEP = "[" * 100_000  # past the JSON parser's recursion limit: RecursionError, not JSONDecodeError
+
+
+def one_error_line(capsys, code, exit_info) -> str:
+    """The one `error:` line on stderr, last, on a line of its own (a progress bar may come before it)."""
+    err = capsys.readouterr().err
+    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and [line for line in lines if "error:" in line] == lines[-1:], err
+    return lines[-1]
+
+
+def refused(capsys, main, argv) -> str:
+    """The error line of main(argv), which must exit 2 with exactly one."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return one_error_line(capsys, 2, e)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, argv_for, tmp_path_factory):
+    """A run of 4 steps with checkpoints at 2 and 4, to copy and damage."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4)) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "hf"
+    export_hf.export(tiny_checkpoint, str(out))
+    return out
+
+
+def copy_checkpoint(tiny_checkpoint, tmp_path):
+    """The tiny checkpoint's run folder copied, and its checkpoint's path in the copy."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    return run, run / "checkpoints" / os.path.basename(tiny_checkpoint)
+
+
+# ----------------------------------------------------------------------------- JSON nested past the parser
+
+def test_nested_model_config_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys):
+    """A model_config.json of 100,000 '[' (in a checkpoint from before manifests) was a RecursionError traceback."""
+    _, ckpt = copy_checkpoint(tiny_checkpoint, tmp_path)
+    (ckpt / "manifest.json").unlink()
+    (ckpt / "model_config.json").write_text(DEEP)
+    line = refused(capsys, tg.main, [str(ckpt), "--prompt", "x"])
+    assert f"{ckpt / 'model_config.json'} is not a valid model config (JSON nested too deeply" in line
+
+
+def test_nested_manifests_are_one_line_for_the_generator_and_resume(trained, corpus, argv_for, tmp_path, capsys):
+    """manifest.json nested too deeply was a RecursionError traceback in the generator, --list and --resume; a
+    checkpoint whose manifest cannot be read is incomplete, and --list shows the others."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    for step in (2, 4):
+        (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").write_text(DEEP)
+    assert "manifest.json is unreadable" in refused(capsys, tg.main, [str(run), "--prompt", "x"])
+    assert "manifest.json is unreadable" in refused(capsys, trainer.run, argv_for(corpus, run, "--resume"))
+    shutil.copytree(trained, tmp_path / "good")
+    assert tg.main(["--list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^good +2 ", out, re.M) and re.search(r"^good +4 ", out, re.M) and "\nrun " not in out
+
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+def test_nested_hugging_face_files_are_one_line(hf_folder, tmp_path, capsys, file):
+    """A Hugging Face config.json or weight index nested too deeply was a RecursionError traceback from the
+    importer and the generator."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    (folder / file).write_text(DEEP)
+    for main, argv in ((export_hf.main, ["--import", str(folder), str(tmp_path / "run")]),
+                       (tg.main, [str(folder), "--prompt", "x"])):
+        assert f"{folder / file} is not a " in refused(capsys, main, argv)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_nested_run_config_given_to_the_trainer_is_one_line(tmp_path, capsys):
+    """A run's config.json read back with --config: cli.py's reader already makes this one line; kept with its
+    siblings so that every JSON the project reads is covered."""
+    (tmp_path / "config.json").write_text(DEEP)
+    assert "config.json is not valid" in refused(capsys, trainer.run, ["--config", str(tmp_path / "config.json")])
