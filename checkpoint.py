@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
-from hf_format import (check_declared_size, check_weights, expected_shapes, is_hf_folder, load_hf_folder,
-                       stored_shapes)
+from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
+                       load_hf_folder, stored_shapes)
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
@@ -269,6 +269,7 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFile
         cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
         if max_seq_len:
             cfg = replace(cfg, max_seq_len=max_seq_len)
+        check_context(cfg, "--max_seq_len" if max_seq_len else f"{os.path.join(ckpt, MODEL_CONFIG)}: max_seq_len")
         # From the header: an absurd config is refused before anything is built or loaded.
         stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
         check_declared_size(cfg, stored, ckpt)

@@ -28,6 +28,7 @@ MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_rout
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
 SAVE_IT = "save the model with save_pretrained(safe_serialization=True)"
+ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while a model builds its cos and sin (twice)
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -79,6 +80,16 @@ def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
     if need > free:
         raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and {free / 2**30:.1f} GiB "
                               "are free; close other programs or use a machine with more memory")
+
+
+def check_context(cfg: ModelConfig, where: str):
+    """Refuse a context length whose RoPE tables could not be built in the free memory (a config.json declaring
+    10^12 positions sent the allocator looking for terabytes). where: the file and field it comes from."""
+    need, free = ROPE_PEAK_TABLES * cfg.max_seq_len * cfg.head_dim * 4, psutil.virtual_memory().available
+    if need > free:
+        raise CheckpointError(f"{where}: a context of {cfg.max_seq_len:,} tokens needs {need / 2**30:,.1f} GiB for "
+                              f"its RoPE tables and {free / 2**30:.1f} GiB are free; load a shorter one with "
+                              "--max_seq_len N (text_generator.py, export_hf.py --import and the trainer take it)")
 
 
 def check_weights(state: dict, shapes: dict, where: str):
@@ -332,6 +343,7 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     stored = stored_shapes(files)
     check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
+    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}/{HF_CONFIG}: max_position_embeddings")
     drop = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some tied folders store the head as well
     kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and k not in drop}
     check_weights(kept, {hf_name(k): v for k, v in expected_shapes(cfg).items()}, path)

@@ -36,15 +36,17 @@ SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint",
 
 # ----------------------------------------------------------------------------- loading
 
-def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none"):
+def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none",
+                       max_seq_len: int = 0):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
     path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
     picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32;
-    quantize "int8" stores its linear weights in int8. Raises CheckpointError.
+    quantize "int8" stores its linear weights in int8; max_seq_len, when given, replaces the saved context
+    length. Raises CheckpointError.
     """
     device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir(), best=best)
+    found = read_model(path or default_run_dir(), max_seq_len, best)
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
@@ -52,9 +54,11 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
         model = Transformer(cfg)
     model.load_state_dict(found.state, strict=not cfg.tie_word_embeddings)  # read_model checked every tensor
     tokenizer = load_tokenizer(found.tokenizer_path)
-    if len(tokenizer) > cfg.vocab_size:
-        raise CheckpointError(f"{found.path}: the tokenizer has {len(tokenizer)} tokens but the model only "
-                              f"{cfg.vocab_size}, the checkpoint mixes two runs; {HOW_TO_MAKE_ONE}")
+    ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
+    if ids > cfg.vocab_size:
+        raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
+                              f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
+                              "model; put the tokenizer.json the model was trained with beside it")
     model = for_inference(model, device)
     if quantize == "int8":
         quantize_int8(model)
@@ -359,6 +363,8 @@ def parse_args(argv):
                                                                 "share of Python function bodies that parse")
         parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
                                                                         "validation split of config.py's data")
+        parser.add_argument("--max_seq_len", type=int, default=0, help="load the model with this context length; "
+                                                                       "0: the saved one")
     (settings,), extras = parse_sections((SampleConfig,), (SampleConfig(),), argv,
                                          "Generate text with a trained checkpoint.", extra)
     if extras.path and settings.checkpoint and extras.path != settings.checkpoint:
@@ -375,7 +381,8 @@ def main(argv=None) -> int:
     if extras.list:
         print(list_runs(extras.path or os.path.dirname(default_run_dir())))
         return 0
-    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize)
+    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize,
+                                                     extras.max_seq_len)
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)

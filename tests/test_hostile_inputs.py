@@ -109,3 +109,36 @@ def test_a_nested_run_config_given_to_the_trainer_is_one_line(tmp_path, capsys):
     siblings so that every JSON the project reads is covered."""
     (tmp_path / "config.json").write_text(DEEP)
     assert "config.json is not valid" in refused(capsys, trainer.run, ["--config", str(tmp_path / "config.json")])
+
+
+# ----------------------------------------------------------------------------- sizes a model cannot have
+
+def test_a_context_of_a_trillion_positions_is_refused_with_the_way_out(hf_folder, tmp_path, capsys):
+    """max_position_embeddings=10**12 made the generator ask the allocator for 4 TB of RoPE table (a RuntimeError
+    traceback) and the importer write a checkpoint nothing could load. One line names the field and
+    --max_seq_len, which then imports it."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**12}))
+    for main, argv in ((export_hf.main, ["--import", str(folder), str(tmp_path / "run")]),
+                       (tg.main, [str(folder), "--prompt", "x"])):
+        line = refused(capsys, main, argv)
+        assert "config.json: max_position_embeddings: a context of 1,000,000,000,000 tokens" in line
+        assert "--max_seq_len N" in line
+    assert not (tmp_path / "run").exists()
+    assert export_hf.main(["--import", str(folder), str(tmp_path / "run"), "--max_seq_len", "64"]) == 0
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tiny_checkpoint, tmp_path, capsys):
+    """A tokenizer.json whose ids go past the embedding's rows (same count of tokens, one id moved to 5000)
+    passed the load and hit an index error in the middle of generating."""
+    _, ckpt = copy_checkpoint(tiny_checkpoint, tmp_path)
+    (ckpt / "manifest.json").unlink()
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    rows = max(vocab.values()) + 1
+    vocab["listdir"] = 5000
+    (ckpt / "tokenizer.json").write_text(json.dumps(tok))
+    line = refused(capsys, tg.main, [str(ckpt), "--prompt", "os.listdir", "--max_new_tokens", "2"])
+    assert f"the tokenizer's ids reach 5000 (5001 rows needed) but the model's embedding has {rows} rows" in line
