@@ -133,7 +133,8 @@ def list_runs(root: str) -> str:
     if not os.path.isdir(root):
         raise CheckpointError(f"no folder {root}, {HOW_TO_MAKE_ONE}")
     one_run = os.path.isdir(os.path.join(root, "checkpoints"))
-    runs = [root] if one_run else sorted(os.path.join(root, d) for d in os.listdir(root))
+    runs = [root] if one_run else sorted(p for p in (os.path.join(root, d) for d in os.listdir(root))
+                                         if os.path.isdir(p))  # a note or a log beside the runs is no run
     lines = [f"{'run':<20} {'step':>7} {'params':>8} {'size':>9} {'val loss':>8} {'bpb':>6}  date"]
     for run in runs:
         evals = [r for r in read_metrics(run, "eval") if isinstance(r.get("step"), int)]
@@ -157,6 +158,12 @@ def list_runs(root: str) -> str:
 
 def _unescape(s: str) -> str:
     return s.replace("\\n", "\n").replace("\\t", "\t")  # so `--stop '\n\n'` works from a shell
+
+
+def _from_argv(text: str) -> str:
+    """argv keeps bytes that are not UTF-8 as surrogates, which the tokenizer refuses: they become U+FFFD, as on
+    stdin."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def with_setting(settings: SampleConfig, name: str, text: str) -> SampleConfig:
@@ -370,7 +377,8 @@ def parse_args(argv):
     if extras.path and settings.checkpoint and extras.path != settings.checkpoint:
         raise ConfigError(f"two checkpoints given ({extras.path} and --checkpoint {settings.checkpoint}), keep one")
     extras.path = extras.path or settings.checkpoint
-    return replace(settings, stop=[_unescape(s) for s in settings.stop]), extras
+    extras.prompt = None if extras.prompt is None else _from_argv(extras.prompt)
+    return replace(settings, stop=[_unescape(_from_argv(s)) for s in settings.stop]), extras
 
 
 @error_contract

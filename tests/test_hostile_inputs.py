@@ -142,3 +142,55 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tiny_checkpo
     (ckpt / "tokenizer.json").write_text(json.dumps(tok))
     line = refused(capsys, tg.main, [str(ckpt), "--prompt", "os.listdir", "--max_new_tokens", "2"])
     assert f"the tokenizer's ids reach 5000 (5001 rows needed) but the model's embedding has {rows} rows" in line
+
+
+# ----------------------------------------------------------------------------- the command line and run folders
+
+def test_a_prompt_with_bytes_that_are_not_utf8_is_generated_from(tiny_checkpoint, capsys):
+    """`--prompt $'caf\\xe9'` arrives as a surrogate (surrogateescape) and the tokenizer raised TypeError; the
+    byte now becomes U+FFFD, as on stdin."""
+    assert tg.main([tiny_checkpoint, "--prompt", "caf\udce9", "--max_new_tokens", "2", "--temperature", "0"]) == 0
+    assert "tokens/s" in capsys.readouterr().err
+    assert tg.parse_args(["--prompt", "caf\udce9", "--stop", "\udcff"])[1].prompt == "caf\ufffd"
+
+
+def test_list_skips_plain_files_beside_the_runs(tiny_checkpoint, tmp_path, capsys):
+    """A notes.txt in runs/ made --list fail with NotADirectoryError."""
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), tmp_path / "run1")
+    (tmp_path / "notes.txt").write_text("lr 3e-3 was better\n")
+    assert tg.main(["--list", str(tmp_path)]) == 0
+    assert re.search(r"^run1 +10 ", capsys.readouterr().out, re.M)
+
+
+@pytest.mark.parametrize("what", ["hugging-face", "renamed-copy"])
+def test_resume_from_a_folder_that_is_not_a_run_says_what_it_takes(tiny_checkpoint, hf_folder, corpus, argv_for,
+                                                                  tmp_path, capsys, what):
+    """--resume naming a Hugging Face folder or a checkpoint copied under another name died with
+    "'NoneType' object has no attribute 'group'"."""
+    folder = tmp_path / "weights"
+    shutil.copytree(hf_folder if what == "hugging-face" else tiny_checkpoint, folder)
+    line = refused(capsys, trainer.run, argv_for(corpus, tmp_path / "run", "--resume", folder))
+    assert "--resume takes a run folder or a step_N checkpoint folder in one" in line
+    assert f"pass --init_from {folder}" in line
+
+
+GARBAGE = ["not json at all", "[1, 2]", '{"kind": "train", "step": "3", "loss": 1.0}',
+           '{"kind": "eval", "step": 2, "val_loss": "low"}', '{"kind": "train", "step": 1}',
+           '{"kind": "eval", "step": 4, "val_loss": 1.0, "code_ok": "most"}', DEEP]
+
+
+def test_garbage_lines_in_metrics_are_skipped_by_resume_and_list(trained, corpus, argv_for, tmp_path, capsys):
+    """A metrics.jsonl line that is not a record (not JSON, not an object, a step or loss of the wrong type,
+    nested past the parser) stopped --resume with a TypeError and --list with a RecursionError. Reading
+    metrics is best-effort: such lines are skipped, and the resumed run rewrites the file without them."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n".join(GARBAGE) + "\n")
+    good = read_metrics(trained)
+    assert tg.main(["--list", str(run)]) == 0
+    assert re.search(rf"^run +4 .* {good[-1]['val_loss']:.4f} ", capsys.readouterr().out, re.M)
+    assert trainer.run(argv_for(corpus, run, "--max_steps", 5, "--resume")) == 0
+    after = read_metrics(run)
+    assert after[:len(good)] == good and {r["step"] for r in after[len(good):]} == {5}
+    assert not [line for line in open(run / "metrics.jsonl") if line.strip() in GARBAGE]
