@@ -14,15 +14,17 @@ import time
 from dataclasses import fields, replace
 
 import torch
+from tqdm import tqdm
 
 from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                         load_model_config, read_model)
 from cli import parse_sections
 from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir
+from corpus import corpus_bytes
 from errors import InputError, error_contract
 from device import inference_dtype, pick_device, quantize_int8
 from engine import CHUNK, compiles, generate_text
-from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, fitted
+from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
 from modern_llm import Transformer
 from monitor import read_metrics
 from prepare_data import split_texts
@@ -346,10 +348,15 @@ def warm_up(model, tokenizer, settings: SampleConfig):
 
 
 def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
-    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line."""
-    texts = split_texts(DataConfig(sources=files), split=None) if files else split_texts(DataConfig())
-    r = bits_per_byte(model, tokenizer, texts)
-    rate, n = code_parse_rate(model, tokenizer, texts, fitted(CODE_SETTINGS, model.config.max_seq_len))
+    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line. Files
+    are streamed, a bounded part at a time (twice: once for each figure), under a progress bar on stderr."""
+    texts = None if files else split_texts(DataConfig())
+    pieces = (lambda: file_pieces(files)) if files else (lambda: texts)
+    size = corpus_bytes(DataConfig(sources=files)) if files else sum(len(t.encode("utf-8")) for t in texts)
+    with tqdm(total=size, unit="B", unit_scale=True, desc="bits per byte", file=sys.stderr, dynamic_ncols=True) as bar:
+        r = bits_per_byte(model, tokenizer, pieces(), bar=bar)
+    parts = (text for _, text in text_parts(pieces()))  # read only until the code metric has its prompts
+    rate, n = code_parse_rate(model, tokenizer, parts, fitted(CODE_SETTINGS, model.config.max_seq_len))
     what = ", ".join(files) if files else "the validation split of config.py's data"
     code = f"{round(rate * n)}/{n} Python function bodies parse ({100 * rate:.0f}%)" if n else \
         "no Python function with a docstring to complete"

@@ -194,3 +194,94 @@ def test_garbage_lines_in_metrics_are_skipped_by_resume_and_list(trained, corpus
     after = read_metrics(run)
     assert after[:len(good)] == good and {r["step"] for r in after[len(good):]} == {5}
     assert not [line for line in open(run / "metrics.jsonl") if line.strip() in GARBAGE]
+
+
+# ----------------------------------------------------------------------------- evaluating large files
+
+@pytest.fixture(scope="module")
+def long_context(tiny_checkpoint, tmp_path_factory):
+    """A one-layer model with a context of 1024 on the tiny tokenizer: few windows per megabyte, so a file of
+    megabytes is scored in seconds."""
+    from config import ModelConfig
+    tokenizer = os.path.join(tiny_checkpoint, "tokenizer.json")
+    vocab = len(json.load(open(tokenizer))["model"]["vocab"])
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_seq_len=1024)
+    torch.manual_seed(0)
+    run = tmp_path_factory.mktemp("long") / "run"
+    return save_checkpoint(str(run), 1, weights_state_dict(Transformer(cfg)), cfg, tokenizer, {"step": 1}, keep=1)
+
+
+def written_out_bits_per_byte(model, tok, texts, batch_size=8) -> tuple[float, int]:
+    """bits per byte and tokens as --eval computed them before streaming: every document encoded whole, joined
+    with <|endoftext|>, cut into windows of the context, scored batch by batch."""
+    ids = []
+    for text in texts:
+        ids += tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    window, total = model.config.max_seq_len, 0.0
+    starts = list(range(0, len(ids) - 1, window))
+    with torch.no_grad():
+        for i in range(0, len(starts), batch_size):
+            chunk = [ids[s:s + window + 1] for s in starts[i:i + batch_size]]
+            width = max(map(len, chunk))
+            batch = torch.tensor([c + [0] * (width - len(c)) for c in chunk])
+            labels = torch.tensor([c[1:] + [-100] * (width - len(c)) for c in chunk])
+            logits = model(batch[:, :-1])[0].float()
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                       reduction="sum").item()
+    return total / math.log(2) / sum(len(t.encode()) for t in texts), len(ids) - 1
+
+
+def eval_line(capsys, ckpt, files) -> tuple[float, int, str]:
+    """(bits per byte, tokens, stderr) that `text_generator.py CKPT --eval --eval_files FILES` prints."""
+    assert tg.main([ckpt, "--eval", "--eval_files", *files]) == 0
+    out, err = capsys.readouterr()
+    found = re.search(r": ([\d.]+) bits per byte on .* \(([\d,]+) bytes, ([\d,]+) tokens", out)
+    return float(found.group(1)), int(found.group(3).replace(",", "")), err
+
+
+def test_streamed_evaluation_equals_the_whole_file_one(long_context, tmp_path, capsys):
+    """Streaming must not change the figure: on files of several read pieces (joined into one document, as
+    before), bits per byte and tokens are those of encoding each document whole."""
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    files[0].write_text("".join(f"line {i} of a file longer than one piece\n" for i in range(1000)))
+    files[1].write_text("caf\u00e9 \u65e5\u672c\n" * 500)
+    bpb, tokens, err = eval_line(capsys, long_context, [str(f) for f in files])
+    model, tok, *_ = tg.load_for_inference(long_context, "cpu")
+    texts = split_texts(DataConfig(sources=[str(f) for f in files]), split=None)
+    assert len(texts) == 2 and len(texts[0]) > PIECE_BYTES  # two documents, the first read in pieces
+    expected, expected_tokens = written_out_bits_per_byte(model, tok, texts)
+    assert tokens == expected_tokens and bpb == pytest.approx(expected, abs=1e-4)
+    assert "bits per byte: 100%" in err  # the progress bar, on stderr
+
+
+def test_a_one_line_file_of_megabytes_is_evaluated_in_bounded_memory(long_context, tmp_path, capsys):
+    """A one-line file of 20 MB took --eval past ten minutes and one of 30 MB took 3.8 GB: the whole file was one
+    string, encoded at once into one list of ids. Now it is read, encoded and scored a bounded part at a time:
+    the Python memory at its peak stays well under the file's size (before: about six times it)."""
+    path = tmp_path / "one_line.txt"
+    path.write_text(" fibonacci" * 300_000)  # 3 MB, no newline; about 10 bytes per token, so few windows
+    tracemalloc.start()
+    try:
+        bpb, tokens, _ = eval_line(capsys, long_context, [str(path)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tokens > 250_000 and math.isfinite(bpb)
+    assert peak < 8e6, f"peak {peak / 1e6:.1f} MB for a 3 MB file"
+
+
+# ----------------------------------------------------------------------------- pipes
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_as_data_is_not_called_missing(tiny_checkpoint, corpus, argv_for, tmp_path, capsys):
+    """A FIFO given to --sources or --eval_files was reported as 'does not exist'; inside a folder it would
+    block the reader for ever."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 1)
+    argv[argv.index("--sources") + 1] = str(fifo)
+    for main, args in ((trainer.run, argv), (tg.main, [tiny_checkpoint, "--eval", "--eval_files", str(fifo)])):
+        assert f"data source {fifo} is not a regular file or folder" in refused(capsys, main, args)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    assert [p for p, _ in source_files(DataConfig(sources=[str(tmp_path)]))] == [str(tmp_path / "a.py")]
