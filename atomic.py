@@ -5,17 +5,19 @@ pointer files. A folder is written under a temporary name beside its place, ever
 then renamed into place (a previous folder of that name moves aside first and goes only once the new one
 is in). A write that fails removes its partial copy and raises one line: what failed, where, and for a
 full disk how much room the write needs against what is free. What a killed writer left, remove_leftovers()
-clears once that process is gone.
+clears once that process is gone. read_json() is the one guarded reader of the small JSON files beside them
+(manifests, model configs, Hugging Face configs and indexes).
 """
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
 import socket
 
-from config import ConfigError, WriteError
+from config import CheckpointError, ConfigError, WriteError
 
 try:
     import fcntl
@@ -57,6 +59,25 @@ def write_text(path: str, text: str):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise write_error(e, f"writing {path}") from None
+
+
+def read_json(path: str, what: str, remedy: str, error: type = CheckpointError):
+    """The value a small JSON file holds; `error` naming the file, what it should be and the remedy when it is
+    missing, unreadable, not UTF-8, not JSON, or nested too deeply for the parser (RecursionError otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8-sig"))
+    except FileNotFoundError:
+        raise error(f"{path} is missing, {remedy}") from None
+    except OSError as e:
+        why = e.strerror or str(e)
+    except UnicodeDecodeError as e:
+        why = f"not UTF-8 text, byte {e.start}"
+    except ValueError as e:
+        why = f"not JSON: {e}"
+    except RecursionError:
+        why = "JSON nested too deeply to read"
+    raise error(f"{path} is not {what} ({why}), {remedy}")
 
 
 def write_error(e: OSError, what: str, need: int = 0, where: str = "") -> Exception:

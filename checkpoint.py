@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
-from hf_format import (check_declared_size, check_weights, expected_shapes, is_hf_folder, load_hf_folder,
-                       stored_shapes)
+from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
+                       load_hf_folder, stored_shapes)
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
@@ -117,11 +117,10 @@ def _prune(run_dir: str, keep: int):
 def _manifest(ckpt: str) -> dict:
     """A checkpoint's manifest.json ({} when it has none, or an unreadable one)."""
     try:
-        with open(os.path.join(ckpt, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
-    except (OSError, ValueError):
+        manifest = atomic.read_json(os.path.join(ckpt, MANIFEST), "a manifest", "")
+    except CheckpointError:
         return {}
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
 
 
 def incomplete(ckpt: str) -> str | None:
@@ -234,14 +233,14 @@ def resolve_checkpoint(path: str, best: bool = False) -> str:
 def load_model_config(ckpt: str) -> ModelConfig:
     """The ModelConfig saved beside the weights."""
     path = os.path.join(ckpt, MODEL_CONFIG)
+    values = atomic.read_json(path, "a valid model config", f"the checkpoint is damaged; {HOW_TO_MAKE_ONE}")
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} is not a valid model config (it holds a {type(values).__name__}), "
+                              f"{HOW_TO_MAKE_ONE}")
+    known = {f.name for f in fields(ModelConfig)}
     try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-        known = {f.name for f in fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in values.items() if k in known})
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
-    except (json.JSONDecodeError, TypeError, ConfigError) as e:
+    except (TypeError, ConfigError) as e:
         raise CheckpointError(f"{path} is not a valid model config ({e}), {HOW_TO_MAKE_ONE}") from None
 
 
@@ -292,6 +291,7 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFile
         cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
         if max_seq_len:
             cfg = replace(cfg, max_seq_len=max_seq_len)
+        check_context(cfg, "--max_seq_len" if max_seq_len else f"{os.path.join(ckpt, MODEL_CONFIG)}: max_seq_len")
         # From the header: an absurd config is refused before anything is built or loaded.
         stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
         check_declared_size(cfg, stored, ckpt)

@@ -1,8 +1,9 @@
 """The corpus: the documents that text files, folders, JSONL and chat JSONL files hold, read in a fixed order.
 
-Folders are walked recursively (hidden files, caches and installed packages skipped; binary files skipped
-and counted); long text files are cut at line ends into documents of about 32 KiB; a JSONL line is one
-document, its text or its chat messages. Nothing here tokenizes: prepare_data.py does, from documents().
+Folders are walked recursively (hidden files, caches, installed packages and pipes skipped; binary files
+skipped and counted); long text files are cut at line ends into documents of about 32 KiB (a line longer than
+256 KiB at a character boundary); a JSONL line is one document, its text or its chat messages. Nothing here
+tokenizes: prepare_data.py does, from documents().
 """
 
 import codecs
@@ -16,6 +17,7 @@ from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
 from tokenizer import check_messages
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
+LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
 BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
 SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 
@@ -40,8 +42,9 @@ def _walk(root: str, suffix=None) -> list[str]:
     found = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
-        found += [os.path.join(folder, n) for n in names
-                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))]
+        found += [os.path.join(folder, n) for n in names  # isfile: a pipe in a folder would block the reader
+                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))
+                  and os.path.isfile(os.path.join(folder, n))]
     return sorted(found)
 
 
@@ -56,6 +59,9 @@ def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
             files += [(p, True) for p in _walk(path)]
         elif os.path.isfile(path):
             files.append((path, False))
+        elif os.path.exists(path):
+            raise DataError(f"data source {source} is not a regular file or folder (a pipe, socket or device), "
+                            "pass files or folders: they are read twice")
         else:
             raise DataError(f"data source {source} does not exist, check the path given to --sources")
     return files
@@ -79,10 +85,31 @@ def _decode(data: bytes, path: str, stats: ReadStats) -> str:
         return text
 
 
+def _blocks(f):
+    """Blocks of about PIECE_BYTES that end at a line end, or inside a line of over LINE_BYTES at a character end."""
+    rest = b""
+    while block := rest + f.read(PIECE_BYTES):
+        tail = f.readline(LINE_BYTES)  # finish the line, so no piece ends inside a word or a character
+        block += tail
+        cut = _whole_chars(block) if len(tail) == LINE_BYTES and not tail.endswith(b"\n") else len(block)
+        block, rest = block[:cut], block[cut:]
+        yield block
+
+
+def _whole_chars(data: bytes) -> int:
+    """The length of data without the UTF-8 character its end cuts in two (data is left whole if not UTF-8)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # ASCII, or the first byte of a character of 2, 3 or 4 bytes
+            size = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) if back >= size else len(data) - back
+    return len(data)
+
+
 def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
     """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
     with open(path, "rb") as f:
-        for piece, block in enumerate(iter(lambda: f.read(PIECE_BYTES), b"")):
+        for piece, block in enumerate(_blocks(f)):
             if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
                 if not in_folder:
                     raise DataError(f"{path} looks binary (it holds NUL bytes), pass text files, .jsonl "
@@ -93,7 +120,6 @@ def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
             if piece == 0:
                 stats.files += 1
                 block = block.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not text
-            block += f.readline()  # finish the line, so no piece ends inside a word or a character
             yield piece, _decode(block, path, stats), len(block)
 
 

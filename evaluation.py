@@ -1,7 +1,7 @@
 """What a model has learned, measured on text: bits per byte, Python function bodies that parse, samples.
 
 - bits_per_byte(): the model's loss over the whole of some texts, in bits per UTF-8 byte, so models with
-  different tokenizers compare on the same bytes.
+  different tokenizers compare on the same bytes; files stream through it a bounded part at a time.
 - code_parse_rate(): N function signatures with docstrings taken from the texts; the model writes each
   body (fixed, seeded sampling), the body ends at the first line that dedents back to the signature, and
   the share that `ast.parse` accepts is the metric. A body needs one statement besides the docstring.
@@ -11,6 +11,7 @@ The trainer runs evaluate() and, through a Probe, the last two at every evaluati
 """
 
 import ast
+import itertools
 import math
 import re
 import textwrap
@@ -18,9 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from config import SampleConfig
+from config import DataConfig, DataError, SampleConfig
+from corpus import ReadStats, documents, source_files
 from engine import generate_text
-from tokenizer import load_tokenizer
+from tokenizer import chat_text, load_tokenizer
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).
@@ -29,6 +31,8 @@ SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top
 # No trailing space or newline: BPE merges whitespace with what follows, so a prompt ending in it ends on a
 # token the model rarely saw there (it went on with the codec tables' runs of spaces instead of a name).
 PYTHON_PROMPTS = ["def", "class", "import"]  # the default corpus is Python
+# Characters per tokenizer call in bits_per_byte: shorter documents are encoded whole, longer ones in parts.
+ENCODE_CHARS = 256 * 1024
 SIGNATURE = re.compile(r"( *)(?:async )?def \w+\(.*\)(?: -> .+)?:\s*")  # a one-line signature
 
 
@@ -113,28 +117,75 @@ def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = 
     return [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
 
 
+def file_pieces(files: list[str]):
+    """(document number, text) of the files' documents, piece by piece as the data path reads them (chats as their
+    template text): what split_texts(split=None) returns, never held whole."""
+    cfg, found = DataConfig(sources=files), False
+    for number, _, doc in documents(source_files(cfg), cfg, ReadStats()):
+        found = True
+        yield number, doc if isinstance(doc, str) else chat_text(doc)
+    if not found:
+        raise DataError(f"no text found in {', '.join(files)}, pass files that hold text")
+
+
+def text_parts(texts, limit: int = ENCODE_CHARS):
+    """(document number, text) parts of at most `limit` characters, in order: a shorter document whole, a longer
+    one cut at line ends (inside a longer line, anywhere). texts: documents, or (number, piece) pieces of them
+    as file_pieces() yields, a document's pieces one after another."""
+    held, number = "", None
+    for i, item in enumerate(texts):
+        key, text = (i, item) if isinstance(item, str) else item
+        if key != number and number is not None:
+            yield number, held
+            held = ""
+        number, held = key, held + text
+        while len(held) > limit:
+            cut = held.rfind("\n", 0, limit) + 1 or limit
+            yield number, held[:cut]
+            held = held[cut:]
+    if number is not None:
+        yield number, held
+
+
+def _loss_sum(model, chunks: list[list[int]]) -> float:
+    """Summed loss over windows of ids (each predicting its ids after the first), padded to one batch."""
+    width, device = max(map(len, chunks)), next(model.parameters()).device
+    batch = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=device)
+    labels = torch.tensor([c[1:] + [-100] * (width - len(c)) for c in chunks], device=device)
+    logits, _ = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                             reduction="sum").item()  # sync point: once per batch
+
+
 @torch.no_grad()
-def bits_per_byte(model, tokenizer, texts: list[str], batch_size: int = 8) -> dict:
+def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dict:
     """The model's mean loss over every token of the texts (documents joined with <|endoftext|>, cut into
-    windows of its context), as bits per UTF-8 byte of the texts; also the tokens and bytes counted."""
-    eos = tokenizer.eos_token_id
-    ids = []
-    for text in texts:
-        ids += tokenizer.encode(text, add_special_tokens=False) + ([eos] if eos is not None else [])
-    window = model.config.max_seq_len
-    device = next(model.parameters()).device
-    starts = list(range(0, max(1, len(ids) - 1), window))
-    total = 0.0
+    windows of its context), as bits per UTF-8 byte of the texts; also the tokens and bytes counted.
+
+    texts as text_parts() takes them; they are encoded a bounded part at a time and scored as their windows
+    fill, so memory stays flat however long a file is. bar: a tqdm bar advanced by the bytes read."""
+    eos, window, step = tokenizer.eos_token_id, model.config.max_seq_len, batch_size * model.config.max_seq_len
+    held, last, total, seen, nbytes = [], None, 0.0, 0, 0  # held: ids not scored; a window's last id opens the next
+    for number, text in itertools.chain(text_parts(texts), [(None, "")]):  # None: after the last document
+        if number != last and last is not None and eos is not None:
+            held.append(eos)  # the end of the document before
+            seen += 1
+        last, size = number, len(text.encode("utf-8"))
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        held += ids
+        seen, nbytes, start = seen + len(ids), nbytes + size, 0
+        while len(held) - start > step:  # whole batches of full windows, as soon as they are there
+            total += _loss_sum(model, [held[start + s:start + s + window + 1] for s in range(0, step, window)])
+            start += step
+        del held[:start]
+        if bar is not None:
+            bar.update(size)
+    if seen < 2:
+        raise DataError("the texts hold fewer than 2 tokens, there is nothing to measure; pass more text")
+    starts = range(0, len(held) - 1, window)
     for i in range(0, len(starts), batch_size):
-        chunk = [ids[s:s + window + 1] for s in starts[i:i + batch_size]]
-        width = max(map(len, chunk))
-        batch = torch.tensor([c + [0] * (width - len(c)) for c in chunk], device=device)
-        labels = torch.tensor([c[1:] + [-100] * (width - len(c)) for c in chunk], device=device)
-        logits, _ = model(batch[:, :-1])
-        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                                   ignore_index=-100, reduction="sum").item()
-    tokens, nbytes = len(ids) - 1, sum(len(t.encode("utf-8")) for t in texts)
-    return {"bits_per_byte": total / math.log(2) / nbytes, "loss": total / tokens, "tokens": tokens,
+        total += _loss_sum(model, [held[s:s + window + 1] for s in starts[i:i + batch_size]])
+    return {"bits_per_byte": total / math.log(2) / nbytes, "loss": total / (seen - 1), "tokens": seen - 1,
             "bytes": nbytes}
 
 

@@ -28,6 +28,8 @@ EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export wr
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
+SAVE_IT = "save the model with save_pretrained(safe_serialization=True)"
+ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while a model builds its cos and sin (twice)
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -79,6 +81,16 @@ def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
     if need > free:
         raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and {free / 2**30:.1f} GiB "
                               "are free; close other programs or use a machine with more memory")
+
+
+def check_context(cfg: ModelConfig, where: str):
+    """Refuse a context length whose RoPE tables could not be built in the free memory (a config.json declaring
+    10^12 positions sent the allocator looking for terabytes). where: the file and field it comes from."""
+    need, free = ROPE_PEAK_TABLES * cfg.max_seq_len * cfg.head_dim * 4, psutil.virtual_memory().available
+    if need > free:
+        raise CheckpointError(f"{where}: a context of {cfg.max_seq_len:,} tokens needs {need / 2**30:,.1f} GiB for "
+                              f"its RoPE tables and {free / 2**30:.1f} GiB are free; load a shorter one with "
+                              "--max_seq_len N (text_generator.py, export_hf.py --import and the trainer take it)")
 
 
 def check_weights(state: dict, shapes: dict, where: str):
@@ -274,11 +286,7 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
 def _raw_config(path: str) -> dict:
     """config.json as written, refused unless it is an object naming a model type we can represent."""
     file = os.path.join(path, HF_CONFIG)
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file} ({e})") from None
+    raw = atomic.read_json(file, "a transformers config", SAVE_IT)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a config object")
     if raw.get("model_type") not in ARCHITECTURES:
@@ -311,10 +319,10 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, HF_INDEX)
     if not os.path.isfile(index):
         return [os.path.join(path, HF_WEIGHTS)]
+    values = atomic.read_json(index, "a weight index", SAVE_IT)
     try:
-        with open(index, encoding="utf-8") as f:
-            shards = set(json.load(f)["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        shards = set(values["weight_map"].values())
+    except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a weight index with a weight_map ({type(e).__name__}: {e})") from None
     bad = sorted(str(n) for n in shards if not isinstance(n, str) or os.path.basename(n) != n
                  or not n.endswith(".safetensors"))
@@ -346,11 +354,12 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     """
     if not is_hf_folder(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder ({HF_CONFIG} with {HF_WEIGHTS} or "
-                              f"{HF_INDEX}), save the model with save_pretrained(safe_serialization=True)")
+                              f"{HF_INDEX}), {SAVE_IT}")
     files = _weight_files(path)
     stored = stored_shapes(files)
     check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
+    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}/{HF_CONFIG}: max_position_embeddings")
     drop = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some tied folders store the head as well
     kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and k not in drop}
     check_weights(kept, {hf_name(k): v for k, v in expected_shapes(cfg).items()}, path)

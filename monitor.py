@@ -236,21 +236,35 @@ class StepProfiler:
 
 def read_metrics(run_dir: str, kind: str | None = None, file: str = METRICS_FILE) -> list[dict]:
     """The records of a run's metrics.jsonl (or samples.jsonl) in file order, only those of `kind` ("train",
-    "eval") when given. A missing file reads as no records; a line that is not a JSON object (the
-    half-written last line of a killed run, say) is skipped."""
+    "eval") when given. Reading is best-effort: a missing file reads as no records, and a line that is not a
+    record this file's writer could have written (the half-written last line of a killed run, an edit) is
+    skipped."""
     records = []
     try:
         with open(os.path.join(run_dir, file), encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
                     continue
-                if isinstance(record, dict) and (kind is None or record.get("kind") == kind):
+                if _well_formed(record) and (kind is None or record.get("kind") == kind):
                     records.append(record)
     except FileNotFoundError:
         pass
     return records
+
+
+def _well_formed(record) -> bool:
+    """An object whose step, if any, is an integer; a train or eval record also needs its step, its loss (loss,
+    val_loss) a number, and every other figure a number, true, false or null: what Monitor writes."""
+    if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
+        return False
+    if record.get("kind") not in ("train", "eval"):
+        return True
+    loss = record.get("loss" if record["kind"] == "train" else "val_loss")
+    figures = [v for k, v in record.items() if k != "kind"]
+    return "step" in record and type(loss) in (int, float) and all(type(v) in (bool, int, float, type(None))
+                                                                   for v in figures)
 
 
 def start_report(cfg, device: torch.device, model, opt, precision: str, dist, tokens_per_step: int,

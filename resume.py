@@ -30,7 +30,7 @@ def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
         if problem:
             notes.append(f"note: {problem}; resuming from {ckpt}, the newest complete checkpoint")
     else:
-        ckpt = ckpt_io.resolve_checkpoint(t.resume)
+        ckpt = _resumable(t.resume)
         later = [c for c in ckpt_io.list_checkpoints(t.run_dir) if ckpt_io.checkpoint_step(c) >
                  ckpt_io.checkpoint_step(ckpt) and not os.path.samefile(c, ckpt)]
         if later:
@@ -41,6 +41,18 @@ def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
     if "optimizer" not in state:
         raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
     return ckpt, state, notes
+
+
+def _resumable(path: str) -> str:
+    """The checkpoint --resume FOLDER names: a run folder's newest, or a step_N folder itself; a Hugging Face
+    folder or a copied checkpoint renamed otherwise holds no step to continue from, so it is refused."""
+    hf = ckpt_io.is_hf_folder(path)
+    ckpt = path if hf else ckpt_io.resolve_checkpoint(path)
+    if hf or not ckpt_io.STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))):
+        what = "a Hugging Face model folder" if hf else "a checkpoint folder not named step_N"
+        raise ConfigError(f"--resume takes a run folder or a step_N checkpoint folder in one, and {path} is {what}; "
+                          f"to start a new run from its weights, pass --init_from {path}")
+    return ckpt
 
 
 def _trainer_state(ckpt: str, run_dir: str) -> dict:
@@ -117,7 +129,7 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
 
 def apply_init_from(cfg: Config) -> dict:
     """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
-    found = ckpt_io.read_model(cfg.train.init_from)
+    found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")

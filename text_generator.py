@@ -14,15 +14,17 @@ import time
 from dataclasses import fields, replace
 
 import torch
+from tqdm import tqdm
 
 from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                         load_model_config, read_model)
 from cli import parse_sections
 from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir
+from corpus import corpus_bytes
 from errors import InputError, error_contract
 from device import inference_dtype, pick_device, quantize_int8
 from engine import CHUNK, compiles, generate_text
-from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, fitted
+from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
 from modern_llm import Transformer
 from monitor import read_metrics
 from prepare_data import split_texts
@@ -36,15 +38,17 @@ SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint",
 
 # ----------------------------------------------------------------------------- loading
 
-def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none"):
+def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none",
+                       max_seq_len: int = 0):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
     path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
     picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32;
-    quantize "int8" stores its linear weights in int8. Raises CheckpointError.
+    quantize "int8" stores its linear weights in int8; max_seq_len, when given, replaces the saved context
+    length. Raises CheckpointError.
     """
     device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir(), best=best)
+    found = read_model(path or default_run_dir(), max_seq_len, best)
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
@@ -52,9 +56,11 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
         model = Transformer(cfg)
     model.load_state_dict(found.state, strict=not cfg.tie_word_embeddings)  # read_model checked every tensor
     tokenizer = load_tokenizer(found.tokenizer_path)
-    if len(tokenizer) > cfg.vocab_size:
-        raise CheckpointError(f"{found.path}: the tokenizer has {len(tokenizer)} tokens but the model only "
-                              f"{cfg.vocab_size}, the checkpoint mixes two runs; {HOW_TO_MAKE_ONE}")
+    ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
+    if ids > cfg.vocab_size:
+        raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
+                              f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
+                              "model; put the tokenizer.json the model was trained with beside it")
     model = for_inference(model, device)
     if quantize == "int8":
         quantize_int8(model)
@@ -129,7 +135,8 @@ def list_runs(root: str) -> str:
     if not os.path.isdir(root):
         raise CheckpointError(f"no folder {root}, {HOW_TO_MAKE_ONE}")
     one_run = os.path.isdir(os.path.join(root, "checkpoints"))
-    runs = [root] if one_run else sorted(os.path.join(root, d) for d in os.listdir(root))
+    runs = [root] if one_run else sorted(p for p in (os.path.join(root, d) for d in os.listdir(root))
+                                         if os.path.isdir(p))  # a note or a log beside the runs is no run
     lines = [f"{'run':<20} {'step':>7} {'params':>8} {'size':>9} {'val loss':>8} {'bpb':>6}  date"]
     for run in runs:
         evals = [r for r in read_metrics(run, "eval") if isinstance(r.get("step"), int)]
@@ -153,6 +160,12 @@ def list_runs(root: str) -> str:
 
 def _unescape(s: str) -> str:
     return s.replace("\\n", "\n").replace("\\t", "\t")  # so `--stop '\n\n'` works from a shell
+
+
+def _from_argv(text: str) -> str:
+    """argv keeps bytes that are not UTF-8 as surrogates, which the tokenizer refuses: they become U+FFFD, as on
+    stdin."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def with_setting(settings: SampleConfig, name: str, text: str) -> SampleConfig:
@@ -335,10 +348,15 @@ def warm_up(model, tokenizer, settings: SampleConfig):
 
 
 def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
-    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line."""
-    texts = split_texts(DataConfig(sources=files), split=None) if files else split_texts(DataConfig())
-    r = bits_per_byte(model, tokenizer, texts)
-    rate, n = code_parse_rate(model, tokenizer, texts, fitted(CODE_SETTINGS, model.config.max_seq_len))
+    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line. Files
+    are streamed, a bounded part at a time (twice: once for each figure), under a progress bar on stderr."""
+    texts = None if files else split_texts(DataConfig())
+    pieces = (lambda: file_pieces(files)) if files else (lambda: texts)
+    size = corpus_bytes(DataConfig(sources=files)) if files else sum(len(t.encode("utf-8")) for t in texts)
+    with tqdm(total=size, unit="B", unit_scale=True, desc="bits per byte", file=sys.stderr, dynamic_ncols=True) as bar:
+        r = bits_per_byte(model, tokenizer, pieces(), bar=bar)
+    parts = (text for _, text in text_parts(pieces()))  # read only until the code metric has its prompts
+    rate, n = code_parse_rate(model, tokenizer, parts, fitted(CODE_SETTINGS, model.config.max_seq_len))
     what = ", ".join(files) if files else "the validation split of config.py's data"
     code = f"{round(rate * n)}/{n} Python function bodies parse ({100 * rate:.0f}%)" if n else \
         "no Python function with a docstring to complete"
@@ -359,12 +377,15 @@ def parse_args(argv):
                                                                 "share of Python function bodies that parse")
         parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
                                                                         "validation split of config.py's data")
+        parser.add_argument("--max_seq_len", type=int, default=0, help="load the model with this context length; "
+                                                                       "0: the saved one")
     (settings,), extras = parse_sections((SampleConfig,), (SampleConfig(),), argv,
                                          "Generate text with a trained checkpoint.", extra)
     if extras.path and settings.checkpoint and extras.path != settings.checkpoint:
         raise ConfigError(f"two checkpoints given ({extras.path} and --checkpoint {settings.checkpoint}), keep one")
     extras.path = extras.path or settings.checkpoint
-    return replace(settings, stop=[_unescape(s) for s in settings.stop]), extras
+    extras.prompt = None if extras.prompt is None else _from_argv(extras.prompt)
+    return replace(settings, stop=[_unescape(_from_argv(s)) for s in settings.stop]), extras
 
 
 @error_contract
@@ -375,7 +396,8 @@ def main(argv=None) -> int:
     if extras.list:
         print(list_runs(extras.path or os.path.dirname(default_run_dir())))
         return 0
-    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize)
+    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize,
+                                                     extras.max_seq_len)
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)
