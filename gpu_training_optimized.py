@@ -32,7 +32,7 @@ from corpus import corpus_bytes
 from errors import RunFailure, error_contract
 from evaluation import Probe, evaluate
 from modern_llm import Transformer
-from monitor import Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
+from monitor import LossWindow, Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
 from muon_optimizer import MuonAdamW, build_optimizer
 from prepare_data import Batches, PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
@@ -201,27 +201,6 @@ def evaluation(run: "Run", b: Built, step: int, full: bool) -> float:
         for sample in samples:
             run.bar.write(f"  {sample['prompt'] + sample['text']!r}")
     return val_loss
-
-
-class LossWindow:
-    """Device-side sums of the losses between two log lines, and the longest run of skipped steps."""
-
-    def __init__(self, device: torch.device):
-        self.loss, self.ok = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.streak = torch.zeros((), device=device, dtype=torch.long)
-        self.worst = torch.zeros((), device=device, dtype=torch.long)
-
-    def add(self, loss: torch.Tensor, ok: torch.Tensor):
-        self.loss += torch.where(ok, loss, 0.0)
-        self.ok += ok
-        self.streak = (self.streak + 1) * (~ok)  # consecutive non-finite steps, counted on the device
-        self.worst = torch.maximum(self.worst, self.streak)
-
-    def mean(self) -> torch.Tensor:
-        """The mean loss of the finite steps since the last reset; zeroes the sums."""
-        mean = self.loss / self.ok.clamp(min=1)
-        self.loss, self.ok = torch.zeros_like(self.loss), torch.zeros_like(self.ok)
-        return mean
 
 
 # ----------------------------------------------------------------------------- checkpoints and setup

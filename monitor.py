@@ -334,3 +334,24 @@ def format_postfix(r: dict) -> dict:
         post["gpu"] = f"{r['gpu_util']:.0f}%"
     post["ram"] = f"{r['ram_gb']:.1f}G"
     return post
+
+
+class LossWindow:
+    """Device-side sums of the losses between two log lines, and the longest run of skipped steps."""
+
+    def __init__(self, device: torch.device):
+        self.loss, self.ok = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.streak = torch.zeros((), device=device, dtype=torch.long)
+        self.worst = torch.zeros((), device=device, dtype=torch.long)
+
+    def add(self, loss: torch.Tensor, ok: torch.Tensor):
+        self.loss += torch.where(ok, loss, 0.0)
+        self.ok += ok
+        self.streak = (self.streak + 1) * (~ok)  # consecutive non-finite steps, counted on the device
+        self.worst = torch.maximum(self.worst, self.streak)
+
+    def mean(self) -> torch.Tensor:
+        """The mean loss of the finite steps since the last reset; zeroes the sums."""
+        mean = self.loss / self.ok.clamp(min=1)
+        self.loss, self.ok = torch.zeros_like(self.loss), torch.zeros_like(self.ok)
+        return mean
