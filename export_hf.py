@@ -11,7 +11,11 @@ The format itself lives in hf_format.py; this file is only the command line.
 
 import argparse
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from checkpoint import TOKENIZER, holds_checkpoints, read_model, save_checkpoint
 from config import CheckpointError, ConfigError, default_run_dir

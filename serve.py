@@ -17,12 +17,16 @@ import json
 import math
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field, replace
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import ConfigError, SampleConfig
 from errors import RunFailure, error_contract, exit_code

@@ -9,9 +9,13 @@
 
 import os
 import shlex
+import signal
 import sys
 import time
 from dataclasses import fields, replace
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 from tqdm import tqdm
