@@ -28,6 +28,7 @@ from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
 from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
                        load_hf_folder, stored_shapes)
+from modern_llm import is_stored
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
@@ -40,9 +41,8 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
     """The model's tensors (or `state`, whole tensors of it) for safetensors: contiguous, on CPU, the tied head
     stored once (as the embedding)."""
     state = {k: v.detach().contiguous().cpu() for k, v in (state or model.state_dict()).items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
+    cfg = getattr(model, "config", None)
+    return {k: v for k, v in state.items() if cfg is None or is_stored(k, cfg)}
 
 
 def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
@@ -264,7 +264,7 @@ def load_weights(ckpt: str, model: torch.nn.Module):
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit the model: {str(e).splitlines()[-1].strip()}") from None
-    allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    allowed = {k for k in missing if not is_stored(k, model.config)}
     if set(missing) - allowed or unexpected:
         raise CheckpointError(f"{path} does not fit the model: missing {sorted(set(missing) - allowed)}, "
                               f"unexpected {sorted(unexpected)}")
@@ -295,7 +295,7 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFile
         # From the header: an absurd config is refused before anything is built or loaded.
         stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
         check_declared_size(cfg, stored, ckpt)
-        kept = {k: v for k, v in stored.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        kept = {k: v for k, v in stored.items() if is_stored(k, cfg)}
         check_weights(kept, expected_shapes(cfg), weights)
         state = {k: v for k, v in _read_weights(ckpt).items() if k in kept}
         tokenizer = os.path.join(ckpt, TOKENIZER)

@@ -83,7 +83,7 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     amp = autocast(device, amp_dtype)
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
-        raw_model.load_state_dict(init_state, strict=not cfg.model.tie_word_embeddings)
+        raw_model.load_stored(init_state)
     if isinstance(raw_model, Transformer):
         raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
     if t.precision == "fp8":

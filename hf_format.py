@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig
-from modern_llm import Transformer
+from modern_llm import Transformer, is_stored
 from sizing import count_parameters
 from tokenizer import EOT_TOKEN, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 
@@ -48,10 +48,7 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     """Our name -> shape of every stored tensor (a tied head is stored once, as the embedding)."""
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = Transformer(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        shapes.pop("lm_head.weight")
-    return shapes
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if is_stored(k, cfg)}
 
 
 def stored_shapes(files: list[str], remedy: str = "use another model folder") -> dict[str, tuple]:
@@ -72,7 +69,7 @@ def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
     """Refuse a config whose parameter count is not what the weight files hold, before anything is built from
     it (a config declaring 10^7 layers would build for hours), and weights too large for the free memory."""
     stored = sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")
-                 and not (cfg.tie_word_embeddings and name == "lm_head.weight"))
+                 and is_stored(name, cfg))
     declared = count_parameters(cfg)
     if stored != declared:
         raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files hold "
@@ -144,9 +141,8 @@ def hf_twin(cfg: ModelConfig, state: dict | None = None):
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if state is not None:
-        if cfg.tie_word_embeddings:
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        twin.load_state_dict({hf_name(k): v for k, v in state.items()}, strict=not cfg.tie_word_embeddings)
+        twin.load_state_dict({hf_name(k): v for k, v in state.items() if is_stored(k, cfg)},
+                             strict=not cfg.tie_word_embeddings)  # transformers ties the head to the embedding
     return twin
 
 
@@ -177,8 +173,7 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
     if eos_id is None:
         raise CheckpointError(f"the tokenizer {tokenizer_path} has no token {eos!r}, pass --eos with its end token")
     pad, pad_id = (EOT_TOKEN, eot_id) if eot_id is not None else (eos, eos_id)
-    if cfg.tie_word_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v for k, v in state.items() if is_stored(k, cfg)}
     check_weights(state, expected_shapes(cfg), "the weights to export")
     _write_json(os.path.join(out, HF_CONFIG), hf_config(cfg, dtype, eot_id, eos_id, pad_id))
     save_file({hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in state.items()},
@@ -360,8 +355,8 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
     check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}/{HF_CONFIG}: max_position_embeddings")
-    drop = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some tied folders store the head as well
-    kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and k not in drop}
+    # Some tied folders store the head as well: it is dropped, as in our checkpoints.
+    kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and is_stored(our_name(k), cfg)}
     check_weights(kept, {hf_name(k): v for k, v in expected_shapes(cfg).items()}, path)
     state = {our_name(k): v.float().contiguous() for k, v in _read_hf_weights(files).items() if k in kept}
     tokenizer = os.path.join(path, TOKENIZER_FILE)

@@ -66,6 +66,11 @@ class KVCache:
 
 # ----------------------------------------------------------------------------- layers
 
+def is_stored(name: str, cfg: ModelConfig) -> bool:
+    """Whether checkpoints and exports store this tensor: all but a tied head, which is the embedding itself."""
+    return not (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose weight takes the input's dtype: under autocast the queries and keys arrive in bf16, and a
     float32 weight would send F.rms_norm off its fused kernel (with a "Mismatch dtype" warning)."""
@@ -209,6 +214,12 @@ class Transformer(nn.Module):
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
+
+    def load_stored(self, state: dict):
+        """Weights as checkpoints store them (is_stored): every tensor, a tied head left out."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if is_stored(k, self.config)]:
+            self.load_state_dict(state)  # strict: raises with torch's list of what differs
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters; without the embedding table when asked (a tied head counts as embedding)."""

@@ -58,7 +58,7 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
     cfg = found.config
     with torch.device(device):  # initialise on the device: fast even for large models on a GPU
         model = Transformer(cfg)
-    model.load_state_dict(found.state, strict=not cfg.tie_word_embeddings)  # read_model checked every tensor
+    model.load_stored(found.state)  # read_model checked every tensor
     tokenizer = load_tokenizer(found.tokenizer_path)
     ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
     if ids > cfg.vocab_size:

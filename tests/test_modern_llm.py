@@ -294,3 +294,21 @@ def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny):
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_tied_head_is_stored_once_and_loads_back(tiny_config):
+    """The tied-head rule was restated in ten places (checkpoints, exports, imports, --init_from, the generator);
+    it is is_stored() and load_stored() now: a tied model's weights without the head load back to the same
+    logits, and an untied model refuses a state that lacks its head."""
+    from modern_llm import is_stored
+    torch.manual_seed(0)
+    tied = Transformer(tiny_config(vocab_size=64, tie_word_embeddings=True))
+    state = {k: v for k, v in tied.state_dict().items() if is_stored(k, tied.config)}
+    assert "lm_head.weight" not in state and "embed_tokens.weight" in state
+    again = Transformer(tiny_config(vocab_size=64, tie_word_embeddings=True))
+    again.load_stored(state)
+    ids = torch.randint(0, 64, (2, 8))
+    assert torch.equal(again(ids)[0], tied(ids)[0]) and again.lm_head.weight is again.embed_tokens.weight
+    untied = Transformer(tiny_config(vocab_size=64, tie_word_embeddings=False))
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        untied.load_stored({k: v for k, v in untied.state_dict().items() if k != "lm_head.weight"})
