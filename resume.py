@@ -69,10 +69,23 @@ def _earlier_hint(ckpt: str, run_dir: str) -> str:
     return f"; resume from the one before with --resume {earlier[-1]}" if earlier else ""
 
 
+def saved_config(state: dict) -> dict:
+    """The config a checkpoint's run used, as trainer_state.pt keeps it (JSON text): {section: {field: value}}."""
+    try:
+        values = json.loads(state.get("config", "{}"))
+    except (ValueError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"the checkpoint's trainer_state.pt holds a config that is not readable JSON "
+                              f"({type(e).__name__}), use an earlier checkpoint") from None
+    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+        raise CheckpointError("the checkpoint's trainer_state.pt holds a config that is not {section: {field: "
+                              "value}}, use an earlier checkpoint")
+    return values
+
+
 def carry_settings(cfg: Config, state: dict) -> list[str]:
     """Fill cfg's automatic fields with the values the checkpoint's run used, so a run resumes as it was
     sized wherever it resumes; values given now stay. Returns report lines."""
-    saved = json.loads(state.get("config", "{}"))
+    saved = saved_config(state)
     taken = []
     for section in ("model", "train"):
         ours, theirs = getattr(cfg, section), saved.get(section, {})
@@ -98,7 +111,7 @@ def check_same_data(cfg: Config, state: dict, data_path: str):
     saved = os.path.basename(os.path.normpath(state.get("data_fingerprint", "")))
     if not saved or saved == os.path.basename(os.path.normpath(data_path)):
         return
-    theirs = json.loads(state.get("config", "{}")).get("data", {})
+    theirs = saved_config(state).get("data", {})
     differ = [f"{f.name}: checkpoint {theirs[f.name]!r} vs now {getattr(cfg.data, f.name)!r}"
               for f in fields(cfg.data) if f.name != "cache_dir" and f.name in theirs
               and theirs[f.name] != getattr(cfg.data, f.name)]
@@ -117,7 +130,7 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
     try:
         opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
     except ValueError as e:  # its state has other parts: trained with another --optimizer
-        theirs = json.loads(state.get("config", "{}")).get("train", {}).get("optimizer", "another optimizer")
+        theirs = saved_config(state).get("train", {}).get("optimizer", "another optimizer")
         raise ConfigError(f"{ckpt} was trained with --optimizer {theirs} ({e}); resume with --optimizer {theirs}, "
                           "or start a new run from its weights with --init_from") from None
     if scaler and state["scaler"]:

@@ -285,3 +285,20 @@ def test_a_named_pipe_as_data_is_not_called_missing(tiny_checkpoint, corpus, arg
         assert f"data source {fifo} is not a regular file or folder" in refused(capsys, main, args)
     (tmp_path / "a.py").write_text("x = 1\n")
     assert [p for p, _ in source_files(DataConfig(sources=[str(tmp_path)]))] == [str(tmp_path / "a.py")]
+
+
+def test_a_nested_config_inside_the_trainer_state_is_one_line(trained, corpus, argv_for, tmp_path, capsys):
+    """trainer_state.pt keeps the run's config as JSON text, which --resume parsed unguarded: nested past the
+    parser's depth it was a RecursionError traceback."""
+    import checkpoint as ckpt_io
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ckpt = ckpt_io.latest_checkpoint(str(run))
+    state = ckpt_io.load_trainer_state(ckpt)
+    path = os.path.join(ckpt, "trainer_state.pt")
+    torch.save({**state, "config": DEEP}, path)
+    manifest = json.loads(open(os.path.join(ckpt, "manifest.json")).read())
+    manifest["files"]["trainer_state.pt"] = os.path.getsize(path)  # complete, as a writer would have made it
+    open(os.path.join(ckpt, "manifest.json"), "w").write(json.dumps(manifest))
+    line = refused(capsys, trainer.run, argv_for(corpus, run, "--resume", "--max_steps", 6))
+    assert "trainer_state.pt" in line and "use an earlier checkpoint" in line
