@@ -16,7 +16,7 @@ import signal
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -38,7 +38,7 @@ from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, cha
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
-CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
+CACHE_FORMAT = 2  # bump when the cache's contents change for the same inputs (2: Alpaca lines became chats)
 META_FIELDS = {"vocab_size": int, "dtype": str, "has_masks": bool, "eot_id": int, "train_tokens": int,
                "val_tokens": int, "train_documents": int, "val_documents": int, "val_bytes_per_token": (int, float)}
 ID_CHUNK = 2**26  # token ids per max() when a cache is checked: bounds the memory one chunk maps
@@ -207,9 +207,9 @@ def _check_window(split: str, tokens: int, seq_len: int):
 
 
 def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
-    """Hash of everything the cache depends on: files (path, size, mtime), tokenizer and split settings."""
-    settings = {k: getattr(cfg, k) for k in ("sources", "text_field", "skip_bad_lines", "max_source_mb",
-                                             "tokenizer", "tokenizer_type", "val_fraction", "data_seed")}
+    """Hash of everything the cache depends on: files (path, size, mtime) and every data setting but the cache's
+    place, so a field added to DataConfig takes part without being listed here."""
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "cache_dir"}
     settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     paths = [p for p, _ in files] + ([tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -197,6 +198,22 @@ def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
 
 
 # ----------------------------------------------------------------------------- cache
+
+def test_every_data_setting_but_the_cache_folder_changes_the_fingerprint(tmp_path):
+    """A data setting left out of the cache key (system_prompt, when it came) would reuse a cache built with
+    another value: every DataConfig field but cache_dir must change the fingerprint."""
+    text_corpus(tmp_path / "corpus", n_docs=2)
+    (tmp_path / "tok.json").write_text("{}")
+    other = {"sources": [str(tmp_path / "corpus")] * 2, "text_field": "body", "system_prompt": "Be brief.",
+             "skip_bad_lines": True, "max_source_mb": 1.0, "tokenizer": str(tmp_path / "tok.json"),
+             "tokenizer_type": "unigram", "val_fraction": 0.1, "data_seed": 7}
+    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir"}  # a new field must join here
+    base = config(tmp_path, [tmp_path / "corpus"])
+    key = lambda cfg: pd._fingerprint(corpus.source_files(cfg), cfg, VOCAB)  # noqa: E731
+    assert key(replace(base, cache_dir=str(tmp_path / "elsewhere"))) == key(base)
+    for name, value in other.items():
+        assert key(replace(base, **{name: value})) != key(base), name
+
 
 def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, monkeypatch):
     """Prevents re-tokenizing an unchanged corpus on every run, and serving a stale cache after an edit."""
