@@ -101,6 +101,7 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
     sources: list[str] = arg([], "text files, folders or .jsonl files; empty: the Python standard library")
     text_field: str = arg("", "JSONL field holding the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
+    system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
     skip_bad_lines: bool = arg(False, "skip JSONL lines that are not JSON or lack text, instead of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")

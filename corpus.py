@@ -2,8 +2,8 @@
 
 Folders are walked recursively (hidden files, caches, installed packages and pipes skipped; binary files
 skipped and counted); long text files are cut at line ends into documents of about 32 KiB (a line longer than
-256 KiB at a character boundary); a JSONL line is one document, its text or its chat messages. Nothing here
-tokenizes: prepare_data.py does, from documents().
+256 KiB at a character boundary); a JSONL line is one document, its chat messages (in any shape chat_formats.py
+reads) or its text. Nothing here tokenizes: prepare_data.py does, from documents().
 """
 
 import codecs
@@ -13,8 +13,8 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
+from chat_formats import SHAPES, chat_messages
 from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
-from tokenizer import check_messages
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
 LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
@@ -123,18 +123,20 @@ def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
             yield piece, _decode(block, path, stats), len(block)
 
 
-def _parse_line(line: str, text_fields):
-    """A JSONL line's document: its text, or its list of chat messages; DataError says why not."""
+def _parse_line(line: str, text_fields, system_prompt: str):
+    """A JSONL line's document: its list of chat messages (any shape chat_formats.py reads), or its text;
+    DataError says why neither."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
-    if isinstance(obj, dict) and "messages" in obj:
-        return check_messages(obj["messages"])
+    messages = chat_messages(obj, system_prompt) if isinstance(obj, dict) else None
+    if messages is not None:
+        return messages
     for name in text_fields:
         if isinstance(obj, dict) and isinstance(obj.get(name), str):
             return obj[name]
-    raise DataError(f"no text field (looked for {', '.join(text_fields)} and messages)")
+    raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: {SHAPES})")
 
 
 def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
@@ -148,7 +150,7 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
             if not raw.strip():
                 continue
             try:
-                doc = _parse_line(_decode(raw, path, stats), text_fields)
+                doc = _parse_line(_decode(raw, path, stats), text_fields, cfg.system_prompt)
             except DataError as e:
                 stats.bad_lines += 1
                 stats.first_bad = stats.first_bad or f"{path} line {number}: {e}"

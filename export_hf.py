@@ -64,8 +64,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--import", dest="do_import", action="store_true",
                    help="read a Hugging Face Qwen3/Llama folder into a run folder instead of exporting")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
-    p.add_argument("--eos", default=EOT_TOKEN, help="export: the end token; '<|im_end|>' for a chat model "
-                                                    "(generation then stops at either)")
+    p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
+                                                    "at <|endoftext|> and at <|im_end|> (chat models) either way")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")

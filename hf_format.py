@@ -19,7 +19,7 @@ import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from modern_llm import Transformer, is_stored
 from sizing import count_parameters
-from tokenizer import EOT_TOKEN, TOKENIZER_FILE, load_tokenizer, read_tokenizer
+from tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,8 +178,9 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
     _write_json(os.path.join(out, HF_CONFIG), hf_config(cfg, dtype, eot_id, eos_id, pad_id))
     save_file({hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in state.items()},
               os.path.join(out, HF_WEIGHTS), metadata={"format": "pt"})
-    # Generation stops at the chosen end token and at <|endoftext|>, the document separator.
-    stop = [eos_id] + ([eot_id] if eot_id not in (None, eos_id) else [])
+    # Generation stops at the chosen end token, at <|endoftext|> (the document separator) and at <|im_end|>
+    # where the tokenizer has it: a chat-trained model ends every reply there, --eos or not.
+    stop = list(dict.fromkeys(i for i in (eos_id, eot_id, tok.token_to_id(IM_END)) if i is not None))
     _write_json(os.path.join(out, "generation_config.json"),
                 {"bos_token_id": eot_id, "eos_token_id": stop, "pad_token_id": pad_id})
     _write_tokenizer(tokenizer_path, out, eos, pad, cfg.max_seq_len)

@@ -4,8 +4,9 @@ Takes the documents corpus.py reads from text files, folders, JSONL or chat JSON
 standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes
 <cache_dir>/<fingerprint>/ with train.bin, val.bin, meta.json and tokenizer.json; the same settings later
 reuse that folder. Batches are a pure function of (seed, step, micro_step, rank). Build the cache ahead
-of training, and see how fast that goes:
+of training, and see how fast that goes, or what a chat set teaches (--show N: examples, learned text marked):
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
+    python prepare_data.py --sources chats.jsonl --show 3
 """
 
 import hashlib
@@ -16,7 +17,7 @@ import signal
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -28,17 +29,17 @@ from tqdm import tqdm
 
 import atomic
 from cli import parse_config
-from config import DataConfig, DataError
+from config import ConfigError, DataConfig, DataError
 from errors import error_contract
 from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
 from device import machine, pick_device
 from sizing import fill_automatic
 from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
-                       encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
+                       encode_segments, existing_tokenizer, marked_text, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
-CACHE_FORMAT = 1  # bump when the cache's contents change for the same inputs
+CACHE_FORMAT = 2  # bump when the cache's contents change for the same inputs (2: Alpaca lines became chats)
 META_FIELDS = {"vocab_size": int, "dtype": str, "has_masks": bool, "eot_id": int, "train_tokens": int,
                "val_tokens": int, "train_documents": int, "val_documents": int, "val_bytes_per_token": (int, float)}
 ID_CHUNK = 2**26  # token ids per max() when a cache is checked: bounds the memory one chunk maps
@@ -207,9 +208,9 @@ def _check_window(split: str, tokens: int, seq_len: int):
 
 
 def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
-    """Hash of everything the cache depends on: files (path, size, mtime), tokenizer and split settings."""
-    settings = {k: getattr(cfg, k) for k in ("sources", "text_field", "skip_bad_lines", "max_source_mb",
-                                             "tokenizer", "tokenizer_type", "val_fraction", "data_seed")}
+    """Hash of everything the cache depends on: files (path, size, mtime) and every data setting but the cache's
+    place, so a field added to DataConfig takes part without being listed here."""
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "cache_dir"}
     settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     paths = [p for p, _ in files] + ([tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
@@ -366,10 +367,39 @@ class Batches:
 
 # ----------------------------------------------------------------------------- command line
 
+def show_examples(data: PreparedData, n: int, colour: bool):
+    """Print the train split's first n documents with their learned tokens marked (ANSI green, or [[...]] when
+    colour is off), then the share of the split's tokens that are learned."""
+    tokens = np.memmap(os.path.join(data.path, "train.bin"), dtype=data.meta["dtype"], mode="r")
+    masks = np.memmap(os.path.join(data.path, "train_mask.bin"), dtype=np.uint8, mode="r") \
+        if data.meta["has_masks"] else None  # without chats every token is learned
+    cuts, start = [], 0
+    while len(cuts) < n and start < len(tokens):  # chunks: the first documents need not read the whole split
+        cuts += (start + np.flatnonzero(tokens[start:start + ID_CHUNK] == data.meta["eot_id"])).tolist()
+        start += ID_CHUNK
+    tok, marks = Tokenizer.from_file(data.tokenizer_path), ("\033[32m", "\033[0m") if colour else ("[[", "]]")
+    for i, (a, b) in enumerate(zip([-1] + cuts, cuts[:n]), 1):
+        ids = tokens[a + 1:b].tolist()
+        learned = masks[a + 1:b].astype(bool).tolist() if masks is not None else [True] * len(ids)
+        print(f"--- example {i}, learned text {'in green' if colour else 'in [[ ]]'} ---")
+        text = marked_text(tok, ids, learned, marks)
+        print(text, end="" if text.endswith("\n") else "\n")
+    total = len(tokens)
+    taught = total if masks is None else sum(int(masks[i:i + ID_CHUNK].sum()) for i in range(0, total, ID_CHUNK))
+    print(f"learned: {taught / max(1, total):.1%} of the train split's {total:,} tokens ({taught:,})")
+
+
+def _show_flag(parser):
+    parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
+                        "examples with their learned tokens marked, and the share of tokens learned")
+
+
 @error_contract
 def main(argv=None):
-    """Prepare (or find) the cache for the command line's settings and print a summary."""
-    cfg, _ = parse_config(argv)
+    """Prepare (or find) the cache for the command line's settings and print a summary (and --show examples)."""
+    cfg, extras = parse_config(argv, _show_flag)
+    if extras.show < 0:
+        raise ConfigError(f"--show {extras.show} is invalid, pass a number of examples >= 0")
     for note in fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data)):
         print(note)  # the vocabulary and context the trainer would choose here
     data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
@@ -377,6 +407,8 @@ def main(argv=None):
     print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
           f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
           f"{m['val_bytes_per_token']:.2f} bytes per token, masks {'yes' if m['has_masks'] else 'no'}")
+    if extras.show:
+        show_examples(data, extras.show, sys.stdout.isatty())
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def check_same_data(cfg: Config, state: dict, data_path: str):
     differ = [f"{f.name}: checkpoint {theirs[f.name]!r} vs now {getattr(cfg.data, f.name)!r}"
               for f in fields(cfg.data) if f.name != "cache_dir" and f.name in theirs
               and theirs[f.name] != getattr(cfg.data, f.name)]
-    what = "; ".join(differ) if differ else "the source files changed since (sizes or modification times)"
+    what = "; ".join(differ) if differ else ("the source files changed since (sizes or modification times), or "
+                                             "this version reads them into another cache format")
     raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; resume "
                       f"with the run's data settings, or train on the new data with --init_from CHECKPOINT")
 

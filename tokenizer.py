@@ -214,6 +214,17 @@ def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bo
     return out
 
 
+def marked_text(tok, ids: list[int], learned: list[bool], marks=("[[", "]]")) -> str:
+    """Token ids as text (special tokens written out), each run of learned tokens between the two marks."""
+    out, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or learned[end] != learned[start]:
+            text = tok.decode(ids[start:end], skip_special_tokens=False)
+            out.append(marks[0] + text + marks[1] if learned[start] else text)
+            start = end
+    return "".join(out)
+
+
 def render_chat(tok, messages) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation in CHAT_TEMPLATE and its loss mask (True: learned)."""
     backend = getattr(tok, "backend_tokenizer", tok)  # the Rust tokenizer inside a transformers one

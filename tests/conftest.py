@@ -105,3 +105,27 @@ def tiny_loaded(tiny_checkpoint):
     from text_generator import load_for_inference
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
+    """A checkpoint (tiny_checkpoint's tokenizer) whose greedy reply to any chat prompt is "OK<|im_end|>", then
+    "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
+    from checkpoint import save_checkpoint, weights_state_dict
+    from modern_llm import Transformer
+    from tokenizers import Tokenizer
+    tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
+    tok = Tokenizer.from_file(tok_path)
+    o, k, im_end = (tok.token_to_id(t) for t in ("O", "K", "<|im_end|>"))
+    cfg = tiny_config(vocab_size=tok.get_vocab_size(), tie_word_embeddings=False)
+    model = Transformer(cfg)
+    state = model.state_dict()  # the parameters' own tensors: changed in place
+    with torch.no_grad():
+        for name, value in state.items():  # blocks that add nothing: each hidden state is its token's embedding
+            if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+                value.zero_()
+        embed, head = state["embed_tokens.weight"], state["lm_head.weight"]
+        embed[:, 0], embed[o], embed[k] = 1, torch.eye(cfg.hidden_size)[1], torch.eye(cfg.hidden_size)[2]
+        head[o, 0] = head[k, 1] = head[im_end, 2] = 1  # a bigram table: any token -> O -> K -> <|im_end|>
+    return save_checkpoint(str(tmp_path_factory.mktemp("stopper") / "run"), 1, weights_state_dict(model), cfg,
+                           tok_path, {"step": 1}, keep=1)

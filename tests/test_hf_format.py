@@ -19,7 +19,7 @@ import prepare_data
 from config import DataConfig, SampleConfig
 from hf_format import hf_twin, is_hf_folder, load_hf_folder
 from modern_llm import Transformer
-from tokenizer import chat_prompt_ids, render_chat
+from tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
 
 VOCAB, SEQ = 384, 64
 TEXTS = ["def main():\n    return 0\n", "  spaces\tand tabs\n\n", "<|im_start|>user\nhi<|im_end|>\n",
@@ -193,6 +193,25 @@ def test_exported_tokenizer_matches_ours(data, tmp_path, tiny):
     rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert rendered == ours.decode(prompt, skip_special_tokens=False)
     assert theirs(rendered)["input_ids"] == prompt
+
+
+def test_a_chat_model_exported_without_eos_stops_at_im_end(tiny_checkpoint, chat_stopper, tmp_path):
+    """Exported with no --eos, a tokenizer with <|im_end|> must give a generation_config whose eos ids list it
+    beside <|endoftext|>, and keep the chat template, so that transformers' generate ends a reply where the model
+    learned to (it ran on into invented turns: the stopper's "OK<|im_end|>OK<|im_end|>...")."""
+    from transformers import AutoTokenizer, GenerationConfig
+    ours = Tokenizer.from_file(os.path.join(tiny_checkpoint, "tokenizer.json"))
+    out = export(tiny_checkpoint, tmp_path / "tiny")
+    stops = [ours.token_to_id("<|endoftext|>"), ours.token_to_id("<|im_end|>")]
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == read_json(out / "generation_config.json")[
+        "eos_token_id"] == stops
+    out = export(chat_stopper, tmp_path / "stopper")
+    theirs, tok = load_theirs(out), AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template == CHAT_TEMPLATE
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    new = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert tok.decode(new[0, ids.shape[1]:]) == "OK<|im_end|>"
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])

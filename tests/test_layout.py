@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation", "muon_optimizer",
+        "tokenizer", "chat_formats", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation",
+        "muon_optimizer",
         "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["export_hf", "serve"]  # run by users, on the core like the tools, imported by nothing

@@ -6,8 +6,10 @@ Run: python -m pytest -q tests/test_prepare_data.py
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ sys.path.insert(0, ROOT)
 import corpus  # noqa: E402
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
-from tokenizer import IM_END, KINDS  # noqa: E402
+from tokenizer import IM_END, IM_START, KINDS  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
@@ -196,7 +198,49 @@ def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
         assert y[row].tolist() == np.where(mask[s + 1:s + SEQ + 1] == 1, nxt, -100).tolist()
 
 
+def test_show_marks_exactly_the_assistant_replies_and_the_share_learned(tmp_path, capsys):
+    """--show, piped: the [[...]] spans of each example must be its assistant replies with their <|im_end|> and
+    nothing else (a mask off by one token, or a learned prompt, shows), and the share must count those tokens."""
+    convs = conversations()
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in convs])
+    pd.main(["--sources", path, "--cache_dir", str(tmp_path / "cache"), "--preset", "tiny", "--vocab_size",
+             str(VOCAB), "--max_seq_len", str(SEQ), "--show", "3"])
+    shown, share = capsys.readouterr().out.rsplit("learned: ", 1)
+    shown = re.split(r"^--- example \d+, learned text in \[\[ \]\] ---\n", shown, flags=re.M)[1:]
+    render = ["".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in c) for c in convs]
+    order = [render.index(text.replace("[[", "").replace("]]", "")) for text in shown]
+    assert len(order) == 3 and order == sorted(order)  # the train split's first three, in file order
+    for text, i in zip(shown, order):
+        assert re.findall(r"\[\[(.*?)\]\]", text, re.S) == [m["content"] + IM_END for m in convs[i]
+                                                            if m["role"] == "assistant"]
+    data = prepare(config(tmp_path, [path]))
+    tok, val = Tokenizer.from_file(data.tokenizer_path), data.texts("val")
+    taught = sum(len(tok.encode(m["content"], add_special_tokens=False).ids) + 1 for c, text in zip(convs, render)
+                 if text not in val for m in c if m["role"] == "assistant")
+    total = data.meta["train_tokens"]
+    assert share.strip() == f"{taught / total:.1%} of the train split's {total:,} tokens ({taught:,})"
+    pd.show_examples(data, 1, colour=True)  # on a terminal: the same spans in green
+    coloured = capsys.readouterr().out.split("\n", 1)[1]
+    assert coloured.replace("\033[32m", "[[").replace("\033[0m", "]]").startswith(shown[0])
+
+
 # ----------------------------------------------------------------------------- cache
+
+def test_every_data_setting_but_the_cache_folder_changes_the_fingerprint(tmp_path):
+    """A data setting left out of the cache key (system_prompt, when it came) would reuse a cache built with
+    another value: every DataConfig field but cache_dir must change the fingerprint."""
+    text_corpus(tmp_path / "corpus", n_docs=2)
+    (tmp_path / "tok.json").write_text("{}")
+    other = {"sources": [str(tmp_path / "corpus")] * 2, "text_field": "body", "system_prompt": "Be brief.",
+             "skip_bad_lines": True, "max_source_mb": 1.0, "tokenizer": str(tmp_path / "tok.json"),
+             "tokenizer_type": "unigram", "val_fraction": 0.1, "data_seed": 7}
+    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir"}  # a new field must join here
+    base = config(tmp_path, [tmp_path / "corpus"])
+    key = lambda cfg: pd._fingerprint(corpus.source_files(cfg), cfg, VOCAB)  # noqa: E731
+    assert key(replace(base, cache_dir=str(tmp_path / "elsewhere"))) == key(base)
+    for name, value in other.items():
+        assert key(replace(base, **{name: value})) != key(base), name
+
 
 def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, monkeypatch):
     """Prevents re-tokenizing an unchanged corpus on every run, and serving a stale cache after an edit."""

@@ -338,3 +338,18 @@ def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
                                                                          {"prompt": "import os"}], poison)
     assert good == 200 and len(good_body["choices"]) == 2
     assert bad == 500 and "injected" in bad_body["error"]["message"]
+
+
+def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
+    """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
+    request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
+    from starlette.testclient import TestClient
+    server = serve.Server(argparse.Namespace(path=chat_stopper, device="cpu", best=False, quantize="none", name="",
+                                             api_key="", compile="false", max_batch=8))
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}
+    with TestClient(serve.app_for(server)) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        lines = client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+    assert whole["message"]["content"] == "OK" and whole["finish_reason"] == "stop"
+    chunks = [json.loads(l[6:])["choices"][0] for l in lines if l.startswith("data: {")]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "OK" and chunks[-1]["finish_reason"] == "stop"

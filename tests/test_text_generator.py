@@ -17,6 +17,7 @@ from checkpoint import read_model, save_checkpoint, weights_state_dict
 from config import SampleConfig
 from modern_llm import Transformer
 from engine import generate_text
+from tokenizer import chat_prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "text_generator.py")
@@ -147,6 +148,20 @@ def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
         g.generate("def", top_p=2.0)
     reply = g.chat([{"role": "user", "content": "hello"}])
     assert isinstance(reply, str)
+
+
+def test_chat_replies_end_at_im_end_with_no_stop_setting(chat_stopper, capsys):
+    """A chat-trained model ends each reply with <|im_end|>: the REPL's chat and TextGenerator.chat must stop there
+    with no stop setting, or the reply runs on into turns the model invents ("OK<|im_end|>OK<|im_end|>...")."""
+    g = tg.TextGenerator(chat_stopper, device="cpu", compile="false", temperature=0.0, max_new_tokens=12)
+    hello = [{"role": "user", "content": "hello"}]
+    ok = g.tokenizer.encode("OK<|im_end|>", add_special_tokens=False)
+    endless = generate_text(g.model, g.tokenizer, [chat_prompt_ids(g.tokenizer, hello)], g.settings, eos_ids=[])[1]
+    assert endless == [(ok * 4)[:12]]  # what the fixture's model writes when nothing stops it
+    assert g.chat(hello) == "OK"
+    repl = tg.Repl(g.model, g.tokenizer, g.settings)
+    repl.chat_turn("hello")
+    assert repl.messages[-1] == {"role": "assistant", "content": "OK"} and capsys.readouterr().out == "assistant: OK\n"
 
 
 @pytest.mark.slow
