@@ -16,7 +16,6 @@ import time
 from sizing import AUTO_EVALS, EVAL_SHARE
 
 
-
 def lr_multiplier(progress: float, t) -> float:
     """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio, or
     constant. progress is the fraction of the run done when the step ends, in (0, 1]."""
