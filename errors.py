@@ -41,12 +41,6 @@ class CompileError(RunFailure):
     """torch.compile failed on this machine (a runtime failure): the message names the error and the way out."""
 
 
-def error_exit(message: str, code: int = 2):
-    """Print the one-line error that DESIGN.md promises and leave with the given code."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
 def exit_code(e: BaseException) -> tuple[int, str | None]:
     """The exit code for a failure and the line to print (None: print nothing); raises e again for a bug."""
     torch = sys.modules.get("torch")  # not imported here: config.py imports this file and stays light
