@@ -252,6 +252,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: `rows` rows at a time, each
     chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a model)."""
     h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if torch.is_autocast_enabled(h.device.type):  # cast the head once, not once per chunk and again in backward
+        weight = weight.to(torch.get_autocast_dtype(h.device.type))
     total = sum(checkpoint(_chunk_loss_sum, h[i:i + rows], weight, flat[i:i + rows], use_reentrant=False)
                 for i in range(0, h.shape[0], rows))
     return total / (flat != -100).sum().clamp(min=1)
