@@ -102,6 +102,9 @@ class DataConfig:
     sources: list[str] = arg([], "text files, folders or .jsonl files; empty: the Python standard library")
     text_field: str = arg("", "JSONL field holding the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
+    packing: Literal["auto", "documents", "off"] = arg("auto", "training windows of whole examples, packed, "
+                                                       "attention not crossing them: auto for chat and instruction "
+                                                       "data, documents for every document too; off: random slices")
     skip_bad_lines: bool = arg(False, "skip JSONL lines that are not JSON or lack text, instead of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
@@ -142,6 +145,8 @@ class TrainConfig:
     grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic")
     max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget on a CPU, four passes "
                                "over the corpus on a GPU)")
+    epochs: float = arg(0.0, "passes over the training split (sets max_steps; packed examples are each seen once "
+                             "per epoch, in a seeded order); 0: max_steps or the time budget decides")
     max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
                                    "final evaluation and checkpoint inside it; 0: automatic (10 on a CPU when "
                                    "max_steps is automatic, else none)")
@@ -190,8 +195,10 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")
         for name in ("log_interval", "keep_checkpoints", "max_bad_steps", "restart_cycles"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
-        for name in ("learning_rate", "muon_lr", "max_minutes"):
+        for name in ("learning_rate", "muon_lr", "max_minutes", "epochs"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be positive (0: automatic)")
+        _require(not (self.epochs and self.max_steps), "epochs", self.epochs,
+                 f"set epochs or max_steps (here {self.max_steps}), not both")
         _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "must be positive")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")

@@ -196,9 +196,9 @@ def evaluate(model, amp, val_batches, n: int, dist) -> float:
     model.eval()
     total = torch.zeros((), device=val_batches.device)
     for i in range(n):
-        x, y = val_batches.get(0, i)
+        x, y, pos = val_batches.get(0, i)
         with amp:
-            _, loss = model(x, labels=y)
+            _, loss = model(x, labels=y, positions=pos)
         total += loss.float()
     model.train()
     return dist.mean(total / n).item()  # sync point: once per evaluation

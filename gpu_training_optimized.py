@@ -34,7 +34,8 @@ from evaluation import Probe, evaluate
 from modern_llm import Transformer
 from monitor import LossWindow, Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
 from muon_optimizer import MuonAdamW, build_optimizer
-from prepare_data import Batches, PreparedData, prepare
+from batches import Batches, batches_for
+from prepare_data import PreparedData, prepare
 from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
 from schedule import RunClock, lr_multiplier
 from sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
@@ -116,18 +117,18 @@ def keep_grads(opt):
 def train_step(b: Built, batches, step: int, t, dist):
     """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok)."""
     loss_sum = torch.zeros((), device=batches.device)
-    x, y = batches.get(step, 0)
+    x, y, pos = batches.get(step, 0)
     for micro in range(t.grad_accum_steps):
         last_micro = micro == t.grad_accum_steps - 1
         if b.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new replay may reuse the previous outputs' memory
         dist.set_grad_sync(b.model, last_micro)  # DDP all-reduces once, on the last micro-batch
         with b.amp:
-            _, loss = b.compiled(x, labels=y)
+            _, loss = b.compiled(x, labels=y, positions=pos)
             loss = loss / t.grad_accum_steps
         loss_sum += loss.detach()  # read the graph output into a plain tensor before the next replay
         if not last_micro:
-            x, y = batches.get(step, micro + 1)  # fetch while the GPU still works on this forward
+            x, y, pos = batches.get(step, micro + 1)  # fetch while the GPU still works on this forward
         (b.scaler.scale(loss) if b.scaler else loss).backward()
     params = [p for g in b.opt.param_groups for p in g["params"]]
     if b.scaler:
@@ -297,6 +298,8 @@ class Settled:
     saved: dict | None  # its trainer state
     init_state: dict | None  # --init_from's weights, for a new run
     data: PreparedData
+    batches: Batches  # the training split's loader
+    val_batches: Batches
 
 
 def settle(cfg: Config, dist, device: torch.device) -> Settled:
@@ -317,16 +320,19 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
                         autocast(device, pick_precision(cfg.train.precision, device)), dist)
         del probe
-    for note in fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size):
-        dist.print(note)
     t = cfg.train
+    batches = tuple(batches_for(data, split, cfg.data.packing, t.micro_batch_size, cfg.model.max_seq_len, t.seed,
+                                dist.rank, device, dist.world_size, t.grad_accum_steps) for split in ("train", "val"))
+    for note in fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
+                                batches[0].epoch_sequences):
+        dist.print(note)
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
                           "leaves nothing to train, raise --max_steps")
     if ckpt:
         check_same_shape(cfg, ckpt)
         check_same_data(cfg, saved, data.path)
-    return Settled(cfg, ckpt, saved, None if ckpt else init_state, data)
+    return Settled(cfg, ckpt, saved, None if ckpt else init_state, data, *batches)
 
 
 @dataclass
@@ -358,14 +364,13 @@ def main(argv=None) -> int:
         make_deterministic()
     settled = settle(cfg, dist, device)
     cfg, ckpt, ds, t = settled.cfg, settled.ckpt, settled.data, settled.cfg.train
+    batches, val_batches = settled.batches, settled.val_batches
     b = build(cfg, device, dist, init_state=settled.init_state)
     start, tokens, best_val, budget = load_into(ckpt, settled.saved, b.raw_model, b.opt, b.scaler, t.run_dir) \
         if ckpt else (0, 0, float("inf"), {})
     clock = RunClock(t, launch, **budget)
     if dist.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
-    batches, val_batches = (Batches(ds, split, t.micro_batch_size, cfg.model.max_seq_len, t.seed, dist.rank, device,
-                                    world_size=dist.world_size) for split in ("train", "val"))
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb, cfg.to_dict(),
                       world_size=dist.world_size,
@@ -413,7 +418,8 @@ def main(argv=None) -> int:
         if done % t.log_interval == 0 or done - start <= 2 or done == t.max_steps:
             clock.sync(done, dist, measure=done - start > 1)  # the first step compiles: not a speed
             log_window(run, b, done, tokens, window, grad_norm, lr_scale)
-        advance_bar(run.bar, clock, done)
+        advance_bar(run.bar, clock, done, done * tokens_per_step / cfg.model.max_seq_len / batches.epoch_sequences
+                    if t.epochs else None)
     run.bar.close()
     if step == start and not ckpt:
         raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "

@@ -99,8 +99,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_head != self.n_kv_head
-        if cache is None:
+        if cache is None and mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif cache is None:  # packed examples: GPU kernels that take a mask want every head's keys, not GQA's
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
             y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
@@ -178,7 +181,7 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
 
     def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
-                last_only: bool = False):
+                last_only: bool = False, positions=None):
         """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when the loss is computed
         loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
 
@@ -186,12 +189,17 @@ class Transformer(nn.Module):
         With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
         input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
         last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
+        positions (B, T), without kv_cache: several examples packed in a row, each starting at position 0; a token
+        attends only to the tokens before it in its own example.
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if kv_cache is None:
+        if kv_cache is None and positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-            positions = mask = None
+            mask = None
+        elif kv_cache is None:
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, hd)
+            mask = example_mask(positions)
         else:
             positions = kv_cache.pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
             positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
@@ -200,7 +208,7 @@ class Transformer(nn.Module):
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
         for i, block in enumerate(self.layers):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, i, None, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, kv_cache, i, positions, mask)
         if kv_cache is not None:
@@ -239,6 +247,15 @@ class Transformer(nn.Module):
         matmul_weights = self.num_parameters(exclude_embeddings=True) + head
         attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
         return 6 * matmul_weights + attention
+
+
+def example_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) attention mask of packed examples: causal, and block-diagonal by example, each example
+    starting where its position is 0."""
+    example = (positions == 0).cumsum(dim=1)  # (B, T): which example of the row each token belongs to
+    same = example[:, :, None] == example[:, None, :]
+    idx = torch.arange(positions.shape[1], device=positions.device)
+    return (same & (idx[None, :] <= idx[:, None]))[:, None]
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

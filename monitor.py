@@ -297,8 +297,11 @@ def progress_bar(clock, start: int, enabled: bool):
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the time budget{postfix}")
 
 
-def advance_bar(bar, clock, step: int):
-    """One step further: one tick, or the seconds spent under a time budget."""
+def advance_bar(bar, clock, step: int, epoch: float | None = None):
+    """One step further: one tick, or the seconds spent under a time budget; with epochs, the one under way."""
+    if epoch is not None:
+        bar.set_description(f"train epoch {min(math.floor(epoch) + 1, math.ceil(clock.t.epochs))}/{clock.t.epochs:g}",
+                            refresh=False)
     if clock.by_time:
         bar.set_description(f"train step {step}", refresh=False)
         bar.update(max(0, round(clock.spent_s()) - bar.n))

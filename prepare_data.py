@@ -1,10 +1,10 @@
-"""The token cache with its loss masks, and the batch loader that reads it.
+"""The token cache with its loss masks (batches.py reads it).
 
 Takes the documents corpus.py reads from text files, folders, JSONL or chat JSONL (default: this Python's
 standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes
 <cache_dir>/<fingerprint>/ with train.bin, val.bin, meta.json and tokenizer.json; the same settings later
-reuse that folder. Batches are a pure function of (seed, step, micro_step, rank). Build the cache ahead
-of training, and see how fast that goes, or what a chat set teaches (--show N: examples, learned text marked):
+reuse that folder. Build the cache ahead of training, and see how fast that goes, or what a chat set teaches
+(--show N: examples with their learned text marked, the share learned, and how full packed windows are):
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
     python prepare_data.py --sources chats.jsonl --show 3
 """
@@ -23,7 +23,6 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -33,8 +32,9 @@ from config import ConfigError, DataConfig, DataError
 from errors import error_contract
 from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
 from device import machine, pick_device
+from packing import packs, plan
 from sizing import fill_automatic
-from tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
+from tokenizer import (EOT_TOKEN, IM_START, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
                        encode_segments, existing_tokenizer, marked_text, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
@@ -42,6 +42,7 @@ TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the
 CACHE_FORMAT = 2  # bump when the cache's contents change for the same inputs (2: Alpaca lines became chats)
 META_FIELDS = {"vocab_size": int, "dtype": str, "has_masks": bool, "eot_id": int, "train_tokens": int,
                "val_tokens": int, "train_documents": int, "val_documents": int, "val_bytes_per_token": (int, float)}
+BATCH_TIME_FIELDS = ("cache_dir", "packing")  # settings that do not change the cache's contents
 ID_CHUNK = 2**26  # token ids per max() when a cache is checked: bounds the memory one chunk maps
 
 
@@ -200,17 +201,24 @@ def _write_splits(folder: str, files, cfg: DataConfig, tok: Tokenizer, is_val, t
     return meta
 
 
-def _check_window(split: str, tokens: int, seq_len: int):
+def check_window(split: str, tokens: int, seq_len: int):
     """A split must hold one training window of seq_len + 1 tokens."""
     if tokens < seq_len + 1:
         raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
                         f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
 
 
+def check_windows(meta: dict, packing: str, seq_len: int):
+    """Both splits hold a training window, where windows are random slices (packed ones fit any example)."""
+    if not packs(packing, meta):
+        for split in ("train", "val"):
+            check_window(split, meta[f"{split}_tokens"], seq_len)
+
+
 def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
     """Hash of everything the cache depends on: files (path, size, mtime) and every data setting but the cache's
-    place, so a field added to DataConfig takes part without being listed here."""
-    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "cache_dir"}
+    place and how batches are cut from it, so a field added to DataConfig takes part without being listed here."""
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
     settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     paths = [p for p, _ in files] + ([tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
@@ -232,8 +240,7 @@ def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log
     with atomic.folder(path, f"writing the token cache {path}", need=4 * stats.bytes) as tmp:
         tok.save(os.path.join(tmp, TOKENIZER_FILE))
         meta = _write_splits(tmp, files, cfg, tok, is_val, stats.bytes)
-        for split in ("train", "val"):
-            _check_window(split, meta[f"{split}_tokens"], seq_len)
+        check_windows(meta, cfg.packing, seq_len)
         seconds = time.perf_counter() - start
         meta.update(sources=cfg.sources or [sysconfig.get_paths()["stdlib"]], files=stats.files,
                     source_bytes=stats.bytes, binary_files_skipped=stats.binary_skipped,
@@ -309,67 +316,15 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
         _build(path, files, cfg, vocab_size, seq_len, log)
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         data = PreparedData(path, json.load(f))
-    for split in ("train", "val"):
-        _check_window(split, data.meta[f"{split}_tokens"], seq_len)
+    check_windows(data.meta, cfg.packing, seq_len)
     return data
-
-
-# ----------------------------------------------------------------------------- batches
-
-class Batches:
-    """Micro-batches of one split; the windows read are a pure function of (seed, step, micro_step, rank)."""
-
-    def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
-                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1):
-        if split not in ("train", "val"):
-            raise DataError(f"split {split!r} does not exist, use 'train' or 'val'")
-        if seed < 0 or rank < 0:
-            raise DataError(f"seed={seed} and rank={rank} must be >= 0")
-        self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.device = torch.device(device)
-        self.dtype = np.dtype(data.meta["dtype"])
-        self.tokens = os.path.join(data.path, f"{split}.bin")
-        self.masks = os.path.join(data.path, f"{split}_mask.bin") if data.meta["has_masks"] else None
-        self.length = data.meta[f"{split}_tokens"]
-        _check_window(split, self.length, seq_len)
-
-    def starts(self, step: int, micro_step: int) -> np.ndarray:
-        """First token of each window in this micro-batch, shape (B,)."""
-        span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
-        if self.split == "train":
-            # Window slot micro_step * world + rank: W ranks x A micro-steps read what one process with
-            # W * A micro-steps reads, so a run resumes on another GPU count with the same batches.
-            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
-            return rng.integers(0, span, size=self.batch_size)
-        # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
-        first = (micro_step * self.world_size + self.rank) * self.batch_size
-        return np.arange(first, first + self.batch_size) * self.seq_len % span
-
-    def _windows(self, path: str, dtype, starts) -> np.ndarray:
-        # A fresh memmap per batch, as nanoGPT does: one kept open maps every page it ever touched,
-        # so the process's memory would grow over a long run.
-        data = np.memmap(path, dtype=dtype, mode="r")
-        return np.stack([data[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
-
-    def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token labels, both (B, T) int64 on the device; -100 labels are not learned."""
-        starts = self.starts(step, micro_step)
-        windows = self._windows(self.tokens, self.dtype, starts)
-        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
-        if self.masks:
-            learned = self._windows(self.masks, np.uint8, starts)[:, 1:]
-            y[torch.from_numpy(learned == 0)] = -100
-        if self.device.type == "cuda":  # pinned pages let the copy overlap with the previous step's compute
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
-        return x.to(self.device), y.to(self.device)
 
 
 # ----------------------------------------------------------------------------- command line
 
-def show_examples(data: PreparedData, n: int, colour: bool):
+def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto", seq_len: int = 256):
     """Print the train split's first n documents with their learned tokens marked (ANSI green, or [[...]] when
-    colour is off), then the share of the split's tokens that are learned."""
+    colour is off), then the share of the split's tokens that are learned and how full packed windows are."""
     tokens = np.memmap(os.path.join(data.path, "train.bin"), dtype=data.meta["dtype"], mode="r")
     masks = np.memmap(os.path.join(data.path, "train_mask.bin"), dtype=np.uint8, mode="r") \
         if data.meta["has_masks"] else None  # without chats every token is learned
@@ -387,6 +342,12 @@ def show_examples(data: PreparedData, n: int, colour: bool):
     total = len(tokens)
     taught = total if masks is None else sum(int(masks[i:i + ID_CHUNK].sum()) for i in range(0, total, ID_CHUNK))
     print(f"learned: {taught / max(1, total):.1%} of the train split's {total:,} tokens ({taught:,})")
+    if packs(packing, data.meta):
+        p = plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), seq_len, seed=0)
+        print(f"packing: {p.examples:,} examples in {p.windows:,} windows of {seq_len} tokens, {p.fill_rate:.1%} "
+              f"of positions filled; {p.cut:,} examples longer than a window were cut at a turn start")
+    else:
+        print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), windows are random slices")
 
 
 def _show_flag(parser):
@@ -408,7 +369,7 @@ def main(argv=None):
           f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
           f"{m['val_bytes_per_token']:.2f} bytes per token, masks {'yes' if m['has_masks'] else 'no'}")
     if extras.show:
-        show_examples(data, extras.show, sys.stdout.isatty())
+        show_examples(data, extras.show, sys.stdout.isatty(), cfg.data.packing, cfg.model.max_seq_len)
 
 
 if __name__ == "__main__":

@@ -120,18 +120,25 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> l
     return [f"automatic: {values} (the {size} preset: {why})"]
 
 
-def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1) -> list[str]:
-    """Fill max_steps, max_minutes and eval_batches where automatic, once the corpus is tokenized; report lines."""
+def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
+                    epoch_sequences: float | None = None) -> list[str]:
+    """Fill max_steps, max_minutes and eval_batches where automatic, once the corpus is tokenized; report lines.
+    epoch_sequences: training windows in one pass over the split (packed windows), if not train_tokens / context."""
     t, notes = cfg.train, []
+    epoch_sequences = epoch_sequences or train_tokens / cfg.model.max_seq_len
+    per_step = t.micro_batch_size * t.grad_accum_steps * world_size  # sequences
+    if t.epochs and t.max_steps == AUTO:
+        t.max_steps = max(1, math.ceil(t.epochs * epoch_sequences / per_step))
+        notes.append(f"epochs: max_steps={t.max_steps} ({t.epochs:g} passes over {epoch_sequences:,.0f} training "
+                     f"windows at {per_step} per step)")
     if t.max_minutes == AUTO and t.max_steps == AUTO and machine.kind != "cuda":
         t.max_minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
                      "or max_minutes to change it)")
     if t.max_steps == AUTO and t.max_minutes == AUTO:
-        per_step = t.micro_batch_size * t.grad_accum_steps * world_size * cfg.model.max_seq_len
-        t.max_steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * train_tokens / per_step))
+        t.max_steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
         notes.append(f"automatic: max_steps={t.max_steps} ({GPU_EPOCHS} passes over {train_tokens:,} training "
-                     f"tokens at {per_step:,} tokens per step)")
+                     f"tokens at {per_step * cfg.model.max_seq_len:,} tokens per step)")
     elif t.max_steps == AUTO:
         notes.append(f"automatic: no step limit, the {t.max_minutes:g}-minute budget ends the run")
     if t.eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch

@@ -78,6 +78,18 @@ def corpus(tmp_path_factory):
     return {"src": str(src), "cache": str(base / "cache"), "base": base}
 
 
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory):
+    """Sixty short conversations in one JSONL file (about 40 packed windows of the tiny model's context)."""
+    base = tmp_path_factory.mktemp("chats")
+    with open(base / "chats.jsonl", "w", encoding="utf-8") as f:
+        for i in range(60):
+            turns = [{"role": "user", "content": f"What is {i} plus {i % 7}?"},
+                     {"role": "assistant", "content": f"{i} plus {i % 7} is {i + i % 7}."}] * (1 + i % 3)
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return {"src": str(base / "chats.jsonl"), "cache": str(base / "cache"), "base": base}
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, tiny_config):
     """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML

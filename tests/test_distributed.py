@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 import gpu_training_optimized as trainer
 from conftest import TINY_MODEL
 from monitor import read_metrics
-from prepare_data import Batches
+import batches as batches_module
+from batches import Batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ import torch.distributed
 import distributed as dist_utils
 import gpu_training_optimized as trainer
 import muon_optimizer
-import prepare_data
+import batches
 
 out, rank = os.environ["PROBE_OUT"], int(os.environ.get("RANK", 0))
 fail_step, signal_step = int(os.environ.get("PROBE_FAIL_STEP", -1)), int(os.environ.get("PROBE_SIGNAL_STEP", -1))
@@ -62,13 +63,13 @@ def at_exit():  # registered before Dist's cleanup, so it runs after it
 
 atexit.register(at_exit)
 
-get = prepare_data.Batches.get
+get = batches.Batches.get
 def logged_get(self, step, micro_step):
-    x, y = get(self, step, micro_step)
+    x, y, pos = get(self, step, micro_step)
     if self.split == "train":
         log["windows"][f"{step}/{micro_step}"] = digest([x])
-    return x, y
-prepare_data.Batches.get = logged_get
+    return x, y, pos
+batches.Batches.get = logged_get
 
 set_grad_sync = dist_utils.Dist.set_grad_sync
 def logged_set_grad_sync(self, model, sync):
@@ -255,7 +256,7 @@ def one_process(corpus, tmp_path_factory):
     the same 2 x 2 validation batches."""
     run = tmp_path_factory.mktemp("one_process") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "Batches", AsIfWorld)
+        mp.setattr(batches_module, "Batches", AsIfWorld)
         assert trainer.main(args_for(corpus, run, 4, "--eval_batches", 4)) == 0
     return {"run": str(run)}
 
@@ -336,7 +337,7 @@ def assert_one_process_continues(corpus, two_rank_run, run):
     continue exactly as the 2 ranks did."""
     rewind(two_rank_run, run, 3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "Batches", AsIfWorld)
+        mp.setattr(batches_module, "Batches", AsIfWorld)
         assert trainer.main(args_for(corpus, run, 4, "--eval_batches", 4, "--resume")) == 0
     assert_losses_close(metrics(run), metrics(two_rank_run)[3:])
     assert_weights_close(weights(run, 6), weights(two_rank_run, 6))

@@ -16,6 +16,7 @@ import checkpoint as ckpt_io
 import engine
 import export_hf
 import prepare_data
+from batches import Batches
 from config import DataConfig, SampleConfig
 from hf_format import hf_twin, is_hf_folder, load_hf_folder
 from modern_llm import Transformer
@@ -50,11 +51,11 @@ def tiny(tiny_config):
 
 def train(model: Transformer, data, steps: int, seed: int = 0) -> Transformer:
     """A few AdamW steps on real text: every weight, norms included, moves away from its initial value."""
-    batches = prepare_data.Batches(data, "train", 4, SEQ, seed)
+    batches = Batches(data, "train", 4, SEQ, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for step in range(steps):
-        x, y = batches.get(step, 0)
+        x, y, _ = batches.get(step, 0)
         model(x, labels=y)[1].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

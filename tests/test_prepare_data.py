@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import corpus  # noqa: E402
+import batches  # noqa: E402
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
 from tokenizer import IM_END, IM_START, KINDS  # noqa: E402
@@ -189,10 +190,10 @@ def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
     """Prevents off-by-one labels and masks applied to the wrong position of a window."""
     data = prepare(config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()])]))
     tokens, mask = split_arrays(data, "train")
-    batches = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=7)
-    x, y = batches.get(3, 1)
+    loader = batches.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=7)
+    x, y, _ = loader.get(3, 1)
     assert x.shape == y.shape == (4, SEQ) and x.dtype == y.dtype == torch.int64
-    for row, s in enumerate(batches.starts(3, 1)):
+    for row, s in enumerate(loader.starts(3, 1)):
         nxt = tokens[s + 1:s + SEQ + 1].astype(np.int64)
         assert x[row].tolist() == tokens[s:s + SEQ].tolist()
         assert y[row].tolist() == np.where(mask[s + 1:s + SEQ + 1] == 1, nxt, -100).tolist()
@@ -218,7 +219,9 @@ def test_show_marks_exactly_the_assistant_replies_and_the_share_learned(tmp_path
     taught = sum(len(tok.encode(m["content"], add_special_tokens=False).ids) + 1 for c, text in zip(convs, render)
                  if text not in val for m in c if m["role"] == "assistant")
     total = data.meta["train_tokens"]
+    share, packed = share.split("\npacking: ")
     assert share.strip() == f"{taught / total:.1%} of the train split's {total:,} tokens ({taught:,})"
+    assert packed.startswith(f"{data.meta['train_documents']} examples in ")  # chats are packed whole
     pd.show_examples(data, 1, colour=True)  # on a terminal: the same spans in green
     coloured = capsys.readouterr().out.split("\n", 1)[1]
     assert coloured.replace("\033[32m", "[[").replace("\033[0m", "]]").startswith(shown[0])
@@ -228,16 +231,18 @@ def test_show_marks_exactly_the_assistant_replies_and_the_share_learned(tmp_path
 
 def test_every_data_setting_but_the_cache_folder_changes_the_fingerprint(tmp_path):
     """A data setting left out of the cache key (system_prompt, when it came) would reuse a cache built with
-    another value: every DataConfig field but cache_dir must change the fingerprint."""
+    another value: every DataConfig field but cache_dir and packing (how batches are cut from the cache) must
+    change the fingerprint."""
     text_corpus(tmp_path / "corpus", n_docs=2)
     (tmp_path / "tok.json").write_text("{}")
     other = {"sources": [str(tmp_path / "corpus")] * 2, "text_field": "body", "system_prompt": "Be brief.",
              "skip_bad_lines": True, "max_source_mb": 1.0, "tokenizer": str(tmp_path / "tok.json"),
              "tokenizer_type": "unigram", "val_fraction": 0.1, "data_seed": 7}
-    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir"}  # a new field must join here
+    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir", "packing"}  # a new field joins here
     base = config(tmp_path, [tmp_path / "corpus"])
     key = lambda cfg: pd._fingerprint(corpus.source_files(cfg), cfg, VOCAB)  # noqa: E731
     assert key(replace(base, cache_dir=str(tmp_path / "elsewhere"))) == key(base)
+    assert key(replace(base, packing="off")) == key(replace(base, packing="documents")) == key(base)
     for name, value in other.items():
         assert key(replace(base, **{name: value})) != key(base), name
 
@@ -295,12 +300,13 @@ def test_interrupted_preparation_leaves_no_cache_folder(tmp_path, monkeypatch):
 CHILD = """
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
+import batches
 import prepare_data as pd
 from config import DataConfig
 data = pd.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16, log=lambda m: None)
 out = {{s: hashlib.sha256(open(f"{{data.path}}/{{s}}.bin", "rb").read()).hexdigest() for s in ("train", "val")}}
 for split, rank, step, micro in [("train", 0, 0, 0), ("train", 0, 5, 1), ("train", 1, 5, 1), ("val", 0, 0, 2)]:
-    x, y = pd.Batches(data, split, batch_size=4, seq_len=16, seed=1337, rank=rank).get(step, micro)
+    x, y, _ = batches.Batches(data, split, batch_size=4, seq_len=16, seed=1337, rank=rank).get(step, micro)
     out[f"{{split}} {{rank}} {{step}} {{micro}}"] = x.tolist() + y.tolist()
 print(json.dumps(out))
 """
@@ -327,23 +333,23 @@ def test_batches_are_a_pure_function_of_seed_step_micro_step_rank(tmp_path):
     """Prevents loader state (an advancing generator) making a resumed run's batches differ."""
     text_corpus(tmp_path / "corpus")
     data = prepare(config(tmp_path, [tmp_path / "corpus"]))
-    a = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
-    b = pd.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
+    a = batches.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
+    b = batches.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
     for step in (0, 1, 2):
         a.get(step, 0)
     assert torch.equal(a.get(9, 2)[0], b.get(9, 2)[0])
     assert not torch.equal(b.get(9, 2)[0], b.get(10, 2)[0])
-    assert not torch.equal(b.get(9, 2)[0], pd.Batches(data, "train", 4, SEQ, seed=2).get(9, 2)[0])
+    assert not torch.equal(b.get(9, 2)[0], batches.Batches(data, "train", 4, SEQ, seed=2).get(9, 2)[0])
 
 
 def test_val_batches_tile_the_split_the_same_way_every_time(tmp_path):
     """Prevents noisy or drifting eval losses from random eval windows."""
     text_corpus(tmp_path / "corpus")
     data = prepare(config(tmp_path, [tmp_path / "corpus"]))
-    val = pd.Batches(data, "val", batch_size=2, seq_len=SEQ, seed=1)
+    val = batches.Batches(data, "val", batch_size=2, seq_len=SEQ, seed=1)
     assert val.starts(0, 0).tolist() == [0, SEQ] and val.starts(0, 1).tolist() == [2 * SEQ, 3 * SEQ]
     assert torch.equal(val.get(0, 1)[1], val.get(50, 1)[1])
-    assert pd.Batches(data, "val", 2, SEQ, seed=1, rank=1, world_size=2).starts(0, 0).tolist() == [2 * SEQ, 3 * SEQ]
+    assert batches.Batches(data, "val", 2, SEQ, seed=1, rank=1, world_size=2).starts(0, 0).tolist() == [2 * SEQ, 3 * SEQ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -351,8 +357,8 @@ def test_cuda_batches_equal_cpu_batches(tmp_path):
     """Prevents the pinned, non-blocking copy path from delivering different or unfinished data."""
     text_corpus(tmp_path / "corpus")
     data = prepare(config(tmp_path, [tmp_path / "corpus"]))
-    cpu = pd.Batches(data, "train", 4, SEQ, seed=3).get(2, 1)
-    gpu = pd.Batches(data, "train", 4, SEQ, seed=3, device=torch.device("cuda")).get(2, 1)
+    cpu = batches.Batches(data, "train", 4, SEQ, seed=3).get(2, 1)
+    gpu = batches.Batches(data, "train", 4, SEQ, seed=3, device=torch.device("cuda")).get(2, 1)
     assert all(g.is_cuda and torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
 
 

@@ -33,16 +33,19 @@ from sizing import fill_automatic
 
 
 class FixedBatches:
-    """One batch of random tokens, served for every (step, micro-step): speed does not depend on the data."""
+    """One batch of random tokens, served for every (step, micro-step): speed does not depend on the data.
+    packed: each row holds PACKED_EXAMPLES examples, as windows of packed chats do."""
+    PACKED_EXAMPLES = 3
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, packed: bool = False):
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len + 1),
-                            generator=gen).to(device)
+        B, T = cfg.train.micro_batch_size, cfg.model.max_seq_len
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
         self.x, self.y, self.device = ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), device
+        self.pos = (torch.arange(T) % -(-T // self.PACKED_EXAMPLES)).expand(B, T).to(device) if packed else None
 
     def get(self, step: int, micro_step: int):
-        return self.x, self.y
+        return self.x, self.y, self.pos
 
 
 class TwinForTraining(torch.nn.Module):
@@ -53,7 +56,8 @@ class TwinForTraining(torch.nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, positions=None):
+        assert positions is None, "the benchmark's twin reads unpacked rows"
         shifted = None if labels is None else labels.contiguous()  # transformers flattens it with view()
         out = self.hf(input_ids=input_ids, labels=shifted, shift_labels=shifted, use_cache=False)
         return out.logits, out.loss

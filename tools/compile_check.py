@@ -115,9 +115,10 @@ def check_config(precision: str, compile_mode: str):
 
 
 def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None,
-                 deterministic: bool = False) -> dict:
+                 deterministic: bool = False, packed: bool = False) -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
-    in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic."""
+    in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
+    packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning)."""
     import torch
     import bench
     import distributed
@@ -131,7 +132,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     memory = DeviceMemory()
     b = build(cfg, device, dist)
     b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
-    batches = bench.FixedBatches(cfg, device)
+    batches = bench.FixedBatches(cfg, device, packed)
     evaluates = lambda: evaluation_forward(b, batches)  # noqa: E731  FP8's own graph, warmed before the loop
     if b.evaluator is not b.raw_model:
         evaluates()
@@ -155,7 +156,7 @@ def evaluation_forward(b, batches):
     import torch
     b.evaluator.eval()
     with torch.no_grad(), b.amp:
-        b.evaluator(batches.x, labels=batches.y)
+        b.evaluator(batches.x, labels=batches.y, positions=batches.pos)
     b.evaluator.train()
 
 
@@ -217,6 +218,7 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-fp8": (lambda: run_training("fp8", "default"), "h100"),
     "train-fp16": (lambda: run_training("fp16", "default"), "h100"),
     "train-deterministic": (lambda: run_training("bf16", "default", deterministic=True), "h100"),
+    "train-packed": (lambda: run_training("bf16", "default", packed=True), "h100"),
     "generate": (run_generation, "h100"),
     "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
     "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),

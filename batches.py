@@ -1,0 +1,129 @@
+"""The micro-batches a run reads from the token cache: random windows of the token stream, or windows of whole
+examples packed by packing.py (chat and instruction data by default). Either way a micro-batch is a pure function
+of (seed, step, micro_step, rank), so a resumed run reads what an uninterrupted one would have read, and W ranks
+with A micro-steps read what one process with W * A micro-steps reads.
+"""
+
+import os
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+import packing
+from config import DataError
+from prepare_data import PreparedData, check_window
+from tokenizer import IM_START
+
+
+def batches_for(data: PreparedData, split: str, packing_mode: str, batch_size: int, seq_len: int, seed: int,
+                rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
+    """The batch loader of a split for the run's --packing."""
+    kind = PackedBatches if packing.packs(packing_mode, data.meta) else Batches
+    return kind(data, split, batch_size, seq_len, seed, rank, device, world_size, accum)
+
+
+class Batches:
+    """Random windows of seq_len + 1 tokens of one split (evaluation: consecutive windows, the same each time)."""
+
+    def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
+                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
+        if split not in ("train", "val"):
+            raise DataError(f"split {split!r} does not exist, use 'train' or 'val'")
+        if seed < 0 or rank < 0:
+            raise DataError(f"seed={seed} and rank={rank} must be >= 0")
+        self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
+        self.seed, self.rank, self.world_size, self.accum = seed, rank, world_size, accum
+        self.device = torch.device(device)
+        self.dtype = np.dtype(data.meta["dtype"])
+        self.tokens = os.path.join(data.path, f"{split}.bin")
+        self.masks = os.path.join(data.path, f"{split}_mask.bin") if data.meta["has_masks"] else None
+        self.length = data.meta[f"{split}_tokens"]
+        self.check()
+
+    def check(self):
+        check_window(self.split, self.length, self.seq_len)
+
+    @property
+    def epoch_sequences(self) -> float:
+        """Windows in one pass over the split."""
+        return self.length / self.seq_len
+
+    def starts(self, step: int, micro_step: int) -> np.ndarray:
+        """First token of each window in this micro-batch, shape (B,)."""
+        span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
+        if self.split == "train":
+            # Window slot micro_step * world + rank: W ranks x A micro-steps read what one process with
+            # W * A micro-steps reads, so a run resumes on another GPU count with the same batches.
+            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
+            return rng.integers(0, span, size=self.batch_size)
+        # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
+        first = (micro_step * self.world_size + self.rank) * self.batch_size
+        return np.arange(first, first + self.batch_size) * self.seq_len % span
+
+    def _windows(self, path: str, dtype, starts) -> np.ndarray:
+        # A fresh memmap per batch, as nanoGPT does: one kept open maps every page it ever touched,
+        # so the process's memory would grow over a long run.
+        data = np.memmap(path, dtype=dtype, mode="r")
+        return np.stack([data[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+
+    def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Inputs and next-token labels, both (B, T) int64 on the device (-100 labels are not learned), and None
+        for positions: every row is one stretch of text."""
+        starts = self.starts(step, micro_step)
+        windows = self._windows(self.tokens, self.dtype, starts)
+        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
+        if self.masks:
+            learned = self._windows(self.masks, np.uint8, starts)[:, 1:]
+            y[torch.from_numpy(learned == 0)] = -100
+        return *self.to_device(x, y), None
+
+    def to_device(self, *tensors) -> tuple:
+        if self.device.type == "cuda":  # pinned pages let the copy overlap with the previous step's compute
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+        return tuple(t.to(self.device) for t in tensors)
+
+
+class PackedBatches(Batches):
+    """Windows of whole examples (packing.py's plan of the split). Training reads every window once per epoch,
+    in an order drawn from (seed, epoch); evaluation reads the split's windows in file order."""
+
+    def __init__(self, data: PreparedData, split: str, *args, **kwargs):
+        super().__init__(data, split, *args, **kwargs)
+        tok = Tokenizer.from_file(data.tokenizer_path)
+        tokens = np.memmap(self.tokens, dtype=self.dtype, mode="r") if self.length else np.zeros(0, self.dtype)
+        self.plan = packing.plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), self.seq_len,
+                                 self.seed if split == "train" else None)
+        if not self.plan.windows:
+            raise DataError(f"the {split} split holds no example to pack; add data or raise --val_fraction")
+        self.pad = data.meta["eot_id"]
+        self._orders = {}
+
+    def check(self):
+        pass  # any example fits: a long one is cut into pieces
+
+    @property
+    def epoch_sequences(self) -> float:
+        return self.plan.windows
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order of the windows in one epoch of training, drawn from (seed, epoch)."""
+        if epoch not in self._orders:  # kept: this epoch's and the one before (a batch may straddle the two)
+            self._orders = {e: order for e, order in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch, 2]).permutation(self.plan.windows)
+        return self._orders[epoch]
+
+    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
+        """The windows of this micro-batch, (B,)."""
+        slot = micro_step * self.world_size + self.rank
+        if self.split == "train":  # the run's n-th sequence is window n of the sequence of epochs
+            n = (step * self.accum * self.world_size + slot) * self.batch_size + np.arange(self.batch_size)
+            return np.array([self.epoch_order(int(i // self.plan.windows))[i % self.plan.windows] for i in n])
+        return (slot * self.batch_size + np.arange(self.batch_size)) % self.plan.windows
+
+    def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs, labels (-100: not learned, or padding) and positions, each (B, T) int64 on the device."""
+        tokens = np.memmap(self.tokens, dtype=self.dtype, mode="r")
+        masks = np.memmap(self.masks, dtype=np.uint8, mode="r") if self.masks else None
+        rows = [packing.window(self.plan, w, tokens, masks, self.pad) for w in self.window_ids(step, micro_step)]
+        return self.to_device(*(torch.from_numpy(np.stack(parts)) for parts in zip(*rows)))
