@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "chat_formats", "corpus", "packing", "prepare_data", "batches", "modern_llm", "sampling", "engine", "evaluation",
+        "tokenizer", "chat_formats", "corpus", "packing", "prepare_data", "batches", "modern_llm", "sampling", "engine",
+        "evaluation",
         "muon_optimizer",
         "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
