@@ -579,4 +579,6 @@ def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_pa
     monkeypatch.setattr(trainer, "evaluation", slow)
     assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 6, "--eval_interval", 3)) == 0
     after = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 4)
-    assert after["steps_per_s"] > 2, after  # one step of the tiny model: tens of ms; with the evaluation, < 0.7
+    # With the evaluation counted the rate is below 1 / 1.5 s; a step of the tiny model takes tens of ms, and stays
+    # under a second on a machine ten times as busy.
+    assert after["steps_per_s"] > 1, after
