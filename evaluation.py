@@ -22,7 +22,7 @@ import torch
 from config import DataConfig, DataError, SampleConfig
 from corpus import ReadStats, documents, source_files
 from engine import generate_text
-from tokenizer import chat_text, load_tokenizer
+from tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).
@@ -106,14 +106,22 @@ def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig =
 
 
 def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) -> list[str]:
-    """Python openings for a Python corpus, else the first characters of the first few texts."""
-    return list(PYTHON_PROMPTS) if python else [t[:chars].rstrip() for t in texts if t[:chars].strip()][:n]
+    """Python openings for a Python corpus; for conversations, each one up to its first reply (so a sample is the
+    model's answer); else the first characters of the first few texts."""
+    if python:
+        return list(PYTHON_PROMPTS)
+    reply = f"{IM_START}assistant\n"
+    chats = [t[:t.index(reply) + len(reply)] for t in texts if t.startswith(IM_START) and reply in t]
+    return chats[:n] or [t[:chars].rstrip() for t in texts if t[:chars].strip()][:n]
 
 
 @torch.no_grad()
 def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
-    """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone)."""
-    texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1))
+    """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone); a reply
+    to a conversation ends at <|im_end|>."""
+    chat = any(p.startswith(IM_START) for p in prompts)
+    texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1),
+                             stop_ids(tokenizer, chat))
     return [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
 
 

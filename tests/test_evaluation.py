@@ -113,6 +113,16 @@ def test_samples_are_seeded_and_follow_their_prompts(tiny_checkpoint):
     assert ev.sample_prompts(texts, python=False) == ["first document text, lon", "x", "a sentence with a space"]
 
 
+def test_chat_samples_are_replies_that_end_at_im_end(chat_stopper):
+    """For conversations the samples answer each one's first user turn, and end where the reply does: the chat
+    stopper model replies "OK<|im_end|>" forever, so a sample that ran on would read "OKOKOK..."."""
+    model, tok, *_ = load_for_inference(chat_stopper, "cpu")
+    chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    prompts = ev.sample_prompts([chat, "plain text"], python=False)
+    assert prompts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+    assert [s["text"] for s in ev.sample_texts(model, tok, prompts)] == ["OK"]
+
+
 @pytest.mark.slow
 def test_eval_command_measures_any_checkpoint_on_given_files(tiny_checkpoint, tmp_path):
     """text_generator.py --eval prints bits per byte and the code metric for the files given, one line."""
