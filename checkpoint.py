@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 from distributed import shard_as
+import lora
 from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
                        load_hf_folder, stored_shapes)
 from modern_llm import is_stored
@@ -46,10 +47,11 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
 
 
 def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
-                    trainer_state: dict, keep: int, val_loss: float | None = None) -> str:
+                    trainer_state: dict, keep: int, val_loss: float | None = None, lora_meta: dict | None = None) -> str:
     """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),
     keep the newest `keep` and the best; return its folder. A failed write (a full disk) leaves no trace and
-    the previous checkpoints as they were, and raises WriteError saying how much room it needs."""
+    the previous checkpoints as they were, and raises WriteError saying how much room it needs. With lora_meta,
+    state holds a LoRA run's adapters, written with their adapter_config.json instead of the model's weights."""
     root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:06d}"
     final = os.path.join(root, name)
     need = _tensor_bytes(state) + _tensor_bytes(trainer_state)
@@ -57,7 +59,10 @@ def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelCon
     keeps = f"; {previous} is intact" if previous else ""
     with atomic.folder(final, f"writing checkpoint {name} (the run stopped here{keeps})", need) as tmp:
         with _refused_writes(tmp):
-            save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+            save_file(state, os.path.join(tmp, lora.ADAPTERS if lora_meta else WEIGHTS), metadata={"format": "pt"})
+        if lora_meta:
+            with open(os.path.join(tmp, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(lora_meta, f, indent=2)
         with open(os.path.join(tmp, MODEL_CONFIG), "w", encoding="utf-8") as f:
             json.dump(asdict(model_config), f, indent=2)
         shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
@@ -244,9 +249,10 @@ def load_model_config(ckpt: str) -> ModelConfig:
         raise CheckpointError(f"{path} is not a valid model config ({e}), {HOW_TO_MAKE_ONE}") from None
 
 
-def _read_weights(ckpt: str) -> dict:
-    """Every tensor of a checkpoint's model.safetensors, on the CPU; CheckpointError naming the file otherwise."""
-    path = os.path.join(ckpt, WEIGHTS)
+def _read_weights(ckpt: str, file: str = WEIGHTS) -> dict:
+    """Every tensor of a checkpoint's model.safetensors (or other file), on the CPU; CheckpointError naming the
+    file otherwise."""
+    path = os.path.join(ckpt, file)
     try:
         return load_file(path, device="cpu")
     except FileNotFoundError:
@@ -256,7 +262,10 @@ def _read_weights(ckpt: str) -> dict:
 
 
 def load_weights(ckpt: str, model: torch.nn.Module):
-    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding."""
+    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding. A LoRA run's
+    checkpoint: its adapters, into the model whose adapters are injected."""
+    if lora.read_meta(ckpt):
+        return lora.load_adapters(model, _read_weights(ckpt, lora.ADAPTERS), os.path.join(ckpt, lora.ADAPTERS))
     path = os.path.join(ckpt, WEIGHTS)
     own = model.state_dict()
     state = {k: shard_as(v, own[k]) if k in own else v for k, v in _read_weights(ckpt).items()}  # FSDP2: our rows
@@ -279,15 +288,17 @@ class ModelFiles:
     path: str  # the checkpoint or Hugging Face folder read
 
 
-def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFiles:
+def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
     """The model of a checkpoint folder, a run folder (its newest checkpoint) or a Hugging Face Qwen3/Llama
     folder, checked name by name and shape by shape; CheckpointError with one line for every failure.
     max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight); best
-    picks a run folder's best checkpoint instead of its newest."""
+    picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run's checkpoint adapts
+    (its adapters are merged into it)."""
     if is_hf_folder(path):
         found = ModelFiles(*load_hf_folder(path, max_seq_len), path)
+    elif lora.read_meta(ckpt := resolve_checkpoint(path, best)):
+        found = _read_lora(ckpt, max_seq_len, base)
     else:
-        ckpt = resolve_checkpoint(path, best)
         cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
         if max_seq_len:
             cfg = replace(cfg, max_seq_len=max_seq_len)
@@ -305,6 +316,27 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False) -> ModelFile
         raise CheckpointError(f"{found.path}: the weights {', '.join(broken[:3])} hold NaN or Inf (the run diverged "
                               "before it was saved); use an earlier checkpoint")
     return found
+
+
+def _read_lora(ckpt: str, max_seq_len: int, base: str) -> ModelFiles:
+    """A LoRA checkpoint's adapters merged into the base named by the user (never a path read from a file)."""
+    meta = lora.read_meta(ckpt)
+    if not base:
+        raise ConfigError(f"{ckpt} holds LoRA adapters trained on {meta['base']}; pass --base with that model "
+                          "(a checkpoint, run or Hugging Face folder) to merge them into it")
+    found = read_model(base, max_seq_len)
+    lora.check_base(meta, found.path, ckpt, "--base")
+    adapters = _read_weights(ckpt, lora.ADAPTERS)
+    shapes = {k: tuple(v.shape) for k, v in found.state.items()}
+    for name, tensor in adapters.items():
+        module, kind = name.rsplit(".lora_", 1)
+        rows, cols = shapes.get(module + ".weight", (0, 0))
+        if tuple(tensor.shape) != ((meta["rank"], cols) if kind.startswith("A") else (rows, meta["rank"])):
+            raise CheckpointError(f"{os.path.join(ckpt, lora.ADAPTERS)}: {name} of shape {tuple(tensor.shape)} does "
+                                  f"not fit {found.path}; the checkpoint is damaged")
+    tokenizer = os.path.join(ckpt, TOKENIZER)
+    return ModelFiles(found.config, lora.merged(found.state, adapters, meta),
+                      tokenizer if os.path.isfile(tokenizer) else found.tokenizer_path, ckpt)
 
 
 def load_trainer_state(ckpt: str) -> dict:

@@ -181,6 +181,14 @@ class TrainConfig:
                           "the checkpoint folder given", const="latest")
     init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder) with a fresh "
                              "optimizer; the model shape and tokenizer come from there")
+    lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen --init_from model; 0: every weight")
+    lora_alpha: float = arg(0.0, "LoRA scale numerator (updates are B @ A * alpha / rank); 0: twice the rank")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input")
+    lora_targets: list[str] = arg([], "linear layers of the blocks that get adapters; empty: q_proj k_proj v_proj "
+                                      "o_proj gate_proj up_proj down_proj")
+    lora_base: Literal["auto", "fp32", "bf16", "int8"] = arg("auto", "how the frozen base weights are held; int8: "
+                                                             "torchao weight-only, half of bf16; auto: bf16 under "
+                                                             "bf16 compute, else fp32")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
@@ -199,6 +207,9 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be positive (0: automatic)")
         _require(not (self.epochs and self.max_steps), "epochs", self.epochs,
                  f"set epochs or max_steps (here {self.max_steps}), not both")
+        _require(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0: no adapters)")
+        _require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "must be >= 0 (0: twice the rank)")
+        _require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "must be positive")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
@@ -230,6 +241,7 @@ class SampleConfig:
     checkpoint: str = arg("", "checkpoint or run folder, or an exported Hugging Face folder; "
                               "empty: newest checkpoint of the default run folder")
     best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
+    base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")
     max_new_tokens: int = arg(200, "tokens generated per prompt")
     temperature: float = arg(0.8, "softmax temperature; 0: greedy")
     top_k: int = arg(50, "keep the k most likely tokens; 0: off")

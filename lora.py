@@ -1,0 +1,164 @@
+"""LoRA: low-rank adapters trained on a frozen base model, the base held in fp32, bf16 or int8 weights.
+
+PEFT injects the adapters into our own modules (each targeted nn.Linear becomes base + B @ A * alpha / rank, B
+starting at zero, so training starts from the base exactly); torchao holds an int8 base. A LoRA run's checkpoints
+hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and its fingerprint;
+readers merge the adapters into the base the user names (--base), and a resume refuses another base.
+export_hf.py writes the merged model, or with --adapter_only a PEFT folder for transformers + peft.
+"""
+
+import hashlib
+import json
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+
+from config import CheckpointError, ConfigError
+from hf_format import hf_name
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders
+PEFT_WEIGHTS = "adapter_model.safetensors"  # in a PEFT folder, beside its adapter_config.json
+SAMPLE_BYTES = 2**20  # a base's fingerprint reads this much of each weights file's start and end
+
+
+def targets(t) -> list[str]:
+    return list(t.lora_targets) or list(TARGETS)
+
+
+def block_linears(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
+    """The linear layers of the blocks whose own name is one of names."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.startswith("layers.") and n.rsplit(".", 1)[-1] in names}
+
+
+def check_lora(model: nn.Module, t):
+    """Targets that name linear layers of the blocks, and a rank that fits each of them."""
+    wanted = targets(t)
+    unknown = [name for name in wanted if not block_linears(model, [name])]
+    if unknown:
+        raise ConfigError(f"--lora_targets {' '.join(unknown)} match no linear layer of the blocks; choose from "
+                          f"{' '.join(TARGETS)}")
+    side, where = min((min(m.in_features, m.out_features), n) for n, m in block_linears(model, wanted).items())
+    if t.lora_rank > side:
+        raise ConfigError(f"--lora_rank {t.lora_rank} is larger than the smaller side ({side}) of {where}; pass "
+                          f"--lora_rank {side} or less")
+
+
+def base_dtype(t, amp_dtype) -> str:
+    """How the frozen base is held: as asked, or bf16 where the run computes in bf16, else fp32."""
+    if t.lora_base == "auto":
+        return "bf16" if amp_dtype == torch.bfloat16 else "fp32"
+    if t.lora_base == "bf16" and amp_dtype != torch.bfloat16:
+        raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, or --lora_base fp32 or int8")
+    return t.lora_base
+
+
+def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
+    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    check_lora(model, t)
+    model.requires_grad_(False)
+    held = base_dtype(t, amp_dtype)
+    layers = block_linears(model, targets(t))
+    if held == "bf16":
+        for m in layers.values():
+            m.weight.data = m.weight.data.to(torch.bfloat16)
+    elif held == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: name in layers)
+    config = LoraConfig(r=t.lora_rank, lora_alpha=alpha(t), lora_dropout=t.lora_dropout, target_modules=targets(t))
+    with warnings.catch_warnings():  # an int8 base: PEFT warns that it cannot merge; we merge from the base's file
+        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+        inject_adapter_in_model(config, model)
+    return model
+
+
+def alpha(t) -> float:
+    return t.lora_alpha or 2.0 * t.lora_rank
+
+
+def adapter_state(model: nn.Module) -> dict:
+    """The adapters' tensors under our names (layers.0.attn.q_proj.lora_A.weight), contiguous, on the CPU."""
+    return {k.replace(".default.", "."): v.detach().float().contiguous().cpu()
+            for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+def load_adapters(model: nn.Module, state: dict, where: str):
+    """Copy saved adapters into an injected model; CheckpointError when they do not fit it."""
+    own = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    if set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
+        raise CheckpointError(f"{where} does not fit this run's adapters (other --lora_rank or --lora_targets, or "
+                              "another base shape); resume with the run's LoRA settings")
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def merged(base: dict, adapters: dict, meta: dict) -> dict:
+    """The base's weights with every adapter added in (W + B @ A * alpha / rank), in fp32."""
+    out, scale = dict(base), meta["alpha"] / meta["rank"]
+    for name in adapters:
+        if name.endswith(".lora_A.weight"):
+            module = name[:-len(".lora_A.weight")]
+            a, b = adapters[name].double(), adapters[module + ".lora_B.weight"].double()
+            out[module + ".weight"] = (base[module + ".weight"].double() + scale * b @ a).float()
+    return out
+
+
+def fingerprint(folder: str) -> str:
+    """The base's identity: each weights file's name, size, and its first and last MiB (the safetensors header
+    names every tensor and shape); quick on gigabytes, and it survives a copy to another machine."""
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        path = os.path.join(folder, name)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            h.update(f"{name}\0{size}\0".encode() + f.read(SAMPLE_BYTES))
+            f.seek(max(0, size - SAMPLE_BYTES))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def meta_of(t, base_path: str) -> dict:
+    """adapter_config.json of a run's checkpoints: its LoRA settings and the base they adapt."""
+    return {"rank": t.lora_rank, "alpha": alpha(t), "dropout": t.lora_dropout, "targets": targets(t),
+            "base": os.path.abspath(base_path), "base_fingerprint": fingerprint(base_path)}
+
+
+def read_meta(ckpt: str) -> dict | None:
+    """A checkpoint's adapter_config.json, or None for a checkpoint of whole weights."""
+    path = os.path.join(ckpt, ADAPTER_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        assert isinstance(meta, dict) and int(meta["rank"]) > 0 and float(meta["alpha"]) > 0
+        assert isinstance(meta["base_fingerprint"], str) and isinstance(meta["base"], str)
+        return meta
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{path} is damaged (it should hold rank, alpha, base and base_fingerprint); use "
+                              "another checkpoint") from None
+
+
+def check_base(meta: dict, base_folder: str, where: str, flag: str):
+    """The base given is the one the adapters were trained on."""
+    if fingerprint(base_folder) != meta["base_fingerprint"]:
+        raise ConfigError(f"{flag} {base_folder} is not the base {where} was trained on ({meta['base']}, weights "
+                          f"fingerprint {meta['base_fingerprint']}); pass that model")
+
+
+def peft_state(adapters: dict) -> dict:
+    """Adapters under PEFT's names for a transformers model (base_model.model.model.layers.0.self_attn...)."""
+    return {"base_model.model." + hf_name(k): v for k, v in adapters.items()}
+
+
+def peft_config(meta: dict, base_name: str) -> dict:
+    """adapter_config.json as PEFT writes it for a causal language model."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
+            "r": meta["rank"], "lora_alpha": meta["alpha"], "lora_dropout": meta["dropout"],
+            "target_modules": meta["targets"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
