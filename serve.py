@@ -1,9 +1,10 @@
-"""Serve a trained model over the OpenAI API: /v1/completions, /v1/chat/completions (streaming too), /v1/models.
+"""Serve a trained model over the OpenAI API (/v1/completions, /v1/chat/completions, streaming too, /v1/models)
+and a chat page at /.
 
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
-Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret").
-The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and
+Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
+at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and
 generates through the same engine. Requests that arrive together are batched, each row with its own settings;
 the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
@@ -42,12 +43,16 @@ try:  # optional until serving: main() names what to install
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:
     uvicorn = None
 
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_page.html")
+# The page's script and style are inline; it may talk to this server only, and load nothing else.
+PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 @dataclass
@@ -365,11 +370,20 @@ async def streamed(job: Job, meta: dict, chat: bool):
         job.cancelled = True  # a client gone mid-stream frees its row at the next read; no-op when finished
 
 
+async def page(request):
+    """The chat page: static, no secret in it; what it shows comes from the API, with the key typed into it."""
+    return HTMLResponse(request.app.state.page, headers={"Content-Security-Policy": PAGE_POLICY,
+                                                         "Cache-Control": "no-store"})
+
+
 def app_for(server: Server):
-    """The Starlette application: the routes, with the server in app.state."""
-    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+    """The Starlette application: the routes, with the server and the chat page in app.state."""
+    app = Starlette(routes=[Route("/", page), Route("/v1/models", models),
+                            Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat_completions, methods=["POST"])])
     app.state.server = server
+    with open(PAGE, encoding="utf-8") as f:
+        app.state.page = f.read()
     return app
 
 
@@ -394,8 +408,8 @@ def main(argv=None) -> int:
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
     server = Server(args)
-    print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr,
-          flush=True)
+    print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1, a chat page at "
+          f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     uvicorn.run(app_for(server), host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -234,7 +234,8 @@ def test_logprobs_of_generated_tokens(app, reference):
 def test_a_prompt_scored_only_may_fill_the_context(app, reference):
     """echo with max_tokens 0 generates nothing, so a prompt as long as the context is scored whole."""
     server, client = app
-    ids = (server.tokenizer.encode("def push(self, item):\n", add_special_tokens=False) * 20)[:server.config.max_seq_len]
+    line = server.tokenizer.encode("def push(self, item):\n", add_special_tokens=False)
+    ids = (line * 20)[:server.config.max_seq_len]
     r = client.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1})
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
