@@ -2,11 +2,14 @@
 selenium) against the server running in this process: the page asks for the API key and sends it, shows the
 model's name, step and validation bits per byte, streams a chat reply as it is generated, and Stop ends the
 request: the page goes idle, no more text arrives, and the server ends that generation early (the client's
-disconnect cancels its row). Raw completion for the same model too. Skipped where no browser is installed."""
+disconnect cancels its row). Raw completion for the same model too. The browser tests are skipped where no
+browser is installed; what the page reads from the API (the key, the step and bits per byte, the page's
+policy) is checked without one."""
 
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -45,7 +48,8 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
     run = tmp_path_factory.mktemp("looper") / "looper"
     path = save_checkpoint(str(run), 300, weights_state_dict(model), cfg, tok_path, {"step": 300}, keep=1)
     with open(run / "metrics.jsonl", "w") as f:
-        f.write(json.dumps({"kind": "eval", "step": 300, "val_loss": 1.5, "val_ppl": 4.5, "val_bpb": 0.8125}) + "\n")
+        for step, bpb in ((300, 0.8125), (600, 0.5)):  # an evaluation after the checkpoint is not its own
+            f.write(json.dumps({"kind": "eval", "step": step, "val_loss": 1.5, "val_ppl": 4.5, "val_bpb": bpb}) + "\n")
     return path
 
 
@@ -109,6 +113,24 @@ def spy(monkeypatch):
         return out
     monkeypatch.setattr(serve, "generate", engine)
     return calls
+
+
+def test_models_and_the_page_follow_the_api_rules(looper):
+    """/v1/models needs the key like every API route and gives what the page shows: the checkpoint's step and the
+    validation bits per byte of the run's evaluation at that step (not a later one). The page holds no secret;
+    it is served with a policy that lets it load and call nothing but this server, and links nothing outside."""
+    from starlette.testclient import TestClient
+    server = serve.Server(argparse.Namespace(path=looper, device="cpu", best=False, quantize="none", name="",
+                                             api_key=KEY, compile="false", max_batch=8))
+    with TestClient(serve.app_for(server)) as client:
+        refused = client.get("/v1/models")
+        (model,) = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+        page = client.get("/")
+    assert refused.status_code == 401 and model["id"] == "looper" and model["chat"] is True
+    assert (model["step"], model["val_bpb"], model["max_model_len"]) == (300, 0.8125, 2048)
+    policy = page.headers["content-security-policy"]
+    assert page.status_code == 200 and "default-src 'none'" in policy and "connect-src 'self'" in policy
+    assert KEY not in page.text and not re.search(r"""(src|href|action)\s*=\s*["']?[a-z]*:?//""", page.text)
 
 
 def wait(chrome, condition, seconds: float = 10):
