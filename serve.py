@@ -325,8 +325,8 @@ async def complete(request, chat: bool):
 async def whole(job: Job, meta: dict, chat: bool):
     """The answer in one JSON object, once every choice has ended."""
     n, per = job.choices, job.settings.num_return_sequences
-    texts, reasons, logprobs, used = [job.echoed[c // per] if job.echoed else "" for c in range(n)], [None] * n, \
-        [None] * n, 0
+    texts = [job.echoed[c // per] if job.echoed else "" for c in range(n)]  # with echo, each starts with its prompt
+    reasons, logprobs, used = [None] * n, [None] * n, 0
     async for event in job.stream():
         if event.error:
             return refuse(event.error)
