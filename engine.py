@@ -6,7 +6,8 @@ of that bucket; then one decode step per token that runs the forward, the repeti
 top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device, compiled (a
 CUDA graph on CUDA). The host reads the new tokens back every CHUNK steps, not every token: streaming
 stays smooth and the device never waits for Python. Sampling settings are tensors, one row each, so one
-compiled step serves every setting and a batch may mix them (the server does).
+compiled step serves every setting and a batch may mix them (the server does). score() reads sequences
+that are already there: each token's log-probability and the likeliest tokens in its place.
 """
 
 import contextlib
@@ -22,6 +23,8 @@ from sampling import TextStream, candidates, exp_noise, pick
 from tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
+SCORE_ROWS = 8  # sequences score() runs together
+SCORE_LOGITS = 2**25  # logits score() holds at once (rows x positions x vocabulary): 128 MiB in float32
 MIN_BUCKET = 16
 GREEDY_ONE = SampleConfig(temperature=0.0, max_new_tokens=1)  # the settings of a row that pads a batch
 # Each prompt bucket and batch size compiles its own graph (batches padded to powers of two bound them): keep
@@ -189,8 +192,9 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     prompt (num_return_sequences 1 each): every row samples with its own. A sequence ends at an id of eos_ids
     (not returned), after max_new_tokens, when it fills the model's context, or, given a tokenizer, at a string
     of its stop list (its ids then end with the token that completed the stop string). With a tokenizer,
-    on_text(i, text) receives sequence i's printable text as it grows, without the stop string. on_end(i, reason)
-    hears why sequence i ended: "stop" (an end id or a stop string) or "length" (max_new_tokens or the context).
+    on_text(i, text) receives sequence i's printable text as it grows, without the stop string.
+    on_end(i, reason, end) hears why sequence i ended: "stop" (an end id or a stop string) or "length"
+    (max_new_tokens or the context), and end, the end id that ended it (None for any other reason).
     cancelled(i), asked at each read, ends sequence i where it is (a client gone, say), with no on_end.
     """
     per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
@@ -311,7 +315,7 @@ def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, ho
     for i in sorted(active):
         for token in block[i]:
             if token in eos_ids:
-                _finish(i, "stop", active, streams, hooks)
+                _finish(i, "stop", active, streams, hooks, token)
                 break
             out[i].append(token)
             text = streams[i].push(token) if streams else ""
@@ -324,14 +328,14 @@ def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, ho
                 break
 
 
-def _finish(i: int, reason: str, active: set, streams, hooks):
-    """Row i has ended: its held-back text out, then why it ended."""
+def _finish(i: int, reason: str, active: set, streams, hooks, end: int | None = None):
+    """Row i has ended: its held-back text out, then why it ended (and at which end id, if one)."""
     (on_text, on_end), text = hooks, streams[i].flush() if streams else ""
     active.discard(i)
     if text and on_text:
         on_text(i, text)
     if on_end:
-        on_end(i, reason)
+        on_end(i, reason, end)
 
 
 def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list[SampleConfig], eos_ids=None,
@@ -351,3 +355,38 @@ def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list
         if on_text:
             on_text(i, text)
     return texts, generate(model, ids, settings, eos_ids, tokenizer, collect)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+@torch.no_grad()
+def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[float], list, list]]:
+    """What the model thinks of each sequence's tokens after its first: (log-probabilities, top ids, their
+    log-probabilities), one entry per token, the top `top` (most likely first) of the place each token fills.
+
+    The log-softmax of the model's logits in float32, from one forward over each sequence (several rows
+    together, through a KV cache in as many parts as keep the logits held under SCORE_LOGITS: a long context
+    with a large vocabulary never holds all its logits at once). Raises ConfigError when memory is short.
+    """
+    device, vocab, out = model.embed_tokens.weight.device, model.config.vocab_size, []
+    for first in range(0, len(sequences), SCORE_ROWS):
+        group = sequences[first:first + SCORE_ROWS]
+        B, width = len(group), max(map(len, group))
+        check_memory(model, B, width)
+        ids = torch.tensor([s + s[-1:] * (width - len(s)) for s in group], device=device)  # (B, width)
+        cache, part = model.make_kv_cache(B, width), max(1, SCORE_LOGITS // (B * vocab))
+        chosen, top_lp, top_ids = [], [], []
+        for start in range(0, width - 1, part):
+            end = min(start + part, width - 1)  # positions start..end-1 predict the ids at start+1..end
+            logp = model(ids[:, start:end], kv_cache=cache)[0].float().log_softmax(-1)  # (B, part, V)
+            chosen.append(logp.gather(-1, ids[:, start + 1:end + 1, None])[..., 0])
+            if top:
+                values, indices = logp.topk(min(top, vocab), dim=-1)
+                top_lp.append(values)
+                top_ids.append(indices)
+        join = lambda parts: torch.cat(parts, 1).tolist() if parts else [[] for _ in group]  # noqa: E731
+        chosen, top_lp, top_ids = join(chosen), join(top_lp), join(top_ids)  # sync point: once per group
+        for i, s in enumerate(group):
+            n = len(s) - 1
+            out.append((chosen[i][:n], top_ids[i][:n] if top else [[]] * n, top_lp[i][:n] if top else [[]] * n))
+    return out

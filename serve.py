@@ -1,20 +1,21 @@
-"""Serve a trained model over the OpenAI API: /v1/completions, /v1/chat/completions (streaming too), /v1/models.
+"""Serve a trained model over the OpenAI API (/v1/completions, /v1/chat/completions, streaming too, /v1/models)
+and a chat page at /.
 
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
-Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
-The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and generates through the
-same engine. Requests that arrive together are batched, each row with its own settings; the rest queue.
+Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
+at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and
+generates through the same engine. Requests that arrive together are batched, each row with its own settings;
+the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
-characters each, n up to 16, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone surrogates
-("\\ud800") in any field, are refused.
+characters each, n up to 16, 64 prompts, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone
+surrogates ("\\ud800") in any field, are refused.
 """
 
 import argparse
 import asyncio
 import json
-import math
 import os
 import queue
 import signal
@@ -28,9 +29,13 @@ from dataclasses import dataclass, field, replace
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+from checkpoint import checkpoint_step
 from config import ConfigError, SampleConfig
 from errors import RunFailure, error_contract, exit_code
-from engine import check_prompt, generate
+from engine import check_prompt, generate, score
+from monitor import read_metrics
+from openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released, scoring_of,
+                        settings_of, token_texts)
 from text_generator import load_for_inference
 from tokenizer import can_chat, chat_prompt_ids, stop_ids
 
@@ -38,48 +43,48 @@ try:  # optional until serving: main() names what to install
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:
     uvicorn = None
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
-MAX_BODY = 2**20  # bytes of a request body: the text of a 32k-token context is about 128 KB
-MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's 4 stop strings; each one's prefixes are checked at every token
-MAX_N = 16  # choices per request
-INT64_MAX = 2**63 - 1  # a seed or top_k past torch's int64 overflows in the worker
-
-
-class BadRequest(Exception):
-    """A request the server refuses: HTTP status, message, the parameter at fault."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_page.html")
+# The page's script and style are inline; it may talk to this server only, and load nothing else.
+PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 @dataclass
 class Event:
     """What the worker tells a request: new text of a choice; once per choice, why it ended (the engine's
-    reason) and its token count; or instead a failure, which ends the request."""
+    reason), its token count and its logprobs when asked; or instead a failure, which ends the request."""
     choice: int = 0
     text: str = ""
     finish_reason: str | None = None  # "stop": an end token or a stop string; "length": max_tokens or the context
     tokens: int = 0  # the choice's new tokens, sent with its finish_reason
+    logprobs: dict | None = None  # openai_api.logprobs_object(), sent with the finish_reason
     error: BadRequest | None = None
 
 
 @dataclass
 class Job:
-    """One request on its way through the worker: what to generate, and the events that come back."""
-    ids: list[int]
+    """One request on its way through the worker: what to generate, and the events that come back. Choice
+    p * n + k is prompt p's k-th sequence."""
+    prompts: list[list[int]]
     settings: SampleConfig
     chat: bool
     loop: asyncio.AbstractEventLoop
+    scoring: Scoring = field(default_factory=Scoring)
+    generating: bool = True  # False: echo with max_tokens 0, the prompts scored and nothing generated
+    echoed: list[str] = field(default_factory=list)  # with echo, each prompt's text, which its choices start with
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     heard: bool = False  # an event went out: a failed batch can no longer be retried for this job
     cancelled: bool = False
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.settings.num_return_sequences
 
     def put(self, event: Event):
         self.heard = True
@@ -87,7 +92,7 @@ class Job:
 
     async def stream(self):
         """The job's events until each choice has ended or the worker failed it: what every answer reads."""
-        left = self.settings.num_return_sequences
+        left = self.choices
         while left:
             event = await self.events.get()
             yield event
@@ -100,6 +105,7 @@ class Worker(threading.Thread):
     def __init__(self, model, tokenizer, max_batch: int):
         super().__init__(daemon=True)
         self.model, self.tokenizer, self.max_batch, self.jobs = model, tokenizer, max_batch, queue.Queue()
+        self.text_of = token_texts(tokenizer)
 
     def run(self):
         while True:
@@ -116,13 +122,16 @@ class Worker(threading.Thread):
                     self.serve(group)
 
     def serve(self, jobs: list[Job]):
-        owner = [(j, k) for j in jobs for k in range(j.settings.num_return_sequences)]  # row -> (job, choice)
-        reasons = {}  # row -> why it ended
+        making = [j for j in jobs if j.generating]
+        owner = [(j, c) for j in making for c in range(j.choices)]  # row -> (job, choice)
+        reasons = {}  # row -> (why it ended, the end id that ended it or None)
         try:
-            out = generate(self.model, [j.ids for j in jobs], [j.settings for j in jobs],
+            out = generate(self.model, [p for j in making for p in j.prompts],
+                           [j.settings for j in making for _ in j.prompts],
                            stop_ids(self.tokenizer, chat=jobs[0].chat), self.tokenizer,
                            on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
-                           cancelled=lambda i: owner[i][0].cancelled, on_end=reasons.__setitem__)
+                           cancelled=lambda i: owner[i][0].cancelled,
+                           on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end))) if making else []
         except Exception as e:  # the engine's refusal (memory), or a bug: the requests fail, the server goes on
             if len(jobs) > 1 and not any(j.heard for j in jobs):
                 for j in jobs:  # nothing sent yet: each request alone, so one's failure stays its own
@@ -131,9 +140,32 @@ class Worker(threading.Thread):
             for j in jobs:
                 j.put(Event(error=failure(e)))
             return
-        for i, ((job, k), ids) in enumerate(zip(owner, out)):
-            if i in reasons:  # a cancelled row has no reason, and no reader
-                job.put(Event(k, finish_reason=reasons[i], tokens=len(ids)))
+        ended = [(job, c, ids, *reasons[i]) for i, ((job, c), ids) in enumerate(zip(owner, out))
+                 if i in reasons]  # a cancelled row has no reason, and no reader
+        ended += [(job, c, [], "length", None) for job in jobs if not job.generating for c in range(job.choices)]
+        self.finish(ended)
+
+    def finish(self, ended: list):
+        """Each ended choice's last event, (job, choice, new ids, reason, end id), with its logprobs when the job
+        asks for them: the sequences of every such choice of the batch scored together, the end token that
+        ended a choice among them (its text is no part of the answer), as OpenAI's API has it."""
+        asked = [e for e in ended if e[0].scoring.logprobs is not None]
+        per = lambda job, c: job.prompts[c // job.settings.num_return_sequences]  # noqa: E731 (a choice's prompt)
+        whole = lambda job, c, ids, end: per(job, c) + ids + ([] if end is None else [end])  # noqa: E731
+        try:
+            scores = score(self.model, [whole(job, c, ids, end) for job, c, ids, _, end in asked],
+                           max((job.scoring.logprobs for job, *_ in asked), default=0))
+        except Exception as e:  # memory, or a bug: only the jobs that asked fail
+            for job in {id(job): job for job, *_ in asked}.values():
+                job.put(Event(error=failure(e)))
+            asked, scores, ended = [], [], [e for e in ended if e[0].scoring.logprobs is None]
+        scored = {(id(job), c): s for (job, c, *_), s in zip(asked, scores)}
+        for job, c, ids, reason, end in ended:
+            logprobs = None
+            if (id(job), c) in scored:
+                logprobs = logprobs_object(self.text_of, self.tokenizer, whole(job, c, ids, end), scored[id(job), c],
+                                           0 if job.scoring.echo else len(per(job, c)), job.scoring.logprobs)
+            job.put(Event(c, finish_reason=reason, tokens=len(ids), logprobs=logprobs))
 
 
 def failure(e: Exception) -> BadRequest:
@@ -175,54 +207,6 @@ async def read_json(request) -> dict:
     return body
 
 
-def check_text(body: dict):
-    """Refuse a field holding a lone surrogate (JSON's "\\ud800"): no tokenizer or UTF-8 answer can carry one."""
-    for name, value in body.items():
-        try:
-            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            name = name.encode("utf-8", "backslashreplace").decode()  # the name itself may hold the surrogate
-            raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
-                             "text; send valid Unicode", name) from None
-        except RecursionError:
-            raise BadRequest(f"{name} nests too deeply", name) from None
-
-
-def number(body: dict, name: str, default, kind=float, low=None, high=None):
-    """body[name], or default when absent or null, as a finite int or float in [low, high]; BadRequest naming it."""
-    value = body.get(name)
-    value = default if value is None else value
-    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))  # JSON allows Infinity
-    if isinstance(value, bool) or not finite or (kind is int and value != int(value)):
-        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' finite number'}, got {value!r:.40}", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"{name}={value!r:.40} is out of range [{low}, {high}]", name)
-    return kind(value)
-
-
-def settings_of(body: dict, ctx: int, chat: bool = False) -> SampleConfig:
-    """SampleConfig from an OpenAI request body; BadRequest naming the parameter when a value is wrong. Without
-    max_tokens a completion gets OpenAI's 16 tokens and a chat reply the rest of the context."""
-    default = number(body, "max_completion_tokens", ctx if chat else DEFAULT_MAX_TOKENS, int, 1, ctx)
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-        raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise BadRequest(f"a stop string has {max(map(len, stop))} characters, more than the {MAX_STOP_CHARS} "
-                         "allowed; shorten it", "stop")
-    try:
-        return SampleConfig(max_new_tokens=number(body, "max_tokens", default, int, 1, ctx),
-                            temperature=number(body, "temperature", 1.0, float, 0, 2),
-                            top_p=max(number(body, "top_p", 1.0, float, 0, 1), 1e-9),
-                            top_k=max(number(body, "top_k", 0, int, -1, INT64_MAX), 0),  # -1: off, as in vLLM
-                            seed=number(body, "seed", -1, int, -1, INT64_MAX),
-                            num_return_sequences=number(body, "n", 1, int, 1, MAX_N),
-                            stop=stop, repetition_penalty=1.0, compile="false")
-    except ConfigError as e:
-        raise BadRequest(str(e), getattr(e, "field", None)) from None
-
-
 class Server:
     """The model, its tokenizer and the worker: what the handlers reach as request.app.state.server."""
 
@@ -230,6 +214,7 @@ class Server:
         self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
                                                                                 args.quantize)
         self.name, self.api_key, self.compile = args.name or model_name(self.path), args.api_key, args.compile
+        self.about = self.facts()
         self.worker = Worker(self.model, self.tokenizer, args.max_batch)
         self.worker.start()
 
@@ -245,18 +230,37 @@ class Server:
                 ids = chat_prompt_ids(self.tokenizer, body.get("messages"))
             except ValueError as e:
                 raise BadRequest(f"messages: {e}", "messages") from None
+            prompts, scoring = [ids], Scoring()
         else:
-            prompt = body.get("prompt", "")
-            prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-            if not isinstance(prompt, str):
-                raise BadRequest("prompt must be a string (one prompt per request)", "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or stop_ids(self.tokenizer)[:1] or [0]
-        try:
-            check_prompt(len(ids), self.config.max_seq_len)
-        except ConfigError as e:
-            raise BadRequest(str(e), "messages" if chat else "prompt") from None
-        settings = settings_of(body, self.config.max_seq_len, chat)
-        return Job(ids, replace(settings, compile=self.compile), chat, asyncio.get_running_loop())
+            scoring = scoring_of(body)
+            prompts = prompts_of(body, self.tokenizer, self.config.vocab_size)
+        settings = settings_of(body, self.config.max_seq_len, chat, scoring.echo)
+        generating = not (scoring.echo and body.get("max_tokens") == 0)
+        for ids in prompts:
+            try:  # a prompt only scored may fill the context; one to continue needs room for a token
+                check_prompt(len(ids), self.config.max_seq_len + (not generating))
+            except ConfigError as e:
+                raise BadRequest(str(e), "messages" if chat else "prompt") from None
+        echoed = [("".join(released(self.tokenizer, ids))) for ids in prompts] if scoring.echo else []
+        return Job(prompts, replace(settings, compile=self.compile), chat, asyncio.get_running_loop(), scoring,
+                   generating, echoed)
+
+    def facts(self) -> dict:
+        """What /v1/models tells of the model besides its name: context, whether it chats, and for a run's
+        checkpoint its step and that step's validation bits per byte (the run's last evaluation at or before
+        it; None where there is none)."""
+        facts = {"max_model_len": self.config.max_seq_len, "chat": can_chat(self.tokenizer), "step": None,
+                 "val_bpb": None}
+        run, folder = os.path.split(os.path.dirname(os.path.normpath(self.path)))
+        if folder == "checkpoints":
+            try:
+                facts["step"] = step = checkpoint_step(self.path)
+            except AttributeError:  # a folder not named step_N
+                return facts
+            evals = [r for r in read_metrics(run, "eval") if r.get("step", step + 1) <= step]
+            bpb = evals[-1].get("val_bpb") if evals else None
+            facts["val_bpb"] = bpb if isinstance(bpb, (int, float)) else None
+        return facts
 
 
 def model_name(path: str) -> str:
@@ -286,7 +290,7 @@ async def models(request):
     if not authorised(request):
         return refuse(BadRequest("invalid API key", status=401, kind="authentication_error"))
     return JSONResponse({"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
-                                                     "owned_by": "modern-llm"}]})
+                                                     "owned_by": "modern-llm", **server.about}]})
 
 
 async def completions(request):
@@ -320,18 +324,20 @@ async def complete(request, chat: bool):
 
 async def whole(job: Job, meta: dict, chat: bool):
     """The answer in one JSON object, once every choice has ended."""
-    n = job.settings.num_return_sequences
-    texts, reasons, used = [""] * n, [None] * n, 0
+    n, per = job.choices, job.settings.num_return_sequences
+    texts = [job.echoed[c // per] if job.echoed else "" for c in range(n)]  # with echo, each starts with its prompt
+    reasons, logprobs, used = [None] * n, [None] * n, 0
     async for event in job.stream():
         if event.error:
             return refuse(event.error)
         texts[event.choice] += event.text
         reasons[event.choice] = event.finish_reason or reasons[event.choice]
+        logprobs[event.choice] = event.logprobs or logprobs[event.choice]
         used += event.tokens
-    choices = [{"index": i, "finish_reason": reason, **({"message": {"role": "assistant", "content": text}} if chat
-                                                        else {"text": text, "logprobs": None})}
-               for i, (text, reason) in enumerate(zip(texts, reasons))]
-    prompt_tokens = len(job.ids)
+    choices = [{"index": i, "finish_reason": reasons[i], **({"message": {"role": "assistant", "content": text}}
+                                                          if chat else {"text": text, "logprobs": logprobs[i]})}
+               for i, text in enumerate(texts)]
+    prompt_tokens = sum(map(len, job.prompts))
     return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used,
                                    "total_tokens": prompt_tokens + used}})
@@ -349,7 +355,7 @@ async def streamed(job: Job, meta: dict, chat: bool):
         return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
     try:
         if chat:
-            for i in range(job.settings.num_return_sequences):
+            for i in range(job.choices):
                 yield chunk(i, role=True)
         async for event in job.stream():
             if event.error:
@@ -364,11 +370,20 @@ async def streamed(job: Job, meta: dict, chat: bool):
         job.cancelled = True  # a client gone mid-stream frees its row at the next read; no-op when finished
 
 
+async def page(request):
+    """The chat page: static, no secret in it; what it shows comes from the API, with the key typed into it."""
+    return HTMLResponse(request.app.state.page, headers={"Content-Security-Policy": PAGE_POLICY,
+                                                         "Cache-Control": "no-store"})
+
+
 def app_for(server: Server):
-    """The Starlette application: the routes, with the server in app.state."""
-    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+    """The Starlette application: the routes, with the server and the chat page in app.state."""
+    app = Starlette(routes=[Route("/", page), Route("/v1/models", models),
+                            Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat_completions, methods=["POST"])])
     app.state.server = server
+    with open(PAGE, encoding="utf-8") as f:
+        app.state.page = f.read()
     return app
 
 
@@ -393,8 +408,8 @@ def main(argv=None) -> int:
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
     server = Server(args)
-    print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr,
-          flush=True)
+    print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1, a chat page at "
+          f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     uvicorn.run(app_for(server), host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+import openai_api
 import serve
 from config import SampleConfig
 from engine import generate_text
@@ -137,7 +138,7 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
     (json.dumps({"prompt": "x", "top_k": "5"}).encode(), "top_k"),
     (json.dumps({"prompt": "x", "n": True}).encode(), "n"),
     (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream"),
-    (json.dumps({"prompt": "x", "stop": "y" * (serve.MAX_STOP_CHARS + 1)}).encode(), "stop"),
+    (json.dumps({"prompt": "x", "stop": "y" * (openai_api.MAX_STOP_CHARS + 1)}).encode(), "stop"),
     (json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
     (b'{"prompt": ' + b"[" * 100_000, None),
     (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
