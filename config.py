@@ -38,6 +38,7 @@ def _require_choices(cfg):
             _require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
 AUTO = 0  # the value of a size or rate that sizing.py chooses for the device and corpus (printed at start)
 
 

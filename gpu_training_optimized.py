@@ -31,13 +31,15 @@ from device import (PRECISION_NAMES, autocast, compile_model, float8_training, i
 from corpus import corpus_bytes
 from errors import RunFailure, error_contract
 from evaluation import Probe, evaluate
+from lora import adapter_state, add_adapters
 from modern_llm import Transformer
 from monitor import LossWindow, Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
 from muon_optimizer import MuonAdamW, build_optimizer
 from batches import Batches, batches_for
 from prepare_data import PreparedData, prepare
-from resume import apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, resume_point
-from schedule import RunClock, lr_multiplier
+from resume import (apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, lora_start,
+                    resume_point)
+from schedule import RunClock, StopFlag, lr_multiplier
 from sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
 
 
@@ -85,6 +87,8 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_stored(init_state)
+    if t.lora_rank:
+        raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
     if isinstance(raw_model, Transformer):
         raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
     if t.precision == "fp8":
@@ -214,7 +218,7 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
     opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
     if not dist.is_main:
         return None
-    state = ckpt_io.weights_state_dict(b.raw_model, weights)
+    state = adapter_state(b.raw_model) if run.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
@@ -223,7 +227,7 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
                      "config": json.dumps(cfg.to_dict()), **run.clock.state()}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, run.data.tokenizer_path,
-                                   trainer_state, cfg.train.keep_checkpoints, val_loss)
+                                   trainer_state, cfg.train.keep_checkpoints, val_loss, run.lora_meta)
 
 
 def prepare_once(cfg: Config, dist) -> PreparedData:
@@ -250,21 +254,6 @@ def check_run_folder(t, resuming: bool):
 def write_run_config(cfg: Config):
     """config.json in the run folder: every value this run uses (after automatic sizing)."""
     atomic.write_text(os.path.join(cfg.train.run_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
-
-
-class StopFlag:
-    """Ctrl-C or SIGTERM asks the loop to finish its step and save; a second Ctrl-C leaves at once."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            print("\nsecond interrupt: leaving without saving", file=sys.stderr)
-            os._exit(130)
-        self.requested = True
 
 
 def log_window(run: "Run", b: Built, step: int, tokens: int, window: LossWindow, grad_norm, lr_scale: float):
@@ -300,6 +289,7 @@ class Settled:
     data: PreparedData
     batches: Batches  # the training split's loader
     val_batches: Batches
+    lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
 
 
 def settle(cfg: Config, dist, device: torch.device) -> Settled:
@@ -307,8 +297,9 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     fields, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
     tokenized corpus. After this cfg does not change. Refuses what cannot run before the model is built."""
     t = cfg.train
-    init_state = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
+    init = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
+    lora_meta = lora_start(cfg, ckpt, init)
     if dist.is_main:
         check_run_folder(t, resuming=ckpt is not None)  # before the data, which may take a while
     notes += carry_settings(cfg, saved) if saved else []  # automatic fields as the resumed run had them
@@ -332,7 +323,9 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     if ckpt:
         check_same_shape(cfg, ckpt)
         check_same_data(cfg, saved, data.path)
-    return Settled(cfg, ckpt, saved, None if ckpt else init_state, data, *batches)
+    # A LoRA run always starts from its base: a resume then loads the adapters into it.
+    init_state = init.state if init and (lora_meta or not ckpt) else None
+    return Settled(cfg, ckpt, saved, init_state, data, *batches, lora_meta)
 
 
 @dataclass
@@ -349,6 +342,7 @@ class Run:
     bar: object
     probe: Probe
     tokens_per_step: int
+    lora_meta: dict | None
 
 
 # ----------------------------------------------------------------------------- main
@@ -379,7 +373,8 @@ def main(argv=None) -> int:
         cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
         PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
     run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
-              Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step)
+              Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step,
+              settled.lora_meta)
 
     warm_evaluator(b, val_batches, t, dist)
     stop, window = StopFlag(), LossWindow(device)

@@ -15,10 +15,9 @@ import warnings
 import torch
 import torch.nn as nn
 
-from config import CheckpointError, ConfigError
+from config import LORA_TARGETS as TARGETS, CheckpointError, ConfigError
 from hf_format import hf_name
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders
 PEFT_WEIGHTS = "adapter_model.safetensors"  # in a PEFT folder, beside its adapter_config.json
 SAMPLE_BYTES = 2**20  # a base's fingerprint reads this much of each weights file's start and end

@@ -16,6 +16,8 @@ import torch
 from tqdm import tqdm
 
 import atomic
+from config import LORA_TARGETS
+from sizing import activation_bytes
 
 METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"
 
@@ -283,9 +285,33 @@ def start_report(cfg, device: torch.device, model, opt, precision: str, dist, to
         f"{model.flops_per_token() / 1e6:.1f} MFLOP per token",
         f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
         f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
+        *([trainable_report(cfg, model)] if t.lora_rank else []),
         opt.describe(),
         f"run folder: {t.run_dir}",
     ])
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds, a quantized one's (int8 values and scales) included."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, name)) for name in names)
+    return t.nbytes
+
+
+def trainable_report(cfg, model) -> str:
+    """A LoRA run's parameters and memory by part: the trained adapters with their gradients and optimizer state
+    (16 bytes each), the frozen base as it is held, and the activations (sizing.py's estimate)."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    n_frozen = sum(p.numel() for p in frozen)
+    t = cfg.train
+    return (f"lora: rank {t.lora_rank}, alpha {t.lora_alpha or 2 * t.lora_rank:g} on "
+            f"{' '.join(t.lora_targets or LORA_TARGETS)}: {trained / 1e6:.2f}M trainable parameters "
+            f"({trained / (trained + n_frozen):.2%}), {n_frozen / 1e6:.2f}M frozen\n"
+            f"memory: frozen base {sum(stored_bytes(p) for p in frozen) / 2**20:,.1f} MiB, adapters with gradients "
+            f"and optimizer state {16 * trained / 2**20:,.1f} MiB, activations about "
+            f"{activation_bytes(cfg) / 2**20:,.0f} MiB a micro-batch")
 
 
 def progress_bar(clock, start: int, enabled: bool):

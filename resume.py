@@ -13,6 +13,7 @@ from dataclasses import asdict, fields, replace
 import torch
 
 import checkpoint as ckpt_io
+import lora
 from config import AUTO, CheckpointError, Config, ConfigError
 
 
@@ -141,7 +142,7 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
     return state["step"], state["tokens"], state["best_val_loss"], budget
 
 
-def apply_init_from(cfg: Config) -> dict:
+def apply_init_from(cfg: Config) -> ckpt_io.ModelFiles:
     """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
     found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
@@ -151,4 +152,27 @@ def apply_init_from(cfg: Config) -> dict:
     cfg.model = replace(found.config, max_seq_len=cfg.model.max_seq_len or found.config.max_seq_len,
                         gradient_checkpointing=cfg.model.gradient_checkpointing)
     cfg.data.tokenizer = cfg.data.tokenizer or found.tokenizer_path  # the data must be tokenized as the model was
-    return found.state
+    return found
+
+
+def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -> dict | None:
+    """A LoRA run's adapter_config.json (its settings, its base and the base's fingerprint), None for a run of
+    whole weights. LoRA needs a base (--init_from); a resume needs the base its checkpoint was trained on, and a
+    checkpoint of adapters cannot continue as a run of whole weights or the other way round."""
+    t = cfg.train
+    saved = lora.read_meta(ckpt) if ckpt else None
+    if ckpt and bool(saved) != bool(t.lora_rank):
+        settings = f"--lora_rank {saved['rank']} --init_from BASE" if saved else "no --lora_rank"
+        raise ConfigError(f"{ckpt} was trained {'with' if saved else 'without'} LoRA adapters; resume with the run's "
+                          f"settings ({settings}), or start a new run from it with --init_from")
+    if not t.lora_rank:
+        return None
+    if init is None:
+        raise ConfigError("--lora_rank trains adapters on a model: pass --init_from with it (a checkpoint, run or "
+                          "Hugging Face folder)")
+    if t.precision == "fp8" or t.data_parallel == "fsdp":
+        raise ConfigError("--lora_rank works with bf16, fp16 or fp32 and DDP: drop --precision fp8 and "
+                          "--data_parallel fsdp")
+    if saved:
+        lora.check_base(saved, init.path, ckpt, "--init_from")
+    return lora.meta_of(t, init.path)

@@ -7,10 +7,13 @@ are the ones done plus the ones the rest of the budget holds at the measured spe
 for the final evaluation and checkpoint; a resumed run carries on with what its earlier sessions left.
 Evaluations left automatic fall at every sixth of the run, as long as evaluating keeps to EVAL_SHARE of the
 time so far (a 10-step smoke run evaluates only at its end); one that would fall just before the final one is
-left to it.
+left to it. Ctrl-C or SIGTERM asks the loop to stop after its step (StopFlag).
 """
 
 import math
+import os
+import signal
+import sys
 import time
 
 from sizing import AUTO_EVALS, EVAL_SHARE
@@ -158,3 +161,18 @@ class RunClock:
         """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
         the step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup)."""
         return {"spent_s": self.spent_s(), "step_s": self.step_s, "overhead_s": dict(self.overhead_s)}
+
+
+class StopFlag:
+    """Ctrl-C or SIGTERM asks the loop to finish its step and save; a second Ctrl-C leaves at once."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            print("\nsecond interrupt: leaving without saving", file=sys.stderr)
+            os._exit(130)
+        self.requested = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from config import AUTO, PRESETS, Config, ConfigError, ModelConfig
+from config import AUTO, LORA_TARGETS, PRESETS, Config, ConfigError, ModelConfig
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
@@ -39,6 +39,9 @@ class Machine:
     memory: int = 0  # bytes of GPU memory; 0 off CUDA
 
 
+LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # int8: a scale per row too
+
+
 def count_parameters(m: ModelConfig) -> int:
     """Closed-form parameter count of modern_llm.Transformer for this config."""
     d, h = m.hidden_size, m.head_dim
@@ -49,14 +52,31 @@ def count_parameters(m: ModelConfig) -> int:
     return m.num_hidden_layers * per_layer + embed + d
 
 
-def training_bytes_estimate(cfg: Config) -> int:
-    """Rough peak memory of training: 16 bytes per parameter (fp32 weight, grad, two moments) plus
-    bf16 activations, about 34 * hidden bytes per token per layer without checkpointing, plus the loss's
-    bf16 logits and one fp32 chunk of them."""
+def adapter_parameters(cfg: Config) -> int:
+    """Parameters of the LoRA adapters cfg.train asks for: rank * (inputs + outputs) per targeted matrix."""
     m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * m.max_seq_len
+    q, kv, d, f = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
+        m.intermediate_size
+    sides = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d, "gate_proj": d + f,
+             "up_proj": d + f, "down_proj": f + d}
+    return m.num_hidden_layers * t.lora_rank * sum(sides[name] for name in (t.lora_targets or LORA_TARGETS))
+
+
+def activation_bytes(cfg: Config) -> int:
+    """bf16 activations kept for backward, about 34 * hidden bytes per token per layer without checkpointing,
+    plus the loss's bf16 logits and one fp32 chunk of them."""
+    m, t = cfg.model, cfg.train
     per_layer = 34 * m.hidden_size * (0.1 if m.gradient_checkpointing else 1)
-    return int(16 * count_parameters(m) + tokens * per_layer * m.num_hidden_layers + _logit_bytes(cfg))
+    return int(t.micro_batch_size * m.max_seq_len * per_layer * m.num_hidden_layers + _logit_bytes(cfg))
+
+
+def training_bytes_estimate(cfg: Config) -> int:
+    """Rough peak memory of training: 16 bytes per trained parameter (fp32 weight, grad, two moments), the
+    frozen base of a LoRA run as it is held (bf16: 2 bytes a weight, int8: about 1), and the activations."""
+    if not cfg.train.lora_rank:
+        return 16 * count_parameters(cfg.model) + activation_bytes(cfg)
+    held = LORA_BASE_BYTES[cfg.train.lora_base]
+    return int(held * count_parameters(cfg.model) + 16 * adapter_parameters(cfg) + activation_bytes(cfg))
 
 
 def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
