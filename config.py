@@ -197,8 +197,8 @@ class TrainConfig:
     keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")
-    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder) with a fresh "
-                             "optimizer; the model shape and tokenizer come from there")
+    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, or hf:ORG/NAME from "
+                             "the Hub) with a fresh optimizer; the model shape and tokenizer come from there")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
@@ -245,7 +245,7 @@ MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a r
 @dataclass
 class SampleConfig:
     """Text generation settings (text_generator.py)."""
-    checkpoint: str = arg("", "checkpoint or run folder, or an exported Hugging Face folder; "
+    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, or hf:ORG/NAME from the Hub; "
                               "empty: newest checkpoint of the default run folder")
     best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
     max_new_tokens: int = arg(200, "tokens generated per prompt")
