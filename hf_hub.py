@@ -28,10 +28,10 @@ def is_hub_name(path: str) -> bool:
     return path.startswith(HF_PREFIX)
 
 
-def offline(hub) -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as it is set now."""
+def offline(constants) -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import (its constants), or as it is set now."""
     now = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    return bool(hub.constants.HF_HUB_OFFLINE) or now
+    return bool(constants.HF_HUB_OFFLINE) or now
 
 
 def resolve(name: str, max_seq_len: int = 0) -> str:
@@ -42,12 +42,12 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
         raise CheckpointError(f"{name!r} is not a Hub model name, write hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)")
     try:
         import huggingface_hub as hub
-        from huggingface_hub import errors
+        from huggingface_hub import constants, errors
     except ImportError:
         raise CheckpointError(f"{name} is read through the huggingface_hub package, pip install huggingface_hub") \
             from None
-    local = offline(hub)
-    fetch = f'or fetch it with: hf download {repo} --include "*.json" "model*.safetensors"'
+    local = offline(constants)
+    fetch = f'fetch it with: hf download {repo} --include "*.json" "model*.safetensors"'
     try:
         if not local:
             config = hub.hf_hub_download(repo, HF_CONFIG)
@@ -60,10 +60,10 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
                                              "`hf auth login`" if gated else "no such model on the Hub (a private "
                                              "one needs `hf auth login`), check the name")) from None
     except errors.LocalEntryNotFoundError as e:  # not in the cache, or only part of it, and no download allowed
-        why = "HF_HUB_OFFLINE=1 forbids downloading it; unset it to download" if local else \
+        why = "HF_HUB_OFFLINE=1 forbids downloading it; unset HF_HUB_OFFLINE" if local else \
             "the Hub could not be reached; check the connection"
         where = "is only partly" if isinstance(e, getattr(errors, "IncompleteSnapshotError", ())) else "is not"
-        raise CheckpointError(f"{name} {where} in the Hugging Face cache ({hub.constants.HF_HUB_CACHE}) and {why}; "
+        raise CheckpointError(f"{name} {where} in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}, or "
                               f"{fetch}") from None
     except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", ())):
         raise CheckpointError(f"{name} has no {HF_CONFIG}, it is not a transformers model") from None
@@ -71,5 +71,5 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
         raise RunFailure(f"{name}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
     if not is_hf_folder(folder):
         raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors weights (model.safetensors "
-                              f"or its shards), the only weights read; use a model published with them")
+                              "or its shards), the only weights read; use a model published with them")
     return folder
