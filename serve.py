@@ -3,8 +3,8 @@
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
-The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and generates through the
-same engine. Requests that arrive together are batched, each row with its own settings; the rest queue.
+The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME; --best) and generates
+through the same engine. Requests that arrive together are batched, each row with its own settings; the rest queue.
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
 characters each, n up to 16, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone surrogates
@@ -31,6 +31,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from config import ConfigError, SampleConfig
 from errors import RunFailure, error_contract, exit_code
 from engine import check_prompt, generate
+from hf_hub import HF_PREFIX, is_hub_name
 from text_generator import load_for_inference
 from tokenizer import can_chat, chat_prompt_ids, stop_ids
 
@@ -229,7 +230,8 @@ class Server:
     def __init__(self, args):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
                                                                                 args.quantize)
-        self.name, self.api_key, self.compile = args.name or model_name(self.path), args.api_key, args.compile
+        named = args.path if is_hub_name(args.path) else self.path  # a Hub model by its name, not its cache folder
+        self.name, self.api_key, self.compile = args.name or model_name(named), args.api_key, args.compile
         self.worker = Worker(self.model, self.tokenizer, args.max_batch)
         self.worker.start()
 
@@ -260,8 +262,10 @@ class Server:
 
 
 def model_name(path: str) -> str:
-    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine), else
-    its folder's."""
+    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine), ORG/NAME
+    for hf:ORG/NAME, else its folder's."""
+    if is_hub_name(path):
+        return path[len(HF_PREFIX):]
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     return parts[-3] if len(parts) >= 3 and parts[-2] == "checkpoints" else parts[-1]
 
@@ -375,8 +379,8 @@ def app_for(server: Server):
 @error_contract
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder (default: the default "
-                                                       "run folder)")
+    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or hf:ORG/NAME "
+                                                       "(default: the default run folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
     p.add_argument("--port", type=int, default=8000, help="1 to 65535")
     p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")

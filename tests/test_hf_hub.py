@@ -1,5 +1,5 @@
 """Tests of hf_hub.py: hf:ORG/NAME read from the Hugging Face cache, offline, by the importer, the trainer's
---init_from and the generator alike; a model missing from the cache is one error line saying how to fetch it; and
+--init_from, the generator and the server alike; a model missing from the cache is one error line saying how to fetch it; and
 online, config.json is checked before any weight is asked for. The network is never reached: the cache is filled
 here in huggingface_hub's own layout, and where a test plays the online path the two download functions are
 replaced by stand-ins that copy from a local folder."""
@@ -79,6 +79,8 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
     model, _, config, path = load_for_inference(f"hf:{REPO}", "cpu")
     assert config == ours.config and path.endswith(COMMIT)
     assert max_diff(model.float().eval(), theirs) < TOLERANCE
+    from serve import model_name
+    assert model_name(f"hf:{REPO}") == REPO  # the server's API names it as the Hub does, not by its cache folder
 
 
 @pytest.mark.parametrize("name,words", [
