@@ -28,10 +28,15 @@ SAVE_IT = "save the model with save_pretrained(safe_serialization=True)"
 
 # ----------------------------------------------------------------------------- our config as theirs
 
+def flags_family(qk_norm: bool, qkv_bias: bool) -> str:
+    """The family family="auto" means: Qwen3 for QK-norm, Qwen2 for q/k/v biases, else Llama."""
+    return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+
+
 def family(cfg: ModelConfig) -> str:
     """The family an export of cfg writes: its own, or from the flags; CheckpointError when the flags do not fit
     it (Qwen2 always has q/k/v biases, Qwen3 QK-norm, the others neither)."""
-    name = cfg.family if cfg.family != "auto" else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    name = cfg.family if cfg.family != "auto" else flags_family(cfg.qk_norm, cfg.qkv_bias)
     needs = {"qwen3": (True, False), "qwen2": (False, True)}.get(name, (False, False))
     if (cfg.qk_norm, cfg.qkv_bias) != needs:
         raise CheckpointError(f"family={name!r} needs qk_norm={needs[0]} and qkv_bias={needs[1]}, and this model has "
@@ -147,7 +152,7 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
             max_seq_len=context, rope_theta=float(rope.get("rope_theta") or getattr(hf, "rope_theta", 10000.0)),
             rms_norm_eps=float(hf.rms_norm_eps), qk_norm=raw["model_type"] == "qwen3",
             qkv_bias=raw["model_type"] == "qwen2", tie_word_embeddings=bool(hf.tie_word_embeddings),
-            init_std=float(hf.initializer_range), family=raw["model_type"],
+            init_std=float(hf.initializer_range), family=_family_field(raw["model_type"]),
             **({"rope_type": "llama3", **llama3} if llama3 else {}))
     except ConfigError as e:
         raise CheckpointError(f"{file} gives an invalid model shape: {e}") from None
@@ -159,6 +164,13 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
     if any(not isinstance(getattr(cfg, f), int) or isinstance(getattr(cfg, f), bool) for f in INT_FIELDS):
         raise CheckpointError(f"{file}: the sizes {', '.join(INT_FIELDS)} must be integers")
     return cfg
+
+
+def _family_field(model_type: str) -> str:
+    """ModelConfig.family of an import: auto where the flags say it already (a Qwen3, Qwen2 or Llama folder is then
+    the same config as a model trained here), else the family itself."""
+    qk_norm, qkv_bias = model_type == "qwen3", model_type == "qwen2"
+    return "auto" if flags_family(qk_norm, qkv_bias) == model_type else model_type
 
 
 def raw_config(path: str) -> dict:
