@@ -143,8 +143,7 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
 
 
 def apply_init_from(cfg: Config) -> dict:
-    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder, or of
-    a Hub model (hf:ORG/NAME)."""
+    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
     found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "

@@ -15,7 +15,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
-import torch
 
 import checkpoint as ckpt_io
 import export_hf
@@ -72,9 +71,9 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
         f"hf:{REPO}"
 
     cfg = Config(train=TrainConfig(init_from=f"hf:{REPO}"))
-    state = apply_init_from(cfg)
-    assert cfg.model.qkv_bias and cfg.data.tokenizer.endswith("tokenizer.json")
-    torch.testing.assert_close(state, ckpt_io.weights_state_dict(ours))
+    apply_init_from(cfg)  # the shape and tokenizer of the cached model; its weights come through read_model too
+    assert cfg.model == ours.config and cfg.data.tokenizer == os.path.join(ckpt_io.read_model(f"hf:{REPO}").path,
+                                                                            "tokenizer.json")
 
     model, _, config, path = load_for_inference(f"hf:{REPO}", "cpu")
     assert config == ours.config and path.endswith(COMMIT)
