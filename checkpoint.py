@@ -25,10 +25,11 @@ from safetensors.torch import load_file, save_file
 
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig
-from distributed import shard_as
 import lora
+from distributed import shard_as
 from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
                        load_hf_folder, stored_shapes)
+from hf_hub import is_hub_name, resolve
 from modern_llm import is_stored
 from tokenizer import TOKENIZER_FILE as TOKENIZER
 
@@ -289,11 +290,13 @@ class ModelFiles:
 
 
 def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
-    """The model of a checkpoint folder, a run folder (its newest checkpoint) or a Hugging Face Qwen3/Llama
-    folder, checked name by name and shape by shape; CheckpointError with one line for every failure.
-    max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no weight); best
-    picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run's checkpoint adapts
-    (its adapters are merged into it)."""
+    """The model of a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face folder or a Hub
+    model named hf:ORG/NAME (hf_hub.py), checked name by name and shape by shape; CheckpointError with one line
+    for every failure. max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no
+    weight); best picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run's
+    checkpoint adapts (its adapters are merged into it)."""
+    if is_hub_name(path):
+        path = resolve(path, max_seq_len)
     if is_hf_folder(path):
         found = ModelFiles(*load_hf_folder(path, max_seq_len), path)
     elif lora.read_meta(ckpt := resolve_checkpoint(path, best)):

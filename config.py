@@ -57,6 +57,17 @@ class ModelConfig:
     rope_theta: float = arg(10000.0, "RoPE base frequency")
     rms_norm_eps: float = arg(1e-6, "epsilon of every RMSNorm")
     qk_norm: bool = arg(True, "RMSNorm on queries and keys before RoPE (Qwen3); off gives Llama")
+    qkv_bias: bool = arg(False, "biases on the query, key and value projections (Qwen2); never on o_proj")
+    rope_type: Literal["default", "llama3"] = arg("default", "RoPE frequencies: default theta^(-2i/head_dim); llama3 "
+                                                  "rescales the low ones by the rope_* fields below (Llama 3.1)")
+    rope_factor: float = arg(8.0, "llama3 RoPE: wavelengths past the low-frequency bound are divided by this")
+    rope_low_freq_factor: float = arg(1.0, "llama3 RoPE: wavelengths longer than original length / this are scaled")
+    rope_high_freq_factor: float = arg(4.0, "llama3 RoPE: wavelengths shorter than original length / this are kept")
+    rope_original_max_position_embeddings: int = arg(8192, "llama3 RoPE: the context the frequencies were "
+                                                           "trained at before rescaling")
+    family: Literal["auto", "qwen3", "qwen2", "llama", "mistral", "smollm3"] = arg(
+        "auto", "Hugging Face architecture an export writes (an import keeps its own); auto: qwen3 with qk_norm, "
+                "qwen2 with qkv_bias, else llama")
     tie_word_embeddings: bool = arg(True, "share the embedding matrix with the output head")
     gradient_checkpointing: bool = arg(False, "recompute block activations in backward to save memory")
     init_std: float = arg(0.02, "std of the normal initialisation of weight matrices")
@@ -84,6 +95,13 @@ class ModelConfig:
         _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be positive")
         _require(0 < self.rms_norm_eps < 1, "rms_norm_eps", self.rms_norm_eps, "must be in (0, 1)")
         _require(self.init_std > 0, "init_std", self.init_std, "must be positive")
+        if self.rope_type == "llama3":
+            _require(self.rope_factor >= 1, "rope_factor", self.rope_factor, "must be >= 1")
+            _require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor, "rope_low_freq_factor",
+                     self.rope_low_freq_factor, f"must be positive and below rope_high_freq_factor="
+                                                f"{self.rope_high_freq_factor}")
+            _require(self.rope_original_max_position_embeddings > 0, "rope_original_max_position_embeddings",
+                     self.rope_original_max_position_embeddings, "must be a positive integer")
 
     def automatic(self) -> list[str]:
         """The fields still left for sizing.py to choose."""
@@ -180,8 +198,8 @@ class TrainConfig:
     keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")
-    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder) with a fresh "
-                             "optimizer; the model shape and tokenizer come from there")
+    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, or hf:ORG/NAME from "
+                             "the Hub) with a fresh optimizer; the model shape and tokenizer come from there")
     lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen --init_from model; 0: every weight")
     lora_alpha: float = arg(0.0, "LoRA scale numerator (updates are B @ A * alpha / rank); 0: twice the rank")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
@@ -239,7 +257,7 @@ MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a r
 @dataclass
 class SampleConfig:
     """Text generation settings (text_generator.py)."""
-    checkpoint: str = arg("", "checkpoint or run folder, or an exported Hugging Face folder; "
+    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, or hf:ORG/NAME from the Hub; "
                               "empty: newest checkpoint of the default run folder")
     best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
     base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")

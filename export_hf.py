@@ -1,12 +1,14 @@
 """Hugging Face interoperability: export a checkpoint as a transformers folder, or import one as a checkpoint.
 
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
-    python export_hf.py --import HF_DIR RUN_DIR [--tokenizer PATH] [--max_seq_len N]
-Export writes config.json (Qwen3ForCausalLM with QK-norm, else LlamaForCausalLM), model.safetensors, the
-tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and AutoTokenizer load it
-offline. Import reads a local Qwen3 or Llama folder (sharded or not) into RUN_DIR/checkpoints/step_000000,
-refusing what our model cannot represent. CHECKPOINT is a checkpoint or run folder (default runs/default).
-The format itself lives in hf_format.py; this file is only the command line.
+    python export_hf.py --import HF_DIR|hf:ORG/NAME RUN_DIR [--tokenizer PATH] [--max_seq_len N]
+Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
+SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
+model.safetensors, the tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and
+AutoTokenizer load it offline. Import reads a folder of one of those families (sharded or not), or a Hub model
+named hf:ORG/NAME, into RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a
+checkpoint or run folder (default runs/default). The format itself lives in hf_format.py and hf_families.py
+(hf_hub.py for hf: names); this file is only the command line.
 """
 
 import argparse
@@ -21,13 +23,14 @@ from checkpoint import TOKENIZER, holds_checkpoints, read_model, save_checkpoint
 from config import CheckpointError, ConfigError, default_run_dir
 from errors import error_contract
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
+from hf_hub import is_hub_name
 from tokenizer import EOT_TOKEN
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False) -> str:
     """Export a checkpoint (or a run folder's newest) to out, atomically; returns the checkpoint folder read."""
-    if is_hf_folder(checkpoint):
-        raise CheckpointError(f"{checkpoint} is already a Hugging Face folder, export a checkpoint or run folder")
+    if is_hf_folder(checkpoint) or is_hub_name(checkpoint):
+        raise CheckpointError(f"{checkpoint} is already a Hugging Face model, export a checkpoint or run folder")
     model = read_model(checkpoint)
     if model.tokenizer_path is None:
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
@@ -39,10 +42,11 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
 
 
 def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0) -> str:
-    """Write a Qwen3/Llama folder as step 0 of run_dir (weights, shape, tokenizer; no optimizer state)."""
+    """Write a Hugging Face folder or hf:ORG/NAME as step 0 of run_dir (weights, shape, tokenizer; no optimizer
+    state)."""
     if holds_checkpoints(run_dir):  # complete or not, LATEST or not: as the trainer refuses a new run there
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
-    if not is_hf_folder(path):
+    if not is_hf_folder(path) and not is_hub_name(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors), "
                               "save the model with save_pretrained(safe_serialization=True)")
     model = read_model(path, max_seq_len)
@@ -50,7 +54,7 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
         tokenizer = os.path.join(tokenizer, TOKENIZER)
     tokenizer = tokenizer or model.tokenizer_path
     if not tokenizer or not os.path.isfile(tokenizer):
-        raise CheckpointError(f"{path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
+        raise CheckpointError(f"{model.path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
     # No optimizer state: the trainer starts it fresh (--init_from), so this is a start, not a resume.
     trainer_state = {"step": 0, "tokens": 0, "best_val_loss": float("inf"), "imported_from": path}
     return save_checkpoint(run_dir, 0, model.state, model.config, tokenizer, trainer_state, keep=1)
@@ -60,9 +64,10 @@ def parse_args(argv) -> argparse.Namespace:
     """Paths and flags of both directions; exits 2 with one line when the paths don't fit."""
     formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR RUN_DIR")
+    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR (or hf:ORG/NAME) "
+                                             "RUN_DIR")
     p.add_argument("--import", dest="do_import", action="store_true",
-                   help="read a Hugging Face Qwen3/Llama folder into a run folder instead of exporting")
+                   help="read a Hugging Face folder or Hub model into a run folder instead of exporting")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
                                                     "at <|endoftext|> and at <|im_end|> (chat models) either way")

@@ -1,10 +1,9 @@
-"""The Hugging Face format: our model as a transformers Qwen3 (QK-norm) or Llama folder, and back.
+"""The Hugging Face format: our model as a transformers folder of its family (hf_families.py), and back.
 
-One owner for the mapping both ways: parameter names, config.json fields, the support check that refuses
-what our model cannot compute, the folder writer and the folder reader. checkpoint.read_model() opens
-Hugging Face folders through load_hf_folder(); export_hf.py is the command line; the benchmarks build
-their transformers twins with hf_twin(), so every path agrees on every field (rope_theta included).
-"""
+One owner for the weights both ways: parameter names and shapes, the size checks, the folder writer and the
+folder reader; hf_families.py owns config.json and the support check that refuses what our model cannot
+compute. checkpoint.read_model() opens Hugging Face folders through load_hf_folder(); export_hf.py is the command
+line; the benchmarks build their transformers twins with hf_twin(), so every path agrees on every field."""
 
 import json
 import math
@@ -16,19 +15,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import atomic
-from config import CheckpointError, ConfigError, ModelConfig
+from config import CheckpointError, ModelConfig
+from hf_families import HF_CONFIG, SAVE_IT, declared_shape, hf_config, model_config_from_hf, raw_config
 from modern_llm import Transformer, is_stored
 from sizing import count_parameters
 from tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
-MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
-INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "max_seq_len")
-SAVE_IT = "save the model with save_pretrained(safe_serialization=True)"
 ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while a model builds its cos and sin (twice)
 
 
@@ -74,7 +69,12 @@ def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
     if stored != declared:
         raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files hold "
                               f"{stored:,}; the config does not belong to these weights")
-    need, free = 4 * stored, psutil.virtual_memory().available  # read as fp32 on the CPU
+    check_memory(stored, where)
+
+
+def check_memory(parameters: int, where: str):
+    """Refuse weights too large for the free memory: they are read as fp32 on the CPU."""
+    need, free = 4 * parameters, psutil.virtual_memory().available
     if need > free:
         raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and {free / 2**30:.1f} GiB "
                               "are free; close other programs or use a machine with more memory")
@@ -103,34 +103,7 @@ def check_weights(state: dict, shapes: dict, where: str):
         raise CheckpointError(f"{where} does not fit the model its config describes: {'; '.join(parts)}")
 
 
-# ----------------------------------------------------------------------------- our config as theirs
-
-def hf_config(cfg: ModelConfig, dtype: str = "float32", bos: int | None = None, eos: int | None = None,
-              pad: int | None = None) -> dict:
-    """config.json of the equal Qwen3 (QK-norm) or Llama model, readable by transformers 4.56 and 5.x."""
-    model_type = "qwen3" if cfg.qk_norm else "llama"
-    if model_type == "llama" and cfg.hidden_size % cfg.num_attention_heads:
-        raise CheckpointError(f"transformers' LlamaConfig needs hidden_size={cfg.hidden_size} divisible by "
-                              f"num_attention_heads={cfg.num_attention_heads}; this model cannot be exported")
-    config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
-        # transformers 5 reads rope_parameters; 4.x reads rope_theta and ignores the other.
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
-        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
-        "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, "dtype": dtype, "torch_dtype": dtype,
-    }
-    if model_type == "qwen3":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers,
-                      layer_types=["full_attention"] * cfg.num_hidden_layers)
-    else:
-        config.update(mlp_bias=False, pretraining_tp=1)
-    return config
-
+# ----------------------------------------------------------------------------- the transformers twin
 
 def hf_twin(cfg: ModelConfig, state: dict | None = None):
     """The transformers model (SDPA attention) that computes what Transformer(cfg) computes; with `state` (our
@@ -220,96 +193,6 @@ def is_hf_folder(path: str) -> bool:
             and any(os.path.isfile(os.path.join(path, f)) for f in (HF_WEIGHTS, HF_INDEX)))
 
 
-def unsupported(hf, raw: dict) -> list[str]:
-    """What a transformers config asks for that our model cannot represent; empty when it fits."""
-    model_type = raw["model_type"]
-    why = []
-    if raw.get("architectures") not in (None, [ARCHITECTURES[model_type]]):
-        why.append(f"architectures={raw['architectures']} (only {ARCHITECTURES[model_type]})")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        why.append(f"hidden_act={hf.hidden_act!r} (ours is silu)")
-    for name in ("attention_bias", "mlp_bias"):
-        if getattr(hf, name, False):
-            why.append(f"{name}=true (our linear layers have no bias)")
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        why.append(f"rope scaling {rope_type!r} (ours is plain RoPE)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        why.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (ours rotates every channel)")
-    layer_types = getattr(hf, "layer_types", None) or []
-    if "sliding_attention" in layer_types:
-        why.append(f"sliding window attention in use (sliding_window={raw.get('sliding_window')} on "
-                   f"{layer_types.count('sliding_attention')} of {len(layer_types)} layers; ours attends to all)")
-    elif any(t != "full_attention" for t in layer_types):
-        why.append(f"layer_types {sorted(set(layer_types))} (every layer must be full_attention)")
-    if any(k in raw for k in MOE_KEYS):
-        why.append("mixture of experts (ours has one dense MLP per layer)")
-    if raw.get("quantization_config"):
-        why.append("quantized weights (quantization_config)")
-    return why
-
-
-def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
-    """Our ModelConfig for a Qwen3 or Llama folder; CheckpointError naming what differs if there is none."""
-    from transformers import AutoConfig  # it fills in the defaults that save_pretrained leaves out
-
-    file, raw = os.path.join(path, HF_CONFIG), _raw_config(path)
-    try:
-        hf = AutoConfig.from_pretrained(path)
-        why = unsupported(hf, raw)
-        rope = getattr(hf, "rope_parameters", None) or {}
-        cfg = ModelConfig(
-            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
-            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-            head_dim=getattr(hf, "head_dim", None) or 0, intermediate_size=hf.intermediate_size,
-            max_seq_len=max_seq_len or hf.max_position_embeddings,
-            rope_theta=float(rope.get("rope_theta") or getattr(hf, "rope_theta", 10000.0)),
-            rms_norm_eps=float(hf.rms_norm_eps), qk_norm=raw["model_type"] == "qwen3",
-            tie_word_embeddings=bool(hf.tie_word_embeddings), init_std=float(hf.initializer_range))
-    except ConfigError as e:
-        raise CheckpointError(f"{file} gives an invalid model shape: {e}") from None
-    except Exception as e:  # transformers raises many kinds for a malformed file; a field of a wrong type too
-        raise CheckpointError(f"{file} is not a valid transformers config ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
-    if why:
-        raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
-    if any(not isinstance(getattr(cfg, f), int) or isinstance(getattr(cfg, f), bool) for f in INT_FIELDS):
-        raise CheckpointError(f"{file}: the sizes {', '.join(INT_FIELDS)} must be integers")
-    return cfg
-
-
-def _raw_config(path: str) -> dict:
-    """config.json as written, refused unless it is an object naming a model type we can represent."""
-    file = os.path.join(path, HF_CONFIG)
-    raw = atomic.read_json(file, "a transformers config", SAVE_IT)
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a config object")
-    if raw.get("model_type") not in ARCHITECTURES:
-        raise CheckpointError(f"{file}: model_type={raw.get('model_type')!r} is not supported, "
-                              f"only {' or '.join(ARCHITECTURES)}")
-    return raw
-
-
-def _declared_shape(raw: dict, file: str) -> ModelConfig:
-    """The shape config.json declares, read from its own fields: transformers is not given a config before
-    its sizes are checked against the weights (building one with 10^7 layers takes it minutes)."""
-    heads = raw.get("num_attention_heads")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
-            raise CheckpointError(f"{file} is not a valid transformers config ({name}={raw.get(name)!r} is not an "
-                                  "integer)")
-    try:
-        return ModelConfig(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-                           num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-                           num_key_value_heads=raw.get("num_key_value_heads") or heads,
-                           head_dim=raw.get("head_dim") or 0, intermediate_size=raw["intermediate_size"],
-                           qk_norm=raw["model_type"] == "qwen3", max_seq_len=1,
-                           tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
-    except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{file} is not a valid transformers config ({type(e).__name__}: {e})") from None
-
-
 def _weight_files(path: str) -> list[str]:
     """model.safetensors, or the shards model.safetensors.index.json lists: files of this folder only."""
     index = os.path.join(path, HF_INDEX)
@@ -343,7 +226,7 @@ def _read_hf_weights(files: list[str]) -> dict:
 
 
 def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str | None]:
-    """(ModelConfig, fp32 state dict in our names, tokenizer.json path or None) of a Qwen3/Llama folder.
+    """(ModelConfig, fp32 state dict in our names, tokenizer.json path or None) of a supported family's folder.
 
     A tied head is left out of the state dict, as in our checkpoints; max_seq_len overrides
     max_position_embeddings (it sizes only the RoPE tables, no weight depends on it).
@@ -353,7 +236,7 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
                               f"{HF_INDEX}), {SAVE_IT}")
     files = _weight_files(path)
     stored = stored_shapes(files)
-    check_declared_size(_declared_shape(_raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
+    check_declared_size(declared_shape(raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
     check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}/{HF_CONFIG}: max_position_embeddings")
     # Some tied folders store the head as well: it is dropped, as in our checkpoints.

@@ -18,12 +18,31 @@ from config import ModelConfig
 
 # ----------------------------------------------------------------------------- rotary embeddings
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_len, head_dim) in fp32, in the half-split layout Hugging Face uses."""
+def rope_tables(head_dim: int, max_len: int, theta: float, rescale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_len, head_dim) in fp32, in the half-split layout Hugging Face uses. rescale, when
+    given, maps the (head_dim/2,) frequencies to the ones used (rope_rescaling)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if rescale is not None:
+        inv_freq = rescale(inv_freq)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd): channel i pairs with channel i + hd/2
     return angles.cos(), angles.sin()
+
+
+def rope_rescaling(cfg: ModelConfig):
+    """The frequency map of cfg.rope_type for rope_tables: None for plain RoPE; llama3 is Llama 3.1's rule
+    (Meta's reference code): wavelengths shorter than original / high_freq_factor are kept, longer than
+    original / low_freq_factor divided by factor, and those between blended linearly in original / wavelength."""
+    if cfg.rope_type == "default":
+        return None
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_position_embeddings
+
+    def llama3(inv_freq: torch.Tensor) -> torch.Tensor:
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0: long wavelengths, 1: short
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+    return llama3
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,14 +99,14 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and no biases."""
+    """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and optional q/k/v biases (Qwen2)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
@@ -148,7 +167,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
@@ -157,10 +176,12 @@ class Transformer(nn.Module):
     def init_weights(self):
         """Normal(0, init_std) for every matrix; o_proj and down_proj also scaled by 1/sqrt(2 * n_layer)
         (GPT-2's rule: each block adds two residual branches, so this keeps the residual stream's variance
-        roughly independent of depth); RMSNorm scales at 1; RoPE tables recomputed (for meta init)."""
+        roughly independent of depth); biases at 0; RMSNorm scales at 1; RoPE tables recomputed (for meta init)."""
         std, n = self.config.init_std, self.config.num_hidden_layers
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             else:
                 scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
@@ -168,7 +189,8 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; tied again after any re-init
         if self.rope_cos.device.type != "meta":
-            cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            cfg = self.config
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

@@ -4,9 +4,9 @@ and a chat page at /.
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
-at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder; --best) and
-generates through the same engine. Requests that arrive together are batched, each row with its own settings;
-the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
+at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME;
+--best) and generates through the same engine. Requests that arrive together are batched, each row with its own
+settings; the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
 characters each, n up to 16, 64 prompts, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone
@@ -33,6 +33,7 @@ from checkpoint import checkpoint_step
 from config import ConfigError, SampleConfig
 from errors import RunFailure, error_contract, exit_code
 from engine import check_prompt, generate, score
+from hf_hub import HF_PREFIX, is_hub_name
 from monitor import read_metrics
 from openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released, scoring_of,
                         settings_of, token_texts)
@@ -213,7 +214,8 @@ class Server:
     def __init__(self, args):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
                                                                                 args.quantize)
-        self.name, self.api_key, self.compile = args.name or model_name(self.path), args.api_key, args.compile
+        named = args.path if is_hub_name(args.path) else self.path  # a Hub model by its name, not its cache folder
+        self.name, self.api_key, self.compile = args.name or model_name(named), args.api_key, args.compile
         self.about = self.facts()
         self.worker = Worker(self.model, self.tokenizer, args.max_batch)
         self.worker.start()
@@ -264,8 +266,10 @@ class Server:
 
 
 def model_name(path: str) -> str:
-    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine), else
-    its folder's."""
+    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine), ORG/NAME
+    for hf:ORG/NAME, else its folder's."""
+    if is_hub_name(path):
+        return path[len(HF_PREFIX):]
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     return parts[-3] if len(parts) >= 3 and parts[-2] == "checkpoints" else parts[-1]
 
@@ -390,8 +394,8 @@ def app_for(server: Server):
 @error_contract
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder (default: the default "
-                                                       "run folder)")
+    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or hf:ORG/NAME "
+                                                       "(default: the default run folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
     p.add_argument("--port", type=int, default=8000, help="1 to 65535")
     p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")

@@ -47,7 +47,8 @@ def count_parameters(m: ModelConfig) -> int:
     d, h = m.hidden_size, m.head_dim
     attn = d * h * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)  # q, o, k, v
     norms = 2 * d + (2 * h if m.qk_norm else 0)
-    per_layer = attn + 3 * d * m.intermediate_size + norms
+    biases = h * (m.num_attention_heads + 2 * m.num_key_value_heads) if m.qkv_bias else 0  # q, k, v
+    per_layer = attn + 3 * d * m.intermediate_size + norms + biases
     embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
     return m.num_hidden_layers * per_layer + embed + d
 

@@ -5,6 +5,7 @@
     python text_generator.py --prompt "def fib(n):" --max_new_tokens 64 --seed 1
     printf 'import os\\nclass A:\\n' | python text_generator.py runs/mine   # one completion per line
     python text_generator.py --list                # runs and checkpoints under runs/
+    python text_generator.py hf:HuggingFaceTB/SmolLM2-135M   # a Hub model, fetched once into the HF cache
 """
 
 import os
@@ -372,7 +373,8 @@ def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
 def parse_args(argv):
     """(SampleConfig, extras) from the command line; extras hold path, prompt, list, interactive."""
     def extra(parser):
-        parser.add_argument("path", nargs="?", default="", help="checkpoint or run folder (same as --checkpoint)")
+        parser.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or "
+                                                                "hf:ORG/NAME (same as --checkpoint)")
         parser.add_argument("--prompt", default=None, help="generate once for this prompt, print, exit")
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")

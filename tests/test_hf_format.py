@@ -254,7 +254,7 @@ def qwen3_folder(data, tmp_path_factory):
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types="DELETE"),
      "sliding window attention in use"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'linear'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
     (dict(model_type="qwen3_moe"), "model_type='qwen3_moe' is not supported"),
