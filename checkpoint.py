@@ -321,6 +321,15 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = 
     return found
 
 
+def read_adapters(path: str, best: bool = False) -> tuple[dict, dict]:
+    """(adapter_config.json, adapters) of a LoRA run's checkpoint (a run folder: its newest or best)."""
+    ckpt = resolve_checkpoint(path, best)
+    meta = lora.read_meta(ckpt)
+    if meta is None:
+        raise ConfigError(f"{ckpt} holds whole weights, not LoRA adapters; export it without --adapter_only")
+    return meta, _read_weights(ckpt, lora.ADAPTERS)
+
+
 def _read_lora(ckpt: str, max_seq_len: int, base: str) -> ModelFiles:
     """A LoRA checkpoint's adapters merged into the base named by the user (never a path read from a file)."""
     meta = lora.read_meta(ckpt)

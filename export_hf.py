@@ -1,6 +1,7 @@
 """Hugging Face interoperability: export a checkpoint as a transformers folder, or import one as a checkpoint.
 
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
+    python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]
     python export_hf.py --import HF_DIR|hf:ORG/NAME RUN_DIR [--tokenizer PATH] [--max_seq_len N]
 Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
 SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
@@ -19,19 +20,22 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from checkpoint import TOKENIZER, holds_checkpoints, read_model, save_checkpoint
+from checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
 from config import CheckpointError, ConfigError, default_run_dir
 from errors import error_contract
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
 from hf_hub import is_hub_name
+from lora import write_peft_folder
 from tokenizer import EOT_TOKEN
 
 
-def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False) -> str:
-    """Export a checkpoint (or a run folder's newest) to out, atomically; returns the checkpoint folder read."""
+def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False,
+           base: str = "") -> str:
+    """Export a checkpoint (or a run folder's newest) to out, atomically; returns the checkpoint folder read. A LoRA
+    run's checkpoint is merged into its base (the model given as base)."""
     if is_hf_folder(checkpoint) or is_hub_name(checkpoint):
         raise CheckpointError(f"{checkpoint} is already a Hugging Face model, export a checkpoint or run folder")
-    model = read_model(checkpoint)
+    model = read_model(checkpoint, base=base)
     if model.tokenizer_path is None:
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
     if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):
@@ -72,6 +76,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
                                                     "at <|endoftext|> and at <|im_end|> (chat models) either way")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
+    p.add_argument("--base", default="", help="export of a LoRA run: the base model its adapters were trained on")
+    p.add_argument("--adapter_only", action="store_true", help="export of a LoRA run: a PEFT folder of the adapters "
+                   "(adapter_config.json naming --base, or the base the run recorded; adapter_model.safetensors)")
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")
     args = p.parse_args(argv)
@@ -91,7 +98,13 @@ def main(argv=None) -> int:
         print(f"generate with: python text_generator.py {ckpt}")
     else:
         checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
-        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite)
+        if args.adapter_only:
+            meta, adapters = read_adapters(checkpoint)
+            write_peft_folder(out, meta, adapters, args.base or meta["base"], args.overwrite)
+            print(f"exported the adapters of {checkpoint} to {out}")
+            print(f"load with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out!r})")
+            return 0
+        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.base)
         print(f"exported {ckpt} to {out} ({args.dtype})")
         print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
     return 0

@@ -423,7 +423,7 @@ def main(argv=None) -> int:
         monitor.close()
     if dist.is_main:
         print(summary(step, tokens, clock.spent_s(), best_val, ds.meta["val_bytes_per_token"], last_ckpt, device,
-                      stopping, dist.launcher()) + "\n" + clock.eval_report())
+                      stopping, dist.launcher(), t.init_from if t.lora_rank else "") + "\n" + clock.eval_report())
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()
     return 0

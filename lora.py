@@ -15,6 +15,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+import atomic
 from config import LORA_TARGETS as TARGETS, CheckpointError, ConfigError
 from hf_format import hf_name
 
@@ -161,3 +162,18 @@ def peft_config(meta: dict, base_name: str) -> dict:
             "r": meta["rank"], "lora_alpha": meta["alpha"], "lora_dropout": meta["dropout"],
             "target_modules": meta["targets"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
+
+
+def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False):
+    """adapter_config.json and adapter_model.safetensors under PEFT's names, atomically; only an earlier adapter
+    export is replaced (with overwrite), never another folder."""
+    from safetensors.torch import save_file
+    if os.path.isdir(out) and os.listdir(out):
+        others = sorted(set(os.listdir(out)) - {PEFT_WEIGHTS, ADAPTER_CONFIG, "README.md"})
+        if not overwrite or others:
+            raise CheckpointError(f"{os.path.abspath(out)} is not empty" + (f" (it holds {others[0]})" if others else
+                                  "") + ", choose another folder" + ("" if others else " or pass --overwrite"))
+    with atomic.folder(out, f"exporting adapters to {out}", sum(v.nbytes for v in adapters.values())) as tmp:
+        save_file(peft_state(adapters), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(peft_config(meta, base_name), f, indent=2)

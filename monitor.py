@@ -336,14 +336,16 @@ def advance_bar(bar, clock, step: int, epoch: float | None = None):
 
 
 def summary(step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,
-            device: torch.device, interrupted: bool, launcher: str = "python") -> str:
-    """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on."""
+            device: torch.device, interrupted: bool, launcher: str = "python", base: str = "") -> str:
+    """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on.
+    base: the model a LoRA run's adapters join."""
     bpb = best_val / math.log(2) / bytes_per_token if math.isfinite(best_val) else float("nan")
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
     lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
              f"best val loss {best_val:.4f} ({bpb:.4f} bits per byte), peak memory {peak}"]
     if ckpt:
-        lines += [f"checkpoint: {ckpt}", f"chat with it: python text_generator.py {ckpt}"]
+        lines += [f"checkpoint: {ckpt}", f"chat with it: python text_generator.py {ckpt}"
+                  + (f" --base {base}" if base else "")]
     if interrupted:
         lines.append(f"resume with: {launcher} gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
             " --resume --resume", " --resume"))

@@ -213,7 +213,7 @@ class Server:
 
     def __init__(self, args):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
-                                                                                args.quantize)
+                                                                                args.quantize, base=args.base)
         named = args.path if is_hub_name(args.path) else self.path  # a Hub model by its name, not its cache folder
         self.name, self.api_key, self.compile = args.name or model_name(named), args.api_key, args.compile
         self.about = self.facts()
@@ -401,6 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")
     p.add_argument("--name", default="", help="the model's name in the API (default: the folder's)")
     p.add_argument("--best", action="store_true", help="a run folder's best checkpoint, not its newest")
+    p.add_argument("--base", default="", help="a LoRA run's checkpoint: the base model its adapters join")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
                    help="compile the decode step (auto: on CUDA)")

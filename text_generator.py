@@ -44,7 +44,7 @@ SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint",
 # ----------------------------------------------------------------------------- loading
 
 def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none",
-                       max_seq_len: int = 0):
+                       max_seq_len: int = 0, base: str = ""):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
     path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
@@ -53,7 +53,7 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
     length. Raises CheckpointError.
     """
     device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir(), max_seq_len, best)
+    found = read_model(path or default_run_dir(), max_seq_len, best, base)  # base: a LoRA run's model
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
@@ -93,10 +93,11 @@ class TextGenerator:
     """
 
     def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
-                 compile: str = "auto", **settings):
-        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best, quantize)
+                 compile: str = "auto", base: str = "", **settings):
+        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best, quantize,
+                                                                                base=base)
         self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device, quantize=quantize,
-                                                compile=compile), settings)
+                                                compile=compile, base=base), settings)
 
     @staticmethod
     def _with(base: SampleConfig, changes: dict) -> SampleConfig:
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
         print(list_runs(extras.path or os.path.dirname(default_run_dir())))
         return 0
     model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize,
-                                                     extras.max_seq_len)
+                                                     extras.max_seq_len, settings.base)
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import random
 import sys
 import textwrap
 
@@ -141,3 +142,43 @@ def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
         head[o, 0] = head[k, 1] = head[im_end, 2] = 1  # a bigram table: any token -> O -> K -> <|im_end|>
     return save_checkpoint(str(tmp_path_factory.mktemp("stopper") / "run"), 1, weights_state_dict(model), cfg,
                            tok_path, {"step": 1}, keep=1)
+
+
+NAMES = ["Ada", "Ben", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal"]
+
+
+def question(rng) -> tuple[str, str]:
+    """A question whose answer follows a rule the model can learn: the greeting names the person asked about."""
+    name = rng.choice(NAMES)
+    return f"Greet {name}.", f"Hello, {name}!"
+
+
+def write_greetings(path, n: int, seed: int = 1):
+    """n one-turn chats of question(): the path, as a string."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            q, a = question(rng)
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                    + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen3_folder(tmp_path_factory):
+    """A randomly initialised transformers Qwen3 model with a ChatML tokenizer, saved as a download would be."""
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
+    folder = tmp_path_factory.mktemp("qwen3")
+    rng = random.Random(0)
+    texts = [f"{q} {a}" for q, a in (question(rng) for _ in range(200))]
+    tok = train_tokenizer(texts, "bpe", 300)
+    assert tok.token_to_id(IM_END) == SPECIAL_TOKENS.index(IM_END)
+    tok.save(str(folder / "tokenizer.json"))
+    PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(str(folder))
+    return folder

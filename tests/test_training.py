@@ -18,6 +18,7 @@ import checkpoint as ckpt_io
 import distributed
 import gpu_training_optimized as trainer
 from config import Config, ConfigError, TrainConfig
+from conftest import write_greetings
 from modern_llm import Transformer
 from monitor import read_metrics as read_all
 from schedule import RunClock, lr_multiplier
@@ -172,13 +173,17 @@ def test_automatic_evaluations_keep_to_their_share_of_the_time(monkeypatch):
     # trainer skips step 0 itself)
 
 
-@pytest.mark.parametrize("data", ["corpus", "chat_corpus"])
+@pytest.mark.parametrize("data", ["corpus", "chat_corpus", "lora"])
 def test_resume_gives_bit_identical_losses(data, request, tmp_path, argv_for):
     """N steps, then --resume for N more, must log exactly the losses of 2N steps in one run; for chats too, whose
-    packed windows go round more than one epoch in the run."""
-    corpus = request.getfixturevalue(data)
+    packed windows go round more than one epoch in the run, and for LoRA adapters on a frozen base."""
+    if data == "lora":
+        corpus = {"src": write_greetings(tmp_path / "chats.jsonl", 100), "cache": str(tmp_path / "cache")}
+        lora = ("--init_from", request.getfixturevalue("qwen3_folder"), "--lora_rank", 4)
+    else:
+        corpus, lora = request.getfixturevalue(data), ()
     full = tmp_path / "full"
-    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8)
+    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8, *lora)
     trainer.main(argv_for(corpus, full, *common))
     reference = [r["loss"] for r in read_metrics(full)]
     # Interrupt a fresh run after step 8 by asking it to stop, as SIGTERM would.

@@ -1,0 +1,136 @@
+"""LoRA: adapters trained on a frozen base, checked against PEFT on transformers (the merged export and the adapter
+folder both give the logits our merge gives), resumed exactly, and refused in one line where they cannot work."""
+
+import os
+import re
+
+import pytest
+import torch
+
+import export_hf
+import gpu_training_optimized as trainer
+from checkpoint import read_model
+from config import TrainConfig
+from conftest import write_greetings
+from lora import add_adapters, adapter_state, merged
+from modern_llm import Transformer
+from monitor import stored_bytes
+
+
+def lora_argv(base, chats, run, *extra):
+    return ["--init_from", str(base), "--sources", str(chats), "--run_dir", str(run), "--cache_dir",
+            str(run) + "_cache", "--lora_rank", "4", "--micro_batch_size", "4", "--learning_rate", "1e-2",
+            "--muon_lr", "0.05", "--compile", "off", "--log_interval", "1", *map(str, extra)]
+
+
+def exit_line(main, argv, capsys) -> str:
+    """The one error line a script's main prints for argv; it must exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def our_logits(found, ids) -> torch.Tensor:
+    model = Transformer(found.config)
+    model.load_stored(found.state)
+    return model.eval()(ids)[0]
+
+
+@pytest.fixture(scope="module")
+def lora_run(qwen3_folder, tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora")
+    chats = write_greetings(base / "chats.jsonl", 200)
+    run = base / "run"
+    assert trainer.main(lora_argv(qwen3_folder, chats, run, "--max_steps", 12)) == 0
+    return run
+
+
+def test_adapters_load_in_peft_and_export_merged_with_our_logits(lora_run, qwen3_folder, tmp_path):
+    """Our merge (W + B @ A * alpha / r, read back from the checkpoint) against PEFT's own forward of the adapter
+    folder on transformers' base, and against transformers on the merged export; the adapters must have moved the
+    model away from its base, or equal logits would prove nothing."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    found = read_model(str(lora_run), base=str(qwen3_folder))
+    ids = torch.randint(0, found.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = our_logits(found, ids)
+    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    with torch.no_grad():
+        assert (base(ids).logits - ours).abs().max() > 1e-2  # training moved it
+
+    assert export_hf.main([str(lora_run), str(tmp_path / "adapter"), "--adapter_only", "--base",
+                           str(qwen3_folder)]) == 0
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (peft_model(ids).logits - ours).abs().max() < 1e-4
+
+    assert export_hf.main([str(lora_run), str(tmp_path / "merged"), "--base", str(qwen3_folder)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (exported(ids).logits - ours).abs().max() < 1e-4
+
+
+def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_folder, tiny_checkpoint, capsys):
+    ckpt = sorted((lora_run / "checkpoints").glob("step_*"))[-1]
+    assert (ckpt / "adapters.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    assert os.path.getsize(ckpt / "adapters.safetensors") < 0.2 * os.path.getsize(qwen3_folder / "model.safetensors")
+    assert re.search(r"holds LoRA adapters trained on .*qwen3.*; pass --base",
+                     exit_line(export_hf.main, [str(lora_run), "unused_out"], capsys))
+    assert "is not the base" in exit_line(export_hf.main, [str(lora_run), "unused_out", "--base", tiny_checkpoint],
+                                          capsys)
+
+
+def test_merging_equals_the_injected_adapters_in_float64(tiny_config):
+    """The merge against the model with PEFT's adapters injected, computing base and adapters separately."""
+    cfg = tiny_config(vocab_size=64)
+    torch.manual_seed(0)
+    model = Transformer(cfg).double()
+    base = {k: v.clone().float() for k, v in model.state_dict().items()}
+    t = TrainConfig(lora_rank=3, lora_alpha=5.0)
+    add_adapters(model, t, torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)  # B starts at zero; both factors random here
+    ids = torch.randint(0, 64, (2, 12))
+    injected = model(ids)[0]
+    ref = Transformer(cfg).double()
+    ref.load_stored({k: v.double() for k, v in merged(base, adapter_state(model), {"rank": 3, "alpha": 5.0}).items()})
+    assert (ref(ids)[0] - injected).abs().max() < 1e-5  # the merge is stored in fp32
+
+
+def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):
+    cfg = tiny_config(vocab_size=64, hidden_size=128, intermediate_size=256)
+    model = Transformer(cfg)
+    layers = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    fp32 = sum(p.nbytes for p in layers)
+    add_adapters(model, TrainConfig(lora_rank=4, lora_base="int8"), torch.float32)
+    held = sum(stored_bytes(p) for n, p in model.named_parameters() if ".base_layer." in n)
+    assert held < 0.3 * fp32
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(ids, labels=ids)[1]
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
+    assert torch.isfinite(loss) and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_rank", "65"], r"--lora_rank 65 is larger than the smaller side \(32\) of layers\.\d\.attn\.k_proj"),
+    (["--lora_rank", "4", "--lora_targets", "qkv"], r"--lora_targets qkv match no linear layer"),
+    (["--lora_rank", "4", "--precision", "fp32", "--lora_base", "bf16"], r"--lora_base bf16 needs bf16 compute"),
+    (["--lora_rank", "4", "--precision", "fp8"], r"drop --precision fp8"),
+], ids=["rank", "targets", "bf16 base", "fp8"])
+def test_bad_lora_settings_are_one_line(flags, message, qwen3_folder, tmp_path, capsys):
+    chats = write_greetings(tmp_path / "chats.jsonl", 50)
+    argv = lora_argv(qwen3_folder, chats, tmp_path / "run", "--max_steps", 1)
+    argv[argv.index("--lora_rank"):argv.index("--lora_rank") + 2] = flags
+    assert re.search(message, exit_line(trainer.run, argv, capsys))
+
+
+def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, tiny_checkpoint, tmp_path, capsys):
+    assert "--lora_rank trains adapters on a model: pass --init_from" in exit_line(
+        trainer.run, ["--lora_rank", "4", "--max_steps", "1", "--run_dir", str(tmp_path / "r")], capsys)
+    argv = lora_argv(tiny_checkpoint, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume")
+    assert "is not the base" in exit_line(trainer.run, argv, capsys)
