@@ -9,6 +9,7 @@ export_hf.py writes the merged model, or with --adapter_only a PEFT folder for t
 
 import hashlib
 import json
+import logging
 import os
 import warnings
 
@@ -58,21 +59,25 @@ def base_dtype(t, amp_dtype) -> str:
 
 def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
     """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32)."""
+    for name in ("torchao", "torch.utils._pytree"):  # PEFT imports torchao, which reports its optional kernels
+        logging.getLogger(name).setLevel(logging.ERROR)
     from peft import LoraConfig, inject_adapter_in_model
     check_lora(model, t)
     model.requires_grad_(False)
     held = base_dtype(t, amp_dtype)
     layers = block_linears(model, targets(t))
-    if held == "bf16":
-        for m in layers.values():
-            m.weight.data = m.weight.data.to(torch.bfloat16)
-    elif held == "int8":
+    if held == "int8":  # before the injection, which then wraps the quantized layers
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: name in layers)
     config = LoraConfig(r=t.lora_rank, lora_alpha=alpha(t), lora_dropout=t.lora_dropout, target_modules=targets(t))
-    with warnings.catch_warnings():  # an int8 base: PEFT warns that it cannot merge; we merge from the base's file
-        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+    with warnings.catch_warnings(), torch.device(model.embed_tokens.weight.device):  # adapters made where they live
+        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")  # we merge from the base's file
         inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            p.data = p.data.float()  # fp32 master weights, whatever the base is held in
+        elif held == "bf16" and name.removesuffix(".base_layer.weight") in layers:
+            p.data = p.data.to(torch.bfloat16)
     return model
 
 

@@ -104,6 +104,21 @@ def choose_without_timing():
     inductor_config.benchmark_fusion = False
 
 
+def skip_moves_in_place():
+    """Module.to() that returns at once when every parameter already has the device and dtype asked for. PEFT
+    moves each new adapter to where it already is; a fake parameter would be swapped for its copy there, which
+    fails (fake tensors are weakly referenced), where a real one is left as it is."""
+    import torch
+    move = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        here = all((device is None or (p.device.type, p.device.index or 0) == (device.type, device.index or 0)) and
+                   (dtype is None or p.dtype == dtype) for p in self.parameters())
+        return self if here else move(self, *args, **kwargs)
+    torch.nn.Module.to = to
+
+
 def check_config(precision: str, compile_mode: str):
     """The `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and optimizer path of the
     full model, at a tenth of its compile time."""
@@ -115,10 +130,11 @@ def check_config(precision: str, compile_mode: str):
 
 
 def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None,
-                 deterministic: bool = False, packed: bool = False) -> dict:
+                 deterministic: bool = False, packed: bool = False, lora_rank: int = 0) -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
     in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
-    packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning)."""
+    packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters of
+    that rank on a frozen bf16 base."""
     import torch
     import bench
     import distributed
@@ -126,6 +142,9 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from gpu_training_optimized import build, train_step
     from sizing import fill_automatic, training_bytes_estimate
     cfg, device, dist = check_config(precision, compile_mode), pick_device("cuda"), distributed.setup()
+    cfg.train = replace(cfg.train, lora_rank=lora_rank)
+    if lora_rank:
+        skip_moves_in_place()
     fill_automatic(cfg, machine(device), corpus_bytes=None)
     if deterministic:
         make_deterministic()
@@ -219,6 +238,7 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-fp16": (lambda: run_training("fp16", "default"), "h100"),
     "train-deterministic": (lambda: run_training("bf16", "default", deterministic=True), "h100"),
     "train-packed": (lambda: run_training("bf16", "default", packed=True), "h100"),
+    "train-lora": (lambda: run_training("bf16", "default", packed=True, lora_rank=16), "h100"),
     "generate": (run_generation, "h100"),
     "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
     "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),
