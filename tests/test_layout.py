@@ -13,7 +13,8 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
         "tokenizer", "chat_formats", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer",
-        "hf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator"]
+        "hf_format", "gguf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized",
+        "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["export_hf", "serve"]  # run by users, on the core like the tools, imported by nothing
 TOOLS = ["bench", "bench_generate", "compare_optimizers", "compile_check", "fake_gpu", "gpu_check"]  # in tools/
