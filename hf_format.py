@@ -24,7 +24,7 @@ from tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_to
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
-EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
+EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja", ".md")  # every file an export writes (template, card)
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
@@ -187,9 +187,10 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
 
 
 def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str = "float32",
-                    eos: str = EOT_TOKEN, overwrite: bool = False):
+                    eos: str = EOT_TOKEN, overwrite: bool = False, card: str = ""):
     """Write a transformers folder atomically: into a temporary folder, renamed into place when complete.
-    overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints)."""
+    overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints);
+    card, when given, is written as its README.md."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
                               "another folder")
@@ -200,6 +201,9 @@ def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str
     need = sum(v.numel() for v in state.values()) * DTYPES[dtype].itemsize
     with atomic.folder(out, f"exporting to {out}", need) as tmp:
         _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
+        if card:
+            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+                f.write(card)
 
 
 def _not_an_export(out: str) -> str | None:

@@ -13,7 +13,7 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
         "tokenizer", "chat_formats", "corpus", "prepare_data", "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer",
-        "hf_format", "gguf_format", "checkpoint", "schedule", "resume", "gpu_training_optimized",
+        "hf_format", "gguf_format", "checkpoint", "model_card", "schedule", "resume", "gpu_training_optimized",
         "text_generator"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["export_hf", "serve"]  # run by users, on the core like the tools, imported by nothing
