@@ -80,8 +80,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
                                                     "at <|endoftext|> and at <|im_end|> (chat models) either way")
-    p.add_argument("--gguf", default="", choices=["", *GGUF_TYPES],
-                   help="export: write a GGUF file of this type (llama.cpp, Ollama) instead of a Hugging Face folder")
+    p.add_argument("--gguf", choices=GGUF_TYPES, help="export: write a GGUF file of this type (llama.cpp, Ollama) "
+                                                      "instead of a Hugging Face folder")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         print(f"generate with: python text_generator.py {ckpt}")
     else:
         checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
-        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.gguf)
+        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.gguf or "")
         if args.gguf:
             file = os.path.join(out, gguf_file_name(args.gguf))
             print(f"exported {ckpt} to {file} ({args.gguf}), with a Modelfile and README.md")

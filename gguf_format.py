@@ -16,12 +16,12 @@ import torch
 
 import atomic
 from config import CheckpointError, ConfigError, ModelConfig, SampleConfig
-from hf_format import check_weights, expected_shapes, hf_config
+from hf_format import CARD, check_weights, expected_shapes, hf_config, is_written_card
 from modern_llm import is_stored
 from tokenizer import CHAT_TEMPLATE, EOT_TOKEN, GPT4_PATTERN, IM_END, IM_START, read_tokenizer
 
 GGUF_TYPES = ("f16", "q8_0")
-MODELFILE, CARD = "Modelfile", "README.md"
+MODELFILE = "Modelfile"
 ARCHITECTURES = ("qwen3", "llama")  # hf_format's model types that llama.cpp knows under the same name
 Q8_BLOCK = 32  # weights per q8_0 block: a row whose length it does not divide stays f16, as in the converter
 F16_MAX = 65504.0
@@ -237,8 +237,9 @@ def write_gguf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: s
         if not overwrite:
             raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or "
                                   "choose another folder")
-        others = [e for e in sorted(os.listdir(out)) if not ((e.endswith(".gguf") or e in (MODELFILE, CARD))
-                                                             and os.path.isfile(os.path.join(out, e)))]
+        others = [e for e in sorted(os.listdir(out)) if not ((e.endswith(".gguf") or e == MODELFILE) and
+                                                             os.path.isfile(os.path.join(out, e)))
+                  and not (e == CARD and is_written_card(os.path.join(out, e)))]
         if others:
             raise CheckpointError(f"{os.path.abspath(out)} is not an earlier GGUF export (it holds {others[0]}) and "
                                   "--overwrite replaces nothing else, choose another folder")

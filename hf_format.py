@@ -24,7 +24,10 @@ from tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_to
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
-EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja", ".md")  # every file an export writes (template, card)
+EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
+# and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md a
+# user wrote in a folder stays).
+CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "max_seq_len")
@@ -202,7 +205,7 @@ def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str
     with atomic.folder(out, f"exporting to {out}", need) as tmp:
         _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
         if card:
-            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
                 f.write(card)
 
 
@@ -212,8 +215,18 @@ def _not_an_export(out: str) -> str | None:
     if not is_hf_folder(out):
         return f"no {HF_CONFIG} with {HF_WEIGHTS}"
     others = [e for e in sorted(os.listdir(out)) if not (e.endswith(EXPORT_SUFFIXES) and
-                                                         os.path.isfile(os.path.join(out, e)))]
+                                                         os.path.isfile(os.path.join(out, e)))
+              and not (e == CARD and is_written_card(os.path.join(out, e)))]
     return f"it holds {others[0]}" if others else None
+
+
+def is_written_card(path: str) -> bool:
+    """Whether the file at path is a model card an export wrote (its first line is CARD_MARK)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline(len(CARD_MARK) + 2).rstrip("\n") == CARD_MARK
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 # ----------------------------------------------------------------------------- reading a folder

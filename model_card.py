@@ -13,6 +13,7 @@ import re
 import atomic
 from checkpoint import STEP_FOLDER, load_trainer_state
 from config import CheckpointError, ModelConfig
+from hf_format import CARD_MARK
 from monitor import read_metrics
 from sizing import count_parameters
 
@@ -25,6 +26,20 @@ def _quiet(read, *args):
         return read(*args)
     except (CheckpointError, OSError, ValueError, TypeError, KeyError, RuntimeError):
         return None
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _count(value) -> int | None:
+    """value when it is a count (an int, not a bool), else None: a hand-edited file cannot break the card."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _real(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
 
 
 def run_folder(ckpt: str) -> str | None:
@@ -47,21 +62,20 @@ def run_facts(ckpt: str) -> dict:
     """What the run folder records about the checkpoint at `ckpt`; every key may be missing."""
     run = run_folder(ckpt)
     step = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt)))
-    state = _quiet(load_trainer_state, ckpt, True) or {}
+    state = _dict(_quiet(load_trainer_state, ckpt, True))
     facts = {"name": export_name(ckpt), "step": int(step.group(1)) if step else None,
-             **{k: state[k] for k in ("tokens", "spent_s", "device", "precision", "command", "world_size",
-                                     "imported_from")
-                if k in state}}
+             "tokens": _count(state.get("tokens")), "spent_s": _real(state.get("spent_s")),
+             "world_size": _count(state.get("world_size")),
+             **{k: state[k] for k in ("device", "precision", "command", "imported_from")
+                if isinstance(state.get(k), str)}}
     if run:
-        config = _quiet(atomic.read_json, os.path.join(run, "config.json"), "a run config", "")
-        facts["config"] = config if isinstance(config, dict) else {}
+        facts["config"] = _dict(_quiet(atomic.read_json, os.path.join(run, "config.json"), "a run config", ""))
         evals = [r for r in read_metrics(run, "eval") if facts["step"] is None or r["step"] <= facts["step"]]
         if evals:
             facts["eval"] = evals[-1]  # the exported step's evaluation, else the last one before it
     cache = state.get("data_fingerprint")
     if isinstance(cache, str):
-        meta = _quiet(atomic.read_json, os.path.join(cache, "meta.json"), "a cache description", "")
-        facts["corpus"] = meta if isinstance(meta, dict) else None
+        facts["corpus"] = _dict(_quiet(atomic.read_json, os.path.join(cache, "meta.json"), "a cache description", ""))
     return facts
 
 
@@ -70,31 +84,31 @@ def _number(n) -> str:
 
 
 def _data_rows(facts: dict) -> list[tuple[str, str]]:
-    data = (facts.get("config") or {}).get("data") or {}
-    if "config" not in facts or not isinstance(data.get("sources"), list):
-        sources = NOT_RECORDED
+    sources = _dict(_dict(facts.get("config")).get("data")).get("sources")
+    if not isinstance(sources, list):
+        text = NOT_RECORDED
     else:
-        sources = ", ".join(f"`{s}`" for s in data["sources"]) or "the Python standard library's own sources"
-    rows = [("data", sources)]
-    corpus = facts.get("corpus") or {}
-    if isinstance(corpus.get("train_tokens"), int):
-        chat = "; holds chat examples, trained on the assistant turns" if corpus.get("has_masks") else ""
-        rows.append(("corpus", f"{corpus['train_tokens']:,} training and {corpus.get('val_tokens', 0):,} validation "
-                               f"tokens in {corpus.get('train_documents', 0) + corpus.get('val_documents', 0):,} "
-                               f"documents{chat}"))
+        text = ", ".join(f"`{s}`" for s in sources) or "the Python standard library's own sources"
+    rows = [("data", text)]
+    corpus = _dict(facts.get("corpus"))
+    counts = [_count(corpus.get(k)) for k in ("train_tokens", "val_tokens", "train_documents", "val_documents")]
+    if None not in counts:
+        chat = "; holds chat examples, trained on the assistant turns" if corpus.get("has_masks") is True else ""
+        rows.append(("corpus", f"{counts[0]:,} training and {counts[1]:,} validation tokens in "
+                               f"{counts[2] + counts[3]:,} documents{chat}"))
     return rows
 
 
 def _training_rows(facts: dict) -> list[tuple[str, str]]:
-    train = (facts.get("config") or {}).get("train") or {}
+    train = _dict(_dict(facts.get("config")).get("train"))
     tokens, steps, seconds = facts.get("tokens"), facts.get("step"), facts.get("spent_s")
     if facts.get("imported_from"):
         return [("origin", f"imported from the Hugging Face folder `{facts['imported_from']}`, not trained here")]
     ranks = facts.get("world_size") or 1
-    return [("tokens seen", f"{tokens:,} over {steps:,} steps" if isinstance(tokens, int) and steps is not None
+    return [("tokens seen", f"{tokens:,} over {steps:,} steps" if tokens is not None and steps is not None
              else NOT_RECORDED),
             ("training time", f"{seconds / 60:.1f} min, data preparation and compilation included"
-             if isinstance(seconds, (int, float)) else NOT_RECORDED),
+             if seconds is not None else NOT_RECORDED),
             ("device", f"{facts['device']}" + (f", {ranks} processes" if ranks > 1 else "") if facts.get("device")
              else NOT_RECORDED),
             ("precision", str(facts.get("precision") or train.get("precision", NOT_RECORDED))),
@@ -107,17 +121,17 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
         return [("validation", NOT_RECORDED)]
     at = f" (step {r['step']:,})"
     rows = [("validation loss", f"{r['val_loss']:.4f}{at}")]
-    if isinstance(r.get("val_bpb"), (int, float)) and math.isfinite(r["val_bpb"]):
+    if _real(r.get("val_bpb")) is not None:
         rows.append(("bits per byte", f"{r['val_bpb']:.4f}{at}: the validation loss / ln 2 / the split's UTF-8 "
                                       "bytes per token"))
-    if r.get("code_samples"):
+    if _count(r.get("code_samples")) and _real(r.get("code_ok")) is not None:
         ok = round(r["code_ok"] * r["code_samples"])
         rows.append(("code metric", f"{ok} of {r['code_samples']} documented functions get a body that parses{at}"))
     return rows
 
 
 def _origin(facts: dict) -> str:
-    start = ((facts.get("config") or {}).get("train") or {}).get("init_from")
+    start = _dict(_dict(facts.get("config")).get("train")).get("init_from")
     if facts.get("imported_from"):
         return "imported from a Hugging Face folder"
     return f"trained with modern-llm from the weights of `{start}`" if start else "trained from scratch with modern-llm"
@@ -157,7 +171,7 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
              ("heads", f"{cfg.num_attention_heads} query, {cfg.num_key_value_heads} key/value, {cfg.head_dim} wide"),
              ("context", f"{cfg.max_seq_len:,} tokens"), ("vocabulary", f"{cfg.vocab_size:,} tokens"),
              ("embeddings", "tied to the output head" if cfg.tie_word_embeddings else "separate from the output head")]
-    parts = [f"# {facts['name']}", "",
+    parts = [CARD_MARK, f"# {facts['name']}", "",
              f"A {_number(params)}-parameter language model {_origin(facts)}, exported "
              + ("as a Hugging Face transformers folder." if kind == "hf" else f"as the GGUF file `{file}`."), "",
              "## Model", "", _table(model), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),

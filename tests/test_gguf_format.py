@@ -234,8 +234,8 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
 
 def test_bad_requests_are_one_line_and_write_nothing(data, tmp_path, tiny_config, capsys):
     """A tokenizer llama.cpp cannot reproduce, flags that mean nothing for GGUF, and an output folder that is not
-    an earlier GGUF export must each stop with one `error:` line, exit 2, and leave no file; --overwrite replaces
-    an earlier GGUF export whole."""
+    an earlier GGUF export (a card rewritten by hand makes it the user's) must each stop with one `error:` line,
+    exit 2, and leave every file as it was; --overwrite replaces an earlier GGUF export whole."""
     from conftest import CODE
     wordpiece = train_tokenizer([CODE] * 3, "wordpiece", 400)
     wordpiece.save(str(tmp_path / "wp.json"))
@@ -255,11 +255,11 @@ def test_bad_requests_are_one_line_and_write_nothing(data, tmp_path, tiny_config
     assert "--overwrite" in one_error_line(capsys, 2, e)
     export(run, tmp_path / "out", "q8_0", "--overwrite")
     assert sorted(os.listdir(tmp_path / "out")) == ["Modelfile", "README.md", "model-q8_0.gguf"]
-    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "out" / "README.md").write_text("my notes on this model")  # the card, rewritten by hand
     with pytest.raises(SystemExit) as e:
         export_hf.main([run, str(tmp_path / "out"), "--gguf", "f16", "--overwrite"])
-    assert "not an earlier GGUF export" in one_error_line(capsys, 2, e)
-    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert "not an earlier GGUF export (it holds README.md)" in one_error_line(capsys, 2, e)
+    assert (tmp_path / "out" / "README.md").read_text() == "my notes on this model"
 
 
 @pytest.mark.parametrize("fault,code,words", [("full", 1, ["No space left on device", "free some space"]),

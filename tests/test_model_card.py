@@ -49,7 +49,8 @@ def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
     for out in ("hf", "gguf"):
         card = card_of(tmp_path / out)
         r = rows(card)
-        assert card.startswith("# run\n")
+        assert card.startswith("<!-- model card written by export_hf.py")
+        assert card.splitlines()[1] == "# run"
         assert r["parameters"].endswith(f"({count_parameters(cfg):,})") and r["layers"] == "2"
         assert r["width"] == "64 (SwiGLU 256)" and r["heads"] == "4 query, 2 key/value, 16 wide"
         assert r["context"] == "64 tokens" and r["vocabulary"] == "512 tokens"
@@ -68,9 +69,10 @@ def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
 
 
 def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_checkpoint, tmp_path):
-    """A checkpoint from before runs recorded their device and command (no config.json, a bare trainer state),
-    with damaged metrics lines, must still export, and its card must say "not recorded" rather than invent
-    numbers, while showing the evaluation of the exported step (not a later one) with its code metric."""
+    """A checkpoint from before runs recorded their device and command (a bare trainer state), with a config.json
+    whose sections are not objects and damaged metrics lines, must still export, and its card must say "not
+    recorded" rather than invent numbers, while showing the evaluation of the exported step (not a later one)
+    with its code metric."""
     run = tmp_path / "run1"
     shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
     later = {"kind": "eval", "val_loss": 1.5, "val_bpb": 0.75}
@@ -78,6 +80,7 @@ def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_check
         f.write('{"kind": "eval", "step": 10, "val_loss": "oops"}\n{broken\n')
         f.write(json.dumps({"kind": "eval", "step": 10, "val_loss": 2.0, "val_bpb": 1.0, "code_ok": 0.25,
                             "code_samples": 16}) + "\n" + json.dumps({"step": 11, **later}) + "\n")
+    (run / "config.json").write_text(json.dumps({"data": ["not", "a", "section"], "train": 3}))  # edited by hand
     assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
     r = rows(card_of(tmp_path / "hf"))
     for name in ("data", "tokens seen", "training time", "device", "precision", "command"):
