@@ -202,8 +202,8 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
     """q8_0 must store every matrix as Q8_0 blocks (a file that silently kept f16 would pass any bound), each
     weight within half a quantisation step of ours, in about 53% of f16's bytes, and move the validation bits
     per byte of a trained model by less than the bound README states (both files read back by transformers)."""
-    model = train(sharp_model(tiny_config, init_std=0.02), data, steps=40)
-    ckpt = save(model, data.tokenizer_path, tmp_path / "run", 40)
+    model = train(sharp_model(tiny_config, init_std=0.02), data, steps=25)
+    ckpt = save(model, data.tokenizer_path, tmp_path / "run", 25)
     f16, q8 = export(ckpt, tmp_path / "f16"), export(ckpt, tmp_path / "q8", "q8_0")
     reader = gguf.GGUFReader(q8)
     assert field(reader, "general.file_type") == 7
