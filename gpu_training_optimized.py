@@ -378,9 +378,11 @@ def main(argv=None) -> int:
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
         cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
         PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
+    args = sys.argv[1:] if argv is None else argv
+    command = f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"  # for the model card
     run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
               Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step,
-              f"{dist.launcher()} gpu_training_optimized.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
+              command)
 
     warm_evaluator(b, val_batches, t, dist)
     stop, window = StopFlag(), LossWindow(device)
