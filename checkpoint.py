@@ -351,11 +351,12 @@ def _read_lora(ckpt: str, max_seq_len: int, base: str) -> ModelFiles:
                       tokenizer if os.path.isfile(tokenizer) else found.tokenizer_path, ckpt)
 
 
-def load_trainer_state(ckpt: str) -> dict:
-    """Optimizer, schedule and RNG state, read onto the CPU without unpickling code."""
+def load_trainer_state(ckpt: str, mmap: bool = False) -> dict:
+    """Optimizer, schedule and RNG state, read onto the CPU without unpickling code; with mmap, a tensor's bytes
+    are read only when used (the model card reads a few numbers beside an optimizer state of gigabytes)."""
     path = os.path.join(ckpt, TRAINER_STATE)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; resume from an earlier one") from None
     except Exception as e:

@@ -1,15 +1,18 @@
-"""Hugging Face interoperability: export a checkpoint as a transformers folder, or import one as a checkpoint.
+"""Export a checkpoint as a Hugging Face folder or a GGUF file (llama.cpp, Ollama), or import a Hugging Face folder.
 
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
+    python export_hf.py [CHECKPOINT] OUT_DIR --gguf f16|q8_0 [--overwrite]
     python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]
     python export_hf.py --import HF_DIR|hf:ORG/NAME RUN_DIR [--tokenizer PATH] [--max_seq_len N]
 Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
 SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
 model.safetensors, the tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and
-AutoTokenizer load it offline. Import reads a folder of one of those families (sharded or not), or a Hub model
-named hf:ORG/NAME, into RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a
-checkpoint or run folder (default runs/default). The format itself lives in hf_format.py and hf_families.py
-(hf_hub.py for hf: names); this file is only the command line.
+AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either way
+README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged into the
+base given with --base, or written alone as a PEFT folder (--adapter_only). Import reads a folder of one of those
+families (sharded or not), or a Hub model named hf:ORG/NAME, into RUN_DIR/checkpoints/step_000000, refusing what
+our model cannot represent. CHECKPOINT is a checkpoint or run folder (default runs/default). The formats live in
+hf_format.py, hf_families.py, gguf_format.py, lora.py and model_card.py; this file is only the command line.
 """
 
 import argparse
@@ -23,16 +26,19 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
 from config import CheckpointError, ConfigError, default_run_dir
 from errors import error_contract
+from gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from hf_format import DTYPES, is_hf_folder, write_hf_folder
 from hf_hub import is_hub_name
 from lora import write_peft_folder
-from tokenizer import EOT_TOKEN
+from model_card import export_name, model_card, ollama_tag
+from tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False,
-           base: str = "") -> str:
-    """Export a checkpoint (or a run folder's newest) to out, atomically; returns the checkpoint folder read. A LoRA
-    run's checkpoint is merged into its base (the model given as base)."""
+           gguf: str = "", base: str = "") -> str:
+    """Export a checkpoint (or a run folder's newest) to out, atomically, as a Hugging Face folder or, with gguf
+    (f16 or q8_0), a GGUF file; both with a model card. A LoRA run's checkpoint is merged into base. Returns the
+    checkpoint folder read."""
     if is_hf_folder(checkpoint) or is_hub_name(checkpoint):
         raise CheckpointError(f"{checkpoint} is already a Hugging Face model, export a checkpoint or run folder")
     model = read_model(checkpoint, base=base)
@@ -41,7 +47,14 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):
         raise CheckpointError(f"{os.path.abspath(out)} holds the checkpoint being exported, choose another "
                               "output folder")
-    write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite)
+    chat = can_chat(read_tokenizer(model.tokenizer_path))
+    if gguf:
+        card = model_card(model.path, model.config, "gguf", gguf_file_name(gguf), chat)
+        write_gguf_folder(out, model.config, model.state, model.tokenizer_path, gguf, card, export_name(model.path),
+                          overwrite)
+    else:
+        card = model_card(model.path, model.config, "hf", chat=chat)
+        write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite, card)
     return model.path
 
 
@@ -75,6 +88,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
                                                     "at <|endoftext|> and at <|im_end|> (chat models) either way")
+    p.add_argument("--gguf", choices=GGUF_TYPES, help="export: write a GGUF file of this type (llama.cpp, Ollama) "
+                                                      "instead of a Hugging Face folder")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
     p.add_argument("--base", default="", help="export of a LoRA run: the base model its adapters were trained on")
     p.add_argument("--adapter_only", action="store_true", help="export of a LoRA run: a PEFT folder of the adapters "
@@ -85,6 +100,9 @@ def parse_args(argv) -> argparse.Namespace:
     if len(args.paths) > 2 or (args.do_import and len(args.paths) != 2):
         raise ConfigError(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to export or --import HF_DIR "
                           "RUN_DIR")
+    if args.gguf and (args.do_import or args.dtype != "float32" or args.eos != EOT_TOKEN):
+        raise ConfigError(f"--gguf {args.gguf} writes a GGUF file: it takes no --import, --dtype or --eos (the type "
+                          "is --gguf's, and a chat tokenizer's end token is <|im_end|>); leave them out")
     return args
 
 
@@ -104,9 +122,15 @@ def main(argv=None) -> int:
             print(f"exported the adapters of {checkpoint} to {out}")
             print(f"load with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out!r})")
             return 0
-        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.base)
-        print(f"exported {ckpt} to {out} ({args.dtype})")
-        print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
+        ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.gguf or "", args.base)
+        if args.gguf:
+            file = os.path.join(out, gguf_file_name(args.gguf))
+            print(f"exported {ckpt} to {file} ({args.gguf}), with a Modelfile and README.md")
+            print(f"run with: llama-cli -m {file}, or: ollama create {ollama_tag(export_name(ckpt))} -f "
+                  f"{os.path.join(out, 'Modelfile')}")
+        else:
+            print(f"exported {ckpt} to {out} ({args.dtype})")
+            print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
     return 0
 
 

@@ -10,6 +10,7 @@ Python standard library's own sources, into runs/default, then `python text_gene
 import itertools
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -33,7 +34,8 @@ from errors import RunFailure, error_contract
 from evaluation import Probe, evaluate
 from lora import adapter_state, add_adapters
 from modern_llm import Transformer
-from monitor import LossWindow, Monitor, StepProfiler, advance_bar, format_postfix, progress_bar, start_report, summary
+from monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
+                     start_report, summary)
 from muon_optimizer import MuonAdamW, build_optimizer
 from batches import Batches, batches_for
 from prepare_data import PreparedData, prepare
@@ -225,7 +227,9 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
                      "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.path,
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
-                     "config": json.dumps(cfg.to_dict()), **run.clock.state()}
+                     "config": json.dumps(cfg.to_dict()), **run.clock.state(), "command": run.command,
+                     "device": device_report(next(b.raw_model.parameters()).device),  # these three: the model card
+                     "precision": "fp8 + " * (cfg.train.precision == "fp8") + PRECISION_NAMES[b.amp_dtype]}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, run.data.tokenizer_path,
                                    trainer_state, cfg.train.keep_checkpoints, val_loss, run.lora_meta)
 
@@ -343,6 +347,7 @@ class Run:
     probe: Probe
     tokens_per_step: int
     lora_meta: dict | None
+    command: str = ""  # how this session was started, as a user would type it
 
 
 # ----------------------------------------------------------------------------- main
@@ -372,9 +377,11 @@ def main(argv=None) -> int:
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
         cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
         PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
+    args = sys.argv[1:] if argv is None else argv
+    command = f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"  # for the model card
     run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
               Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step,
-              settled.lora_meta)
+              settled.lora_meta, command)
 
     warm_evaluator(b, val_batches, t, dist)
     stop, window = StopFlag(), LossWindow(device)

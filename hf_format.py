@@ -24,6 +24,9 @@ from tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
+# and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md a
+# user wrote in a folder stays).
+CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
 ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while a model builds its cos and sin (twice)
 
 
@@ -160,9 +163,10 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
 
 
 def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str = "float32",
-                    eos: str = EOT_TOKEN, overwrite: bool = False):
+                    eos: str = EOT_TOKEN, overwrite: bool = False, card: str = ""):
     """Write a transformers folder atomically: into a temporary folder, renamed into place when complete.
-    overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints)."""
+    overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints);
+    card, when given, is written as its README.md."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
                               "another folder")
@@ -173,6 +177,9 @@ def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str
     need = sum(v.numel() for v in state.values()) * DTYPES[dtype].itemsize
     with atomic.folder(out, f"exporting to {out}", need) as tmp:
         _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
+        if card:
+            with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
+                f.write(card)
 
 
 def _not_an_export(out: str) -> str | None:
@@ -181,8 +188,18 @@ def _not_an_export(out: str) -> str | None:
     if not is_hf_folder(out):
         return f"no {HF_CONFIG} with {HF_WEIGHTS}"
     others = [e for e in sorted(os.listdir(out)) if not (e.endswith(EXPORT_SUFFIXES) and
-                                                         os.path.isfile(os.path.join(out, e)))]
+                                                         os.path.isfile(os.path.join(out, e)))
+              and not (e == CARD and is_written_card(os.path.join(out, e)))]
     return f"it holds {others[0]}" if others else None
+
+
+def is_written_card(path: str) -> bool:
+    """Whether the file at path is a model card an export wrote (its first line is CARD_MARK)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline(len(CARD_MARK) + 2).rstrip("\n") == CARD_MARK
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 # ----------------------------------------------------------------------------- reading a folder

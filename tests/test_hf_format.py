@@ -149,7 +149,7 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
     out = export(tmp_path / "run", tmp_path / "hf")
     config = read_json(out / "config.json")
     assert config["architectures"] == ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"]
-    assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json", "generation_config.json",
+    assert sorted(os.listdir(out)) == ["README.md", "chat_template.jinja", "config.json", "generation_config.json",
                                        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert is_hf_folder(str(out))
     theirs = load_theirs(out)

@@ -13,8 +13,8 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
         "tokenizer", "chat_formats", "corpus", "packing", "prepare_data", "batches", "modern_llm", "sampling", "engine",
         "evaluation",
-        "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora",
-        "checkpoint", "schedule", "resume", "gpu_training_optimized", "text_generator", "openai_api"]
+        "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format",
+        "checkpoint", "model_card", "schedule", "resume", "gpu_training_optimized", "text_generator", "openai_api"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["export_hf", "serve"]  # run by users, on the core like the tools, imported by nothing
 TOOLS = ["bench", "bench_generate", "bench_packing", "compare_optimizers", "compile_check", "fake_gpu",

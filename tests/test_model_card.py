@@ -1,0 +1,89 @@
+"""Tests of model_card.py through export_hf.py: every export carries README.md with the numbers of the run that
+made it, read from the run folder; a run that recorded little gives a card that says so, never a failed export."""
+
+import json
+import os
+import re
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the network
+
+import pytest
+
+import checkpoint as ckpt_io
+import export_hf
+import gpu_training_optimized as trainer
+from monitor import read_metrics
+from sizing import count_parameters
+
+
+def rows(card: str) -> dict:
+    """The card's table rows, name -> value."""
+    return dict(re.findall(r"^\| ([^|]+?) \| (.+) \|$", card, re.M))
+
+
+def card_of(folder) -> str:
+    return open(os.path.join(folder, "README.md"), encoding="utf-8").read()
+
+
+@pytest.fixture(scope="module")
+def run(corpus, argv_for, tmp_path_factory):
+    """A run of the tiny model through the trainer's command line: 3 steps, evaluated at the last."""
+    folder = tmp_path_factory.mktemp("card") / "run"
+    argv = argv_for(corpus, folder, "--max_steps", 3, "--eval_interval", 3)
+    assert trainer.run(argv) == 0
+    return folder, argv
+
+
+def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
+    """The card of either export must give the model's shape and parameter count, the sources, the corpus and the
+    tokens seen, the time, device and command the run recorded, and the validation loss and bits per byte that
+    metrics.jsonl holds for the exported step: a card that misreads a field or reads another step's fails here."""
+    folder, argv = run
+    ckpt = ckpt_io.latest_checkpoint(str(folder))
+    cfg, state = ckpt_io.load_model_config(ckpt), ckpt_io.load_trainer_state(ckpt)
+    evaluation = read_metrics(str(folder), "eval")[-1]
+    assert evaluation["step"] == 3 == state["step"]
+    assert export_hf.main([str(folder), str(tmp_path / "hf")]) == 0
+    assert export_hf.main([str(folder), str(tmp_path / "gguf"), "--gguf", "q8_0"]) == 0
+    for out in ("hf", "gguf"):
+        card = card_of(tmp_path / out)
+        r = rows(card)
+        assert card.startswith("<!-- model card written by export_hf.py")
+        assert card.splitlines()[1] == "# run"
+        assert r["parameters"].endswith(f"({count_parameters(cfg):,})") and r["layers"] == "2"
+        assert r["width"] == "64 (SwiGLU 256)" and r["heads"] == "4 query, 2 key/value, 16 wide"
+        assert r["context"] == "64 tokens" and r["vocabulary"] == "512 tokens"
+        assert r["architecture"].startswith("Qwen3 (QK-norm)")
+        assert r["data"] == f"`{corpus['src']}`"
+        assert r["tokens seen"] == f"{3 * 4 * 64:,} over 3 steps" == f"{state['tokens']:,} over 3 steps"
+        assert r["training time"].startswith(f"{state['spent_s'] / 60:.1f} min")
+        assert r["device"].startswith("cpu, ") and r["precision"] in ("fp32", "bf16 autocast")
+        assert r["command"] == f"`python gpu_training_optimized.py {' '.join(argv)}`"
+        assert r["validation loss"] == f"{evaluation['val_loss']:.4f} (step 3)"
+        assert r["bits per byte"].startswith(f"{evaluation['val_bpb']:.4f} (step 3)")
+        corpus_tokens = int(r["corpus"].split()[0].replace(",", ""))
+        assert corpus_tokens > 10_000 and "not recorded" not in card
+    assert "ollama create run -f Modelfile" in card_of(tmp_path / "gguf")
+    assert "from_pretrained(\".\")" in card_of(tmp_path / "hf")
+
+
+def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_checkpoint, tmp_path):
+    """A checkpoint from before runs recorded their device and command (a bare trainer state), with a config.json
+    whose sections are not objects and damaged metrics lines, must still export, and its card must say "not
+    recorded" rather than invent numbers, while showing the evaluation of the exported step (not a later one)
+    with its code metric."""
+    run = tmp_path / "run1"
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    later = {"kind": "eval", "val_loss": 1.5, "val_bpb": 0.75}
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"kind": "eval", "step": 10, "val_loss": "oops"}\n{broken\n')
+        f.write(json.dumps({"kind": "eval", "step": 10, "val_loss": 2.0, "val_bpb": 1.0, "code_ok": 0.25,
+                            "code_samples": 16}) + "\n" + json.dumps({"step": 11, **later}) + "\n")
+    (run / "config.json").write_text(json.dumps({"data": ["not", "a", "section"], "train": 3}))  # edited by hand
+    assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
+    r = rows(card_of(tmp_path / "hf"))
+    for name in ("data", "tokens seen", "training time", "device", "precision", "command"):
+        assert r[name] == "not recorded", name
+    assert r["validation loss"] == "2.0000 (step 10)" and r["bits per byte"].startswith("1.0000 (step 10)")
+    assert r["code metric"].startswith("4 of 16 documented functions")
