@@ -21,6 +21,7 @@ import engine
 import export_hf
 import gguf_format
 import prepare_data
+from batches import Batches
 from config import DataConfig, SampleConfig
 from modern_llm import Transformer
 from test_faults import one_error_line
@@ -221,8 +222,8 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
         assert (error <= step * (0.5 + 127 / 2048)).all() and error.max() > 0, t.name
     assert 0.5 < os.path.getsize(q8) / os.path.getsize(f16) < 0.56
 
-    windows = prepare_data.Batches(data, "val", 8, SEQ, 0)
-    ids = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in (windows.get(i, 0) for i in range(2))])
+    windows = Batches(data, "val", 8, SEQ, 0)
+    ids = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y, _ in (windows.get(i, 0) for i in range(2))])
     per_token = data.meta["val_bytes_per_token"]
     with torch.no_grad():
         bpb = [bits_per_byte(load_theirs(p)(input_ids=ids[:, :-1]).logits, ids, per_token) for p in (f16, q8)]

@@ -29,7 +29,7 @@ PAIRS = [("def push(self, item):\n", "        self.items.append(item)"),
 def app(tiny_checkpoint):
     """The server in this process: (server, TestClient)."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none",
+    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none", base="",
                                              name="", api_key="", compile="false", max_batch=8))
     with TestClient(serve.app_for(server)) as client:
         yield server, client
@@ -173,7 +173,7 @@ def test_a_generated_end_token_is_in_the_logprobs(ender):
     """lm-eval drops the last entry (the one generated token); when that token was the end token, the server
     once left it out, and lm-eval's slice then dropped the continuation's last token instead."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=ender, device="cpu", best=False, quantize="none", name="",
+    server = serve.Server(argparse.Namespace(path=ender, device="cpu", best=False, quantize="none", base="", name="",
                                              api_key="", compile="false", max_batch=8))
     ids, ctxlen = server.tokenizer.encode("import os", add_special_tokens=False), 1
     with TestClient(serve.app_for(server)) as client:

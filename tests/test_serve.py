@@ -286,7 +286,7 @@ def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
 def app(tiny_checkpoint):
     """The server's application in this process, (server, TestClient), for tests that hold its worker."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none",
+    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none", base="",
                                              name="", api_key="", compile="false", max_batch=8))
     with TestClient(serve.app_for(server)) as client:
         yield server, client
@@ -345,8 +345,8 @@ def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
     """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
     request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=chat_stopper, device="cpu", best=False, quantize="none", name="",
-                                             api_key="", compile="false", max_batch=8))
+    server = serve.Server(argparse.Namespace(path=chat_stopper, device="cpu", best=False, quantize="none", base="",
+                                             name="", api_key="", compile="false", max_batch=8))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
         whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
