@@ -48,7 +48,8 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
 
 
 def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
-                    trainer_state: dict, keep: int, val_loss: float | None = None, lora_meta: dict | None = None) -> str:
+                    trainer_state: dict, keep: int, val_loss: float | None = None,
+                    lora_meta: dict | None = None) -> str:
     """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),
     keep the newest `keep` and the best; return its folder. A failed write (a full disk) leaves no trace and
     the previous checkpoints as they were, and raises WriteError saying how much room it needs. With lora_meta,
