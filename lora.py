@@ -129,8 +129,9 @@ def fingerprint(folder: str) -> str:
 
 def meta_of(t, base_path: str) -> dict:
     """adapter_config.json of a run's checkpoints: its LoRA settings and the base they adapt."""
+    named = t.init_from if t.init_from.startswith("hf:") else os.path.abspath(base_path)  # a Hub model by its name
     return {"rank": t.lora_rank, "alpha": alpha(t), "dropout": t.lora_dropout, "targets": targets(t),
-            "base": os.path.abspath(base_path), "base_fingerprint": fingerprint(base_path)}
+            "base": named, "base_fingerprint": fingerprint(base_path)}
 
 
 def read_meta(ckpt: str) -> dict | None:
@@ -163,7 +164,7 @@ def peft_state(adapters: dict) -> dict:
 
 def peft_config(meta: dict, base_name: str) -> dict:
     """adapter_config.json as PEFT writes it for a causal language model."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name.removeprefix("hf:"),
             "r": meta["rank"], "lora_alpha": meta["alpha"], "lora_dropout": meta["dropout"],
             "target_modules": meta["targets"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}

@@ -391,8 +391,8 @@ def app_for(server: Server):
     return app
 
 
-@error_contract
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; tests build their in-process servers from it too."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or hf:ORG/NAME "
                                                        "(default: the default run folder)")
@@ -407,7 +407,12 @@ def main(argv=None) -> int:
                    help="compile the decode step (auto: on CUDA)")
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
     p.add_argument("--max_batch", type=int, default=8, help="requests generated together at most")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@error_contract
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if not 0 < args.port < 2**16:
         raise ConfigError(f"--port {args.port} is out of range, use a port from 1 to 65535")
     if uvicorn is None:

@@ -182,3 +182,13 @@ def qwen3_folder(tmp_path_factory):
                          tie_word_embeddings=True)
     Qwen3ForCausalLM(config).save_pretrained(str(folder))
     return folder
+
+
+@pytest.fixture(scope="module")
+def app(tiny_checkpoint):
+    """serve.py's application on the tiny checkpoint in this process: (server, TestClient)."""
+    import serve
+    from starlette.testclient import TestClient
+    server = serve.Server(serve.parse_args([str(tiny_checkpoint), "--device", "cpu", "--compile", "false"]))
+    with TestClient(serve.app_for(server)) as client:
+        yield server, client

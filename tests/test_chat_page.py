@@ -6,7 +6,6 @@ disconnect cancels its row). Raw completion for the same model too. The browser 
 browser is installed; what the page reads from the API (the key, the step and bits per byte, the page's
 policy) is checked without one."""
 
-import argparse
 import json
 import os
 import re
@@ -57,8 +56,7 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
 def live(looper):
     """The server (with an API key) on a free port of 127.0.0.1, in a thread of this process: (Server, page URL)."""
     uvicorn = pytest.importorskip("uvicorn")
-    server = serve.Server(argparse.Namespace(path=looper, device="cpu", best=False, quantize="none", base="", name="",
-                                             api_key=KEY, compile="false", max_batch=8))
+    server = serve.Server(serve.parse_args([str(looper), "--device", "cpu", "--compile", "false", "--api_key", KEY]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,8 +118,7 @@ def test_models_and_the_page_follow_the_api_rules(looper):
     validation bits per byte of the run's evaluation at that step (not a later one). The page holds no secret;
     it is served with a policy that lets it load and call nothing but this server, and links nothing outside."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=looper, device="cpu", best=False, quantize="none", base="", name="",
-                                             api_key=KEY, compile="false", max_batch=8))
+    server = serve.Server(serve.parse_args([str(looper), "--device", "cpu", "--compile", "false", "--api_key", KEY]))
     with TestClient(serve.app_for(server)) as client:
         refused = client.get("/v1/models")
         (model,) = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]

@@ -5,7 +5,6 @@ max_tokens 0 with logprobs 10 and a comparison of token strings), written here f
 the server's code. Every figure is held against a forward of the same weights in float64. A server answering
 "logprobs": null, or one token short, made lm-eval report chance-level scores without an error."""
 
-import argparse
 import os
 
 import pytest
@@ -23,16 +22,6 @@ PAIRS = [("def push(self, item):\n", "        self.items.append(item)"),
          ("import ", "os"),
          ("", "def fibonacci(n):"),  # an empty context: lm-eval puts its prefix token (the end token) first
          ("return fibonacci(n - 1) + fibonacci(n - 2)\n" * 6, "\nclass Stack:")]  # past the context: cut on the left
-
-
-@pytest.fixture(scope="module")
-def app(tiny_checkpoint):
-    """The server in this process: (server, TestClient)."""
-    from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none", base="",
-                                             name="", api_key="", compile="false", max_batch=8))
-    with TestClient(serve.app_for(server)) as client:
-        yield server, client
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +162,7 @@ def test_a_generated_end_token_is_in_the_logprobs(ender):
     """lm-eval drops the last entry (the one generated token); when that token was the end token, the server
     once left it out, and lm-eval's slice then dropped the continuation's last token instead."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=ender, device="cpu", best=False, quantize="none", base="", name="",
-                                             api_key="", compile="false", max_batch=8))
+    server = serve.Server(serve.parse_args([str(ender), "--device", "cpu", "--compile", "false"]))
     ids, ctxlen = server.tokenizer.encode("import os", add_special_tokens=False), 1
     with TestClient(serve.app_for(server)) as client:
         answer = client.post("/v1/completions", json={"prompt": [ids], "temperature": 0, "max_tokens": 1,

@@ -3,7 +3,6 @@ equal to the one-shot CLI's, streaming, OpenAI-style refusals the server survive
 limit, clients leaving mid-stream, and a burst of 50 concurrent requests. Batching faults are held to in this
 process, through Starlette's TestClient, with the worker held so that requests share a batch."""
 
-import argparse
 import json
 import os
 import select
@@ -282,16 +281,6 @@ def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
 
 # ----------------------------------------------------------------------------- batches, in this process
 
-@pytest.fixture(scope="module")
-def app(tiny_checkpoint):
-    """The server's application in this process, (server, TestClient), for tests that hold its worker."""
-    from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=tiny_checkpoint, device="cpu", best=False, quantize="none", base="",
-                                             name="", api_key="", compile="false", max_batch=8))
-    with TestClient(serve.app_for(server)) as client:
-        yield server, client
-
-
 def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None = None) -> list:
     """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every body
     it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
@@ -345,8 +334,7 @@ def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
     """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
     request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
     from starlette.testclient import TestClient
-    server = serve.Server(argparse.Namespace(path=chat_stopper, device="cpu", best=False, quantize="none", base="",
-                                             name="", api_key="", compile="false", max_batch=8))
+    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
         whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
