@@ -164,24 +164,39 @@ def write_greetings(path, n: int, seed: int = 1):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def qwen3_folder(tmp_path_factory):
-    """A randomly initialised transformers Qwen3 model with a ChatML tokenizer, saved as a download would be."""
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+def hf_base(folder, family: str):
+    """A randomly initialised transformers model of `family` (qwen3, or qwen2 with its q/k/v biases random too) with
+    a ChatML tokenizer trained on question() chats, saved as a download would be."""
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
-    folder = tmp_path_factory.mktemp("qwen3")
     rng = random.Random(0)
-    texts = [f"{q} {a}" for q, a in (question(rng) for _ in range(200))]
-    tok = train_tokenizer(texts, "bpe", 300)
+    tok = train_tokenizer([f"{q} {a}" for q, a in (question(rng) for _ in range(200))], "bpe", 300)
     assert tok.token_to_id(IM_END) == SPECIAL_TOKENS.index(IM_END)
     tok.save(str(folder / "tokenizer.json"))
     PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")).save_pretrained(str(folder))
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).save_pretrained(str(folder))
+    shape = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    p.uniform_(-0.5, 0.5)  # zeros would hide a bias dropped on the way
+    model.save_pretrained(str(folder))
     return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_folder(tmp_path_factory):
+    return hf_base(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen2_folder(tmp_path_factory):
+    return hf_base(tmp_path_factory.mktemp("qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="module")

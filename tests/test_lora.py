@@ -40,33 +40,38 @@ def our_logits(found, ids) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def lora_run(qwen3_folder, tmp_path_factory):
-    base = tmp_path_factory.mktemp("lora")
-    chats = write_greetings(base / "chats.jsonl", 200)
-    run = base / "run"
-    assert trainer.main(lora_argv(qwen3_folder, chats, run, "--max_steps", 12)) == 0
-    return run
+    return train_lora(qwen3_folder, tmp_path_factory.mktemp("lora"))
 
 
-def test_adapters_load_in_peft_and_export_merged_with_our_logits(lora_run, qwen3_folder, tmp_path):
+def train_lora(base, folder):
+    chats = write_greetings(folder / "chats.jsonl", 200)
+    assert trainer.main(lora_argv(base, chats, folder / "run", "--max_steps", 12)) == 0
+    return folder / "run"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_run, request, tmp_path):
     """Our merge (W + B @ A * alpha / r, read back from the checkpoint) against PEFT's own forward of the adapter
-    folder on transformers' base, and against transformers on the merged export; the adapters must have moved the
-    model away from its base, or equal logits would prove nothing."""
+    folder on transformers' base, and against transformers on the merged export, for a Qwen3 base and a Qwen2.5-
+    shaped one (q/k/v biases); the adapters must have moved the model away from its base, or equal logits would
+    prove nothing."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    found = read_model(str(lora_run), base=str(qwen3_folder))
+    base_folder = request.getfixturevalue(f"{family}_folder")
+    run = lora_run if family == "qwen3" else train_lora(base_folder, tmp_path)
+    found = read_model(str(run), base=str(base_folder))
     ids = torch.randint(0, found.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     ours = our_logits(found, ids)
-    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(base_folder)).eval()
     with torch.no_grad():
         assert (base(ids).logits - ours).abs().max() > 1e-2  # training moved it
 
-    assert export_hf.main([str(lora_run), str(tmp_path / "adapter"), "--adapter_only", "--base",
-                           str(qwen3_folder)]) == 0
+    assert export_hf.main([str(run), str(tmp_path / "adapter"), "--adapter_only", "--base", str(base_folder)]) == 0
     peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert (peft_model(ids).logits - ours).abs().max() < 1e-4
 
-    assert export_hf.main([str(lora_run), str(tmp_path / "merged"), "--base", str(qwen3_folder)]) == 0
+    assert export_hf.main([str(run), str(tmp_path / "merged"), "--base", str(base_folder)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     with torch.no_grad():
         assert (exported(ids).logits - ours).abs().max() < 1e-4
