@@ -85,8 +85,10 @@ class _Checked:
         try:
             return method(size)
         except self.errors as e:
-            raise DataError(f"{self.path} line {self.lines + 1}: the {self.name} stream is cut short or corrupt "
-                            f"({e}); compress the file again, or leave it out") from None
+            # Streams read ahead, so the damage is at or after the next line, not always at it.
+            where = f"after line {self.lines}" if self.lines else "at its start"
+            raise DataError(f"{self.path}: the {self.name} stream is cut short or corrupt {where} ({e}); "
+                            "compress the file again, or leave it out") from None
 
 
 class _ZstdFrames(io.RawIOBase):
