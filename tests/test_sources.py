@@ -206,6 +206,17 @@ def _empty_group(p):
     return [p / "d.parquet"]
 
 
+def _corrupt_group(p):
+    """A parquet file whose third row group's page header is overwritten: the footer reads, that group does not."""
+    pq.write_table(pa.table({"text": [words(random.Random(i), 30) for i in range(40)]}), p / "d.parquet",
+                   row_group_size=10)
+    column = pq.ParquetFile(p / "d.parquet").metadata.row_group(2).column(0)
+    data = bytearray((p / "d.parquet").read_bytes())
+    data[column.data_page_offset:column.data_page_offset + 8] = b"\xff" * 8
+    (p / "d.parquet").write_bytes(data)
+    return [p / "d.parquet"]
+
+
 TEXT = jsonl_bytes(rows(4000))
 STREAM_BROKEN = r"d\.{}: the {} stream is cut short or corrupt {} \({}"
 BAD_INPUTS = {
@@ -213,6 +224,10 @@ BAD_INPUTS = {
                         r"d\.parquet is not a readable parquet file \(.*\), write it again"),
     "truncated parquet": (lambda p: [(p / "d.parquet", (p / "d.parquet").write_bytes(
         open(write_table(p / "x.parquet", rows(20)), "rb").read()[:300]))[0]], r"d\.parquet is not a readable parquet"),
+    "corrupt row group": (_corrupt_group, r"d\.parquet row group 2 cannot be read \(.*\), the file is corrupt"),
+    "numbers in an arrow column": (lambda p: [write_table(p / "d.arrow", [{"content": 1.5}] * 3)],
+                                   r"3 bad table row\(s\), the first is .*d\.arrow record batch 0 row 0: content "
+                                   r"holds float, not text"),
     "truncated gz": (_truncated_gz, STREAM_BROKEN.format(r"jsonl\.gz", "gzip", r"after line \d+", "")),
     "not gzip": (lambda p: _zst(p, b"plain text, not gzip\n" * 4, "d.txt.gz"),
                  STREAM_BROKEN.format(r"txt\.gz", "gzip", "at its start", "Not a gzip")),
