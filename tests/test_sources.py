@@ -9,6 +9,7 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -104,7 +105,7 @@ def cache_files(data) -> dict:
     """Every token and mask file of a cache, as bytes."""
     names = [f"{s}{m}.bin" for s in ("train", "val") for m in ("", "_mask")]
     paths = {n: os.path.join(data.path, n) for n in names}
-    return {n: open(p, "rb").read() for n, p in paths.items() if os.path.exists(p)}
+    return {n: Path(p).read_bytes() for n, p in paths.items() if os.path.exists(p)}
 
 
 @pytest.mark.parametrize("container", list(CONTAINERS))
@@ -223,7 +224,7 @@ BAD_INPUTS = {
     "corrupt parquet": (lambda p: [(p / "d.parquet", (p / "d.parquet").write_bytes(b"PAR1" + os.urandom(64)))[0]],
                         r"d\.parquet is not a readable parquet file \(.*\), write it again"),
     "truncated parquet": (lambda p: [(p / "d.parquet", (p / "d.parquet").write_bytes(
-        open(write_table(p / "x.parquet", rows(20)), "rb").read()[:300]))[0]], r"d\.parquet is not a readable parquet"),
+        write_table(p / "x.parquet", rows(20)).read_bytes()[:300]))[0]], r"d\.parquet is not a readable parquet"),
     "corrupt row group": (_corrupt_group, r"d\.parquet row group 2 cannot be read \(.*\), the file is corrupt"),
     "numbers in an arrow column": (lambda p: [write_table(p / "d.arrow", [{"content": 1.5}] * 3)],
                                    r"3 bad table row\(s\), the first is .*d\.arrow record batch 0 row 0: content "
