@@ -120,7 +120,8 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
     sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
                                   ".zst), folders or glob patterns; empty: the Python standard library")
-    text_field: str = arg("", "JSONL field or table column of the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
+    text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
+                          + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
     packing: Literal["auto", "documents", "off"] = arg("auto", "training windows of whole examples, packed, "
                                                        "attention not crossing them: auto for chat and instruction "
