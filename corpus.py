@@ -65,7 +65,7 @@ def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
     files = []
     for source in cfg.sources:
         path = os.path.abspath(source)
-        if not os.path.exists(path) and glob.has_magic(source):
+        if not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
             matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
             if not matches:
                 raise DataError(f"data source pattern {source} matches no file, check the pattern given to --sources")
