@@ -70,7 +70,7 @@ def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
             if not matches:
                 raise DataError(f"data source pattern {source} matches no file, check the pattern given to --sources")
             for match in matches:
-                files += _files(match, source)
+                files += _files(match, f"{source} (its match {match})")
         else:
             files += _files(path, source)
     return files
@@ -83,7 +83,7 @@ def _files(path: str, source: str) -> list[tuple[str, bool]]:
     if os.path.isfile(path):
         return [(path, False)]
     if os.path.exists(path):
-        raise DataError(f"data source {source} holds {path}, not a regular file or folder (a pipe, socket or device), "
+        raise DataError(f"data source {source} is not a regular file or folder (a pipe, socket or device), "
                         "pass files or folders: they are read twice")
     raise DataError(f"data source {source} does not exist, check the path given to --sources")
 

@@ -311,3 +311,13 @@ def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
         pass
     assert 50_000 <= stats.bytes < 50_000 + corpus.PIECE_BYTES + corpus.LINE_BYTES
     assert np.isclose(corpus.corpus_bytes(cfg), 50_000)
+
+
+def test_a_pipe_matched_by_a_glob_is_refused_by_name(tmp_path):
+    """Prevents a glob from handing the reader a FIFO, which blocks it for ever, and the refusal from hiding which
+    match it was."""
+    (tmp_path / "web").mkdir()
+    write_table(tmp_path / "web" / "a.parquet", rows(4))
+    os.mkfifo(tmp_path / "web" / "b.parquet")
+    with pytest.raises(DataError, match=r"web/\*\.parquet \(its match .*b\.parquet\) is not a regular file"):
+        corpus.source_files(config(tmp_path, [tmp_path / "web" / "*.parquet"]))
