@@ -13,6 +13,7 @@ from tokenizer import check_messages
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SHAPES = ("messages [{role, content}], conversations [{from, value}] (ShareGPT), instruction + output with "
           "optional input (Alpaca), prompt + completion")
+SHAPE_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")  # table columns
 
 
 def chat_messages(obj: dict, system_prompt: str = "") -> list | None:

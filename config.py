@@ -118,13 +118,16 @@ DEFAULT_TEXT_FIELDS = ("text", "content", "message", "body", "output")
 @dataclass
 class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
-    sources: list[str] = arg([], "text files, folders or .jsonl files; empty: the Python standard library")
-    text_field: str = arg("", "JSONL field holding the text; empty: first of " + ", ".join(DEFAULT_TEXT_FIELDS))
+    sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
+                                  ".zst), folders or glob patterns; empty: the Python standard library")
+    text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
+                          + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
     packing: Literal["auto", "documents", "off"] = arg("auto", "training windows of whole examples, packed, "
                                                        "attention not crossing them: auto for chat and instruction "
                                                        "data, documents for every document too; off: random slices")
-    skip_bad_lines: bool = arg(False, "skip JSONL lines that are not JSON or lack text, instead of failing")
+    skip_bad_lines: bool = arg(False, "skip JSONL lines and table rows that are not JSON or lack text, instead "
+                                       "of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
     tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "

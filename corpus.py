@@ -1,19 +1,23 @@
-"""The corpus: the documents that text files, folders, JSONL and chat JSONL files hold, read in a fixed order.
+"""The corpus: the documents that text files, folders, JSONL and chat JSONL files, parquet and Arrow tables hold
+(text and JSONL also gzip- or zstd-compressed; readers.py opens each container), read in a fixed order.
 
-Folders are walked recursively (hidden files, caches, installed packages and pipes skipped; binary files
-skipped and counted); long text files are cut at line ends into documents of about 32 KiB (a line longer than
-256 KiB at a character boundary); a JSONL line is one document, its chat messages (in any shape chat_formats.py
-reads) or its text. Nothing here tokenizes: prepare_data.py does, from documents().
+Sources are files, folders or glob patterns. Folders are walked recursively (hidden files, caches, installed
+packages and pipes skipped; binary files skipped and counted; a `datasets` save_to_disk folder gives its Arrow
+files); long text files are cut at line ends into documents of about 32 KiB (a line longer than 256 KiB at a
+character boundary); a JSONL line or a table row is one document, its chat messages (in any shape
+chat_formats.py reads) or its text. Nothing here tokenizes: prepare_data.py does, from documents().
 """
 
 import codecs
+import glob
 import json
 import math
 import os
 import sysconfig
 from dataclasses import dataclass
 
-from chat_formats import SHAPES, chat_messages
+import readers
+from chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
 from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
@@ -31,19 +35,25 @@ class ReadStats:
     chats: int = 0
     binary_skipped: int = 0
     first_binary: str = ""
-    bad_lines: int = 0
+    bad_lines: int = 0  # JSONL lines and table rows (an empty parquet row group counts as one)
+    bad_rows: int = 0  # of which table rows
     first_bad: str = ""
     invalid_utf8: int = 0
     first_invalid: str = ""
 
 
 def _walk(root: str, suffix=None) -> list[str]:
-    """Files under root, sorted, without hidden files, caches and installed packages."""
+    """Files under root, sorted, without hidden files, caches and installed packages; of a `datasets`
+    save_to_disk folder its Arrow files only (its JSON files describe them, they are no text to learn)."""
     found = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
+        if suffix is None and (arrow := readers.dataset_files(folder, names)) is not None:
+            dirs[:] = []
+            found += arrow
+            continue
         found += [os.path.join(folder, n) for n in names  # isfile: a pipe in a folder would block the reader
-                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))
+                  if not n.startswith(".") and (suffix is None or n.endswith(suffix)) and n != readers.DATASET_DICT
                   and os.path.isfile(os.path.join(folder, n))]
     return sorted(found)
 
@@ -55,21 +65,35 @@ def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
     files = []
     for source in cfg.sources:
         path = os.path.abspath(source)
-        if os.path.isdir(path):
-            files += [(p, True) for p in _walk(path)]
-        elif os.path.isfile(path):
-            files.append((path, False))
-        elif os.path.exists(path):
-            raise DataError(f"data source {source} is not a regular file or folder (a pipe, socket or device), "
-                            "pass files or folders: they are read twice")
+        if not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
+            matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
+            if not matches:
+                raise DataError(f"data source pattern {source} matches no file, check the pattern given to --sources")
+            for match in matches:
+                files += _files(match, f"{source} (its match {match})")
         else:
-            raise DataError(f"data source {source} does not exist, check the path given to --sources")
+            files += _files(path, source)
     return files
 
 
+def _files(path: str, source: str) -> list[tuple[str, bool]]:
+    """The files one path stands for: a folder's files (in_folder True), or the file itself."""
+    if os.path.isdir(path):
+        return [(p, True) for p in _walk(path)]
+    if os.path.isfile(path):
+        return [(path, False)]
+    if os.path.exists(path):
+        raise DataError(f"data source {source} is not a regular file or folder (a pipe, socket or device), "
+                        "pass files or folders: they are read twice")
+    raise DataError(f"data source {source} does not exist, check the path given to --sources")
+
+
 def corpus_bytes(cfg: DataConfig) -> int:
-    """The size of the text the sources hold (within max_source_mb), from the file sizes: no reading."""
-    total = sum(os.path.getsize(path) for path, _ in source_files(cfg))
+    """About how many bytes of text the sources hold (within max_source_mb), from the file sizes and the sizes
+    compressed files and tables record (readers.text_bytes): no reading of the data. documents() counts the
+    same bytes: text after decompression, a table row's strings."""
+    columns = _text_fields(cfg) + SHAPE_FIELDS
+    total = sum(readers.text_bytes(path, columns) for path, _ in source_files(cfg))
     return min(total, int(cfg.max_source_mb * 1e6)) if cfg.max_source_mb else total
 
 
@@ -108,7 +132,7 @@ def _whole_chars(data: bytes) -> int:
 
 def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
     """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
-    with open(path, "rb") as f:
+    with readers.open_stream(path) as f:
         for piece, block in enumerate(_blocks(f)):
             if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
                 if not in_folder:
@@ -130,20 +154,39 @@ def _parse_line(line: str, text_fields, system_prompt: str):
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
-    messages = chat_messages(obj, system_prompt) if isinstance(obj, dict) else None
+    return _document(obj if isinstance(obj, dict) else {}, text_fields, system_prompt)
+
+
+def _document(obj: dict, text_fields, system_prompt: str):
+    """An object's (a JSONL line's, a table row's) chat messages, or its text; DataError says why neither."""
+    messages = chat_messages(obj, system_prompt)
     if messages is not None:
         return messages
     for name in text_fields:
-        if isinstance(obj, dict) and isinstance(obj.get(name), str):
+        if isinstance(obj.get(name), str):
             return obj[name]
+    if wrong := next((name for name in text_fields if name in obj), None):
+        raise DataError(f"{wrong} holds {type(obj[wrong]).__name__}, not text; pass --text_field NAME for "
+                        "the field that holds it")
     raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: {SHAPES})")
+
+
+def _text_fields(cfg: DataConfig) -> tuple:
+    return (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
+
+
+def _bad(stats: ReadStats, where: str, row: bool = False):
+    """Count a bad line or row, keeping the first's place and reason."""
+    stats.bad_lines += 1
+    stats.bad_rows += row
+    stats.first_bad = stats.first_bad or where
 
 
 def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
     """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
-    text_fields = (cfg.text_field,) if cfg.text_field else DEFAULT_TEXT_FIELDS
+    text_fields = _text_fields(cfg)
     stats.files += 1
-    with open(path, "rb") as f:
+    with readers.open_stream(path) as f:
         for number, raw in enumerate(f, 1):
             if number == 1:
                 raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not JSON
@@ -152,12 +195,31 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
             try:
                 doc = _parse_line(_decode(raw, path, stats), text_fields, cfg.system_prompt)
             except DataError as e:
-                stats.bad_lines += 1
-                stats.first_bad = stats.first_bad or f"{path} line {number}: {e}"
+                _bad(stats, f"{path} line {number}: {e}")
                 continue
             stats.chats += not isinstance(doc, str)
             if doc:
                 yield 0, doc, len(raw)
+
+
+def _table_documents(path: str, cfg: DataConfig, stats: ReadStats):
+    """Yield (0, document, its text's bytes) per row of a parquet or Arrow file, row group by row group; bad rows
+    and empty row groups are counted and left out."""
+    text_fields = _text_fields(cfg)
+    stats.files += 1
+    for label, first, rows in readers.table_chunks(path, text_fields + SHAPE_FIELDS):
+        if not rows:
+            _bad(stats, f"{path} {label}: it holds no rows", row=True)
+        for number, row in enumerate(rows, first):
+            try:
+                doc = _document(row, text_fields, cfg.system_prompt)
+            except DataError as e:
+                _bad(stats, f"{path} {label} row {number}: {e}", row=True)
+                continue
+            stats.chats += not isinstance(doc, str)
+            if doc:
+                size = doc if isinstance(doc, str) else "".join(m["content"] for m in doc)
+                yield 0, doc, len(size.encode("utf-8"))
 
 
 def documents(files, cfg: DataConfig, stats: ReadStats):
@@ -165,8 +227,9 @@ def documents(files, cfg: DataConfig, stats: ReadStats):
     budget = cfg.max_source_mb * 1e6 or math.inf
     doc_id = -1
     for path, in_folder in files:
-        reader = _jsonl_documents(path, cfg, stats) if path.endswith(".jsonl") else \
-            _text_pieces(path, in_folder, stats)
+        kind = readers.kind(path)
+        reader = _table_documents(path, cfg, stats) if kind == "table" else \
+            _jsonl_documents(path, cfg, stats) if kind == "jsonl" else _text_pieces(path, in_folder, stats)
         for piece, doc, size in reader:
             if piece == 0:
                 doc_id += 1
@@ -184,7 +247,7 @@ def scan(files, cfg: DataConfig, log) -> ReadStats:
         pass
     where = ", ".join(cfg.sources) or "the Python standard library"
     if stats.bad_lines and not cfg.skip_bad_lines:
-        raise DataError(f"{stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}; fix them, "
+        raise DataError(f"{stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}; fix them, "
                         "or pass --skip_bad_lines true to leave them out")
     found = _findings(stats)
     also = f" ({'; '.join(found)})" if found else ""
@@ -203,10 +266,17 @@ def _findings(stats: ReadStats) -> list[str]:
     """What reading skipped or repaired, in words."""
     found = []
     if stats.bad_lines:
-        found.append(f"skipped {stats.bad_lines} bad JSONL line(s), the first is {stats.first_bad}")
+        found.append(f"skipped {stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}")
     if stats.binary_skipped:
         found.append(f"skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
     if stats.invalid_utf8:
         found.append(f"replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, the first in "
                      f"{stats.first_invalid}")
     return found
+
+
+def _bad_what(stats: ReadStats) -> str:
+    """What the bad entries were: JSONL lines, table rows, or both."""
+    if not stats.bad_rows:
+        return "bad JSONL line(s)"
+    return "bad table row(s)" if stats.bad_rows == stats.bad_lines else "bad JSONL line(s) and table row(s)"
