@@ -91,7 +91,8 @@ def carry_settings(cfg: Config, state: dict) -> list[str]:
     taken = []
     for section in ("model", "train"):
         ours, theirs = getattr(cfg, section), saved.get(section, {})
-        values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO}
+        values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO
+                  and not (k == "max_steps" and cfg.train.epochs)}  # --epochs sets the run's length anew
         setattr(cfg, section, replace(ours, **values))
         taken += [f"{k}={v}" for k, v in values.items()]
     return [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []

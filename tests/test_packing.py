@@ -179,3 +179,18 @@ def test_compiled_packed_loss_equals_eager(chat_data):
     eager = model(x, labels=y, positions=pos)[1]
     compiled = torch.compile(model)(x, labels=y, positions=pos)[1]
     assert torch.allclose(eager, compiled, rtol=1e-4, atol=1e-5)
+
+
+def test_an_epochs_run_resumes_with_more_epochs(chat_corpus, tmp_path, argv_for):
+    """--epochs sets max_steps from the packed windows; a resume with more epochs runs on to the new length (the
+    saved run's max_steps once blocked it)."""
+    import gpu_training_optimized as trainer
+    from monitor import read_metrics
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(chat_corpus, run, "--epochs", 0.5)) == 0
+    data = pd.prepare(DataConfig(sources=[chat_corpus["src"]], cache_dir=chat_corpus["cache"]), vocab_size=512,
+                      seq_len=64, log=lambda *a: None)
+    windows = batches.PackedBatches(data, "train", 4, 64, seed=1337).plan.windows
+    assert max(r["step"] for r in read_metrics(str(run), "train")) == -(-windows // 8)  # half an epoch: 4 x 0.5
+    assert trainer.main(argv_for(chat_corpus, run, "--epochs", 1, "--resume")) == 0
+    assert max(r["step"] for r in read_metrics(str(run), "train")) == -(-windows // 4)
