@@ -220,7 +220,7 @@ def best_checkpoint(run_dir: str) -> str | None:
 def resolve_checkpoint(path: str, best: bool = False) -> str:
     """A checkpoint folder from a checkpoint folder, a run folder or its checkpoints/ folder; a run's newest
     complete checkpoint, or with best its best one."""
-    if os.path.isfile(os.path.join(path, WEIGHTS)):
+    if any(os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS, lora.ADAPTERS)):  # whole weights or adapters
         return path
     for run_dir in (path, os.path.dirname(os.path.normpath(path))):
         found = best_checkpoint(run_dir) if best else latest_checkpoint(run_dir)
@@ -336,11 +336,16 @@ def _read_lora(ckpt: str, max_seq_len: int, base: str) -> ModelFiles:
     meta = lora.read_meta(ckpt)
     if not base:
         raise ConfigError(f"{ckpt} holds LoRA adapters trained on {meta['base']}; pass --base with that model "
-                          "(a checkpoint, run or Hugging Face folder) to merge them into it")
+                          "(a checkpoint, run or Hugging Face folder) to merge them into it; to train on from them, "
+                          "export the merged model (export_hf.py RUN OUT --base BASE) and --init_from OUT")
     found = read_model(base, max_seq_len)
     lora.check_base(meta, found.path, ckpt, "--base")
     adapters = _read_weights(ckpt, lora.ADAPTERS)
     shapes = {k: tuple(v.shape) for k, v in found.state.items()}
+    pairs = {name.rsplit(".lora_", 1)[0] for name in adapters}
+    if set(adapters) != {f"{module}.lora_{kind}.weight" for module in pairs for kind in "AB"}:
+        raise CheckpointError(f"{os.path.join(ckpt, lora.ADAPTERS)} does not hold pairs of lora_A and lora_B "
+                              "weights; the checkpoint is damaged")
     for name, tensor in adapters.items():
         module, kind = name.rsplit(".lora_", 1)
         rows, cols = shapes.get(module + ".weight", (0, 0))

@@ -97,6 +97,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")
     args = p.parse_args(argv)
+    if args.adapter_only and (args.gguf or args.do_import):
+        raise ConfigError("--adapter_only writes a PEFT folder of a LoRA run's adapters; leave out --gguf and --import")
     if len(args.paths) > 2 or (args.do_import and len(args.paths) != 2):
         raise ConfigError(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to export or --import HF_DIR "
                           "RUN_DIR")

@@ -34,6 +34,7 @@ from errors import RunFailure, error_contract
 from evaluation import Probe, evaluate
 from lora import adapter_state, add_adapters
 from modern_llm import Transformer
+from model_card import CORPUS_FACTS
 from monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                      start_report, summary)
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -226,9 +227,11 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
                      "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.path,
-                     "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),
+                     "corpus": {k: v for k, v in run.data.meta.items() if k in CORPUS_FACTS},  # the model card's
+                     "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
+                     "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                      "config": json.dumps(cfg.to_dict()), **run.clock.state(), "command": run.command,
-                     "device": device_report(next(b.raw_model.parameters()).device),  # these three: the model card
+                     "device": device_report(next(b.raw_model.parameters()).device),
                      "precision": "fp8 + " * (cfg.train.precision == "fp8") + PRECISION_NAMES[b.amp_dtype]}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, run.data.tokenizer_path,
                                    trainer_state, cfg.train.keep_checkpoints, val_loss, run.lora_meta)

@@ -142,9 +142,10 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
         hf = AutoConfig.from_pretrained(path)
         context = max_seq_len or hf.max_position_embeddings
         why = unsupported(hf, raw, context)
-        rope = getattr(hf, "rope_parameters", None) or {}
-        llama3 = {ours: rope[theirs] for theirs, ours in LLAMA3_KEYS.items()} if rope.get("rope_type") == "llama3" \
-            else {}
+        # transformers 5 gathers RoPE settings in rope_parameters; 4.x keeps rope_scaling (key rope_type or type)
+        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        llama3 = {ours: rope[theirs] for theirs, ours in LLAMA3_KEYS.items()} \
+            if (rope.get("rope_type") or rope.get("type")) == "llama3" else {}
         cfg = ModelConfig(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,

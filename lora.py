@@ -143,11 +143,13 @@ def read_meta(ckpt: str) -> dict | None:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
         assert isinstance(meta, dict) and int(meta["rank"]) > 0 and float(meta["alpha"]) > 0
+        assert 0 <= float(meta["dropout"]) < 1 and isinstance(meta["targets"], list) and meta["targets"]
+        assert all(isinstance(t, str) for t in meta["targets"])
         assert isinstance(meta["base_fingerprint"], str) and isinstance(meta["base"], str)
         return meta
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        raise CheckpointError(f"{path} is damaged (it should hold rank, alpha, base and base_fingerprint); use "
-                              "another checkpoint") from None
+        raise CheckpointError(f"{path} is damaged (it should hold rank, alpha, dropout, targets, base and "
+                              "base_fingerprint); use another checkpoint") from None
 
 
 def check_base(meta: dict, base_folder: str, where: str, flag: str):

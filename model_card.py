@@ -2,7 +2,7 @@
 
 model_card() reads what the checkpoint's run folder holds: config.json (data sources, precision), metrics.jsonl
 (validation loss, bits per byte and the code metric at the exported step), the checkpoint's trainer_state.pt
-(steps, tokens, time, device, command) and the token cache's meta.json (the corpus in tokens). What a run did not
+(steps, tokens, time, device, command) and the corpus counts the trainer saved beside them. What a run did not
 record reads "not recorded": a card never stops an export.
 """
 
@@ -13,11 +13,13 @@ import re
 import atomic
 from checkpoint import STEP_FOLDER, load_trainer_state
 from config import CheckpointError, ModelConfig
+from hf_families import family
 from hf_format import CARD_MARK
 from monitor import read_metrics
 from sizing import count_parameters
 
 NOT_RECORDED = "not recorded"
+CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # saved by the trainer
 
 
 def _quiet(read, *args):
@@ -73,9 +75,7 @@ def run_facts(ckpt: str) -> dict:
         evals = [r for r in read_metrics(run, "eval") if facts["step"] is None or r["step"] <= facts["step"]]
         if evals:
             facts["eval"] = evals[-1]  # the exported step's evaluation, else the last one before it
-    cache = state.get("data_fingerprint")
-    if isinstance(cache, str):
-        facts["corpus"] = _dict(_quiet(atomic.read_json, os.path.join(cache, "meta.json"), "a cache description", ""))
+    facts["corpus"] = _dict(state.get("corpus"))  # recorded at save: a path in the file is never followed
     return facts
 
 
@@ -163,7 +163,8 @@ def _how_to_load(kind: str, file: str, name: str, chat: bool, cfg: ModelConfig) 
 def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", chat: bool = False) -> str:
     """README.md for an export of the checkpoint folder ckpt: kind "hf" (a transformers folder) or "gguf" (file)."""
     facts = run_facts(ckpt)
-    arch = "Qwen3 (QK-norm)" if cfg.qk_norm else "Llama"
+    arch = {"qwen3": "Qwen3 (QK-norm)", "qwen2": "Qwen2 (q/k/v biases)", "llama": "Llama", "mistral": "Mistral",
+            "smollm3": "SmolLM3"}.get(family(cfg), family(cfg))
     params = count_parameters(cfg)
     model = [("architecture", f"{arch}: grouped-query attention, RoPE, SwiGLU, RMSNorm"),
              ("parameters", f"{_number(params)} ({params:,})"), ("layers", str(cfg.num_hidden_layers)),

@@ -208,13 +208,15 @@ def dataset_files(folder: str, names) -> list[str] | None:
 
 def text_bytes(path: str, columns) -> int:
     """About how many bytes of text the file holds, without reading its data: the size of a plain file or an
-    Arrow file, the size a gzip trailer or a zstd frame header records (else COMPRESSION_RATIO times the file),
+    Arrow file, the size a gzip trailer records, for zstd the larger of its first frame's recorded size and
+    COMPRESSION_RATIO times the file (also where nothing is recorded),
     the uncompressed size of a parquet file's columns named in columns."""
     size = os.path.getsize(path)
     if path.endswith(".parquet"):
         pq = _module("pyarrow.parquet", path)
         try:
-            meta = pq.ParquetFile(path).metadata
+            with pq.ParquetFile(path) as table:
+                meta = table.metadata
         except (_module("pyarrow", path).ArrowException, OSError) as e:
             raise DataError(f"{path} is not a readable parquet file ({_first_line(e)}), write it again, "
                             "or leave it out") from None
@@ -227,8 +229,8 @@ def text_bytes(path: str, columns) -> int:
             f.seek(-4, os.SEEK_END)
             recorded = int.from_bytes(f.read(4), "little")  # the last member's size, modulo 4 GiB
         elif path.endswith(".zst"):
-            try:
-                recorded = _module("zstandard", path).frame_content_size(f.read(18))  # -1: not recorded
+            try:  # the first frame's size (-1: not recorded); a file of several frames holds more
+                recorded = max(_module("zstandard", path).frame_content_size(f.read(18)), COMPRESSION_RATIO * size)
             except Exception:  # not a zstd frame: reading it will say so, with the line
                 recorded = -1
     if not _compression(path):

@@ -140,6 +140,8 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng_torch"])
+    if state.get("rng_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng_cuda"])
     budget = {k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state}  # the clock's state()
     return state["step"], state["tokens"], state["best_val_loss"], budget
 
@@ -175,6 +177,11 @@ def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -
     if t.precision == "fp8" or t.data_parallel == "fsdp":
         raise ConfigError("--lora_rank works with bf16, fp16 or fp32 and DDP: drop --precision fp8 and "
                           "--data_parallel fsdp")
+    meta = lora.meta_of(t, init.path)
     if saved:
         lora.check_base(saved, init.path, ckpt, "--init_from")
-    return lora.meta_of(t, init.path)
+        changed = [f"--lora_{k} {' '.join(saved[k]) if k == 'targets' else saved[k]}"
+                   for k in ("rank", "alpha", "dropout", "targets") if saved[k] != meta[k]]
+        if changed:
+            raise ConfigError(f"{ckpt} was trained with other LoRA settings; resume with {' '.join(changed)}")
+    return meta

@@ -415,6 +415,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not 0 < args.port < 2**16:
         raise ConfigError(f"--port {args.port} is out of range, use a port from 1 to 65535")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max_batch {args.max_batch} is invalid, pass 1 or more")
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
     server = Server(args)

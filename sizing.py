@@ -39,7 +39,7 @@ class Machine:
     memory: int = 0  # bytes of GPU memory; 0 off CUDA
 
 
-LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # int8: a scale per row too
+LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # block weights; auto: bf16, as on a GPU
 
 
 def count_parameters(m: ModelConfig) -> int:
@@ -76,8 +76,10 @@ def training_bytes_estimate(cfg: Config) -> int:
     frozen base of a LoRA run as it is held (bf16: 2 bytes a weight, int8: about 1), and the activations."""
     if not cfg.train.lora_rank:
         return 16 * count_parameters(cfg.model) + activation_bytes(cfg)
-    held = LORA_BASE_BYTES[cfg.train.lora_base]
-    return int(held * count_parameters(cfg.model) + 16 * adapter_parameters(cfg) + activation_bytes(cfg))
+    m = cfg.model
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)  # frozen, kept in fp32
+    held = LORA_BASE_BYTES[cfg.train.lora_base] * (count_parameters(m) - embeddings) + 4 * embeddings
+    return int(held + 16 * adapter_parameters(cfg) + activation_bytes(cfg))
 
 
 def loss_chunk_rows(cfg: Config, machine: Machine) -> int:

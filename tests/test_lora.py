@@ -80,6 +80,9 @@ def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_ru
 def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_folder, tiny_checkpoint, capsys):
     ckpt = sorted((lora_run / "checkpoints").glob("step_*"))[-1]
     assert (ckpt / "adapters.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    from_step, from_run = (read_model(str(p), base=str(qwen3_folder)) for p in (ckpt, lora_run))  # as printed
+    assert from_step.path == from_run.path
+    assert all(torch.equal(from_step.state[k], v) for k, v in from_run.state.items())
     assert os.path.getsize(ckpt / "adapters.safetensors") < 0.2 * os.path.getsize(qwen3_folder / "model.safetensors")
     assert re.search(r"holds LoRA adapters trained on .*qwen3.*; pass --base",
                      exit_line(export_hf.main, [str(lora_run), "unused_out"], capsys))
@@ -134,8 +137,12 @@ def test_bad_lora_settings_are_one_line(flags, message, qwen3_folder, tmp_path, 
     assert re.search(message, exit_line(trainer.run, argv, capsys))
 
 
-def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, tiny_checkpoint, tmp_path, capsys):
+def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, qwen3_folder, tiny_checkpoint, tmp_path,
+                                                           capsys):
     assert "--lora_rank trains adapters on a model: pass --init_from" in exit_line(
         trainer.run, ["--lora_rank", "4", "--max_steps", "1", "--run_dir", str(tmp_path / "r")], capsys)
     argv = lora_argv(tiny_checkpoint, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume")
     assert "is not the base" in exit_line(trainer.run, argv, capsys)
+    argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
+                     "--lora_alpha", 3)
+    assert "was trained with other LoRA settings; resume with --lora_alpha 8.0" in exit_line(trainer.run, argv, capsys)

@@ -121,7 +121,8 @@ def main(argv=None) -> int:
                 return 1
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r}: {name} {results[name][-1]}", flush=True)
-    print("| variant | trained parameters | tokens/s (median, range) | resident while training GiB | process peak GiB |")
+    print("| variant | trained parameters | tokens/s (median, range) | resident while training GiB | process peak GiB"
+          " |")
     print("| --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed = [row["tokens_per_s"] for row in rows]
