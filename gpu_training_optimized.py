@@ -40,8 +40,8 @@ from monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_repo
 from muon_optimizer import MuonAdamW, build_optimizer
 from batches import Batches, batches_for
 from prepare_data import PreparedData, prepare
-from resume import (apply_init_from, carry_settings, check_same_data, check_same_shape, load_into, lora_start,
-                    resume_point)
+from resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
+                    lora_start, resume_point)
 from schedule import RunClock, StopFlag, lr_multiplier
 from sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
 
@@ -246,16 +246,6 @@ def prepare_once(cfg: Config, dist) -> PreparedData:
         raise ConfigError(f"the tokenizer has {ds.meta['vocab_size']} tokens but vocab_size={cfg.model.vocab_size}, "
                           f"set --vocab_size {ds.meta['vocab_size']} or more")
     return ds
-
-
-def check_run_folder(t, resuming: bool):
-    """A folder this process can write to, and, for a new run, one that holds no checkpoint folder, complete
-    or not, LATEST or not: a new run never writes over another's checkpoints."""
-    atomic.writable_folder(t.run_dir, "--run_dir")
-    atomic.lock_folder(t.run_dir, "--run_dir")  # until this process ends: a second trainer here is refused
-    if ckpt_io.holds_checkpoints(t.run_dir) and not resuming:
-        raise ConfigError(f"{t.run_dir} already holds checkpoints, pass --resume to continue it "
-                          "or --run_dir NEW_FOLDER for a new run")
 
 
 def write_run_config(cfg: Config):

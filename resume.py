@@ -1,5 +1,6 @@
 """Continuing a run, or starting one from trained weights: which checkpoint --resume means, the settings
-it carries, the checks that it fits this run, and loading it into the model and optimizer.
+it carries, the checks that it fits this run (and that a new run's folder holds none), loading it into the model
+and optimizer, and a LoRA run's base.
 
     --resume            the run folder's newest complete checkpoint (LATEST, or a scan if LATEST is lost)
     --resume FOLDER     that checkpoint (a run folder: its newest), for example into a new --run_dir
@@ -13,6 +14,7 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
+import atomic
 import checkpoint as ckpt_io
 import lora
 from config import AUTO, CheckpointError, Config, ConfigError
@@ -96,6 +98,16 @@ def carry_settings(cfg: Config, state: dict) -> list[str]:
         setattr(cfg, section, replace(ours, **values))
         taken += [f"{k}={v}" for k, v in values.items()]
     return [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []
+
+
+def check_run_folder(t, resuming: bool):
+    """A folder this process can write to, and, for a new run, one that holds no checkpoint folder, complete
+    or not, LATEST or not: a new run never writes over another's checkpoints."""
+    atomic.writable_folder(t.run_dir, "--run_dir")
+    atomic.lock_folder(t.run_dir, "--run_dir")  # until this process ends: a second trainer here is refused
+    if ckpt_io.holds_checkpoints(t.run_dir) and not resuming:
+        raise ConfigError(f"{t.run_dir} already holds checkpoints, pass --resume to continue it "
+                          "or --run_dir NEW_FOLDER for a new run")
 
 
 def check_same_shape(cfg: Config, ckpt: str):
