@@ -18,6 +18,8 @@ import time
 
 from sizing import AUTO_EVALS, EVAL_SHARE
 
+PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
+
 
 def lr_multiplier(progress: float, t) -> float:
     """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio, or
@@ -45,7 +47,8 @@ class RunClock:
         self.t, self.by_time = t, t.max_minutes > 0
         self.budget_s = t.max_minutes * 60
         self.launch, self.session_start = launch - spent_s, launch
-        self.step_s = step_s  # the mean seconds of a step, 0 until measured
+        self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
+        self.pace_s = step_s  # the same smoothed over windows: what the schedule's progress reads
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         self.synced_step, self.synced_remaining = 0, math.inf
@@ -90,6 +93,9 @@ class RunClock:
         self.step_s, neg_remaining, *evals = dist.maximum([self.step_s, -remaining, self.eval_spent_s, self.eval_s(),
                                                            spent])
         self.synced_step, self.synced_remaining, self.synced_eval = step, -neg_remaining, tuple(evals)
+        # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
+        # the rate dipped. The schedule reads a smoothed pace; finishing still reads the last window's speed.
+        self.pace_s = self.step_s if not self.pace_s else PACE_WEIGHT * self.step_s + (1 - PACE_WEIGHT) * self.pace_s
 
     # ---- deciding
     def _since_sync(self, step: int) -> float:
@@ -100,9 +106,9 @@ class RunClock:
         budget, of the steps the budget holds at the measured speed (0 until a step is measured)."""
         if not self.by_time:
             return min(1.0, (step + 1) / self.t.max_steps)
-        if not self.step_s:
+        if not self.pace_s:
             return 0.0
-        total = self.synced_step + self.synced_remaining / self.step_s
+        total = self.synced_step + self.synced_remaining / self.pace_s
         return min(1.0, (step + 1) / max(total, step + 1))
 
     def finished(self, step: int) -> bool:
