@@ -4,8 +4,6 @@ of (seed, step, micro_step, rank), so a resumed run reads what an uninterrupted 
 with A micro-steps read what one process with W * A micro-steps reads.
 """
 
-import os
-
 import numpy as np
 import torch
 from tokenizers import Tokenizer
@@ -35,10 +33,12 @@ class Batches:
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.seed, self.rank, self.world_size, self.accum = seed, rank, world_size, accum
         self.device = torch.device(device)
-        self.dtype = np.dtype(data.meta["dtype"])
-        self.tokens = os.path.join(data.path, f"{split}.bin")
-        self.masks = os.path.join(data.path, f"{split}_mask.bin") if data.meta["has_masks"] else None
-        self.length = data.meta[f"{split}_tokens"]
+        self.tokens = data.stream(split)
+        self.masks = data.stream(split, masks=True) if data.meta["has_masks"] else None
+        self.length = len(self.tokens)
+        # A mixture draws each training window's source by its weight, then a place in that source's tokens.
+        self.ranges = np.array(data.source_ranges() if data.weights and split == "train" else [(0, self.length)])
+        self.weights = np.array(data.weights if data.weights and split == "train" else [1.0])
         self.check()
 
     def check(self):
@@ -56,25 +56,25 @@ class Batches:
             # Window slot micro_step * world + rank: W ranks x A micro-steps read what one process with
             # W * A micro-steps reads, so a run resumes on another GPU count with the same batches.
             rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
-            return rng.integers(0, span, size=self.batch_size)
+            if len(self.weights) == 1:
+                return rng.integers(0, span, size=self.batch_size)
+            first, last = self.ranges[rng.choice(len(self.weights), size=self.batch_size, p=self.weights)].T
+            return rng.integers(first, last - self.seq_len)
         # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
         first = (micro_step * self.world_size + self.rank) * self.batch_size
         return np.arange(first, first + self.batch_size) * self.seq_len % span
 
-    def _windows(self, path: str, dtype, starts) -> np.ndarray:
-        # A fresh memmap per batch, as nanoGPT does: one kept open maps every page it ever touched,
-        # so the process's memory would grow over a long run.
-        data = np.memmap(path, dtype=dtype, mode="r")
-        return np.stack([data[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+    def _windows(self, stream, starts) -> np.ndarray:
+        return np.stack([stream[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Inputs and next-token labels, both (B, T) int64 on the device (-100 labels are not learned), and None
         for positions: every row is one stretch of text."""
         starts = self.starts(step, micro_step)
-        windows = self._windows(self.tokens, self.dtype, starts)
+        windows = self._windows(self.tokens, starts)
         x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
         if self.masks:
-            learned = self._windows(self.masks, np.uint8, starts)[:, 1:]
+            learned = self._windows(self.masks, starts)[:, 1:]
             y[torch.from_numpy(learned == 0)] = -100
         return *self.to_device(x, y), None
 
@@ -91,8 +91,7 @@ class PackedBatches(Batches):
     def __init__(self, data: PreparedData, split: str, *args, **kwargs):
         super().__init__(data, split, *args, **kwargs)
         tok = Tokenizer.from_file(data.tokenizer_path)
-        tokens = np.memmap(self.tokens, dtype=self.dtype, mode="r") if self.length else np.zeros(0, self.dtype)
-        self.plan = packing.plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), self.seq_len,
+        self.plan = packing.plan(self.tokens, data.meta["eot_id"], tok.token_to_id(IM_START), self.seq_len,
                                  self.seed if split == "train" else None)
         if not self.plan.windows:
             raise DataError(f"the {split} split holds no example to pack; add data or raise --val_fraction")
@@ -123,7 +122,6 @@ class PackedBatches(Batches):
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, labels (-100: not learned, or padding) and positions, each (B, T) int64 on the device."""
-        tokens = np.memmap(self.tokens, dtype=self.dtype, mode="r")
-        masks = np.memmap(self.masks, dtype=np.uint8, mode="r") if self.masks else None
-        rows = [packing.window(self.plan, w, tokens, masks, self.pad) for w in self.window_ids(step, micro_step)]
+        rows = [packing.window(self.plan, w, self.tokens, self.masks, self.pad)
+                for w in self.window_ids(step, micro_step)]
         return self.to_device(*(torch.from_numpy(np.stack(parts)) for parts in zip(*rows)))

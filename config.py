@@ -119,7 +119,8 @@ DEFAULT_TEXT_FIELDS = ("text", "content", "message", "body", "output")
 class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
     sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
-                                  ".zst), folders or glob patterns; empty: the Python standard library")
+                                  ".zst), folders or glob patterns, each optionally with a mixture weight "
+                                  "(web/:0.7 code/:0.3); empty: the Python standard library")
     text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
                           + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
@@ -129,6 +130,8 @@ class DataConfig:
     skip_bad_lines: bool = arg(False, "skip JSONL lines and table rows that are not JSON or lack text, instead "
                                        "of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
+    max_tokens: int = arg(0, "train on at most this many tokens of the sources (with weights: each source its "
+                             "weighted share); preparation stops soon after; 0: all")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
     tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "
                                                                              "tiktoken: BPE split as GPT-4 does")
@@ -140,6 +143,7 @@ class DataConfig:
         _require_choices(self)
         _require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)")
         _require(self.max_source_mb >= 0, "max_source_mb", self.max_source_mb, "must be >= 0")
+        _require(self.max_tokens >= 0, "max_tokens", self.max_tokens, "must be >= 0")
 
 
 CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]

@@ -58,13 +58,37 @@ def _walk(root: str, suffix=None) -> list[str]:
     return sorted(found)
 
 
-def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
-    """Every file to read, in a fixed order, each with whether it came from a folder."""
+@dataclass
+class Source:
+    """One entry of --sources: what was given, its mixture weight (None: by size) and the files it stands for."""
+    given: str
+    weight: float | None
+    files: list  # (path, came from a folder)
+
+
+def split_weight(source: str) -> tuple[str, float | None]:
+    """`web/*.parquet:0.7` -> ("web/*.parquet", 0.7); a path that exists as written keeps its colon."""
+    path, colon, tail = source.rpartition(":")
+    if not colon or os.path.exists(source):
+        return source, None
+    try:
+        weight = float(tail)
+    except ValueError:
+        return source, None  # a colon inside a path, not a weight
+    if not (weight > 0 and math.isfinite(weight)):
+        raise DataError(f"data source {source} has weight {tail}, pass a number > 0 after the colon")
+    return path, weight
+
+
+def sources(cfg: DataConfig) -> list[Source]:
+    """Every source with its files in a fixed order; weights given to every source or to none."""
     if not cfg.sources:
-        return [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")]
-    files = []
-    for source in cfg.sources:
+        return [Source("", None, [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")])]
+    found = []
+    for given in cfg.sources:
+        source, weight = split_weight(given)
         path = os.path.abspath(source)
+        files = []
         if not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
             matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
             if not matches:
@@ -73,7 +97,18 @@ def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
                 files += _files(match, f"{source} (its match {match})")
         else:
             files += _files(path, source)
-    return files
+        found.append(Source(given, weight, files))
+    weighted = [s.given for s in found if s.weight is not None]
+    if weighted and len(weighted) < len(found):
+        unweighted = next(s.given for s in found if s.weight is None)
+        raise DataError(f"data source {unweighted} has no weight while {weighted[0]} has one; give every source a "
+                        "weight (path:0.3) or none")
+    return found
+
+
+def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:
+    """Every file to read, in a fixed order, each with whether it came from a folder."""
+    return [f for source in sources(cfg) for f in source.files]
 
 
 def _files(path: str, source: str) -> list[tuple[str, bool]]:
@@ -92,9 +127,13 @@ def corpus_bytes(cfg: DataConfig) -> int:
     """About how many bytes of text the sources hold (within max_source_mb), from the file sizes and the sizes
     compressed files and tables record (readers.text_bytes): no reading of the data. documents() counts the
     same bytes: text after decompression, a table row's strings."""
-    columns = _text_fields(cfg) + SHAPE_FIELDS
-    total = sum(readers.text_bytes(path, columns) for path, _ in source_files(cfg))
+    total = sum(file_bytes(path, cfg) for path, _ in source_files(cfg))
     return min(total, int(cfg.max_source_mb * 1e6)) if cfg.max_source_mb else total
+
+
+def file_bytes(path: str, cfg: DataConfig) -> int:
+    """About how many bytes of text one file holds (readers.text_bytes), without reading its data."""
+    return readers.text_bytes(path, _text_fields(cfg) + SHAPE_FIELDS)
 
 
 def _decode(data: bytes, path: str, stats: ReadStats) -> str:
@@ -222,15 +261,19 @@ def _table_documents(path: str, cfg: DataConfig, stats: ReadStats):
                 yield 0, doc, len(size.encode("utf-8"))
 
 
-def documents(files, cfg: DataConfig, stats: ReadStats):
-    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after max_source_mb."""
-    budget = cfg.max_source_mb * 1e6 or math.inf
+def documents(files, cfg: DataConfig, stats: ReadStats, budget: float | None = None):
+    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after `budget` bytes of text (default:
+    max_source_mb). A file with bad lines or rows (unless skip_bad_lines) is read to its end to count them, its
+    documents after the first bad one not yielded, and then refused."""
+    budget = (cfg.max_source_mb * 1e6 or math.inf) if budget is None else budget
     doc_id = -1
     for path, in_folder in files:
         kind = readers.kind(path)
         reader = _table_documents(path, cfg, stats) if kind == "table" else \
             _jsonl_documents(path, cfg, stats) if kind == "jsonl" else _text_pieces(path, in_folder, stats)
         for piece, doc, size in reader:
+            if stats.bad_lines and not cfg.skip_bad_lines:
+                continue  # the file will be refused: only counted from here on
             if piece == 0:
                 doc_id += 1
             stats.documents += 1
@@ -238,6 +281,9 @@ def documents(files, cfg: DataConfig, stats: ReadStats):
             yield doc_id, piece, doc
             if stats.bytes >= budget:
                 return
+        if stats.bad_lines and not cfg.skip_bad_lines:
+            raise DataError(f"{stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}; fix them, "
+                            "or pass --skip_bad_lines true to leave them out")
 
 
 def scan(files, cfg: DataConfig, log) -> ReadStats:
@@ -245,11 +291,14 @@ def scan(files, cfg: DataConfig, log) -> ReadStats:
     stats = ReadStats()
     for _ in documents(files, cfg, stats):
         pass
+    check_read(stats, cfg, log)
+    return stats
+
+
+def check_read(stats: ReadStats, cfg: DataConfig, log):
+    """Refuse a corpus without two documents; log what reading skipped or repaired."""
     where = ", ".join(cfg.sources) or "the Python standard library"
-    if stats.bad_lines and not cfg.skip_bad_lines:
-        raise DataError(f"{stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}; fix them, "
-                        "or pass --skip_bad_lines true to leave them out")
-    found = _findings(stats)
+    found = findings(stats)
     also = f" ({'; '.join(found)})" if found else ""
     if stats.documents == 0:
         raise DataError(f"no text found in {where} (files empty, binary, or every line skipped){also}, "
@@ -259,10 +308,9 @@ def scan(files, cfg: DataConfig, log) -> ReadStats:
                         f"documents (more files, JSONL lines, or text longer than {PIECE_BYTES // 1024} KiB)")
     for finding in found:
         log(f"data: {finding}")
-    return stats
 
 
-def _findings(stats: ReadStats) -> list[str]:
+def findings(stats: ReadStats) -> list[str]:
     """What reading skipped or repaired, in words."""
     found = []
     if stats.bad_lines:

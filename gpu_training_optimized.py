@@ -226,7 +226,8 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
-                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.path,
+                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.fingerprint,
+                     "data_files": [list(f) for f in run.data.files],  # to say what changed, if a resume is refused
                      "corpus": {k: v for k, v in run.data.meta.items() if k in CORPUS_FACTS},  # the model card's
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
                      "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -319,7 +320,7 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
                           "leaves nothing to train, raise --max_steps")
     if ckpt:
         check_same_shape(cfg, ckpt)
-        check_same_data(cfg, saved, data.path)
+        check_same_data(cfg, saved, data)
     # A LoRA run always starts from its base: a resume then loads the adapters into it.
     init_state = init.state if init and (lora_meta or not ckpt) else None
     return Settled(cfg, ckpt, saved, init_state, data, *batches, lora_meta)

@@ -1,23 +1,26 @@
-"""The token cache with its loss masks (batches.py reads it).
+"""Preparing the token cache (token_cache.py owns its format; batches.py reads it).
 
-Takes the documents corpus.py reads from text files, folders, JSONL or chat JSONL (default: this Python's
-standard library), trains a byte-level tokenizer (tokenizer.py) on the training split and writes
-<cache_dir>/<fingerprint>/ with train.bin, val.bin, meta.json and tokenizer.json; the same settings later
-reuse that folder. Build the cache ahead of training, and see how fast that goes, or what a chat set teaches
-(--show N: examples with their learned text marked, the share learned, and how full packed windows are):
+Takes the documents corpus.py reads from the sources (default: this Python's standard library), trains a
+byte-level tokenizer (tokenizer.py) on a sample of the training split across the sources, and streams every
+document through the tokenizer (batched: every core) into the cache's parts: <cache_dir>/<corpus key>/ with
+tokenizer.json, meta.json and shards/. The same settings later reuse that folder; a source file added, removed or
+touched redoes only its own shard. A bar shows MB read, tokens and the rate, and a table the tokens per source.
+Build the cache ahead of training, and see how fast that goes, or what a chat set teaches (--show N: examples
+with their learned text marked, the share learned, and how full packed windows are):
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
+    python prepare_data.py --sources "web/*.parquet:0.7" code/:0.3 --max_tokens 2000000000
     python prepare_data.py --sources chats.jsonl --show 3
 """
 
-import hashlib
+import itertools
 import json
-import math
 import os
+import shutil
 import signal
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, fields
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -27,68 +30,60 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 import atomic
+import token_cache as tc
 from cli import parse_config
 from config import ConfigError, DataConfig, DataError
-from errors import error_contract
-from corpus import PIECE_BYTES, ReadStats, corpus_bytes, documents, scan, source_files
+from corpus import PIECE_BYTES, ReadStats, check_read, corpus_bytes, documents, file_bytes, sources, split_weight
 from device import machine, pick_device
+from errors import error_contract
 from packing import packs, plan
 from sizing import fill_automatic
+from token_cache import PreparedData
 from tokenizer import (EOT_TOKEN, IM_START, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
                        encode_segments, existing_tokenizer, marked_text, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
-CACHE_FORMAT = 2  # bump when the cache's contents change for the same inputs (2: Alpaca lines became chats)
-META_FIELDS = {"vocab_size": int, "dtype": str, "has_masks": bool, "eot_id": int, "train_tokens": int,
-               "val_tokens": int, "train_documents": int, "val_documents": int, "val_bytes_per_token": (int, float)}
-BATCH_TIME_FIELDS = ("cache_dir", "packing")  # settings that do not change the cache's contents
-ID_CHUNK = 2**26  # token ids per max() when a cache is checked: bounds the memory one chunk maps
+CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: sharded, split per part)
+BATCH_TIME_FIELDS = ("cache_dir", "packing", "max_tokens")  # settings that do not change the cache's contents
+STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
 
 
-@dataclass
-class PreparedData:
-    """A finished cache folder and its meta.json."""
-    path: str
-    meta: dict
-
-    @property
-    def tokenizer_path(self) -> str:
-        return os.path.join(self.path, TOKENIZER_FILE)
-
-    def texts(self, split: str) -> list[str]:
-        """The split's documents as text, decoded from the cache (special tokens of chats kept)."""
-        tokens = np.fromfile(os.path.join(self.path, f"{split}.bin"), dtype=self.meta["dtype"]).tolist()
-        tok, eot = Tokenizer.from_file(self.tokenizer_path), self.meta["eot_id"]
-        cuts = [i for i, t in enumerate(tokens) if t == eot]
-        return [tok.decode(tokens[a + 1:b], skip_special_tokens=False) for a, b in zip([-1] + cuts, cuts)]
+def _budget(cfg: DataConfig) -> float:
+    return cfg.max_source_mb * 1e6 or float("inf")
 
 
-def _val_mask(n_docs: int, seed: int, val_fraction: float) -> np.ndarray:
-    """Which documents are validation: a seeded choice of round(n * val_fraction), at least one."""
-    k = max(1, round(n_docs * val_fraction))
-    is_val = np.zeros(n_docs, dtype=bool)
-    is_val[np.random.default_rng(seed).choice(n_docs, size=k, replace=False)] = True
-    return is_val
+def _shards(cfg: DataConfig, found):
+    """Yield (source index, its files, shard key, the shard's documents) in order; the key carries the text
+    budget left at the shard's start (a shard ends where max_source_mb does), so this reads in order."""
+    budget = _budget(cfg)
+    for s, source in enumerate(found):
+        for files in tc.group_files(source.files):
+            if budget <= 0:
+                return
+            stats = ReadStats()
+            key = tc.shard_key(files, budget)
+            yield s, files, key, stats, tc.split_parts(documents(files, cfg, stats, budget), stats, cfg.data_seed,
+                                                       cfg.val_fraction)
+            budget -= stats.bytes  # what the caller read of it (all, unless it stopped early)
 
 
 def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
     """The documents of a split ("train", "val"; None: all) as text, read from the sources with the split the
     cache of these settings has (no tokenizer, no cache), so any model can be measured on the same bytes.
     Chats come as their template text."""
-    files = source_files(cfg)
-    is_val = None if split is None else _val_mask(scan(files, cfg, lambda *a: None).documents, cfg.data_seed,
-                                                  cfg.val_fraction)
     texts, last = [], None
-    for i, (doc_id, piece, doc) in enumerate(documents(files, cfg, ReadStats())):
-        if is_val is not None and is_val[i] != (split == "val"):
-            continue
-        text = doc if isinstance(doc, str) else chat_text(doc)
-        if last == (doc_id, piece - 1):
-            texts[-1] += text  # the next piece of the same file: the cache joins them too
-        else:
-            texts.append(text)
-        last = (doc_id, piece)
+    for *_, docs in _shards(cfg, sources(cfg)):
+        for part, doc_id, piece, doc, _, is_val in docs:
+            if split is not None and is_val != (split == "val"):
+                continue
+            text = doc if isinstance(doc, str) else chat_text(doc)
+            if last == (part, doc_id, piece - 1):
+                texts[-1] += text  # the next piece of the same file: the cache joins them too
+            else:
+                texts.append(text)
+            last = (part, doc_id, piece)
+        last = None
     if not texts:
         raise DataError(f"no text found in {', '.join(cfg.sources) or 'the default corpus'}, pass files that hold text")
     return texts
@@ -96,23 +91,32 @@ def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _tokenizer_sample(files, cfg: DataConfig, is_val, total_bytes: int):
-    """Training-split texts, about TOKENIZER_SAMPLE_BYTES of them, spread over the whole corpus."""
-    stride = max(1, math.ceil(total_bytes / TOKENIZER_SAMPLE_BYTES))
-    for i, ((_, _, doc), val) in enumerate(zip(documents(files, cfg, ReadStats()), is_val)):
-        if i % stride == 0 and not val:
-            # A conversation trains as its template text without the special tokens.
-            yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
+def _tokenizer_sample(cfg: DataConfig, found):
+    """Training-split texts, about TOKENIZER_SAMPLE_BYTES: each source's share by its weight (or size), taken
+    from the head of each of its shards in proportion to the shard's size."""
+    totals = [sum(file_bytes(p, cfg) for p, _ in source.files) for source in found]
+    shares = [source.weight for source in found] if found[0].weight else totals
+    shares = shares if sum(shares) > 0 else [1] * len(found)  # sizes unknown (empty files): alike
+    whole = _budget(cfg) == float("inf")
+    for s, files, _, _, docs in _shards(cfg, found):
+        size = sum(file_bytes(p, cfg) for p, _ in files)
+        want, taken = TOKENIZER_SAMPLE_BYTES * shares[s] / sum(shares) * size / max(1, totals[s]), 0
+        for _, _, _, doc, nbytes, is_val in docs:
+            if taken >= want and whole:
+                break  # under max_source_mb the shard is read on: where the budget ends names the next shards
+            if taken < want and not is_val:
+                taken += nbytes  # a conversation trains as its template text without the special tokens
+                yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
 
 
-def _make_tokenizer(files, cfg: DataConfig, vocab_size: int, is_val, total_bytes: int, log) -> Tokenizer:
-    """The configured local tokenizer, or a new one trained on the training split."""
+def _make_tokenizer(cfg: DataConfig, found, vocab_size: int, log) -> Tokenizer:
+    """The configured local tokenizer, or a new one trained on a sample of the training split."""
     start = time.perf_counter()
     if cfg.tokenizer:
         tok = existing_tokenizer(cfg.tokenizer, vocab_size)
         log(f"data: using tokenizer {cfg.tokenizer} ({tok.get_vocab_size()} tokens)")
         return tok
-    tok = train_tokenizer(_tokenizer_sample(files, cfg, is_val, total_bytes), cfg.tokenizer_type, vocab_size)
+    tok = train_tokenizer(_tokenizer_sample(cfg, found), cfg.tokenizer_type, vocab_size)
     log(f"data: trained a {cfg.tokenizer_type} tokenizer of {tok.get_vocab_size()} tokens "
         f"in {time.perf_counter() - start:.1f}s")
     return tok
@@ -120,85 +124,170 @@ def _make_tokenizer(files, cfg: DataConfig, vocab_size: int, is_val, total_bytes
 
 # ----------------------------------------------------------------------------- token cache
 
-class _SplitWriter:
-    """Appends a split's documents to <split>.bin and <split>_mask.bin, EOT wherever the text breaks off."""
-
-    def __init__(self, folder: str, split: str, dtype, eot: int):
-        self.paths = [os.path.join(folder, f"{split}.bin"), os.path.join(folder, f"{split}_mask.bin")]
-        self.files = [open(p, "wb") for p in self.paths]
-        self.dtype, self.eot = dtype, eot
-        self.tokens = self.documents = self.bytes = 0
-        self.last = None  # (doc_id, piece, is its last token learned) of the piece written last
-        self.pending = []
-
-    def add(self, doc_id: int, piece: int, ids: list, mask: list, nbytes: int):
-        """Append one piece; an EOT (learned like the end before it) first if it doesn't continue the last."""
-        if self.last and self.last[:2] != (doc_id, piece - 1):
-            self._append([self.eot], [self.last[2]])
-        self._append(ids, mask)
-        self.last = (doc_id, piece, bool(mask and mask[-1]))
-        self.documents += 1
-        self.bytes += nbytes
-
-    def _append(self, ids: list, mask: list):
-        self.pending.append((np.asarray(ids, self.dtype), np.asarray(mask, np.uint8)))
-        self.tokens += len(ids)
-
-    def flush(self):
-        """Write what add() collected."""
-        for f, parts in zip(self.files, zip(*self.pending)):
-            np.concatenate(parts).tofile(f)
-        self.pending = []
-
-    def close(self, keep_masks: bool):
-        """End the last document with EOT, flush to disk, and drop the mask file when no chat needs it."""
-        if self.last:
-            self._append([self.eot], [self.last[2]])
-        self.flush()
-        for f in self.files:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        if not keep_masks:
-            os.remove(self.paths[1])
+def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
+    """The cache folder's name: every data setting but the cache's place and how batches are cut from it (a field
+    added to DataConfig takes part without being listed here), the sources as given (not their files, whose
+    changes redo only their own shards; not their weights) and the tokenizer file."""
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
+    settings.update(sources=[os.path.abspath(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
+                    format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES)
+    return tc.digest(settings, tc.file_identity(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else None)
 
 
-def _write_splits(folder: str, files, cfg: DataConfig, tok: Tokenizer, is_val, total_bytes: int) -> dict:
-    """Tokenize every document in parallel batches, streaming each to its split; returns the counts."""
+def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tuple[Tokenizer, dict]:
+    """The cache folder's tokenizer and meta.json, made (tokenizer trained) when absent or damaged."""
+    problem = tc.folder_problem(path) if os.path.isdir(path) else "absent"
+    if problem is None:
+        return Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)), tc.read_json(os.path.join(path, "meta.json"))
+    if problem != "absent":  # a cache is derived data: rebuilt, not refused
+        log(f"data: the token cache {path} is damaged ({problem}), rebuilding it")
+    tok = _make_tokenizer(cfg, found, vocab_size, log)
     vocab = tok.get_vocab_size()
-    dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    writers = {s: _SplitWriter(folder, s, dtype, tok.token_to_id(EOT_TOKEN)) for s in ("train", "val")}
-    stats, batch = ReadStats(), []
+    meta = {"vocab_size": vocab, "dtype": "uint16" if vocab <= 2**16 else "uint32",
+            "eot_id": tok.token_to_id(EOT_TOKEN), "tokenizer": cfg.tokenizer or cfg.tokenizer_type,
+            "format": CACHE_FORMAT}
+    # Under a temporary name, then renamed over the damaged folder: its parts were tokenized by another tokenizer.
+    with atomic.folder(path, f"writing the token cache {path}") as tmp:
+        tok.save(os.path.join(tmp, TOKENIZER_FILE))
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+    return tok, meta
 
-    def flush():
-        segments = [[(doc, True, False)] if isinstance(doc, str) else chat_segments(doc) for *_, doc in batch]
-        for (writer, doc_id, piece, _), segs, (ids, mask) in zip(batch, segments, encode_segments(tok, segments)):
-            writer.add(doc_id, piece, ids, mask, sum(len(text.encode("utf-8")) for text, _, _ in segs))
-        for writer in writers.values():
-            writer.flush()
-        batch.clear()
 
-    done = 0  # bytes encoded so far (tqdm's own count stays 0 when the bar is off)
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
-        # zip reads one document past the split's end if the sources grew, and the check below sees it.
-        for (doc_id, piece, doc), val in zip(documents(files, cfg, stats), is_val):
-            batch.append((writers["val" if val else "train"], doc_id, piece, doc))
-            if stats.bytes - done >= ENCODE_BATCH_BYTES:
-                flush()
-                bar.update(stats.bytes - done)
-                done = stats.bytes
-        flush()
-        bar.update(stats.bytes - done)
-    if stats.documents != len(is_val):
-        raise DataError("the sources changed while they were being prepared, run again")
+def _encode(batch: list, writers: dict, tok: Tokenizer):
+    """Tokenize a batch of (split, doc_id, piece, document, bytes) in one parallel call, appending each."""
+    segments = [[(doc, True, False)] if isinstance(doc, str) else chat_segments(doc) for _, _, _, doc, _ in batch]
+    for (split, doc_id, piece, _, nbytes), (ids, mask) in zip(batch, encode_segments(tok, segments)):
+        writers[split].add(doc_id, piece, ids, mask, nbytes)
     for writer in writers.values():
-        writer.close(keep_masks=stats.chats > 0)
-    meta = {"vocab_size": vocab, "dtype": np.dtype(dtype).name, "has_masks": stats.chats > 0,
-            "eot_id": tok.token_to_id(EOT_TOKEN)}
-    for split, w in writers.items():
-        meta.update({f"{split}_tokens": w.tokens, f"{split}_documents": w.documents, f"{split}_bytes": w.bytes})
-    meta["val_bytes_per_token"] = writers["val"].bytes / max(1, writers["val"].tokens)
-    return meta
+        writer.flush()
+    batch.clear()
+
+
+def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar) -> dict:
+    """Tokenize one part's documents into a folder written under a temporary name; returns its part.json."""
+    with atomic.folder(folder, f"writing the token cache part {folder}") as tmp:
+        writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
+        batch, size, chats = [], 0, False
+        for _, doc_id, piece, doc, nbytes, is_val in items:
+            batch.append(("val" if is_val else "train", doc_id, piece, doc, nbytes))
+            chats |= not isinstance(doc, str)
+            size += nbytes
+            if size >= ENCODE_BATCH_BYTES:
+                _encode(batch, writers, tok)
+                bar.update(size)
+                size = 0
+        _encode(batch, writers, tok)
+        bar.update(size)
+        record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files]}
+        for split, writer in writers.items():
+            writer.close(keep_masks=chats)
+            record.update(writer.counts(split))
+        with open(os.path.join(tmp, "part.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    return record
+
+
+def _caps(cfg: DataConfig, found) -> list:
+    """The train tokens each source may give under --max_tokens (inf: no cap); without weights, one cap for all."""
+    if not cfg.max_tokens:
+        return [float("inf")] * len(found)
+    if not found[0].weight:
+        return [cfg.max_tokens] * len(found)  # checked against every source's tokens together
+    total = sum(source.weight for source in found)
+    return [round(cfg.max_tokens * source.weight / total) for source in found]
+
+
+def _taken(parts: list, s: int, weighted: bool) -> int:
+    return sum(p["train_tokens"] for p in parts if p["source"] == s or not weighted)
+
+
+def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log) -> tuple[list, ReadStats]:
+    """Every shard's parts, reused where complete and intact, written where not; stops a source at its cap."""
+    shards = os.path.join(path, "shards")
+    os.makedirs(shards, exist_ok=True)
+    atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
+    tc.drop_stale(shards, log)
+    caps, weighted, seen, parts = _caps(cfg, found), bool(found[0].weight), ReadStats(), []
+    total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None) as bar:
+        for s, files, key, stats, docs in _shards(cfg, found):
+            if _taken(parts, s, weighted) >= caps[s]:
+                continue
+            if (done := tc.complete_shard(shards, key, meta)) is not None:
+                counts, records = done
+                stats.bytes = counts.get("bytes", 0)  # for the budget of the shards after it
+                _merge(seen, counts)
+                parts += [dict(r, source=s) for r in records]
+                bar.update(stats.bytes)
+                continue
+            count = 0
+            for part, items in itertools.groupby(docs, key=lambda d: d[0]):
+                folder = os.path.join(shards, f"{key}-{part:05d}")
+                problem = tc.part_problem(folder, meta["vocab_size"], meta["dtype"]) if os.path.isdir(folder) \
+                    else "absent"
+                if problem is None:  # written by a run that stopped before the shard's end: read past it
+                    record = tc.read_json(os.path.join(folder, "part.json"))
+                    bar.update(sum(n for *_, n, _ in items))
+                else:
+                    if problem != "absent":
+                        log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
+                    record = _write_part(folder, items, files, tok, meta, bar)
+                parts.append(dict(record, folder=folder, source=s))
+                count += 1
+                if _taken(parts, s, weighted) >= caps[s]:
+                    break
+            else:
+                atomic.write_text(os.path.join(shards, key + ".json"), json.dumps(
+                    {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
+            bar.set_postfix_str(f"{sum(p['train_tokens'] + p['val_tokens'] for p in parts):,} tokens", refresh=False)
+            _merge(seen, asdict(stats))
+    return parts, seen
+
+
+def _merge(seen: ReadStats, counts: dict):
+    """Add a shard's reading counts to the corpus's."""
+    for name in STAT_FIELDS:
+        setattr(seen, name, getattr(seen, name) + int(counts.get(name, 0)))
+    for name in ("first_binary", "first_bad", "first_invalid"):
+        setattr(seen, name, getattr(seen, name) or str(counts.get(name, "")))
+
+
+def _apply_caps(parts: list, caps: list, weighted: bool):
+    """Cut the train tokens read past each cap (the last part of a source, or of the corpus, read in part)."""
+    left = list(caps) if weighted else caps[:1] * len(caps)
+    for p in parts:
+        at = p["source"] if weighted else 0
+        p["train_tokens"] = int(min(p["train_tokens"], left[at]))
+        left[at] -= p["train_tokens"]
+
+
+def _totals(meta: dict, parts: list, found, weights) -> dict:
+    """meta.json's fields with the parts' sums, and the mixture per source."""
+    out = dict(meta, has_masks=any(p["has_masks"] for p in parts))
+    for key in tc.PART_FIELDS:
+        out[key] = sum(p[key] for p in parts)
+    out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])
+    out["sources"] = []
+    for s, source in enumerate(found):
+        mine = [p for p in parts if p["source"] == s]
+        out["sources"].append({"source": source.given or sysconfig.get_paths()["stdlib"],
+                               "weight": weights[s] if weights else None, "files": len(source.files),
+                               "bytes": sum(p["train_bytes"] + p["val_bytes"] for p in mine),
+                               "train_tokens": sum(p["train_tokens"] for p in mine)})
+    return out
+
+
+def source_table(meta: dict) -> list[str]:
+    """Tokens per source and the mixture reached, as lines of a table."""
+    width = max(len(s["source"]) for s in meta["sources"])
+    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'weight':>6}"]
+    for s in meta["sources"]:
+        share = s["train_tokens"] / max(1, meta["train_tokens"])
+        weight = f"{s['weight']:.1%}" if s["weight"] is not None else "-"
+        rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f}  {s['train_tokens']:>14,}  "
+                    f"{share:>6.1%}  {weight:>6}")
+    return rows
 
 
 def check_window(split: str, tokens: int, seq_len: int):
@@ -208,115 +297,67 @@ def check_window(split: str, tokens: int, seq_len: int):
                         f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
 
 
-def check_windows(meta: dict, packing: str, seq_len: int):
-    """Both splits hold a training window, where windows are random slices (packed ones fit any example)."""
-    if not packs(packing, meta):
-        for split in ("train", "val"):
-            check_window(split, meta[f"{split}_tokens"], seq_len)
-
-
-def _fingerprint(files, cfg: DataConfig, vocab_size: int) -> str:
-    """Hash of everything the cache depends on: files (path, size, mtime) and every data setting but the cache's
-    place and how batches are cut from it, so a field added to DataConfig takes part without being listed here."""
-    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
-    settings.update(vocab_size=vocab_size, format=CACHE_FORMAT, piece_bytes=PIECE_BYTES)
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    paths = [p for p, _ in files] + ([tokenizer_file(cfg.tokenizer)] if cfg.tokenizer else [])
-    for path in paths:
-        st = os.stat(path)
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def _build(path: str, files, cfg: DataConfig, vocab_size: int, seq_len: int, log):
-    """Scan, split, train the tokenizer and write the cache under a temporary name, renamed when complete."""
-    start = time.perf_counter()
-    stats = scan(files, cfg, log)
-    log(f"data: {stats.files} files, {stats.documents} documents, {stats.bytes / 1e6:.1f} MB "
-        f"(scanned in {time.perf_counter() - start:.1f}s)")
-    is_val = _val_mask(stats.documents, cfg.data_seed, cfg.val_fraction)
-    tok = _make_tokenizer(files, cfg, vocab_size, is_val, stats.bytes, log)
-    # Under a temporary name, never read as a cache: only a folder named <fingerprint> with meta.json is.
-    with atomic.folder(path, f"writing the token cache {path}", need=4 * stats.bytes) as tmp:
-        tok.save(os.path.join(tmp, TOKENIZER_FILE))
-        meta = _write_splits(tmp, files, cfg, tok, is_val, stats.bytes)
-        check_windows(meta, cfg.packing, seq_len)
-        seconds = time.perf_counter() - start
-        meta.update(sources=cfg.sources or [sysconfig.get_paths()["stdlib"]], files=stats.files,
-                    source_bytes=stats.bytes, binary_files_skipped=stats.binary_skipped,
-                    bad_lines_skipped=stats.bad_lines, invalid_utf8_replaced=stats.invalid_utf8,
-                    tokenizer=cfg.tokenizer or cfg.tokenizer_type, seconds=round(seconds, 2),
-                    mb_per_second=round(stats.bytes / 1e6 / seconds, 2), format=CACHE_FORMAT)
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-    log(f"data: prepared {stats.bytes / 1e6:.1f} MB in {seconds:.1f}s ({meta['mb_per_second']} MB/s), "
-        f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens, "
-        f"{meta['val_bytes_per_token']:.2f} bytes per token")
-
-
-def _has(value, kind) -> bool:
-    """isinstance, without True passing for an int."""
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-
-
-def _cache_problem(path: str) -> str | None:
-    """What is wrong with a cache folder, in a few words; None when meta.json's fields, the split files' sizes
-    and token ids, and the tokenizer agree. A cache damaged by hand, by a disk or by a copy cut short once
-    ended in one of seven tracebacks (the last an IndexError from the embedding, mid-training)."""
-    try:
-        with open(os.path.join(path, "meta.json"), "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return f"meta.json is unreadable: {str(e).splitlines()[0][:80]}"
-    if not isinstance(meta, dict):
-        return f"meta.json holds a {type(meta).__name__}, not an object"
-    for key, kind in META_FIELDS.items():
-        if not _has(meta.get(key), kind) or (kind is int and meta[key] < 0):
-            return f"meta.json's {key} is {meta.get(key)!r}"
-    if meta["dtype"] not in ("uint16", "uint32") or meta["eot_id"] >= meta["vocab_size"]:
-        return f"meta.json's dtype {meta['dtype']!r} or eot_id {meta['eot_id']} does not fit its vocabulary"
+def check_windows(data: PreparedData, packing: str, seq_len: int):
+    """Both splits hold a training window, and so does each weighted source, where windows are random slices
+    (packed ones fit any example; they read the corpus as a whole, so refuse weights)."""
+    if packs(packing, data.meta):
+        if data.weights:
+            raise DataError("source weights apply to random windows, and these windows are packed whole examples "
+                            "(--packing auto with chats, or documents); pass --packing off or give no weights")
+        return
     for split in ("train", "val"):
-        tokens, width = meta[f"{split}_tokens"], np.dtype(meta["dtype"]).itemsize
-        for file, need in [(f"{split}.bin", tokens * width)] + [(f"{split}_mask.bin", tokens)] * meta["has_masks"]:
-            where = os.path.join(path, file)
-            if not os.path.isfile(where) or os.path.getsize(where) != need:
-                return f"{file} is missing or not the {need:,} bytes that meta.json's {split}_tokens needs"
-        bin_path = os.path.join(path, f"{split}.bin")
-        ids = np.memmap(bin_path, dtype=meta["dtype"], mode="r") if tokens else []  # np.memmap refuses empty files
-        # Every id, in chunks: the time of reading the file once, against an IndexError hours into a run.
-        top = max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
-        if top >= meta["vocab_size"]:
-            return f"{split}.bin holds token id {top}, past the vocabulary of {meta['vocab_size']}"
-    try:
-        vocab = Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)).get_vocab_size()
-    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-        return f"{TOKENIZER_FILE} is unreadable: {str(e).splitlines()[0][:80]}"
-    if vocab != meta["vocab_size"]:
-        return f"{TOKENIZER_FILE} has {vocab} tokens, meta.json's vocab_size {meta['vocab_size']}"
-    return None
+        check_window(split, data.meta[f"{split}_tokens"], seq_len)
+    for source, (a, b) in zip(data.meta["sources"], data.source_ranges() if data.weights else []):
+        if b - a < seq_len + 1:
+            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer than one window of "
+                            f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
+
+
+def _old_caches(cache_dir: str) -> list[str]:
+    """Cache folders of the single-file format (before shards): no longer read."""
+    return sorted(os.path.join(cache_dir, d) for d in (os.listdir(cache_dir) if os.path.isdir(cache_dir) else [])
+                  if os.path.isfile(os.path.join(cache_dir, d, "train.bin")))
 
 
 def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> PreparedData:
-    """Build the token cache for these settings, or reuse the finished one; raises DataError on bad input."""
+    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad input."""
     if cfg.data_seed < 0:
         raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
     if not cfg.tokenizer and vocab_size < MIN_VOCAB:
         raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
                         f"which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
                         f"pass --vocab_size {MIN_VOCAB} or more")
-    files = source_files(cfg)
-    path = os.path.join(cfg.cache_dir, _fingerprint(files, cfg, vocab_size))
+    start, found = time.perf_counter(), sources(cfg)
+    path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
     atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
-    problem = _cache_problem(path) if os.path.isdir(path) else "absent"
-    if problem is None:
-        log(f"data: reusing {path}")
-    else:
-        if problem != "absent":  # a cache is derived data: rebuilt, not refused
-            log(f"data: the token cache {path} is damaged ({problem}), rebuilding it")
-        _build(path, files, cfg, vocab_size, seq_len, log)
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        data = PreparedData(path, json.load(f))
-    check_windows(data.meta, cfg.packing, seq_len)
+    for old in _old_caches(cfg.cache_dir):
+        log(f"data: {old} holds a token cache of an earlier format, no longer read; delete it to free its space")
+    created = not os.path.isdir(path)
+    try:
+        tok, meta = _open_folder(path, cfg, found, vocab_size, log)
+        parts, seen = _build_parts(path, cfg, found, tok, meta, log)
+        check_read(seen, cfg, log)
+    except DataError:
+        shards = os.path.join(path, "shards")
+        if created and not [p for p in (os.listdir(shards) if os.path.isdir(shards) else [])
+                            if p[0] != "." and not p.endswith(".json")]:
+            shutil.rmtree(path, ignore_errors=True)  # bad input leaves no folder behind, only finished parts
+        raise
+    _apply_caps(parts, _caps(cfg, found), bool(found[0].weight))
+    weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
+    data = PreparedData(path, _totals(meta, parts, found, weights), parts, weights)
+    seconds = time.perf_counter() - start
+    m = data.meta
+    m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
+             bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
+             mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
+    log(f"data: {seen.files} files, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} parts, "
+        f"ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} tokens, "
+        f"{m['val_bytes_per_token']:.2f} bytes per token")
+    if len(found) > 1 or cfg.max_tokens:
+        for row in source_table(m):
+            log(f"data: {row}")
+    check_windows(data, cfg.packing, seq_len)
     return data
 
 
@@ -325,13 +366,12 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
 def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto", seq_len: int = 256):
     """Print the train split's first n documents with their learned tokens marked (ANSI green, or [[...]] when
     colour is off), then the share of the split's tokens that are learned and how full packed windows are."""
-    tokens = np.memmap(os.path.join(data.path, "train.bin"), dtype=data.meta["dtype"], mode="r")
-    masks = np.memmap(os.path.join(data.path, "train_mask.bin"), dtype=np.uint8, mode="r") \
-        if data.meta["has_masks"] else None  # without chats every token is learned
+    tokens = data.stream("train")
+    masks = data.stream("train", masks=True) if data.meta["has_masks"] else None  # else every token is learned
     cuts, start = [], 0
     while len(cuts) < n and start < len(tokens):  # chunks: the first documents need not read the whole split
-        cuts += (start + np.flatnonzero(tokens[start:start + ID_CHUNK] == data.meta["eot_id"])).tolist()
-        start += ID_CHUNK
+        cuts += (start + np.flatnonzero(tokens[start:start + tc.ID_CHUNK] == data.meta["eot_id"])).tolist()
+        start += tc.ID_CHUNK
     tok, marks = Tokenizer.from_file(data.tokenizer_path), ("\033[32m", "\033[0m") if colour else ("[[", "]]")
     for i, (a, b) in enumerate(zip([-1] + cuts, cuts[:n]), 1):
         ids = tokens[a + 1:b].tolist()
@@ -340,7 +380,8 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
         text = marked_text(tok, ids, learned, marks)
         print(text, end="" if text.endswith("\n") else "\n")
     total = len(tokens)
-    taught = total if masks is None else sum(int(masks[i:i + ID_CHUNK].sum()) for i in range(0, total, ID_CHUNK))
+    taught = total if masks is None else \
+        sum(int(masks[i:i + tc.ID_CHUNK].sum()) for i in range(0, total, tc.ID_CHUNK))
     print(f"learned: {taught / max(1, total):.1%} of the train split's {total:,} tokens ({taught:,})")
     if packs(packing, data.meta):
         p = plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), seq_len, seed=0)
@@ -368,6 +409,8 @@ def main(argv=None):
     print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
           f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
           f"{m['val_bytes_per_token']:.2f} bytes per token, masks {'yes' if m['has_masks'] else 'no'}")
+    if len(m["sources"]) == 1 and not cfg.data.max_tokens:
+        print("\n".join(source_table(m)))  # prepare() logs it itself for a mixture or a cap
     if extras.show:
         show_examples(data, extras.show, sys.stdout.isatty(), cfg.data.packing, cfg.model.max_seq_len)
 

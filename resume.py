@@ -121,19 +121,31 @@ def check_same_shape(cfg: Config, ckpt: str):
                           "use the run's own settings or a new --run_dir")
 
 
-def check_same_data(cfg: Config, state: dict, data_path: str):
-    """Refuse to resume on other data: its tokenizer and token cache would not be the checkpoint's."""
-    saved = os.path.basename(os.path.normpath(state.get("data_fingerprint", "")))
-    if not saved or saved == os.path.basename(os.path.normpath(data_path)):
+def check_same_data(cfg: Config, state: dict, data):
+    """Refuse to resume on other data: its tokenizer and tokens would not be the checkpoint's. Says what changed:
+    the data settings, or the source files added, removed or changed since."""
+    saved = state.get("data_fingerprint", "")
+    if not saved or saved == data.fingerprint:
         return
     theirs = saved_config(state).get("data", {})
     differ = [f"{f.name}: checkpoint {theirs[f.name]!r} vs now {getattr(cfg.data, f.name)!r}"
               for f in fields(cfg.data) if f.name != "cache_dir" and f.name in theirs
               and theirs[f.name] != getattr(cfg.data, f.name)]
-    what = "; ".join(differ) if differ else ("the source files changed since (sizes or modification times), or "
-                                             "this version reads them into another cache format")
+    if not differ and "data_files" in state:
+        differ = _file_changes({f[0]: list(f) for f in state["data_files"]}, {f[0]: list(f) for f in data.files})
+    what = "; ".join(differ) if differ else "the checkpoint read a token cache of an earlier format"
     raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; resume "
-                      f"with the run's data settings, or train on the new data with --init_from CHECKPOINT")
+                      f"with the run's data, or train on the new data with --init_from CHECKPOINT")
+
+
+def _file_changes(before: dict, now: dict) -> list[str]:
+    """The source files added, removed and changed (size or modification time), a few of each named."""
+    def few(paths):
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    kinds = {"added": sorted(set(now) - set(before)), "removed": sorted(set(before) - set(now)),
+             "changed": sorted(p for p in set(now) & set(before) if now[p] != before[p])}
+    return [f"{kind} {few(paths)}" for kind, paths in kinds.items() if paths] or \
+        ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
 def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):

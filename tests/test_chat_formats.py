@@ -74,8 +74,8 @@ def test_every_shape_is_rendered_and_masked_as_a_messages_line(tmp_path):
                for messages in expected for m in messages if m["role"] == "assistant"]
     runs = []
     for split in ("train", "val"):
-        tokens = np.fromfile(f"{data.path}/{split}.bin", dtype=data.meta["dtype"])
-        mask = np.fromfile(f"{data.path}/{split}_mask.bin", dtype=np.uint8)
+        tokens = data.stream(split)[:]
+        mask = data.stream(split, masks=True)[:]
         edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
         runs += [tuple(tokens[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
     assert sorted(runs) == sorted(replies)

@@ -3,6 +3,7 @@ preparation killed half-way, two trainers on one folder, a YAML alias bomb, an e
 Every one ends in one `error:` line (exit 2 for bad input, 1 for a runtime failure) or a repair said in one
 line, never a traceback, never half-written output, never lost work."""
 
+import glob
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import atomic
 import checkpoint as ckpt_io
 import gpu_training_optimized as trainer
 import prepare_data as pd
+import token_cache as tc
 from test_faults import one_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,19 +88,24 @@ def edit_meta(change):
     return damage
 
 
+def first_part(cache) -> Path:
+    return Path(sorted(glob.glob(str(cache / "shards" / "*-00000")))[0])
+
+
 def ids_past_the_vocabulary(cache):
-    ids = np.fromfile(cache / "train.bin", dtype=np.uint16)
+    ids = np.fromfile(first_part(cache) / "train.bin", dtype=np.uint16)
     ids[::10] = 60000  # the tiny model's vocabulary is 512
-    ids.tofile(cache / "train.bin")
+    ids.tofile(first_part(cache) / "train.bin")
 
 
-DAMAGED_CACHES = {
+DAMAGED_CACHES = {  # the folder's tokenizer record, then one part's tokens
     "meta-garbage-bytes": lambda c: (c / "meta.json").write_bytes(b"\x8f\xff\x00 garbage"),
     "meta-a-list": lambda c: (c / "meta.json").write_text("[1, 2, 3]"),
-    "meta-missing-keys": edit_meta(lambda m: {k: v for k, v in m.items() if k not in ("train_tokens", "dtype")}),
+    "meta-missing-keys": edit_meta(lambda m: {k: v for k, v in m.items() if k not in ("vocab_size", "dtype")}),
     "meta-bad-dtype": edit_meta(lambda m: {**m, "dtype": "nonsense"}),
-    "train-truncated": lambda c: os.truncate(c / "train.bin", os.path.getsize(c / "train.bin") // 2),
-    "train-empty": lambda c: (c / "train.bin").write_bytes(b""),
+    "train-truncated": lambda c: os.truncate(first_part(c) / "train.bin", 7),
+    "train-empty": lambda c: (first_part(c) / "train.bin").write_bytes(b""),
+    "part-record-garbage": lambda c: (first_part(c) / "part.json").write_bytes(b"\x8f\xff"),
     "ids-past-the-vocabulary": ids_past_the_vocabulary,
 }
 
@@ -116,18 +123,22 @@ def pristine_cache(corpus, argv_for, tmp_path_factory):
 @pytest.mark.parametrize("damage", list(DAMAGED_CACHES))
 def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, pristine_cache, tmp_path, capsys, damage,
                                                        script):
-    """meta.json of garbage bytes, a list, missing keys or an unknown dtype; train.bin cut short, emptied or
-    holding ids past the vocabulary: seven tracebacks (UnicodeDecodeError, TypeError, KeyError, ValueError, an
-    IndexError from the embedding mid-run). A cache is derived data: it is rebuilt, and one line says so."""
+    """meta.json of garbage bytes, a list, missing keys or an unknown dtype; a part's train.bin cut short, emptied
+    or holding ids past the vocabulary, its part.json garbage: once seven tracebacks (UnicodeDecodeError,
+    TypeError, KeyError, ValueError, an IndexError from the embedding mid-run). A cache is derived data: what is
+    damaged is rebuilt (the whole folder for its tokenizer's record, else the part), and one line says so."""
     cache = tmp_path / "cache" / pristine_cache.name
     shutil.copytree(pristine_cache, cache)
     DAMAGED_CACHES[damage](cache)
     argv = argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--cache_dir", tmp_path / "cache")
     assert (trainer.run if script == "trainer" else pd.main)(argv) in (0, None)
     out, err = capsys.readouterr()
-    assert "Traceback" not in err and f"data: the token cache {cache} is damaged (" in out, err
-    assert (cache / "train.bin").read_bytes() == (pristine_cache / "train.bin").read_bytes()
-    assert pd._cache_problem(str(cache)) is None and os.listdir(cache.parent) == [cache.name]
+    what = f"the token cache {cache}" if damage.startswith("meta") else f"the token cache part {first_part(cache)}"
+    assert "Traceback" not in err and f"data: {what} is damaged (" in out, (err, out)
+    for name in ("train.bin", "val.bin", "part.json"):
+        assert (first_part(cache) / name).read_bytes() == (first_part(pristine_cache) / name).read_bytes()
+    assert tc.folder_problem(str(cache)) is None and os.listdir(cache.parent) == [cache.name]
+    assert tc.part_problem(str(first_part(cache)), 512, "uint16") is None
 
 
 # ----------------------------------------------------------------------------- killed during start-up

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "chat_formats", "readers", "corpus", "packing", "prepare_data", "batches", "modern_llm",
+        "tokenizer", "chat_formats", "readers", "corpus", "packing", "token_cache", "prepare_data", "batches", "modern_llm",
         "sampling", "engine", "evaluation",
         "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format",
         "checkpoint", "model_card", "schedule", "resume", "gpu_training_optimized", "text_generator", "openai_api"]

@@ -44,8 +44,8 @@ def chat_data(tmp_path_factory):
 
 
 def split(data, name):
-    tokens = np.fromfile(f"{data.path}/{name}.bin", dtype=data.meta["dtype"]).astype(np.int64)
-    return tokens, np.fromfile(f"{data.path}/{name}_mask.bin", dtype=np.uint8)
+    tokens = data.stream(name)[:].astype(np.int64)
+    return tokens, data.stream(name, masks=True)[:]
 
 
 def naive_examples(tokens, eot) -> list[list[int]]:

@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_prepare_data.py
 """
 
+import glob
 import json
 import os
 import random
@@ -22,6 +23,7 @@ sys.path.insert(0, ROOT)
 import corpus  # noqa: E402
 import batches  # noqa: E402
 import prepare_data as pd  # noqa: E402
+import token_cache as tc  # noqa: E402
 from config import DataConfig  # noqa: E402
 from tokenizer import IM_END, IM_START, KINDS  # noqa: E402
 
@@ -72,9 +74,8 @@ def prepare(cfg, vocab=VOCAB, seq=SEQ, logs=None):
 
 
 def split_arrays(data, split):
-    tokens = np.fromfile(os.path.join(data.path, f"{split}.bin"), dtype=data.meta["dtype"])
-    mask_path = os.path.join(data.path, f"{split}_mask.bin")
-    return tokens, (np.fromfile(mask_path, dtype=np.uint8) if os.path.exists(mask_path) else None)
+    tokens = data.stream(split)[:]
+    return tokens, (data.stream(split, masks=True)[:] if data.meta["has_masks"] else None)
 
 
 def documents(data) -> list[str]:
@@ -109,7 +110,7 @@ def test_folder_is_read_recursively_skips_binary_and_keeps_text_exact(tmp_path):
     assert data.meta["binary_files_skipped"] == 1
     assert sorted(documents(data)) == sorted(texts.values())
     assert data.meta["train_documents"] + data.meta["val_documents"] == len(texts)
-    assert not data.meta["has_masks"] and not os.path.exists(os.path.join(data.path, "train_mask.bin"))
+    assert not data.meta["has_masks"] and not glob.glob(os.path.join(data.path, "shards", "*", "train_mask.bin"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -231,24 +232,27 @@ def test_show_marks_exactly_the_assistant_replies_and_the_share_learned(tmp_path
 
 def test_every_data_setting_but_the_cache_folder_changes_the_fingerprint(tmp_path):
     """A data setting left out of the cache key (system_prompt, when it came) would reuse a cache built with
-    another value: every DataConfig field but cache_dir and packing (how batches are cut from the cache) must
-    change the fingerprint."""
+    another value: every DataConfig field but cache_dir, packing and max_tokens (how batches are cut from the
+    cache) must change the folder's key; source weights do not."""
     text_corpus(tmp_path / "corpus", n_docs=2)
     (tmp_path / "tok.json").write_text("{}")
     other = {"sources": [str(tmp_path / "corpus")] * 2, "text_field": "body", "system_prompt": "Be brief.",
              "skip_bad_lines": True, "max_source_mb": 1.0, "tokenizer": str(tmp_path / "tok.json"),
              "tokenizer_type": "unigram", "val_fraction": 0.1, "data_seed": 7}
-    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir", "packing"}  # a new field joins here
+    assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir", "packing", "max_tokens"}  # new: here
     base = config(tmp_path, [tmp_path / "corpus"])
-    key = lambda cfg: pd._fingerprint(corpus.source_files(cfg), cfg, VOCAB)  # noqa: E731
+    key = lambda cfg: pd._corpus_key(cfg, VOCAB)  # noqa: E731
     assert key(replace(base, cache_dir=str(tmp_path / "elsewhere"))) == key(base)
     assert key(replace(base, packing="off")) == key(replace(base, packing="documents")) == key(base)
+    weighted = replace(base, sources=[f"{tmp_path / 'corpus'}:0.5"])
+    assert key(replace(base, max_tokens=1000)) == key(weighted) == key(base)
     for name, value in other.items():
         assert key(replace(base, **{name: value})) != key(base), name
 
 
 def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, monkeypatch):
-    """Prevents re-tokenizing an unchanged corpus on every run, and serving a stale cache after an edit."""
+    """Prevents re-tokenizing an unchanged corpus on every run, and serving a stale cache after an edit: a
+    touched file redoes its own shard, with the same tokenizer, and no other."""
     text_corpus(tmp_path / "corpus")
     cfg = config(tmp_path, [tmp_path / "corpus"])
     first = prepare(cfg)
@@ -260,11 +264,23 @@ def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, m
         m.setattr(pd, "encode_segments", no_tokenizing)
         m.setattr(pd, "train_tokenizer", no_tokenizing)
         again = prepare(cfg)
-    assert again.path == first.path and again.meta == first.meta
+    timing = ("seconds", "mb_per_second")
+    assert again.path == first.path and again.parts == first.parts
+    assert {k: v for k, v in again.meta.items() if k not in timing} == \
+        {k: v for k, v in first.meta.items() if k not in timing}
+    tokens = first.stream("train")[:].tolist()
     path = tmp_path / "corpus" / "doc1.md"
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    rebuilt = prepare(cfg)
-    assert rebuilt.path != first.path and os.path.isfile(os.path.join(rebuilt.path, "meta.json"))
+    with monkeypatch.context() as m:
+        m.setattr(pd, "train_tokenizer", no_tokenizing)
+        rebuilt = prepare(cfg)
+    assert rebuilt.path == first.path and rebuilt.fingerprint != first.fingerprint
+    changed = [p["folder"] for p in rebuilt.parts if p not in first.parts]
+    assert changed and all(any(f[0] == str(path) for f in p["files"]) for p in rebuilt.parts if p["folder"] in changed)
+    assert rebuilt.stream("train")[:].tolist() == tokens  # the same text: the same tokens
+    assert sorted(os.listdir(os.path.join(first.path, "shards"))) == sorted(
+        [os.path.basename(p["folder"]) for p in rebuilt.parts] + [os.path.basename(p["folder"])[:16] + ".json"
+                                                                  for p in rebuilt.parts])  # the stale one went
 
 
 def test_existing_tokenizer_is_used_not_trained(tmp_path, monkeypatch):
@@ -281,30 +297,33 @@ def test_existing_tokenizer_is_used_not_trained(tmp_path, monkeypatch):
         prepare(cfg, vocab=290)
 
 
-def test_interrupted_preparation_leaves_no_cache_folder(tmp_path, monkeypatch):
-    """Prevents a Ctrl-C during tokenizing from leaving a folder that a later run would take as complete."""
+def test_interrupted_preparation_leaves_no_part(tmp_path, monkeypatch):
+    """Prevents a Ctrl-C during tokenizing from leaving a part that a later run would take as complete."""
     text_corpus(tmp_path / "corpus")
     cfg = config(tmp_path, [tmp_path / "corpus"])
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pd._SplitWriter, "close", interrupt)
+    monkeypatch.setattr(pd.tc.SplitWriter, "close", interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg)
-    assert cache_entries(cfg) == []
+    (folder,) = cache_entries(cfg)
+    assert sorted(os.listdir(os.path.join(cfg.cache_dir, folder))) == ["meta.json", "shards", "tokenizer.json"]
+    assert os.listdir(os.path.join(cfg.cache_dir, folder, "shards")) == []
 
 
 # ----------------------------------------------------------------------------- determinism and batches
 
 CHILD = """
+import glob
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 import batches
 import prepare_data as pd
 from config import DataConfig
 data = pd.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16, log=lambda m: None)
-out = {{s: hashlib.sha256(open(f"{{data.path}}/{{s}}.bin", "rb").read()).hexdigest() for s in ("train", "val")}}
+out = {{s: hashlib.sha256(data.stream(s)[:].tobytes()).hexdigest() for s in ("train", "val")}}
 for split, rank, step, micro in [("train", 0, 0, 0), ("train", 0, 5, 1), ("train", 1, 5, 1), ("val", 0, 0, 2)]:
     x, y, _ = batches.Batches(data, split, batch_size=4, seq_len=16, seed=1337, rank=rank).get(step, micro)
     out[f"{{split}} {{rank}} {{step}} {{micro}}"] = x.tolist() + y.tolist()
@@ -404,14 +423,24 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_gives_a_clear_error_and_no_cache(tmp_path, case):
     """Prevents tracebacks from deep inside on bad input, messages that don't name the file and line, and
-    half-written cache folders."""
+    half-written cache folders: what is left is complete parts only (a corpus refused as a whole keeps the parts
+    it read: adding documents reuses them), or nothing."""
     make, kw, pattern = BAD_INPUTS[case]
     data_kw = {"tokenizer": kw.pop("tokenizer")(tmp_path)} if "tokenizer" in kw else {}
     cfg = config(tmp_path, make(tmp_path), **data_kw)
     with pytest.raises(pd.DataError, match=pattern) as err:
         prepare(cfg, **kw)
     assert "\n" not in str(err.value)
-    assert cache_entries(cfg) == []
+    assert_only_complete_parts(cfg)
+
+
+def assert_only_complete_parts(cfg):
+    for folder, dirs, files in os.walk(cfg.cache_dir):
+        assert not [n for n in dirs + files if n.startswith(".")], folder  # no writer's temporary folder or file
+    for folder in cache_entries(cfg):
+        shards = os.path.join(cfg.cache_dir, folder, "shards")
+        parts = [os.path.join(shards, p) for p in os.listdir(shards) if not p.endswith(".json")]
+        assert parts and all(tc.part_problem(p, 2**16, "uint16") is None for p in parts), "not a complete part"
 
 
 def test_skip_bad_lines_skips_and_reports_the_count(tmp_path):

@@ -99,7 +99,7 @@ def fill(args):
 
 
 def lengths(data) -> np.ndarray:
-    tokens = np.fromfile(os.path.join(data.path, "train.bin"), dtype=data.meta["dtype"])
+    tokens = data.stream("train")[:]
     return np.diff(np.concatenate([[-1], np.flatnonzero(tokens == data.meta["eot_id"])]))
 
 
