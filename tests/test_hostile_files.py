@@ -158,7 +158,9 @@ def big_corpus(tmp_path_factory):
 
 
 def leftovers(cache) -> list[str]:
-    return [d for d in os.listdir(cache) if d.startswith(".")] if os.path.isdir(cache) else []
+    """Temporary folders of a writer, in the cache or among a corpus folder's shards."""
+    return [d for folder in [cache, *glob.glob(os.path.join(cache, "*", "shards"))] if os.path.isdir(folder)
+            for d in os.listdir(folder) if d.startswith(".")]
 
 
 @pytest.mark.slow
