@@ -20,6 +20,7 @@ import signal
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
@@ -154,31 +155,33 @@ def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tup
     return tok, meta
 
 
-def _encode(batch: list, writers: dict, tok: Tokenizer):
-    """Tokenize a batch of (split, doc_id, piece, document, bytes) in one parallel call, appending each."""
-    segments = [[(doc, True, False)] if isinstance(doc, str) else chat_segments(doc) for _, _, _, doc, _ in batch]
-    for (split, doc_id, piece, _, nbytes), (ids, mask) in zip(batch, encode_segments(tok, segments)):
+def _land(batch: list, encoded, writers: dict, bar):
+    """Append a tokenized batch of (split, doc_id, piece, document, bytes) to its splits' writers."""
+    for (split, doc_id, piece, _, nbytes), (ids, mask) in zip(batch, encoded):
         writers[split].add(doc_id, piece, ids, mask, nbytes)
     for writer in writers.values():
         writer.flush()
-    batch.clear()
+    bar.update(sum(item[4] for item in batch))
 
 
 def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar) -> dict:
-    """Tokenize one part's documents into a folder written under a temporary name; returns its part.json."""
-    with atomic.folder(folder, f"writing the token cache part {folder}") as tmp:
+    """Tokenize one part's documents into a folder written under a temporary name; returns its part.json. A
+    batch is tokenized in a thread (the tokenizer releases the GIL and uses every core) while the next is read."""
+    with atomic.folder(folder, f"writing the token cache part {folder}") as tmp, ThreadPoolExecutor(1) as pool:
         writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
-        batch, size, chats = [], 0, False
-        for _, doc_id, piece, doc, nbytes, is_val in items:
-            batch.append(("val" if is_val else "train", doc_id, piece, doc, nbytes))
-            chats |= not isinstance(doc, str)
-            size += nbytes
-            if size >= ENCODE_BATCH_BYTES:
-                _encode(batch, writers, tok)
-                bar.update(size)
-                size = 0
-        _encode(batch, writers, tok)
-        bar.update(size)
+        batch, size, chats, running = [], 0, False, None
+        for _, doc_id, piece, doc, nbytes, is_val in itertools.chain(items, [(None,) * 6]):  # None: the end
+            if doc_id is not None:
+                batch.append(("val" if is_val else "train", doc_id, piece, doc, nbytes))
+                chats |= not isinstance(doc, str)
+                size += nbytes
+                if size < ENCODE_BATCH_BYTES:
+                    continue
+            if running:
+                _land(running[0], running[1].result(), writers, bar)
+            segments = [d if isinstance(d, str) else chat_segments(d) for _, _, _, d, _ in batch]
+            running, batch, size = (batch, pool.submit(encode_segments, tok, segments)), [], 0
+        _land(running[0], running[1].result(), writers, bar)
         record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files]}
         for split, writer in writers.items():
             writer.close(keep_masks=chats)

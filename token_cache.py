@@ -104,31 +104,36 @@ class SplitWriter:
         self.dtype, self.eot = dtype, eot
         self.tokens = self.documents = self.bytes = 0
         self.last = None  # (doc_id, piece, is its last token learned) of the piece written last
-        self.pending = []
+        # Until flush: ids as one Python list, masks as runs (a number: that many learned tokens) or lists, so a
+        # batch is converted to arrays in one call, and plain text never builds a list of flags.
+        self.ids, self.masks = [], []
 
-    def add(self, doc_id: int, piece: int, ids, mask, nbytes: int):
-        """Append one piece; an EOT (learned like the end before it) first if it doesn't continue the last."""
+    def add(self, doc_id: int, piece: int, ids: list, mask, nbytes: int):
+        """Append one piece (mask: a list of flags, or True when every token is learned); an EOT (learned like
+        the end before it) first if it doesn't continue the last."""
         if self.last and self.last[:2] != (doc_id, piece - 1):
-            self._append([self.eot], [self.last[2]])
-        self._append(ids, mask)
-        self.last = (doc_id, piece, bool(mask[-1]) if len(mask) else False)
+            self.ids.append(self.eot)
+            self.masks.append([self.last[2]])
+        self.ids += ids
+        self.masks.append(len(ids) if mask is True else mask)
+        self.last = (doc_id, piece, True if mask is True else bool(mask and mask[-1]))
         self.documents += 1
         self.bytes += nbytes
 
-    def _append(self, ids, mask):
-        self.pending.append((np.asarray(ids, self.dtype), np.asarray(mask, np.uint8)))
-        self.tokens += len(ids)
-
     def flush(self):
         """Write what add() collected."""
-        for f, parts in zip(self.files, zip(*self.pending)):
-            np.concatenate(parts).tofile(f)
-        self.pending = []
+        self.tokens += len(self.ids)
+        np.fromiter(self.ids, self.dtype, len(self.ids)).tofile(self.files[0])
+        if self.masks:
+            np.concatenate([np.ones(m, np.uint8) if isinstance(m, int) else np.array(m, np.uint8)
+                            for m in self.masks]).tofile(self.files[1])
+        self.ids, self.masks = [], []
 
     def close(self, keep_masks: bool):
         """End the last document with EOT, flush to disk, and drop the mask file when no chat needs it."""
         if self.last:
-            self._append([self.eot], [self.last[2]])
+            self.ids.append(self.eot)
+            self.masks.append([self.last[2]])
         self.flush()
         for f in self.files:
             f.close()

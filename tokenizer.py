@@ -191,20 +191,28 @@ def chat_text(messages) -> str:
 
 
 def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
-    """Token ids and learned-flags of documents given as segments, with one parallel encode call."""
+    """Token ids and learned-flags of documents given as segments, or as plain strings (learned text), with one
+    parallel encode call; a plain string's flags come as True (every token learned)."""
     # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
-    texts = [text for segs in docs for text, _, special in segs if not special]
+    plain = all(isinstance(d, str) for d in docs)  # pretraining text: no per-document work before the call
+    texts = docs if plain else [text for segs in docs for text, _, special in
+                                ([(segs, True, False)] if isinstance(segs, str) else segs) if not special]
     # Text that happens to contain "<|endoftext|>" stays text: it must not forge a boundary or a turn.
     before, tok.encode_special_tokens = tok.encode_special_tokens, True
     try:
-        encoded = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
+        encoded = tok.encode_batch_fast(texts, add_special_tokens=False)
     except Exception as e:  # a tokenizer from elsewhere may fail on some text (a WordPiece without [UNK], say)
         raise DataError(f"the tokenizer cannot encode this text ({str(e).splitlines()[0]}), pass another "
                         "--tokenizer or --tokenizer_type") from None
     finally:
         tok.encode_special_tokens = before
-    out = []
+    if plain:
+        return [(e.ids, True) for e in encoded]
+    encoded, out = iter(encoded), []
     for segs in docs:
+        if isinstance(segs, str):
+            out.append((next(encoded).ids, True))
+            continue
         ids, mask = [], []
         for text, learned, special in segs:
             piece = [tok.token_to_id(text)] if special else next(encoded).ids

@@ -46,7 +46,8 @@ def encoded_texts(monkeypatch) -> list:
     seen, real = [], pd.encode_segments
 
     def spy(tok, docs):
-        seen.extend(text for segs in docs for text, _, special in segs if not special)
+        seen.extend(text for segs in docs for text, _, special in
+                    ([(segs, True, False)] if isinstance(segs, str) else segs) if not special)
         return real(tok, docs)
     monkeypatch.setattr(pd, "encode_segments", spy)
     return seen
