@@ -174,3 +174,42 @@ def test_the_progress_bar_and_old_caches_are_reported(tmp_path, capsys):
              "--max_seq_len", str(SEQ), "--val_fraction", "0.1"])
     out = capsys.readouterr().out
     assert "train tokens" in out and "100.0%" in out  # the table of sources
+
+
+def test_a_bad_file_after_good_ones_keeps_their_parts_and_a_fixed_one_redoes_only_itself(tmp_path, monkeypatch):
+    """A truncated .gz added to a prepared folder: one line naming it, no partial part; the other files' parts
+    stay, and once the file is fixed the next run tokenizes only it. (In a first preparation the tokenizer's
+    sample meets it first: then nothing is left at all.)"""
+    import gzip
+    monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)
+    src = write_texts(tmp_path / "src", ["a.jsonl", "b.jsonl"])
+    cfg = config(tmp_path, [src])
+    prepare(cfg)
+    whole = gzip.compress((src / "b.jsonl").read_bytes())
+    (src / "c.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=r"c\.jsonl\.gz"):
+        prepare(cfg)
+    (folder,) = os.listdir(tmp_path / "cache")
+    shards = os.listdir(tmp_path / "cache" / folder / "shards")
+    assert len([s for s in shards if s.endswith("-00000")]) == 2 and not [s for s in shards if s[0] == "."]
+    (src / "c.jsonl.gz").write_bytes(whole)
+    seen = encoded_texts(monkeypatch)
+    data = prepare(cfg)
+    assert len(data.parts) == 3 and seen and set(seen) <= texts_of(src / "b.jsonl")
+
+
+def test_a_resume_after_a_file_was_added_is_refused_naming_it(tmp_path, corpus, argv_for, capsys):
+    """End to end through the trainer: the same data resumes; a file added to the source folder is named."""
+    import shutil
+    import gpu_training_optimized as trainer
+    src = tmp_path / "src"
+    shutil.copytree(corpus["src"], src)
+    mine = dict(corpus, src=str(src), cache=str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(mine, run, "--max_steps", 2)) == 0
+    assert trainer.main(argv_for(mine, run, "--max_steps", 3, "--resume")) == 0
+    (src / "new.py").write_text("def added():\n    return 'a file that came later'\n" * 40)
+    with pytest.raises(SystemExit) as e:
+        trainer.run(argv_for(mine, run, "--max_steps", 4, "--resume"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot resume on other data (added " in err and "new.py" in err, err
