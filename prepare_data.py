@@ -161,7 +161,14 @@ def _land(batch: list, encoded, writers: dict, bar):
         writers[split].add(doc_id, piece, ids, mask, nbytes)
     for writer in writers.values():
         writer.flush()
-    bar.update(sum(item[4] for item in batch))
+    _advance(bar, sum(item[4] for item in batch), sum(len(ids) for ids, _ in encoded))
+
+
+def _advance(bar, nbytes: int, tokens: int):
+    """The bar's MB read (tqdm derives the rate and the ETA), and the tokens so far beside them."""
+    bar.tokens = getattr(bar, "tokens", 0) + tokens
+    bar.set_postfix_str(f"{bar.tokens:,} tokens", refresh=False)
+    bar.update(nbytes)
 
 
 def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar) -> dict:
@@ -222,7 +229,7 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                 stats.bytes = counts.get("bytes", 0)  # for the budget of the shards after it
                 _merge(seen, counts)
                 parts += [dict(r, source=s) for r in records]
-                bar.update(stats.bytes)
+                _advance(bar, stats.bytes, sum(r["train_tokens"] + r["val_tokens"] for r in records))
                 continue
             count = 0
             for part, items in itertools.groupby(docs, key=lambda d: d[0]):
@@ -231,7 +238,7 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                     else "absent"
                 if problem is None:  # written by a run that stopped before the shard's end: read past it
                     record = tc.read_json(os.path.join(folder, "part.json"))
-                    bar.update(sum(n for *_, n, _ in items))
+                    _advance(bar, sum(n for *_, n, _ in items), record["train_tokens"] + record["val_tokens"])
                 else:
                     if problem != "absent":
                         log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
@@ -243,7 +250,6 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
             else:
                 atomic.write_text(os.path.join(shards, key + ".json"), json.dumps(
                     {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
-            bar.set_postfix_str(f"{sum(p['train_tokens'] + p['val_tokens'] for p in parts):,} tokens", refresh=False)
             _merge(seen, asdict(stats))
     return parts, seen
 
