@@ -288,14 +288,17 @@ def _totals(meta: dict, parts: list, found, weights) -> dict:
 
 
 def source_table(meta: dict) -> list[str]:
-    """Tokens per source and the mixture reached, as lines of a table."""
+    """Per source: files, MB, train tokens and their share of the corpus, the share of training windows drawn
+    from it (its weight; without weights, its share), and how much more often than once per pass over the
+    corpus its tokens are seen (a small source with a large weight is repeated)."""
     width = max(len(s["source"]) for s in meta["sources"])
-    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'weight':>6}"]
+    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'windows':>7}  "
+            f"{'seen':>6}"]
     for s in meta["sources"]:
         share = s["train_tokens"] / max(1, meta["train_tokens"])
-        weight = f"{s['weight']:.1%}" if s["weight"] is not None else "-"
+        windows = share if s["weight"] is None else s["weight"]
         rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f}  {s['train_tokens']:>14,}  "
-                    f"{share:>6.1%}  {weight:>6}")
+                    f"{share:>6.1%}  {windows:>7.1%}  {windows / max(share, 1e-12):>5.2f}x")
     return rows
 
 
