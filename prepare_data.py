@@ -45,7 +45,7 @@ from tokenizer import (EOT_TOKEN, IM_START, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
-CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: sharded, split per part)
+CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: shards, split by content)
 BATCH_TIME_FIELDS = ("cache_dir", "packing", "max_tokens")  # settings that do not change the cache's contents
 STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
 
@@ -55,8 +55,9 @@ def _budget(cfg: DataConfig) -> float:
 
 
 def _shards(cfg: DataConfig, found):
-    """Yield (source index, its files, shard key, the shard's documents) in order; the key carries the text
-    budget left at the shard's start (a shard ends where max_source_mb does), so this reads in order."""
+    """Yield (source index, its files, shard key, its ReadStats, its documents split into parts) in order; the
+    key carries the text budget left at the shard's start (a shard ends where max_source_mb does), so the
+    shards are read in order."""
     budget = _budget(cfg)
     for s, source in enumerate(found):
         for files in tc.group_files(source.files):
