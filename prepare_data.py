@@ -194,6 +194,8 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar
         for split, writer in writers.items():
             writer.close(keep_masks=chats)
             record.update(writer.counts(split))
+        # Ids come from this tokenizer (below its vocabulary); the stamps let later runs skip re-reading them.
+        record["written"] = {f"{s}.bin": tc.stamp(os.path.join(tmp, f"{s}.bin")) for s in writers}
         with open(os.path.join(tmp, "part.json"), "w", encoding="utf-8") as f:
             json.dump(record, f)
     return record

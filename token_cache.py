@@ -154,6 +154,12 @@ def read_json(path: str):
     return found if isinstance(found, dict) else None
 
 
+def stamp(path: str) -> list:
+    """A token file's size and modification time: when both are as written, nobody has touched it."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
 def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
     """What is wrong with a part, in a few words; None when part.json, its files' sizes and ids agree."""
     part = read_json(os.path.join(folder, "part.json"))
@@ -171,6 +177,8 @@ def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
             where = os.path.join(folder, file)
             if not os.path.isfile(where) or os.path.getsize(where) != need:
                 return f"{file} is missing or not the {need:,} bytes that part.json's {split}_tokens needs"
+        if part.get("written", {}).get(f"{split}.bin") == stamp(os.path.join(folder, f"{split}.bin")):
+            continue  # untouched since written: its ids were checked against the vocabulary then
         ids = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=dtype, mode="r") if tokens else []
         # Every id, in chunks: the time of reading the part once, against an IndexError hours into a run.
         top = max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
