@@ -9,6 +9,7 @@ chat_formats.py reads) or its text. Nothing here tokenizes: prepare_data.py does
 """
 
 import codecs
+import functools
 import glob
 import json
 import math
@@ -133,7 +134,14 @@ def corpus_bytes(cfg: DataConfig) -> int:
 
 def file_bytes(path: str, cfg: DataConfig) -> int:
     """About how many bytes of text one file holds (readers.text_bytes), without reading its data."""
-    return readers.text_bytes(path, _text_fields(cfg) + SHAPE_FIELDS)
+    st = os.stat(path)
+    return _text_bytes(path, st.st_size, st.st_mtime_ns, _text_fields(cfg) + SHAPE_FIELDS)
+
+
+@functools.lru_cache(maxsize=2**16)
+def _text_bytes(path: str, size: int, mtime_ns: int, columns: tuple) -> int:
+    # Asked several times a run (sizing, the bar, the tokenizer's sample): a table's footer is read once.
+    return readers.text_bytes(path, columns)
 
 
 def _decode(data: bytes, path: str, stats: ReadStats) -> str:
