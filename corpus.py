@@ -294,15 +294,6 @@ def documents(files, cfg: DataConfig, stats: ReadStats, budget: float | None = N
                             "or pass --skip_bad_lines true to leave them out")
 
 
-def scan(files, cfg: DataConfig, log) -> ReadStats:
-    """Read the sources once to count documents and to refuse bad input before anything is written."""
-    stats = ReadStats()
-    for _ in documents(files, cfg, stats):
-        pass
-    check_read(stats, cfg, log)
-    return stats
-
-
 def check_read(stats: ReadStats, cfg: DataConfig, log):
     """Refuse a corpus without two documents; log what reading skipped or repaired."""
     where = ", ".join(cfg.sources) or "the Python standard library"

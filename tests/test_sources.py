@@ -101,6 +101,14 @@ def prepare(cfg, logs=None):
     return pd.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=logs.append if logs is not None else lambda m: None)
 
 
+def read_all(cfg) -> corpus.ReadStats:
+    """What one pass over the sources counts."""
+    stats = corpus.ReadStats()
+    for _ in corpus.documents(corpus.source_files(cfg), cfg, stats):
+        pass
+    return stats
+
+
 def cache_files(data) -> dict:
     """Every token and mask file of a cache, as bytes."""
     return {(split, masks): data.stream(split, masks)[:].tobytes() for split in ("train", "val")
@@ -295,7 +303,7 @@ def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
         cfg = config(tmp_path, [tmp_path / name])
-        stats = corpus.scan(corpus.source_files(cfg), cfg, lambda m: None)
+        stats = read_all(cfg)
         assert stats.bytes == len(text) == corpus.corpus_bytes(cfg), name
         assert corpus.corpus_bytes(config(tmp_path, [tmp_path / name], max_source_mb=0.01)) == 10_000
     streamed = zstandard.ZstdCompressor().compressobj()
@@ -304,7 +312,7 @@ def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
     parquet = write_table(tmp_path / "e.parquet", [{"text": line, "id": i} for i, line in
                                                    enumerate(text.decode().splitlines(keepends=True))], group=500)
     cfg = config(tmp_path, [parquet])
-    read = corpus.scan(corpus.source_files(cfg), cfg, lambda m: None).bytes
+    read = read_all(cfg).bytes
     assert read == len(text) and 0.8 * read < corpus.corpus_bytes(cfg) < 1.5 * read
     cfg = config(tmp_path, [tmp_path / "a.txt.gz"], max_source_mb=0.05)
     stats = corpus.ReadStats()
