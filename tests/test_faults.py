@@ -291,12 +291,13 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
 def test_a_single_document_error_also_reports_what_was_skipped(tmp_path):
     """The one-document error once hid the binary files skipped and the bytes replaced on the way."""
     from config import DataConfig, DataError
-    from corpus import scan, source_files
-    (tmp_path / "one.txt").write_bytes(b"caf\xe9 au lait\n")
-    (tmp_path / "pic.png").write_bytes(b"\x89PNG\0\0")
-    cfg = DataConfig(sources=[str(tmp_path)])
+    from prepare_data import prepare
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "one.txt").write_bytes(b"caf\xe9 au lait\n")
+    (tmp_path / "src" / "pic.png").write_bytes(b"\x89PNG\0\0")
+    cfg = DataConfig(sources=[str(tmp_path / "src")], cache_dir=str(tmp_path / "cache"))
     with pytest.raises(DataError, match=r"single document.*skipped 1 binary file.*replaced 1 invalid UTF-8"):
-        scan(source_files(cfg), cfg, log=lambda *a: None)
+        prepare(cfg, vocab_size=300, seq_len=8, log=lambda *a: None)
 
 
 def test_resume_with_another_optimizer_is_one_line(corpus, trained, tmp_path, capsys, argv_for):
