@@ -23,15 +23,15 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
+from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
 from config import CheckpointError, ConfigError, default_run_dir
-from errors import error_contract
-from gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
-from hf_format import DTYPES, is_hf_folder, write_hf_folder
-from hf_hub import is_hub_name
-from lora import write_peft_folder
-from model_card import export_name, model_card, ollama_tag
-from tokenizer import EOT_TOKEN, can_chat, read_tokenizer
+from llm.errors import error_contract
+from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
+from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
+from llm.hf_hub import is_hub_name
+from llm.lora import write_peft_folder
+from llm.model_card import export_name, model_card, ollama_tag
+from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False,

@@ -30,17 +30,17 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-import atomic
-import token_cache as tc
-from cli import parse_config
+from llm import atomic
+from llm import token_cache as tc
+from llm.cli import parse_config
 from config import ConfigError, DataConfig, DataError
-from corpus import PIECE_BYTES, ReadStats, check_read, corpus_bytes, documents, file_bytes, sources, split_weight
-from device import machine, pick_device
-from errors import error_contract
-from packing import packs, plan
-from sizing import fill_automatic
-from token_cache import PreparedData
-from tokenizer import (EOT_TOKEN, IM_START, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
+from llm.corpus import PIECE_BYTES, ReadStats, check_read, corpus_bytes, documents, file_bytes, sources, split_weight
+from llm.device import machine, pick_device
+from llm.errors import error_contract
+from llm.packing import packs, plan
+from llm.sizing import fill_automatic
+from llm.token_cache import PreparedData
+from llm.tokenizer import (EOT_TOKEN, IM_START, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
                        encode_segments, existing_tokenizer, marked_text, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory

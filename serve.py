@@ -29,16 +29,16 @@ from dataclasses import dataclass, field, replace
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from checkpoint import checkpoint_step
+from llm.checkpoint import checkpoint_step
 from config import ConfigError, SampleConfig
-from errors import RunFailure, error_contract, exit_code
-from engine import check_prompt, generate, score
-from hf_hub import HF_PREFIX, is_hub_name
-from monitor import read_metrics
-from openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released, scoring_of,
+from llm.errors import RunFailure, error_contract, exit_code
+from llm.engine import check_prompt, generate, score
+from llm.hf_hub import HF_PREFIX, is_hub_name
+from llm.monitor import read_metrics
+from llm.openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released, scoring_of,
                         settings_of, token_texts)
 from text_generator import load_for_inference
-from tokenizer import can_chat, chat_prompt_ids, stop_ids
+from llm.tokenizer import can_chat, chat_prompt_ids, stop_ids
 
 try:  # optional until serving: main() names what to install
     import uvicorn
@@ -50,7 +50,7 @@ except ImportError:
     uvicorn = None
 
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_page.html")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm", "chat_page.html")
 # The page's script and style are inline; it may talk to this server only, and load nothing else.
 PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

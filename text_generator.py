@@ -21,20 +21,20 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 import torch
 from tqdm import tqdm
 
-from checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
+from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                         load_model_config, read_model)
-from cli import parse_sections
+from llm.cli import parse_sections
 from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir
-from corpus import corpus_bytes
-from errors import InputError, error_contract
-from device import inference_dtype, pick_device, quantize_int8
-from engine import CHUNK, compiles, generate_text
-from evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
+from llm.corpus import corpus_bytes
+from llm.errors import InputError, error_contract
+from llm.device import inference_dtype, pick_device, quantize_int8
+from llm.engine import CHUNK, compiles, generate_text
+from llm.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
 from modern_llm import Transformer
-from monitor import read_metrics
+from llm.monitor import read_metrics
 from prepare_data import split_texts
-from sizing import count_parameters
-from tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
+from llm.sizing import count_parameters
+from llm.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
 SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile",

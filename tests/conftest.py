@@ -95,9 +95,9 @@ def chat_corpus(tmp_path_factory):
 def tiny_checkpoint(tmp_path_factory, tiny_config):
     """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML
     tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
-    from checkpoint import save_checkpoint, weights_state_dict
+    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
-    from tokenizer import train_tokenizer
+    from llm.tokenizer import train_tokenizer
     root = tmp_path_factory.mktemp("runs")
     tok = train_tokenizer([CODE] * 3, "bpe", 400)
     tok_path = str(root / "tokenizer.json")
@@ -124,7 +124,7 @@ def tiny_loaded(tiny_checkpoint):
 def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
     """A checkpoint (tiny_checkpoint's tokenizer) whose greedy reply to any chat prompt is "OK<|im_end|>", then
     "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
-    from checkpoint import save_checkpoint, weights_state_dict
+    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
     from tokenizers import Tokenizer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
@@ -168,7 +168,7 @@ def hf_base(folder, family: str):
     """A randomly initialised transformers model of `family` (qwen3, or qwen2 with its q/k/v biases random too) with
     a ChatML tokenizer trained on question() chats, saved as a download would be."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
+    from llm.tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
     rng = random.Random(0)
     tok = train_tokenizer([f"{q} {a}" for q, a in (question(rng) for _ in range(200))], "bpe", 300)
     assert tok.token_to_id(IM_END) == SPECIAL_TOKENS.index(IM_END)

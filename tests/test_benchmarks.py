@@ -96,7 +96,7 @@ def test_stored_bytes_count_what_a_quantized_weight_holds():
     report; and a tied head is read once, an untied table only at the rows looked up."""
     import torch
     from bench_generate import bytes_per_step
-    from device import quantize_int8
+    from llm.device import quantize_int8
     from modern_llm import Transformer
     from config import ModelConfig
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer
 
 import prepare_data as pd
-from chat_formats import chat_messages
+from llm.chat_formats import chat_messages
 from config import DataConfig, DataError
-from tokenizer import IM_END, load_tokenizer
+from llm.tokenizer import IM_END, load_tokenizer
 
 VOCAB, SEQ = 300, 16
 

@@ -8,7 +8,7 @@ import export_hf
 import gpu_training_optimized as trainer
 from conftest import write_greetings
 from text_generator import TextGenerator
-from tokenizer import IM_END
+from llm.tokenizer import IM_END
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import checkpoint as ckpt_io
+from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
 from config import CheckpointError

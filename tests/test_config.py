@@ -5,7 +5,7 @@ import json
 import pytest
 
 import config
-from cli import parse_config
+from llm.cli import parse_config
 from config import ConfigError, ModelConfig, TrainConfig
 
 

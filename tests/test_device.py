@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-import device
+from llm import device
 from config import ConfigError
 
 

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 import gpu_training_optimized as trainer
 from conftest import TINY_MODEL
-from monitor import read_metrics
-import batches as batches_module
-from batches import Batches
+from llm.monitor import read_metrics
+from llm import batches as batches_module
+from llm.batches import Batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,10 +35,10 @@ PROBE = r'''
 import atexit, hashlib, json, os, signal, sys, time
 import torch
 import torch.distributed
-import distributed as dist_utils
+from llm import distributed as dist_utils
 import gpu_training_optimized as trainer
 import muon_optimizer
-import batches
+from llm import batches
 
 out, rank = os.environ["PROBE_OUT"], int(os.environ.get("RANK", 0))
 fail_step, signal_step = int(os.environ.get("PROBE_FAIL_STEP", -1)), int(os.environ.get("PROBE_SIGNAL_STEP", -1))
@@ -134,7 +134,7 @@ HELPERS = r'''
 import datetime, os, time
 import torch
 import torch.distributed
-import distributed
+from llm import distributed
 
 distributed.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=2)
 d = distributed.setup()

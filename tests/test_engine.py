@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import engine
+from llm import engine
 from config import SampleConfig
 from conftest import CODE as TEXT
-from device import quantize_int8
+from llm.device import quantize_int8
 from test_sampling import sample_next
 from text_generator import load_for_inference
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
+from llm.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
                     exit_code)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import evaluation as ev
+from llm import evaluation as ev
 from text_generator import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

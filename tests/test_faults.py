@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-import atomic
-import checkpoint as ckpt_io
+from llm import atomic
+from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
-from monitor import read_metrics
+from llm.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,7 +266,7 @@ def test_the_generator_takes_bytes_that_are_not_utf8_and_bounds_batches(tiny_che
 
 def test_a_batch_larger_than_memory_is_refused_before_allocating(tiny_checkpoint, monkeypatch):
     import psutil
-    import engine
+    from llm import engine
     from config import SampleConfig
     model, tok, *_ = tg.load_for_inference(tiny_checkpoint, "cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**6})())
@@ -278,7 +278,7 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     """A UTF-8 byte-order mark at the start of a JSONL file made its first line 'not valid JSON'; at the start
     of a text file it became part of the first document."""
     from config import DataConfig
-    from corpus import ReadStats, documents, source_files
+    from llm.corpus import ReadStats, documents, source_files
     rows = [json.dumps({"text": f"document number {i}"}) for i in range(3)]
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode())
     (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfplain text\n")

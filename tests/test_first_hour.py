@@ -10,20 +10,21 @@ import sys
 
 import pytest
 
-from monitor import read_metrics
+from llm.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def project_copy(tmp_path, edits: dict) -> str:
-    """The project's scripts in tmp_path/project, with config.py's `name: type = arg(VALUE, ...)` lines
+    """The project's scripts and package in tmp_path/project, with config.py's `name: type = arg(VALUE, ...)` lines
     rewritten by text substitution, as a user would in an editor; edits maps a field name to its new value."""
     dst = tmp_path / "project"
     dst.mkdir()
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), dst / name)
+    shutil.copytree(os.path.join(ROOT, "llm"), dst / "llm", ignore=shutil.ignore_patterns("__pycache__"))
     text = (dst / "config.py").read_text(encoding="utf-8")
     for field, value in edits.items():
         text, n = re.subn(rf"(\n    {field}: [^=]+= arg\()[^,]+,", rf"\g<1>{value},", text, count=1)

@@ -16,17 +16,17 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
 
-import checkpoint as ckpt_io
-import engine
+from llm import checkpoint as ckpt_io
+from llm import engine
 import export_hf
-import gguf_format
+from llm import gguf_format
 import prepare_data
-from batches import Batches
+from llm.batches import Batches
 from config import DataConfig, SampleConfig
 from modern_llm import Transformer
 from test_faults import one_error_line
 from test_hf_format import CHAT, TEXTS, train
-from tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
+from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
 from tokenizers import Tokenizer
 
 VOCAB, SEQ = 384, 64

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import checkpoint as ckpt_io
+from llm import checkpoint as ckpt_io
 import export_hf
-from cli import parse_config
+from llm.cli import parse_config
 from config import ConfigError, ModelConfig
 from modern_llm import Transformer
 from muon_optimizer import split_parameters

@@ -12,15 +12,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import checkpoint as ckpt_io
-import engine
+from llm import checkpoint as ckpt_io
+from llm import engine
 import export_hf
 import prepare_data
-from batches import Batches
+from llm.batches import Batches
 from config import DataConfig, SampleConfig
-from hf_format import hf_twin, is_hf_folder, load_hf_folder
+from llm.hf_format import hf_twin, is_hf_folder, load_hf_folder
 from modern_llm import Transformer
-from tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
+from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
 
 VOCAB, SEQ = 384, 64
 TEXTS = ["def main():\n    return 0\n", "  spaces\tand tabs\n\n", "<|im_start|>user\nhi<|im_end|>\n",

@@ -16,10 +16,10 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
 
-import checkpoint as ckpt_io
+from llm import checkpoint as ckpt_io
 import export_hf
 from config import Config, TrainConfig
-from resume import apply_init_from
+from llm.resume import apply_init_from
 from test_hf_families import edit_json, hf_model, load_ours, max_diff, TOLERANCE
 from text_generator import load_for_inference
 

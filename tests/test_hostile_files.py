@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import atomic
-import checkpoint as ckpt_io
+from llm import atomic
+from llm import checkpoint as ckpt_io
 import gpu_training_optimized as trainer
 import prepare_data as pd
-import token_cache as tc
+from llm import token_cache as tc
 from test_faults import one_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,8 +224,8 @@ def test_only_the_leftovers_of_dead_writers_on_this_machine_are_cleared(tmp_path
 
 # ----------------------------------------------------------------------------- two trainers, one run folder
 
-HOLD_LOCK = ("import sys, time, atomic; atomic.lock_folder(sys.argv[1], '--run_dir'); print('locked', flush=True); "
-             "time.sleep(60)")
+HOLD_LOCK = ("import sys, time; from llm import atomic; atomic.lock_folder(sys.argv[1], '--run_dir'); "
+             "print('locked', flush=True); time.sleep(60)")
 
 
 def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for, tmp_path, capsys):
@@ -250,7 +250,7 @@ def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for,
 @pytest.mark.slow
 def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, argv_for, tmp_path, capsys):
     """Two real trainers on one folder: the second is refused while the first trains on, alone in metrics.jsonl."""
-    from monitor import read_metrics
+    from llm.monitor import read_metrics
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"),
                               *argv_for(corpus, run, "--max_steps", 100000)], cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -17,11 +17,11 @@ import torch
 import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
-from checkpoint import save_checkpoint, weights_state_dict
+from llm.checkpoint import save_checkpoint, weights_state_dict
 from config import DataConfig
-from corpus import PIECE_BYTES, source_files
+from llm.corpus import PIECE_BYTES, source_files
 from modern_llm import Transformer
-from monitor import read_metrics
+from llm.monitor import read_metrics
 from prepare_data import split_texts
 
 DEEP = "[" * 100_000  # past the JSON parser's recursion limit: RecursionError, not JSONDecodeError
@@ -290,7 +290,7 @@ def test_a_named_pipe_as_data_is_not_called_missing(tiny_checkpoint, corpus, arg
 def test_a_nested_config_inside_the_trainer_state_is_one_line(trained, corpus, argv_for, tmp_path, capsys):
     """trainer_state.pt keeps the run's config as JSON text, which --resume parsed unguarded: nested past the
     parser's depth it was a RecursionError traceback."""
-    import checkpoint as ckpt_io
+    from llm import checkpoint as ckpt_io
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     ckpt = ckpt_io.latest_checkpoint(str(run))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import export_hf
-import openai_api
+from llm import openai_api
 import serve
 from text_generator import load_for_inference
 
@@ -142,7 +142,7 @@ def test_lm_eval_loglikelihoods_equal_a_float64_forward(app, reference, hf_token
 def ender(tmp_path_factory, tiny_config, tiny_checkpoint):
     """A checkpoint (tiny_checkpoint's tokenizer) whose likeliest next token is always <|endoftext|>: every
     hidden state is the same vector, which the head reads as the end token's logit."""
-    from checkpoint import save_checkpoint, weights_state_dict
+    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
     from tokenizers import Tokenizer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")

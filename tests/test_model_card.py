@@ -10,11 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 
 import pytest
 
-import checkpoint as ckpt_io
+from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
-from monitor import read_metrics
-from sizing import count_parameters
+from llm.monitor import read_metrics
+from llm.sizing import count_parameters
 
 
 def rows(card: str) -> dict:

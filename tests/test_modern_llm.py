@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import config
-from engine import RowProductLinear
+from llm.engine import RowProductLinear
 from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
-from sizing import count_parameters
+from llm.sizing import count_parameters
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_the_model_is_plain_and_generation_swaps_in_the_decode_path(tiny_config)
     """The model once branched on compile state, the device, autocast and torchao's int8 layout in its own
     Linear; it is plain nn.Linear now, and the engine swaps in RowProductLinear when it compiles on a CPU."""
     from config import SampleConfig
-    from engine import generate
+    from llm.engine import generate
     source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
     assert "is_compiling" not in source and "Int8Tensor" not in source
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
     """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the int8
     values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
-    from device import quantize_int8
+    from llm.device import quantize_int8
     torch.manual_seed(0)
     lin = quantize_int8(torch.nn.Sequential(RowProductLinear(64, 40, bias=False)))[0]
     x = torch.randn(1, 64)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import batches
-import packing
+from llm import batches
+from llm import packing
 import prepare_data as pd
 from config import DataConfig, ModelConfig
 from modern_llm import Transformer
-from tokenizer import IM_START, chat_text
+from llm.tokenizer import IM_START, chat_text
 
 SEQ, VOCAB = 64, 300
 
@@ -185,7 +185,7 @@ def test_an_epochs_run_resumes_with_more_epochs(chat_corpus, tmp_path, argv_for)
     """--epochs sets max_steps from the packed windows; a resume with more epochs runs on to the new length (the
     saved run's max_steps once blocked it)."""
     import gpu_training_optimized as trainer
-    from monitor import read_metrics
+    from llm.monitor import read_metrics
     run = tmp_path / "run"
     assert trainer.main(argv_for(chat_corpus, run, "--epochs", 0.5)) == 0
     data = pd.prepare(DataConfig(sources=[chat_corpus["src"]], cache_dir=chat_corpus["cache"]), vocab_size=512,

@@ -20,12 +20,12 @@ from tokenizers import Tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import corpus  # noqa: E402
-import batches  # noqa: E402
+from llm import corpus  # noqa: E402
+from llm import batches  # noqa: E402
 import prepare_data as pd  # noqa: E402
-import token_cache as tc  # noqa: E402
+from llm import token_cache as tc  # noqa: E402
 from config import DataConfig  # noqa: E402
-from tokenizer import IM_END, IM_START, KINDS  # noqa: E402
+from llm.tokenizer import IM_END, IM_START, KINDS  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
@@ -319,7 +319,7 @@ CHILD = """
 import glob
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
-import batches
+from llm import batches
 import prepare_data as pd
 from config import DataConfig
 data = pd.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16, log=lambda m: None)

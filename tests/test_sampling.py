@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sampling
+from llm import sampling
 from config import ConfigError, SampleConfig
 
 

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-import openai_api
+from llm import openai_api
 import serve
 from config import SampleConfig
-from engine import generate_text
-from errors import RunFailure
+from llm.engine import generate_text
+from llm.errors import RunFailure
 from text_generator import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,8 +157,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
 
 def test_a_request_past_the_context_stops_there(server, tiny_checkpoint):
     """max_tokens up to the context is accepted; the answer ends where the context does, as 'length'."""
-    from engine import generate
-    from tokenizer import stop_ids
+    from llm.engine import generate
+    from llm.tokenizer import stop_ids
     _, _, client = server
     model, tok, cfg, _ = load_for_inference(tiny_checkpoint, "cpu")
     ids = tok.encode("def push(self, item): return item\n" * 20, add_special_tokens=False)[:cfg.max_seq_len - 6]

@@ -3,9 +3,9 @@
 
 import pytest
 
-import sizing
+from llm import sizing
 from config import Config, ConfigError, ModelConfig, TrainConfig, preset_tiny
-from sizing import Machine
+from llm.sizing import Machine
 
 CPU = Machine("cpu", "cpu, 2 threads")
 GIB = 2**30

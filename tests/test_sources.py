@@ -19,9 +19,9 @@ import zstandard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import corpus  # noqa: E402
+from llm import corpus  # noqa: E402
 import prepare_data as pd  # noqa: E402
-import token_cache  # noqa: E402
+from llm import token_cache  # noqa: E402
 from config import DataConfig, DataError  # noqa: E402
 
 WORDS = "the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy dog".split()

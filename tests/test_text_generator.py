@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import text_generator as tg
-from checkpoint import read_model, save_checkpoint, weights_state_dict
+from llm.checkpoint import read_model, save_checkpoint, weights_state_dict
 from config import SampleConfig
 from modern_llm import Transformer
-from engine import generate_text
-from tokenizer import chat_prompt_ids
+from llm.engine import generate_text
+from llm.tokenizer import chat_prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "text_generator.py")

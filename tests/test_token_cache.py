@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
-import batches
+from llm import batches
 import prepare_data as pd
-import token_cache as tc
+from llm import token_cache as tc
 from config import DataConfig, DataError
 
 VOCAB, SEQ = 300, 16
@@ -149,7 +149,7 @@ def test_max_tokens_without_weights_stops_preparing_and_reads_the_first_tokens(t
 def test_resume_refuses_a_corpus_that_changed_and_names_the_change(tmp_path, monkeypatch):
     """A checkpoint records its data; a resume after a file was added says which, instead of training on other
     tokens under the same schedule."""
-    from resume import check_same_data
+    from llm.resume import check_same_data
     from config import Config
     monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)
     src = write_texts(tmp_path / "src", ["a.jsonl", "b.jsonl"])

@@ -7,7 +7,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import tokenizer as tk
+from llm import tokenizer as tk
 from config import DataError
 from text_generator import load_for_inference
 

@@ -15,15 +15,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-import checkpoint as ckpt_io
-import distributed
+from llm import checkpoint as ckpt_io
+from llm import distributed
 import gpu_training_optimized as trainer
 from config import Config, ConfigError, TrainConfig
 from conftest import write_greetings
 from modern_llm import Transformer
-from monitor import read_metrics as read_all
-from schedule import RunClock, lr_multiplier
-from sizing import EVAL_SHARE
+from llm.monitor import read_metrics as read_all
+from llm.schedule import RunClock, lr_multiplier
+from llm.sizing import EVAL_SHARE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,7 +144,7 @@ def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, ste
     """The steps a RunClock evaluates at in a run whose steps and evaluations take these seconds (a fake time),
     driven as the trainer drives it: sync at start, after each evaluation, after steps 1 and 2 and every 10."""
     now = [0.0]
-    monkeypatch.setattr("schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock, dist, at = RunClock(t, 0.0), OneProcess(), []
     clock.sync(0, dist)
     for step in range(steps):
@@ -469,7 +469,7 @@ def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
 
 def test_mfu_is_per_gpu_under_several_ranks(tmp_path, monkeypatch):
     """tokens/s counts every rank's tokens: MFU once divided them by one GPU's peak, so 8 GPUs read 8x."""
-    import monitor
+    from llm import monitor
     monkeypatch.setattr(monitor, "peak_flops", lambda device: 100e12)
     flops, tokens, world = 1e6, 40_000, 4
     m = monitor.Monitor(str(tmp_path), torch.device("cpu"), flops, False, world_size=world)

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from config import ModelConfig, PRESETS, SampleConfig
-from errors import error_contract
-from device import inference_dtype, pick_device, quantize_int8
-from engine import generate
-from hf_format import hf_twin
+from llm.errors import error_contract
+from llm.device import inference_dtype, pick_device, quantize_int8
+from llm.engine import generate
+from llm.hf_format import hf_twin
 from modern_llm import Transformer
 
 # Dense memory bandwidth in GB/s from the vendors' datasheets; the first name found in the device's wins.

@@ -44,7 +44,7 @@ def measure(variant: str, steps: int) -> dict:
     """In this process: build the variant, train `steps` steps after two warm-up steps, time them."""
     import torch
     import bench
-    import distributed
+    from llm import distributed
     from gpu_training_optimized import build, train_step
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])
@@ -87,7 +87,7 @@ class RssPeak:
 
 def estimate():
     """sizing.py's training-memory estimate for each variant at Qwen2.5-1.5B's shape."""
-    from sizing import training_bytes_estimate
+    from llm.sizing import training_bytes_estimate
     print("| variant (Qwen2.5-1.5B shape, 4 x 2048 tokens, gradient checkpointing) | estimated GiB | fits 24 GiB |")
     print("| --- | --- | --- |")
     for name, fields in VARIANTS.items():

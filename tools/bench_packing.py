@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 import gpu_training_optimized as trainer
-from batches import Batches, PackedBatches
-from checkpoint import read_model
+from llm.batches import Batches, PackedBatches
+from llm.checkpoint import read_model
 from config import DataConfig
-from errors import error_contract
+from llm.errors import error_contract
 from modern_llm import Transformer
 from prepare_data import prepare
 

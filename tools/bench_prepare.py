@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numpy as np
 
-from errors import RunFailure, error_contract
+from llm.errors import RunFailure, error_contract
 
 VOCAB, SEQ_LEN = 8192, 256
 BATCH_BYTES = 4 * 2**20  # text per peer encode_batch call: parallel across cores, as prepare_data's batches are
@@ -153,7 +153,7 @@ def corpus_folder(folder: str, total_bytes: int, seed: int = 0, file_bytes: int 
 def bench_tokenizer(path: str, docs) -> str:
     """The benchmark's BPE tokenizer of VOCAB tokens at path, trained on docs unless it is already there."""
     if not os.path.isfile(path):
-        from tokenizer import train_tokenizer
+        from llm.tokenizer import train_tokenizer
         train_tokenizer(_take(iter(docs), TOKENIZER_SAMPLE), "bpe", VOCAB).save(path)
     return path
 

@@ -32,13 +32,13 @@ import torch
 import bench
 import compile_check
 from config import PRESETS, Config, ConfigError
-from errors import error_contract
-from device import machine, pick_device
-from distributed import setup
+from llm.errors import error_contract
+from llm.device import machine, pick_device
+from llm.distributed import setup
 from gpu_training_optimized import build, new_model, train_step
-from hf_format import hf_twin
-from monitor import device_report, peak_flops, read_metrics
-from sizing import fill_automatic, training_bytes_estimate
+from llm.hf_format import hf_twin
+from llm.monitor import device_report, peak_flops, read_metrics
+from llm.sizing import fill_automatic, training_bytes_estimate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 
 from config import ConfigError, SampleConfig
-from sampling import TextStream
-from tokenizer import stop_ids
+from llm.sampling import TextStream
+from llm.tokenizer import stop_ids
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_BODY = 2**20  # bytes of a request body: the text of a 32k-token context is about 128 KB

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-import packing
+from llm import packing
 from config import DataError
 from prepare_data import PreparedData, check_window
-from tokenizer import IM_START
+from llm.tokenizer import IM_START
 
 
 def batches_for(data: PreparedData, split: str, packing_mode: str, batch_size: int, seq_len: int, seed: int,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from config import ConfigError, SampleConfig
-from sampling import TextStream, candidates, exp_noise, pick
-from tokenizer import stop_ids
+from llm.sampling import TextStream, candidates, exp_noise, pick
+from llm.tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
 SCORE_ROWS = 8  # sequences score() runs together

@@ -20,9 +20,9 @@ from dataclasses import replace
 import torch
 
 from config import DataConfig, DataError, SampleConfig
-from corpus import ReadStats, documents, source_files
-from engine import generate_text
-from tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
+from llm.corpus import ReadStats, documents, source_files
+from llm.engine import generate_text
+from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import atomic
+from llm import atomic
 from config import CheckpointError, ConfigError, ModelConfig, SampleConfig
-from hf_families import hf_config
-from hf_format import CARD, check_weights, expected_shapes, is_written_card
+from llm.hf_families import hf_config
+from llm.hf_format import CARD, check_weights, expected_shapes, is_written_card
 from modern_llm import is_stored
-from tokenizer import CHAT_TEMPLATE, EOT_TOKEN, GPT4_PATTERN, IM_END, IM_START, read_tokenizer
+from llm.tokenizer import CHAT_TEMPLATE, EOT_TOKEN, GPT4_PATTERN, IM_END, IM_START, read_tokenizer
 
 GGUF_TYPES = ("f16", "q8_0")
 MODELFILE = "Modelfile"

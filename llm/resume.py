@@ -14,9 +14,9 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
-import atomic
-import checkpoint as ckpt_io
-import lora
+from llm import atomic
+from llm import checkpoint as ckpt_io
+from llm import lora
 from config import AUTO, CheckpointError, Config, ConfigError
 
 

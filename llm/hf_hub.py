@@ -11,10 +11,10 @@ HF_HUB_OFFLINE=1 the cache alone is read, and a model missing there is one error
 import os
 import re
 
-from errors import CheckpointError, RunFailure
-from hf_families import HF_CONFIG, model_config_from_hf
-from hf_format import check_memory, is_hf_folder
-from sizing import count_parameters
+from llm.errors import CheckpointError, RunFailure
+from llm.hf_families import HF_CONFIG, model_config_from_hf
+from llm.hf_format import check_memory, is_hf_folder
+from llm.sizing import count_parameters
 
 HF_PREFIX = "hf:"
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # ORG/NAME as the Hub spells them

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from tokenizer import TOKENIZER_FILE
+from llm.tokenizer import TOKENIZER_FILE
 
 GROUP_FILE_BYTES = 2**20  # files smaller than this on disk share a shard with their neighbours
 GROUP_EVERY = 32  # a run of small files ends where a path hashes to 0 mod this: about 32 files per shard

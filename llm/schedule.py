@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from sizing import AUTO_EVALS, EVAL_SHARE
+from llm.sizing import AUTO_EVALS, EVAL_SHARE
 
 PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
 

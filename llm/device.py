@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from config import ConfigError
-from sizing import Machine
+from llm.sizing import Machine
 
 # Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

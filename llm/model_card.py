@@ -10,13 +10,13 @@ import math
 import os
 import re
 
-import atomic
-from checkpoint import STEP_FOLDER, load_trainer_state
+from llm import atomic
+from llm.checkpoint import STEP_FOLDER, load_trainer_state
 from config import CheckpointError, ModelConfig
-from hf_families import family
-from hf_format import CARD_MARK
-from monitor import read_metrics
-from sizing import count_parameters
+from llm.hf_families import family
+from llm.hf_format import CARD_MARK
+from llm.monitor import read_metrics
+from llm.sizing import count_parameters
 
 NOT_RECORDED = "not recorded"
 CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # saved by the trainer

@@ -8,7 +8,7 @@ corpus.py asks chat_messages() about every JSONL object, so the loss masks are t
 """
 
 from config import DataError
-from tokenizer import check_messages
+from llm.tokenizer import check_messages
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SHAPES = ("messages [{role, content}], conversations [{from, value}] (ShareGPT), instruction + output with "

@@ -15,9 +15,9 @@ import psutil
 import torch
 from tqdm import tqdm
 
-import atomic
+from llm import atomic
 from config import LORA_TARGETS
-from sizing import activation_bytes
+from llm.sizing import activation_bytes
 
 METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"
 

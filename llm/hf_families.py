@@ -10,7 +10,7 @@ than the context, NoPE layers, experts, another RoPE, ...). hf_format.py moves t
 
 import os
 
-import atomic
+from llm import atomic
 from config import CheckpointError, ConfigError, ModelConfig
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",

@@ -16,9 +16,9 @@ import warnings
 import torch
 import torch.nn as nn
 
-import atomic
+from llm import atomic
 from config import LORA_TARGETS as TARGETS, CheckpointError, ConfigError
-from hf_format import hf_name
+from llm.hf_format import hf_name
 
 ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders
 PEFT_WEIGHTS = "adapter_model.safetensors"  # in a PEFT folder, beside its adapter_config.json

@@ -23,15 +23,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import atomic
+from llm import atomic
 from config import CheckpointError, ConfigError, ModelConfig
-import lora
-from distributed import shard_as
-from hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
+from llm import lora
+from llm.distributed import shard_as
+from llm.hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
                        load_hf_folder, stored_shapes)
-from hf_hub import is_hub_name, resolve
+from llm.hf_hub import is_hub_name, resolve
 from modern_llm import is_stored
-from tokenizer import TOKENIZER_FILE as TOKENIZER
+from llm.tokenizer import TOKENIZER_FILE as TOKENIZER
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
 MANIFEST = "manifest.json"  # written last: the step, its validation loss and every file's size

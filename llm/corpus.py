@@ -17,8 +17,8 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
-import readers
-from chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
+from llm import readers
+from llm.chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
 from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
