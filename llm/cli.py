@@ -10,9 +10,11 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
+from typing import Literal, get_args, get_origin
 
-from config import PRESETS, Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from config import PRESETS, Config, DataConfig, ModelConfig, TrainConfig
+from llm.errors import ConfigError
 
 MAX_CONFIG_BYTES = 2**20  # a config file is a few kB: bounds the file, and what its YAML aliases expand to
 
@@ -97,19 +99,63 @@ def _naming_config_py(e: ConfigError, types) -> ConfigError:
     return ConfigError(f"{e} (as written in config.py)") if written and e.value in written else e
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError where it would print its usage and exit, and knows the names it takes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        self.names = []  # every --name, in the order added
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.dest != "help":
+            self.names.append(action.dest)
+        return action
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}, run with --help to see every setting")
+
+
+def _boolean(text: str) -> bool:
+    value = {"true": True, "t": True, "yes": True, "y": True, "1": True,
+             "false": False, "f": False, "no": False, "n": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return value
+
+
+def add_fields(parser: argparse.ArgumentParser, section):
+    """One flag per field of the dataclass `section`, named as the field (or with dashes) and parsed to its
+    annotated type: bool takes true/false (bare: true), a Literal its values, a list its values (none: empty)."""
+    for f in fields(section):
+        default = f.default_factory() if f.default is MISSING else f.default
+        kind, options = f.type, {"help": f.metadata.get("help"), "default": default}
+        if kind is bool:
+            options.update(type=_boolean, nargs="?", const=True, metavar="true|false")
+        elif get_origin(kind) is Literal:
+            options.update(choices=get_args(kind))
+        elif get_origin(kind) is list:
+            options.update(type=get_args(kind)[0], nargs="*")
+        else:
+            options.update(type=kind)
+        if "nargs" in f.metadata:  # a flag that may be given bare (`--resume`)
+            options.update(nargs=f.metadata["nargs"], const=f.metadata["const"])
+        dashed = [f"--{f.name.replace('_', '-')}"] if "_" in f.name else []  # --max-new-tokens as well
+        parser.add_argument(f"--{f.name}", *dashed, **options)
+
+
 def parse_sections(types, defaults, argv, description: str, extra=None):
     """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
 
     `extra` adds script-specific arguments; it is called with the parser and its values come back as a
     Namespace. Raises ConfigError for unknown names and bad values.
     """
-    from transformers import HfArgumentParser  # imported here: config.py stays light to import
-
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default="")
     known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(list(types), description=description, exit_on_error=False,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(description=description)
+    for section in types:
+        add_fields(parser, section)
     parser.add_argument("--config", default="", help="JSON or YAML file of field values, applied before "
                                                      "the command line")
     if extra:
@@ -118,23 +164,17 @@ def parse_sections(types, defaults, argv, description: str, extra=None):
         parser.set_defaults(**_explicit_values(d))
     if known.config:
         rest = _file_overrides(known.config, types) + rest
-    valid = sorted({a.dest for a in parser._actions if a.dest != "help"})
+    values, unknown = parser.parse_known_args(rest)
+    if unknown:
+        bad = [w for w in unknown if w.startswith("-")] or unknown
+        raise ConfigError(f"unknown setting {' '.join(bad)}, valid names are: " + ", ".join(sorted(parser.names)))
+    values = vars(values)
     try:
-        out = parser.parse_args_into_dataclasses(rest, return_remaining_strings=False, look_for_args_file=False)
+        sections = [t(**{f.name: values.pop(f.name) for f in fields(t)}) for t in types]
     except ConfigError as e:
         raise _naming_config_py(e, types) from None
-    except ValueError as e:
-        if "not used by the HfArgumentParser" in str(e):
-            bad = [w for w in rest if w.startswith("--") and w[2:].split("=")[0] not in valid]
-            raise ConfigError(f"unknown setting {' '.join(bad) or rest}, valid names are: "
-                              + ", ".join(valid)) from None
-        raise ConfigError(str(e)) from None
-    except argparse.ArgumentError as e:
-        raise ConfigError(f"{e}, run with --help to see every setting") from None
-    # Arguments that belong to no dataclass come back as one Namespace after the sections.
-    sections = list(out[:len(types)])
-    extras = out[len(types)] if len(out) > len(types) else argparse.Namespace()
-    return sections, extras
+    values.pop("config")
+    return sections, argparse.Namespace(**values)
 
 
 def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
