@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_origin
 
-from llm.errors import CheckpointError, CompileError, ConfigError, DataError, WriteError  # noqa: F401 (re-exported)
+from llm.errors import ConfigError
 
 
 def arg(default, help: str, const=None):

@@ -23,9 +23,9 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+from config import default_run_dir
 from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
-from config import CheckpointError, ConfigError, default_run_dir
-from llm.errors import error_contract
+from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name

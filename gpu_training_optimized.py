@@ -20,30 +20,30 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
-from tqdm import tqdm
 
+from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import distributed as dist_utils
+from llm.batches import Batches, batches_for
 from llm.cli import describe, parse_config
-from config import CompileError, Config, ConfigError
-from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
-                    make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from llm.corpus import corpus_bytes
-from llm.errors import RunFailure, error_contract
+from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
+                        make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
+from llm.errors import CompileError, ConfigError, RunFailure, error_contract
 from llm.evaluation import Probe, evaluate
 from llm.lora import adapter_state, add_adapters
-from modern_llm import Transformer
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
-                     start_report, summary)
-from muon_optimizer import MuonAdamW, build_optimizer
-from llm.batches import Batches, batches_for
-from prepare_data import PreparedData, prepare
+                         start_report, summary)
+from llm.preparation import prepare
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
-                    lora_start, resume_point)
+                        lora_start, resume_point)
 from llm.schedule import RunClock, StopFlag, lr_multiplier
 from llm.sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
+from llm.token_cache import PreparedData
+from modern_llm import Transformer
+from muon_optimizer import MuonAdamW, build_optimizer
 
 
 def set_lr(opt, multiplier: float):

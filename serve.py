@@ -29,15 +29,15 @@ from dataclasses import dataclass, field, replace
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+from config import SampleConfig
 from llm.checkpoint import checkpoint_step
-from config import ConfigError, SampleConfig
-from llm.errors import RunFailure, error_contract, exit_code
 from llm.engine import check_prompt, generate, score
+from llm.errors import ConfigError, RunFailure, error_contract, exit_code
 from llm.hf_hub import HF_PREFIX, is_hub_name
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
-from llm.openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released, scoring_of,
-                        settings_of, token_texts)
-from text_generator import load_for_inference
+from llm.openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released,
+                            scoring_of, settings_of, token_texts)
 from llm.tokenizer import can_chat, chat_prompt_ids, stop_ids
 
 try:  # optional until serving: main() names what to install
@@ -100,6 +100,25 @@ class Job:
             left = 0 if event.error else left - (event.finish_reason is not None)
 
 
+@dataclass
+class Ended:
+    """A choice the engine has finished: its new ids, why it ended, and the end id that ended it (None for any
+    other reason)."""
+    job: Job
+    choice: int
+    ids: list[int]
+    reason: str
+    end: int | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.job.prompts[self.choice // self.job.settings.num_return_sequences]
+
+    def sequence(self) -> list[int]:
+        """The prompt, the new ids and the end token: what logprobs score."""
+        return self.prompt + self.ids + ([] if self.end is None else [self.end])
+
+
 class Worker(threading.Thread):
     """Runs the engine on batches of queued jobs, one batch at a time (rows never mix: each has its own)."""
 
@@ -141,32 +160,30 @@ class Worker(threading.Thread):
             for j in jobs:
                 j.put(Event(error=failure(e)))
             return
-        ended = [(job, c, ids, *reasons[i]) for i, ((job, c), ids) in enumerate(zip(owner, out))
+        ended = [Ended(job, c, ids, *reasons[i]) for i, ((job, c), ids) in enumerate(zip(owner, out))
                  if i in reasons]  # a cancelled row has no reason, and no reader
-        ended += [(job, c, [], "length", None) for job in jobs if not job.generating for c in range(job.choices)]
+        ended += [Ended(job, c, [], "length") for job in jobs if not job.generating for c in range(job.choices)]
         self.finish(ended)
 
-    def finish(self, ended: list):
-        """Each ended choice's last event, (job, choice, new ids, reason, end id), with its logprobs when the job
-        asks for them: the sequences of every such choice of the batch scored together, the end token that
-        ended a choice among them (its text is no part of the answer), as OpenAI's API has it."""
-        asked = [e for e in ended if e[0].scoring.logprobs is not None]
-        per = lambda job, c: job.prompts[c // job.settings.num_return_sequences]  # noqa: E731 (a choice's prompt)
-        whole = lambda job, c, ids, end: per(job, c) + ids + ([] if end is None else [end])  # noqa: E731
+    def finish(self, ended: list[Ended]):
+        """Each ended choice's last event, with its logprobs when the job asks for them: the sequences of every
+        such choice of the batch scored together, the end token that ended a choice among them (its text is no
+        part of the answer), as OpenAI's API has it."""
+        asked = [e for e in ended if e.job.scoring.logprobs is not None]
         try:
-            scores = score(self.model, [whole(job, c, ids, end) for job, c, ids, _, end in asked],
-                           max((job.scoring.logprobs for job, *_ in asked), default=0))
-        except Exception as e:  # memory, or a bug: only the jobs that asked fail
-            for job in {id(job): job for job, *_ in asked}.values():
-                job.put(Event(error=failure(e)))
-            asked, scores, ended = [], [], [e for e in ended if e[0].scoring.logprobs is None]
-        scored = {(id(job), c): s for (job, c, *_), s in zip(asked, scores)}
-        for job, c, ids, reason, end in ended:
+            scores = score(self.model, [e.sequence() for e in asked],
+                           max((e.job.scoring.logprobs for e in asked), default=0))
+        except Exception as error:  # memory, or a bug: only the jobs that asked fail
+            for job in {id(e.job): e.job for e in asked}.values():
+                job.put(Event(error=failure(error)))
+            asked, scores, ended = [], [], [e for e in ended if e.job.scoring.logprobs is None]
+        scored = {id(e): s for e, s in zip(asked, scores)}
+        for e in ended:
             logprobs = None
-            if (id(job), c) in scored:
-                logprobs = logprobs_object(self.text_of, self.tokenizer, whole(job, c, ids, end), scored[id(job), c],
-                                           0 if job.scoring.echo else len(per(job, c)), job.scoring.logprobs)
-            job.put(Event(c, finish_reason=reason, tokens=len(ids), logprobs=logprobs))
+            if id(e) in scored:
+                logprobs = logprobs_object(self.text_of, self.tokenizer, e.sequence(), scored[id(e)],
+                                           0 if e.job.scoring.echo else len(e.prompt), e.job.scoring.logprobs)
+            e.job.put(Event(e.choice, finish_reason=e.reason, tokens=len(e.ids), logprobs=logprobs))
 
 
 def failure(e: Exception) -> BadRequest:
@@ -213,7 +230,8 @@ class Server:
 
     def __init__(self, args):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
-                                                                                args.quantize, base=args.base)
+                                                                                args.quantize, base=args.base,
+                                                                                compile=args.compile)
         named = args.path if is_hub_name(args.path) else self.path  # a Hub model by its name, not its cache folder
         self.name, self.api_key, self.compile = args.name or model_name(named), args.api_key, args.compile
         self.about = self.facts()

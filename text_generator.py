@@ -21,63 +21,23 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 import torch
 from tqdm import tqdm
 
+from config import DataConfig, SampleConfig, default_run_dir
 from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
-                        load_model_config, read_model)
+                            load_model_config)
 from llm.cli import parse_sections
-from config import CheckpointError, ConfigError, DataConfig, SampleConfig, default_run_dir
 from llm.corpus import corpus_bytes
-from llm.errors import InputError, error_contract
-from llm.device import inference_dtype, pick_device, quantize_int8
 from llm.engine import CHUNK, compiles, generate_text
+from llm.errors import CheckpointError, ConfigError, InputError, error_contract
 from llm.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
-from modern_llm import Transformer
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
-from prepare_data import split_texts
+from llm.preparation import split_texts
 from llm.sizing import count_parameters
-from llm.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, load_tokenizer, stop_ids
+from llm.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
 SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile",
                                                                   "quantize")]
-
-
-# ----------------------------------------------------------------------------- loading
-
-def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none",
-                       max_seq_len: int = 0, base: str = ""):
-    """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
-
-    path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
-    picks CUDA, MPS or CPU. The model is in eval mode, in bf16 on GPUs that compute it natively, else fp32;
-    quantize "int8" stores its linear weights in int8; max_seq_len, when given, replaces the saved context
-    length. Raises CheckpointError.
-    """
-    device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir(), max_seq_len, best, base)  # base: a LoRA run's model
-    if found.tokenizer_path is None:
-        raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
-    cfg = found.config
-    with torch.device(device):  # initialise on the device: fast even for large models on a GPU
-        model = Transformer(cfg)
-    model.load_stored(found.state)  # read_model checked every tensor
-    tokenizer = load_tokenizer(found.tokenizer_path)
-    ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
-    if ids > cfg.vocab_size:
-        raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
-                              f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
-                              "model; put the tokenizer.json the model was trained with beside it")
-    model = for_inference(model, device)
-    if quantize == "int8":
-        quantize_int8(model)
-    return model, tokenizer, cfg, found.path
-
-
-def for_inference(model: Transformer, device: torch.device) -> Transformer:
-    """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that
-    compute it natively, else fp32). In place."""
-    for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
-        p.data = p.data.to(inference_dtype(device))
-    return model.eval().requires_grad_(False)
 
 
 class TextGenerator:
@@ -95,7 +55,7 @@ class TextGenerator:
     def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
                  compile: str = "auto", base: str = "", **settings):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best, quantize,
-                                                                                base=base)
+                                                                                base=base, compile=compile)
         self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device, quantize=quantize,
                                                 compile=compile, base=base), settings)
 
@@ -404,7 +364,7 @@ def main(argv=None) -> int:
         print(list_runs(extras.path or os.path.dirname(default_run_dir())))
         return 0
     model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize,
-                                                     extras.max_seq_len, settings.base)
+                                                     extras.max_seq_len, settings.base, settings.compile)
     settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)
@@ -412,7 +372,7 @@ def main(argv=None) -> int:
     print(f"loaded {ckpt}: {_human(model.num_parameters())} parameters, context {cfg.max_seq_len} tokens, "
           f"{weight.device.type} {str(weight.dtype).removeprefix('torch.')}"
           + (", int8 linear weights" if settings.quantize == "int8" else ""), file=sys.stderr)
-    if compiles(settings, weight.device):
+    if compiles(settings.compile, weight.device):
         warm_up(model, tokenizer, settings)
     if extras.prompt is None and (sys.stdin.isatty() or extras.interactive):
         return Repl(model, tokenizer, settings).loop()

@@ -17,7 +17,7 @@ import re
 import shutil
 import socket
 
-from config import CheckpointError, ConfigError, WriteError
+from llm.errors import CheckpointError, ConfigError, WriteError
 
 try:
     import fcntl

@@ -9,8 +9,9 @@ import torch
 from tokenizers import Tokenizer
 
 from llm import packing
-from config import DataError
-from prepare_data import PreparedData, check_window
+from llm.errors import DataError
+from llm.preparation import check_window
+from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START
 
 

@@ -7,7 +7,7 @@
 corpus.py asks chat_messages() about every JSONL object, so the loss masks are the same for every shape.
 """
 
-from config import DataError
+from llm.errors import DataError
 from llm.tokenizer import check_messages
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

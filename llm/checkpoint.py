@@ -23,15 +23,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from llm import atomic
-from config import CheckpointError, ConfigError, ModelConfig
-from llm import lora
+from config import ModelConfig
+from llm import atomic, lora
 from llm.distributed import shard_as
+from llm.errors import CheckpointError, ConfigError
 from llm.hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
-                       load_hf_folder, stored_shapes)
+                           load_hf_folder, stored_shapes)
 from llm.hf_hub import is_hub_name, resolve
-from modern_llm import is_stored
 from llm.tokenizer import TOKENIZER_FILE as TOKENIZER
+from modern_llm import is_stored
 
 WEIGHTS, MODEL_CONFIG, TRAINER_STATE = "model.safetensors", "model_config.json", "trainer_state.pt"
 MANIFEST = "manifest.json"  # written last: the step, its validation loss and every file's size

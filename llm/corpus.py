@@ -5,7 +5,7 @@ Sources are files, folders or glob patterns. Folders are walked recursively (hid
 packages and pipes skipped; binary files skipped and counted; a `datasets` save_to_disk folder gives its Arrow
 files); long text files are cut at line ends into documents of about 32 KiB (a line longer than 256 KiB at a
 character boundary); a JSONL line or a table row is one document, its chat messages (in any shape
-chat_formats.py reads) or its text. Nothing here tokenizes: prepare_data.py does, from documents().
+chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does, from documents().
 """
 
 import codecs
@@ -17,9 +17,10 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
+from config import DEFAULT_TEXT_FIELDS, DataConfig
 from llm import readers
 from llm.chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
-from config import DEFAULT_TEXT_FIELDS, DataConfig, DataError
+from llm.errors import DataError
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
 LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces

@@ -12,7 +12,7 @@ import os
 import psutil
 import torch
 
-from config import ConfigError
+from llm.errors import ConfigError
 from llm.sizing import Machine
 
 # Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
@@ -140,17 +140,6 @@ def compile_model(model: torch.nn.Module, mode: str):
 def is_compile_failure(e: BaseException) -> bool:
     """Errors raised by the compiler stack itself (no C compiler, unsupported backend), not by our code."""
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Weight-only int8 for generation (torchao): every linear layer, the output head included, keeps int8
-    weights with per-channel scales, so a decode step reads about half the bytes of bf16. In place."""
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError:
-        raise ConfigError("quantize=int8 needs torchao, pip install torchao") from None
-    quantize_(model, Int8WeightOnlyConfig())
-    return model
 
 
 def synchronize(device: torch.device):

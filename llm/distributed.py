@@ -19,7 +19,7 @@ import torch.distributed as torch_dist
 from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 from torch.nn.parallel import DistributedDataParallel
 
-from config import ConfigError
+from llm.errors import ConfigError
 
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard

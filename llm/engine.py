@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-import torch.nn.functional as F
 
-from config import ConfigError, SampleConfig
+from config import SampleConfig
+from llm.errors import ConfigError
 from llm.sampling import TextStream, candidates, exp_noise, pick
 from llm.tokenizer import stop_ids
 
@@ -27,10 +27,7 @@ SCORE_ROWS = 8  # sequences score() runs together
 SCORE_LOGITS = 2**25  # logits score() holds at once (rows x positions x vocabulary): 128 MiB in float32
 MIN_BUCKET = 16
 GREEDY_ONE = SampleConfig(temperature=0.0, max_new_tokens=1)  # the settings of a row that pads a batch
-# Each prompt bucket and batch size compiles its own graph (batches padded to powers of two bound them): keep
-# more than dynamo's default 8, and past the limit fail loudly rather than generate eagerly without a word.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-torch._dynamo.config.fail_on_recompile_limit_hit = True
+RECOMPILE_LIMIT = 64  # graphs of one compiled step: a prompt bucket each (batch sizes have steps of their own)
 
 
 def bucket(length: int, ctx: int) -> int:
@@ -95,33 +92,6 @@ def decode_step(model, cache, state: State, ranked: int):
 
 # ----------------------------------------------------------------------------- one model's compiled steps
 
-class RowProductLinear(torch.nn.Linear):
-    """A linear layer that, compiled on a CPU, multiplies and sums for a few rows (decoding) instead of calling a
-    matmul kernel: Inductor makes that one pass over the weight at memory speed, where BLAS for one row reaches
-    a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Otherwise, and under
-    autocast, it is F.linear. Generation swaps it in (use_row_products); the model itself stays plain."""
-    REDUCE_ROWS = 16  # measured on a 2-core CPU: faster than BLAS through 16 rows, slower at 32
-
-    def forward(self, x):
-        w = self.weight
-        if not (torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-                and x.numel() <= self.REDUCE_ROWS * x.shape[-1] and self.bias is None):
-            return F.linear(x, w, self.bias)
-        if type(w) in (torch.Tensor, torch.nn.Parameter):
-            return (x.unsqueeze(-2) * w).sum(-1)
-        if type(w).__name__ == "Int8Tensor" and w.scale.shape == (w.shape[0], 1):  # torchao's, a scale per row
-            ints = w.qdata.to(x.dtype) - w.zero_point.to(x.dtype)
-            return (x.unsqueeze(-2) * ints).sum(-1) * w.scale.to(x.dtype).squeeze(-1)
-        return F.linear(x, w)
-
-
-def use_row_products(model):
-    """Give the model's linear layers the few-row CPU path, in place (the weights, int8 or not, stay theirs)."""
-    for m in model.modules():
-        if type(m) is torch.nn.Linear:
-            m.__class__ = RowProductLinear
-
-
 _COMPILED = weakref.WeakKeyDictionary()  # model -> {batch size: Slot}
 
 
@@ -150,18 +120,25 @@ def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
                 torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
             decode = torch.compile(decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # no CUDA graphs off CUDA: the default mode is the useful one
-            use_row_products(model)
             decode = torch.compile(decode_step, dynamic=False)
         slots[batch] = Slot(cache, state, prefill, decode)
     return slots[batch]
 
 
-def compiles(settings: SampleConfig, device: torch.device) -> bool:
-    """Whether generation compiles its steps: "auto" on CUDA, where CUDA graphs pay back the compile; never on
-    MPS, where the compiled decode step is not supported as it is on CUDA and CPU."""
+def compiles(mode: str, device: torch.device) -> bool:
+    """Whether generation compiles its steps (SampleConfig.compile): "auto" on CUDA, where CUDA graphs pay back the
+    compile; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU."""
     if device.type == "mps":
         return False
-    return settings.compile == "true" or (settings.compile == "auto" and device.type == "cuda")
+    return mode == "true" or (mode == "auto" and device.type == "cuda")
+
+
+def compile_limits():
+    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's default 8)
+    and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the process's own
+    settings hold outside it."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
 
 
 def check_memory(model, batch: int, max_len: int):
@@ -205,12 +182,12 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
-    compiled, real = compiles(rows[0][1], device), len(rows)
+    compiled, real = compiles(rows[0][1].compile, device), len(rows)
     if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read
         padding = batch_bucket(real) - real
         rows, limits = rows + [(rows[0][0], GREEDY_ONE)] * padding, limits + [1] * padding
     check_memory(model, len(rows), ctx if compiled else min(ctx, width + max(limits)))
-    with torch.no_grad():
+    with torch.no_grad(), compile_limits():
         slot = _slot(model, len(rows), min(ctx, width + max(limits)), compiled)
         return _run(model, slot, rows, limits, width, eos_ids, tokenizer, (on_text, on_end), cancelled, real)
 

@@ -19,9 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from config import DataConfig, DataError, SampleConfig
+from config import DataConfig, SampleConfig
 from llm.corpus import ReadStats, documents, source_files
 from llm.engine import generate_text
+from llm.errors import DataError
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model

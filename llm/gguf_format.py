@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config import ModelConfig, SampleConfig
 from llm import atomic
-from config import CheckpointError, ConfigError, ModelConfig, SampleConfig
+from llm.errors import CheckpointError, ConfigError
 from llm.hf_families import hf_config
 from llm.hf_format import CARD, check_weights, expected_shapes, is_written_card
-from modern_llm import is_stored
 from llm.tokenizer import CHAT_TEMPLATE, EOT_TOKEN, GPT4_PATTERN, IM_END, IM_START, read_tokenizer
+from modern_llm import is_stored
 
 GGUF_TYPES = ("f16", "q8_0")
 MODELFILE = "Modelfile"

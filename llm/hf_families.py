@@ -10,8 +10,9 @@ than the context, NoPE layers, experts, another RoPE, ...). hf_format.py moves t
 
 import os
 
+from config import ModelConfig
 from llm import atomic
-from config import CheckpointError, ConfigError, ModelConfig
+from llm.errors import CheckpointError, ConfigError
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}

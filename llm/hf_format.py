@@ -14,12 +14,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from config import ModelConfig
 from llm import atomic
-from config import CheckpointError, ModelConfig
+from llm.errors import CheckpointError
 from llm.hf_families import HF_CONFIG, SAVE_IT, declared_shape, hf_config, model_config_from_hf, raw_config
-from modern_llm import Transformer, is_stored
 from llm.sizing import count_parameters
 from llm.tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_tokenizer
+from modern_llm import Transformer, is_stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"

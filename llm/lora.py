@@ -16,8 +16,9 @@ import warnings
 import torch
 import torch.nn as nn
 
+from config import LORA_TARGETS as TARGETS
 from llm import atomic
-from config import LORA_TARGETS as TARGETS, CheckpointError, ConfigError
+from llm.errors import CheckpointError, ConfigError
 from llm.hf_format import hf_name
 
 ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders

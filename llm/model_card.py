@@ -10,9 +10,10 @@ import math
 import os
 import re
 
+from config import ModelConfig
 from llm import atomic
 from llm.checkpoint import STEP_FOLDER, load_trainer_state
-from config import CheckpointError, ModelConfig
+from llm.errors import CheckpointError
 from llm.hf_families import family
 from llm.hf_format import CARD_MARK
 from llm.monitor import read_metrics

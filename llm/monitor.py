@@ -15,8 +15,8 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from llm import atomic
 from config import LORA_TARGETS
+from llm import atomic
 from llm.sizing import activation_bytes
 
 METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"

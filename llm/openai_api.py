@@ -14,7 +14,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from config import ConfigError, SampleConfig
+from config import SampleConfig
+from llm.errors import ConfigError
 from llm.sampling import TextStream
 from llm.tokenizer import stop_ids
 

@@ -5,8 +5,8 @@ ones. Packing gives each window whole examples instead (a conversation, an instr
 --packing documents), one after another, the rest padded with ignored labels; positions restart at each
 example, and the model's attention does not cross from one to the next (modern_llm.py derives the
 block-diagonal mask from those positions). An example longer than the window is cut at a turn start (or, with
-none in reach, at the window's end) and its pieces packed like examples. Pure numpy: prepare_data.py reads the
-cache and calls these on its token arrays.
+none in reach, at the window's end) and its pieces packed like examples. Pure numpy: batches.py (and
+prepare_data.py --show) call these on the token cache's arrays.
 """
 
 import bisect

@@ -14,7 +14,7 @@ import os
 import zlib
 from contextlib import contextmanager
 
-from config import DataError
+from llm.errors import DataError
 
 COMPRESSED = (".gz", ".zst")  # text and JSONL files may come compressed: notes.txt.gz, web.jsonl.zst
 TABLES = (".parquet", ".arrow")

@@ -14,10 +14,11 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
+from config import AUTO, Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import lora
-from config import AUTO, CheckpointError, Config, ConfigError
+from llm.errors import CheckpointError, ConfigError
 
 
 def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:

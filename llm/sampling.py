@@ -9,7 +9,6 @@ on top.
 
 import torch
 
-
 # ----------------------------------------------------------------------------- sampling
 
 def candidates(temperatures: list[float], top_ks: list[int], vocab: int) -> int:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from config import AUTO, LORA_TARGETS, PRESETS, Config, ConfigError, ModelConfig
+from config import AUTO, LORA_TARGETS, PRESETS, Config, ModelConfig
+from llm.errors import ConfigError
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first

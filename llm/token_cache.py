@@ -10,7 +10,7 @@ A shard is one source file, or a run of small neighbouring files: a run ends aft
 modification times. A shard is cut into parts of about PART_BYTES of text, each written under a temporary name
 and renamed when complete: a kill loses at most the part being written. Each document goes to train or val by
 a keyed hash of its content, so the split is stable per document whatever file or container holds it.
-prepare_data.py writes the cache; batches.py reads the parts through TokenStream.
+preparation.py writes the cache; batches.py reads the parts through TokenStream.
 """
 
 import contextlib

@@ -2,7 +2,7 @@
 
 Every tokenizer here is byte-level (any text encodes, decoding is lossless) and knows three special
 tokens: <|endoftext|> between documents, <|im_start|> and <|im_end|> around chat turns (ChatML).
-prepare_data.py trains one from the texts it hands over; load_tokenizer() is the one way to open a
+preparation.py trains one from the texts it hands over; load_tokenizer() is the one way to open a
 tokenizer.json for generation or export, with eos, pad and the chat template set.
 """
 
@@ -12,7 +12,7 @@ import re
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from config import DataError
+from llm.errors import DataError
 
 EOT_TOKEN = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import textwrap
 
@@ -91,13 +92,70 @@ def chat_corpus(tmp_path_factory):
     return {"src": str(base / "chats.jsonl"), "cache": str(base / "cache"), "base": base}
 
 
+@pytest.fixture(scope="module")
+def trained(corpus, argv_for, tmp_path_factory):
+    """A run of 4 steps with checkpoints at 2 and 4, to copy and damage."""
+    import gpu_training_optimized as trainer
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4)) == 0
+    return run
+
+
+PYTHON_VOCAB, PYTHON_SEQ = 384, 64  # python_data's tokenizer and windows
+
+
+@pytest.fixture(scope="module")
+def python_data(tmp_path_factory):
+    """A tokenizer trained by preparation on real Python text (two standard-library modules), and its token cache
+    for training and validation batches: vocabulary PYTHON_VOCAB, windows of PYTHON_SEQ."""
+    from config import DataConfig
+    from llm.preparation import prepare
+    base = tmp_path_factory.mktemp("python_corpus")
+    (base / "src").mkdir()
+    for module in (argparse, textwrap):
+        (base / "src" / os.path.basename(module.__file__)).write_text(open(module.__file__).read())
+    cfg = DataConfig(sources=[str(base / "src")], cache_dir=str(base / "cache"), val_fraction=0.2)
+    return prepare(cfg, vocab_size=PYTHON_VOCAB, seq_len=PYTHON_SEQ, log=lambda *a: None)
+
+
+DATA_VOCAB, DATA_SEQ = 300, 16  # the data tests' tokenizer and windows
+
+
+def prepare(cfg, logs: list | None = None, vocab_size: int = DATA_VOCAB, seq_len: int = DATA_SEQ):
+    """The token cache of a DataConfig, as the trainer prepares it; its log lines appended to logs when given."""
+    from llm.preparation import prepare as prepare_cache
+    return prepare_cache(cfg, vocab_size=vocab_size, seq_len=seq_len, log=logs.append if logs is not None else lambda line: None)
+
+
+def one_error_line(capsys, code, exit_info) -> str:
+    """The one `error:` line on stderr, last, on a line of its own (a progress bar may come before it)."""
+    err = capsys.readouterr().err
+    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and [line for line in lines if "error:" in line] == lines[-1:], err
+    assert lines[-1].startswith("error: ") and err.endswith("\n" + lines[-1] + "\n") or err == lines[-1] + "\n"
+    return lines[-1]
+
+
+def read_json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def edit_json(path, **changes):
+    """Change a config.json the way another model's file reads; "DELETE" removes the key."""
+    values = {**read_json(path), **changes}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({k: v for k, v in values.items() if v != "DELETE"}, f)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, tiny_config):
     """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML
     tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
     from llm.checkpoint import save_checkpoint, weights_state_dict
-    from modern_llm import Transformer
     from llm.tokenizer import train_tokenizer
+    from modern_llm import Transformer
     root = tmp_path_factory.mktemp("runs")
     tok = train_tokenizer([CODE] * 3, "bpe", 400)
     tok_path = str(root / "tokenizer.json")
@@ -115,7 +173,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_config):
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_checkpoint):
     """The tiny checkpoint loaded as the generator loads it: (model, tokenizer). Shared: do not change it."""
-    from text_generator import load_for_inference
+    from llm.inference import load_for_inference
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     return model, tok
 
@@ -124,9 +182,10 @@ def tiny_loaded(tiny_checkpoint):
 def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
     """A checkpoint (tiny_checkpoint's tokenizer) whose greedy reply to any chat prompt is "OK<|im_end|>", then
     "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
+    from tokenizers import Tokenizer
+
     from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
-    from tokenizers import Tokenizer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     tok = Tokenizer.from_file(tok_path)
     o, k, im_end = (tok.token_to_id(t) for t in ("O", "K", "<|im_end|>"))
@@ -168,6 +227,7 @@ def hf_base(folder, family: str):
     """A randomly initialised transformers model of `family` (qwen3, or qwen2 with its q/k/v biases random too) with
     a ChatML tokenizer trained on question() chats, saved as a download would be."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
     from llm.tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
     rng = random.Random(0)
     tok = train_tokenizer([f"{q} {a}" for q, a in (question(rng) for _ in range(200))], "bpe", 300)
@@ -202,8 +262,9 @@ def qwen2_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def app(tiny_checkpoint):
     """serve.py's application on the tiny checkpoint in this process: (server, TestClient)."""
-    import serve
     from starlette.testclient import TestClient
+
+    import serve
     server = serve.Server(serve.parse_args([str(tiny_checkpoint), "--device", "cpu", "--compile", "false"]))
     with TestClient(serve.app_for(server)) as client:
         yield server, client

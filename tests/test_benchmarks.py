@@ -3,10 +3,9 @@
 import json
 import time
 
-import pytest
-
 import bench
 import compare_optimizers as cmp
+import pytest
 
 SMALL = ["--vocab_size", "128", "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_len", "16", "--micro_batch_size", "2", "--compile", "off",
@@ -96,9 +95,10 @@ def test_stored_bytes_count_what_a_quantized_weight_holds():
     report; and a tied head is read once, an untied table only at the rows looked up."""
     import torch
     from bench_generate import bytes_per_step
-    from llm.device import quantize_int8
-    from modern_llm import Transformer
+
     from config import ModelConfig
+    from llm.inference import quantize_int8
+    from modern_llm import Transformer
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_seq_len=32)
     model = Transformer(cfg)

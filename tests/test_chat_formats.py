@@ -10,8 +10,10 @@ import pytest
 from tokenizers import Tokenizer
 
 import prepare_data as pd
+from config import DataConfig
+from llm import preparation
 from llm.chat_formats import chat_messages
-from config import DataConfig, DataError
+from llm.errors import DataError
 from llm.tokenizer import IM_END, load_tokenizer
 
 VOCAB, SEQ = 300, 16
@@ -45,7 +47,7 @@ def write_jsonl(path, rows) -> str:
 
 def prepare(tmp_path, rows, **kw):
     cfg = DataConfig(sources=[write_jsonl(tmp_path / "chats.jsonl", rows)], cache_dir=str(tmp_path / "cache"), **kw)
-    return pd.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda m: None)
+    return preparation.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda m: None)
 
 
 def test_every_shape_becomes_its_conversation_and_the_system_prompt_fills_only_a_gap():

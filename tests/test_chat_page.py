@@ -28,9 +28,10 @@ READ_PAUSE_S = 0.02  # the engine reads every 8 tokens; pausing each read makes 
 def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
     """A run whose model writes "abab..." forever, whatever the prompt (never an end token), with a long context
     and one evaluation record: every hidden state is its token's one-hot embedding, which the head maps on."""
+    from tokenizers import Tokenizer
+
     from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
-    from tokenizers import Tokenizer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     tok = Tokenizer.from_file(tok_path)
     a, b = tok.token_to_id("a"), tok.token_to_id("b")

@@ -7,8 +7,8 @@ import pytest
 import export_hf
 import gpu_training_optimized as trainer
 from conftest import write_greetings
-from text_generator import TextGenerator
 from llm.tokenizer import IM_END
+from text_generator import TextGenerator
 
 
 @pytest.mark.slow

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
-from config import CheckpointError
 from conftest import CODE
+from llm import checkpoint as ckpt_io
+from llm.errors import CheckpointError
 from modern_llm import Transformer
 
 

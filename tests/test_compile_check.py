@@ -3,10 +3,9 @@ a contributor with the CPU build meets, and the pieces that need no CUDA."""
 
 import importlib.util
 
-import pytest
-
 import compile_check
 import fake_gpu
+import pytest
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="this torch has Triton")

@@ -5,8 +5,9 @@ import json
 import pytest
 
 import config
+from config import ModelConfig, TrainConfig
 from llm.cli import parse_config
-from config import ConfigError, ModelConfig, TrainConfig
+from llm.errors import ConfigError
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm import device
-from config import ConfigError
+from llm.errors import ConfigError
 
 
 @pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float16)], ids=["A100", "V100"])

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 import gpu_training_optimized as trainer
 from conftest import TINY_MODEL
-from llm.monitor import read_metrics
 from llm import batches as batches_module
 from llm.batches import Batches
+from llm.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,6 +135,7 @@ import datetime, os, time
 import torch
 import torch.distributed
 from llm import distributed
+from llm.inference import load_for_inference
 
 distributed.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=2)
 d = distributed.setup()
@@ -383,9 +384,9 @@ def test_fsdp_two_ranks_match_one_process_with_twice_the_accumulation(two_ranks_
 def test_fsdp_checkpoint_resumes_in_one_process_and_loads_in_the_generator(corpus, two_ranks_fsdp, tmp_path):
     """A checkpoint of an FSDP2 run holds whole tensors: one process resumes it and continues as the 2 ranks
     did (optimizer state included), and the generator loads it as it is."""
-    import text_generator
+    from llm.inference import load_for_inference
     assert_one_process_continues(corpus, two_ranks_fsdp["run"], tmp_path / "run")
-    model = text_generator.load_for_inference(two_ranks_fsdp["run"], torch.device("cpu"))[0]
+    model = load_for_inference(two_ranks_fsdp["run"], torch.device("cpu"))[0]
     assert_weights_close({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
                          weights(two_ranks_fsdp["run"], 6))
 

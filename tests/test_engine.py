@@ -5,17 +5,17 @@ The model and tokenizer are the tiny checkpoint of conftest.py, loaded as the ge
 """
 
 import copy
+import os
 from dataclasses import replace
 
 import pytest
 import torch
+from test_sampling import sample_next
 
-from llm import engine
 from config import SampleConfig
 from conftest import CODE as TEXT
-from llm.device import quantize_int8
-from test_sampling import sample_next
-from text_generator import load_for_inference
+from llm import engine
+from llm.inference import load_for_inference, quantize_int8
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
 
@@ -198,7 +198,31 @@ def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
 
 
 def test_compile_auto_means_cuda_and_never_mps():
-    on = lambda mode, kind: engine.compiles(SampleConfig(compile=mode), torch.device(kind))  # noqa: E731
+    on = lambda mode, kind: engine.compiles(mode, torch.device(kind))  # noqa: E731
     assert [on("auto", k) for k in ("cuda", "cpu", "mps")] == [True, False, False]
     assert [on("true", k) for k in ("cuda", "cpu", "mps")] == [True, True, False]
     assert not on("false", "cuda")
+
+
+def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
+    """Importing engine once raised dynamo's recompile limit and made reaching it fatal for the whole process (a
+    user's own torch.compile too); the engine's limits now hold only while it generates."""
+    import subprocess
+    import sys
+    code = ("import torch; c = torch._dynamo.config; before = (c.recompile_limit, c.fail_on_recompile_limit_hit); "
+            "import llm.engine, llm.inference; print(before == (c.recompile_limit, c.fail_on_recompile_limit_hit))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True).stdout == "True\n"
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
+    seen = []
+    model, tok = tiny_loaded
+    real_decode = engine.decode_step
+    try:
+        engine.decode_step = lambda *a: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit)) \
+            or real_decode(*a)
+        engine.generate(model, [[1, 2]], SampleConfig(max_new_tokens=3, temperature=0, compile="false"))
+    finally:
+        engine.decode_step = real_decode
+    assert seen and set(seen) == {(max(before[0], engine.RECOMPILE_LIMIT), True)}
+    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
-                    exit_code)
+                        exit_code)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["gpu_training_optimized", "text_generator", "prepare_data", "serve", "export_hf", "bench",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm import evaluation as ev
-from text_generator import load_for_inference
+from llm.inference import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = '''import os

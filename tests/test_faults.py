@@ -5,7 +5,6 @@ failure), never a traceback, and never loses a checkpoint."""
 import errno
 import json
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -13,32 +12,16 @@ import sys
 
 import pytest
 
-from llm import atomic
-from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
+from conftest import one_error_line
+from llm import atomic
+from llm import checkpoint as ckpt_io
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def trained(corpus, argv_for, tmp_path_factory):
-    """A run of 4 steps with checkpoints at 2 and 4, to copy and damage."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4)) == 0
-    return run
-
-
-def one_error_line(capsys, code, exit_info) -> str:
-    """The one `error:` line on stderr, last, on a line of its own (a progress bar may come before it)."""
-    err = capsys.readouterr().err
-    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and [line for line in lines if "error:" in line] == lines[-1:], err
-    assert lines[-1].startswith("error: ") and err.endswith("\n" + lines[-1] + "\n") or err == lines[-1] + "\n"
-    return lines[-1]
 
 
 # ----------------------------------------------------------------------------- lost pointers, kept checkpoints
@@ -266,9 +249,10 @@ def test_the_generator_takes_bytes_that_are_not_utf8_and_bounds_batches(tiny_che
 
 def test_a_batch_larger_than_memory_is_refused_before_allocating(tiny_checkpoint, monkeypatch):
     import psutil
-    from llm import engine
+
     from config import SampleConfig
-    model, tok, *_ = tg.load_for_inference(tiny_checkpoint, "cpu")
+    from llm import engine
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**6})())
     with pytest.raises(ValueError, match="need about .* GiB, more than the .* GiB free; lower num_return_sequences"):
         engine.generate(model, [[1, 2, 3]], SampleConfig(num_return_sequences=1000, max_new_tokens=50))
@@ -290,8 +274,9 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
 
 def test_a_single_document_error_also_reports_what_was_skipped(tmp_path):
     """The one-document error once hid the binary files skipped and the bytes replaced on the way."""
-    from config import DataConfig, DataError
-    from prepare_data import prepare
+    from config import DataConfig
+    from llm.errors import DataError
+    from llm.preparation import prepare
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "one.txt").write_bytes(b"caf\xe9 au lait\n")
     (tmp_path / "src" / "pic.png").write_bytes(b"\x89PNG\0\0")

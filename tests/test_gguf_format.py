@@ -16,34 +16,20 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
 
-from llm import checkpoint as ckpt_io
-from llm import engine
-import export_hf
-from llm import gguf_format
-import prepare_data
-from llm.batches import Batches
-from config import DataConfig, SampleConfig
-from modern_llm import Transformer
-from test_faults import one_error_line
 from test_hf_format import CHAT, TEXTS, train
-from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
 from tokenizers import Tokenizer
 
-VOCAB, SEQ = 384, 64
+import export_hf
+from config import SampleConfig
+from conftest import PYTHON_SEQ, PYTHON_VOCAB, one_error_line
+from llm import checkpoint as ckpt_io
+from llm import engine, gguf_format
+from llm.batches import Batches
+from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
+from modern_llm import Transformer
+
+VOCAB, SEQ = PYTHON_VOCAB, PYTHON_SEQ
 Q8_BPB_BOUND = 0.002  # README: q8_0 moved bits per byte by 0.0001 to 0.0002 (measured); room for other seeds
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A tokenizer trained by prepare_data on real Python text, and its token cache for training and validation."""
-    import argparse
-    import textwrap
-    base = tmp_path_factory.mktemp("gguf_corpus")
-    (base / "src").mkdir()
-    for module in (argparse, textwrap):
-        (base / "src" / os.path.basename(module.__file__)).write_text(open(module.__file__).read())
-    cfg = DataConfig(sources=[str(base / "src")], cache_dir=str(base / "cache"), val_fraction=0.2)
-    return prepare_data.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
 
 
 def sharp_model(tiny_config, **kw) -> Transformer:
@@ -92,13 +78,13 @@ def rounded(model: Transformer, dtype=torch.float16) -> Transformer:
 
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
-def test_f16_file_reads_back_as_our_model(data, tmp_path, tiny_config, qk_norm, tied):
+def test_f16_file_reads_back_as_our_model(python_data, tmp_path, tiny_config, qk_norm, tied):
     """The f16 file must hold the right architecture, names, types and hyperparameters (by the gguf reader), and
     transformers' model of it must compute our f16-rounded model's logits and greedy tokens: a wrong tensor name,
     a missing Q/K permutation for llama (transformers undoes llama.cpp's), a wrong eps, rope base or head width, or
     a lost tie changes them."""
     model = sharp_model(tiny_config, qk_norm=qk_norm, tie_word_embeddings=tied)
-    path = export(save(model, data.tokenizer_path, tmp_path / "run"), tmp_path / "out")
+    path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out")
     reader = gguf.GGUFReader(path)
     arch = "qwen3" if qk_norm else "llama"
     cfg = model.config
@@ -120,7 +106,7 @@ def test_f16_file_reads_back_as_our_model(data, tmp_path, tiny_config, qk_norm, 
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids)[0], rtol=1e-5, atol=2e-5)
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    tok = Tokenizer.from_file(data.tokenizer_path)
+    tok = Tokenizer.from_file(python_data.tokenizer_path)
     for text in ("import os\n", "def parse_args(self", "class HelpFormatter(object):\n    "):
         prompt = tok.encode(text).ids
         mine = engine.generate(ours, [prompt], SampleConfig(temperature=0, max_new_tokens=16, compile="false"),
@@ -138,6 +124,7 @@ def test_tokenizer_and_chat_format_read_back(tmp_path, tiny_config, kind, pre):
     llama.cpp splits like ours with, <|im_end|> as the end of a chat turn and our ChatML template; the Modelfile's
     template must render what the model was trained on."""
     from transformers import AutoTokenizer
+
     from conftest import CODE
     ours = train_tokenizer([CODE] * 3, kind, 400)
     ours.save(str(tmp_path / "tok.json"))
@@ -178,6 +165,7 @@ def test_a_tokenizer_without_chat_tokens_gets_a_plain_template(tmp_path, tiny_co
     """A tokenizer with no ChatML tokens must end generations at <|endoftext|>, carry no chat template, and give
     Ollama the prompt as it is."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     from conftest import CODE
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -199,12 +187,12 @@ def bits_per_byte(logits: torch.Tensor, ids: torch.Tensor, bytes_per_token: floa
     return loss.item() / math.log(2) / bytes_per_token
 
 
-def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
+def test_q8_0_stays_within_the_stated_bound_of_f16(python_data, tmp_path, tiny_config):
     """q8_0 must store every matrix as Q8_0 blocks (a file that silently kept f16 would pass any bound), each
     weight within half a quantisation step of ours, in about 53% of f16's bytes, and move the validation bits
     per byte of a trained model by less than the bound README states (both files read back by transformers)."""
-    model = train(sharp_model(tiny_config, init_std=0.02), data, steps=25)
-    ckpt = save(model, data.tokenizer_path, tmp_path / "run", 25)
+    model = train(sharp_model(tiny_config, init_std=0.02), python_data, steps=25)
+    ckpt = save(model, python_data.tokenizer_path, tmp_path / "run", 25)
     f16, q8 = export(ckpt, tmp_path / "f16"), export(ckpt, tmp_path / "q8", "q8_0")
     reader = gguf.GGUFReader(q8)
     assert field(reader, "general.file_type") == 7
@@ -222,9 +210,9 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
         assert (error <= step * (0.5 + 127 / 2048)).all() and error.max() > 0, t.name
     assert 0.5 < os.path.getsize(q8) / os.path.getsize(f16) < 0.56
 
-    windows = Batches(data, "val", 8, SEQ, 0)
+    windows = Batches(python_data, "val", 8, SEQ, 0)
     ids = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y, _ in (windows.get(i, 0) for i in range(2))])
-    per_token = data.meta["val_bytes_per_token"]
+    per_token = python_data.meta["val_bytes_per_token"]
     with torch.no_grad():
         bpb = [bits_per_byte(load_theirs(p)(input_ids=ids[:, :-1]).logits, ids, per_token) for p in (f16, q8)]
         untrained = bits_per_byte(sharp_model(tiny_config, init_std=0.02)(ids[:, :-1])[0], ids, per_token)
@@ -233,7 +221,7 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(data, tmp_path, tiny_config):
     assert abs(bpb[1] - bpb[0]) < Q8_BPB_BOUND
 
 
-def test_bad_requests_are_one_line_and_write_nothing(data, tmp_path, tiny_config, capsys):
+def test_bad_requests_are_one_line_and_write_nothing(python_data, tmp_path, tiny_config, capsys):
     """A tokenizer llama.cpp cannot reproduce, flags that mean nothing for GGUF, and an output folder that is not
     an earlier GGUF export (a card rewritten by hand makes it the user's) must each stop with one `error:` line,
     exit 2, and leave every file as it was; --overwrite replaces an earlier GGUF export whole."""
@@ -249,7 +237,7 @@ def test_bad_requests_are_one_line_and_write_nothing(data, tmp_path, tiny_config
             export_hf.main(argv)
         assert words in one_error_line(capsys, 2, e) and not (tmp_path / "a").exists()
 
-    run = save(sharp_model(tiny_config), data.tokenizer_path, tmp_path / "run")
+    run = save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "run")
     export(run, tmp_path / "out")
     with pytest.raises(SystemExit) as e:
         export_hf.main([run, str(tmp_path / "out"), "--gguf", "q8_0"])
@@ -265,12 +253,12 @@ def test_bad_requests_are_one_line_and_write_nothing(data, tmp_path, tiny_config
 
 @pytest.mark.parametrize("fault,code,words", [("full", 1, ["No space left on device", "free some space"]),
                                               ("read-only", 2, ["Read-only file system", "choose a folder"])])
-def test_a_failed_write_is_one_line_and_leaves_no_file(data, tmp_path, tiny_config, capsys, monkeypatch, fault,
+def test_a_failed_write_is_one_line_and_leaves_no_file(python_data, tmp_path, tiny_config, capsys, monkeypatch, fault,
                                                        code, words):
     """A disk that fills up while the tensors are written, or a folder that cannot be written, must end in one
     line (exit 1 for the full disk, 2 for the path, as for checkpoints) with no half-written file or temporary
     folder left, and an earlier export as it was."""
-    run = save(sharp_model(tiny_config), data.tokenizer_path, tmp_path / "run")
+    run = save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "run")
     earlier = export(run, tmp_path / "out")
     before = open(earlier, "rb").read()
     number = errno.ENOSPC if fault == "full" else errno.EROFS

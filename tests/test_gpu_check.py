@@ -3,9 +3,8 @@ writes the report, so the script stays runnable for the day a GPU is at hand."""
 
 import json
 
-import pytest
-
 import gpu_check
+import pytest
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,6 @@ its RoPE rescaling, Mistral within its window, SmolLM2, SmolLM3 where every laye
 logits of transformers' own forward and goes back out as the same family; what it cannot compute is refused in one
 line naming the field. Tiny random models built from transformers configs, offline."""
 
-import json
 import os
 import shutil
 from dataclasses import replace
@@ -14,10 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llm import checkpoint as ckpt_io
 import export_hf
+from config import ModelConfig
+from conftest import edit_json, read_json
+from llm import checkpoint as ckpt_io
 from llm.cli import parse_config
-from config import ConfigError, ModelConfig
+from llm.errors import ConfigError
 from modern_llm import Transformer
 from muon_optimizer import split_parameters
 
@@ -55,18 +56,6 @@ def tokenizer(tiny_checkpoint):
 def vocab_size(tokenizer: str) -> int:
     from tokenizers import Tokenizer
     return Tokenizer.from_file(tokenizer).get_vocab_size()
-
-
-def read_json(path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def edit_json(path, **changes):
-    """Change a config.json the way another model's file reads; "DELETE" removes the key."""
-    values = {**read_json(path), **changes}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({k: v for k, v in values.items() if v != "DELETE"}, f)
 
 
 def hf_model(folder, tokenizer: str, model_type: str, edits: dict | None = None, **fields):

@@ -2,7 +2,6 @@
 back, with equal logits, equal greedy generations, an equal tokenizer and chat template, clear refusals of
 what our model cannot represent, and the benchmarks' transformers twins computing our function."""
 
-import json
 import os
 import shutil
 
@@ -12,34 +11,21 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+import export_hf
+from config import SampleConfig
+from conftest import PYTHON_SEQ, PYTHON_VOCAB, edit_json, read_json
 from llm import checkpoint as ckpt_io
 from llm import engine
-import export_hf
-import prepare_data
 from llm.batches import Batches
-from config import DataConfig, SampleConfig
 from llm.hf_format import hf_twin, is_hf_folder, load_hf_folder
-from modern_llm import Transformer
 from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
+from modern_llm import Transformer
 
-VOCAB, SEQ = 384, 64
+VOCAB, SEQ = PYTHON_VOCAB, PYTHON_SEQ
 TEXTS = ["def main():\n    return 0\n", "  spaces\tand tabs\n\n", "<|im_start|>user\nhi<|im_end|>\n",
          "text<|endoftext|>more", "unicode: caf\u00e9 \u00fc \u4e2d\u6587", ""]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
         {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A tokenizer trained by prepare_data on real Python text, and its token cache for training batches."""
-    import argparse
-    import textwrap
-    base = tmp_path_factory.mktemp("hf_corpus")
-    (base / "src").mkdir()
-    for module in (argparse, textwrap):
-        shutil.copyfile(module.__file__, base / "src" / os.path.basename(module.__file__))
-    cfg = DataConfig(sources=[str(base / "src")], cache_dir=str(base / "cache"), val_fraction=0.2)
-    return prepare_data.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +35,9 @@ def tiny(tiny_config):
                                        "rms_norm_eps": 1e-5, **kw})
 
 
-def train(model: Transformer, data, steps: int, seed: int = 0) -> Transformer:
+def train(model: Transformer, python_data, steps: int, seed: int = 0) -> Transformer:
     """A few AdamW steps on real text: every weight, norms included, moves away from its initial value."""
-    batches = Batches(data, "train", 4, SEQ, seed)
+    batches = Batches(python_data, "train", 4, SEQ, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for step in range(steps):
@@ -62,9 +48,9 @@ def train(model: Transformer, data, steps: int, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def save(model: Transformer, data, run_dir, step: int) -> str:
+def save(model: Transformer, python_data, run_dir, step: int) -> str:
     return ckpt_io.save_checkpoint(str(run_dir), step, ckpt_io.weights_state_dict(model), model.config,
-                                   data.tokenizer_path, {"step": step}, keep=2)
+                                   python_data.tokenizer_path, {"step": step}, keep=2)
 
 
 def load_ours(ckpt: str) -> Transformer:
@@ -105,7 +91,7 @@ def export(src, out, *flags):
     return out
 
 
-def hf_folder(tmp_path, data, model_type: str, **kw):
+def hf_folder(tmp_path, python_data, model_type: str, **kw):
     """A randomly initialised transformers Qwen3/Llama model saved with save_pretrained, our tokenizer beside it."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
@@ -121,31 +107,17 @@ def hf_folder(tmp_path, data, model_type: str, **kw):
                 p.uniform_(0.5, 1.5)
     folder = tmp_path / f"hf_{model_type}"
     model.save_pretrained(str(folder), max_shard_size="40KB" if model_type == "llama" else "5GB")
-    PreTrainedTokenizerFast(tokenizer_file=data.tokenizer_path).save_pretrained(str(folder))
+    PreTrainedTokenizerFast(tokenizer_file=python_data.tokenizer_path).save_pretrained(str(folder))
     return folder, model
 
 
-def read_json(path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def edit_json(path, **changes):
-    """Change a config.json the way a different model's file would read; "DELETE" removes the key."""
-    values = read_json(path)
-    values.update(changes)
-    values = {k: v for k, v in values.items() if v != "DELETE"}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(values, f)
-
-
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
-def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_norm, tied, tiny):
+def test_export_gives_equal_logits_and_greedy_generations(python_data, tmp_path, qk_norm, tied, tiny):
     """The exported folder must load in transformers as the right architecture and compute our function exactly
     (a wrong name map, norm order, eps, head_dim, RoPE layout or tie flag changes the logits), and HF's cached
     greedy generate must produce our tokens (catches position or cache mismatches that a full forward hides)."""
-    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied)), data, steps=10)
-    save(model, data, tmp_path / "run", 10)
+    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied)), python_data, steps=10)
+    save(model, python_data, tmp_path / "run", 10)
     out = export(tmp_path / "run", tmp_path / "hf")
     config = read_json(out / "config.json")
     assert config["architectures"] == ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"]
@@ -157,7 +129,7 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
     assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == tied
     assert_same_logits(model, theirs)
 
-    tok = Tokenizer.from_file(data.tokenizer_path)
+    tok = Tokenizer.from_file(python_data.tokenizer_path)
     stop = set(theirs.generation_config.eos_token_id)
     for text in ("import os\n", "def parse_args(self", "class HelpFormatter(object):\n    "):
         prompt = tok.encode(text).ids
@@ -173,13 +145,13 @@ def test_export_gives_equal_logits_and_greedy_generations(data, tmp_path, qk_nor
         torch.testing.assert_close(torch.cat(generated.logits), my_logits, rtol=1e-5, atol=2e-5)
 
 
-def test_exported_tokenizer_matches_ours(data, tmp_path, tiny):
+def test_exported_tokenizer_matches_ours(python_data, tmp_path, tiny):
     """AutoTokenizer on the export must encode and decode like our tokenizer, special tokens included, and its
     chat template must render the text prepare_data trains on; eos and pad must be the tokens we chose."""
     from transformers import AutoTokenizer, GenerationConfig
-    save(Transformer(tiny()), data, tmp_path / "run", 1)
+    save(Transformer(tiny()), python_data, tmp_path / "run", 1)
     out = export(tmp_path / "run", tmp_path / "hf", "--eos", "<|im_end|>")
-    theirs, ours = AutoTokenizer.from_pretrained(str(out)), Tokenizer.from_file(data.tokenizer_path)
+    theirs, ours = AutoTokenizer.from_pretrained(str(out)), Tokenizer.from_file(python_data.tokenizer_path)
     for text in TEXTS:
         ids = ours.encode(text).ids
         assert theirs(text)["input_ids"] == ids, text
@@ -216,11 +188,11 @@ def test_a_chat_model_exported_without_eos_stops_at_im_end(tiny_checkpoint, chat
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_import_train_export_round_trip(data, tmp_path, model_type):
+def test_import_train_export_round_trip(python_data, tmp_path, model_type):
     """A transformers model imported as our checkpoint must compute the same logits (Qwen3: a hub-style config
     with rope_theta on top and an unused sliding_window, which must not be refused; Llama: untied, sharded),
     keep doing so after training in our format, and come back out loadable by transformers."""
-    folder, theirs = hf_folder(tmp_path, data, model_type, tie_word_embeddings=model_type == "qwen3")
+    folder, theirs = hf_folder(tmp_path, python_data, model_type, tie_word_embeddings=model_type == "qwen3")
     if model_type == "qwen3":  # how Qwen3 folders on the hub (written by transformers 4.x) look
         edit_json(folder / "config.json", rope_parameters="DELETE", layer_types="DELETE", rope_theta=20000.0,
                   rope_scaling=None, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
@@ -240,14 +212,14 @@ def test_import_train_export_round_trip(data, tmp_path, model_type):
     assert cfg == ours.config and tokenizer == str(folder / "tokenizer.json")
     torch.testing.assert_close(state, ckpt_io.weights_state_dict(ours))
 
-    trained = train(ours, data, steps=3)
-    out = export(save(trained, data, tmp_path / "run", 3), tmp_path / "out")
+    trained = train(ours, python_data, steps=3)
+    out = export(save(trained, python_data, tmp_path / "run", 3), tmp_path / "out")
     assert_same_logits(trained, load_theirs(out), seed=1)
 
 
 @pytest.fixture(scope="module")
-def qwen3_folder(data, tmp_path_factory):
-    return hf_folder(tmp_path_factory.mktemp("refuse"), data, "qwen3")[0]
+def qwen3_folder(python_data, tmp_path_factory):
+    return hf_folder(tmp_path_factory.mktemp("refuse"), python_data, "qwen3")[0]
 
 
 @pytest.mark.parametrize("changes,reason", [
@@ -272,11 +244,11 @@ def test_unrepresentable_folder_is_refused(qwen3_folder, tmp_path, capsys, chang
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
-def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys, tiny):
+def test_export_is_atomic_and_never_clobbers(python_data, tmp_path, capsys, tiny):
     """An existing folder must not be overwritten without --overwrite, and with it only when it is an earlier
     export, which the new export replaces whole, no temporary folder left behind; bf16 export stores bf16
     tensors and says so."""
-    save(Transformer(tiny()), data, tmp_path / "run", 1)
+    save(Transformer(tiny()), python_data, tmp_path / "run", 1)
     out = tmp_path / "hf"
     out.mkdir()
     (out / "precious.txt").write_text("keep")
@@ -295,12 +267,12 @@ def test_export_is_atomic_and_never_clobbers(data, tmp_path, capsys, tiny):
 
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
-def test_benchmark_twins_compute_our_function(data, qk_norm, tied, tiny):
+def test_benchmark_twins_compute_our_function(python_data, qk_norm, tied, tiny):
     """The transformers twins the benchmarks time must be the same network as ours, rope_theta included (three
     hand-written twin configs once drifted on it, so the benchmarks compared different models); the training
     twin's loss must be our loss on the same labels."""
     import bench
-    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied, rope_theta=777.0)), data, steps=2)
+    model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied, rope_theta=777.0)), python_data, steps=2)
     twin = hf_twin(model.config, model.state_dict()).eval()
     assert twin.config.rope_parameters["rope_theta"] == 777.0 == model.config.rope_theta
     assert_same_logits(model, twin)

@@ -15,13 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
+from test_hf_families import TOLERANCE, hf_model, load_ours, max_diff
 
-from llm import checkpoint as ckpt_io
 import export_hf
 from config import Config, TrainConfig
+from conftest import edit_json
+from llm import checkpoint as ckpt_io
+from llm.inference import load_for_inference
 from llm.resume import apply_init_from
-from test_hf_families import edit_json, hf_model, load_ours, max_diff, TOLERANCE
-from text_generator import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO, COMMIT = "tiny-org/tiny-qwen2", "0123456789abcdef0123456789abcdef01234567"

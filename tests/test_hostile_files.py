@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm import atomic
-from llm import checkpoint as ckpt_io
 import gpu_training_optimized as trainer
 import prepare_data as pd
+from conftest import one_error_line
+from llm import atomic
+from llm import checkpoint as ckpt_io
 from llm import token_cache as tc
-from test_faults import one_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

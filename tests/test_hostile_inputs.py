@@ -17,23 +17,16 @@ import torch
 import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
-from llm.checkpoint import save_checkpoint, weights_state_dict
 from config import DataConfig
+from conftest import one_error_line
+from llm.checkpoint import save_checkpoint, weights_state_dict
 from llm.corpus import PIECE_BYTES, source_files
-from modern_llm import Transformer
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
-from prepare_data import split_texts
+from llm.preparation import split_texts
+from modern_llm import Transformer
 
 DEEP = "[" * 100_000  # past the JSON parser's recursion limit: RecursionError, not JSONDecodeError
-
-
-def one_error_line(capsys, code, exit_info) -> str:
-    """The one `error:` line on stderr, last, on a line of its own (a progress bar may come before it)."""
-    err = capsys.readouterr().err
-    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and [line for line in lines if "error:" in line] == lines[-1:], err
-    return lines[-1]
 
 
 def refused(capsys, main, argv) -> str:
@@ -41,14 +34,6 @@ def refused(capsys, main, argv) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)
     return one_error_line(capsys, 2, e)
-
-
-@pytest.fixture(scope="module")
-def trained(corpus, argv_for, tmp_path_factory):
-    """A run of 4 steps with checkpoints at 2 and 4, to copy and damage."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4)) == 0
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +232,7 @@ def test_streamed_evaluation_equals_the_whole_file_one(long_context, tmp_path, c
     files[0].write_text("".join(f"line {i} of a file longer than one piece\n" for i in range(1000)))
     files[1].write_text("caf\u00e9 \u65e5\u672c\n" * 500)
     bpb, tokens, err = eval_line(capsys, long_context, [str(f) for f in files])
-    model, tok, *_ = tg.load_for_inference(long_context, "cpu")
+    model, tok, *_ = load_for_inference(long_context, "cpu")
     texts = split_texts(DataConfig(sources=[str(f) for f in files]), split=None)
     assert len(texts) == 2 and len(texts[0]) > PIECE_BYTES  # two documents, the first read in pieces
     expected, expected_tokens = written_out_bits_per_byte(model, tok, texts)

@@ -1,8 +1,10 @@
-"""Tests of the project's shape (DESIGN.md): imports flow one way, nothing in the core imports a tool, each
-format has one reader, and no file outgrows a screenful of screens."""
+"""Tests of the project's shape (DESIGN.md): the root holds what a user runs or edits and the package folder the
+rest, imports flow one way, nothing in the core imports a tool, each format has one reader, and no file outgrows
+a screenful of screens."""
 
 import ast
 import os
+import subprocess
 
 import pytest
 
@@ -11,12 +13,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "chat_formats", "readers", "corpus", "packing", "token_cache", "prepare_data", "batches", "modern_llm",
-        "sampling", "engine", "evaluation",
+        "tokenizer", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation", "batches",
+        "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format",
-        "checkpoint", "model_card", "schedule", "resume", "gpu_training_optimized", "text_generator", "openai_api"]
+        "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
-SCRIPTS = ["export_hf", "serve"]  # run by users, on the core like the tools, imported by nothing
+SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
 TOOLS = ["bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
          "compile_check", "fake_gpu", "gpu_check"]  # in tools/
 # A tool may build on another only where declared here.
@@ -26,6 +28,7 @@ MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
            "serve", "export_hf"]
 PACKAGE = "llm"
+ROOT_SHARED = {"config", "modern_llm"}  # the only root files the package imports: the settings and the network
 
 
 def path(module: str) -> str:
@@ -61,6 +64,25 @@ def test_every_python_file_is_listed():
     assert {f[:-3] for f in os.listdir(os.path.join(ROOT, PACKAGE)) if f.endswith(".py")} == \
         set(CORE + SCRIPTS) - set(AT_ROOT) | {"__init__"}
     assert {f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py")} == set(TOOLS)
+
+
+def test_the_root_shows_what_a_user_runs_or_edits():
+    """`ls` once showed 35 modules and a page side by side, the five files a user works with lost among them."""
+    try:
+        tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    top = {line.split("/")[0] for line in tracked.splitlines() if not line.startswith(".")}
+    assert top == {f"{m}.py" for m in AT_ROOT} | {PACKAGE, "tools", "tests", "docs", "README.md", "requirements.txt",
+                                                  "requirements-test.txt", "requirements-extra.txt"}
+    assert os.path.isfile(os.path.join(ROOT, PACKAGE, "chat_page.html"))  # the page beside the server's code
+
+
+@pytest.mark.parametrize("module", sorted(set(CORE) - set(AT_ROOT)))
+def test_the_package_imports_from_the_root_only_the_settings_and_the_network(module):
+    """The package once reached up into the scripts (batches imported prepare_data, the server the REPL's loader):
+    a module the scripts import builds on config.py and modern_llm.py alone of the root's files."""
+    assert project_imports(module) & set(AT_ROOT) <= ROOT_SHARED
 
 
 @pytest.mark.parametrize("module", CORE)
@@ -104,3 +126,14 @@ def test_ci_runs_exactly_the_test_command_readme_gives():
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().strip().splitlines()
     assert command in ci and "pytest" in command and "--durations=15" in command
     assert any("tools/gpu_check.py --compile_only" in line for line in ci[ci.index(command):])  # then the compile check
+
+
+def test_error_classes_are_imported_from_their_own_module():
+    """config.py once re-exported the error classes, so modules imported them from both homes."""
+    errors = {"InputError", "ConfigError", "DataError", "CheckpointError", "RunFailure", "WriteError", "CompileError"}
+    for module in CORE + SCRIPTS + TOOLS:
+        with open(path(module), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "config":
+                assert not {a.name for a in node.names} & errors, f"{module} imports error classes from config"

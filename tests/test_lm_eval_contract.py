@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import export_hf
-from llm import openai_api
 import serve
-from text_generator import load_for_inference
+from llm import openai_api
+from llm.inference import load_for_inference
 
 SEED = 1234  # lm-eval's default seed, sent with every request
 PAIRS = [("def push(self, item):\n", "        self.items.append(item)"),
@@ -142,9 +142,10 @@ def test_lm_eval_loglikelihoods_equal_a_float64_forward(app, reference, hf_token
 def ender(tmp_path_factory, tiny_config, tiny_checkpoint):
     """A checkpoint (tiny_checkpoint's tokenizer) whose likeliest next token is always <|endoftext|>: every
     hidden state is the same vector, which the head reads as the end token's logit."""
+    from tokenizers import Tokenizer
+
     from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
-    from tokenizers import Tokenizer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     cfg = tiny_config(vocab_size=Tokenizer.from_file(tok_path).get_vocab_size(), tie_word_embeddings=False)
     model = Transformer(cfg)

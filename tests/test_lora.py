@@ -9,12 +9,12 @@ import torch
 
 import export_hf
 import gpu_training_optimized as trainer
-from llm.checkpoint import read_model
 from config import TrainConfig
 from conftest import write_greetings
-from llm.lora import add_adapters, adapter_state, merged
-from modern_llm import Transformer
+from llm.checkpoint import read_model
+from llm.lora import adapter_state, add_adapters, merged
 from llm.monitor import stored_bytes
+from modern_llm import Transformer
 
 
 def lora_argv(base, chats, run, *extra):

@@ -10,9 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 
 import pytest
 
-from llm import checkpoint as ckpt_io
 import export_hf
 import gpu_training_optimized as trainer
+from llm import checkpoint as ckpt_io
 from llm.monitor import read_metrics
 from llm.sizing import count_parameters
 

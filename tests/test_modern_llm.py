@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import config
-from llm.engine import RowProductLinear
-from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
+from llm.inference import RowProductLinear
 from llm.sizing import count_parameters
+from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -133,21 +133,30 @@ def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
     torch._dynamo.reset()
 
 
-def test_the_model_is_plain_and_generation_swaps_in_the_decode_path(tiny_config):
+def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(tiny_config):
     """The model once branched on compile state, the device, autocast and torchao's int8 layout in its own
-    Linear; it is plain nn.Linear now, and the engine swaps in RowProductLinear when it compiles on a CPU."""
+    Linear; it is plain nn.Linear now. Generation once retyped a caller's layers on its first compiled CPU call;
+    now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head still
+    tied) only where the decode step will compile on a CPU, and generate() changes no model."""
     from config import SampleConfig
     from llm.engine import generate
+    from llm.inference import for_inference
     source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
     assert "is_compiling" not in source and "Int8Tensor" not in source
+    linears = lambda m: {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)}  # noqa: E731
     torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab_size=64)).eval()
-    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    plain = Transformer(tiny_config(vocab_size=64))
+    swapped = Transformer(tiny_config(vocab_size=64))
+    swapped.load_state_dict(plain.state_dict())
+    plain = for_inference(plain, torch.device("cpu"), compile="false")
+    swapped = for_inference(swapped, torch.device("cpu"), compile="true")
+    assert linears(plain) == {torch.nn.Linear} and linears(swapped) == {RowProductLinear}
+    assert swapped.lm_head.weight is swapped.embed_tokens.weight
     prompts = [[1, 2, 3]]
-    eager = generate(model, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="false"))
-    compiled = generate(model, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
-    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {RowProductLinear}
-    assert compiled == eager
+    eager = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="false"))
+    compiled = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
+    assert linears(plain) == {torch.nn.Linear}  # generating compiled left the caller's model as it was
+    assert generate(swapped, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true")) == compiled == eager
     torch._dynamo.reset()
 
 
@@ -171,7 +180,7 @@ def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
     """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the int8
     values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
-    from llm.device import quantize_int8
+    from llm.inference import quantize_int8
     torch.manual_seed(0)
     lin = quantize_int8(torch.nn.Sequential(RowProductLinear(64, 40, bias=False)))[0]
     x = torch.randn(1, 64)

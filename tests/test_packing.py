@@ -7,14 +7,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
 
-from llm import batches
-from llm import packing
-import prepare_data as pd
 from config import DataConfig, ModelConfig
+from llm import batches, packing, preparation
 from modern_llm import Transformer
-from llm.tokenizer import IM_START, chat_text
 
 SEQ, VOCAB = 64, 300
 
@@ -39,7 +35,7 @@ def chat_data(tmp_path_factory):
     path = folder / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     cfg = DataConfig(sources=[str(path)], cache_dir=str(folder / "cache"), val_fraction=0.1)
-    data = pd.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
+    data = preparation.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=lambda *a: None)
     return data, convs
 
 
@@ -188,7 +184,7 @@ def test_an_epochs_run_resumes_with_more_epochs(chat_corpus, tmp_path, argv_for)
     from llm.monitor import read_metrics
     run = tmp_path / "run"
     assert trainer.main(argv_for(chat_corpus, run, "--epochs", 0.5)) == 0
-    data = pd.prepare(DataConfig(sources=[chat_corpus["src"]], cache_dir=chat_corpus["cache"]), vocab_size=512,
+    data = preparation.prepare(DataConfig(sources=[chat_corpus["src"]], cache_dir=chat_corpus["cache"]), vocab_size=512,
                       seq_len=64, log=lambda *a: None)
     windows = batches.PackedBatches(data, "train", 4, 64, seed=1337).plan.windows
     assert max(r["step"] for r in read_metrics(str(run), "train")) == -(-windows // 8)  # half an epoch: 4 x 0.5

@@ -20,16 +20,18 @@ from tokenizers import Tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llm import corpus  # noqa: E402
-from llm import batches  # noqa: E402
 import prepare_data as pd  # noqa: E402
-from llm import token_cache as tc  # noqa: E402
 from config import DataConfig  # noqa: E402
+from conftest import DATA_SEQ, DATA_VOCAB, prepare  # noqa: E402
+from llm import batches  # noqa: E402
+from llm import corpus  # noqa: E402
+from llm import preparation  # noqa: E402
+from llm import token_cache as tc  # noqa: E402
 from llm.tokenizer import IM_END, IM_START, KINDS  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
-VOCAB, SEQ = 300, 16
+VOCAB, SEQ = DATA_VOCAB, DATA_SEQ
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -68,9 +70,6 @@ def write_jsonl(path, rows) -> str:
 def config(tmp_path, sources, **kw) -> DataConfig:
     return DataConfig(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"), **kw)
 
-
-def prepare(cfg, vocab=VOCAB, seq=SEQ, logs=None):
-    return pd.prepare(cfg, vocab_size=vocab, seq_len=seq, log=(logs.append if logs is not None else lambda m: None))
 
 
 def split_arrays(data, split):
@@ -241,7 +240,7 @@ def test_every_data_setting_but_the_cache_folder_changes_the_fingerprint(tmp_pat
              "tokenizer_type": "unigram", "val_fraction": 0.1, "data_seed": 7}
     assert set(other) == {f.name for f in fields(DataConfig)} - {"cache_dir", "packing", "max_tokens"}  # new: here
     base = config(tmp_path, [tmp_path / "corpus"])
-    key = lambda cfg: pd._corpus_key(cfg, VOCAB)  # noqa: E731
+    key = lambda cfg: preparation._corpus_key(cfg, VOCAB)  # noqa: E731
     assert key(replace(base, cache_dir=str(tmp_path / "elsewhere"))) == key(base)
     assert key(replace(base, packing="off")) == key(replace(base, packing="documents")) == key(base)
     weighted = replace(base, sources=[f"{tmp_path / 'corpus'}:0.5"])
@@ -261,8 +260,8 @@ def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, m
         raise AssertionError("tokenized again")
 
     with monkeypatch.context() as m:
-        m.setattr(pd, "encode_segments", no_tokenizing)
-        m.setattr(pd, "train_tokenizer", no_tokenizing)
+        m.setattr(preparation, "encode_segments", no_tokenizing)
+        m.setattr(preparation, "train_tokenizer", no_tokenizing)
         again = prepare(cfg)
     timing = ("seconds", "mb_per_second")
     assert again.path == first.path and again.parts == first.parts
@@ -272,7 +271,7 @@ def test_second_prepare_reuses_the_cache_and_a_touched_file_rebuilds(tmp_path, m
     path = tmp_path / "corpus" / "doc1.md"
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     with monkeypatch.context() as m:
-        m.setattr(pd, "train_tokenizer", no_tokenizing)
+        m.setattr(preparation, "train_tokenizer", no_tokenizing)
         rebuilt = prepare(cfg)
     assert rebuilt.path == first.path and rebuilt.fingerprint != first.fingerprint
     changed = [p["folder"] for p in rebuilt.parts if p not in first.parts]
@@ -288,13 +287,13 @@ def test_existing_tokenizer_is_used_not_trained(tmp_path, monkeypatch):
     model's embedding being accepted."""
     text_corpus(tmp_path / "corpus")
     trained = prepare(config(tmp_path, [tmp_path / "corpus"]))
-    monkeypatch.setattr(pd, "train_tokenizer", lambda *a: pytest.fail("trained a tokenizer"))
+    monkeypatch.setattr(preparation, "train_tokenizer", lambda *a: pytest.fail("trained a tokenizer"))
     cfg = config(tmp_path, [tmp_path / "corpus"], tokenizer=os.path.dirname(trained.tokenizer_path))
     reused = prepare(cfg)
     assert reused.path != trained.path
     assert open(reused.tokenizer_path).read() == open(trained.tokenizer_path).read()
-    with pytest.raises(pd.DataError, match="more than vocab_size=290"):
-        prepare(cfg, vocab=290)
+    with pytest.raises(preparation.DataError, match="more than vocab_size=290"):
+        prepare(cfg, vocab_size=290)
 
 
 def test_interrupted_preparation_leaves_no_part(tmp_path, monkeypatch):
@@ -305,7 +304,7 @@ def test_interrupted_preparation_leaves_no_part(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pd.tc.SplitWriter, "close", interrupt)
+    monkeypatch.setattr(preparation.tc.SplitWriter, "close", interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg)
     (folder,) = cache_entries(cfg)
@@ -319,10 +318,10 @@ CHILD = """
 import glob
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
-from llm import batches
-import prepare_data as pd
 from config import DataConfig
-data = pd.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16, log=lambda m: None)
+from llm import batches, preparation
+data = preparation.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16,
+                           log=lambda m: None)
 out = {{s: hashlib.sha256(data.stream(s)[:].tobytes()).hexdigest() for s in ("train", "val")}}
 for split, rank, step, micro in [("train", 0, 0, 0), ("train", 0, 5, 1), ("train", 1, 5, 1), ("val", 0, 0, 2)]:
     x, y, _ = batches.Batches(data, split, batch_size=4, seq_len=16, seed=1337, rank=rank).get(step, micro)
@@ -392,7 +391,9 @@ def _bad_jsonl(tmp_path, bad_row, good=10):
 
 def _strict_wordpiece(tmp_path) -> str:
     """A tokenizer.json from elsewhere: WordPiece with its usual 100-character word limit and no [UNK] token."""
-    from tokenizers import Tokenizer as Tok, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer as Tok
+    from tokenizers import models as tok_models
+    from tokenizers import pre_tokenizers
     tok = Tok(tok_models.WordPiece({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.save(str(tmp_path / "strict.json"))
@@ -410,10 +411,10 @@ BAD_INPUTS = {
     "no assistant": (lambda p: _bad_jsonl(p, {"messages": [{"role": "user", "content": "hi"}]}), {},
                      r"data\.jsonl line 3: the conversation has no assistant turn"),
     "binary file": (lambda p: [(p / "x.txt", (p / "x.txt").write_bytes(b"ab\0cd"))[0]], {}, r"x\.txt looks binary"),
-    "vocab too small": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"vocab": 258}, r"vocab_size=258 is too small"),
+    "vocab too small": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"vocab_size": 258}, r"vocab_size=258 is too small"),
     "single document": (lambda p: [(p / "one.txt", (p / "one.txt").write_text("just one\n"))[0]], {},
                         r"one\.txt holds a single document"),
-    "shorter than a window": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"seq": 5000},
+    "shorter than a window": (lambda p: _bad_jsonl(p, {"text": "fine"}), {"seq_len": 5000},
                               r"split holds \d+ tokens, fewer than one window of max_seq_len \+ 1 = 5001"),
     "tokenizer that fails": (lambda p: _bad_jsonl(p, {"text": "x" * 300}), {"tokenizer": _strict_wordpiece},
                              r"the tokenizer cannot encode this text \(.*\[UNK\].*\), pass another --tokenizer"),
@@ -428,7 +429,7 @@ def test_bad_input_gives_a_clear_error_and_no_cache(tmp_path, case):
     make, kw, pattern = BAD_INPUTS[case]
     data_kw = {"tokenizer": kw.pop("tokenizer")(tmp_path)} if "tokenizer" in kw else {}
     cfg = config(tmp_path, make(tmp_path), **data_kw)
-    with pytest.raises(pd.DataError, match=pattern) as err:
+    with pytest.raises(preparation.DataError, match=pattern) as err:
         prepare(cfg, **kw)
     assert "\n" not in str(err.value)
     assert_only_complete_parts(cfg)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config import SampleConfig
 from llm import sampling
-from config import ConfigError, SampleConfig
+from llm.errors import ConfigError
 
 
 def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from llm import openai_api
 import serve
 from config import SampleConfig
+from llm import openai_api
 from llm.engine import generate_text
 from llm.errors import RunFailure
-from text_generator import load_for_inference
+from llm.inference import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

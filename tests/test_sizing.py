@@ -3,8 +3,9 @@
 
 import pytest
 
+from config import Config, ModelConfig, TrainConfig, preset_tiny
 from llm import sizing
-from config import Config, ConfigError, ModelConfig, TrainConfig, preset_tiny
+from llm.errors import ConfigError
 from llm.sizing import Machine
 
 CPU = Machine("cpu", "cpu, 2 threads")

@@ -19,13 +19,15 @@ import zstandard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llm import corpus  # noqa: E402
 import prepare_data as pd  # noqa: E402
+from config import DataConfig  # noqa: E402
+from conftest import DATA_SEQ, DATA_VOCAB, prepare  # noqa: E402
+from llm import corpus  # noqa: E402
 from llm import token_cache  # noqa: E402
-from config import DataConfig, DataError  # noqa: E402
+from llm.errors import DataError
 
 WORDS = "the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy dog".split()
-VOCAB, SEQ = 300, 16
+VOCAB, SEQ = DATA_VOCAB, DATA_SEQ
 
 
 def words(rng, n):
@@ -96,9 +98,6 @@ CONTAINERS = {
 def config(tmp_path, sources, **kw) -> DataConfig:
     return DataConfig(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"), **kw)
 
-
-def prepare(cfg, logs=None):
-    return pd.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=logs.append if logs is not None else lambda m: None)
 
 
 def read_all(cfg) -> corpus.ReadStats:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import text_generator as tg
-from llm.checkpoint import read_model, save_checkpoint, weights_state_dict
 from config import SampleConfig
-from modern_llm import Transformer
+from llm.checkpoint import read_model, save_checkpoint, weights_state_dict
 from llm.engine import generate_text
+from llm.inference import load_for_inference
 from llm.tokenizer import chat_prompt_ids
+from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "text_generator.py")
@@ -31,7 +32,7 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
-    model, tok, cfg, path = tg.load_for_inference(ckpt, "cpu")
+    model, tok, cfg, path = load_for_inference(ckpt, "cpu")
     return model, tok
 
 
@@ -44,7 +45,7 @@ def test_default_run_folder_and_list(ckpt, tmp_path, monkeypatch, capsys):
     run = tmp_path / "runs" / "default"
     shutil.copytree(os.path.dirname(os.path.dirname(ckpt)), run)
     monkeypatch.chdir(tmp_path)
-    *_, path = tg.load_for_inference("", "cpu")
+    *_, path = load_for_inference("", "cpu")
     assert os.path.samefile(path, run / "checkpoints" / "step_000010")
     assert tg.main(["--list"]) == 0
     line = capsys.readouterr().out.splitlines()[1].split()
@@ -81,7 +82,7 @@ def test_loads_a_hugging_face_export(loaded, ckpt, tmp_path):
     import export_hf
     model, _ = loaded
     export_hf.export(ckpt, str(tmp_path / "hf"))
-    hf_model, tok, cfg, path = tg.load_for_inference(str(tmp_path / "hf"), "cpu")
+    hf_model, tok, cfg, path = load_for_inference(str(tmp_path / "hf"), "cpu")
     ids = torch.tensor([ids_of(tok, "def push(self, item):")])
     assert path == str(tmp_path / "hf") and cfg.max_seq_len == model.config.max_seq_len
     assert torch.allclose(hf_model(ids)[0], model(ids)[0], atol=1e-5)
@@ -177,8 +178,8 @@ def test_best_checkpoint_is_listed_and_loaded(ckpt, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()[1:]
     assert [l.split()[1] for l in lines] == ["10", "20", "30"]
     assert [l.endswith("  best") for l in lines] == [False, True, False]
-    *_, newest = tg.load_for_inference(str(run), "cpu")
-    *_, best = tg.load_for_inference(str(run), "cpu", best=True)
+    *_, newest = load_for_inference(str(run), "cpu")
+    *_, best = load_for_inference(str(run), "cpu", best=True)
     assert newest.endswith("step_000030") and best.endswith("step_000020")
     r = cli([str(run), "--best", "--prompt", "x", "--max_new_tokens", "2"], tmp_path)
     assert r.returncode == 0 and "loaded " + best in r.stderr

@@ -10,12 +10,14 @@ import random
 import numpy as np
 import pytest
 
-from llm import batches
 import prepare_data as pd
+from config import DataConfig
+from conftest import DATA_SEQ, DATA_VOCAB, prepare
+from llm import batches, preparation
 from llm import token_cache as tc
-from config import DataConfig, DataError
+from llm.errors import DataError
 
-VOCAB, SEQ = 300, 16
+VOCAB, SEQ = DATA_VOCAB, DATA_SEQ
 
 
 def write_texts(folder, names, seed=0, lines=40):
@@ -33,9 +35,6 @@ def texts_of(path) -> set:
     return {json.loads(line)["text"] for line in path.read_text().splitlines()}
 
 
-def prepare(cfg, logs=None):
-    return pd.prepare(cfg, vocab_size=VOCAB, seq_len=SEQ, log=logs.append if logs is not None else lambda m: None)
-
 
 def config(tmp_path, sources, **kw):
     return DataConfig(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"), val_fraction=0.1, **kw)
@@ -43,13 +42,13 @@ def config(tmp_path, sources, **kw):
 
 def encoded_texts(monkeypatch) -> list:
     """Every text the tokenizer encodes from now on, recorded."""
-    seen, real = [], pd.encode_segments
+    seen, real = [], preparation.encode_segments
 
     def spy(tok, docs):
         seen.extend(text for segs in docs for text, _, special in
                     ([(segs, True, False)] if isinstance(segs, str) else segs) if not special)
         return real(tok, docs)
-    monkeypatch.setattr(pd, "encode_segments", spy)
+    monkeypatch.setattr(preparation, "encode_segments", spy)
     return seen
 
 
@@ -149,8 +148,8 @@ def test_max_tokens_without_weights_stops_preparing_and_reads_the_first_tokens(t
 def test_resume_refuses_a_corpus_that_changed_and_names_the_change(tmp_path, monkeypatch):
     """A checkpoint records its data; a resume after a file was added says which, instead of training on other
     tokens under the same schedule."""
-    from llm.resume import check_same_data
     from config import Config
+    from llm.resume import check_same_data
     monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)
     src = write_texts(tmp_path / "src", ["a.jsonl", "b.jsonl"])
     cfg = config(tmp_path, [src])
@@ -201,6 +200,7 @@ def test_a_bad_file_after_good_ones_keeps_their_parts_and_a_fixed_one_redoes_onl
 def test_a_resume_after_a_file_was_added_is_refused_naming_it(tmp_path, corpus, argv_for, capsys):
     """End to end through the trainer: the same data resumes; a file added to the source folder is named."""
     import shutil
+
     import gpu_training_optimized as trainer
     src = tmp_path / "src"
     shutil.copytree(corpus["src"], src)

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from llm import tokenizer as tk
-from config import DataError
-from text_generator import load_for_inference
+from llm.errors import DataError
+from llm.inference import load_for_inference
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()

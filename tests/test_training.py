@@ -15,15 +15,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+import gpu_training_optimized as trainer
+from config import Config, TrainConfig
+from conftest import write_greetings
 from llm import checkpoint as ckpt_io
 from llm import distributed
-import gpu_training_optimized as trainer
-from config import Config, ConfigError, TrainConfig
-from conftest import write_greetings
-from modern_llm import Transformer
+from llm.errors import ConfigError
 from llm.monitor import read_metrics as read_all
 from llm.schedule import RunClock, lr_multiplier
 from llm.sizing import EVAL_SHARE
+from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

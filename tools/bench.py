@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
+from gpu_training_optimized import build, new_model, train_step
 from llm import distributed as dist_utils
 from llm.cli import parse_config
-from llm.errors import error_contract
 from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
-from gpu_training_optimized import build, new_model, train_step
+from llm.errors import error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops
 from llm.sizing import fill_automatic

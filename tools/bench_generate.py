@@ -24,11 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from config import ModelConfig, PRESETS, SampleConfig
-from llm.errors import error_contract
-from llm.device import inference_dtype, pick_device, quantize_int8
+from config import PRESETS, ModelConfig, SampleConfig
+from llm.device import inference_dtype, pick_device
 from llm.engine import generate
+from llm.errors import error_contract
 from llm.hf_format import hf_twin
+from llm.inference import for_inference
 from modern_llm import Transformer
 
 # Dense memory bandwidth in GB/s from the vendors' datasheets; the first name found in the device's wins.
@@ -150,7 +151,7 @@ def main(argv=None):
     for name in args.shapes or (list(CPU_SHAPES) if device.type == "cpu" else ["large"]):
         torch.manual_seed(0)
         cfg = shape(name)
-        model = Transformer(cfg).to(device, dtype).eval().requires_grad_(False)
+        model = Transformer(cfg).to(device)
         prompt_len = min(args.prompt_len, cfg.max_seq_len // 4)
         n = min(args.new_tokens, cfg.max_seq_len - prompt_len - 1)
         print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, prompt {prompt_len}, "
@@ -160,8 +161,7 @@ def main(argv=None):
         twin = None if args.skip_hf else hf_twin(cfg, model.state_dict()).to(device, dtype).eval()
         if twin is not None:
             twin.generation_config.eos_token_id, twin.generation_config.pad_token_id = None, 0  # exactly n tokens
-        if args.quantize == "int8":
-            quantize_int8(model)
+        for_inference(model, device, args.quantize, compile="true")  # as text_generator.py --compile true loads it
         check = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
         mine = ours(model, check, 32)
         for label, fastest in hfs.items():

@@ -42,10 +42,11 @@ LARGE = dict(hidden=1536, layers=28, heads=12, kv=2, inter=8960, vocab=151936, s
 
 def measure(variant: str, steps: int) -> dict:
     """In this process: build the variant, train `steps` steps after two warm-up steps, time them."""
-    import torch
     import bench
-    from llm import distributed
+    import torch
+
     from gpu_training_optimized import build, train_step
+    from llm import distributed
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])
     dist, device = distributed.setup(), torch.device("cpu")

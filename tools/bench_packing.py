@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 import gpu_training_optimized as trainer
+from config import DataConfig
 from llm.batches import Batches, PackedBatches
 from llm.checkpoint import read_model
-from config import DataConfig
 from llm.errors import error_contract
+from llm.preparation import prepare
 from modern_llm import Transformer
-from prepare_data import prepare
 
 WORDS = "the a model data token window reply answer question learns packs whole slice long short".split()
 

@@ -167,7 +167,7 @@ def describe_machine(when: str):
 def prepare_seconds(sources: list[str], cache_dir: str, tokenizer: str, log=lambda *a: None) -> float:
     """Wall time of prepare() in this process."""
     from config import DataConfig
-    from prepare_data import prepare
+    from llm.preparation import prepare
     start = time.perf_counter()
     prepare(DataConfig(sources=sources, cache_dir=cache_dir, tokenizer=tokenizer), vocab_size=VOCAB, seq_len=SEQ_LEN,
             log=log)
@@ -222,7 +222,7 @@ def _maxrss_mb(who) -> float:
 
 def child(sources: list[str], cache_dir: str, tokenizer: str):
     """In a process of its own: prepare, then print a JSON line of the time and the resident peaks."""
-    importlib.import_module("prepare_data")  # the baseline holds the imports
+    importlib.import_module("llm.preparation")  # the baseline holds the imports
     imports, lines = _maxrss_mb(resource.RUSAGE_SELF), []
     seconds = prepare_seconds(sources, cache_dir, tokenizer, log=lines.append)
     print(json.dumps({"seconds": seconds, "imports_mb": imports, "reused": any("reusing" in str(x) for x in lines),

@@ -29,8 +29,9 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
-from llm.errors import error_contract
 from fake_gpu import GPUS, fake_gpu_env, shim_library
+
+from llm.errors import error_contract
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 
@@ -135,11 +136,12 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
     packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters of
     that rank on a frozen bf16 base."""
-    import torch
     import bench
+    import torch
+
+    from gpu_training_optimized import build, train_step
     from llm import distributed
     from llm.device import machine, make_deterministic, pick_device
-    from gpu_training_optimized import build, train_step
     from llm.sizing import fill_automatic, training_bytes_estimate
     cfg, device, dist = check_config(precision, compile_mode), pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank)
@@ -182,11 +184,12 @@ def evaluation_forward(b, batches):
 def run_generation() -> dict:
     """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them."""
     import torch
+
+    from gpu_training_optimized import new_model
     from llm import engine
     from llm.device import pick_device
-    from gpu_training_optimized import new_model
+    from llm.inference import for_inference
     from llm.sampling import candidates
-    from text_generator import for_inference
     cfg, device = check_config("bf16", "default"), pick_device("cuda")
     model = for_inference(new_model(cfg, device), device)
     memory = DeviceMemory()

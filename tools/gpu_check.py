@@ -27,15 +27,15 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
-import torch
-
 import bench
 import compile_check
-from config import PRESETS, Config, ConfigError
-from llm.errors import error_contract
+import torch
+
+from config import PRESETS, Config
+from gpu_training_optimized import build, new_model, train_step
 from llm.device import machine, pick_device
 from llm.distributed import setup
-from gpu_training_optimized import build, new_model, train_step
+from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops, read_metrics
 from llm.sizing import fill_automatic, training_bytes_estimate

@@ -1,0 +1,362 @@
+"""Preparing the token cache (token_cache.py owns its format; batches.py reads it; prepare_data.py is its script).
+
+Takes the documents corpus.py reads from the sources (default: this Python's standard library), trains a
+byte-level tokenizer (tokenizer.py) on a sample of the training split across the sources, and streams every
+document through the tokenizer (batched: every core) into the cache's parts: <cache_dir>/<corpus key>/ with
+tokenizer.json, meta.json and shards/. The same settings later reuse that folder; a source file added, removed or
+touched redoes only its own shard. A bar shows MB read, tokens and the rate, and a table the tokens per source.
+"""
+
+import itertools
+import json
+import os
+import shutil
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, fields
+
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from config import DataConfig
+from llm import atomic
+from llm import token_cache as tc
+from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
+from llm.errors import DataError
+from llm.packing import packs
+from llm.token_cache import PreparedData
+from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
+                           encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
+
+ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
+TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
+CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: shards, split by content)
+BATCH_TIME_FIELDS = ("cache_dir", "packing", "max_tokens")  # settings that do not change the cache's contents
+STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
+
+
+def _budget(cfg: DataConfig) -> float:
+    return cfg.max_source_mb * 1e6 or float("inf")
+
+
+def _shards(cfg: DataConfig, found):
+    """Yield (source index, its files, shard key, its ReadStats, its documents split into parts) in order; the
+    key carries the text budget left at the shard's start (a shard ends where max_source_mb does), so the
+    shards are read in order."""
+    budget = _budget(cfg)
+    for s, source in enumerate(found):
+        for files in tc.group_files(source.files):
+            if budget <= 0:
+                return
+            stats = ReadStats()
+            key = tc.shard_key(files, budget)
+            yield s, files, key, stats, tc.split_parts(documents(files, cfg, stats, budget), stats, cfg.data_seed,
+                                                       cfg.val_fraction)
+            budget -= stats.bytes  # what the caller read of it (all, unless it stopped early)
+
+
+def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
+    """The documents of a split ("train", "val"; None: all) as text, read from the sources with the split the
+    cache of these settings has (no tokenizer, no cache), so any model can be measured on the same bytes.
+    Chats come as their template text."""
+    texts, last = [], None
+    for *_, docs in _shards(cfg, sources(cfg)):
+        for part, doc_id, piece, doc, _, is_val in docs:
+            if split is not None and is_val != (split == "val"):
+                continue
+            text = doc if isinstance(doc, str) else chat_text(doc)
+            if last == (part, doc_id, piece - 1):
+                texts[-1] += text  # the next piece of the same file: the cache joins them too
+            else:
+                texts.append(text)
+            last = (part, doc_id, piece)
+        last = None
+    if not texts:
+        raise DataError(f"no text found in {', '.join(cfg.sources) or 'the default corpus'}, pass files that hold text")
+    return texts
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def _tokenizer_sample(cfg: DataConfig, found):
+    """Training-split texts, about TOKENIZER_SAMPLE_BYTES: each source's share by its weight (or size), taken
+    from the head of each of its shards in proportion to the shard's size."""
+    totals = [sum(file_bytes(p, cfg) for p, _ in source.files) for source in found]
+    shares = [source.weight for source in found] if found[0].weight else totals
+    shares = shares if sum(shares) > 0 else [1] * len(found)  # sizes unknown (empty files): alike
+    whole = _budget(cfg) == float("inf")
+    for s, files, _, _, docs in _shards(cfg, found):
+        size = sum(file_bytes(p, cfg) for p, _ in files)
+        want, taken = TOKENIZER_SAMPLE_BYTES * shares[s] / sum(shares) * size / max(1, totals[s]), 0
+        for _, _, _, doc, nbytes, is_val in docs:
+            if taken >= want and whole:
+                break  # under max_source_mb the shard is read on: where the budget ends names the next shards
+            if taken < want and not is_val:
+                taken += nbytes  # a conversation trains as its template text without the special tokens
+                yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
+
+
+def _make_tokenizer(cfg: DataConfig, found, vocab_size: int, log) -> Tokenizer:
+    """The configured local tokenizer, or a new one trained on a sample of the training split."""
+    start = time.perf_counter()
+    if cfg.tokenizer:
+        tok = existing_tokenizer(cfg.tokenizer, vocab_size)
+        log(f"data: using tokenizer {cfg.tokenizer} ({tok.get_vocab_size()} tokens)")
+        return tok
+    tok = train_tokenizer(_tokenizer_sample(cfg, found), cfg.tokenizer_type, vocab_size)
+    log(f"data: trained a {cfg.tokenizer_type} tokenizer of {tok.get_vocab_size()} tokens "
+        f"in {time.perf_counter() - start:.1f}s")
+    return tok
+
+
+# ----------------------------------------------------------------------------- token cache
+
+def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
+    """The cache folder's name: every data setting but the cache's place and how batches are cut from it (a field
+    added to DataConfig takes part without being listed here), the sources as given (not their files, whose
+    changes redo only their own shards; not their weights) and the tokenizer file."""
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
+    settings.update(sources=[os.path.abspath(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
+                    format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES)
+    return tc.digest(settings, tc.file_identity(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else None)
+
+
+def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tuple[Tokenizer, dict]:
+    """The cache folder's tokenizer and meta.json, made (tokenizer trained) when absent or damaged."""
+    problem = tc.folder_problem(path) if os.path.isdir(path) else "absent"
+    if problem is None:
+        return Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)), tc.read_json(os.path.join(path, "meta.json"))
+    if problem != "absent":  # a cache is derived data: rebuilt, not refused
+        log(f"data: the token cache {path} is damaged ({problem}), rebuilding it")
+    tok = _make_tokenizer(cfg, found, vocab_size, log)
+    vocab = tok.get_vocab_size()
+    meta = {"vocab_size": vocab, "dtype": "uint16" if vocab <= 2**16 else "uint32",
+            "eot_id": tok.token_to_id(EOT_TOKEN), "tokenizer": cfg.tokenizer or cfg.tokenizer_type,
+            "format": CACHE_FORMAT}
+    # Under a temporary name, then renamed over the damaged folder: its parts were tokenized by another tokenizer.
+    with atomic.folder(path, f"writing the token cache {path}") as tmp:
+        tok.save(os.path.join(tmp, TOKENIZER_FILE))
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+    return tok, meta
+
+
+def _land(batch: list, encoded, writers: dict, bar):
+    """Append a tokenized batch of (split, doc_id, piece, document, bytes) to its splits' writers."""
+    for (split, doc_id, piece, _, nbytes), (ids, mask) in zip(batch, encoded):
+        writers[split].add(doc_id, piece, ids, mask, nbytes)
+    for writer in writers.values():
+        writer.flush()
+    _advance(bar, sum(item[4] for item in batch), sum(len(ids) for ids, _ in encoded))
+
+
+def _advance(bar, nbytes: int, tokens: int):
+    """The bar's MB read (tqdm derives the rate and the ETA), and the tokens so far beside them."""
+    bar.tokens = getattr(bar, "tokens", 0) + tokens
+    bar.set_postfix_str(f"{bar.tokens:,} tokens", refresh=False)
+    bar.update(nbytes)
+
+
+def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar) -> dict:
+    """Tokenize one part's documents into a folder written under a temporary name; returns its part.json. A
+    batch is tokenized in a thread (the tokenizer releases the GIL and uses every core) while the next is read."""
+    with atomic.folder(folder, f"writing the token cache part {folder}") as tmp, ThreadPoolExecutor(1) as pool:
+        writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
+        batch, size, chats, running = [], 0, False, None
+        for _, doc_id, piece, doc, nbytes, is_val in itertools.chain(items, [(None,) * 6]):  # None: the end
+            if doc_id is not None:
+                batch.append(("val" if is_val else "train", doc_id, piece, doc, nbytes))
+                chats |= not isinstance(doc, str)
+                size += nbytes
+                if size < ENCODE_BATCH_BYTES:
+                    continue
+            if running:
+                _land(running[0], running[1].result(), writers, bar)
+            segments = [d if isinstance(d, str) else chat_segments(d) for _, _, _, d, _ in batch]
+            running, batch, size = (batch, pool.submit(encode_segments, tok, segments)), [], 0
+        _land(running[0], running[1].result(), writers, bar)
+        record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files]}
+        for split, writer in writers.items():
+            writer.close(keep_masks=chats)
+            record.update(writer.counts(split))
+        # Ids come from this tokenizer (below its vocabulary); the stamps let later runs skip re-reading them.
+        record["written"] = {f"{s}.bin": tc.stamp(os.path.join(tmp, f"{s}.bin")) for s in writers}
+        with open(os.path.join(tmp, "part.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    return record
+
+
+def _caps(cfg: DataConfig, found) -> list:
+    """The train tokens each source may give under --max_tokens (inf: no cap); without weights, one cap for all."""
+    if not cfg.max_tokens:
+        return [float("inf")] * len(found)
+    if not found[0].weight:
+        return [cfg.max_tokens] * len(found)  # checked against every source's tokens together
+    total = sum(source.weight for source in found)
+    return [round(cfg.max_tokens * source.weight / total) for source in found]
+
+
+def _taken(parts: list, s: int, weighted: bool) -> int:
+    return sum(p["train_tokens"] for p in parts if p["source"] == s or not weighted)
+
+
+def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log) -> tuple[list, ReadStats]:
+    """Every shard's parts, reused where complete and intact, written where not; stops a source at its cap."""
+    shards = os.path.join(path, "shards")
+    os.makedirs(shards, exist_ok=True)
+    atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
+    tc.drop_stale(shards, log)
+    caps, weighted, seen, parts = _caps(cfg, found), bool(found[0].weight), ReadStats(), []
+    total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None) as bar:
+        for s, files, key, stats, docs in _shards(cfg, found):
+            if _taken(parts, s, weighted) >= caps[s]:
+                continue
+            if (done := tc.complete_shard(shards, key, meta)) is not None:
+                counts, records = done
+                stats.bytes = counts.get("bytes", 0)  # for the budget of the shards after it
+                _merge(seen, counts)
+                parts += [dict(r, source=s) for r in records]
+                _advance(bar, stats.bytes, sum(r["train_tokens"] + r["val_tokens"] for r in records))
+                continue
+            count = 0
+            for part, items in itertools.groupby(docs, key=lambda d: d[0]):
+                folder = os.path.join(shards, f"{key}-{part:05d}")
+                problem = tc.part_problem(folder, meta["vocab_size"], meta["dtype"]) if os.path.isdir(folder) \
+                    else "absent"
+                if problem is None:  # written by a run that stopped before the shard's end: read past it
+                    record = tc.read_json(os.path.join(folder, "part.json"))
+                    _advance(bar, sum(n for *_, n, _ in items), record["train_tokens"] + record["val_tokens"])
+                else:
+                    if problem != "absent":
+                        log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
+                    record = _write_part(folder, items, files, tok, meta, bar)
+                parts.append(dict(record, folder=folder, source=s))
+                count += 1
+                if _taken(parts, s, weighted) >= caps[s]:
+                    break
+            else:
+                atomic.write_text(os.path.join(shards, key + ".json"), json.dumps(
+                    {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
+            _merge(seen, asdict(stats))
+    return parts, seen
+
+
+def _merge(seen: ReadStats, counts: dict):
+    """Add a shard's reading counts to the corpus's."""
+    for name in STAT_FIELDS:
+        setattr(seen, name, getattr(seen, name) + int(counts.get(name, 0)))
+    for name in ("first_binary", "first_bad", "first_invalid"):
+        setattr(seen, name, getattr(seen, name) or str(counts.get(name, "")))
+
+
+def _apply_caps(parts: list, caps: list, weighted: bool):
+    """Cut the train tokens read past each cap (the last part of a source, or of the corpus, read in part)."""
+    left = list(caps) if weighted else caps[:1] * len(caps)
+    for p in parts:
+        at = p["source"] if weighted else 0
+        p["train_tokens"] = int(min(p["train_tokens"], left[at]))
+        left[at] -= p["train_tokens"]
+
+
+def _totals(meta: dict, parts: list, found, weights) -> dict:
+    """meta.json's fields with the parts' sums, and the mixture per source."""
+    out = dict(meta, has_masks=any(p["has_masks"] for p in parts))
+    for key in tc.PART_FIELDS:
+        out[key] = sum(p[key] for p in parts)
+    out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])
+    out["sources"] = []
+    for s, source in enumerate(found):
+        mine = [p for p in parts if p["source"] == s]
+        out["sources"].append({"source": source.given or sysconfig.get_paths()["stdlib"],
+                               "weight": weights[s] if weights else None, "files": len(source.files),
+                               "bytes": sum(p["train_bytes"] + p["val_bytes"] for p in mine),
+                               "train_tokens": sum(p["train_tokens"] for p in mine)})
+    return out
+
+
+def source_table(meta: dict) -> list[str]:
+    """Per source: files, MB, train tokens and their share of the corpus, the share of training windows drawn
+    from it (its weight; without weights, its share), and how much more often than once per pass over the
+    corpus its tokens are seen (a small source with a large weight is repeated)."""
+    width = max(len(s["source"]) for s in meta["sources"])
+    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'windows':>7}  "
+            f"{'seen':>6}"]
+    for s in meta["sources"]:
+        share = s["train_tokens"] / max(1, meta["train_tokens"])
+        windows = share if s["weight"] is None else s["weight"]
+        rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f}  {s['train_tokens']:>14,}  "
+                    f"{share:>6.1%}  {windows:>7.1%}  {windows / max(share, 1e-12):>5.2f}x")
+    return rows
+
+
+def check_window(split: str, tokens: int, seq_len: int):
+    """A split must hold one training window of seq_len + 1 tokens."""
+    if tokens < seq_len + 1:
+        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
+                        f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
+
+
+def check_windows(data: PreparedData, packing: str, seq_len: int):
+    """Both splits hold a training window, and so does each weighted source, where windows are random slices
+    (packed ones fit any example; they read the corpus as a whole, so refuse weights)."""
+    if packs(packing, data.meta):
+        if data.weights:
+            raise DataError("source weights apply to random windows, and these windows are packed whole examples "
+                            "(--packing auto with chats, or documents); pass --packing off or give no weights")
+        return
+    for split in ("train", "val"):
+        check_window(split, data.meta[f"{split}_tokens"], seq_len)
+    for source, (a, b) in zip(data.meta["sources"], data.source_ranges() if data.weights else []):
+        if b - a < seq_len + 1:
+            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer than one window of "
+                            f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
+
+
+def _old_caches(cache_dir: str) -> list[str]:
+    """Cache folders of the single-file format (before shards): no longer read."""
+    return sorted(os.path.join(cache_dir, d) for d in (os.listdir(cache_dir) if os.path.isdir(cache_dir) else [])
+                  if os.path.isfile(os.path.join(cache_dir, d, "train.bin")))
+
+
+def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> PreparedData:
+    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad input."""
+    if cfg.data_seed < 0:
+        raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
+    if not cfg.tokenizer and vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
+                        f"which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
+                        f"pass --vocab_size {MIN_VOCAB} or more")
+    start, found = time.perf_counter(), sources(cfg)
+    path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
+    atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
+    for old in _old_caches(cfg.cache_dir):
+        log(f"data: {old} holds a token cache of an earlier format, no longer read; delete it to free its space")
+    created = not os.path.isdir(path)
+    try:
+        tok, meta = _open_folder(path, cfg, found, vocab_size, log)
+        parts, seen = _build_parts(path, cfg, found, tok, meta, log)
+        check_read(seen, cfg, log)
+    except DataError:
+        shards = os.path.join(path, "shards")
+        if created and not [p for p in (os.listdir(shards) if os.path.isdir(shards) else [])
+                            if p[0] != "." and not p.endswith(".json")]:
+            shutil.rmtree(path, ignore_errors=True)  # bad input leaves no folder behind, only finished parts
+        raise
+    _apply_caps(parts, _caps(cfg, found), bool(found[0].weight))
+    weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
+    data = PreparedData(path, _totals(meta, parts, found, weights), parts, weights)
+    seconds = time.perf_counter() - start
+    m = data.meta
+    m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
+             bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
+             mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
+    log(f"data: {seen.files} files, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} parts, "
+        f"ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} tokens, "
+        f"{m['val_bytes_per_token']:.2f} bytes per token")
+    if len(found) > 1 or cfg.max_tokens:
+        for row in source_table(m):
+            log(f"data: {row}")
+    check_windows(data, cfg.packing, seq_len)
+    return data
