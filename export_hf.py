@@ -74,7 +74,8 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
     # No optimizer state: the trainer starts it fresh (--init_from), so this is a start, not a resume.
     trainer_state = {"step": 0, "tokens": 0, "best_val_loss": float("inf"), "imported_from": path}
-    return save_checkpoint(run_dir, 0, model.state, model.config, tokenizer, trainer_state, keep=1)
+    return save_checkpoint(run_dir, 0, model.state, model_config=model.config, tokenizer_path=tokenizer,
+                           trainer_state=trainer_state, keep=1)
 
 
 def parse_args(argv) -> argparse.Namespace:

@@ -36,7 +36,7 @@ from llm.lora import adapter_state, add_adapters
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
-from llm.preparation import prepare
+from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
                         lora_start, resume_point)
 from llm.schedule import RunClock, StopFlag, lr_multiplier
@@ -100,7 +100,8 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     cudagraphs = uses_cuda_graphs(t.compile, device)
-    b = Built(raw_model, model, compile_model(model, t.compile), opt, scaler, amp_dtype, amp, cudagraphs, cudagraphs)
+    b = Built(raw_model=raw_model, model=model, compiled=compile_model(model, t.compile), opt=opt, scaler=scaler,
+              amp_dtype=amp_dtype, amp=amp, cudagraphs=cudagraphs, persistent_grads=cudagraphs)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own (no gradients), which
     # the loop warms up before it starts timing.
     b.evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
@@ -234,19 +235,9 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
                      "config": json.dumps(cfg.to_dict()), **run.clock.state(), "command": run.command,
                      "device": device_report(next(b.raw_model.parameters()).device),
                      "precision": "fp8 + " * (cfg.train.precision == "fp8") + PRECISION_NAMES[b.amp_dtype]}
-    return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, cfg.model, run.data.tokenizer_path,
-                                   trainer_state, cfg.train.keep_checkpoints, val_loss, run.lora_meta)
-
-
-def prepare_once(cfg: Config, dist) -> PreparedData:
-    """The token cache: rank 0 builds it while the others wait, then they find it complete."""
-    ds = prepare(cfg.data, cfg.model.vocab_size, cfg.model.max_seq_len, log=dist.print) if dist.is_main else None
-    dist.barrier()
-    ds = ds or prepare(cfg.data, cfg.model.vocab_size, cfg.model.max_seq_len, log=lambda *a: None)
-    if ds.meta["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {ds.meta['vocab_size']} tokens but vocab_size={cfg.model.vocab_size}, "
-                          f"set --vocab_size {ds.meta['vocab_size']} or more")
-    return ds
+    return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, model_config=cfg.model,
+                                   tokenizer_path=run.data.tokenizer_path, trainer_state=trainer_state,
+                                   keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=run.lora_meta)
 
 
 def write_run_config(cfg: Config):
@@ -293,28 +284,32 @@ class Settled:
 def settle(cfg: Config, dist, device: torch.device) -> Settled:
     """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
     fields, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
-    tokenized corpus. After this cfg does not change. Refuses what cannot run before the model is built."""
-    t = cfg.train
-    init = apply_init_from(cfg) if t.init_from else None  # the shape and tokenizer come from there
+    tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot run before the
+    model is built."""
+    init = None
+    if cfg.train.init_from:
+        cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
     lora_meta = lora_start(cfg, ckpt, init)
     if dist.is_main:
-        check_run_folder(t, resuming=ckpt is not None)  # before the data, which may take a while
-    notes += carry_settings(cfg, saved) if saved else []  # automatic fields as the resumed run had them
-    notes += fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
-    dist.print("\n".join([describe(cfg), *notes]))
+        check_run_folder(cfg.train, resuming=ckpt is not None)  # before the data, which may take a while
+    if saved:
+        cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
+        notes += carried
+    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
+    dist.print("\n".join([describe(cfg), *notes, *sized]))
     data = prepare_once(cfg, dist)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
-        fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
-                        autocast(device, pick_precision(cfg.train.precision, device)), dist)
+        cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
+                              autocast(device, pick_precision(cfg.train.precision, device)), dist)
         del probe
-    t = cfg.train
-    batches = tuple(batches_for(data, split, cfg.data.packing, t.micro_batch_size, cfg.model.max_seq_len, t.seed,
-                                dist.rank, device, dist.world_size, t.grad_accum_steps) for split in ("train", "val"))
-    for note in fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
-                                batches[0].epoch_sequences):
+    batches = tuple(loaders(cfg, data, dist, device))
+    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
+                                   batches[0].epoch_sequences)
+    for note in lengths:
         dist.print(note)
+    t = cfg.train
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
                           "leaves nothing to train, raise --max_steps")
@@ -323,7 +318,17 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         check_same_data(cfg, saved, data)
     # A LoRA run always starts from its base: a resume then loads the adapters into it.
     init_state = init.state if init and (lora_meta or not ckpt) else None
-    return Settled(cfg, ckpt, saved, init_state, data, *batches, lora_meta)
+    return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
+                   val_batches=batches[1], lora_meta=lora_meta)
+
+
+def loaders(cfg: Config, data: PreparedData, dist, device: torch.device):
+    """The training and validation splits' batch loaders for this rank."""
+    t = cfg.train
+    for split in ("train", "val"):
+        yield batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
+                          seq_len=cfg.model.max_seq_len, seed=t.seed, rank=dist.rank, device=device,
+                          world_size=dist.world_size, accum=t.grad_accum_steps)
 
 
 @dataclass
@@ -359,23 +364,25 @@ def main(argv=None) -> int:
     cfg, ckpt, ds, t = settled.cfg, settled.ckpt, settled.data, settled.cfg.train
     batches, val_batches = settled.batches, settled.val_batches
     b = build(cfg, device, dist, init_state=settled.init_state)
-    start, tokens, best_val, budget = load_into(ckpt, settled.saved, b.raw_model, b.opt, b.scaler, t.run_dir) \
-        if ckpt else (0, 0, float("inf"), {})
+    start, tokens, best_val, budget = load_into(ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler,
+                                                run_dir=t.run_dir) if ckpt else (0, 0, float("inf"), {})
     clock = RunClock(t, launch, **budget)
     if dist.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
-    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), t.tensorboard, t.wandb, cfg.to_dict(),
-                      world_size=dist.world_size,
+    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tensorboard=t.tensorboard, wandb=t.wandb,
+                      config=cfg.to_dict(), world_size=dist.world_size,
                       resume_step=start if ckpt else None) if dist.is_main else None
+    precision = "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else PRECISION_NAMES[b.amp_dtype]
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else
-        PRECISION_NAMES[b.amp_dtype], dist, tokens_per_step, falls_back(t, device)))
+        cfg, device, b.raw_model, b.opt, precision=precision, dist=dist, tokens_per_step=tokens_per_step,
+        compile_fallback=falls_back(t, device)))
     args = sys.argv[1:] if argv is None else argv
-    command = f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"  # for the model card
-    run = Run(cfg, dist, ds, batches, val_batches, clock, monitor, progress_bar(clock, start, enabled=dist.is_main),
-              Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts), tokens_per_step,
-              settled.lora_meta, command)
+    run = Run(cfg=cfg, dist=dist, data=ds, batches=batches, val_batches=val_batches, clock=clock, monitor=monitor,
+              bar=progress_bar(clock, start, enabled=dist.is_main), tokens_per_step=tokens_per_step,
+              probe=Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts),
+              lora_meta=settled.lora_meta,
+              command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")  # for the card
 
     warm_evaluator(b, val_batches, t, dist)
     stop, window = StopFlag(), LossWindow(device)
@@ -423,8 +430,10 @@ def main(argv=None) -> int:
     if monitor:
         monitor.close()
     if dist.is_main:
-        print(summary(step, tokens, clock.spent_s(), best_val, ds.meta["val_bytes_per_token"], last_ckpt, device,
-                      stopping, dist.launcher(), t.init_from if t.lora_rank else "") + "\n" + clock.eval_report())
+        print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
+                      bytes_per_token=ds.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
+                      interrupted=stopping, launcher=dist.launcher(), base=t.init_from if t.lora_rank else "")
+              + "\n" + clock.eval_report())
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     dist.cleanup()
     return 0

@@ -58,18 +58,23 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
         print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), windows are random slices")
 
 
-def _show_flag(parser):
-    parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
-                        "examples with their learned tokens marked, and the share of tokens learned")
+def parse_args(argv=None):
+    """(Config, extras): the trainer's settings, of which the data's apply, and --show N."""
+    def show(parser):
+        parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
+                            "examples with their learned tokens marked, and the share of tokens learned")
+    cfg, extras = parse_config(argv, show)
+    if extras.show < 0:
+        raise ConfigError(f"--show {extras.show} is invalid, pass a number of examples >= 0")
+    return cfg, extras
 
 
 @error_contract
 def main(argv=None):
     """Prepare (or find) the cache for the command line's settings and print a summary (and --show examples)."""
-    cfg, extras = parse_config(argv, _show_flag)
-    if extras.show < 0:
-        raise ConfigError(f"--show {extras.show} is invalid, pass a number of examples >= 0")
-    for note in fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data)):
+    cfg, extras = parse_args(argv)
+    cfg, notes = fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data))
+    for note in notes:
         print(note)  # the vocabulary and context the trainer would choose here
     data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
     m = data.meta

@@ -15,7 +15,7 @@ from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START
 
 
-def batches_for(data: PreparedData, split: str, packing_mode: str, batch_size: int, seq_len: int, seed: int,
+def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
     """The batch loader of a split for the run's --packing."""
     kind = PackedBatches if packing.packs(packing_mode, data.meta) else Batches

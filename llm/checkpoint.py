@@ -47,7 +47,7 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
     return {k: v for k, v in state.items() if cfg is None or is_stored(k, cfg)}
 
 
-def save_checkpoint(run_dir: str, step: int, state: dict, model_config: ModelConfig, tokenizer_path: str,
+def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: ModelConfig, tokenizer_path: str,
                     trainer_state: dict, keep: int, val_loss: float | None = None,
                     lora_meta: dict | None = None) -> str:
     """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),

@@ -53,6 +53,8 @@ def _file_overrides(path: str, types) -> list[str]:
             flat.update(value)  # nested form, as in a run folder's config.json
         else:
             flat[key] = value
+    if flat.get("epochs") and "max_steps" in flat:  # a run's config.json: its epochs gave it max_steps
+        del flat["max_steps"]
     words = []
     for key, value in flat.items():
         if isinstance(value, list):

@@ -7,6 +7,7 @@ a reader that closed the pipe leaves quietly. Anything else is a bug and keeps i
 """
 
 import functools
+import logging
 import os
 import signal
 import sys
@@ -60,11 +61,36 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
     raise e
 
 
+# Notices other libraries print on every start that say nothing a user of this project can act on: (logger, text).
+NOTICES = [("torch.utils.cpp_extension", "No CUDA runtime is found"),  # a CUDA build of torch on a machine without
+           # a GPU, when Inductor first compiles for the CPU
+           ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),  # torchao's enums, at import
+           ("torchao", "Could not load this library")]  # torchao's optional GPU kernels, built for another torch
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_library_notices():
+    """Drop exactly the NOTICES lines, nothing else those loggers say; once per process."""
+    for name, text in NOTICES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.text == text for f in logger.filters):
+            logger.addFilter(_Drop(text))
+
+
 def error_contract(main):
     """Decorates a script's main: it returns what main returns, or prints the failure's one line and exits with
-    its code (SystemExit). A bug keeps its traceback."""
+    its code (SystemExit). A bug keeps its traceback. Other libraries' NOTICES are left unprinted."""
     @functools.wraps(main)
     def contracted(*args, **kwargs):
+        quiet_library_notices()
         if signal.getsignal(signal.SIGINT) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)  # a script's imports are over: Ctrl-C is 130
         try:

@@ -9,7 +9,6 @@ export_hf.py writes the merged model, or with --adapter_only a PEFT folder for t
 
 import hashlib
 import json
-import logging
 import os
 import warnings
 
@@ -18,7 +17,7 @@ import torch.nn as nn
 
 from config import LORA_TARGETS as TARGETS
 from llm import atomic
-from llm.errors import CheckpointError, ConfigError
+from llm.errors import CheckpointError, ConfigError, quiet_library_notices
 from llm.hf_format import hf_name
 
 ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders
@@ -60,8 +59,7 @@ def base_dtype(t, amp_dtype) -> str:
 
 def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
     """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32)."""
-    for name in ("torchao", "torch.utils._pytree"):  # PEFT imports torchao, which reports its optional kernels
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_library_notices()  # PEFT imports torchao, which announces its enums
     from peft import LoraConfig, inject_adapter_in_model
     check_lora(model, t)
     model.requires_grad_(False)

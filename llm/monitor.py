@@ -65,7 +65,7 @@ def device_report(device: torch.device) -> str:
 class Monitor:
     """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
 
-    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tensorboard: bool,
+    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, *, tensorboard: bool = False,
                  wandb: bool = False, config: dict | None = None, resume_step: int | None = None,
                  world_size: int = 1):
         """resume_step: the run continues from this step, so records logged after it (by the session that went
@@ -269,7 +269,7 @@ def _well_formed(record) -> bool:
                                                                    for v in figures)
 
 
-def start_report(cfg, device: torch.device, model, opt, precision: str, dist, tokens_per_step: int,
+def start_report(cfg, device: torch.device, model, opt, *, precision: str, dist, tokens_per_step: int,
                  compile_fallback: bool = False) -> str:
     """The lines printed before the first step: device, model, batch and run length, optimizer, folder.
     compile_fallback: a compile failure would become an eager run (else it stops the run)."""
@@ -335,14 +335,15 @@ def advance_bar(bar, clock, step: int, epoch: float | None = None):
         bar.update(1)
 
 
-def summary(step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,
+def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,
             device: torch.device, interrupted: bool, launcher: str = "python", base: str = "") -> str:
     """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on.
-    base: the model a LoRA run's adapters join."""
-    bpb = best_val / math.log(2) / bytes_per_token if math.isfinite(best_val) else float("nan")
+    best_val: inf when no evaluation ran. base: the model a LoRA run's adapters join."""
+    evaluated = (f"best val loss {best_val:.4f} ({best_val / math.log(2) / bytes_per_token:.4f} bits per byte)"
+                 if math.isfinite(best_val) else "no evaluation yet")
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
     lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
-             f"best val loss {best_val:.4f} ({bpb:.4f} bits per byte), peak memory {peak}"]
+             f"{evaluated}, peak memory {peak}"]
     if ckpt:
         lines += [f"checkpoint: {ckpt}", f"chat with it: python text_generator.py {ckpt}"
                   + (f" --base {base}" if base else "")]

@@ -19,11 +19,11 @@ from dataclasses import asdict, fields
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from config import DataConfig
+from config import Config, DataConfig
 from llm import atomic
 from llm import token_cache as tc
 from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
-from llm.errors import DataError
+from llm.errors import ConfigError, DataError
 from llm.packing import packs
 from llm.token_cache import PreparedData
 from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
@@ -359,4 +359,16 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
         for row in source_table(m):
             log(f"data: {row}")
     check_windows(data, cfg.packing, seq_len)
+    return data
+
+
+def prepare_once(cfg: Config, dist) -> PreparedData:
+    """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it complete."""
+    m = cfg.model
+    data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=dist.print) if dist.is_main else None
+    dist.barrier()
+    data = data or prepare(cfg.data, m.vocab_size, m.max_seq_len, log=lambda *a: None)
+    if data.meta["vocab_size"] > m.vocab_size:
+        raise ConfigError(f"the tokenizer has {data.meta['vocab_size']} tokens but vocab_size={m.vocab_size}, "
+                          f"set --vocab_size {data.meta['vocab_size']} or more")
     return data

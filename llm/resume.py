@@ -87,18 +87,17 @@ def saved_config(state: dict) -> dict:
     return values
 
 
-def carry_settings(cfg: Config, state: dict) -> list[str]:
-    """Fill cfg's automatic fields with the values the checkpoint's run used, so a run resumes as it was
-    sized wherever it resumes; values given now stay. Returns report lines."""
-    saved = saved_config(state)
-    taken = []
+def carry_settings(cfg: Config, state: dict) -> tuple[Config, list[str]]:
+    """cfg with its automatic fields set to the values the checkpoint's run used, so a run resumes as it was
+    sized wherever it resumes (values given now stay), and a report line."""
+    saved, sections, taken = saved_config(state), {}, []
     for section in ("model", "train"):
         ours, theirs = getattr(cfg, section), saved.get(section, {})
         values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO
                   and not (k == "max_steps" and cfg.train.epochs)}  # --epochs sets the run's length anew
-        setattr(cfg, section, replace(ours, **values))
+        sections[section] = replace(ours, **values)
         taken += [f"{k}={v}" for k, v in values.items()]
-    return [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []
+    return replace(cfg, **sections), [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []
 
 
 def check_run_folder(t, resuming: bool):
@@ -149,11 +148,11 @@ def _file_changes(before: dict, now: dict) -> list[str]:
         ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
-def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
+def load_into(ckpt: str, state: dict, *, model, opt, scaler, run_dir: str):
     """Weights, optimizer, loss scaler and RNG state from the checkpoint; returns (step, tokens, best val
     loss, the time budget's state)."""
     try:
-        ckpt_io.load_weights(ckpt, raw_model)  # read on the CPU, then copied into the device's parameters
+        ckpt_io.load_weights(ckpt, model)  # read on the CPU, then copied into the device's parameters
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
     try:
@@ -171,17 +170,18 @@ def load_into(ckpt: str, state: dict, raw_model, opt, scaler, run_dir: str):
     return state["step"], state["tokens"], state["best_val_loss"], budget
 
 
-def apply_init_from(cfg: Config) -> ckpt_io.ModelFiles:
-    """--init_from: take the model shape, tokenizer and weights of a checkpoint, run or Hugging Face folder."""
+def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:
+    """--init_from: cfg with the model shape and tokenizer of a checkpoint, run or Hugging Face folder, and what
+    was read there (its weights too)."""
     found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")
     # Only the weights' shape is taken: context length (when set) and memory settings stay this run's.
-    cfg.model = replace(found.config, max_seq_len=cfg.model.max_seq_len or found.config.max_seq_len,
-                        gradient_checkpointing=cfg.model.gradient_checkpointing)
-    cfg.data.tokenizer = cfg.data.tokenizer or found.tokenizer_path  # the data must be tokenized as the model was
-    return found
+    model = replace(found.config, max_seq_len=cfg.model.max_seq_len or found.config.max_seq_len,
+                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+    data = replace(cfg.data, tokenizer=cfg.data.tokenizer or found.tokenizer_path)  # tokenized as the model was
+    return replace(cfg, model=model, data=data), found
 
 
 def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -> dict | None:

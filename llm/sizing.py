@@ -130,57 +130,61 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
     return CPU_SIZE, f"no larger preset fits {budget / 2**30:.1f} GiB of {machine.name}{feeds}"
 
 
-def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> list[str]:
-    """Fill cfg's automatic shape, batch and rates in place; one report line per value chosen."""
+def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[Config, list[str]]:
+    """cfg with its automatic shape, batch and rates filled, and one report line saying with what and why."""
     wanted = cfg.model.automatic() + [k for k in cfg.train.automatic()
                                       if k not in ("max_steps", "max_minutes", "eval_batches")]
     if not wanted:
-        return []
+        return cfg, []
     size, why = choose_size(cfg, machine, corpus_bytes)
     filled = _filled(cfg, size)
-    cfg.model, cfg.train = filled.model, filled.train
-    section = {name: "model" if name in cfg.model.__dataclass_fields__ else "train" for name in wanted}
-    values = ", ".join(f"{k}={getattr(getattr(cfg, section[k]), k)}" for k in wanted)
-    return [f"automatic: {values} (the {size} preset: {why})"]
+    section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
+    values = ", ".join(f"{k}={getattr(getattr(filled, section[k]), k)}" for k in wanted)
+    return filled, [f"automatic: {values} (the {size} preset: {why})"]
 
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
-                    epoch_sequences: float | None = None) -> list[str]:
-    """Fill max_steps, max_minutes and eval_batches where automatic, once the corpus is tokenized; report lines.
-    epoch_sequences: training windows in one pass over the split (packed windows), if not train_tokens / context."""
+                    epoch_sequences: float | None = None) -> tuple[Config, list[str]]:
+    """cfg with max_steps, max_minutes and eval_batches filled where automatic, once the corpus is tokenized, and
+    report lines. epoch_sequences: training windows in one pass over the split (packed windows), if not
+    train_tokens / context."""
     t, notes = cfg.train, []
     epoch_sequences = epoch_sequences or train_tokens / cfg.model.max_seq_len
     per_step = t.micro_batch_size * t.grad_accum_steps * world_size  # sequences
-    if t.epochs and t.max_steps == AUTO:
-        t.max_steps = max(1, math.ceil(t.epochs * epoch_sequences / per_step))
-        notes.append(f"epochs: max_steps={t.max_steps} ({t.epochs:g} passes over {epoch_sequences:,.0f} training "
+    steps, minutes, eval_batches = t.max_steps, t.max_minutes, t.eval_batches
+    if t.epochs and steps == AUTO:
+        steps = max(1, math.ceil(t.epochs * epoch_sequences / per_step))
+        notes.append(f"epochs: max_steps={steps} ({t.epochs:g} passes over {epoch_sequences:,.0f} training "
                      f"windows at {per_step} per step)")
-    if t.max_minutes == AUTO and t.max_steps == AUTO and machine.kind != "cuda":
-        t.max_minutes = CPU_MINUTES
+    if minutes == AUTO and steps == AUTO and machine.kind != "cuda":
+        minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
                      "or max_minutes to change it)")
-    if t.max_steps == AUTO and t.max_minutes == AUTO:
-        t.max_steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
-        notes.append(f"automatic: max_steps={t.max_steps} ({GPU_EPOCHS} passes over {train_tokens:,} training "
+    if steps == AUTO and minutes == AUTO:
+        steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
+        notes.append(f"automatic: max_steps={steps} ({GPU_EPOCHS} passes over {train_tokens:,} training "
                      f"tokens at {per_step * cfg.model.max_seq_len:,} tokens per step)")
-    elif t.max_steps == AUTO:
-        notes.append(f"automatic: no step limit, the {t.max_minutes:g}-minute budget ends the run")
-    if t.eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
-        run_tokens = t.max_steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size
+    elif steps == AUTO:
+        notes.append(f"automatic: no step limit, the {minutes:g}-minute budget ends the run")
+    if eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
+        run_tokens = steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size
         # A forward is about a third of a step: AUTO_EVALS evaluations of these tokens take EVAL_SHARE of a run in
         # steps (a 10-step smoke run reads one micro-batch); under a time budget the clock spaces them out.
-        tokens = min(EVAL_TOKENS, 3 * EVAL_SHARE * run_tokens / AUTO_EVALS) if t.max_steps else EVAL_TOKENS
-        t.eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
-    return notes
+        tokens = min(EVAL_TOKENS, 3 * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
+        eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
+    train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
+    if t.epochs:  # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
+        train.max_steps = steps
+    return replace(cfg, train=train), notes
 
 
-def fit_micro_batch(raw_model, cfg: Config, amp, dist):
-    """The largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
+def fit_micro_batch(raw_model, cfg: Config, amp, dist) -> Config:
+    """cfg with the largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
     memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only."""
     t = cfg.train
     if next(raw_model.parameters()).device.type != "cuda":
         dist.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")
-        return
+        return cfg
     sequences = t.micro_batch_size * t.grad_accum_steps
     micro = sequences
     while True:
@@ -199,5 +203,6 @@ def fit_micro_batch(raw_model, cfg: Config, amp, dist):
             micro //= 2
     raw_model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    t.micro_batch_size, t.grad_accum_steps = micro, math.ceil(sequences / micro)
-    dist.print(f"auto micro-batch: {micro} sequences x {t.grad_accum_steps} accumulation steps")
+    accum = math.ceil(sequences / micro)
+    dist.print(f"auto micro-batch: {micro} sequences x {accum} accumulation steps")
+    return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum))

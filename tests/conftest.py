@@ -118,13 +118,21 @@ def python_data(tmp_path_factory):
     return prepare(cfg, vocab_size=PYTHON_VOCAB, seq_len=PYTHON_SEQ, log=lambda *a: None)
 
 
+def save_model(run_dir, step: int, model, tokenizer_path, keep: int = 1, **kw) -> str:
+    """model's weights, config and tokenizer as the trainer checkpoints them: run_dir/checkpoints/step_N."""
+    from llm.checkpoint import save_checkpoint, weights_state_dict
+    return save_checkpoint(str(run_dir), step, weights_state_dict(model), model_config=model.config,
+                           tokenizer_path=str(tokenizer_path), trainer_state={"step": step}, keep=keep, **kw)
+
+
 DATA_VOCAB, DATA_SEQ = 300, 16  # the data tests' tokenizer and windows
 
 
 def prepare(cfg, logs: list | None = None, vocab_size: int = DATA_VOCAB, seq_len: int = DATA_SEQ):
     """The token cache of a DataConfig, as the trainer prepares it; its log lines appended to logs when given."""
     from llm.preparation import prepare as prepare_cache
-    return prepare_cache(cfg, vocab_size=vocab_size, seq_len=seq_len, log=logs.append if logs is not None else lambda line: None)
+    return prepare_cache(cfg, vocab_size=vocab_size, seq_len=seq_len,
+                         log=logs.append if logs is not None else lambda line: None)
 
 
 def one_error_line(capsys, code, exit_info) -> str:
@@ -153,7 +161,6 @@ def edit_json(path, **changes):
 def tiny_checkpoint(tmp_path_factory, tiny_config):
     """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML
     tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
-    from llm.checkpoint import save_checkpoint, weights_state_dict
     from llm.tokenizer import train_tokenizer
     from modern_llm import Transformer
     root = tmp_path_factory.mktemp("runs")
@@ -164,7 +171,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_config):
     torch.manual_seed(0)
     model = Transformer(cfg)
     run = root / "run1"
-    path = save_checkpoint(str(run), 10, weights_state_dict(model), cfg, tok_path, {"step": 10}, keep=2)
+    path = save_model(run, 10, model, tok_path, keep=2)
     with open(run / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"kind": "eval", "step": 10, "val_loss": 2.125, "val_ppl": 8.4, "val_bpb": 1.0625}) + "\n")
     return path
@@ -184,7 +191,6 @@ def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
     "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
     from tokenizers import Tokenizer
 
-    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     tok = Tokenizer.from_file(tok_path)
@@ -199,8 +205,7 @@ def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
         embed, head = state["embed_tokens.weight"], state["lm_head.weight"]
         embed[:, 0], embed[o], embed[k] = 1, torch.eye(cfg.hidden_size)[1], torch.eye(cfg.hidden_size)[2]
         head[o, 0] = head[k, 1] = head[im_end, 2] = 1  # a bigram table: any token -> O -> K -> <|im_end|>
-    return save_checkpoint(str(tmp_path_factory.mktemp("stopper") / "run"), 1, weights_state_dict(model), cfg,
-                           tok_path, {"step": 1}, keep=1)
+    return save_model(tmp_path_factory.mktemp("stopper") / "run", 1, model, tok_path)
 
 
 NAMES = ["Ada", "Ben", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal"]

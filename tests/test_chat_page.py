@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import serve
+from conftest import save_model
 
 KEY = "sesame"
 MAX_TOKENS = 1500  # far more than a reply gets before Stop: only a cancelled generation ends early
@@ -30,7 +31,6 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
     and one evaluation record: every hidden state is its token's one-hot embedding, which the head maps on."""
     from tokenizers import Tokenizer
 
-    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     tok = Tokenizer.from_file(tok_path)
@@ -46,7 +46,7 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
         embed[:, 0], embed[a], embed[b] = 1, torch.eye(cfg.hidden_size)[1], torch.eye(cfg.hidden_size)[2]
         head[a, 0] = head[b, 1] = head[a, 2] = 10  # any token -> a -> b -> a; sharp enough that sampling agrees
     run = tmp_path_factory.mktemp("looper") / "looper"
-    path = save_checkpoint(str(run), 300, weights_state_dict(model), cfg, tok_path, {"step": 300}, keep=1)
+    path = save_model(run, 300, model, tok_path)
     with open(run / "metrics.jsonl", "w") as f:
         for step, bpb in ((300, 0.8125), (600, 0.5)):  # an evaluation after the checkpoint is not its own
             f.write(json.dumps({"kind": "eval", "step": step, "val_loss": 1.5, "val_ppl": 4.5, "val_bpb": bpb}) + "\n")

@@ -91,8 +91,8 @@ def test_save_is_atomic_latest_moves_last_and_pruning_keeps_the_newest(tiny_chec
     run = str(tmp_path / "run")
     os.makedirs(os.path.join(run, "checkpoints", ".tmp_step_000001"))  # an interrupted earlier write
     for step in (1, 2, 3):
-        path = ckpt_io.save_checkpoint(run, step, found.state, found.config, found.tokenizer_path,
-                                       {"step": step}, keep=2)
+        path = ckpt_io.save_checkpoint(run, step, found.state, model_config=found.config,
+                                       tokenizer_path=found.tokenizer_path, trainer_state={"step": step}, keep=2)
         assert ckpt_io.latest_checkpoint(run) == path
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["LATEST", "step_000002", "step_000003"]
     assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(run)] == ["step_000002", "step_000003"]

@@ -1,6 +1,7 @@
 """Tests of config.py and cli.py: validation, presets, command-line and file overrides."""
 
 import json
+import math
 
 import pytest
 
@@ -98,6 +99,19 @@ def test_saved_run_config_round_trips(tmp_path):
     path.write_text(json.dumps(cfg.to_dict()))
     again, _ = parse_config(["--preset", "tiny", "--config", str(path)])
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_a_run_in_epochs_config_json_loads_back(tmp_path):
+    """A run in epochs writes the max_steps its epochs gave into config.json; passed back with --config, that
+    file was refused ("set epochs or max_steps, not both"). The epochs decide again."""
+    from llm.sizing import Machine, fill_run_length
+    cfg, _ = parse_config(["--preset", "tiny", "--epochs", "2"])
+    run, _ = fill_run_length(cfg, Machine("cpu", "cpu"), train_tokens=100_000)
+    assert run.train.max_steps == math.ceil(2 * 100_000 / 256 / 16) and cfg.train.max_steps == 0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(run.to_dict()))
+    again, _ = parse_config(["--config", str(path)])
+    assert (again.train.epochs, again.train.max_steps) == (2, 0)
 
 
 def test_large_preset_is_the_seed_shape():

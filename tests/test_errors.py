@@ -77,3 +77,33 @@ def test_output_into_a_closed_pipe_is_quiet(tiny_checkpoint):
     stderr = r.stderr.decode(errors="replace")
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
     assert len(r.stdout) == 1
+
+
+def test_library_notices_are_dropped_and_nothing_else(caplog):
+    """Every start printed torchao's "KernelPreference is an Enum subclass" and, with a CUDA build of torch on a
+    CPU, "No CUDA runtime is found": notices a user cannot act on. Exactly those lines go; the same loggers'
+    other warnings stay."""
+    import logging
+
+    from llm.errors import NOTICES
+    error_contract(lambda: None)()
+    for name, text in NOTICES:
+        logger = logging.getLogger(name)
+        with caplog.at_level(logging.WARNING, logger=name):
+            caplog.clear()
+            logger.warning(f"<enum 'X'> {text} (a notice)")
+            logger.warning("something else went wrong")
+        assert [r.getMessage() for r in caplog.records] == ["something else went wrong"], name
+
+
+@pytest.mark.slow
+def test_a_default_run_prints_no_warning(corpus, tiny_flags, tmp_path):
+    """A compiled run of config.py's settings on this CPU (the tiny model, two steps) prints no warning of ours or
+    of a library: no torchao notices, no "best val loss inf (nan bits per byte)" before an evaluation."""
+    r = subprocess.run([sys.executable, "gpu_training_optimized.py", "--sources", corpus["src"], "--cache_dir",
+                        corpus["cache"], "--run_dir", str(tmp_path / "run"), *tiny_flags, "--max_steps", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (r.stdout + r.stderr).splitlines()
+    assert not [line for line in lines if "warn" in line.lower() or line[:1] == "W" and line[1:5].isdigit()], lines
+    assert not [line for line in lines if " inf " in line or "nan" in line.split()], lines

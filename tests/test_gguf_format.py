@@ -21,8 +21,7 @@ from tokenizers import Tokenizer
 
 import export_hf
 from config import SampleConfig
-from conftest import PYTHON_SEQ, PYTHON_VOCAB, one_error_line
-from llm import checkpoint as ckpt_io
+from conftest import PYTHON_SEQ, PYTHON_VOCAB, one_error_line, save_model
 from llm import engine, gguf_format
 from llm.batches import Batches
 from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
@@ -46,8 +45,7 @@ def sharp_model(tiny_config, **kw) -> Transformer:
 
 
 def save(model, tokenizer_path, run_dir, step=1) -> str:
-    return ckpt_io.save_checkpoint(str(run_dir), step, ckpt_io.weights_state_dict(model), model.config,
-                                   tokenizer_path, {"step": step}, keep=1)
+    return save_model(run_dir, step, model, tokenizer_path)
 
 
 def export(src, out, qtype="f16", *flags) -> str:

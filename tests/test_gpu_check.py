@@ -26,3 +26,10 @@ def test_dry_run_builds_every_configuration_and_writes_the_report(corpus, tmp_pa
     for heading in ("Training throughput, throughput", "Training throughput, autotune", "CUDA-graph modes",
                     "Start-up and DDP", "Loss curves"):
         assert f"## {heading}" in report
+
+
+def test_the_ddp_overhead_is_said_in_words():
+    """A DDP run faster than plain once read "DDP on one GPU -85.0% slower than plain"."""
+    assert gpu_check.overhead_words(0.02) == "2.0% slower than plain"
+    assert gpu_check.overhead_words(-0.85) == "85.0% faster than plain"
+    assert gpu_check.overhead_words(None).startswith("not measured")

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 import export_hf
 from config import SampleConfig
-from conftest import PYTHON_SEQ, PYTHON_VOCAB, edit_json, read_json
+from conftest import PYTHON_SEQ, PYTHON_VOCAB, edit_json, read_json, save_model
 from llm import checkpoint as ckpt_io
 from llm import engine
 from llm.batches import Batches
@@ -49,8 +49,7 @@ def train(model: Transformer, python_data, steps: int, seed: int = 0) -> Transfo
 
 
 def save(model: Transformer, python_data, run_dir, step: int) -> str:
-    return ckpt_io.save_checkpoint(str(run_dir), step, ckpt_io.weights_state_dict(model), model.config,
-                                   python_data.tokenizer_path, {"step": step}, keep=2)
+    return save_model(run_dir, step, model, python_data.tokenizer_path, keep=2)
 
 
 def load_ours(ckpt: str) -> Transformer:

@@ -71,8 +71,8 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
     assert ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(tmp_path / "run")))["imported_from"] == \
         f"hf:{REPO}"
 
-    cfg = Config(train=TrainConfig(init_from=f"hf:{REPO}"))
-    apply_init_from(cfg)  # the shape and tokenizer of the cached model; its weights come through read_model too
+    # The shape and tokenizer of the cached model; its weights come through read_model too.
+    cfg, _ = apply_init_from(Config(train=TrainConfig(init_from=f"hf:{REPO}")))
     assert cfg.model == ours.config and cfg.data.tokenizer == os.path.join(ckpt_io.read_model(f"hf:{REPO}").path,
                                                                             "tokenizer.json")
 

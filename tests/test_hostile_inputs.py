@@ -18,8 +18,7 @@ import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
 from config import DataConfig
-from conftest import one_error_line
-from llm.checkpoint import save_checkpoint, weights_state_dict
+from conftest import one_error_line, save_model
 from llm.corpus import PIECE_BYTES, source_files
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
@@ -194,7 +193,7 @@ def long_context(tiny_checkpoint, tmp_path_factory):
                       num_key_value_heads=1, max_seq_len=1024)
     torch.manual_seed(0)
     run = tmp_path_factory.mktemp("long") / "run"
-    return save_checkpoint(str(run), 1, weights_state_dict(Transformer(cfg)), cfg, tokenizer, {"step": 1}, keep=1)
+    return save_model(run, 1, Transformer(cfg), tokenizer)
 
 
 def written_out_bits_per_byte(model, tok, texts, batch_size=8) -> tuple[float, int]:

@@ -12,6 +12,7 @@ import torch
 
 import export_hf
 import serve
+from conftest import save_model
 from llm import openai_api
 from llm.inference import load_for_inference
 
@@ -144,7 +145,6 @@ def ender(tmp_path_factory, tiny_config, tiny_checkpoint):
     hidden state is the same vector, which the head reads as the end token's logit."""
     from tokenizers import Tokenizer
 
-    from llm.checkpoint import save_checkpoint, weights_state_dict
     from modern_llm import Transformer
     tok_path = os.path.join(tiny_checkpoint, "tokenizer.json")
     cfg = tiny_config(vocab_size=Tokenizer.from_file(tok_path).get_vocab_size(), tie_word_embeddings=False)
@@ -155,8 +155,7 @@ def ender(tmp_path_factory, tiny_config, tiny_checkpoint):
                 value.zero_()
         model.embed_tokens.weight[:, 0] = 1
         model.lm_head.weight[Tokenizer.from_file(tok_path).token_to_id("<|endoftext|>"), 0] = 1
-    return save_checkpoint(str(tmp_path_factory.mktemp("ender") / "run"), 1, weights_state_dict(model), cfg,
-                           tok_path, {"step": 1}, keep=1)
+    return save_model(tmp_path_factory.mktemp("ender") / "run", 1, model, tok_path)
 
 
 def test_a_generated_end_token_is_in_the_logprobs(ender):

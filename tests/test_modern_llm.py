@@ -156,7 +156,8 @@ def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(t
     eager = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="false"))
     compiled = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
     assert linears(plain) == {torch.nn.Linear}  # generating compiled left the caller's model as it was
-    assert generate(swapped, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true")) == compiled == eager
+    on_swapped = generate(swapped, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
+    assert on_swapped == compiled == eager
     torch._dynamo.reset()
 
 

@@ -136,8 +136,9 @@ def test_an_epoch_reads_every_window_once_in_a_seeded_order_on_any_number_of_ran
 
 def test_packing_is_chosen_for_chats_and_refused_for_nothing(chat_data, tmp_path):
     data, _ = chat_data
-    assert isinstance(batches.batches_for(data, "train", "auto", 2, SEQ, 1), batches.PackedBatches)
-    assert type(batches.batches_for(data, "train", "off", 2, SEQ, 1)) is batches.Batches
+    loader = lambda packing: batches.batches_for(data, "train", packing_mode=packing, batch_size=2,  # noqa: E731
+                                                 seq_len=SEQ, seed=1)
+    assert isinstance(loader("auto"), batches.PackedBatches) and type(loader("off")) is batches.Batches
     text = {**data.meta, "has_masks": False}
     assert not packing.packs("auto", text) and packing.packs("documents", text)
 

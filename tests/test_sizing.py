@@ -14,12 +14,13 @@ GIB = 2**30
 
 def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
     cfg = Config()
-    notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=30_000_000)
-    tiny = preset_tiny()
+    filled, notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=30_000_000)
+    assert cfg == Config()  # the caller's config stays as it was: every filler returns a new one
+    cfg, tiny = filled, preset_tiny()
     assert cfg.model == tiny.model
     assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 5e-3, 0.03)
     assert len(notes) == 1 and "hidden_size=192" in notes[0] and "no CUDA device" in notes[0]
-    notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
+    cfg, notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
     assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 10.0)
     assert "max_minutes=10" in notes[0] and "no step limit" in notes[1]
 
@@ -27,13 +28,13 @@ def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
 def test_values_written_by_hand_are_never_changed():
     """A width, a step count and a rate given by the user stay; the fields that depend on them follow."""
     cfg = Config(model=ModelConfig(hidden_size=384), train=TrainConfig(max_steps=33, learning_rate=1e-3))
-    notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=1_000_000)
+    cfg, notes = sizing.fill_automatic(cfg, CPU, corpus_bytes=1_000_000)
     assert (cfg.model.hidden_size, cfg.train.max_steps, cfg.train.learning_rate) == (384, 33, 1e-3)
     assert cfg.model.head_dim == 384 // cfg.model.num_attention_heads and cfg.model.intermediate_size == 1024
     assert "hidden_size" not in notes[0] and "learning_rate" not in notes[0]
-    assert sizing.fill_run_length(cfg, CPU, train_tokens=1_000_000) == []  # steps written: no time budget
-    assert cfg.train.max_minutes == 0
-    assert sizing.fill_automatic(cfg, CPU, corpus_bytes=1) == []  # nothing left automatic: nothing to say
+    cfg, notes = sizing.fill_run_length(cfg, CPU, train_tokens=1_000_000)
+    assert notes == [] and cfg.train.max_minutes == 0  # steps written: no time budget
+    assert sizing.fill_automatic(cfg, CPU, corpus_bytes=1) == (cfg, [])  # nothing left automatic: nothing to say
 
 
 def test_a_written_value_that_fits_no_automatic_one_is_refused_with_both_named():
@@ -53,7 +54,7 @@ def test_a_gpu_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gi
     """The size weighs memory (without activation checkpointing) and the corpus: an 80 GB GPU once got the
     1.4B-parameter xl for a corpus of 8M tokens, which it memorises in minutes."""
     cfg = Config()
-    notes = sizing.fill_automatic(cfg, Machine("cuda", "GPU", memory_gib * GIB), corpus_bytes=corpus_mb * 10**6)
+    cfg, notes = sizing.fill_automatic(cfg, Machine("cuda", "GPU", memory_gib * GIB), corpus_bytes=corpus_mb * 10**6)
     assert f"the {expected} preset" in notes[0]
     assert not cfg.model.gradient_checkpointing  # config.py's value, which no preset overrides here
     if expected != "tiny":  # the chosen size fits both limits
@@ -64,8 +65,8 @@ def test_a_gpu_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gi
 
 def test_a_gpu_run_passes_over_its_corpus_four_times():
     cfg = Config()
-    sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=32 * 10**6)
-    notes = sizing.fill_run_length(cfg, Machine("cuda", "GPU", 80 * GIB), train_tokens=80_000_000, world_size=2)
+    cfg, _ = sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=32 * 10**6)
+    cfg, notes = sizing.fill_run_length(cfg, Machine("cuda", "GPU", 80 * GIB), train_tokens=80_000_000, world_size=2)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 2 * cfg.model.max_seq_len
     assert cfg.train.max_steps == -(-4 * 80_000_000 // per_step) > sizing.MIN_STEPS and cfg.train.max_minutes == 0
     assert "4 passes over 80,000,000 training tokens" in notes[-1]

@@ -14,7 +14,8 @@ import torch
 
 import text_generator as tg
 from config import SampleConfig
-from llm.checkpoint import read_model, save_checkpoint, weights_state_dict
+from conftest import save_model
+from llm.checkpoint import read_model, save_checkpoint
 from llm.engine import generate_text
 from llm.inference import load_for_inference
 from llm.tokenizer import chat_prompt_ids
@@ -172,8 +173,8 @@ def test_best_checkpoint_is_listed_and_loaded(ckpt, tmp_path, capsys):
     shutil.copytree(os.path.dirname(os.path.dirname(ckpt)), run)
     found = read_model(ckpt)
     for step, loss in ((20, 1.5), (30, 1.9)):
-        save_checkpoint(str(run), step, found.state, found.config, found.tokenizer_path, {"step": step}, keep=5,
-                           val_loss=loss)
+        save_checkpoint(str(run), step, found.state, model_config=found.config, tokenizer_path=found.tokenizer_path,
+                        trainer_state={"step": step}, keep=5, val_loss=loss)
     assert tg.main(["--list", str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert [l.split()[1] for l in lines] == ["10", "20", "30"]
@@ -196,7 +197,6 @@ def test_chat_is_offered_only_when_the_tokenizer_has_its_tokens(tmp_path, tiny_c
     plain.save(str(tmp_path / "tokenizer.json"))
     cfg = tiny_config(vocab_size=plain.get_vocab_size())
     model = Transformer(cfg)
-    path = save_checkpoint(str(tmp_path / "run"), 1, weights_state_dict(model), cfg,
-                           str(tmp_path / "tokenizer.json"), {"step": 1}, keep=1)
+    path = save_model(tmp_path / "run", 1, model, tmp_path / "tokenizer.json")
     r = cli([path, "--interactive"], tmp_path, stdin="help\nchat\nquit\n")
     assert r.returncode == 0 and "  chat " not in r.stdout and "chat needs a model trained on conversations" in r.stderr

@@ -110,7 +110,7 @@ def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkey
     """config.json must hold the batch the run really used: it was once written before --auto_micro_batch
     changed it, so `--config run/config.json` reproduced another run."""
     def halve(raw_model, cfg, amp, dist):  # what the CUDA search does when the whole batch does not fit
-        cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 2, 2
+        return replace(cfg, train=replace(cfg.train, micro_batch_size=2, grad_accum_steps=2))
     monkeypatch.setattr(trainer, "fit_micro_batch", halve)
     run = tmp_path / "run"
     argv = argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3, "--auto_micro_batch", "true")
@@ -473,7 +473,7 @@ def test_mfu_is_per_gpu_under_several_ranks(tmp_path, monkeypatch):
     from llm import monitor
     monkeypatch.setattr(monitor, "peak_flops", lambda device: 100e12)
     flops, tokens, world = 1e6, 40_000, 4
-    m = monitor.Monitor(str(tmp_path), torch.device("cpu"), flops, False, world_size=world)
+    m = monitor.Monitor(str(tmp_path), torch.device("cpu"), flops, world_size=world)
     m.reset_clock(0, 0)
     time.sleep(0.2)
     r = m.train_record(1, tokens, 2.0, 1.0, {}, 1.0)
@@ -589,3 +589,14 @@ def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_pa
     # With the evaluation counted the rate is below 1 / 1.5 s; a step of the tiny model takes tens of ms, and stays
     # under a second on a machine ten times as busy.
     assert after["steps_per_s"] > 1, after
+
+
+def test_the_summary_of_a_run_stopped_before_its_first_evaluation_says_so():
+    """A run stopped before any evaluation ended with "best val loss inf (nan bits per byte)"."""
+    from llm import monitor
+    common = dict(step=3, tokens=300, seconds=6.0, bytes_per_token=3.0, ckpt=None, device=torch.device("cpu"),
+                  interrupted=True)
+    before = monitor.summary(best_val=float("inf"), **common).splitlines()[0]
+    assert "no evaluation yet" in before and "inf" not in before and "nan" not in before
+    after = monitor.summary(best_val=2.0794415, **common).splitlines()[0]  # ln 8: 3 bits, over 3 bytes a token
+    assert "best val loss 2.0794 (1.0000 bits per byte)" in after

@@ -145,8 +145,9 @@ def release(device):
         torch.cuda.empty_cache()
 
 
-@error_contract
-def main(argv=None):
+def parse_args(argv=None):
+    """(Config, the benchmark's own arguments) from the command line; the documentation's commands are checked
+    against it."""
     def extra(parser):
         parser.add_argument("--bench_steps", type=int, default=4, help="timed optimizer steps per model and round")
         parser.add_argument("--rounds", type=int, default=5, help="rounds, the models alternating")
@@ -155,9 +156,15 @@ def main(argv=None):
         parser.add_argument("--optimizer_share", action="store_true",
                             help="also time the trainer's optimizer step against forward + backward")
         parser.add_argument("--json", default="", help="also write the results to this file")
-    cfg, args = parse_config(argv, extra=extra)
+    return parse_config(argv, extra=extra)
+
+
+@error_contract
+def main(argv=None):
+    cfg, args = parse_args(argv)
     device = pick_device(cfg.train.device)
-    for note in fill_automatic(cfg, machine(device), corpus_bytes=None):  # config.py's automatic fields
+    cfg, notes = fill_automatic(cfg, machine(device), corpus_bytes=None)  # config.py's automatic fields
+    for note in notes:
         print(note)
     ours = new_model(cfg, device)
     flops, params = ours.flops_per_token(), ours.num_parameters()

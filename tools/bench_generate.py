@@ -130,8 +130,8 @@ def theirs(hf, prompts, n, fastest: bool):
     return out[:, prompts.shape[1]:].tolist()
 
 
-@error_contract
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--shapes", nargs="+", default=[], help=f"{', '.join(CPU_SHAPES)} or a preset name; default: "
@@ -143,7 +143,12 @@ def main(argv=None):
     p.add_argument("--quantize", choices=["none", "int8"], default="none", help="our model's weights in int8")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0: torch's default")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@error_contract
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)

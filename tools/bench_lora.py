@@ -99,13 +99,18 @@ def estimate():
         print(f"| {name} | {gib:.1f} | {'yes' if gib < 24 * 0.9 else 'no'} |")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--estimate", action="store_true")
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, args.steps)))
         return 0

@@ -145,8 +145,8 @@ def learn(args):
           f"{sliced.mean():.4f} ± {sliced.std():.4f}; packed lower in {(packed < sliced).sum()} of {args.seeds}")
 
 
-@error_contract
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["fill", "learn"])
     p.add_argument("--chats", type=int, default=0, help="conversations generated (fill: 20000, learn: 3000)")
@@ -154,7 +154,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq_len", type=int, default=256, help="learn: the context")
     p.add_argument("--steps", type=int, default=300, help="learn: optimizer steps per run")
     p.add_argument("--seeds", type=int, default=3, help="learn: seeds (weights and batch order)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@error_contract
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.chats = args.chats or (20000 if args.what == "fill" else 3000)
     (fill if args.what == "fill" else learn)(args)
     return 0

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numpy as np
 
-from llm.errors import RunFailure, error_contract
+from llm.errors import ConfigError, RunFailure, error_contract
 
 VOCAB, SEQ_LEN = 8192, 256
 BATCH_BYTES = 4 * 2**20  # text per peer encode_batch call: parallel across cores, as prepare_data's batches are
@@ -296,8 +296,8 @@ def grow(args):
     describe_machine("after")
 
 
-@error_contract
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["speed", "memory", "grow"])
     p.add_argument("--mb", type=float, default=40, help="speed: MB of text generated")
@@ -308,10 +308,15 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="", help="folder of the generated corpora and tokenizer, kept for the next call; "
                    "default: a temporary folder, removed at the end")
     p.add_argument("--cache_dir", default="", help="grow: the corpus's token cache, kept; default: cache in --dir")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@error_contract
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.gb = args.gb or (2 if args.what == "memory" else 1)
     if min(args.mb, args.repeats, args.gb, args.add_mb) <= 0 or args.small_ratio <= 1:
-        p.error("--mb, --repeats, --gb and --add_mb must be > 0, --small_ratio > 1")
+        raise ConfigError("--mb, --repeats, --gb and --add_mb must be > 0, --small_ratio > 1")
     if args.what == "speed":
         speed(args)
         return 0

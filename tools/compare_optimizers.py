@@ -88,8 +88,8 @@ def plot(best: dict, out: str):
     plt.close(fig)
 
 
-@error_contract
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", choices=[p for p in PRESETS if p != "auto"])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
@@ -101,7 +101,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per run; 0: torch's default")
     parser.add_argument("--out", default="runs/compare_optimizers")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@error_contract
+def main(argv=None):
+    args = parse_args(argv)
     base = PRESETS[args.preset]().train
     base_rate = {"adamw": base.learning_rate, "muon": base.muon_lr}
     sweep, best = {}, {}

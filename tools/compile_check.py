@@ -147,7 +147,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     cfg.train = replace(cfg.train, lora_rank=lora_rank)
     if lora_rank:
         skip_moves_in_place()
-    fill_automatic(cfg, machine(device), corpus_bytes=None)
+    cfg, _ = fill_automatic(cfg, machine(device), corpus_bytes=None)
     if deterministic:
         make_deterministic()
     memory = DeviceMemory()
@@ -351,13 +351,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@error_contract
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")
     p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@error_contract
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.child:
         result = child(args.child, os.environ["LD_PRELOAD"])
         with open(args.result, "w", encoding="utf-8") as f:
