@@ -16,9 +16,16 @@ import signal
 import sys
 import time
 
+from llm.evaluation import CODE_SETTINGS, SAMPLE_SETTINGS
 from llm.sizing import AUTO_EVALS, EVAL_SHARE
 
 PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
+# What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
+# step costs: dozens of small kernels, a few milliseconds on a CPU or through a GPU's launches.
+PROBE_DECODE_STEPS, DECODE_STEP_S = CODE_SETTINGS.max_new_tokens + SAMPLE_SETTINGS.max_new_tokens, 0.01
+# An evaluation may take this much longer than the longest before it (a busy machine), the first one this much
+# longer than its estimate (how fast this machine decodes is a guess until then).
+EVAL_COST_MARGIN, FIRST_EVAL_MARGIN = 1.5, 4.0
 
 
 def lr_multiplier(progress: float, t) -> float:
@@ -71,9 +78,10 @@ class RunClock:
             self.eval_spent_s, self.evals = self.eval_spent_s + seconds, self.evals + 1
 
     def eval_s(self) -> float:
-        """One evaluation's seconds: the longest seen, or before any, twice the forward passes of its batches
-        (a forward is about a third of a step; the code metric and samples cost about as much again)."""
-        return self.overhead_s["eval"] or 2 * self.t.eval_batches * self.step_s / self.t.grad_accum_steps / 3
+        """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a forward
+        is about a third of a step) and the decode steps of the code metric and the samples."""
+        forwards = self.t.eval_batches * self.step_s / self.t.grad_accum_steps / 3
+        return self.overhead_s["eval"] or forwards + PROBE_DECODE_STEPS * DECODE_STEP_S
 
     def reserve_s(self) -> float:
         """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any."""
@@ -131,11 +139,24 @@ class RunClock:
         self._sixths = max(self._sixths, reached)
         done = self.progress(step - 1)
         # Half a sixth apart at least, the final one included: a budget's estimate of the run's length moves.
-        apart = done - self._last_eval > 0.5 / AUTO_EVALS and done < 1 - 0.5 / AUTO_EVALS
+        apart = done - self._last_eval > 0.5 / AUTO_EVALS and self._leaves_room(step, done)
         if due and apart and self.affords_eval(step):
             self._last_eval = done
             return True
         return False
+
+    def _leaves_room(self, step: int, done: float) -> bool:
+        """Whether half a sixth of the run follows an evaluation before this step. Under a budget the evaluation and
+        its checkpoint are paid from the steps that would follow, and the room kept for the final ones grows to
+        its measured cost: judged by the progress before them, the last one once came a step before the end."""
+        if not self.by_time:
+            return done < 1 - 0.5 / AUTO_EVALS
+        cost = self.eval_s() * (EVAL_COST_MARGIN if self.overhead_s["eval"] else FIRST_EVAL_MARGIN)
+        save = self.overhead_s["save"] or 2.0
+        reserve_then = 1.25 * (cost + save) + self.step_s  # reserve_s() once this evaluation is measured
+        left_s = self.synced_remaining + self.reserve_s() - self._since_sync(step) - cost - save - reserve_then
+        steps_after = left_s / max(self.step_s, self.pace_s)
+        return steps_after > 0.5 / AUTO_EVALS * (step + steps_after)
 
     def affords_eval(self, step: int) -> bool:
         """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so far
