@@ -25,6 +25,7 @@ from llm import token_cache as tc
 from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
 from llm.errors import ConfigError, DataError
 from llm.packing import packs
+from llm.tiktoken_bpe import Encoder, encoder_for
 from llm.token_cache import PreparedData
 from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
                            encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
@@ -158,9 +159,9 @@ def _advance(bar, nbytes: int, tokens: int):
     bar.update(nbytes)
 
 
-def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar) -> dict:
+def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encoder, meta: dict, bar) -> dict:
     """Tokenize one part's documents into a folder written under a temporary name; returns its part.json. A
-    batch is tokenized in a thread (the tokenizer releases the GIL and uses every core) while the next is read."""
+    batch is tokenized in a thread (the encoder releases the GIL and uses every core) while the next is read."""
     with atomic.folder(folder, f"writing the token cache part {folder}") as tmp, ThreadPoolExecutor(1) as pool:
         writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
         batch, size, chats, running = [], 0, False, None
@@ -174,7 +175,7 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, meta: dict, bar
             if running:
                 _land(running[0], running[1].result(), writers, bar)
             segments = [d if isinstance(d, str) else chat_segments(d) for _, _, _, d, _ in batch]
-            running, batch, size = (batch, pool.submit(encode_segments, tok, segments)), [], 0
+            running, batch, size = (batch, pool.submit(encode_segments, tok, segments, encoder)), [], 0
         _land(running[0], running[1].result(), writers, bar)
         record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files]}
         for split, writer in writers.items():
@@ -207,7 +208,7 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
     os.makedirs(shards, exist_ok=True)
     atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
     tc.drop_stale(shards, log)
-    caps, weighted, seen, parts = _caps(cfg, found), bool(found[0].weight), ReadStats(), []
+    caps, weighted, seen, parts, encoder = _caps(cfg, found), bool(found[0].weight), ReadStats(), [], None
     total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
     with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None) as bar:
         for s, files, key, stats, docs in _shards(cfg, found):
@@ -231,7 +232,8 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                 else:
                     if problem != "absent":
                         log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
-                    record = _write_part(folder, items, files, tok, meta, bar)
+                    encoder = encoder or encoder_for(tok, log)  # said once, when something is encoded
+                    record = _write_part(folder, items, files, tok, encoder, meta, bar)
                 parts.append(dict(record, folder=folder, source=s))
                 count += 1
                 if _taken(parts, s, weighted) >= caps[s]:

@@ -190,32 +190,39 @@ def chat_text(messages) -> str:
     return "".join(text for text, _, _ in chat_segments(messages))
 
 
-def encode_segments(tok: Tokenizer, docs: list) -> list[tuple[list[int], list[bool]]]:
+def encode_batch(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, every core at once; text that happens to contain "<|endoftext|>" stays text: it must
+    not forge a boundary or a turn."""
+    before, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+    finally:
+        tok.encode_special_tokens = before
+
+
+def encode_segments(tok: Tokenizer, docs: list, encode=None) -> list[tuple[list[int], list[bool]]]:
     """Token ids and learned-flags of documents given as segments, or as plain strings (learned text), with one
-    parallel encode call; a plain string's flags come as True (every token learned)."""
+    parallel encode call (`encode`: texts -> ids, by default tokenizers' own, encode_batch); a plain string's flags
+    come as True (every token learned)."""
     # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
     plain = all(isinstance(d, str) for d in docs)  # pretraining text: no per-document work before the call
     texts = docs if plain else [text for segs in docs for text, _, special in
                                 ([(segs, True, False)] if isinstance(segs, str) else segs) if not special]
-    # Text that happens to contain "<|endoftext|>" stays text: it must not forge a boundary or a turn.
-    before, tok.encode_special_tokens = tok.encode_special_tokens, True
     try:
-        encoded = tok.encode_batch_fast(texts, add_special_tokens=False)
+        encoded = (encode or (lambda batch: encode_batch(tok, batch)))(texts)
     except Exception as e:  # a tokenizer from elsewhere may fail on some text (a WordPiece without [UNK], say)
         raise DataError(f"the tokenizer cannot encode this text ({str(e).splitlines()[0]}), pass another "
                         "--tokenizer or --tokenizer_type") from None
-    finally:
-        tok.encode_special_tokens = before
     if plain:
-        return [(e.ids, True) for e in encoded]
+        return [(ids, True) for ids in encoded]
     encoded, out = iter(encoded), []
     for segs in docs:
         if isinstance(segs, str):
-            out.append((next(encoded).ids, True))
+            out.append((next(encoded), True))
             continue
         ids, mask = [], []
         for text, learned, special in segs:
-            piece = [tok.token_to_id(text)] if special else next(encoded).ids
+            piece = [tok.token_to_id(text)] if special else next(encoded)
             ids += piece
             mask += [learned] * len(piece)
         out.append((ids, mask))

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation", "batches",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation", "batches",
         "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format",
         "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "gpu_training_optimized"]

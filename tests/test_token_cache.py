@@ -44,10 +44,10 @@ def encoded_texts(monkeypatch) -> list:
     """Every text the tokenizer encodes from now on, recorded."""
     seen, real = [], preparation.encode_segments
 
-    def spy(tok, docs):
+    def spy(tok, docs, encode=None):
         seen.extend(text for segs in docs for text, _, special in
                     ([(segs, True, False)] if isinstance(segs, str) else segs) if not special)
-        return real(tok, docs)
+        return real(tok, docs, encode)
     monkeypatch.setattr(preparation, "encode_segments", spy)
     return seen
 
