@@ -31,11 +31,14 @@ def _require(ok: bool, name: str, value, rule: str):
 
 
 def _require_choices(cfg):
-    """Every Literal-typed field holds one of its values (the command line checks too; code may not)."""
+    """Every Literal-typed field holds one of its values (the command line checks too; code may not), and every
+    float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken)."""
     for f in fields(cfg):
+        value = getattr(cfg, f.name)
         if get_origin(f.type) is Literal:
-            value = getattr(cfg, f.name)
             _require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
+        elif f.type is float:
+            _require(math.isfinite(value), f.name, value, "must be a finite number")
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix

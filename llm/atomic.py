@@ -114,6 +114,9 @@ def folder(final: str, what: str, need: int = 0):
     `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the
     message of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
+    if os.path.lexists(final) and not os.path.isdir(final):  # it was once set aside as a hidden .old_ file, unsaid
+        raise ConfigError(f"{os.path.abspath(final)} is a file, not a folder; {what} needs a folder there, choose "
+                          "another path (nothing was written)")
     owner = f"{os.getpid()}@{socket.gethostname()}"  # remove_leftovers() judges by it whether the writer is gone
     tmp, aside = (os.path.join(parent, f".{kind}_{name}_{owner}") for kind in ("tmp", "old"))
     try:

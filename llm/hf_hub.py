@@ -43,9 +43,15 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
     try:
         import huggingface_hub as hub
         from huggingface_hub import constants, errors
+        from huggingface_hub.utils import validate_repo_id
     except ImportError:
         raise CheckpointError(f"{name} is read through the huggingface_hub package, pip install huggingface_hub") \
             from None
+    try:  # the Hub's own rule (a trailing '-', '--', over 96 characters), which our pattern is looser than
+        validate_repo_id(repo)
+    except errors.HFValidationError as e:
+        raise CheckpointError(f"{name[:120]!r} is not a Hub model name ({str(e).splitlines()[0][:200]}), write "
+                              "hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)") from None
     local = offline(constants)
     fetch = f'fetch it with: hf download {repo} --include "*.json" "model*.safetensors"'
     try:

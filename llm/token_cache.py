@@ -149,7 +149,7 @@ def read_json(path: str):
     try:
         with open(path, "rb") as f:
             found = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError):  # ValueError: bad UTF-8 or JSON; RecursionError: nested 10^5 deep
         return None
     return found if isinstance(found, dict) else None
 

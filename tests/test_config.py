@@ -119,3 +119,19 @@ def test_large_preset_is_the_seed_shape():
     m = config.preset_large().model
     assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, m.vocab_size,
             m.max_seq_len) == (1536, 12, 24, 6, 32000, 384)
+
+
+def test_no_float_setting_takes_inf_or_nan():
+    """float() reads "inf" and "nan", so --lora_alpha inf trained adapters scaled by infinity without a word;
+    every float field of every section refuses them, by name."""
+    from dataclasses import fields
+
+    from config import DataConfig, SampleConfig
+    for section in (ModelConfig, DataConfig, TrainConfig, SampleConfig):
+        for f in fields(section):
+            if f.type is float:
+                for bad in (math.inf, -math.inf, math.nan):
+                    with pytest.raises(ConfigError, match=f"{f.name}=.*finite"):
+                        section(**{f.name: bad})
+    with pytest.raises(ConfigError, match="lora_alpha=inf"):
+        parse_config(["--lora_alpha", "inf"])

@@ -88,7 +88,11 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
                                 "hf download tiny-org/not-cached"]),
     ("hf:no-slash", ["'hf:no-slash' is not a Hub model name, write hf:ORG/NAME"]),
     ("hf:../../etc", ["is not a Hub model name"]),
-], ids=["not-cached", "no-org", "path"])
+    # Our pattern took these; huggingface_hub's validator raised HFValidationError, a traceback.
+    ("hf:org/name-", ["is not a Hub model name (Repo id must"]),
+    ("hf:org/a--b", ["is not a Hub model name (Cannot have -- or .."]),
+    ("hf:org/" + "x" * 300, ["is not a Hub model name"]),
+], ids=["not-cached", "no-org", "path", "trailing-dash", "double-dash", "too-long"])
 def test_a_missing_or_misspelt_hub_model_is_one_error_line(hub, tmp_path, capsys, name, words):
     """Offline, a model not in the cache must say so and how to fetch it in one line, exit 2, and write nothing;
     a name that is not ORG/NAME is refused before huggingface_hub sees it."""

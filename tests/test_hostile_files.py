@@ -106,6 +106,9 @@ DAMAGED_CACHES = {  # the folder's tokenizer record, then one part's tokens
     "train-truncated": lambda c: os.truncate(first_part(c) / "train.bin", 7),
     "train-empty": lambda c: (first_part(c) / "train.bin").write_bytes(b""),
     "part-record-garbage": lambda c: (first_part(c) / "part.json").write_bytes(b"\x8f\xff"),
+    # nested past the JSON parser's recursion limit: once a RecursionError traceback
+    "meta-nested-deep": lambda c: (c / "meta.json").write_text("[" * 100_000),
+    "part-record-nested-deep": lambda c: (first_part(c) / "part.json").write_text("{\"a\": " * 100_000),
     "ids-past-the-vocabulary": ids_past_the_vocabulary,
 }
 

@@ -286,3 +286,14 @@ def test_a_nested_config_inside_the_trainer_state_is_one_line(trained, corpus, a
     open(os.path.join(ckpt, "manifest.json"), "w").write(json.dumps(manifest))
     line = refused(capsys, trainer.run, argv_for(corpus, run, "--resume", "--max_steps", 6))
     assert "trainer_state.pt" in line and "use an earlier checkpoint" in line
+
+
+@pytest.mark.parametrize("kind", [[], ["--gguf", "f16"]])
+def test_an_export_onto_an_existing_file_is_refused_and_the_file_kept(tiny_checkpoint, tmp_path, capsys, kind):
+    """`export_hf.py RUN FILE` onto a regular file once renamed the user's file to a hidden .old_FILE_PID@HOST and
+    said nothing; it is refused by name now, the file as it was and nothing beside it."""
+    target = tmp_path / "notes.txt"
+    target.write_text("my notes\n")
+    line = refused(capsys, export_hf.main, [tiny_checkpoint, str(target), *kind])
+    assert str(target) in line and "is a file, not a folder" in line
+    assert target.read_text() == "my notes\n" and os.listdir(tmp_path) == ["notes.txt"]
