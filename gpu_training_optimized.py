@@ -25,7 +25,7 @@ from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import distributed as dist_utils
-from llm.batches import Batches, batches_for
+from llm.batches import Batches, run_loaders
 from llm.cli import describe, parse_config
 from llm.corpus import corpus_bytes
 from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
@@ -304,7 +304,7 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
                               autocast(device, pick_precision(cfg.train.precision, device)), dist)
         del probe
-    batches = tuple(loaders(cfg, data, dist, device))
+    batches = run_loaders(cfg, data, dist.rank, dist.world_size, device)
     cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
                                    batches[0].epoch_sequences)
     for note in lengths:
@@ -321,14 +321,6 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
                    val_batches=batches[1], lora_meta=lora_meta)
 
-
-def loaders(cfg: Config, data: PreparedData, dist, device: torch.device):
-    """The training and validation splits' batch loaders for this rank."""
-    t = cfg.train
-    for split in ("train", "val"):
-        yield batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
-                          seq_len=cfg.model.max_seq_len, seed=t.seed, rank=dist.rank, device=device,
-                          world_size=dist.world_size, accum=t.grad_accum_steps)
 
 
 @dataclass

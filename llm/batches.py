@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from config import Config
 from llm import packing
 from llm.errors import DataError
 from llm.preparation import check_window
@@ -20,6 +21,14 @@ def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size
     """The batch loader of a split for the run's --packing."""
     kind = PackedBatches if packing.packs(packing_mode, data.meta) else Batches
     return kind(data, split, batch_size, seq_len, seed, rank, device, world_size, accum)
+
+
+def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, device) -> tuple:
+    """A training run's loaders for this rank: (its training split's, its validation split's)."""
+    t = cfg.train
+    return tuple(batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
+                             seq_len=cfg.model.max_seq_len, seed=t.seed, rank=rank, device=device,
+                             world_size=world_size, accum=t.grad_accum_steps) for split in ("train", "val"))
 
 
 class Batches:
