@@ -208,8 +208,8 @@ class TrainConfig:
     keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")
-    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, or hf:ORG/NAME from "
-                             "the Hub) with a fresh optimizer; the model shape and tokenizer come from there")
+    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, hf:ORG/NAME from "
+                             "the Hub, or a .gguf) with a fresh optimizer; the model shape and tokenizer come from there")
     lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen --init_from model; 0: every weight")
     lora_alpha: float = arg(0.0, "LoRA scale numerator (updates are B @ A * alpha / rank); 0: twice the rank")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
@@ -267,7 +267,7 @@ MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a r
 @dataclass
 class SampleConfig:
     """Text generation settings (text_generator.py)."""
-    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, or hf:ORG/NAME from the Hub; "
+    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, hf:ORG/NAME from the Hub, or a .gguf; "
                               "empty: newest checkpoint of the default run folder")
     best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
     base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")

@@ -3,16 +3,16 @@
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
     python export_hf.py [CHECKPOINT] OUT_DIR --gguf f16|q8_0 [--overwrite]
     python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]
-    python export_hf.py --import HF_DIR|hf:ORG/NAME RUN_DIR [--tokenizer PATH] [--max_seq_len N]
+    python export_hf.py --import HF_DIR|hf:ORG/NAME|MODEL.gguf RUN_DIR [--tokenizer PATH] [--max_seq_len N]
 Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
 SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
 model.safetensors, the tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and
 AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either way
 README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged into the
 base given with --base, or written alone as a PEFT folder (--adapter_only). Import reads a folder of one of those
-families (sharded or not), or a Hub model named hf:ORG/NAME, into RUN_DIR/checkpoints/step_000000, refusing what
+families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3; dequantized), into RUN_DIR/checkpoints/step_000000, refusing what
 our model cannot represent. CHECKPOINT is a checkpoint or run folder (default runs/default). The formats live in
-hf_format.py, hf_families.py, gguf_format.py, lora.py and model_card.py; this file is only the command line.
+hf_format.py, hf_families.py, gguf_format.py, gguf_reader.py, lora.py and model_card.py; this file is only the command line.
 """
 
 import argparse
@@ -27,6 +27,7 @@ from config import default_run_dir
 from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
 from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
+from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
 from llm.lora import write_peft_folder
@@ -39,8 +40,10 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     """Export a checkpoint (or a run folder's newest) to out, atomically, as a Hugging Face folder or, with gguf
     (f16 or q8_0), a GGUF file; both with a model card. A LoRA run's checkpoint is merged into base. Returns the
     checkpoint folder read."""
-    if is_hf_folder(checkpoint) or is_hub_name(checkpoint):
-        raise CheckpointError(f"{checkpoint} is already a Hugging Face model, export a checkpoint or run folder")
+    if is_hf_folder(checkpoint) or is_hub_name(checkpoint) or is_gguf(checkpoint):
+        what = "a GGUF file" if is_gguf(checkpoint) else "already a Hugging Face model"
+        raise CheckpointError(f"{checkpoint} is {what}, export a checkpoint or run folder (import it first with "
+                              f"export_hf.py --import {checkpoint} RUN_DIR)")
     model = read_model(checkpoint, base=base)
     if model.tokenizer_path is None:
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
@@ -59,13 +62,13 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
 
 
 def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0) -> str:
-    """Write a Hugging Face folder or hf:ORG/NAME as step 0 of run_dir (weights, shape, tokenizer; no optimizer
-    state)."""
+    """Write a Hugging Face folder, hf:ORG/NAME or a GGUF file as step 0 of run_dir (weights, shape, tokenizer; no
+    optimizer state)."""
     if holds_checkpoints(run_dir):  # complete or not, LATEST or not: as the trainer refuses a new run there
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
-    if not is_hf_folder(path) and not is_hub_name(path):
-        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors), "
-                              "save the model with save_pretrained(safe_serialization=True)")
+    if not is_hf_folder(path) and not is_hub_name(path) and not is_gguf(path):
+        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors) or a "
+                              ".gguf file, save the model with save_pretrained(safe_serialization=True)")
     model = read_model(path, max_seq_len)
     if tokenizer and os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, TOKENIZER)
@@ -82,10 +85,11 @@ def parse_args(argv) -> argparse.Namespace:
     """Paths and flags of both directions; exits 2 with one line when the paths don't fit."""
     formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR (or hf:ORG/NAME) "
-                                             "RUN_DIR")
+    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR (or hf:ORG/NAME, or "
+                                             "MODEL.gguf) RUN_DIR")
     p.add_argument("--import", dest="do_import", action="store_true",
-                   help="read a Hugging Face folder or Hub model into a run folder instead of exporting")
+                   help="read a Hugging Face folder, Hub model or GGUF file into a run folder instead of "
+                        "exporting")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
                                                     "at <|endoftext|> and at <|im_end|> (chat models) either way")

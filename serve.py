@@ -4,7 +4,7 @@ and a chat page at /.
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
-at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME;
+at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME, a .gguf;
 --best) and generates through the same engine. Requests that arrive together are batched, each row with its own
 settings; the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
@@ -412,8 +412,8 @@ def app_for(server: Server):
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; tests build their in-process servers from it too."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or hf:ORG/NAME "
-                                                       "(default: the default run folder)")
+    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, hf:ORG/NAME or "
+                                                       "a .gguf (default: the default run folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
     p.add_argument("--port", type=int, default=8000, help="1 to 65535")
     p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")

@@ -334,8 +334,8 @@ def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
 def parse_args(argv):
     """(SampleConfig, extras) from the command line; extras hold path, prompt, list, interactive."""
     def extra(parser):
-        parser.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, or "
-                                                                "hf:ORG/NAME (same as --checkpoint)")
+        parser.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, "
+                                                                "hf:ORG/NAME or a .gguf (same as --checkpoint)")
         parser.add_argument("--prompt", default=None, help="generate once for this prompt, print, exit")
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")

@@ -27,6 +27,7 @@ from config import ModelConfig
 from llm import atomic, lora
 from llm.distributed import shard_as
 from llm.errors import CheckpointError, ConfigError
+from llm.gguf_reader import is_gguf, read_gguf
 from llm.hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
                            load_hf_folder, stored_shapes)
 from llm.hf_hub import is_hub_name, resolve
@@ -287,12 +288,12 @@ class ModelFiles:
     config: ModelConfig
     state: dict
     tokenizer_path: str | None
-    path: str  # the checkpoint or Hugging Face folder read
+    path: str  # the checkpoint or Hugging Face folder, or the GGUF file, read
 
 
 def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
-    """The model of a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face folder or a Hub
-    model named hf:ORG/NAME (hf_hub.py), checked name by name and shape by shape; CheckpointError with one line
+    """The model of a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face folder, a Hub
+    model named hf:ORG/NAME (hf_hub.py) or a GGUF file (gguf_reader.py), checked name by name and shape by shape; CheckpointError with one line
     for every failure. max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no
     weight); best picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run's
     checkpoint adapts (its adapters are merged into it)."""
@@ -300,6 +301,8 @@ def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = 
         path = resolve(path, max_seq_len)
     if is_hf_folder(path):
         found = ModelFiles(*load_hf_folder(path, max_seq_len), path)
+    elif is_gguf(path):
+        found = ModelFiles(*read_gguf(path, max_seq_len), path)
     elif lora.read_meta(ckpt := resolve_checkpoint(path, best)):
         found = _read_lora(ckpt, max_seq_len, base)
     else:

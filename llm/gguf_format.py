@@ -42,11 +42,12 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 PRE_TOKENIZERS = {(GPT4_PATTERN, False): "dbrx", (GPT4_PATTERN, True): "llama-bpe", (QWEN2_PATTERN, False): "qwen2"}
 
 
-def _gguf():
+def gguf_package(need: str = "--gguf"):
+    """The gguf module, or ConfigError saying how to install it."""
     try:
         import gguf
     except ImportError:
-        raise ConfigError("--gguf needs the gguf package, install it with: pip install gguf") from None
+        raise ConfigError(f"{need} needs the gguf package, install it with: pip install gguf") from None
     return gguf
 
 
@@ -64,7 +65,7 @@ def gguf_arch(cfg: ModelConfig) -> str:
 
 def gguf_name(name: str, arch: str) -> str:
     """Our parameter name -> llama.cpp's (layers.3.attn.q_proj.weight -> blk.3.attn_q.weight)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     parts = name.split(".", 2)
     block = len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit()
     kind = BLOCK.get(parts[2]) if block else TOP.get(name)
@@ -83,9 +84,15 @@ def interleave_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def uninterleave_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """interleave_rope's inverse: rows of a llama GGUF's attn_q or attn_k back in our order."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def gguf_tensors(cfg: ModelConfig, state: dict, qtype: str) -> list[tuple[str, np.ndarray, object]]:
     """(name, data, raw type or None) of every tensor in llama.cpp's layout: f32 norms, f16 or q8_0 matrices."""
-    gguf, arch = _gguf(), gguf_arch(cfg)
+    gguf, arch = gguf_package(), gguf_arch(cfg)
     state = {k: v for k, v in state.items() if is_stored(k, cfg)}  # a tied head is the embedding: not written
     check_weights(state, expected_shapes(cfg), "the weights to export")
     out = []
@@ -118,6 +125,10 @@ def _pre_tokenizer(spec: dict, where: str) -> str:
     if last.get("type") == "ByteLevel" and not last.get("add_prefix_space"):
         if len(steps) == 1 and last.get("use_regex", True) and not merges_whole:
             return "gpt-2"  # GPT-2's split, built into the byte-level step
+        digits = steps[0] if len(steps) == 2 else {}
+        if digits.get("type") == "Digits" and digits.get("individual_digits") and last.get("use_regex", True) \
+                and not merges_whole:
+            return "smollm"  # each digit alone, then GPT-2's split (SmolLM's tokenizer)
         split = steps[0] if len(steps) == 2 and not last.get("use_regex", True) else {}
         if split.get("type") == "Split" and split.get("behavior") == "Isolated" and not split.get("invert"):
             name = PRE_TOKENIZERS.get(((split.get("pattern") or {}).get("Regex"), merges_whole))
@@ -131,7 +142,7 @@ def _pre_tokenizer(spec: dict, where: str) -> str:
 def gguf_vocab(tokenizer_path: str, vocab_size: int) -> dict:
     """The tokenizer as GGUF metadata: tokens (one per embedding row, unused rows named [PADi]), token types,
     merges, pre-tokenizer name, special ids, and whether it is a chat tokenizer (it has the ChatML tokens)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     tok = read_tokenizer(tokenizer_path)
     spec = json.loads(tok.to_str())
     model, normalizer, decoder = spec.get("model") or {}, spec.get("normalizer"), spec.get("decoder") or {}
@@ -167,7 +178,7 @@ def gguf_vocab(tokenizer_path: str, vocab_size: int) -> dict:
 def write_gguf(path: str, cfg: ModelConfig, state: dict, tokenizer_path: str, qtype: str = "f16",
                name: str = "model"):
     """One GGUF file at path (no temporary name: write_gguf_folder's folder is the atomic unit)."""
-    gguf, arch = _gguf(), gguf_arch(cfg)
+    gguf, arch = gguf_package(), gguf_arch(cfg)
     if qtype not in GGUF_TYPES:
         raise ConfigError(f"--gguf {qtype!r} is not a GGUF type written here, choose {' or '.join(GGUF_TYPES)}")
     vocab, tensors = gguf_vocab(tokenizer_path, cfg.vocab_size), gguf_tensors(cfg, state, qtype)

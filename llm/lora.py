@@ -114,10 +114,13 @@ def merged(base: dict, adapters: dict, meta: dict) -> dict:
 
 def fingerprint(folder: str) -> str:
     """The base's identity: each weights file's name, size, and its first and last MiB (the safetensors header
-    names every tensor and shape); quick on gigabytes, and it survives a copy to another machine."""
+    names every tensor and shape); quick on gigabytes, and it survives a copy to another machine. A GGUF base is
+    its one file."""
     h = hashlib.sha256()
-    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        path = os.path.join(folder, name)
+    files = [folder] if os.path.isfile(folder) else \
+        [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
+    for path in files:
+        name = os.path.basename(path)
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             h.update(f"{name}\0{size}\0".encode() + f.read(SAMPLE_BYTES))

@@ -4,7 +4,7 @@ and optimizer, and a LoRA run's base.
 
     --resume            the run folder's newest complete checkpoint (LATEST, or a scan if LATEST is lost)
     --resume FOLDER     that checkpoint (a run folder: its newest), for example into a new --run_dir
-    --init_from FOLDER  a checkpoint, run or Hugging Face folder's weights, shape and tokenizer; new optimizer
+    --init_from FOLDER  a checkpoint, run or Hugging Face folder's (or a GGUF file's) weights, shape and tokenizer; new optimizer
     --init_from hf:ORG/NAME  the same from the Hugging Face Hub (hf_hub.py)
 """
 
@@ -19,6 +19,7 @@ from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import lora
 from llm.errors import CheckpointError, ConfigError
+from llm.gguf_reader import is_gguf
 
 
 def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
@@ -51,10 +52,11 @@ def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
 def _resumable(path: str) -> str:
     """The checkpoint --resume FOLDER names: a run folder's newest, or a step_N folder itself; a Hugging Face
     folder or a copied checkpoint renamed otherwise holds no step to continue from, so it is refused."""
-    hf = ckpt_io.is_hf_folder(path) or ckpt_io.is_hub_name(path)
+    hf = ckpt_io.is_hf_folder(path) or ckpt_io.is_hub_name(path) or is_gguf(path)
     ckpt = path if hf else ckpt_io.resolve_checkpoint(path)
     if hf or not ckpt_io.STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))):
-        what = "a Hugging Face model" if hf else "a checkpoint folder not named step_N"
+        what = ("a GGUF file" if is_gguf(path) else "a Hugging Face model") if hf else \
+            "a checkpoint folder not named step_N"
         raise ConfigError(f"--resume takes a run folder or a step_N checkpoint folder in one, and {path} is {what}; "
                           f"to start a new run from its weights, pass --init_from {path}")
     return ckpt

@@ -1,0 +1,206 @@
+"""Reading a GGUF file (the format of llama.cpp, Ollama and LM Studio) as our model.
+
+read_gguf() gives what a Hugging Face folder gives (checkpoint.read_model() calls it for a .gguf): the shape from
+the file's metadata, every tensor dequantized to fp32 by the gguf package (f32, f16, bf16, q8_0, q4_0, q4_1, the
+k-quants and whatever else it reads), in our names, and the byte-level BPE tokenizer rebuilt from the metadata as
+a tokenizer.json in a temporary folder of this process. The families are those our model computes: llama, qwen2
+and qwen3. The write side (and the name tables both sides share) is gguf_format.py.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+from config import ModelConfig
+from llm.errors import CheckpointError, ConfigError
+from llm.gguf_format import BLOCK, QWEN2_PATTERN, TOP, gguf_package, uninterleave_rope
+from llm.hf_families import _family_field
+from llm.hf_format import check_context, check_declared_size, check_weights, expected_shapes
+from llm.tokenizer import GPT4_PATTERN, TOKENIZER_FILE
+from modern_llm import is_stored
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+BIASES = {"attn.q_proj.bias": "ATTN_Q", "attn.k_proj.bias": "ATTN_K", "attn.v_proj.bias": "ATTN_V"}  # qwen2's
+# llama.cpp's pre-tokenizer names -> (split before the byte-level step or None, digits one by one, ignore_merges).
+# "smollm" and its kin isolate each digit, then split as GPT-2 does (llama.cpp's regexes for them).
+PRE_TOKENIZERS = {"default": (None, False, False), "gpt-2": (None, False, False), "smollm": (None, True, False),
+                  "starcoder": (None, True, False), "refact": (None, True, False), "codeshell": (None, True, False),
+                  "dbrx": (GPT4_PATTERN, False, False), "llama-bpe": (GPT4_PATTERN, False, True),
+                  "llama3": (GPT4_PATTERN, False, True), "qwen2": (QWEN2_PATTERN, False, False)}
+CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values: special tokens, and added tokens that are not special
+
+
+def is_gguf(path: str) -> bool:
+    """A file named .gguf (what read_gguf reads; its magic is checked there)."""
+    return path.lower().endswith(".gguf") and os.path.isfile(path)
+
+
+def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
+    """(ModelConfig, fp32 state dict in our names, tokenizer.json path) of a GGUF file; CheckpointError with one
+    line for a file that is not one, a family or feature our model does not compute, or a type gguf cannot read.
+    max_seq_len, when given, replaces the file's context length."""
+    reader = _open(path)
+    meta = _metadata(reader, path)
+    cfg = _model_config(meta, reader, path, max_seq_len)
+    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}: {cfg.family}.context_length")
+    names = _our_names(meta["general.architecture"], cfg.num_hidden_layers)
+    shapes = {names.get(t.name, t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    shapes = {k: v for k, v in shapes.items() if k != "rope_freqs.weight"}  # llama3 scaling: refused with the config
+    check_declared_size(cfg, shapes, path)
+    check_weights({k: v for k, v in shapes.items() if is_stored(k, cfg)}, expected_shapes(cfg), path)
+    state = {}
+    for t in reader.tensors:
+        name = names[t.name]
+        if is_stored(name, cfg):
+            state[name] = _dequantized(t, path, shapes[name])
+    if meta["general.architecture"] == "llama":  # llama.cpp rotates adjacent channel pairs; we rotate halves
+        for name in [k for k in state if k.endswith(("q_proj.weight", "k_proj.weight"))]:
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            state[name] = uninterleave_rope(state[name], heads)
+    return cfg, state, _tokenizer_file(meta, path, cfg.vocab_size)
+
+
+def _open(path: str):
+    gguf = gguf_package("reading a .gguf")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # the reader raises ValueError, struct and numpy errors for a file it cannot parse
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def _metadata(reader, path: str) -> dict:
+    """Every key's value (strings decoded, arrays as lists)."""
+    try:
+        return {key: field.contents() for key, field in reader.fields.items()}
+    except Exception as e:
+        raise CheckpointError(f"{path}: its metadata cannot be read ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def _int(meta: dict, key: str, path: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{path}: {key}={value!r} is not a count, the file is damaged or not a model")
+    return int(value)
+
+
+def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in FAMILIES:
+        raise CheckpointError(f"{path}: the architecture {arch!r} is not one our model computes (only "
+                              f"{', '.join(FAMILIES)})")
+    a = f"{arch}."
+    why = []
+    if meta.get(a + "rope.scaling.type", "none") not in ("none", "") or meta.get(a + "expert_count"):
+        why.append("RoPE scaling" if meta.get(a + "rope.scaling.type", "none") not in ("none", "") else "experts")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        why.append("RoPE frequency factors (Llama 3.1's scaling)")
+    if meta.get(a + "attention.sliding_window"):
+        why.append(f"a sliding window of {meta[a + 'attention.sliding_window']} tokens")
+    heads = _int(meta, a + "attention.head_count", path)
+    hidden = _int(meta, a + "embedding_length", path)
+    head_dim = _int(meta, a + "attention.key_length", path, hidden // max(heads, 1))
+    if _int(meta, a + "attention.value_length", path, head_dim) != head_dim:
+        why.append("values and keys of different widths")
+    if _int(meta, a + "rope.dimension_count", path, head_dim) != head_dim:
+        why.append(f"RoPE on {meta[a + 'rope.dimension_count']} of each head's {head_dim} channels")
+    if why:
+        raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    try:
+        return ModelConfig(
+            vocab_size=_int(meta, a + "vocab_size", path, len(tokens)), hidden_size=hidden,
+            num_hidden_layers=_int(meta, a + "block_count", path), num_attention_heads=heads,
+            num_key_value_heads=_int(meta, a + "attention.head_count_kv", path, heads), head_dim=head_dim,
+            intermediate_size=_int(meta, a + "feed_forward_length", path),
+            max_seq_len=max_seq_len or _int(meta, a + "context_length", path),
+            rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+            rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
+            qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2",
+            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            family=_family_field(arch))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
+
+
+def _our_names(arch: str, layers: int) -> dict:
+    """llama.cpp's tensor names -> ours, for every tensor this architecture has."""
+    gguf = gguf_package("reading a .gguf")
+    names = {gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)] + ".weight": ours for ours, kind in TOP.items()}
+    for i in range(layers):
+        for table, suffix in ((BLOCK, ".weight"), (BIASES, ".bias")):
+            for ours, kind in table.items():
+                theirs = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=i) + suffix
+                names[theirs] = f"layers.{i}.{ours}"
+    return names
+
+
+def _dequantized(tensor, path: str, shape: tuple) -> torch.Tensor:
+    """One tensor as fp32, in our (rows, columns) layout."""
+    gguf = gguf_package("reading a .gguf")
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)  # a copy of memory-mapped f32
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: {tensor.name} is of type {tensor.tensor_type.name}, which the gguf package "
+                              "cannot dequantize; convert the model to another type (f16, q8_0, q4_k)") from None
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: {tensor.name} cannot be read ({str(e)[:160]}), the file is damaged") from None
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
+    """The tokenizers.Tokenizer the metadata describes: a byte-level BPE (tokenizer.ggml.model "gpt2") with its
+    pre-tokenizer from the name llama.cpp gives it, its control tokens special."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: its tokenizer is {kind!r}, and only byte-level BPE (gpt2) is read from a "
+                              "GGUF here; load the model's Hugging Face folder instead")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{path}: the pre-tokenizer {pre!r} is not one read here ({', '.join(PRE_TOKENIZERS)}); "
+                              "load the model's Hugging Face folder instead")
+    tokens, merges = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.merges") or []
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not tokens or len(tokens) > vocab_size or len(types) != len(tokens) or len(set(tokens)) != len(tokens):
+        raise CheckpointError(f"{path}: its {len(tokens)} tokens do not fit a vocabulary of {vocab_size} (or repeat "
+                              "one), the file is damaged")
+    split, digits, ignore_merges = PRE_TOKENIZERS[pre]
+    try:
+        bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],
+                         ignore_merges=ignore_merges)
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        raise CheckpointError(f"{path}: its merges do not fit its tokens ({str(e)[:120]}), the file is damaged") \
+            from None
+    tok = Tokenizer(bpe)
+    steps = [pre_tokenizers.Split(Regex(split), behavior="isolated")] if split else []
+    steps += [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps += [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    return tok
+
+
+_folder = None
+
+
+def _tokenizer_file(meta: dict, path: str, vocab_size: int) -> str:
+    """gguf_tokenizer() saved as tokenizer.json in a folder of this process, removed when it exits."""
+    global _folder
+    if _folder is None:
+        _folder = tempfile.mkdtemp(prefix="gguf-tokenizers-")
+        atexit.register(shutil.rmtree, _folder, True)
+    file = os.path.join(_folder, f"{len(os.listdir(_folder))}", TOKENIZER_FILE)
+    os.makedirs(os.path.dirname(file))
+    gguf_tokenizer(meta, path, vocab_size).save(file)
+    return file

