@@ -31,20 +31,21 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 
 from config import SampleConfig
 from llm.checkpoint import checkpoint_step
-from llm.engine import check_prompt, generate, score
+from llm.engine import generate, score
 from llm.errors import ConfigError, RunFailure, error_contract, exit_code
 from llm.hf_hub import HF_PREFIX, is_hub_name
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
-from llm.openai_api import (MAX_BODY, BadRequest, Scoring, check_text, logprobs_object, prompts_of, released,
-                            scoring_of, settings_of, token_texts)
+from llm.openai_api import (MAX_BODY, BadRequest, Scoring, chat_logprobs_object, chat_scoring_of, check_text,
+                            logprobs_object, prompts_of, refuse_unimplemented, released, scoring_of, settings_of,
+                            stream_options_of, token_bytes, token_texts)
 from llm.tokenizer import can_chat, chat_prompt_ids, stop_ids
 
 try:  # optional until serving: main() names what to install
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect
-    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError:
     uvicorn = None
@@ -125,7 +126,7 @@ class Worker(threading.Thread):
     def __init__(self, model, tokenizer, max_batch: int):
         super().__init__(daemon=True)
         self.model, self.tokenizer, self.max_batch, self.jobs = model, tokenizer, max_batch, queue.Queue()
-        self.text_of = token_texts(tokenizer)
+        self.text_of, self.bytes_of = token_texts(tokenizer), token_bytes(tokenizer)
 
     def run(self):
         while True:
@@ -136,19 +137,17 @@ class Worker(threading.Thread):
                     batch.append(self.jobs.get(timeout=left))
                 except queue.Empty:
                     break
-            chat, plain = [j for j in batch if j.chat], [j for j in batch if not j.chat]
-            for group in (chat, plain):  # the end tokens differ: <|im_end|> ends a chat reply
-                if group:
-                    self.serve(group)
+            self.serve(batch)
 
     def serve(self, jobs: list[Job]):
+        jobs = [j for j in jobs if not j.cancelled]  # a client gone while its request queued: nothing to make
         making = [j for j in jobs if j.generating]
         owner = [(j, c) for j in making for c in range(j.choices)]  # row -> (job, choice)
         reasons = {}  # row -> (why it ended, the end id that ended it or None)
         try:
             out = generate(self.model, [p for j in making for p in j.prompts],
                            [j.settings for j in making for _ in j.prompts],
-                           stop_ids(self.tokenizer, chat=jobs[0].chat), self.tokenizer,
+                           stop_ids(self.tokenizer), self.tokenizer,
                            on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
                            cancelled=lambda i: owner[i][0].cancelled,
                            on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end))) if making else []
@@ -180,7 +179,10 @@ class Worker(threading.Thread):
         scored = {id(e): s for e, s in zip(asked, scores)}
         for e in ended:
             logprobs = None
-            if id(e) in scored:
+            if id(e) in scored and e.job.chat:  # the reply's tokens, the end token left out
+                logprobs = chat_logprobs_object(self.text_of, self.bytes_of, e.prompt + e.ids, scored[id(e)], len(e.prompt),
+                                                e.job.scoring.logprobs)
+            elif id(e) in scored:
                 logprobs = logprobs_object(self.text_of, self.tokenizer, e.sequence(), scored[id(e)],
                                            0 if e.job.scoring.echo else len(e.prompt), e.job.scoring.logprobs)
             e.job.put(Event(e.choice, finish_reason=e.reason, tokens=len(e.ids), logprobs=logprobs))
@@ -242,6 +244,7 @@ class Server:
         """The request as a job for the worker, every value checked first: a bad one never joins a batch."""
         if body.get("model") not in (None, self.name):
             raise BadRequest(f"model {body.get('model')!r:.80} does not exist, this server has {self.name!r}", "model")
+        refuse_unimplemented(body)
         if chat:
             if not can_chat(self.tokenizer):
                 raise BadRequest("this model was not trained on conversations (its tokenizer has no <|im_start|>); "
@@ -250,17 +253,22 @@ class Server:
                 ids = chat_prompt_ids(self.tokenizer, body.get("messages"))
             except ValueError as e:
                 raise BadRequest(f"messages: {e}", "messages") from None
-            prompts, scoring = [ids], Scoring()
+            prompts, scoring = [ids], chat_scoring_of(body)
         else:
             scoring = scoring_of(body)
             prompts = prompts_of(body, self.tokenizer, self.config.vocab_size)
         settings = settings_of(body, self.config.max_seq_len, chat, scoring.echo)
         generating = not (scoring.echo and body.get("max_tokens") == 0)
+        ctx = self.config.max_seq_len
+        limit = ctx - generating  # a prompt only scored may fill the context; one to continue needs room for a token
         for ids in prompts:
-            try:  # a prompt only scored may fill the context; one to continue needs room for a token
-                check_prompt(len(ids), self.config.max_seq_len + (not generating))
-            except ConfigError as e:
-                raise BadRequest(str(e), "messages" if chat else "prompt") from None
+            if not 0 < len(ids) <= limit:
+                # lm-eval's default max_length (2048) overfills a shorter context, and it shows only the status.
+                e = BadRequest(f"a prompt has {len(ids)} tokens and the model's context is {ctx}, so a prompt takes 1 "
+                               f"to {limit}; shorten it (with lm-eval, pass max_length={ctx} in --model_args)",
+                               "messages" if chat else "prompt")
+                print(f"refused a request: {e.message}", file=sys.stderr, flush=True)
+                raise e
         echoed = [("".join(released(self.tokenizer, ids))) for ids in prompts] if scoring.echo else []
         return Job(prompts, replace(settings, compile=self.compile), chat, asyncio.get_running_loop(), scoring,
                    generating, echoed)
@@ -333,6 +341,7 @@ async def complete(request, chat: bool):
         body = await read_json(request)
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
             raise BadRequest("stream must be true or false", "stream")
+        usage = stream_options_of(body)
         job = server.job(body, chat)
     except BadRequest as e:
         return refuse(e)
@@ -340,8 +349,27 @@ async def complete(request, chat: bool):
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": server.name}
     if body.get("stream"):
-        return StreamingResponse(streamed(job, meta, chat), media_type="text/event-stream")
-    return await whole(job, meta, chat)
+        return StreamingResponse(streamed(job, meta, chat, usage), media_type="text/event-stream")
+    return await unless_gone(request, job, whole(job, meta, chat))
+
+
+async def unless_gone(request, job: Job, answer):
+    """The answer, unless the client leaves first: then its rows stop at the engine's next read, as a stream's do
+    (ten abandoned requests of 16 choices once held the next request 15 s)."""
+    answering, gone = asyncio.ensure_future(answer), asyncio.ensure_future(disconnected(request))
+    done, _ = await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if answering in done:
+        gone.cancel()
+        return answering.result()
+    job.cancelled = True
+    answering.cancel()
+    return Response(status_code=499)  # nobody reads it
+
+
+async def disconnected(request):
+    """Returns when the client has closed the connection (the body is read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def whole(job: Job, meta: dict, chat: bool):
@@ -356,29 +384,37 @@ async def whole(job: Job, meta: dict, chat: bool):
         reasons[event.choice] = event.finish_reason or reasons[event.choice]
         logprobs[event.choice] = event.logprobs or logprobs[event.choice]
         used += event.tokens
-    choices = [{"index": i, "finish_reason": reasons[i], **({"message": {"role": "assistant", "content": text}}
-                                                          if chat else {"text": text, "logprobs": logprobs[i]})}
+    choices = [{"index": i, "finish_reason": reasons[i], "logprobs": logprobs[i],
+                **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
                for i, text in enumerate(texts)]
-    prompt_tokens = sum(map(len, job.prompts))
     return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used,
-                                   "total_tokens": prompt_tokens + used}})
+                         "usage": usage_of(job, used)})
 
 
-async def streamed(job: Job, meta: dict, chat: bool):
-    """The answer as server-sent events, a chunk per piece of text and one per choice's end, then [DONE]."""
+def usage_of(job: Job, completion_tokens: int) -> dict:
+    prompt_tokens = sum(map(len, job.prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def streamed(job: Job, meta: dict, chat: bool, usage: bool = False):
+    """The answer as server-sent events, a chunk per piece of text and one per choice's end, then (with
+    stream_options.include_usage) a chunk of no choices holding the usage, then [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    last = {"usage": None} if usage else {}  # OpenAI's chunks carry usage: null until the last one
+
     def chunk(i, text=None, finish=None, role=False):
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": i, "delta": delta, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+        return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice], **last})}\n\n"
     try:
         if chat:
             for i in range(job.choices):
                 yield chunk(i, role=True)
+        used = 0
         async for event in job.stream():
             if event.error:
                 yield f"data: {json.dumps(error_body(event.error))}\n\n"
@@ -386,7 +422,10 @@ async def streamed(job: Job, meta: dict, chat: bool):
             if event.text:
                 yield chunk(event.choice, event.text)
             if event.finish_reason:
+                used += event.tokens
                 yield chunk(event.choice, finish=event.finish_reason)
+        if usage:
+            yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage_of(job, used)})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled = True  # a client gone mid-stream frees its row at the next read; no-op when finished

@@ -81,7 +81,7 @@ class TextGenerator:
                              "conversations")
         s = replace(self._with(self.settings, settings), num_return_sequences=1)
         texts, _ = generate_text(self.model, self.tokenizer, [chat_prompt_ids(self.tokenizer, messages)], s,
-                                 stop_ids(self.tokenizer, chat=True))
+                                 stop_ids(self.tokenizer))
         return texts[0].strip()
 
 
@@ -162,7 +162,7 @@ def run(model, tokenizer, settings, prompt, stream=True, chat=False) -> list[str
         if stream and i == 0:
             _write(text)
     t0 = time.perf_counter()
-    texts, new = generate_text(model, tokenizer, [prompt], settings, stop_ids(tokenizer, chat), show)
+    texts, new = generate_text(model, tokenizer, [prompt], settings, stop_ids(tokenizer), show)
     seconds, n = time.perf_counter() - t0, sum(map(len, new))
     if stream:
         _write("\n")

@@ -120,9 +120,8 @@ def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) 
 def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
     """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone); a reply
     to a conversation ends at <|im_end|>."""
-    chat = any(p.startswith(IM_START) for p in prompts)
     texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1),
-                             stop_ids(tokenizer, chat))
+                             stop_ids(tokenizer))
     return [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
 
 

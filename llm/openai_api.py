@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from config import SampleConfig
 from llm.errors import ConfigError
 from llm.sampling import TextStream
+from llm.tiktoken_bpe import byte_of_char
 from llm.tokenizer import stop_ids
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -36,11 +37,43 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
+# Parameters of OpenAI's API this server does not implement -> the values that ask for nothing, which are accepted;
+# any other value is refused by name rather than ignored (best_of also passes when it equals n).
+UNIMPLEMENTED = {"best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+                 "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+                 "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
+
+
 @dataclass
 class Scoring:
-    """What a completion request asks to see besides its new text."""
+    """What a request asks to see besides its new text."""
     echo: bool = False  # the prompt too, its tokens scored like the new ones
     logprobs: int | None = None  # alternatives given per token (0 to MAX_LOGPROBS); None: no logprobs object
+
+
+def refuse_unimplemented(body: dict):
+    """BadRequest naming the first parameter of UNIMPLEMENTED that asks for something (NaN and 10^9 included)."""
+    for name, neutral in UNIMPLEMENTED.items():
+        value = body.get(name)
+        fine = value is None or any(value == v and type(value) is not bool for v in neutral) or (
+            name == "best_of" and value == body.get("n", 1) and type(value) is int)
+        if not fine:
+            raise BadRequest(f"{name}={value!r:.60} is not implemented by this server; leave {name} out", name)
+
+
+def stream_options_of(body: dict) -> bool:
+    """Whether a streamed answer ends with a chunk of usage (stream_options.include_usage), checked."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"}) if isinstance(options, dict) else []
+    if not isinstance(usage, bool) or unknown:
+        raise BadRequest("stream_options must be an object with include_usage: true or false"
+                         + (f" ({unknown[0]!r:.40} is not an option)" if unknown else ""), "stream_options")
+    return usage
 
 
 def check_text(body: dict):
@@ -104,6 +137,19 @@ def scoring_of(body: dict) -> Scoring:
     return Scoring(bool(echo), logprobs)
 
 
+def chat_scoring_of(body: dict) -> Scoring:
+    """logprobs (true or false) and top_logprobs (0 to 20, with logprobs: true) of a chat request, checked."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest(f"logprobs must be true or false in a chat request, got {logprobs!r:.40}", "logprobs")
+    top = None if body.get("top_logprobs") is None else number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if logprobs and body.get("stream"):
+        raise BadRequest("logprobs is not available with stream: true; ask without streaming", "logprobs")
+    return Scoring(False, (top or 0) if logprobs else None)
+
+
 def _is_ids(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(type(i) is int for i in value)
 
@@ -141,6 +187,19 @@ def token_texts(tokenizer):
     return functools.lru_cache(maxsize=2**17)(lambda i: decode([i], skip_special_tokens=False))
 
 
+def token_bytes(tokenizer):
+    """id -> the bytes that token stands for (memoised): a byte-level token may hold part of a character, whose
+    text alone is only the replacement character; special tokens as written."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    table, added = byte_of_char(), backend.get_added_tokens_decoder()
+
+    def of(i: int) -> bytes:
+        token = backend.id_to_token(i) or ""
+        byte_level = i not in added and set(token) <= table.keys()
+        return bytes(table[c] for c in token) if byte_level else token.encode("utf-8")
+    return functools.lru_cache(maxsize=2**17)(of)
+
+
 def released(tokenizer, ids: list[int]) -> list[str]:
     """The text each token adds to the decoded sequence ("".join is its text): a character whose bytes span
     several tokens counts with the last of them."""
@@ -171,3 +230,15 @@ def logprobs_object(text_of, tokenizer, ids: list[int], scores: tuple, start: in
         top_logprobs.append(tops)
     return {"tokens": [text_of(t) for t in ids[start:]], "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs, "text_offset": offsets[start:len(ids)]}
+
+
+def chat_logprobs_object(text_of, bytes_of, ids: list[int], scores: tuple, start: int, alternatives: int) -> dict:
+    """A chat choice's logprobs, as OpenAI's chat API gives them: for each token of the reply (ids[start:], the
+    end token left out), its text, log-probability and bytes (which join into the reply's UTF-8 where a token holds
+    part of a character), and its `alternatives` likeliest tokens. text_of, bytes_of: token_texts(), token_bytes()."""
+    chosen, top_ids, top_lps = scores
+    entry = lambda i, lp: {"token": text_of(i), "logprob": lp, "bytes": list(bytes_of(i))}  # noqa: E731
+    return {"content": [{**entry(ids[k], chosen[k - 1]),
+                         "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids[k - 1][:alternatives],
+                                                                        top_lps[k - 1][:alternatives])]}
+                        for k in range(start, len(ids))], "refusal": None}

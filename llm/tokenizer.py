@@ -96,10 +96,11 @@ def load_tokenizer(path: str):
     return tok
 
 
-def stop_ids(tokenizer, chat: bool = False) -> list[int]:
-    """Ids that end a generation: <|endoftext|>, and <|im_end|> in chat."""
+def stop_ids(tokenizer) -> list[int]:
+    """Ids that end a generation, on every route (the REPL, completions, chat): <|endoftext|>, and <|im_end|> where
+    the tokenizer has it (a chat-trained model ends its reply there, in a chat or a plain prompt alike)."""
     vocab = tokenizer.get_vocab()
-    return [vocab[n] for n in ([EOT_TOKEN, IM_END] if chat else [EOT_TOKEN]) if n in vocab]
+    return [vocab[n] for n in (EOT_TOKEN, IM_END) if n in vocab]
 
 
 def can_chat(tokenizer) -> bool:

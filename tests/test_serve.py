@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
+import torch
 
 import serve
 from config import SampleConfig
 from llm import openai_api
-from llm.engine import generate_text
+from llm.engine import generate, generate_text
 from llm.errors import RunFailure
 from llm.inference import load_for_inference
+from llm.tokenizer import stop_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -141,10 +143,17 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
     (json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
     (b'{"prompt": ' + b"[" * 100_000, None),
     (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+    (json.dumps({"prompt": "x", "best_of": 10**9}).encode(), "best_of"),
+    (json.dumps({"prompt": "x", "logit_bias": "garbage"}).encode(), "logit_bias"),
+    (json.dumps({"prompt": "x", "logit_bias": {"12": 100}}).encode(), "logit_bias"),
+    (json.dumps({"prompt": "x", "presence_penalty": float("nan")}).encode(), "presence_penalty"),
+    (json.dumps({"prompt": "x", "frequency_penalty": 1.5}).encode(), "frequency_penalty"),
+    (json.dumps({"prompt": "x", "stream_options": {"include_usage": True}}).encode(), "stream_options"),
 ], ids=["malformed", "unknown-model", "max-tokens", "negative-temperature", "prompt-type", "stop-type", "a-list",
         "huge-seed", "infinite-max-tokens", "infinite-max-completion-tokens", "nan-max-tokens", "nan-temperature",
         "nan-top-p", "text-top-k", "bool-n", "text-stream", "long-stop", "lone-surrogate", "deep-nesting",
-        "5000-digit-integer"])
+        "5000-digit-integer", "best-of", "garbage-logit-bias", "logit-bias", "nan-presence-penalty",
+        "frequency-penalty", "stream-options-unstreamed"])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     """From huge-seed on, each once got a 500 (an overflow, a RecursionError, a tokenizer's TypeError on a lone
     surrogate), a 400 naming no parameter (NaN), or was served against its meaning (a 1 MB stop string held the
@@ -155,10 +164,111 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     assert proc.poll() is None and client.completions.create(model="run1", prompt="x", max_tokens=2).choices
 
 
+def test_neutral_values_of_unimplemented_parameters_are_accepted(server):
+    """A client sending OpenAI's defaults (best_of equal to n, no bias, zero penalties) is served, not refused."""
+    _, url, _ = server
+    status, answer = post(url, "/completions", json.dumps({
+        "prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2, "logit_bias": {}, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "suffix": None}).encode())
+    assert status == 200 and len(answer["choices"]) == 2
+
+
+def test_chat_logprobs_follow_openais_chat_contract(server, tiny_checkpoint):
+    """logprobs: true and top_logprobs: k give, for each token of the reply, its text, log-probability and bytes,
+    and its k likeliest tokens, as a float64 forward of the same weights scores them; the tokens join to the
+    reply. Values outside the contract are refused by name (they were ignored: 200 and no logprobs)."""
+    from llm.tokenizer import chat_prompt_ids
+    proc, url, client = server
+    messages = [{"role": "user", "content": "def push(self, item):"}]
+    r = client.chat.completions.create(model="run1", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content, reply = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert b"".join(bytes(t.bytes) for t in content).decode(errors="replace") == reply and len(content) == \
+        r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # its end token is no part of the reply
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
+    prompt = chat_prompt_ids(tok, messages)
+    ids = prompt + generate(model, [prompt], SampleConfig(temperature=0, max_new_tokens=8), stop_ids(tok))[0]
+    with torch.no_grad():
+        logp = model.double()(torch.tensor([ids]))[0][0].log_softmax(-1)
+    for k, entry in enumerate(content):
+        at = logp[len(prompt) + k - 1]
+        assert abs(entry.logprob - at[ids[len(prompt) + k]].item()) < 1e-4
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in at.topk(3).indices.tolist()]
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest is the one chosen
+        assert entry.token == tok.decode([ids[len(prompt) + k]])
+    assert client.chat.completions.create(model="run1", messages=messages, max_tokens=2).choices[0].logprobs is None
+    for bad, param in (({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 10**9}, "top_logprobs"),
+                       ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "stream": True}, "logprobs")):
+        status, answer = post(url, "/chat/completions", json.dumps({"messages": messages, **bad}).encode())
+        assert status == 400 and answer["error"]["param"] == param, bad
+
+
+def test_a_stream_ends_with_its_usage_when_asked(server):
+    """stream_options.include_usage: a last chunk with no choices and the usage a whole answer gives; every
+    chunk before it carries usage: null."""
+    _, _, client = server
+    messages = [{"role": "user", "content": "class Stack"}]
+    whole = client.chat.completions.create(model="run1", messages=messages, max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(model="run1", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.completions.create(model="run1", prompt="x", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert plain[-1].usage.prompt_tokens == 1 and plain[-1].usage.completion_tokens <= 3
+
+
+def test_a_prompt_past_the_context_names_it_and_lm_evals_max_length(server, tiny_checkpoint):
+    """lm-eval's default max_length (2048) overfills a shorter context and shows only "400 Client Error": the
+    answer, and the server's log, name the context and the max_length to pass."""
+    proc, url, _ = server
+    cfg = load_for_inference(tiny_checkpoint, "cpu")[2]
+    ids = [5] * (cfg.max_seq_len + 3)
+    status, answer = post(url, "/completions", json.dumps({"prompt": ids, "echo": True, "max_tokens": 0,
+                                                           "logprobs": 1}).encode())
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    message = answer["error"]["message"]
+    assert f"context is {cfg.max_seq_len}" in message and f"max_length={cfg.max_seq_len}" in message
+    time.sleep(0.2)
+    assert f"max_length={cfg.max_seq_len}" in open(proc.log).read()
+
+
+def test_an_abandoned_request_frees_its_rows(app, monkeypatch):
+    """A client that leaves a non-streamed request (a timeout, a closed notebook) must stop its rows, as a stream's
+    are stopped: the engine, held generating, is told the rows are cancelled once the socket closes."""
+    import uvicorn
+    server, _ = app
+    told = threading.Event()
+
+    def engine(model, prompts, settings, *args, cancelled=None, **kwargs):
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(cancelled(i) for i in range(len(prompts) * 16)):
+            time.sleep(0.01)
+        told.set()
+        return [[] for _ in range(len(prompts) * 16)]
+    monkeypatch.setattr(serve, "generate", engine)
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(serve.app_for(server), port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        while not web.started:
+            time.sleep(0.05)
+        body = json.dumps({"prompt": "def", "n": 16, "max_tokens": 50}).encode()
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+        started = time.time()
+        sock.close()
+        assert told.wait(30) and time.time() - started < 20
+    finally:
+        web.should_exit = True
+        thread.join(10)
+
+
 def test_a_request_past_the_context_stops_there(server, tiny_checkpoint):
     """max_tokens up to the context is accepted; the answer ends where the context does, as 'length'."""
-    from llm.engine import generate
-    from llm.tokenizer import stop_ids
     _, _, client = server
     model, tok, cfg, _ = load_for_inference(tiny_checkpoint, "cpu")
     ids = tok.encode("def push(self, item): return item\n" * 20, add_special_tokens=False)[:cfg.max_seq_len - 6]
@@ -328,6 +438,18 @@ def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
                                                                          {"prompt": "import os"}], poison)
     assert good == 200 and len(good_body["choices"]) == 2
     assert bad == 500 and "injected" in bad_body["error"]["message"]
+
+
+def test_completions_of_a_chat_model_end_at_im_end_too(chat_stopper):
+    """/v1/completions on a chat-trained model once printed <|im_end|> as text and went on: every route ends where
+    the model ends its reply."""
+    from starlette.testclient import TestClient
+    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
+    body = {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 12,
+            "temperature": 0}
+    with TestClient(serve.app_for(server)) as client:
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "OK" and choice["finish_reason"] == "stop"
 
 
 def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):

@@ -82,7 +82,7 @@ def test_the_generators_tokenizer_is_the_loader_with_the_chat_template(tiny_chec
     assert tok.chat_template == tk.CHAT_TEMPLATE and tok.eos_token == tk.EOT_TOKEN
     rendered = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     assert tok.decode(tk.chat_prompt_ids(tok, msgs[:1]), skip_special_tokens=False) == rendered
-    assert tk.can_chat(tok) and tk.stop_ids(tok, chat=True) == [tok.convert_tokens_to_ids(t) for t in
+    assert tk.can_chat(tok) and tk.stop_ids(tok) == [tok.convert_tokens_to_ids(t) for t in
                                                                 (tk.EOT_TOKEN, tk.IM_END)]
 
 
