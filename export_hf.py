@@ -31,7 +31,7 @@ from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
 from llm.lora import write_peft_folder
-from llm.model_card import export_name, model_card, ollama_tag
+from llm.model_card import export_name, model_card, ollama_tag, trained_for_chat
 from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 
@@ -50,14 +50,15 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):
         raise CheckpointError(f"{os.path.abspath(out)} holds the checkpoint being exported, choose another "
                               "output folder")
-    chat = can_chat(read_tokenizer(model.tokenizer_path))
+    # The chat template goes with a model that chats: not with one trained here on plain text alone.
+    chat = can_chat(read_tokenizer(model.tokenizer_path)) and trained_for_chat(model.path) is not False
     if gguf:
         card = model_card(model.path, model.config, "gguf", gguf_file_name(gguf), chat)
         write_gguf_folder(out, model.config, model.state, model.tokenizer_path, gguf, card, export_name(model.path),
-                          overwrite)
+                          overwrite, chat)
     else:
         card = model_card(model.path, model.config, "hf", chat=chat)
-        write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite, card)
+        write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite, card, chat)
     return model.path
 
 

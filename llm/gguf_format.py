@@ -139,9 +139,9 @@ def _pre_tokenizer(spec: dict, where: str) -> str:
                           "--tokenizer_type bpe or tiktoken")
 
 
-def gguf_vocab(tokenizer_path: str, vocab_size: int) -> dict:
+def gguf_vocab(tokenizer_path: str, vocab_size: int, chat: bool = True) -> dict:
     """The tokenizer as GGUF metadata: tokens (one per embedding row, unused rows named [PADi]), token types,
-    merges, pre-tokenizer name, special ids, and whether it is a chat tokenizer (it has the ChatML tokens)."""
+    merges, pre-tokenizer name, special ids, and whether it chats (chat, and it has the ChatML tokens)."""
     gguf = gguf_package()
     tok = read_tokenizer(tokenizer_path)
     spec = json.loads(tok.to_str())
@@ -163,7 +163,7 @@ def gguf_vocab(tokenizer_path: str, vocab_size: int) -> dict:
     types = [kinds.UNUSED if i not in by_id else kinds.NORMAL if i not in added else
              kinds.CONTROL if added[i].special else kinds.USER_DEFINED for i in range(vocab_size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    chat = IM_START in vocab and IM_END in vocab  # tokenizer.can_chat's rule
+    chat = chat and IM_START in vocab and IM_END in vocab  # tokenizer.can_chat's rule
     eot = vocab.get(EOT_TOKEN)
     eos = vocab[IM_END] if chat else eot  # llama.cpp also stops at <|endoftext|> and <|im_end|> by their text
     if eos is None:
@@ -176,12 +176,12 @@ def gguf_vocab(tokenizer_path: str, vocab_size: int) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def write_gguf(path: str, cfg: ModelConfig, state: dict, tokenizer_path: str, qtype: str = "f16",
-               name: str = "model"):
+               name: str = "model", chat: bool = True):
     """One GGUF file at path (no temporary name: write_gguf_folder's folder is the atomic unit)."""
     gguf, arch = gguf_package(), gguf_arch(cfg)
     if qtype not in GGUF_TYPES:
         raise ConfigError(f"--gguf {qtype!r} is not a GGUF type written here, choose {' or '.join(GGUF_TYPES)}")
-    vocab, tensors = gguf_vocab(tokenizer_path, cfg.vocab_size), gguf_tensors(cfg, state, qtype)
+    vocab, tensors = gguf_vocab(tokenizer_path, cfg.vocab_size, chat), gguf_tensors(cfg, state, qtype)
     w = gguf.GGUFWriter(None, arch)
     w.add_type("model")
     w.add_name(name)
@@ -244,9 +244,10 @@ def gguf_file_name(qtype: str) -> str:
 
 
 def write_gguf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, qtype: str = "f16",
-                      card: str = "", name: str = "model", overwrite: bool = False) -> str:
+                      card: str = "", name: str = "model", overwrite: bool = False, chat: bool = True) -> str:
     """Write out/ (the GGUF file, the Modelfile, the card) into a temporary folder renamed into place when
-    complete; overwrite replaces only an earlier GGUF export. Returns the GGUF file's path."""
+    complete; overwrite replaces only an earlier GGUF export; chat False: no chat template (a model trained on
+    plain text alone). Returns the GGUF file's path."""
     if os.path.isdir(out) and os.listdir(out):
         if not overwrite:
             raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or "
@@ -260,7 +261,7 @@ def write_gguf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: s
     file = gguf_file_name(qtype)
     need = sum(v.numel() for v in state.values()) * (2 if qtype == "f16" else 1.07)
     with atomic.folder(out, f"exporting to {out}", int(need)) as tmp:
-        vocab = write_gguf(os.path.join(tmp, file), cfg, state, tokenizer_path, qtype, name)
+        vocab = write_gguf(os.path.join(tmp, file), cfg, state, tokenizer_path, qtype, name, chat)
         with open(os.path.join(tmp, MODELFILE), "w", encoding="utf-8") as f:
             f.write(modelfile(file, cfg, vocab["chat"]))
         if card:

@@ -130,20 +130,23 @@ def _write_json(path: str, values: dict):
         json.dump(values, f, indent=2)
 
 
-def _write_tokenizer(tokenizer_path: str, out: str, eos: str, pad: str, max_len: int):
-    """tokenizer.json + tokenizer_config.json with eos, pad and the chat template, via transformers."""
+def _write_tokenizer(tokenizer_path: str, out: str, eos: str, pad: str, max_len: int, chat: bool = True):
+    """tokenizer.json + tokenizer_config.json with eos, pad and (chat) the chat template, via transformers."""
     tok = load_tokenizer(tokenizer_path)
     tok.eos_token, tok.pad_token, tok.model_max_length = eos, pad, max_len
+    if not chat:
+        tok.chat_template = None
     tok.save_pretrained(out)
     # transformers 5 names the class TokenizersBackend and keeps the template in chat_template.jinja;
     # 4.x knows neither, and both versions read these two keys.
     path = os.path.join(out, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         values = json.load(f)
-    _write_json(path, {**values, "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template})
+    values = {**values, "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template}
+    _write_json(path, values if chat else {k: v for k, v in values.items() if k != "chat_template"})
 
 
-def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str, eos: str):
+def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str, eos: str, chat: bool):
     """Every file of the folder, into the existing folder out."""
     tok = read_tokenizer(tokenizer_path)
     eos_id, eot_id = tok.token_to_id(eos), tok.token_to_id(EOT_TOKEN)
@@ -160,14 +163,15 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
     stop = list(dict.fromkeys(i for i in (eos_id, eot_id, tok.token_to_id(IM_END)) if i is not None))
     _write_json(os.path.join(out, "generation_config.json"),
                 {"bos_token_id": eot_id, "eos_token_id": stop, "pad_token_id": pad_id})
-    _write_tokenizer(tokenizer_path, out, eos, pad, cfg.max_seq_len)
+    _write_tokenizer(tokenizer_path, out, eos, pad, cfg.max_seq_len, chat)
 
 
 def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str = "float32",
-                    eos: str = EOT_TOKEN, overwrite: bool = False, card: str = ""):
+                    eos: str = EOT_TOKEN, overwrite: bool = False, card: str = "", chat: bool = True):
     """Write a transformers folder atomically: into a temporary folder, renamed into place when complete.
     overwrite replaces an earlier export, never anything else (it once replaced a run folder's checkpoints);
-    card, when given, is written as its README.md."""
+    card, when given, is written as its README.md; chat False leaves out the chat template (a model trained on
+    plain text alone)."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
                               "another folder")
@@ -177,7 +181,7 @@ def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str
                               "replaces nothing else, choose another folder")
     need = sum(v.numel() for v in state.values()) * DTYPES[dtype].itemsize
     with atomic.folder(out, f"exporting to {out}", need) as tmp:
-        _write_files(tmp, cfg, state, tokenizer_path, dtype, eos)
+        _write_files(tmp, cfg, state, tokenizer_path, dtype, eos, chat)
         if card:
             with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
                 f.write(card)

@@ -80,6 +80,17 @@ def run_facts(ckpt: str) -> dict:
     return facts
 
 
+def trained_for_chat(ckpt: str) -> bool | None:
+    """Whether the run behind the checkpoint trained on conversations, where its records say (the corpus's chat
+    masks); None where they cannot: an import, a run started from another model, a corpus not recorded."""
+    facts = run_facts(ckpt)
+    train = _dict(_dict(facts.get("config")).get("train"))
+    has_masks = _dict(facts.get("corpus")).get("has_masks")
+    if facts.get("imported_from") or train.get("init_from") or not isinstance(has_masks, bool):
+        return None
+    return has_masks
+
+
 def _number(n) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 

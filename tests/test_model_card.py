@@ -87,3 +87,26 @@ def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_check
         assert r[name] == "not recorded", name
     assert r["validation loss"] == "2.0000 (step 10)" and r["bits per byte"].startswith("1.0000 (step 10)")
     assert r["code metric"].startswith("4 of 16 documented functions")
+
+
+def test_only_a_model_that_chats_is_exported_with_a_chat_template(run, chat_corpus, argv_for, tmp_path):
+    """A model trained here on plain text alone was exported with the ChatML template and a ChatML Modelfile,
+    promising a chat it never learned: its folder and GGUF now carry none (transformers' apply_chat_template
+    refuses, Ollama gets the prompt as it is), and a run on chats keeps the template in both."""
+    from transformers import AutoTokenizer
+
+    gguf = pytest.importorskip("gguf")
+    chats = tmp_path / "chats"
+    assert trainer.run(argv_for(chat_corpus, chats, "--max_steps", 2)) == 0
+    for folder, chat in ((run[0], False), (chats, True)):
+        hf, gg = tmp_path / f"hf{chat}", tmp_path / f"gguf{chat}"
+        assert export_hf.main([str(folder), str(hf)]) == 0
+        assert export_hf.main([str(folder), str(gg), "--gguf", "f16"]) == 0
+        config = json.load(open(hf / "tokenizer_config.json", encoding="utf-8"))
+        assert ("chat_template" in config) == chat and (AutoTokenizer.from_pretrained(str(hf)).chat_template
+                                                        is not None) == chat
+        reader = gguf.GGUFReader(str(gg / "model-f16.gguf"))
+        assert ("tokenizer.chat_template" in reader.fields) == chat
+        modelfile = open(gg / "Modelfile", encoding="utf-8").read()
+        assert ('TEMPLATE """{{ .Prompt }}"""' in modelfile) != chat and ("<|im_start|>" in modelfile) == chat
+        assert ("apply_chat_template" in card_of(hf)) == chat
