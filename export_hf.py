@@ -24,14 +24,14 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import default_run_dir
-from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, save_checkpoint
+from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, resolve_checkpoint, save_checkpoint
 from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
 from llm.lora import write_peft_folder
-from llm.model_card import export_name, model_card, ollama_tag, trained_for_chat
+from llm.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
 from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 
@@ -82,6 +82,16 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
                            trainer_state=trainer_state, keep=1)
 
 
+def loadable_base(base: str, checkpoint: str) -> str:
+    """The base as adapter_config.json names it, which AutoPeftModelForCausalLM loads: a Hub name or a Hugging Face
+    folder's path; a checkpoint of this project or a GGUF file is no model transformers loads by that name."""
+    if is_hub_name(base) or is_hf_folder(base):
+        return base if is_hub_name(base) else os.path.abspath(base)
+    raise ConfigError(f"the adapters of {checkpoint} adapt {base}, which transformers cannot load by name (a checkpoint "
+                      "of this project or a GGUF file); export the base as a Hugging Face folder (export_hf.py BASE "
+                      "BASE_HF, or --import a GGUF first) and pass --base BASE_HF, which adapter_config.json then names")
+
+
 def parse_args(argv) -> argparse.Namespace:
     """Paths and flags of both directions; exits 2 with one line when the paths don't fit."""
     formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
@@ -126,9 +136,11 @@ def main(argv=None) -> int:
         checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
         if args.adapter_only:
             meta, adapters = read_adapters(checkpoint)
-            write_peft_folder(out, meta, adapters, args.base or meta["base"], args.overwrite)
-            print(f"exported the adapters of {checkpoint} to {out}")
-            print(f"load with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out!r})")
+            base = loadable_base(args.base or meta["base"], checkpoint)
+            card = adapter_card(resolve_checkpoint(checkpoint), meta, base)
+            write_peft_folder(out, meta, adapters, base, args.overwrite, card)
+            print(f"exported the adapters of {checkpoint} to {out}, for the base {base.removeprefix('hf:')}")
+            print(f"load with: AutoPeftModelForCausalLM.from_pretrained({out!r})")
             return 0
         ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.gguf or "", args.base)
         if args.gguf:

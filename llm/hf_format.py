@@ -199,12 +199,14 @@ def _not_an_export(out: str) -> str | None:
 
 
 def is_written_card(path: str) -> bool:
-    """Whether the file at path is a model card an export wrote (its first line is CARD_MARK)."""
+    """Whether the file at path is a model card an export wrote: CARD_MARK is its first line, or the first after
+    the short YAML header an adapter card starts with."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.readline(len(CARD_MARK) + 2).rstrip("\n") == CARD_MARK
+            head = f.read(1024).splitlines()
     except (OSError, UnicodeDecodeError):
         return False
+    return CARD_MARK in head[:1] or (head[:1] == ["---"] and CARD_MARK in head[1:8])
 
 
 # ----------------------------------------------------------------------------- reading a folder

@@ -18,7 +18,7 @@ import torch.nn as nn
 from config import LORA_TARGETS as TARGETS
 from llm import atomic
 from llm.errors import CheckpointError, ConfigError, quiet_library_notices
-from llm.hf_format import hf_name
+from llm.hf_format import CARD, hf_name, is_written_card
 
 ADAPTERS, ADAPTER_CONFIG = "adapters.safetensors", "adapter_config.json"  # in a LoRA run's checkpoint folders
 PEFT_WEIGHTS = "adapter_model.safetensors"  # in a PEFT folder, beside its adapter_config.json
@@ -174,12 +174,13 @@ def peft_config(meta: dict, base_name: str) -> dict:
             "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
 
 
-def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False):
-    """adapter_config.json and adapter_model.safetensors under PEFT's names, atomically; only an earlier adapter
-    export is replaced (with overwrite), never another folder."""
+def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False, card: str = ""):
+    """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically; only
+    an earlier adapter export is replaced (with overwrite), never another folder."""
     from safetensors.torch import save_file
     if os.path.isdir(out) and os.listdir(out):
-        others = sorted(set(os.listdir(out)) - {PEFT_WEIGHTS, ADAPTER_CONFIG, "README.md"})
+        others = sorted(f for f in set(os.listdir(out)) - {PEFT_WEIGHTS, ADAPTER_CONFIG}
+                        if not (f == CARD and is_written_card(os.path.join(out, f))))
         if not overwrite or others:
             raise CheckpointError(f"{os.path.abspath(out)} is not empty" + (f" (it holds {others[0]})" if others else
                                   "") + ", choose another folder" + ("" if others else " or pass --overwrite"))
@@ -187,3 +188,6 @@ def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, over
         save_file(peft_state(adapters), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(peft_config(meta, base_name), f, indent=2)
+        if card:
+            with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
+                f.write(card)

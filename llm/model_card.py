@@ -115,7 +115,7 @@ def _training_rows(facts: dict) -> list[tuple[str, str]]:
     train = _dict(_dict(facts.get("config")).get("train"))
     tokens, steps, seconds = facts.get("tokens"), facts.get("step"), facts.get("spent_s")
     if facts.get("imported_from"):
-        return [("origin", f"imported from the Hugging Face folder `{facts['imported_from']}`, not trained here")]
+        return [("origin", f"imported from `{facts['imported_from']}`, not trained here")]
     ranks = facts.get("world_size") or 1
     return [("tokens seen", f"{tokens:,} over {steps:,} steps" if tokens is not None and steps is not None
              else NOT_RECORDED),
@@ -145,7 +145,7 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
 def _origin(facts: dict) -> str:
     start = _dict(_dict(facts.get("config")).get("train")).get("init_from")
     if facts.get("imported_from"):
-        return "imported from a Hugging Face folder"
+        return f"imported from `{facts['imported_from']}`"
     return f"trained with modern-llm from the weights of `{start}`" if start else "trained from scratch with modern-llm"
 
 
@@ -190,4 +190,23 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
              "## Model", "", _table(model), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
              "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
              _how_to_load(kind, file, facts["name"], chat, cfg), ""]
+    return "\n".join(parts)
+
+
+def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
+    """README.md for a PEFT adapter folder of the LoRA checkpoint ckpt: the base it adapts (as adapter_config.json
+    names it), the adapters' settings, the run's numbers and how to load it. PEFT's own cards start with this
+    YAML header, which the Hub reads."""
+    facts, base = run_facts(ckpt), base_name.removeprefix("hf:")
+    lora = [("base model", f"`{base}`"), ("rank", str(meta["rank"])), ("alpha", f"{meta['alpha']:g}"),
+            ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(f"`{t}`" for t in meta["targets"]))]
+    use = ["PEFT: `AutoPeftModelForCausalLM.from_pretrained(\".\")` loads the base named above with these "
+           "adapters; or `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), \".\")`.",
+           "This project: `python text_generator.py RUN --base BASE` on the run's checkpoint, or merged into one "
+           "model with `python export_hf.py RUN OUT --base BASE`."]
+    parts = ["---", f"base_model: {base}", "library_name: peft", "---", CARD_MARK, f"# {facts['name']}", "",
+             f"LoRA adapters {_origin(facts)}, for `{base}`, exported as a PEFT adapter folder.", "",
+             "## Adapters", "", _table(lora), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
+             "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
+             "\n".join(f"- {line}" for line in use), ""]
     return "\n".join(parts)

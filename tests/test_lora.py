@@ -146,3 +146,28 @@ def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, qwen3_folde
     argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
                      "--lora_alpha", 3)
     assert "was trained with other LoRA settings; resume with --lora_alpha 8.0" in exit_line(trainer.run, argv, capsys)
+
+
+def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run, qwen3_folder, tiny_checkpoint,
+                                                                       tmp_path, capsys):
+    """AutoPeftModelForCausalLM on the adapter folder alone (it loads the base adapter_config.json names) must give
+    our merged logits; the folder carries a card naming its base and settings; --overwrite replaces an adapter
+    export; a base transformers cannot load by name (a checkpoint of ours) is refused in one line."""
+    from peft import AutoPeftModelForCausalLM
+    out = tmp_path / "adapter"
+    assert export_hf.main([str(lora_run), str(out), "--adapter_only"]) == 0  # the base the run recorded
+    found = read_model(str(lora_run), base=str(qwen3_folder))
+    ids = torch.randint(0, found.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
+    assert (theirs - our_logits(found, ids)).abs().max() < 1e-4
+    card = open(out / "README.md", encoding="utf-8").read()
+    assert card.startswith(f"---\nbase_model: {qwen3_folder}\nlibrary_name: peft\n---\n")
+    assert "| rank | 4 |" in card and "AutoPeftModelForCausalLM" in card
+
+    capsys.readouterr()  # transformers' loading bars
+    assert "pass --overwrite" in exit_line(export_hf.main, [str(lora_run), str(out), "--adapter_only"], capsys)
+    assert export_hf.main([str(lora_run), str(out), "--adapter_only", "--overwrite"]) == 0
+    line = exit_line(export_hf.main, [str(lora_run), str(tmp_path / "x"), "--adapter_only", "--base",
+                                      tiny_checkpoint], capsys)
+    assert "transformers cannot load by name" in line and "--base BASE_HF" in line
