@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from llm.errors import DataError
 from llm.tokenizer import TOKENIZER_FILE
 
 GROUP_FILE_BYTES = 2**20  # files smaller than this on disk share a shard with their neighbours
@@ -178,13 +179,21 @@ def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
             if not os.path.isfile(where) or os.path.getsize(where) != need:
                 return f"{file} is missing or not the {need:,} bytes that part.json's {split}_tokens needs"
         if part.get("written", {}).get(f"{split}.bin") == stamp(os.path.join(folder, f"{split}.bin")):
-            continue  # untouched since written: its ids were checked against the vocabulary then
-        ids = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=dtype, mode="r") if tokens else []
-        # Every id, in chunks: the time of reading the part once, against an IndexError hours into a run.
-        top = max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
+            continue  # untouched since written, by its size and time; TokenStream checks its ids at first read
+        top = largest_id(os.path.join(folder, f"{split}.bin"), dtype) if tokens else 0
         if top >= vocab_size:
             return f"{split}.bin holds token id {top}, past the vocabulary of {vocab_size}"
     return None
+
+
+def largest_id(path: str, dtype) -> int:
+    """The largest id of a token file, read in chunks: the time of reading it once, against an IndexError (or a
+    device-side assert) hours into a run."""
+    ids = np.memmap(path, dtype=dtype, mode="r")
+    return max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
+
+
+_ids_checked: set = set()  # (path, size, time) of the token files whose ids this process has read
 
 
 class TokenStream:
@@ -192,10 +201,22 @@ class TokenStream:
     without a file (masks of parts without chats) read as `fill`. A fresh memmap per read, as nanoGPT does: one
     kept open maps every page it ever touched, and a long run's memory would grow."""
 
-    def __init__(self, paths: list, lengths: list, dtype, fill: int = 0):
+    def __init__(self, paths: list, lengths: list, dtype, fill: int = 0, vocab: int | None = None):
         keep = [i for i, n in enumerate(lengths) if n > 0]  # np.memmap refuses empty files
-        self.paths, self.dtype, self.fill = [paths[i] for i in keep], np.dtype(dtype), fill
+        self.paths, self.dtype, self.fill, self.vocab = [paths[i] for i in keep], np.dtype(dtype), fill, vocab
         self.ends = np.cumsum([lengths[i] for i in keep], dtype=np.int64)
+
+    def _check_ids(self, path: str):
+        """Token ids past the vocabulary in a file whose size and time were kept (part_problem trusts those) are
+        found the first time this process reads it, and named, instead of reaching the embedding."""
+        key = (path, *stamp(path))
+        if self.vocab is None or key in _ids_checked:
+            return
+        top = largest_id(path, self.dtype)
+        if top >= self.vocab:
+            raise DataError(f"{path} holds token id {top}, past the vocabulary of {self.vocab}: the token cache was "
+                            f"changed after it was written; delete {os.path.dirname(path)} and it is rebuilt")
+        _ids_checked.add(key)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -209,6 +230,7 @@ class TokenStream:
             if self.paths[i] is None:
                 out.append(np.full(take, self.fill, self.dtype))
             else:
+                self._check_ids(self.paths[i])
                 out.append(np.memmap(self.paths[i], dtype=self.dtype, mode="r")[start - begin:start - begin + take])
             start, i = start + take, i + 1
         return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, self.dtype)
@@ -231,7 +253,7 @@ class PreparedData:
         lengths = [p[f"{split}_tokens"] for p in self.parts]
         if not masks:
             return TokenStream([os.path.join(p["folder"], f"{split}.bin") for p in self.parts], lengths,
-                               self.meta["dtype"])
+                               self.meta["dtype"], vocab=self.meta["vocab_size"])
         paths = [os.path.join(p["folder"], f"{split}_mask.bin") if p["has_masks"] else None for p in self.parts]
         return TokenStream(paths, lengths, np.uint8, fill=1)
 

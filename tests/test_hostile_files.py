@@ -147,6 +147,24 @@ def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, pristi
     assert tc.part_problem(str(first_part(cache)), 512, "uint16") is None
 
 
+def test_ids_changed_behind_a_kept_size_and_time_are_named_at_first_read(corpus, argv_for, pristine_cache, tmp_path,
+                                                                         capsys):
+    """A part's train.bin rewritten with ids past the vocabulary, its size and modification time put back, passed
+    the cache's stamp check and reached the embedding (IndexError mid-run; on a GPU a device-side assert): the
+    first read of the file in a process now finds it, and one line names the file and what to delete."""
+    cache = tmp_path / "cache" / pristine_cache.name
+    shutil.copytree(pristine_cache, cache)
+    path = first_part(cache) / "train.bin"
+    before = os.stat(path)
+    ids_past_the_vocabulary(cache)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 2, "--cache_dir", tmp_path / "cache")
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(argv)
+    line = one_error_line(capsys, 2, exit_info)
+    assert f"{path} holds token id 60000, past the vocabulary of 512" in line and f"delete {path.parent}" in line
+
+
 # ----------------------------------------------------------------------------- killed during start-up
 
 @pytest.fixture(scope="module")
