@@ -202,6 +202,8 @@ def _parse_line(line: str, text_fields, system_prompt: str):
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DataError("nested too deeply to read as JSON") from None
     return _document(obj if isinstance(obj, dict) else {}, text_fields, system_prompt)
 
 

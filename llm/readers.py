@@ -10,7 +10,9 @@ row or line means is corpus.py's business.
 import gzip
 import io
 import itertools
+import json
 import os
+import re
 import zlib
 from contextlib import contextmanager
 
@@ -137,7 +139,13 @@ def table_chunks(path: str, columns):
                 if table.num_rows == 0:
                     yield label, 0, []
                 for start in range(0, table.num_rows, ROWS_PER_CHUNK):
-                    rows = table.slice(start, ROWS_PER_CHUNK).to_pylist()
+                    try:
+                        rows = table.slice(start, ROWS_PER_CHUNK).to_pylist()
+                    except UnicodeDecodeError as e:  # a corrupt page of an uncompressed file decodes to bad text
+                        last = min(start + ROWS_PER_CHUNK, table.num_rows) - 1
+                        raise DataError(f"{path} {label}, rows {start} to {last}: a string "
+                                        f"is not UTF-8 ({e.reason} at byte {e.start}), the file is corrupt: write "
+                                        "it again, or leave it out") from None
                     yield label, start, [{k: v for k, v in row.items() if v is not None} for row in rows]
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path} is not a readable {path.rsplit('.', 1)[-1]} file ({_first_line(e)}), "
@@ -203,7 +211,29 @@ def dataset_files(folder: str, names) -> list[str] | None:
     data = sorted(n for n in names if n.startswith("data-") and n.endswith(".arrow"))
     if not data or not any(m in names for m in DATASET_MARKERS):
         return None
+    missing = sorted(_listed_data_files(folder, data) - set(data))
+    if missing:
+        raise DataError(f"{folder} is a saved dataset without {missing[0]}" + (f" and {len(missing) - 1} more" if
+                        len(missing) > 1 else "") + " of the data files it lists; save it again (save_to_disk) or "
+                        "copy the missing files, rather than train on part of it")
     return [os.path.join(folder, n) for n in data]
+
+
+def _listed_data_files(folder: str, data: list[str]) -> set[str]:
+    """The data files a saved dataset says it has: those state.json lists (by name, in this folder) and the whole
+    series data-0000i-of-0000N.arrow that the names found count."""
+    listed = set()
+    for name in data:
+        if m := re.fullmatch(r"data-(\d+)-of-(\d+)\.arrow", name):
+            width, total = len(m.group(1)), int(m.group(2))
+            listed |= {f"data-{i:0{width}d}-of-{m.group(2)}.arrow" for i in range(min(total, 100_000))}
+    try:
+        with open(os.path.join(folder, "state.json"), encoding="utf-8") as f:
+            files = json.load(f).get("_data_files", [])
+        listed |= {os.path.basename(str(e.get("filename", ""))) for e in files if isinstance(e, dict)} - {""}
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        pass  # no state.json, or one we cannot read: the series names still say what belongs
+    return listed
 
 
 def text_bytes(path: str, columns) -> int:

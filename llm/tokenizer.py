@@ -139,11 +139,19 @@ def new_tokenizer(kind: str, vocab_size: int):
 def train_tokenizer(texts, kind: str, vocab_size: int) -> Tokenizer:
     """A byte-level tokenizer of `kind` trained on an iterable of strings."""
     tok, trainer = new_tokenizer(kind, vocab_size)
-    try:
-        tok.train_from_iterator(texts, trainer)
-    except Exception as e:  # the Rust trainers raise bare Exceptions
-        if isinstance(e, DataError):  # from the texts' iterator: already says what is wrong with the data
+    reading = []  # a failure of the texts' iterator (reading the data), which is not the tokenizer's
+
+    def watched():
+        try:
+            yield from texts
+        except Exception as e:
+            reading.append(e)
             raise
+    try:
+        tok.train_from_iterator(watched(), trainer)
+    except Exception as e:  # the Rust trainers raise bare Exceptions
+        if reading:  # the data's own failure: a DataError says what is wrong with it, anything else is a bug
+            raise reading[0] from None
         raise DataError(f"training a {kind} tokenizer of {vocab_size} tokens failed ({str(e).splitlines()[0]}), "
                         "try another --tokenizer_type or --vocab_size") from None
     return tok

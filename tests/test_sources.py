@@ -226,6 +226,26 @@ def _corrupt_group(p):
     return [p / "d.parquet"]
 
 
+def _bad_utf8_page(p):
+    """An uncompressed parquet file whose second row group's text bytes are flipped: its pages decode, to strings
+    that are not UTF-8 (once blamed on the tokenizer: "try another --tokenizer_type")."""
+    texts = [words(random.Random(i), 30) for i in range(40)]
+    pq.write_table(pa.table({"text": texts}), p / "d.parquet", row_group_size=20, compression="none",
+                   use_dictionary=False)
+    data = bytearray((p / "d.parquet").read_bytes())
+    start = data.index(texts[25].encode()) + 4  # inside a string of the second group, not its length
+    data[start:start + 4] = b"\xff\xfe\xc3\x28"
+    (p / "d.parquet").write_bytes(data)
+    return [p / "d.parquet"]
+
+
+def _dataset_missing_a_file(p):
+    """A save_to_disk folder with one of its two data files gone: it once trained on the other without a word."""
+    folder = write_dataset(p / "saved", rows(20))
+    os.remove(folder / "data-00001-of-00002.arrow")
+    return [folder]
+
+
 TEXT = jsonl_bytes(rows(4000))
 STREAM_BROKEN = r"d\.{}: the {} stream is cut short or corrupt {} \({}"
 BAD_INPUTS = {
@@ -253,6 +273,13 @@ BAD_INPUTS = {
     "corrupt arrow": (lambda p: [(p / "d.arrow", (p / "d.arrow").write_bytes(b"ARROW1" + os.urandom(64)))[0]],
                       r"d\.arrow is not a readable arrow file"),
     "glob matching nothing": (lambda p: [p / "web" / "*.parquet"], r"data source pattern .*web/\*\.parquet matches no"),
+    "not utf-8 in a page": (_bad_utf8_page, r"d\.parquet row group 1, rows 0 to 19: a string is not UTF-8 \(.*\), "
+                                            r"the file is corrupt"),
+    "a line nested too deeply": (lambda p: [(p / "d.jsonl", (p / "d.jsonl").write_bytes(
+        jsonl_bytes(rows(5)) + b'{"text": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n"))[0]],
+        r"1 bad JSONL line\(s\), the first is .*d\.jsonl line 6: nested too deeply"),
+    "saved dataset missing a file": (_dataset_missing_a_file, r"saved is a saved dataset without "
+                                                              r"data-00001-of-00002\.arrow of the data files it lists"),
 }
 
 
