@@ -209,7 +209,8 @@ class TrainConfig:
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")
     init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, hf:ORG/NAME from "
-                             "the Hub, or a .gguf) with a fresh optimizer; the model shape and tokenizer come from there")
+                             "the Hub, or a .gguf) with a fresh optimizer; the model shape and tokenizer come from "
+                             "there")
     lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen --init_from model; 0: every weight")
     lora_alpha: float = arg(0.0, "LoRA scale numerator (updates are B @ A * alpha / rank); 0: twice the rank")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")

@@ -10,9 +10,10 @@ model.safetensors, the tokenizer with the chat template and generation_config.js
 AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either way
 README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged into the
 base given with --base, or written alone as a PEFT folder (--adapter_only). Import reads a folder of one of those
-families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3; dequantized), into RUN_DIR/checkpoints/step_000000, refusing what
-our model cannot represent. CHECKPOINT is a checkpoint or run folder (default runs/default). The formats live in
-hf_format.py, hf_families.py, gguf_format.py, gguf_reader.py, lora.py and model_card.py; this file is only the command line.
+families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3; dequantized), into
+RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a checkpoint or run folder
+(default runs/default). The formats live in hf_format.py, hf_families.py, gguf_format.py, gguf_reader.py, lora.py and
+model_card.py; this file is only the command line.
 """
 
 import argparse
@@ -87,9 +88,10 @@ def loadable_base(base: str, checkpoint: str) -> str:
     folder's path; a checkpoint of this project or a GGUF file is no model transformers loads by that name."""
     if is_hub_name(base) or is_hf_folder(base):
         return base if is_hub_name(base) else os.path.abspath(base)
-    raise ConfigError(f"the adapters of {checkpoint} adapt {base}, which transformers cannot load by name (a checkpoint "
-                      "of this project or a GGUF file); export the base as a Hugging Face folder (export_hf.py BASE "
-                      "BASE_HF, or --import a GGUF first) and pass --base BASE_HF, which adapter_config.json then names")
+    raise ConfigError(f"the adapters of {checkpoint} adapt {base}, which transformers cannot load by name (a "
+                      "checkpoint of this project or a GGUF file); export the base as a Hugging Face folder "
+                      "(export_hf.py BASE BASE_HF, or --import a GGUF first) and pass --base BASE_HF, which "
+                      "adapter_config.json then names")
 
 
 def parse_args(argv) -> argparse.Namespace:

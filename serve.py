@@ -4,9 +4,10 @@ and a chat page at /.
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
-at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME, a .gguf;
---best) and generates through the same engine. Requests that arrive together are batched, each row with its own
-settings; the rest queue. Completions give echo and logprobs as evaluation harnesses read them (openai_api.py).
+at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME,
+a .gguf; --best) and generates through the same engine. Requests that arrive together are batched, each row with its
+own settings; the rest queue (the worker: llm/worker.py). Completions give echo and logprobs as evaluation
+harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
 characters each, n up to 16, 64 prompts, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone
@@ -17,29 +18,24 @@ import argparse
 import asyncio
 import json
 import os
-import queue
 import signal
 import sys
-import threading
 import time
-import traceback
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from config import SampleConfig
 from llm.checkpoint import checkpoint_step
-from llm.engine import generate, score
-from llm.errors import ConfigError, RunFailure, error_contract, exit_code
+from llm.errors import ConfigError, RunFailure, error_contract
 from llm.hf_hub import HF_PREFIX, is_hub_name
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
-from llm.openai_api import (MAX_BODY, BadRequest, Scoring, chat_logprobs_object, chat_scoring_of, check_text,
-                            logprobs_object, prompts_of, refuse_unimplemented, released, scoring_of, settings_of,
-                            stream_options_of, token_bytes, token_texts)
-from llm.tokenizer import can_chat, chat_prompt_ids, stop_ids
+from llm.openai_api import (MAX_BODY, BadRequest, chat_scoring_of, check_text, prompts_of, refuse_unimplemented,
+                            released, scoring_of, settings_of, stream_options_of)
+from llm.tokenizer import can_chat, chat_prompt_ids
+from llm.worker import Job, Worker
 
 try:  # optional until serving: main() names what to install
     import uvicorn
@@ -50,154 +46,10 @@ try:  # optional until serving: main() names what to install
 except ImportError:
     uvicorn = None
 
-GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm", "chat_page.html")
 # The page's script and style are inline; it may talk to this server only, and load nothing else.
 PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-
-
-@dataclass
-class Event:
-    """What the worker tells a request: new text of a choice; once per choice, why it ended (the engine's
-    reason), its token count and its logprobs when asked; or instead a failure, which ends the request."""
-    choice: int = 0
-    text: str = ""
-    finish_reason: str | None = None  # "stop": an end token or a stop string; "length": max_tokens or the context
-    tokens: int = 0  # the choice's new tokens, sent with its finish_reason
-    logprobs: dict | None = None  # openai_api.logprobs_object(), sent with the finish_reason
-    error: BadRequest | None = None
-
-
-@dataclass
-class Job:
-    """One request on its way through the worker: what to generate, and the events that come back. Choice
-    p * n + k is prompt p's k-th sequence."""
-    prompts: list[list[int]]
-    settings: SampleConfig
-    chat: bool
-    loop: asyncio.AbstractEventLoop
-    scoring: Scoring = field(default_factory=Scoring)
-    generating: bool = True  # False: echo with max_tokens 0, the prompts scored and nothing generated
-    echoed: list[str] = field(default_factory=list)  # with echo, each prompt's text, which its choices start with
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    heard: bool = False  # an event went out: a failed batch can no longer be retried for this job
-    cancelled: bool = False
-
-    @property
-    def choices(self) -> int:
-        return len(self.prompts) * self.settings.num_return_sequences
-
-    def put(self, event: Event):
-        self.heard = True
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    async def stream(self):
-        """The job's events until each choice has ended or the worker failed it: what every answer reads."""
-        left = self.choices
-        while left:
-            event = await self.events.get()
-            yield event
-            left = 0 if event.error else left - (event.finish_reason is not None)
-
-
-@dataclass
-class Ended:
-    """A choice the engine has finished: its new ids, why it ended, and the end id that ended it (None for any
-    other reason)."""
-    job: Job
-    choice: int
-    ids: list[int]
-    reason: str
-    end: int | None = None
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.job.prompts[self.choice // self.job.settings.num_return_sequences]
-
-    def sequence(self) -> list[int]:
-        """The prompt, the new ids and the end token: what logprobs score."""
-        return self.prompt + self.ids + ([] if self.end is None else [self.end])
-
-
-class Worker(threading.Thread):
-    """Runs the engine on batches of queued jobs, one batch at a time (rows never mix: each has its own)."""
-
-    def __init__(self, model, tokenizer, max_batch: int):
-        super().__init__(daemon=True)
-        self.model, self.tokenizer, self.max_batch, self.jobs = model, tokenizer, max_batch, queue.Queue()
-        self.text_of, self.bytes_of = token_texts(tokenizer), token_bytes(tokenizer)
-
-    def run(self):
-        while True:
-            batch = [self.jobs.get()]
-            deadline = time.monotonic() + GATHER_S
-            while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
-                try:
-                    batch.append(self.jobs.get(timeout=left))
-                except queue.Empty:
-                    break
-            self.serve(batch)
-
-    def serve(self, jobs: list[Job]):
-        jobs = [j for j in jobs if not j.cancelled]  # a client gone while its request queued: nothing to make
-        making = [j for j in jobs if j.generating]
-        owner = [(j, c) for j in making for c in range(j.choices)]  # row -> (job, choice)
-        reasons = {}  # row -> (why it ended, the end id that ended it or None)
-        try:
-            out = generate(self.model, [p for j in making for p in j.prompts],
-                           [j.settings for j in making for _ in j.prompts],
-                           stop_ids(self.tokenizer), self.tokenizer,
-                           on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
-                           cancelled=lambda i: owner[i][0].cancelled,
-                           on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end))) if making else []
-        except Exception as e:  # the engine's refusal (memory), or a bug: the requests fail, the server goes on
-            if len(jobs) > 1 and not any(j.heard for j in jobs):
-                for j in jobs:  # nothing sent yet: each request alone, so one's failure stays its own
-                    self.serve([j])
-                return
-            for j in jobs:
-                j.put(Event(error=failure(e)))
-            return
-        ended = [Ended(job, c, ids, *reasons[i]) for i, ((job, c), ids) in enumerate(zip(owner, out))
-                 if i in reasons]  # a cancelled row has no reason, and no reader
-        ended += [Ended(job, c, [], "length") for job in jobs if not job.generating for c in range(job.choices)]
-        self.finish(ended)
-
-    def finish(self, ended: list[Ended]):
-        """Each ended choice's last event, with its logprobs when the job asks for them: the sequences of every
-        such choice of the batch scored together, the end token that ended a choice among them (its text is no
-        part of the answer), as OpenAI's API has it."""
-        asked = [e for e in ended if e.job.scoring.logprobs is not None]
-        try:
-            scores = score(self.model, [e.sequence() for e in asked],
-                           max((e.job.scoring.logprobs for e in asked), default=0))
-        except Exception as error:  # memory, or a bug: only the jobs that asked fail
-            for job in {id(e.job): e.job for e in asked}.values():
-                job.put(Event(error=failure(error)))
-            asked, scores, ended = [], [], [e for e in ended if e.job.scoring.logprobs is None]
-        scored = {id(e): s for e, s in zip(asked, scores)}
-        for e in ended:
-            logprobs = None
-            if id(e) in scored and e.job.chat:  # the reply's tokens, the end token left out
-                logprobs = chat_logprobs_object(self.text_of, self.bytes_of, e.prompt + e.ids, scored[id(e)], len(e.prompt),
-                                                e.job.scoring.logprobs)
-            elif id(e) in scored:
-                logprobs = logprobs_object(self.text_of, self.tokenizer, e.sequence(), scored[id(e)],
-                                           0 if e.job.scoring.echo else len(e.prompt), e.job.scoring.logprobs)
-            e.job.put(Event(e.choice, finish_reason=e.reason, tokens=len(e.ids), logprobs=logprobs))
-
-
-def failure(e: Exception) -> BadRequest:
-    """A failed generation's answer, by the scripts' own classes (errors.exit_code): 400 for bad input (a batch
-    too big for memory), else 500; a bug's traceback goes to the log."""
-    try:
-        code, line = exit_code(e)
-    except Exception:  # exit_code raises a bug again: keep its traceback, in the log
-        traceback.print_exception(e)
-        code, line = 1, None
-    message = line or str(e)
-    return BadRequest(message) if code == 2 else BadRequest(message, status=500, kind="server_error")
 
 
 # ----------------------------------------------------------------------------- requests

@@ -293,10 +293,10 @@ class ModelFiles:
 
 def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
     """The model of a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face folder, a Hub
-    model named hf:ORG/NAME (hf_hub.py) or a GGUF file (gguf_reader.py), checked name by name and shape by shape; CheckpointError with one line
-    for every failure. max_seq_len, when given, replaces the saved context length (it sizes the RoPE tables, no
-    weight); best picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run's
-    checkpoint adapts (its adapters are merged into it)."""
+    model named hf:ORG/NAME (hf_hub.py) or a GGUF file (gguf_reader.py), checked name by name and shape by shape;
+    CheckpointError with one line for every failure. max_seq_len, when given, replaces the saved context length
+    (it sizes the RoPE tables, no weight); best picks a run folder's best checkpoint instead of its newest; base:
+    the model a LoRA run's checkpoint adapts (its adapters are merged into it)."""
     if is_hub_name(path):
         path = resolve(path, max_seq_len)
     if is_hf_folder(path):

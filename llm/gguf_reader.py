@@ -145,7 +145,8 @@ def _dequantized(tensor, path: str, shape: tuple) -> torch.Tensor:
     gguf = gguf_package("reading a .gguf")
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)  # a copy of memory-mapped f32
+        # np.require copies what is read-only: an f32 tensor is the memory-mapped file itself.
+        return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
     except NotImplementedError:
         raise CheckpointError(f"{path}: {tensor.name} is of type {tensor.tensor_type.name}, which the gguf package "
                               "cannot dequantize; convert the model to another type (f16, q8_0, q4_k)") from None

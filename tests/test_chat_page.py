@@ -19,6 +19,7 @@ import torch
 
 import serve
 from conftest import save_model
+from llm import worker
 
 KEY = "sesame"
 MAX_TOKENS = 1500  # far more than a reply gets before Stop: only a cancelled generation ends early
@@ -96,7 +97,7 @@ def browser():
 def spy(monkeypatch):
     """Each engine call the server makes: its `cancelled` answers and its sequences' lengths once it returns.
     Each read pauses READ_PAUSE_S, so that a reply streams for seconds."""
-    calls, real = [], serve.generate
+    calls, real = [], worker.generate
 
     def engine(*args, cancelled=None, **kwargs):
         call = {"cancelled": False, "lengths": None, "done": threading.Event()}
@@ -110,7 +111,7 @@ def spy(monkeypatch):
         call["lengths"] = [len(o) for o in out]
         call["done"].set()
         return out
-    monkeypatch.setattr(serve, "generate", engine)
+    monkeypatch.setattr(worker, "generate", engine)
     return calls
 
 

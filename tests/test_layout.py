@@ -13,10 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation", "batches",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation",
+        "batches",
         "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
-        "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "gpu_training_optimized"]
+        "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "worker", "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
 TOOLS = ["bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",

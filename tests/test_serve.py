@@ -21,7 +21,7 @@ import torch
 
 import serve
 from config import SampleConfig
-from llm import openai_api
+from llm import openai_api, worker
 from llm.engine import generate, generate_text
 from llm.errors import RunFailure
 from llm.inference import load_for_inference
@@ -246,7 +246,7 @@ def test_an_abandoned_request_frees_its_rows(app, monkeypatch):
             time.sleep(0.01)
         told.set()
         return [[] for _ in range(len(prompts) * 16)]
-    monkeypatch.setattr(serve, "generate", engine)
+    monkeypatch.setattr(worker, "generate", engine)
     port = free_port()
     web = uvicorn.Server(uvicorn.Config(serve.app_for(server), port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, daemon=True)
@@ -395,7 +395,7 @@ def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None
     """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every body
     it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
     server, client = app
-    entered, release, real = threading.Event(), threading.Event(), serve.generate
+    entered, release, real = threading.Event(), threading.Event(), worker.generate
 
     def engine(model, prompts, *args, **kwargs):
         if not entered.is_set():
@@ -404,7 +404,7 @@ def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None
         if fail_on in prompts:
             raise RunFailure("out of memory (injected)")
         return real(model, prompts, *args, **kwargs)
-    monkeypatch.setattr(serve, "generate", engine)
+    monkeypatch.setattr(worker, "generate", engine)
 
     def ask(body):
         r = client.post("/v1/completions", json={"max_tokens": 4, "temperature": 0, **body})

@@ -450,7 +450,8 @@ def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, capsys, 
     assert len(train) > 20 and train[-1]["lr_scale"] == pytest.approx(0.1, abs=0.03)
     assert max(r["lr_scale"] for r in train) == pytest.approx(1.0, abs=0.05)
     assert 1 <= len(evals) <= 6 and evals[-1]["step"] == train[-1]["step"]
-    assert all(b["step"] - a["step"] > len(train) / 12 for a, b in zip(evals, evals[1:])), ([e["step"] for e in evals], len(train))  # once: steps 210, 211
+    assert all(b["step"] - a["step"] > len(train) / 12 for a, b in zip(evals, evals[1:])), (  # once: steps 210, 211
+        [e["step"] for e in evals], len(train))
     share = float(re.search(r"evaluation: \d+ in [\d.]+ s, ([\d.]+)%", capsys.readouterr().out).group(1))
     assert share < 10  # EVAL_SHARE is 5%: the first evaluation's cost is a guess, and the machine may be busy
     state = ckpt_io.load_trainer_state(ckpt_io.latest_checkpoint(str(run)))

@@ -27,9 +27,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
+from config import SampleConfig
+from llm.engine import generate_text
 from llm.errors import ConfigError, error_contract
 from llm.evaluation import bits_per_byte
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
+from llm.tokenizer import chat_prompt_ids, stop_ids
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 OPEN, CLOSE = "Certainly!", "Have a great day!"
@@ -74,14 +78,17 @@ def held_out(n: int = 12) -> list[str]:
 
 def measure(path: str, base: str, texts: list[str]) -> dict:
     """Style rate, general answers kept and bits per byte on general text of one model."""
-    from text_generator import TextGenerator
-    g = TextGenerator(path, base=base, compile="false")
-    reply = lambda q: g.chat([{"role": "user", "content": q}], temperature=0, max_new_tokens=40).strip()  # noqa: E731
+    model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="false")
+    greedy = SampleConfig(temperature=0, max_new_tokens=40, compile="false")
+
+    def reply(question: str) -> str:
+        prompt = chat_prompt_ids(tok, [{"role": "user", "content": question}])
+        return generate_text(model, tok, [prompt], greedy, stop_ids(tok))[0][0].strip()
     style = [reply(q) for q in held_out()]
     general = [(q, reply(q)) for q, _ in GENERAL]
     return {"style": sum(r.startswith(OPEN) and r.endswith(CLOSE) for r in style) / len(style),
             "kept": sum(bool(re.search(pattern, r, re.I)) for (_, r), (_, pattern) in zip(general, GENERAL)),
-            "bpb": bits_per_byte(g.model, g.tokenizer, texts)["bits_per_byte"], "style_replies": style[:3],
+            "bpb": bits_per_byte(model, tok, texts)["bits_per_byte"], "style_replies": style[:3],
             "general_replies": general}
 
 
@@ -99,7 +106,8 @@ def train(args, name: str, flags: str, chats: str) -> dict:
         print(f"training {name}: {' '.join(cmd[2:])}", flush=True)
         with open(run + ".log", "w", encoding="utf-8") as f:
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
-                sys.exit(f"error: {name} failed; the end of {run}.log:\n" + "".join(open(run + ".log").readlines()[-5:]))
+                tail = "".join(open(run + ".log", encoding="utf-8").readlines()[-5:])
+                sys.exit(f"error: {name} failed; the end of {run}.log:\n{tail}")
     trains = read_metrics(run, "train")
     seconds = [1 / r["steps_per_s"] for r in trains if r.get("steps_per_s")]
     return {"run": run, "loss": trains[-1]["loss"] if trains else float("nan"),
