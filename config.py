@@ -179,7 +179,9 @@ class TrainConfig:
     max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
                                    "final evaluation and checkpoint inside it; 0: automatic (10 on a CPU when "
                                    "max_steps is automatic, else none)")
-    optimizer: Literal["muon", "adamw"] = arg("muon", "muon: Muon for hidden matrices + AdamW for the rest")
+    optimizer: Literal["auto", "muon", "adamw"] = arg("auto", "muon: Muon for hidden matrices + AdamW for the rest; "
+                                                      "adamw: AdamW for all; auto: muon from scratch, adamw when "
+                                                      "fine-tuning (--init_from), as measured")
     learning_rate: float = arg(AUTO, "peak AdamW learning rate (embeddings, head, norms; everything if adamw); "
                                      "0: automatic")
     muon_lr: float = arg(AUTO, "peak Muon learning rate for the hidden matrices; 0: automatic")

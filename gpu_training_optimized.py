@@ -40,7 +40,7 @@ from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
                         lora_start, resume_point)
 from llm.schedule import RunClock, StopFlag, lr_multiplier
-from llm.sizing import fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
+from llm.sizing import fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch, loss_chunk_rows
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -283,7 +283,7 @@ class Settled:
 
 def settle(cfg: Config, dist, device: torch.device) -> Settled:
     """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
-    fields, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
+    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
     tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot run before the
     model is built."""
     init = None
@@ -296,8 +296,9 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     if saved:
         cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
         notes += carried
+    cfg, tuned = fill_fine_tuning(cfg)  # before the presets' rates, which are for training from scratch
     cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
-    dist.print("\n".join([describe(cfg), *notes, *sized]))
+    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
     data = prepare_once(cfg, dist)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)

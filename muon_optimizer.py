@@ -302,13 +302,14 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> dict[str, list[
 
 
 def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
-    """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone."""
-    if cfg.optimizer not in ("muon", "adamw"):
+    """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone; "auto" is
+    Muon here (the trainer's sizing turns it into adamw for a fine-tuning run first)."""
+    if cfg.optimizer not in ("auto", "muon", "adamw"):
         raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
     if not (cfg.learning_rate > 0 and cfg.muon_lr > 0):
         raise ValueError(f"learning_rate={cfg.learning_rate} and muon_lr={cfg.muon_lr} must be positive: fill the "
                          "automatic ones (sizing.fill_automatic) before building the optimizer")
-    groups = split_parameters(model, use_muon=cfg.optimizer == "muon")
+    groups = split_parameters(model, use_muon=cfg.optimizer != "adamw")
     parts = {}
     if groups["muon"]:
         parts["muon"] = Muon([{"name": "muon", "params": groups["muon"], "initial_lr": cfg.muon_lr}],

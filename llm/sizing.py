@@ -7,6 +7,9 @@ changed. Every choice comes back as a line for the start report, saying why.
   of the GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger
   than its data memorises it); four passes over the corpus.
 - --auto_micro_batch on CUDA: the largest micro-batch whose step fits, found by trying (fit_micro_batch).
+- --init_from (fine-tuning a pretrained model): AdamW (optimizer auto) at the rates of FINE_TUNING_RATES, for LoRA
+  adapters or every weight; the presets' rates are for training from scratch, and on a pretrained model they undo
+  what it knew. From scratch, optimizer auto is Muon.
 """
 
 import math
@@ -39,6 +42,13 @@ class Machine:
     name: str  # for the report
     memory: int = 0  # bytes of GPU memory; 0 off CUDA
 
+
+# Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py (docs/fine-tuning.md):
+# the chats' style learned while general answers and general text's bits per byte hold. AdamW kept them best, for
+# adapters and whole weights; muon_lr serves a fine-tuning run given --optimizer muon.
+FINE_TUNING_OPTIMIZER = "adamw"
+FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
+                     "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
 
 LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # block weights; auto: bf16, as on a GPU
 
@@ -130,8 +140,29 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
     return CPU_SIZE, f"no larger preset fits {budget / 2**30:.1f} GiB of {machine.name}{feeds}"
 
 
+def fill_fine_tuning(cfg: Config) -> tuple[Config, list[str]]:
+    """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
+    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are."""
+    t = cfg.train
+    if not t.init_from:
+        return cfg, []
+    kind = "lora" if t.lora_rank else "full"
+    chosen = {"optimizer": FINE_TUNING_OPTIMIZER} if t.optimizer == "auto" else {}
+    chosen |= {k: v for k, v in FINE_TUNING_RATES[kind].items() if getattr(t, k) == AUTO}
+    if not chosen:
+        return cfg, []
+    what = "LoRA adapters on" if t.lora_rank else "every weight of"
+    values = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items())
+    return replace(cfg, train=replace(t, **chosen)), [
+        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; the presets' rates are for "
+        "training from scratch)"]
+
+
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[Config, list[str]]:
-    """cfg with its automatic shape, batch and rates filled, and one report line saying with what and why."""
+    """cfg with its automatic shape, batch and rates filled, and one report line saying with what and why; an
+    optimizer still automatic (a run from scratch) is Muon."""
+    if cfg.train.optimizer == "auto":
+        cfg = replace(cfg, train=replace(cfg.train, optimizer="muon"))
     wanted = cfg.model.automatic() + [k for k in cfg.train.automatic()
                                       if k not in ("max_steps", "max_minutes", "eval_batches")]
     if not wanted:

@@ -1,6 +1,7 @@
 """LoRA: adapters trained on a frozen base, checked against PEFT on transformers (the merged export and the adapter
 folder both give the logits our merge gives), resumed exactly, and refused in one line where they cannot work."""
 
+import json
 import os
 import re
 
@@ -171,3 +172,28 @@ def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run,
     line = exit_line(export_hf.main, [str(lora_run), str(tmp_path / "x"), "--adapter_only", "--base",
                                       tiny_checkpoint], capsys)
     assert "transformers cannot load by name" in line and "--base BASE_HF" in line
+
+
+def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path, capsys):
+    """--init_from with the rates left automatic trained a pretrained model's adapters at the tiny preset's rates
+    for training from scratch (Muon 0.03, AdamW 5e-3), which undid what it knew (docs/fine-tuning.md); LoRA and
+    full fine-tuning now take AdamW at the measured rates of sizing.FINE_TUNING_RATES, the start report says so,
+    and a value given on the command line still wins. A run from scratch keeps Muon."""
+    from llm.sizing import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
+    chats = write_greetings(tmp_path / "chats.jsonl", 40)
+    common = ["--init_from", str(qwen3_folder), "--sources", chats, "--cache_dir", str(tmp_path / "cache"),
+              "--micro_batch_size", "4", "--max_steps", "2", "--compile", "off"]
+    for name, extra, kind in (("lora", ["--lora_rank", "4"], "lora"), ("full", [], "full"),
+                              ("given", ["--lora_rank", "4", "--muon_lr", "0.01"], "lora")):
+        assert trainer.main([*common, "--run_dir", str(tmp_path / name), *extra]) == 0
+        train = json.loads((tmp_path / name / "config.json").read_text())["train"]
+        want = {**FINE_TUNING_RATES[kind], "optimizer": FINE_TUNING_OPTIMIZER,
+                **({"muon_lr": 0.01} if name == "given" else {})}
+        assert {k: train[k] for k in want} == want, name
+        report = capsys.readouterr().out
+        assert ("fine-tuning LoRA adapters on" if kind == "lora" else "fine-tuning every weight of") in report
+        assert "learning_rate=0.005" not in report and "muon_lr=0.03" not in report
+    scratch = tmp_path / "scratch"
+    assert trainer.main(["--preset", "tiny", "--sources", chats, "--cache_dir", str(tmp_path / "cache2"), "--run_dir",
+                         str(scratch), "--max_steps", "1", "--compile", "off", "--micro_batch_size", "2"]) == 0
+    assert json.loads((scratch / "config.json").read_text())["train"]["optimizer"] == "muon"
