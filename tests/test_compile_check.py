@@ -6,6 +6,7 @@ import importlib.util
 import compile_check
 import fake_gpu
 import pytest
+import roofline
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="this torch has Triton")
@@ -26,3 +27,35 @@ def test_sdpa_backend_names_come_from_the_ops_that_ran():
     ops = {"_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward", "mm"}
     assert compile_check.sdpa_backends(ops) == "cudnn"
     assert compile_check.sdpa_backends({"mm"}) == "none"
+
+
+@pytest.mark.slow
+def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
+    """The step estimate's arithmetic against counts made by hand: a matmul of known shape at max(its FLOPs at
+    the peak, its bytes at the bandwidth), called twice; an element-wise kernel at its bytes (one read, one write),
+    called once. Inductor compiles them for the CPU here; the nodes and their counts are the same kinds."""
+    import torch
+    from torch._inductor.output_code import CompiledFxGraph
+    for name in ("__init__", "__call__"):  # install() replaces them: put them back after the test
+        monkeypatch.setattr(CompiledFxGraph, name, getattr(CompiledFxGraph, name))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    gpu = fake_gpu.GPUS["h100"]
+    roof = roofline.Roofline(gpu)
+    roof.install()
+    m, k, n = 256, 512, 1024
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    matmul, scale = torch.compile(lambda x, y: x @ y), torch.compile(lambda x: x * 2 + 1)
+    roof.counting = True
+    matmul(a, b)
+    matmul(a, b)
+    scale(a)
+    roof.counting = False
+    estimate = roof.step(tokens=m)
+    bandwidth = gpu.mem_clock_khz * 1e3 * 2 * gpu.bus_bits / 8  # 3.35 TB/s, the H100's datasheet figure
+    assert 3.3e12 < bandwidth < 3.4e12
+    one_matmul = max(2 * m * k * n / (gpu.tflops["tf32"] * 1e12), 4 * (m * k + k * n + m * n) / bandwidth)
+    assert estimate["roofline_matmul_ms"] == pytest.approx(2e3 * one_matmul, rel=1e-6)
+    assert estimate["roofline_other_ms"] == pytest.approx(1e3 * 2 * 4 * m * k / bandwidth, rel=1e-6)
+    assert estimate["roofline_mfu"] == pytest.approx(
+        2 * 2 * m * k * n / (estimate["roofline_ms"] / 1e3) / (gpu.tflops["bf16"] * 1e12), rel=1e-6)

@@ -104,7 +104,8 @@ def test_the_documentation_runs_every_script():
     """Each script a user runs has its commands in the README, and every tool somewhere in the docs."""
     in_readme = {script for _, script, _ in documented_calls(["README.md"])}
     assert set(RUN_SCRIPTS) <= in_readme
-    assert {f"tools/{t}" for t in TOOLS} - {"tools/fake_gpu", "tools/compile_check"} <= {s for _, s, _ in CALLS}
+    assert {f"tools/{t}" for t in TOOLS} - {"tools/fake_gpu", "tools/compile_check", "tools/roofline"} <= {
+        s for _, s, _ in CALLS}
 
 
 @pytest.mark.parametrize("where,script,argv", CALLS, ids=[f"{w} {s}" for w, s, _ in CALLS])
@@ -177,7 +178,7 @@ def test_links_land_on_pages_and_headings_that_exist():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", RUN_SCRIPTS + [f"tools/{t}" for t in TOOLS if t != "fake_gpu"])
+@pytest.mark.parametrize("script", RUN_SCRIPTS + [f"tools/{t}" for t in TOOLS if t not in ("fake_gpu", "roofline")])
 def test_every_script_starts_from_a_clean_checkout(script):
     """The cheap command of every script, its --help, runs as a user would run it."""
     r = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True,

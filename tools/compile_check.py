@@ -30,6 +30,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from fake_gpu import GPUS, fake_gpu_env, shim_library
+from roofline import Roofline
 
 from llm.errors import error_contract
 
@@ -75,6 +76,9 @@ class DeviceMemory:
 
     def _free(self, n: int):
         self.now -= n
+
+
+ROOFLINE = None  # the child's Roofline, when it checks a configuration
 
 
 UNALIGNED = []  # matmuls whose padding Inductor would decide by timing: "MxK @ KxN"
@@ -157,16 +161,22 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     evaluates = lambda: evaluation_forward(b, batches)  # noqa: E731  FP8's own graph, warmed before the loop
     if b.evaluator is not b.raw_model:
         evaluates()
+    ROOFLINE.watch_optimizer(b.opt)
     train_step(b, batches, 0, cfg.train, dist)
     torch._dynamo.config.error_on_recompile = True  # "unexpected recompile" is an error from here on
     for step in (1, 2):
+        ROOFLINE.counting = step == 1  # the calls of one whole step, compiled
         train_step(b, batches, step, cfg.train, dist)
+        ROOFLINE.counting = False
         evaluates()  # an evaluation between steps compiles nothing (or runs eagerly, without FP8)
     memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt), batches.x, batches.y])
     memory.weights.update({p.untyped_storage(): True for p in b.raw_model.parameters()})
-    with torch.compiler.set_stance("force_eager"), memory.mode:  # dynamo compiles nothing under a dispatch mode
+    # Dynamo compiles nothing under a dispatch mode: this step runs eagerly, op by op, for the modes to see.
+    with torch.compiler.set_stance("force_eager"), memory.mode, ROOFLINE.eager_mode():
         train_step(b, batches, 3, cfg.train, dist)
-    return {"peak_gib": memory.peak / 2**30, "estimate_gib": training_bytes_estimate(cfg) / 2**30,
+    tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.max_seq_len
+    return {**ROOFLINE.step(tokens), "peak_gib": memory.peak / 2**30,
+            "estimate_gib": training_bytes_estimate(cfg) / 2**30,
             "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
             "weight_casts_gib": memory.cast_bytes / 2**30,
             "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device), "loss_scaling": b.scaler is not None}
@@ -254,7 +264,11 @@ def child(name: str, library: str) -> dict:
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
     torch._inductor.config.wrap_inductor_compiled_regions = True  # compiled code runs as fake propagation
+    torch._inductor.config.fx_graph_cache = False  # every graph compiled here, so the roofline costs it
     choose_without_timing()
+    global ROOFLINE
+    ROOFLINE = Roofline(GPUS[CONFIGS[name][1]])
+    ROOFLINE.install()
     start, failure, result = time.time(), None, {}
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -329,25 +343,35 @@ def run_all(names: list[str]) -> int:
     return 0
 
 
+def roofline_text(r: dict) -> str:
+    """The step's roofline estimate in a few words, or n/a (generation has none)."""
+    if r.get("roofline_ms") is None:
+        return "n/a"
+    mfu = f", MFU {r['roofline_mfu']:.0%}" if r.get("roofline_mfu") else ""
+    return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other {r['roofline_other_ms']:.1f}, "
+            f"optimizer {r['roofline_optimizer_ms']:.1f}){mfu}")
+
+
 def row_line(r: dict) -> str:
     if not r["ok"]:
         return f"  FAILED: {'; '.join(r['problems'])}"
     casts = f", weight casts {r['weight_casts_gib']:.2f} GiB a step ({r['weight_casts_ms']:.2f} ms)" \
         if "weight_casts_gib" in r else ""
-    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}, {r['seconds']:.0f} s"
+    roof = f", roofline estimate {roofline_text(r)}" if r.get("roofline_ms") is not None else ""
+    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}{roof}, {r['seconds']:.0f} s"
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| configuration | GPU | result | Triton kernels (cubin) | graphs | SDPA backend | fake-tensor peak GiB "
-             "| sizing estimate GiB | weight casts a step | seconds |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| sizing estimate GiB | weight casts a step | step time, roofline estimate | seconds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         est = f"{r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else "n/a"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
         casts = f"{r['weight_casts_gib']:.2f} GiB, {r['weight_casts_ms']:.2f} ms" if "weight_casts_gib" in r else "n/a"
         lines.append(f"| {r['name']} | {GPUS[r['gpu']].name} | {'ok' if r['ok'] else 'FAILED'} | "
                      f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | {peak} | "
-                     f"{est} | {casts} | {r.get('seconds', 0):.0f} |")
+                     f"{est} | {casts} | {roofline_text(r)} | {r.get('seconds', 0):.0f} |")
     return "\n".join(lines)
 
 

@@ -29,15 +29,16 @@ class FakeGPU:
     clock_khz: int
     mem_clock_khz: int
     bus_bits: int
+    tflops: dict  # dense tensor-core TFLOPS by operand type (NVIDIA's datasheets, without 2:4 sparsity)
 
 
 GPUS = {
     "h100": FakeGPU("NVIDIA H100 80GB HBM3", 9, 0, 132, 85_520_809_984, 232_448, 233_472, 52_428_800, 1_980_000,
-                    2_619_000, 5120),
+                    2_619_000, 5120, {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),
     "rtx4090": FakeGPU("NVIDIA GeForce RTX 4090", 8, 9, 128, 25_393_692_672, 101_376, 102_400, 75_497_472,
-                       2_520_000, 10_501_000, 384),
+                       2_520_000, 10_501_000, 384, {"bf16": 165.2, "fp8": 330.3, "tf32": 82.6, "fp32": 82.6}),
     "a100": FakeGPU("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85_097_971_712, 166_912, 167_936, 41_943_040, 1_410_000,
-                    1_593_000, 5120),
+                    1_593_000, 5120, {"bf16": 312.0, "fp8": 312.0, "tf32": 156.0, "fp32": 19.5}),  # no fp8 units
 }
 
 SHIM = r"""

@@ -1,0 +1,110 @@
+"""The GPU step costed without a GPU: a roofline estimate of a training step from what Inductor compiled.
+
+compile_check.py installs a Roofline in each configuration's fake-GPU process; its table then gives the step's
+time as an estimate (the model's matmuls, its other kernels, the optimizer) and the MFU it implies. It is the
+yardstick for a change that claims GPU speed: the estimate moves when kernels, bytes or casts do. It is a lower
+bound of the step, never a measurement.
+"""
+
+
+class Roofline:
+    """An estimate of one training step's time on the GPU, from what Inductor compiled (no kernel runs here):
+    each node of each compiled graph (a Triton kernel, or a cuBLAS call) at max(its FLOPs at the GPU's dense
+    peak for its operand type, its bytes read and written at the memory bandwidth), times the calls a step makes
+    of that graph; plus the optimizer's eager kernels (fused AdamW, Muon's foreach updates), which no graph
+    holds, by the bytes they move. A lower bound of the step: no launch gaps, no kernel below its roofline."""
+
+    def __init__(self, gpu):
+        self.tflops, self.bandwidth = gpu.tflops, gpu.mem_clock_khz * 1e3 * 2 * gpu.bus_bits / 8
+        self.graphs = {}  # id(compiled graph) -> (seconds in matmul nodes, in the others, FLOPs) of one call
+        self.calls, self.counting = {}, False  # (id(graph), called by the optimizer) -> calls in the counted step
+        self.optimizer_s, self.in_optimizer, self.in_ns = 0.0, False, False
+
+    def install(self):
+        """Cost every graph Inductor compiles from here on, and count the calls made while counting is on."""
+        from torch._inductor.output_code import CompiledFxGraph
+        roof, init, call = self, CompiledFxGraph.__init__, CompiledFxGraph.__call__
+
+        def costed_init(graph_obj, current_callable, graph, *args, **kwargs):
+            init(graph_obj, current_callable, graph, *args, **kwargs)
+            roof.graphs[id(graph_obj)] = roof.cost(graph)
+
+        def counted_call(graph_obj, inputs):
+            if roof.counting:  # the optimizer's graphs (Newton-Schulz) apart from the model's
+                key = (id(graph_obj), roof.in_optimizer)
+                roof.calls[key] = roof.calls.get(key, 0) + 1
+            return call(graph_obj, inputs)
+        CompiledFxGraph.__init__, CompiledFxGraph.__call__ = costed_init, counted_call
+
+    def peak(self, dtype, scaled: bool) -> float:
+        import torch
+        kind = "fp8" if scaled else {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32"}.get(
+            dtype, "fp32")
+        return self.tflops[kind] * 1e12
+
+    def cost(self, graph) -> tuple[float, float, float]:
+        """(seconds in matmul nodes, seconds in the others, FLOPs) of one call of a compiled graph."""
+        matmul = other = flops = 0.0
+        for node in graph.scheduler.nodes:
+            moved = node.get_read_write_buffers_sizes() / self.bandwidth
+            try:
+                f = float(node.estimate_flops() or 0)
+            except Exception:  # a node Inductor cannot count (a template, a view): its bytes alone
+                f = 0.0
+            if not f:
+                other += moved
+                continue
+            kernel = getattr(node.node, "python_kernel_name", "") or ""
+            matmul += max(f / self.peak(node.node.get_dtype(), "scaled_mm" in kernel), moved)
+            flops += f
+        return matmul, other, flops
+
+    def eager_mode(self):
+        """A dispatch mode adding the bytes of the optimizer's eager kernels (outside Newton-Schulz, which is
+        compiled on a GPU and costed as a graph) to the optimizer's share, for the step run under it."""
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        roof = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if roof.in_optimizer and not roof.in_ns:
+                    moved = sum(t.nbytes for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+                                and t.device.type == "cuda")
+                    roof.optimizer_s += moved / roof.bandwidth
+                return out
+        return Mode()
+
+    def watch_optimizer(self, opt):
+        """Mark when opt.step runs, and when inside it Newton-Schulz does."""
+        roof, step = self, opt.step
+
+        def marked(fn, flag):
+            def run(*args, **kwargs):
+                setattr(roof, flag, True)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    setattr(roof, flag, False)
+            return run
+        opt.step = marked(step, "in_optimizer")
+        for part in getattr(opt, "optimizers", []):
+            if hasattr(part, "_zeropower"):
+                part._zeropower = marked(part._zeropower, "in_ns")
+
+    def step(self, tokens: int) -> dict:
+        """The estimate of one step from the counts: milliseconds of the model's matmuls, of its other kernels,
+        of the optimizer (its graphs and its eager kernels), and the MFU it implies: the model's FLOPs (as
+        Inductor counts them, attention included; a frozen base computes no weight gradients) at the bf16 peak."""
+        def seconds(part: int, optimizer: bool) -> float:
+            return sum(self.graphs[g][part] * n for (g, opt), n in self.calls.items()
+                       if opt == optimizer and g in self.graphs)
+        matmul, other, model_flops = seconds(0, False), seconds(1, False), seconds(2, False)
+        optimizer = self.optimizer_s + seconds(0, True) + seconds(1, True)
+        total = matmul + other + optimizer
+        return {"roofline_ms": 1e3 * total, "roofline_matmul_ms": 1e3 * matmul, "roofline_other_ms": 1e3 * other,
+                "roofline_optimizer_ms": 1e3 * optimizer,
+                "roofline_mfu": model_flops / total / (self.tflops["bf16"] * 1e12) if total else None,
+                "roofline_tokens_per_s": tokens / total if total else None}
