@@ -346,7 +346,7 @@ def run_all(names: list[str]) -> int:
 def roofline_text(r: dict) -> str:
     """The step's roofline estimate in a few words, or n/a (generation has none)."""
     if r.get("roofline_ms") is None:
-        return "n/a"
+        return f"not costed ({r['roofline_missing']})" if r.get("roofline_missing") else "n/a"
     mfu = f", MFU {r['roofline_mfu']:.0%}" if r.get("roofline_mfu") else ""
     return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other {r['roofline_other_ms']:.1f}, "
             f"optimizer {r['roofline_optimizer_ms']:.1f}){mfu}")
