@@ -196,7 +196,9 @@ class TrainConfig:
     adam_eps: float = arg(1e-8, "AdamW epsilon")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
     warmup_ratio: float = arg(0.05, "fraction of the run (its steps, or its time budget) warming the rate up")
-    lr_schedule: Literal["cosine", "cosine_restarts", "constant"] = arg("cosine", "shape after warmup")
+    lr_schedule: Literal["cosine", "cosine_restarts", "constant", "wsd"] = arg(
+        "cosine", "shape after warmup; wsd: warmup-stable-decay, the peak held, then a linear decay at the end")
+    decay_ratio: float = arg(0.2, "wsd: the fraction of the run, at its end, decaying linearly to min_lr_ratio")
     restart_cycles: int = arg(4, "cosine cycles over the run for cosine_restarts")
     min_lr_ratio: float = arg(0.1, "the schedule's floor, as a fraction of the peak")
     eval_interval: int = arg(AUTO, "evaluate every this many steps (and at the end); 0: six evaluations spread "
@@ -249,6 +251,8 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
         _require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(0 < self.decay_ratio <= 1 - self.warmup_ratio, "decay_ratio", self.decay_ratio,
+                 "must be in (0, 1 - warmup_ratio]")
 
     def automatic(self) -> list[str]:
         """The fields still left for sizing.py to choose."""

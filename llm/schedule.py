@@ -29,12 +29,17 @@ EVAL_COST_MARGIN, FIRST_EVAL_MARGIN = 1.5, 4.0
 
 
 def lr_multiplier(progress: float, t) -> float:
-    """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio, or
-    constant. progress is the fraction of the run done when the step ends, in (0, 1]."""
+    """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio,
+    constant, or wsd: the peak held until the last decay_ratio of the run, which decays linearly to
+    min_lr_ratio (the speedrun recipes' schedule). progress is the fraction of the run done when the step
+    ends, in (0, 1]."""
     if progress < t.warmup_ratio:
         return progress / t.warmup_ratio
     if t.lr_schedule == "constant":
         return 1.0
+    if t.lr_schedule == "wsd":
+        left = (1.0 - progress) / t.decay_ratio  # 1 where the decay starts, 0 at the end
+        return 1.0 if left >= 1 else t.min_lr_ratio + (1 - t.min_lr_ratio) * max(0.0, left)
     x = min(1.0, (progress - t.warmup_ratio) / (1 - t.warmup_ratio))
     if t.lr_schedule == "cosine_restarts" and x < 1:
         x = x * t.restart_cycles % 1.0

@@ -3,6 +3,7 @@
 import json
 import time
 
+import ablate
 import bench
 import compare_optimizers as cmp
 import pytest
@@ -10,6 +11,24 @@ import pytest
 SMALL = ["--vocab_size", "128", "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_len", "16", "--micro_batch_size", "2", "--compile", "off",
          "--precision", "fp32", "--device", "cpu"]
+
+
+def test_the_ablation_table_gives_each_seeds_change_against_its_own_baseline():
+    """A variant is compared seed by seed with the baseline run on the same seed: per-seed changes, their mean."""
+    results = [{"name": "baseline", "seed": 0, "val_bpb": 1.50}, {"name": "wsd", "seed": 0, "val_bpb": 1.40},
+               {"name": "baseline", "seed": 1, "val_bpb": 1.60}, {"name": "wsd", "seed": 1, "val_bpb": 1.58}]
+    rows = ablate.table(results, [0, 1]).splitlines()
+    assert rows[2] == "| baseline | 1.5000 | 1.6000 | 1.5500 |  |"
+    assert rows[3] == "| wsd | 1.4000 | 1.5800 | 1.4900 | -0.0600 (per seed -0.1000, -0.0200) |"
+
+
+def test_ablation_variants_need_a_name_of_their_own():
+    from llm.errors import ConfigError
+    assert ablate.variants_of(ablate.parse_args(["--variants", "a=--x 1", "b="])) == {
+        "baseline": [], "a": ["--x", "1"], "b": []}
+    for bad in (["a=--x", "a=--y"], ["baseline=--x"], ["noflags"]):
+        with pytest.raises(ConfigError):
+            ablate.variants_of(ablate.parse_args(["--variants", *bad]))
 
 
 def test_mean_curve_averages_seeds_step_by_step():

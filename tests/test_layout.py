@@ -20,7 +20,7 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "worker", "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
-TOOLS = ["bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
+TOOLS = ["ablate", "bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
          "finetune_check", "compile_check", "fake_gpu", "gpu_check", "roofline"]  # in tools/
 # A tool may build on another only where declared here.
 TOOL_BASES = {"gpu_check": {"bench", "compile_check"}, "compile_check": {"bench", "fake_gpu", "roofline"},

@@ -130,6 +130,8 @@ def test_lr_schedule_warmup_cosine_floor_and_restarts():
     r = TrainConfig(warmup_ratio=0.1, lr_schedule="cosine_restarts", restart_cycles=4)
     assert lr_multiplier(0.325 + 1e-9, r) == pytest.approx(1.0) and lr_multiplier(0.32, r) < 0.2
     assert lr_multiplier(1.0, r) == pytest.approx(0.1)  # the last cycle ends at the floor, not back at the peak
+    w = TrainConfig(warmup_ratio=0.1, lr_schedule="wsd", decay_ratio=0.2, min_lr_ratio=0.0)
+    assert [lr_multiplier(p, w) for p in (0.05, 0.1, 0.5, 0.8, 0.9, 1.0)] == pytest.approx([0.5, 1, 1, 1, 0.5, 0])
     steps = TrainConfig(max_steps=20, warmup_ratio=0.1)
     clock = RunClock(steps, time.monotonic())
     assert [clock.progress(s) for s in (0, 1, 19)] == [0.05, 0.1, 1.0]  # (step + 1) / max_steps
