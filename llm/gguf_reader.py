@@ -18,7 +18,7 @@ import torch
 from config import ModelConfig
 from llm.errors import CheckpointError, ConfigError
 from llm.gguf_format import BLOCK, QWEN2_PATTERN, TOP, gguf_package, uninterleave_rope
-from llm.hf_families import _family_field
+from llm.hf_families import family_field
 from llm.hf_format import check_context, check_declared_size, check_weights, expected_shapes
 from llm.tokenizer import GPT4_PATTERN, TOKENIZER_FILE
 from modern_llm import is_stored
@@ -46,8 +46,9 @@ def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
     reader = _open(path)
     meta = _metadata(reader, path)
     cfg = _model_config(meta, reader, path, max_seq_len)
-    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}: {cfg.family}.context_length")
-    names = _our_names(meta["general.architecture"], cfg.num_hidden_layers)
+    arch = meta["general.architecture"]
+    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}: {arch}.context_length")
+    names = _our_names(arch, cfg.num_hidden_layers)
     shapes = {names.get(t.name, t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     shapes = {k: v for k, v in shapes.items() if k != "rope_freqs.weight"}  # llama3 scaling: refused with the config
     check_declared_size(cfg, shapes, path)
@@ -57,7 +58,7 @@ def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
         name = names[t.name]
         if is_stored(name, cfg):
             state[name] = _dequantized(t, path, shapes[name])
-    if meta["general.architecture"] == "llama":  # llama.cpp rotates adjacent channel pairs; we rotate halves
+    if arch == "llama":  # llama.cpp rotates adjacent channel pairs; we rotate halves
         for name in [k for k in state if k.endswith(("q_proj.weight", "k_proj.weight"))]:
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             state[name] = uninterleave_rope(state[name], heads)
@@ -123,7 +124,7 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
             rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
             qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2",
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-            family=_family_field(arch))
+            family=family_field(arch))
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
 

@@ -154,7 +154,7 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
             max_seq_len=context, rope_theta=float(rope.get("rope_theta") or getattr(hf, "rope_theta", 10000.0)),
             rms_norm_eps=float(hf.rms_norm_eps), qk_norm=raw["model_type"] == "qwen3",
             qkv_bias=raw["model_type"] == "qwen2", tie_word_embeddings=bool(hf.tie_word_embeddings),
-            init_std=float(hf.initializer_range), family=_family_field(raw["model_type"]),
+            init_std=float(hf.initializer_range), family=family_field(raw["model_type"]),
             **({"rope_type": "llama3", **llama3} if llama3 else {}))
     except ConfigError as e:
         raise CheckpointError(f"{file} gives an invalid model shape: {e}") from None
@@ -168,7 +168,7 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
     return cfg
 
 
-def _family_field(model_type: str) -> str:
+def family_field(model_type: str) -> str:
     """ModelConfig.family of an import: auto where the flags say it already (a Qwen3, Qwen2 or Llama folder is then
     the same config as a model trained here), else the family itself."""
     qk_norm, qkv_bias = model_type == "qwen3", model_type == "qwen2"
