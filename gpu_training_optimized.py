@@ -323,7 +323,6 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
                    val_batches=batches[1], lora_meta=lora_meta)
 
 
-
 @dataclass
 class Run:
     """What the loop works with besides the model side (Built): the settled config, the data it reads, the clock
