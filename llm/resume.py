@@ -98,6 +98,8 @@ def carry_settings(cfg: Config, state: dict) -> tuple[Config, list[str]]:
         ours, theirs = getattr(cfg, section), saved.get(section, {})
         values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO
                   and not (k == "max_steps" and cfg.train.epochs)}  # --epochs sets the run's length anew
+        if section == "train" and ours.optimizer == "auto" and theirs.get("optimizer") in ("muon", "adamw"):
+            values["optimizer"] = theirs["optimizer"]  # the optimizer whose state the checkpoint holds
         sections[section] = replace(ours, **values)
         taken += [f"{k}={v}" for k, v in values.items()]
     return replace(cfg, **sections), [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []

@@ -296,3 +296,13 @@ def test_resume_with_another_optimizer_is_one_line(corpus, trained, tmp_path, ca
         trainer.run(argv_for(corpus, run, "--resume", "--max_steps", 6, "--optimizer", other))
     line = one_error_line(capsys, 2, e)
     assert f"--optimizer {saved}" in line
+
+
+def test_a_resume_takes_the_optimizer_its_checkpoint_was_trained_with(corpus, argv_for, tmp_path, capsys):
+    """--optimizer auto is Muon from scratch and AdamW when fine-tuning; a run trained with AdamW and resumed
+    with the optimizer left automatic continues with AdamW, whose state its checkpoint holds."""
+    run = tmp_path / "run"
+    assert trainer.run(argv_for(corpus, run, "--max_steps", 2, "--optimizer", "adamw")) == 0
+    assert trainer.run(argv_for(corpus, run, "--resume", "--max_steps", 4)) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["optimizer"] == "adamw"
+    assert "optimizer=adamw" in capsys.readouterr().out
