@@ -283,9 +283,9 @@ class Settled:
 
 def settle(cfg: Config, dist, device: torch.device) -> Settled:
     """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
-    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run length from the
-    tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot run before the
-    model is built."""
+    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run
+    length from the tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot
+    run before the model is built."""
     init = None
     if cfg.train.init_from:
         cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
