@@ -40,7 +40,8 @@ from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
                         lora_start, resume_point)
 from llm.schedule import RunClock, StopFlag, lr_multiplier
-from llm.sizing import fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch, loss_chunk_rows
+from llm.sizing import (fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch, loss_chunk_rows,
+                        matmul_attention)
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -94,6 +95,7 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
         raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
     if isinstance(raw_model, Transformer):
         raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
+        raw_model.use_matmul_attention(matmul_attention(cfg, machine(device)))
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)

@@ -33,6 +33,7 @@ EVAL_SHARE = 0.05  # automatic evaluations (val loss, code metric, samples) take
 LOGIT_BYTES = 12  # per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
 CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
 GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
+MATMUL_ATTENTION_ROWS = 256  # measured on a 2-core CPU: written out, attention is 2x faster at 128-256, slower at 512
 
 
 @dataclass
@@ -104,6 +105,12 @@ def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
     if rows * per_row <= room:
         return 0
     return max(GEMM_ROWS, int(room / 4 / per_row) // GEMM_ROWS * GEMM_ROWS)
+
+
+def matmul_attention(cfg: Config, machine: Machine) -> bool:
+    """Whether causal attention runs written out as matmuls and a softmax (modern_llm.causal_attention): in a
+    compiled step on a CPU with windows up to MATMUL_ATTENTION_ROWS, where the CPU's flash kernel is slower."""
+    return machine.kind == "cpu" and cfg.train.compile != "off" and cfg.model.max_seq_len <= MATMUL_ATTENTION_ROWS
 
 
 def _logit_bytes(cfg: Config) -> int:

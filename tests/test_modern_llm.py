@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import config
 from llm.inference import RowProductLinear
 from llm.sizing import count_parameters
-from modern_llm import Transformer, apply_rope, cross_entropy, rope_tables
+from modern_llm import Transformer, apply_rope, causal_attention, cross_entropy, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +78,35 @@ def naive_attention_logits(m: Transformer, ids: torch.Tensor) -> torch.Tensor:
     return rms(x, p["norm.weight"]) @ head.T
 
 
+@pytest.mark.parametrize("matmul_softmax", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 4, True), (4, 2, True), (4, 1, True), (4, 2, False)])
-def test_attention_matches_float64_reference(heads, kv_heads, qk_norm, tiny):
-    """SDPA with grouped heads must equal plain multi-head attention (MHA, GQA, MQA; with and without QK-norm)."""
+def test_attention_matches_float64_reference(heads, kv_heads, qk_norm, matmul_softmax, tiny):
+    """SDPA with grouped heads, and attention written out as the compiled CPU step runs it, must equal plain
+    multi-head attention (MHA, GQA, MQA; with and without QK-norm)."""
     m = model_of(tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, qk_norm=qk_norm))
+    m.use_matmul_attention(matmul_softmax)
     ids = torch.randint(0, 97, (2, 16))
     ours, _ = m(ids)
     ref = naive_attention_logits(m, ids)
     assert torch.allclose(ours.double(), ref, atol=2e-5, rtol=1e-4), (ours.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_written_out_attention_compiled_has_the_kernels_values_and_gradients(kv_heads):
+    """The compiled CPU step writes short causal attention out as two matmuls and a softmax (twice as fast as the
+    CPU's flash kernel there): compiled, in float64, its output and the gradients of q, k and v are SDPA's."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 24, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 24, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, 3, 24, 8, dtype=torch.float64)
+    gqa = kv_heads != 3
+    results = []
+    for f, on in ((causal_attention, False), (torch.compile(causal_attention, fullgraph=True), True)):
+        out = f(q, k, v, gqa, on)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    torch._dynamo.reset()
+    for kernel, written in zip(*results):
+        assert torch.allclose(kernel, written, atol=1e-12), (kernel - written).abs().max()
 
 
 def test_kv_cache_decode_matches_full_forward_for_ragged_batch(tiny):

@@ -1,6 +1,8 @@
 """Tests of sizing.py: automatic values fill only the fields left automatic, for the machine and corpus given
 (GPUs stubbed as Machine records), and every choice is reported with its reason."""
 
+from dataclasses import replace
+
 import pytest
 
 from config import Config, ModelConfig, TrainConfig, preset_tiny
@@ -92,3 +94,16 @@ def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(prese
         room = sizing.CPU_LOGITS_BYTES if not memory_gib else \
             0.8 * memory_gib * GIB - (sizing.training_bytes_estimate(cfg) - whole * cfg.model.vocab_size * 6)
         assert rows * cfg.model.vocab_size * sizing.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)
+
+
+@pytest.mark.parametrize("device,compile_mode,seq_len,written", [
+    ("cpu", "default", 256, True),  # the default CPU run: twice as fast as the CPU's flash kernel
+    ("cpu", "default", 512, False),  # slower than the kernel from 512 positions
+    ("cpu", "off", 256, False),  # eager, the kernel is faster
+    ("cuda", "default", 256, False),  # GPUs keep SDPA's flash and cuDNN kernels
+])
+def test_attention_is_written_out_only_in_a_compiled_cpu_step_of_short_rows(device, compile_mode, seq_len, written):
+    cfg = preset_tiny()
+    cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
+    machine = Machine("cuda", "GPU", 80 * GIB) if device == "cuda" else CPU
+    assert sizing.matmul_attention(cfg, machine) is written

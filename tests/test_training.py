@@ -106,6 +106,17 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
+    """build() gives the model what sizing.matmul_attention says: written-out attention in a compiled CPU step of
+    short rows (twice as fast there as the CPU's flash kernel), SDPA's kernel eagerly."""
+    model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
+    for compile_mode, written in (("default", True), ("off", False)):
+        t = TrainConfig(micro_batch_size=2, optimizer="adamw", learning_rate=1e-3, muon_lr=0.02, compile=compile_mode,
+                        precision="fp32")
+        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        assert [block.attn.matmul_softmax for block in b.raw_model.layers] == [written] * len(b.raw_model.layers)
+
+
 def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkeypatch, argv_for):
     """config.json must hold the batch the run really used: it was once written before --auto_micro_batch
     changed it, so `--config run/config.json` reproduced another run."""

@@ -6,8 +6,9 @@ Both models run the trainer's own step (gpu_training_optimized.build and train_s
 precision, compile mode, accumulation and device-side skip) on the same random tokens in the same process,
 in alternating short rounds (ours, theirs, theirs, ours, ...), so a load that comes or goes on a shared machine
 falls on both; the report gives the median tokens/s, MFU and peak memory of each, and the median of the
-rounds' ratios with its range. `--optimizer_share` then
-times our model's optimizer step inside that step, the device drained around it, and reports its share.
+rounds' ratios with its range. MFU is against the GPU's datasheet peak, or on a CPU against a large matmul in the
+step's dtype timed in the same run. `--optimizer_share` then times our model's optimizer step inside that step,
+the device drained around it, and reports its share.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
 
@@ -139,6 +140,21 @@ def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: b
     return out
 
 
+def matmul_peak(device, dtype) -> float:
+    """FLOP/s of a large square matmul in dtype, the best of a few: MFU's yardstick where no datasheet figure is
+    known (a CPU), measured in the same run as the steps it judges."""
+    n = 2048
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = []
+    for _ in range(6):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 2 * n**3 / min(seconds[1:])  # the first call warms up
+
+
 def release(device):
     gc.collect()
     if device.type == "cuda":
@@ -168,8 +184,14 @@ def main(argv=None):
         print(note)
     ours = new_model(cfg, device)
     flops, params = ours.flops_per_token(), ours.num_parameters()
+    amp_dtype = pick_precision(cfg.train.precision, device)
+    precision = PRECISION_NAMES[amp_dtype]
     peak = peak_flops(device)
-    precision = PRECISION_NAMES[pick_precision(cfg.train.precision, device)]
+    if peak is None:
+        dtype = amp_dtype or torch.float32
+        peak = matmul_peak(device, dtype)
+        print(f"peak: {peak / 1e9:,.0f} GFLOP/s, a 2048 x 2048 {str(dtype).removeprefix('torch.')} matmul measured "
+              "now (MFU's yardstick)")
     print(f"device: {device_report(device)} | precision: {precision} | compile: "
           f"{cfg.train.compile} | batch {cfg.train.micro_batch_size} x {cfg.model.max_seq_len} x "
           f"{cfg.train.grad_accum_steps} | {params / 1e6:.1f}M parameters | optimizer {cfg.train.optimizer}")
