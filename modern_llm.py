@@ -136,13 +136,13 @@ def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.
     CPU's flash kernel (forward and backward) for short rows (sizing.matmul_attention decides)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    T = q.shape[-2]
-    scores = q @ k.transpose(-1, -2)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * q.shape[-1] ** -0.5  # bf16's in fp32
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype) @ v
+    (B, H, T, hd), Hkv = q.shape, k.shape[1]
+    scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)  # the queries of a key head as rows
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
+    at = torch.arange(T, device=q.device)
+    future = (at[None, :] > at[:, None]).repeat(H // Hkv, 1)  # (rows, T): a query's later keys
+    weights = scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype)
+    return (weights @ v).view(B, H, T, hd)
 
 
 class MLP(nn.Module):
