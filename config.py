@@ -174,8 +174,8 @@ class TrainConfig:
     grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic")
     max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget on a CPU, four passes "
                                "over the corpus on a GPU)")
-    epochs: float = arg(0.0, "passes over the training split (sets max_steps; packed examples are each seen once "
-                             "per epoch, in a seeded order); 0: max_steps or the time budget decides")
+    epochs: float = arg(0.0, "passes over the training split (sets max_steps; each window or packed example is read "
+                             "once per epoch, in a seeded order); 0: max_steps or the time budget decides")
     max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
                                    "final evaluation and checkpoint inside it; 0: automatic (10 on a CPU when "
                                    "max_steps is automatic, else none)")

@@ -1,7 +1,8 @@
-"""The micro-batches a run reads from the token cache: random windows of the token stream, or windows of whole
-examples packed by packing.py (chat and instruction data by default). Either way a micro-batch is a pure function
-of (seed, step, micro_step, rank), so a resumed run reads what an uninterrupted one would have read, and W ranks
-with A micro-steps read what one process with W * A micro-steps reads.
+"""The micro-batches a run reads from the token cache: windows of the token stream, or windows of whole examples
+packed by packing.py (chat and instruction data by default). Either way training reads each window once per epoch,
+in a seeded order, and a micro-batch is a pure function of (seed, step, micro_step, rank), so a resumed run reads
+what an uninterrupted one would have read, and W ranks with A micro-steps read what one process with W * A
+micro-steps reads.
 """
 
 import numpy as np
@@ -32,7 +33,10 @@ def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, dev
 
 
 class Batches:
-    """Random windows of seq_len + 1 tokens of one split (evaluation: consecutive windows, the same each time)."""
+    """Windows of seq_len + 1 tokens of one split. Training tiles the split with windows that start at a seeded
+    offset each epoch and reads them in a seeded order, so an epoch sees every token once (random windows would
+    leave a third of the split unread after one epoch's worth); a weighted mixture draws random windows of each
+    source by its weight. Evaluation reads consecutive windows, the same each time."""
 
     def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
                  rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
@@ -49,25 +53,46 @@ class Batches:
         # A mixture draws each training window's source by its weight, then a place in that source's tokens.
         self.ranges = np.array(data.source_ranges() if data.weights and split == "train" else [(0, self.length)])
         self.weights = np.array(data.weights if data.weights and split == "train" else [1.0])
+        self._orders = {}  # epoch -> the order of its windows
         self.check()
 
     def check(self):
         check_window(self.split, self.length, self.seq_len)
 
     @property
-    def epoch_sequences(self) -> float:
-        """Windows in one pass over the split."""
-        return self.length / self.seq_len
+    def epoch_sequences(self) -> int:
+        """Windows in one pass over the split: all that fit beside a shift of up to one window (at least one)."""
+        return max(1, (self.length - 1) // self.seq_len - 1)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order of the windows in one epoch of training, drawn from (seed, epoch)."""
+        if epoch not in self._orders:  # kept: this epoch's and the one before (a batch may straddle the two)
+            self._orders = {e: order for e, order in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch, 2]).permutation(self.epoch_sequences)
+        return self._orders[epoch]
+
+    def sequence_numbers(self, step: int, micro_step: int) -> np.ndarray:
+        """Which of the run's training windows this micro-batch holds: the n-th of the sequence of epochs, (B,)."""
+        # Slot micro_step * world + rank: W ranks x A micro-steps read what one process with W * A micro-steps
+        # reads, so a run resumes on another GPU count with the same batches.
+        slot = micro_step * self.world_size + self.rank
+        return (step * self.accum * self.world_size + slot) * self.batch_size + np.arange(self.batch_size)
+
+    def epoch_shift(self, epoch: int) -> int:
+        """Where this epoch's first window starts: seeded, so window edges fall elsewhere each epoch."""
+        slack = self.length - 1 - self.epoch_sequences * self.seq_len  # tokens the tiling leaves over
+        return int(np.random.default_rng([self.seed, epoch, 3]).integers(0, slack + 1))
 
     def starts(self, step: int, micro_step: int) -> np.ndarray:
         """First token of each window in this micro-batch, shape (B,)."""
         span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
         if self.split == "train":
-            # Window slot micro_step * world + rank: W ranks x A micro-steps read what one process with
-            # W * A micro-steps reads, so a run resumes on another GPU count with the same batches.
-            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
             if len(self.weights) == 1:
-                return rng.integers(0, span, size=self.batch_size)
+                epochs, within = np.divmod(self.sequence_numbers(step, micro_step), self.epoch_sequences)
+                shifts = {e: self.epoch_shift(e) for e in set(epochs.tolist())}  # a batch spans one epoch or two
+                return np.array([shifts[e] + self.epoch_order(e)[i] * self.seq_len
+                                 for e, i in zip(epochs.tolist(), within.tolist())], dtype=np.int64)
+            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
             first, last = self.ranges[rng.choice(len(self.weights), size=self.batch_size, p=self.weights)].T
             return rng.integers(first, last - self.seq_len)
         # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
@@ -106,7 +131,6 @@ class PackedBatches(Batches):
         if not self.plan.windows:
             raise DataError(f"the {split} split holds no example to pack; add data or raise --val_fraction")
         self.pad = data.meta["eot_id"]
-        self._orders = {}
 
     def check(self):
         pass  # any example fits: a long one is cut into pieces
@@ -115,19 +139,12 @@ class PackedBatches(Batches):
     def epoch_sequences(self) -> float:
         return self.plan.windows
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The order of the windows in one epoch of training, drawn from (seed, epoch)."""
-        if epoch not in self._orders:  # kept: this epoch's and the one before (a batch may straddle the two)
-            self._orders = {e: order for e, order in self._orders.items() if e == epoch - 1}
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch, 2]).permutation(self.plan.windows)
-        return self._orders[epoch]
-
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
         """The windows of this micro-batch, (B,)."""
-        slot = micro_step * self.world_size + self.rank
         if self.split == "train":  # the run's n-th sequence is window n of the sequence of epochs
-            n = (step * self.accum * self.world_size + slot) * self.batch_size + np.arange(self.batch_size)
+            n = self.sequence_numbers(step, micro_step)
             return np.array([self.epoch_order(int(i // self.plan.windows))[i % self.plan.windows] for i in n])
+        slot = micro_step * self.world_size + self.rank
         return (slot * self.batch_size + np.arange(self.batch_size)) % self.plan.windows
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

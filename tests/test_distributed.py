@@ -161,12 +161,12 @@ class AsIfWorld(Batches):
     def starts(self, step, micro_step):
         if self.split != "train":
             return super().starts(step, micro_step)
-        saved = self.rank, self.world_size
-        self.rank, self.world_size = micro_step % self.WORLD, self.WORLD
+        saved = self.rank, self.world_size, self.accum
+        self.rank, self.world_size, self.accum = micro_step % self.WORLD, self.WORLD, self.accum // self.WORLD
         try:
             return super().starts(step, micro_step // self.WORLD)
         finally:
-            self.rank, self.world_size = saved
+            self.rank, self.world_size, self.accum = saved
 
 
 @pytest.fixture(scope="module")

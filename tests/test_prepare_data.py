@@ -360,6 +360,29 @@ def test_batches_are_a_pure_function_of_seed_step_micro_step_rank(tmp_path):
     assert not torch.equal(b.get(9, 2)[0], batches.Batches(data, "train", 4, SEQ, seed=2).get(9, 2)[0])
 
 
+def test_training_reads_every_window_of_an_epoch_once_and_ranks_split_them(tmp_path):
+    """Prevents windows drawn with replacement (after one epoch's worth a third of the split is unread, a quarter
+    read twice), windows that overlap or run past the split, the same edges every epoch, and ranks or
+    accumulation that change which windows a step reads."""
+    text_corpus(tmp_path / "corpus")
+    data = prepare(config(tmp_path, [tmp_path / "corpus"]))
+    loader = batches.Batches(data, "train", batch_size=4, seq_len=SEQ, seed=1)
+    per_epoch, length = loader.epoch_sequences, len(data.stream("train"))
+    assert per_epoch == (length - 1) // SEQ - 1 > 8  # all that fit beside a shift of up to one window
+    steps = -(-2 * per_epoch // 4)  # two epochs and a little
+    read = np.concatenate([loader.starts(step, 0) for step in range(steps)])
+    first, second = np.sort(read[:per_epoch]), np.sort(read[per_epoch:2 * per_epoch])
+    for epoch in (first, second):  # one epoch: disjoint windows, one after the other, inside the split
+        assert np.all(np.diff(epoch) == SEQ) and epoch[0] >= 0 and epoch[-1] + SEQ + 1 <= length
+    assert first[0] != second[0]  # another shift: the edges of windows move between epochs
+    assert not np.array_equal(read[:per_epoch], np.sort(read[:per_epoch]))  # a shuffled order, not file order
+    two_ranks = [batches.Batches(data, "train", 4, SEQ, seed=1, rank=r, world_size=2) for r in (0, 1)]
+    accumulating = batches.Batches(data, "train", 4, SEQ, seed=1, accum=2)
+    for step in (0, 3, per_epoch // 8):
+        assert np.array_equal(np.concatenate([two_ranks[0].starts(step, 0), two_ranks[1].starts(step, 0)]),
+                              np.concatenate([accumulating.starts(step, 0), accumulating.starts(step, 1)]))
+
+
 def test_val_batches_tile_the_split_the_same_way_every_time(tmp_path):
     """Prevents noisy or drifting eval losses from random eval windows."""
     text_corpus(tmp_path / "corpus")
