@@ -328,11 +328,11 @@ def preset_auto() -> Config:
 
 
 def preset_tiny() -> Config:
-    """About 2.4M parameters, the CPU's automatic size: the shape and rates that learned most in a 10-minute run on
-    two CPU cores (README's sweep table)."""
+    """About 2.4M parameters, the CPU's automatic size: the shape that learned most in a 10-minute run on two CPU
+    cores (docs/training.md's sweep), Muon's rate retuned at that run's length (its recipe ablations)."""
     return _preset(dict(vocab_size=4096, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
                         num_key_value_heads=1, max_seq_len=256),
-                   dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=5e-3, muon_lr=0.03))
+                   dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=5e-3, muon_lr=0.01))
 
 
 # The GPU presets take 0.25-0.4M tokens per optimizer step, through accumulation, as Muon runs are tuned for

@@ -20,7 +20,7 @@ def test_a_cpu_gets_the_tiny_size_and_a_ten_minute_budget():
     assert cfg == Config()  # the caller's config stays as it was: every filler returns a new one
     cfg, tiny = filled, preset_tiny()
     assert cfg.model == tiny.model
-    assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 5e-3, 0.03)
+    assert (cfg.train.micro_batch_size, cfg.train.learning_rate, cfg.train.muon_lr) == (16, 5e-3, 0.01)
     assert len(notes) == 1 and "hidden_size=192" in notes[0] and "no CUDA device" in notes[0]
     cfg, notes = sizing.fill_run_length(cfg, CPU, train_tokens=9_000_000)
     assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 10.0)
