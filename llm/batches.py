@@ -136,7 +136,7 @@ class PackedBatches(Batches):
         pass  # any example fits: a long one is cut into pieces
 
     @property
-    def epoch_sequences(self) -> float:
+    def epoch_sequences(self) -> int:
         return self.plan.windows
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
