@@ -195,6 +195,9 @@ class TrainConfig:
     adam_beta2: float = arg(0.95, "AdamW beta2")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
+    weight_average: float = arg(0.995, "beta of an exponential average of the weights over the run's second half, "
+                                       "which its end evaluates, saves and exports (one more copy of the trained "
+                                       "weights); 0: off, the run ends on its last step's weights")
     warmup_ratio: float = arg(0.05, "fraction of the run (its steps, or its time budget) warming the rate up")
     lr_schedule: Literal["cosine", "cosine_restarts", "constant", "wsd"] = arg(
         "cosine", "shape after warmup; wsd: warmup-stable-decay, the peak held, then a linear decay at the end")
@@ -249,6 +252,7 @@ class TrainConfig:
             _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        _require(0 <= self.weight_average < 1, "weight_average", self.weight_average, "must be in [0, 1) (0: off)")
         _require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(0 < self.decay_ratio <= 1 - self.warmup_ratio, "decay_ratio", self.decay_ratio,

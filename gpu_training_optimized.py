@@ -25,6 +25,7 @@ from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import distributed as dist_utils
+from llm.averaging import WeightAverage
 from llm.batches import Batches, run_loaders
 from llm.cli import describe, parse_config
 from llm.corpus import corpus_bytes
@@ -67,6 +68,7 @@ class Built:
     cudagraphs: bool  # the compile mode captures CUDA graphs
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
     evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
+    average: WeightAverage | None = None  # of the trained weights, which the run ends on
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
@@ -104,9 +106,9 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     cudagraphs = uses_cuda_graphs(t.compile, device)
     b = Built(raw_model=raw_model, model=model, compiled=compile_model(model, t.compile), opt=opt, scaler=scaler,
               amp_dtype=amp_dtype, amp=amp, cudagraphs=cudagraphs, persistent_grads=cudagraphs)
-    # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own (no gradients), which
-    # the loop warms up before it starts timing.
+    # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before timing.
     b.evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
+    b.average = WeightAverage(raw_model, t.weight_average)
     if b.persistent_grads:
         keep_grads(b.opt)
     return b
@@ -222,6 +224,7 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
     cfg, dist = run.cfg, run.dist
     weights = dist_utils.full_state(b.raw_model.state_dict(), keep=dist.is_main)
     opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
+    average = b.average.state_dict(keep=dist.is_main)  # every rank: a gather under FSDP2
     if not dist.is_main:
         return None
     state = adapter_state(b.raw_model) if run.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
@@ -229,6 +232,7 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
+                     "weight_average": average,
                      "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.fingerprint,
                      "data_files": [list(f) for f in run.data.files],  # to say what changed, if a resume is refused
                      "corpus": {k: v for k, v in run.data.meta.items() if k in CORPUS_FACTS},  # the model card's
@@ -360,6 +364,7 @@ def main(argv=None) -> int:
     b = build(cfg, device, dist, init_state=settled.init_state)
     start, tokens, best_val, budget = load_into(ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler,
                                                 run_dir=t.run_dir) if ckpt else (0, 0, float("inf"), {})
+    b.average.load_state_dict(settled.saved.get("weight_average") if ckpt else None)
     clock = RunClock(t, launch, **budget)
     if dist.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
@@ -388,6 +393,8 @@ def main(argv=None) -> int:
         fresh = step == start  # just started or resumed: this step's eval and save are already done
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
+        if last_step:
+            b.average.swap_in()  # the run ends on the average of its second half's weights
         if evaluated:
             val_loss = timed(clock, "eval", evaluation, run, b, step, clock.full_eval(step, last_step))
             best_val = min(best_val, val_loss)
@@ -405,6 +412,7 @@ def main(argv=None) -> int:
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
         loss, grad_norm, ok = (first_train_step if fresh else train_step)(b, batches, step, t, dist)
+        b.average.update(clock.progress(step))
         window.add(loss, ok)
         tokens += tokens_per_step
         done = step + 1

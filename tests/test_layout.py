@@ -16,7 +16,7 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation",
         "batches",
         "modern_llm", "sampling", "engine", "evaluation",
-        "muon_optimizer", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
+        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
         "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "worker", "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
