@@ -7,6 +7,7 @@ bits per byte more learned at equal tokens on two seeds, for about 0.5 ms a step
 import torch
 
 from llm.distributed import full_state, local, shard_as
+from llm.errors import CheckpointError
 
 START = 0.5  # the fraction of the run after which weights are averaged: earlier ones are far from where it ends
 
@@ -47,6 +48,8 @@ class WeightAverage:
         if average is None or not self.beta:  # none saved yet, or averaging is off now
             self.average = None
             return
-        if len(average) != len(self.params) or any(a.shape != p.shape for a, p in zip(average, self.params)):
-            raise ValueError("the checkpoint's weight average does not match this model's trained weights")
+        if not isinstance(average, list) or len(average) != len(self.params) or \
+                any(not torch.is_tensor(a) or a.shape != p.shape for a, p in zip(average, self.params)):
+            raise CheckpointError("the checkpoint's trainer_state.pt holds a weight average that does not match this "
+                                  "model's trained weights; resume from another checkpoint, or pass --weight_average 0")
         self.average = [shard_as(a.to(p.device, p.dtype), p) for a, p in zip(average, self.params)]

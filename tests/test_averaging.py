@@ -10,6 +10,7 @@ from torch import nn
 import gpu_training_optimized as trainer
 from llm import checkpoint as ckpt_io
 from llm.averaging import START, WeightAverage
+from llm.errors import CheckpointError
 from modern_llm import Transformer
 
 
@@ -77,9 +78,10 @@ def test_off_or_before_the_second_half_the_run_ends_on_its_own_weights():
     assert off.average is None
 
 
-def test_an_average_of_other_weights_is_refused():
-    with pytest.raises(ValueError, match="does not match"):
-        WeightAverage(stepped_model(), 0.9).load_state_dict([torch.zeros(3, 3)])
+@pytest.mark.parametrize("saved", [[torch.zeros(3, 3)], [torch.zeros(2, 3), torch.zeros(2)], ["weights"], {"a": 1}])
+def test_an_average_of_other_weights_is_refused_in_one_line(saved):
+    with pytest.raises(CheckpointError, match="does not match this model's trained weights"):
+        WeightAverage(stepped_model(), 0.9).load_state_dict(saved)
 
 
 def test_the_last_checkpoint_holds_the_average_of_the_weights_the_steps_made(corpus, tmp_path, argv_for,
