@@ -104,8 +104,8 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     cudagraphs = uses_cuda_graphs(t.compile, device)
-    b = Built(raw_model=raw_model, model=model, compiled=compile_model(model, t.compile), opt=opt, scaler=scaler,
-              amp_dtype=amp_dtype, amp=amp, cudagraphs=cudagraphs, persistent_grads=cudagraphs)
+    b = Built(raw_model=raw_model, model=model, compiled=compile_model(model, t.compile, amp_dtype), opt=opt,
+              scaler=scaler, amp_dtype=amp_dtype, amp=amp, cudagraphs=cudagraphs, persistent_grads=cudagraphs)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before timing.
     b.evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
     b.average = WeightAverage(raw_model, t.weight_average)

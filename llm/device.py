@@ -129,12 +129,30 @@ def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
     return mode in CUDA_GRAPH_MODES and device.type == "cuda"
 
 
-def compile_model(model: torch.nn.Module, mode: str):
-    """torch.compile with fixed shapes, or the model itself when compiling is off."""
+def compile_model(model: torch.nn.Module, mode: str, amp_dtype: torch.dtype | None = None):
+    """torch.compile with fixed shapes, or the model itself when compiling is off. amp_dtype: the autocast dtype
+    the compiled model runs under."""
     if mode == "off":
         return model
+    if amp_dtype in (torch.bfloat16, torch.float16) and next(model.parameters()).device.type == "cpu":
+        narrow_cpu_vectors()
     # dynamic=False: every batch has the same shape, so one static graph and no recompiles.
     return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def narrow_cpu_vectors():
+    """Inductor's CPU kernels in 256-bit vectors where it would write 512-bit ones, for the whole process.
+
+    Its 512-bit kernels transpose tiles of 16-bit values 32 x 32 with AVX-512 code that GCC 12 at -O3 (its SLP
+    vectorizer) miscompiles: on a Xeon with AMX, under torch 2.13 and 2.14.1, the compiled bf16 step's key
+    gradients came out wrong and NaN from the first step (tests/test_device.py holds the case). 256-bit kernels
+    transpose in plain code, and the tiny model's step measured no slower with them (0.997x on that Xeon).
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if inductor_config.cpp.simdlen is None and pick_vec_isa().bit_width() == 512:
+        inductor_config.cpp.simdlen = 256  # AVX2's width; every AVX-512 processor has AVX2
 
 
 def is_compile_failure(e: BaseException) -> bool:

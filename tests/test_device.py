@@ -98,3 +98,26 @@ def test_deterministic_mode_switches_off_cudnn_attention_and_non_deterministic_k
         torch.backends.cudnn.deterministic = before[1]
         torch.backends.cuda.enable_cudnn_sdp(before[2])
         torch._inductor.config.deterministic = before[3]
+
+
+def test_a_compiled_bf16_step_on_a_cpu_has_the_gradients_of_float64():
+    """On a Xeon with AMX (torch 2.13 and 2.14.1, GCC 12), Inductor's 512-bit kernels got a transposed tile of bf16
+    gradients wrong in the backward of the written-out attention: every run of the default command stopped on NaN
+    at its first steps. compile_model narrows the CPU's vectors for 16-bit compiles; the compiled step's
+    gradients must be float64's to within bf16's rounding, on whatever processor runs the tests."""
+    from config import ModelConfig
+    from modern_llm import Transformer
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_seq_len=64)
+    torch.manual_seed(0)
+    model, reference = Transformer(cfg), Transformer(cfg).double()
+    reference.load_state_dict(model.state_dict())
+    model.use_matmul_attention(True)  # as the trainer runs a compiled CPU step of windows this short
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    with torch.autocast("cpu", torch.bfloat16):
+        device.compile_model(model, "default", torch.bfloat16)(x, labels=y)[1].backward()
+    reference(x, labels=y)[1].backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        error = (p.grad.double() - q.grad).norm() / q.grad.norm()
+        assert error < 0.05, f"{name}: relative error {error:.3g} of its gradient"
