@@ -26,9 +26,8 @@ from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import distributed as dist_utils
 from llm.averaging import WeightAverage
-from llm.batches import Batches, run_loaders
-from llm.cli import describe, parse_config
-from llm.corpus import corpus_bytes
+from llm.batches import Batches
+from llm.cli import parse_config
 from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
                         make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
@@ -37,12 +36,10 @@ from llm.lora import adapter_state, add_adapters
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
-from llm.preparation import prepare_once
-from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape, load_into,
-                        lora_start, resume_point)
+from llm.resume import load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
-from llm.sizing import (fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch, loss_chunk_rows,
-                        matmul_attention)
+from llm.sizing import loss_chunk_rows, matmul_attention
+from llm.startup import new_model, settle
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -69,15 +66,6 @@ class Built:
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
     evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
     average: WeightAverage | None = None  # of the trained weights, which the run ends on
-
-
-def new_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model initialised from cfg.train.seed, built directly on `device` (never whole on the CPU first)."""
-    with torch.device(device):
-        raw_model = Transformer(cfg.model)
-    torch.manual_seed(cfg.train.seed)
-    raw_model.init_weights()  # the same weights on every rank and every device
-    return raw_model
 
 
 def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | None = None,
@@ -216,7 +204,7 @@ def evaluation(run: "Run", b: Built, step: int, full: bool) -> float:
     return val_loss
 
 
-# ----------------------------------------------------------------------------- checkpoints and setup
+# ----------------------------------------------------------------------------- checkpoints, logging, the run
 
 def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss: float | None = None) -> str | None:
     """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
@@ -272,61 +260,6 @@ def timed(clock: RunClock, kind: str, fn, *args):
     out = fn(*args)
     clock.note_overhead(kind, time.monotonic() - start)
     return out
-
-
-@dataclass
-class Settled:
-    """settle()'s result: the run's final config and what it starts from."""
-    cfg: Config
-    ckpt: str | None  # the checkpoint --resume continues, or None for a new run
-    saved: dict | None  # its trainer state
-    init_state: dict | None  # --init_from's weights, for a new run
-    data: PreparedData
-    batches: Batches  # the training split's loader
-    val_batches: Batches
-    lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
-
-
-def settle(cfg: Config, dist, device: torch.device) -> Settled:
-    """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
-    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run
-    length from the tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot
-    run before the model is built."""
-    init = None
-    if cfg.train.init_from:
-        cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
-    ckpt, saved, notes = resume_point(cfg)
-    lora_meta = lora_start(cfg, ckpt, init)
-    if dist.is_main:
-        check_run_folder(cfg.train, resuming=ckpt is not None)  # before the data, which may take a while
-    if saved:
-        cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
-        notes += carried
-    cfg, tuned = fill_fine_tuning(cfg)  # before the presets' rates, which are for training from scratch
-    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
-    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
-    data = prepare_once(cfg, dist)
-    if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
-        probe = new_model(cfg, device)
-        cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
-                              autocast(device, pick_precision(cfg.train.precision, device)), dist)
-        del probe
-    batches = run_loaders(cfg, data, dist.rank, dist.world_size, device)
-    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
-                                   batches[0].epoch_sequences)
-    for note in lengths:
-        dist.print(note)
-    t = cfg.train
-    if ckpt and t.max_steps and saved["step"] >= t.max_steps:
-        raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
-                          "leaves nothing to train, raise --max_steps")
-    if ckpt:
-        check_same_shape(cfg, ckpt)
-        check_same_data(cfg, saved, data)
-    # A LoRA run always starts from its base: a resume then loads the adapters into it.
-    init_state = init.state if init and (lora_meta or not ckpt) else None
-    return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
-                   val_batches=batches[1], lora_meta=lora_meta)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import text_generator as tg
 from conftest import one_error_line
 from llm import atomic
 from llm import checkpoint as ckpt_io
+from llm import startup
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
 
@@ -107,7 +108,7 @@ def test_a_run_folder_that_cannot_be_written_is_one_line_before_any_work(corpus,
         def refuse(path, *args, **kwargs):  # the probe's write, as a read-only or full file system answers
             raise OSError(number, os.strerror(number), path)
         monkeypatch.setattr(atomic, "open", refuse, raising=False)
-    monkeypatch.setattr(trainer, "prepare_once", lambda *a: pytest.fail("prepared the data first"))
+    monkeypatch.setattr(startup, "prepare_once", lambda *a: pytest.fail("prepared the data first"))
     with pytest.raises(SystemExit) as e:
         trainer.run(argv_for(corpus, run, "--max_steps", 2))
     err = one_error_line(capsys, code, e)

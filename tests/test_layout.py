@@ -17,7 +17,8 @@ CORE = ["errors", "config", "cli", "atomic", "sizing",
         "batches",
         "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
-        "checkpoint", "inference", "model_card", "schedule", "resume", "openai_api", "worker", "gpu_training_optimized"]
+        "checkpoint", "inference", "model_card", "schedule", "resume", "startup", "openai_api", "worker",
+        "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
 TOOLS = ["ablate", "bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",

@@ -19,7 +19,7 @@ import gpu_training_optimized as trainer
 from config import Config, TrainConfig
 from conftest import write_greetings
 from llm import checkpoint as ckpt_io
-from llm import distributed
+from llm import distributed, startup
 from llm.errors import ConfigError
 from llm.monitor import read_metrics as read_all
 from llm.schedule import RunClock, lr_multiplier
@@ -122,7 +122,7 @@ def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkey
     changed it, so `--config run/config.json` reproduced another run."""
     def halve(raw_model, cfg, amp, dist):  # what the CUDA search does when the whole batch does not fit
         return replace(cfg, train=replace(cfg.train, micro_batch_size=2, grad_accum_steps=2))
-    monkeypatch.setattr(trainer, "fit_micro_batch", halve)
+    monkeypatch.setattr(startup, "fit_micro_batch", halve)
     run = tmp_path / "run"
     argv = argv_for(corpus, run, "--max_steps", 3, "--eval_interval", 3, "--auto_micro_batch", "true")
     assert trainer.main(argv) == 0

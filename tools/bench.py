@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from gpu_training_optimized import build, new_model, train_step
+from gpu_training_optimized import build, train_step
+from llm.startup import new_model
 from llm import distributed as dist_utils
 from llm.cli import parse_config
 from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize

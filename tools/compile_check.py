@@ -195,7 +195,7 @@ def run_generation() -> dict:
     """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them."""
     import torch
 
-    from gpu_training_optimized import new_model
+    from llm.startup import new_model
     from llm import engine
     from llm.device import pick_device
     from llm.inference import for_inference

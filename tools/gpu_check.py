@@ -32,7 +32,8 @@ import compile_check
 import torch
 
 from config import PRESETS, Config
-from gpu_training_optimized import build, new_model, train_step
+from gpu_training_optimized import build, train_step
+from llm.startup import new_model
 from llm.device import machine, pick_device
 from llm.distributed import setup
 from llm.errors import ConfigError, error_contract

@@ -1,0 +1,87 @@
+"""What a training run starts from, settled before its model is built: the final config (--init_from's shape and
+tokenizer, a resumed run's automatic fields, fine-tuning rates, the machine's sizing, the micro-batch that fits, the
+run length from the tokenized corpus), the checkpoint it continues and the data it reads. The trainer calls
+settle() once; everything it refuses is refused here, before a model exists.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from config import Config
+from llm.batches import Batches, run_loaders
+from llm.cli import describe
+from llm.corpus import corpus_bytes
+from llm.device import autocast, float8_training, machine, pick_precision
+from llm.errors import ConfigError
+from llm.preparation import prepare_once
+from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
+                        lora_start, resume_point)
+from llm.sizing import fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch
+from llm.token_cache import PreparedData
+from modern_llm import Transformer
+
+
+def new_model(cfg: Config, device: torch.device) -> Transformer:
+    """The model initialised from cfg.train.seed, built directly on `device` (never whole on the CPU first)."""
+    with torch.device(device):
+        raw_model = Transformer(cfg.model)
+    torch.manual_seed(cfg.train.seed)
+    raw_model.init_weights()  # the same weights on every rank and every device
+    return raw_model
+
+
+
+@dataclass
+class Settled:
+    """settle()'s result: the run's final config and what it starts from."""
+    cfg: Config
+    ckpt: str | None  # the checkpoint --resume continues, or None for a new run
+    saved: dict | None  # its trainer state
+    init_state: dict | None  # --init_from's weights, for a new run
+    data: PreparedData
+    batches: Batches  # the training split's loader
+    val_batches: Batches
+    lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
+
+
+def settle(cfg: Config, dist, device: torch.device) -> Settled:
+    """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
+    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run
+    length from the tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot
+    run before the model is built."""
+    init = None
+    if cfg.train.init_from:
+        cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
+    ckpt, saved, notes = resume_point(cfg)
+    lora_meta = lora_start(cfg, ckpt, init)
+    if dist.is_main:
+        check_run_folder(cfg.train, resuming=ckpt is not None)  # before the data, which may take a while
+    if saved:
+        cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
+        notes += carried
+    cfg, tuned = fill_fine_tuning(cfg)  # before the presets' rates, which are for training from scratch
+    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
+    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
+    data = prepare_once(cfg, dist)
+    if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
+        probe = new_model(cfg, device)
+        cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
+                              autocast(device, pick_precision(cfg.train.precision, device)), dist)
+        del probe
+    batches = run_loaders(cfg, data, dist.rank, dist.world_size, device)
+    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
+                                   batches[0].epoch_sequences)
+    for note in lengths:
+        dist.print(note)
+    t = cfg.train
+    if ckpt and t.max_steps and saved["step"] >= t.max_steps:
+        raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
+                          "leaves nothing to train, raise --max_steps")
+    if ckpt:
+        check_same_shape(cfg, ckpt)
+        check_same_data(cfg, saved, data)
+    # A LoRA run always starts from its base: a resume then loads the adapters into it.
+    init_state = init.state if init and (lora_meta or not ckpt) else None
+    return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
+                   val_batches=batches[1], lora_meta=lora_meta)
