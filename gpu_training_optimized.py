@@ -28,8 +28,8 @@ from llm import distributed as dist_utils
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
-from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure, machine,
-                        make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
+from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure,
+                        keep_freed_memory, machine, make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
 from llm.evaluation import Probe, evaluate
 from llm.lora import adapter_state, add_adapters
@@ -78,6 +78,8 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
         raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
                           "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     amp = autocast(device, amp_dtype)
+    if device.type == "cpu":
+        keep_freed_memory()  # before the steps' first allocations
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_stored(init_state)
