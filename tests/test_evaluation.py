@@ -139,3 +139,19 @@ def test_eval_command_measures_any_checkpoint_on_given_files(tiny_checkpoint, tm
     line = r.stdout.strip()
     assert n >= 3 and f"{expected:.4f} bits per byte on {tmp_path / 'code'}" in line
     assert f"{round(rate * n)}/{n} Python function bodies parse" in line
+
+
+@pytest.mark.parametrize("kind", ["bpe", "tiktoken"])
+def test_code_prompts_end_where_the_tokenizer_puts_a_boundary(kind):
+    """GPT-4's split (--tokenizer_type tiktoken) keeps closing quotes and the newline after them in one token:
+    prompts cut at the quotes ended inside a token, and such a model wrote no body that parsed (0 of 16, its
+    twin with the default tokenizer 10). Each prompt must encode as the start of its function's own encoding."""
+    from transformers import PreTrainedTokenizerFast
+
+    from llm.tokenizer import train_tokenizer
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer([SOURCE] * 50, kind, 400))
+    for prompt, _ in ev.function_prompts([SOURCE]):
+        text = SOURCE[SOURCE.index(prompt):]  # the function as written, from its signature on
+        cut = ev.on_token_boundary(tokenizer, prompt)
+        ids = tokenizer.encode(cut, add_special_tokens=False)
+        assert text.startswith(cut) and tokenizer.encode(text, add_special_tokens=False)[:len(ids)] == ids, cut
