@@ -8,7 +8,10 @@ process and run folder of its own under --out; a finished run is reused, so an i
 The baseline is the trainer's defaults with the same preset, steps and seeds. Each run ends with a full
 evaluation on the same validation split, so the figures compare: bits per byte per seed, their mean, and the
 change against the baseline with the spread of its seeds. A change is kept only where it wins beyond that
-spread. Prints a Markdown table for docs/training.md; writes results.json into --out.
+spread. The trainer's evaluation reads a sample of the split's windows and counts their bytes by the split's
+average; each finished run is also scored on every token of the validation split with its exact bytes
+(text_generator.py --eval's measure), which is what compares variants that change the tokenizer. Prints a
+Markdown table for docs/training.md; writes results.json into --out.
 """
 
 import argparse
@@ -21,8 +24,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
+from config import DataConfig
 from llm.errors import ConfigError, error_contract
+from llm.evaluation import bits_per_byte
+from llm.inference import load_for_inference
 from llm.monitor import read_metrics
+from llm.preparation import split_texts
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 BASELINE = "baseline"
@@ -46,7 +53,20 @@ def run_once(args, name: str, flags: list[str], seed: int) -> dict:
     last = read_metrics(run_dir, "eval")[-1]
     trains = read_metrics(run_dir, "train")
     return {"name": name, "seed": seed, "val_bpb": last["val_bpb"], "val_loss": last["val_loss"],
-            "tokens": trains[-1]["tokens"] if trains else None}
+            "whole_bpb": whole_split_bpb(run_dir, args.sources), "tokens": trains[-1]["tokens"] if trains else None}
+
+
+def whole_split_bpb(run_dir: str, sources: list[str]) -> float:
+    """Bits per byte of the run's last checkpoint on every token of the validation split (exact bytes), kept in
+    the run folder once measured."""
+    path = os.path.join(run_dir, "whole_split.json")
+    if not os.path.exists(path):
+        model, tokenizer, *_ = load_for_inference(run_dir, "cpu")
+        result = bits_per_byte(model, tokenizer, split_texts(DataConfig(sources=sources)))
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["bits_per_byte"]
 
 
 def variants_of(args) -> dict[str, list[str]]:
@@ -59,13 +79,13 @@ def variants_of(args) -> dict[str, list[str]]:
     return out
 
 
-def table(results: list[dict], seeds: list[int]) -> str:
-    base = {r["seed"]: r["val_bpb"] for r in results if r["name"] == BASELINE}
+def table(results: list[dict], seeds: list[int], key: str = "val_bpb") -> str:
+    base = {r["seed"]: r[key] for r in results if r["name"] == BASELINE}
     names = list(dict.fromkeys(r["name"] for r in results))
     lines = [f"| change | {' | '.join(f'seed {s}' for s in seeds)} | mean | against the baseline |",
              "| --- |" + " --- |" * (len(seeds) + 2)]
     for name in names:
-        bpb = {r["seed"]: r["val_bpb"] for r in results if r["name"] == name}
+        bpb = {r["seed"]: r[key] for r in results if r["name"] == name}
         deltas = [bpb[s] - base[s] for s in seeds]
         change = "" if name == BASELINE else (f"{statistics.mean(deltas):+.4f} (per seed "
                                                f"{', '.join(f'{d:+.4f}' for d in deltas)})")
@@ -95,8 +115,11 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1)
     tokens = results[0]["tokens"]
     print(f"\n{args.preset} preset, {args.steps} steps ({tokens:,} tokens) a run, seeds "
-          f"{', '.join(map(str, args.seeds))}; validation bits per byte (lower is better)\n")
+          f"{', '.join(map(str, args.seeds))}; validation bits per byte (lower is better), the trainer's "
+          "evaluation\n")
     print(table(results, args.seeds))
+    print("\nthe same runs on every token of the validation split, exact bytes (compare tokenizers here)\n")
+    print(table(results, args.seeds, key="whole_bpb"))
     return 0
 
 
