@@ -139,3 +139,11 @@ def test_bench_generate_reports_a_rate_within_the_bound(capsys):
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert row[0] == "1" and float(row[1].replace(",", "")) > 0 and 0 < float(row[2].rstrip("%")) <= 100
     assert row[4] == "ms" and float(row[3]) > 0
+
+
+def test_a_variant_of_its_own_length_is_finished_at_its_own_step():
+    """A variant with its own --max_steps (a larger model at equal time) never counted as finished, since its last
+    evaluation was not at --steps: every later ablation trained it again."""
+    assert ablate.steps_of(["--num_hidden_layers", "8", "--max_steps", "1245"], 2300) == 1245
+    assert ablate.steps_of(["--max_steps", "10", "--max_steps", "20"], 2300) == 20  # the trainer takes the last
+    assert ablate.steps_of(["--learning_rate", "0.01"], 2300) == 2300

@@ -38,7 +38,7 @@ BASELINE = "baseline"
 def run_once(args, name: str, flags: list[str], seed: int) -> dict:
     """Train one run (or reuse a finished one); its last evaluation and seconds."""
     run_dir = os.path.join(args.out, f"{name}_seed{seed}")
-    if not any(r.get("step") == args.steps for r in read_metrics(run_dir, "eval")):
+    if not any(r.get("step") == steps_of(flags, args.steps) for r in read_metrics(run_dir, "eval")):
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
         os.makedirs(args.out, exist_ok=True)
         cmd = [sys.executable, os.path.join(HERE, "gpu_training_optimized.py"), "--preset", args.preset,
@@ -54,6 +54,13 @@ def run_once(args, name: str, flags: list[str], seed: int) -> dict:
     trains = read_metrics(run_dir, "train")
     return {"name": name, "seed": seed, "val_bpb": last["val_bpb"], "val_loss": last["val_loss"],
             "whole_bpb": whole_split_bpb(run_dir, args.sources), "tokens": trains[-1]["tokens"] if trains else None}
+
+
+def steps_of(flags: list[str], default: int) -> int:
+    """A run's length: the variant's own (last) --max_steps, where it sets one (equal time for a larger model, say),
+    else --steps. A run whose last evaluation is at that step is finished."""
+    given = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--max_steps"]
+    return int(given[-1]) if given else default
 
 
 def whole_split_bpb(run_dir: str, sources: list[str]) -> float:
