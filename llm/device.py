@@ -151,8 +151,13 @@ def narrow_cpu_vectors():
     """
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.exc import InvalidCxxCompiler
 
-    if inductor_config.cpp.simdlen is None and pick_vec_isa().bit_width() == 512:
+    try:
+        width = pick_vec_isa().bit_width()
+    except InvalidCxxCompiler:
+        return  # no working compiler: the compile itself fails where the trainer reports it
+    if inductor_config.cpp.simdlen is None and width == 512:
         inductor_config.cpp.simdlen = 256  # AVX2's width; every AVX-512 processor has AVX2
 
 
