@@ -31,7 +31,6 @@ def new_model(cfg: Config, device: torch.device) -> Transformer:
     return raw_model
 
 
-
 @dataclass
 class Settled:
     """settle()'s result: the run's final config and what it starts from."""

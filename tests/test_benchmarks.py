@@ -147,3 +147,20 @@ def test_a_variant_of_its_own_length_is_finished_at_its_own_step():
     assert ablate.steps_of(["--num_hidden_layers", "8", "--max_steps", "1245"], 2300) == 1245
     assert ablate.steps_of(["--max_steps", "10", "--max_steps", "20"], 2300) == 20  # the trainer takes the last
     assert ablate.steps_of(["--learning_rate", "0.01"], 2300) == 2300
+
+
+def test_each_run_is_scored_once_on_the_validation_texts_of_its_sources(trained, corpus, monkeypatch):
+    """The whole-split figure is the run's checkpoint on the validation documents (not the whole corpus), and a
+    run already scored is read back from its folder, with no model loaded."""
+    from config import DataConfig
+    from llm.evaluation import bits_per_byte
+    from llm.inference import load_for_inference
+    from llm.preparation import split_texts
+
+    scored = ablate.whole_split_bpb(str(trained), [corpus["src"]])
+    model, tokenizer, *_ = load_for_inference(str(trained), "cpu")
+    data = DataConfig(sources=[corpus["src"]])
+    assert scored == pytest.approx(bits_per_byte(model, tokenizer, split_texts(data))["bits_per_byte"])
+    assert scored != pytest.approx(bits_per_byte(model, tokenizer, split_texts(data, None))["bits_per_byte"])
+    monkeypatch.setattr(ablate, "load_for_inference", lambda *a: pytest.fail("a scored run was loaded again"))
+    assert ablate.whole_split_bpb(str(trained), [corpus["src"]]) == scored

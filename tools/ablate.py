@@ -25,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from config import DataConfig
+from llm import atomic
 from llm.errors import ConfigError, error_contract
 from llm.evaluation import bits_per_byte
 from llm.inference import load_for_inference
@@ -70,8 +71,7 @@ def whole_split_bpb(run_dir: str, sources: list[str]) -> float:
     if not os.path.exists(path):
         model, tokenizer, *_ = load_for_inference(run_dir, "cpu")
         result = bits_per_byte(model, tokenizer, split_texts(DataConfig(sources=sources)))
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        atomic.write_text(path, json.dumps(result))  # a run stopped while writing leaves no half a file
     with open(path, encoding="utf-8") as f:
         return json.load(f)["bits_per_byte"]
 
