@@ -170,8 +170,13 @@ class TrainConfig:
                                      "run then repeats an uninterrupted one bit for bit on a GPU too")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
                                                 "sharding weights, gradients and optimizer state over GPUs")
-    micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic")
-    grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic")
+    batch_tokens: int = arg(AUTO, "tokens per optimizer step over every rank (micro_batch_size x max_seq_len x "
+                                  "grad_accum_steps x ranks), which an automatic micro-batch and accumulation keep; "
+                                  "0: automatic")
+    micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic (on CUDA, up to 65,536 tokens, as "
+                                      "many as the GPU's memory holds)")
+    grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic (batch_tokens over the "
+                                      "micro-batch)")
     max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget on a CPU, four passes "
                                "over the corpus on a GPU)")
     epochs: float = arg(0.0, "passes over the training split (sets max_steps; each window or packed example is read "
@@ -235,8 +240,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _require_choices(self)
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval", "save_interval",
-                     "eval_batches"):
+        for name in ("batch_tokens", "micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval",
+                     "save_interval", "eval_batches"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")
         for name in ("log_interval", "keep_checkpoints", "max_bad_steps", "restart_cycles"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
@@ -263,8 +268,8 @@ class TrainConfig:
         return [name for name in TRAIN_SIZED if getattr(self, name) == AUTO]
 
 
-TRAIN_SIZED = ("micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate", "muon_lr",
-               "eval_batches")
+TRAIN_SIZED = ("batch_tokens", "micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate",
+               "muon_lr", "eval_batches")
 
 
 def default_run_dir() -> str:
@@ -339,22 +344,24 @@ def preset_tiny() -> Config:
                    dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=5e-3, muon_lr=0.01))
 
 
-# The GPU presets take 0.25-0.4M tokens per optimizer step, through accumulation, as Muon runs are tuned for
-# (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets' rates, tuned at
-# 32-64k tokens per step, scaled by the square root of the larger batch. Not yet measured on a GPU.
+# The GPU presets take 0.25-0.4M tokens per optimizer step (batch_tokens), through accumulation, as Muon runs are
+# tuned for (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets' rates, tuned
+# at 32-64k tokens per step, scaled by the square root of the larger batch. Their micro-batch is left automatic:
+# sizing.py fills the GPU's memory with it (up to 65,536 tokens a forward), and accumulation keeps batch_tokens. On
+# an H200, 64 x 1,024 tokens ran small's step 1.10x faster than 16 x 1,024 (docs/gpu_report.md).
 
 def preset_small() -> Config:
     """About 100M parameters, GPT-2 small's size; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                         num_key_value_heads=4, max_seq_len=1024),
-                   dict(micro_batch_size=16, grad_accum_steps=16, learning_rate=4e-3, muon_lr=0.02))
+                   dict(batch_tokens=262_144, learning_rate=4e-3, muon_lr=0.02))
 
 
 def preset_medium() -> Config:
     """About 300M parameters; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                         num_key_value_heads=4, max_seq_len=1024),
-                   dict(micro_batch_size=16, grad_accum_steps=16, learning_rate=2.8e-3, muon_lr=0.02))
+                   dict(batch_tokens=262_144, learning_rate=2.8e-3, muon_lr=0.02))
 
 
 def preset_large() -> Config:
@@ -362,14 +369,14 @@ def preset_large() -> Config:
     per step."""
     return _preset(dict(vocab_size=32000, hidden_size=1536, num_hidden_layers=12, num_attention_heads=24,
                         num_key_value_heads=6, max_seq_len=384),
-                   dict(micro_batch_size=32, grad_accum_steps=32, learning_rate=2.3e-3, muon_lr=0.02))
+                   dict(batch_tokens=393_216, learning_rate=2.3e-3, muon_lr=0.02))
 
 
 def preset_xl() -> Config:
     """About 1.4B parameters; wants 40 GB or more; 262k tokens per step."""
     return _preset(dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, max_seq_len=1024, gradient_checkpointing=True),
-                   dict(micro_batch_size=8, grad_accum_steps=32, learning_rate=1.7e-3, muon_lr=0.02))
+                   dict(batch_tokens=262_144, learning_rate=1.7e-3, muon_lr=0.02))
 
 
 PRESETS = {"auto": preset_auto, "tiny": preset_tiny, "small": preset_small, "medium": preset_medium,

@@ -6,6 +6,9 @@ changed. Every choice comes back as a line for the start report, saying why.
 - CUDA: the largest preset whose estimated training memory, without activation checkpointing, fits in 80%
   of the GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger
   than its data memorises it); four passes over the corpus.
+- The micro-batch, where automatic: on CUDA as many sequences as fit that memory, up to MICRO_TOKENS tokens a
+  forward (the anchors' 65k; on an H200 64 x 1,024 ran 1.10x 16 x 1,024); elsewhere up to CPU_MICRO sequences.
+  Accumulation, where automatic, keeps batch_tokens per optimizer step.
 - --auto_micro_batch on CUDA: the largest micro-batch whose step fits, found by trying (fit_micro_batch).
 - --init_from (fine-tuning a pretrained model): AdamW (optimizer auto) at the rates of FINE_TUNING_RATES, for LoRA
   adapters or every weight; the presets' rates are for training from scratch, and on a pretrained model they undo
@@ -27,6 +30,9 @@ PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
+MICRO_TOKENS = 65_536  # the most tokens an automatic micro-batch holds on CUDA: past it a step gains little
+MIN_MICRO_TOKENS = 8_192  # a GPU preset is chosen only if a micro-batch of this many tokens fits beside it
+CPU_MICRO = 16  # the most sequences an automatic micro-batch holds off CUDA (tiny's, measured on 2 cores)
 EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
 AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
 EVAL_SHARE = 0.05  # automatic evaluations (val loss, code metric, samples) take at most this share of the time
@@ -129,6 +135,52 @@ def _filled(cfg: Config, size: str) -> Config:
                           "preset); set them in config.py or on the command line") from None
 
 
+def fill_batch(cfg: Config, machine: Machine, world_size: int = 1) -> tuple[Config, str]:
+    """cfg with an automatic micro-batch, accumulation and batch_tokens filled, and the reason: the micro-batch
+    the memory holds (fit_micro), accumulation keeping batch_tokens (or one micro-step when that is automatic
+    too), batch_tokens what the two give."""
+    t, seq = cfg.train, cfg.model.max_seq_len
+    micro, accum = t.micro_batch_size, t.grad_accum_steps
+    sequences = max(1, round(t.batch_tokens / (seq * world_size))) if t.batch_tokens else 0  # per rank and step
+    if micro and accum and t.batch_tokens and micro * seq * accum * world_size != t.batch_tokens:
+        raise ConfigError(f"batch_tokens={t.batch_tokens} is not micro_batch_size={micro} x max_seq_len={seq} x "
+                          f"grad_accum_steps={accum} x {world_size} ranks; set two of the three (0: automatic)")
+    why = "as written"
+    if micro == AUTO:
+        micro, why = fit_micro(cfg, machine, sequences if accum == AUTO else sequences // accum)
+        if not micro:
+            raise ConfigError(f"not even one sequence of max_seq_len={seq} fits in {machine.name}'s memory by the "
+                              "estimate; lower max_seq_len, set gradient_checkpointing true or pick a smaller preset")
+    if accum == AUTO:
+        accum = max(1, sequences // micro)
+    filled = replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum,
+                                        batch_tokens=micro * seq * accum * world_size))  # what runs
+    return filled, why
+
+
+def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
+    """The largest power of two of sequences (dividing `sequences`, when given) whose training fits in
+    MEMORY_FRACTION of the GPU, up to MICRO_TOKENS tokens; CPU_MICRO off CUDA. 0 when not even one fits."""
+    seq = cfg.model.max_seq_len
+    most = max(1, MICRO_TOKENS // seq) if machine.kind == "cuda" else CPU_MICRO
+    if sequences:
+        most = min(most, sequences)
+    micro = 1 << (most.bit_length() - 1)
+    while sequences and sequences % micro:
+        micro //= 2
+    if machine.kind != "cuda":
+        return micro, f"{micro} sequences a forward off CUDA"
+    budget = MEMORY_FRACTION * machine.memory
+    while micro and training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=micro))) > budget:
+        micro //= 2
+    return micro, (f"{micro * seq:,} tokens a forward, about {_gib(cfg, micro):.1f} GiB of training memory in "
+                   f"{budget / 2**30:.1f} GiB")
+
+
+def _gib(cfg: Config, micro: int) -> float:
+    return training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=micro))) / 2**30
+
+
 def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[str, str]:
     """The preset whose values fill the automatic fields, and why (corpus_bytes None: memory alone decides)."""
     if machine.kind != "cuda":
@@ -140,6 +192,9 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
     for size in GPU_SIZES:
         candidate = _filled(cfg, size)
         candidate.model = replace(candidate.model, gradient_checkpointing=False)
+        if candidate.train.micro_batch_size == AUTO:  # the smallest micro-batch worth a GPU must fit beside it
+            least = 1 << (-(-MIN_MICRO_TOKENS // candidate.model.max_seq_len) - 1).bit_length()  # fit_micro's 2^k
+            candidate.train = replace(candidate.train, micro_batch_size=least)
         need, params = training_bytes_estimate(candidate), count_parameters(candidate.model)
         if need <= budget and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
             return size, (f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB of training memory in "
@@ -165,20 +220,31 @@ def fill_fine_tuning(cfg: Config) -> tuple[Config, list[str]]:
         "training from scratch)"]
 
 
-def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[Config, list[str]]:
-    """cfg with its automatic shape, batch and rates filled, and one report line saying with what and why; an
+def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
+                   world_size: int = 1) -> tuple[Config, list[str]]:
+    """cfg with its automatic shape, batch and rates filled, and report lines saying with what and why; an
     optimizer still automatic (a run from scratch) is Muon."""
     if cfg.train.optimizer == "auto":
         cfg = replace(cfg, train=replace(cfg.train, optimizer="muon"))
+    batch = ("batch_tokens", "micro_batch_size", "grad_accum_steps")
     wanted = cfg.model.automatic() + [k for k in cfg.train.automatic()
-                                      if k not in ("max_steps", "max_minutes", "eval_batches")]
-    if not wanted:
-        return cfg, []
-    size, why = choose_size(cfg, machine, corpus_bytes)
-    filled = _filled(cfg, size)
-    section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
-    values = ", ".join(f"{k}={getattr(getattr(filled, section[k]), k)}" for k in wanted)
-    return filled, [f"automatic: {values} (the {size} preset: {why})"]
+                                      if k not in ("max_steps", "max_minutes", "eval_batches", *batch)]
+    notes = []
+    if wanted:
+        size, why = choose_size(cfg, machine, corpus_bytes)
+        filled = _filled(cfg, size)
+        section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
+        values = ", ".join(f"{k}={getattr(getattr(filled, section[k]), k)}" for k in wanted)
+        notes.append(f"automatic: {values} (the {size} preset: {why})")
+        cfg = filled
+    auto = [k for k in batch[1:] if getattr(cfg.train, k) == AUTO]
+    cfg, why = fill_batch(cfg, machine, world_size)
+    if auto:
+        t = cfg.train
+        notes.append(f"automatic: {', '.join(f'{k}={getattr(t, k)}' for k in auto)} ({t.micro_batch_size} x "
+                     f"{cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x {world_size} ranks = "
+                     f"{t.batch_tokens:,} tokens a step; {why})")
+    return cfg, notes
 
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,

@@ -60,7 +60,7 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
         notes += carried
     cfg, tuned = fill_fine_tuning(cfg)  # before the presets' rates, which are for training from scratch
-    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data))
+    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data), dist.world_size)
     dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
     data = prepare_once(cfg, dist)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches

@@ -49,7 +49,7 @@ def test_a_written_value_that_fits_no_automatic_one_is_refused_with_both_named()
     (80, 32, "small"),  # the default corpus (the stdlib, ~8M tokens) feeds no more than ~160M parameters
     (80, 40_000, "xl"),  # a 10B-token corpus and an 80 GB GPU: the largest preset
     (24, 40_000, "large"),  # xl needs more than 80% of 24 GB
-    (16, 40_000, "small"),  # so do large and medium of 16 GB
+    (16, 40_000, "medium"),  # so does large with 12k tokens a forward; medium fits 8 x 1,024
     (4, 40_000, "tiny"),  # not even small fits
 ])
 def test_a_gpu_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gib, corpus_mb, expected):
@@ -85,6 +85,8 @@ def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(prese
     which Inductor pads (and times) on every chunk. Now: whole logits when they fit, else multiples of 128."""
     from config import PRESETS
     cfg = PRESETS[preset]()
+    micro = {"large": 32, "small": 16}.get(preset, cfg.train.micro_batch_size)  # the micro-batches presets once had
+    cfg.train = replace(cfg.train, micro_batch_size=micro, grad_accum_steps=0)
     machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
     rows = sizing.loss_chunk_rows(cfg, machine)
     whole = cfg.train.micro_batch_size * cfg.model.max_seq_len
@@ -107,3 +109,47 @@ def test_attention_is_written_out_only_in_a_compiled_cpu_step_of_short_rows(devi
     cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
     machine = Machine("cuda", "GPU", 80 * GIB) if device == "cuda" else CPU
     assert sizing.matmul_attention(cfg, machine) is written
+
+
+@pytest.mark.parametrize("preset,memory_gib,world,expected", [
+    ("small", 80, 1, (64, 4)),  # an H100: the 65,536-token cap, not memory, bounds it
+    ("large", 80, 1, (128, 8)),  # 170 sequences of 384 would be the cap: the power of two below
+    ("small", 24, 1, (32, 8)),  # a 24 GB card: 64 x 1,024 needs about 32 GiB
+    ("small", 80, 2, (64, 2)),  # two ranks: each accumulates half as many micro-steps
+    ("small", 0, 1, (16, 16)),  # a CPU: 16 sequences, as the presets had
+])
+def test_an_automatic_micro_batch_fills_the_memory_and_accumulation_keeps_the_step(preset, memory_gib, world,
+                                                                                    expected):
+    """The GPU presets ran 12-16k tokens a forward (9 GiB of an H200's 140); they now leave the micro-batch to the
+    memory, and the step keeps its tokens."""
+    from config import PRESETS
+    machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
+    cfg, notes = sizing.fill_automatic(PRESETS[preset](), machine, corpus_bytes=None, world_size=world)
+    t = cfg.train
+    assert (t.micro_batch_size, t.grad_accum_steps) == expected
+    assert t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * world == PRESETS[preset]().train.batch_tokens
+    assert f"micro_batch_size={expected[0]}, grad_accum_steps={expected[1]}" in notes[-1]
+    if memory_gib:
+        assert sizing.training_bytes_estimate(cfg) <= 0.8 * memory_gib * GIB
+
+
+@pytest.mark.parametrize("preset,micro,measured_gib", [("small", 64, 33.40), ("large", 128, 42.70)])
+def test_the_memory_estimate_matches_the_peak_measured_on_an_h200(preset, micro, measured_gib):
+    """Peak memory of the compiled bf16 step on an NVIDIA H200 (torch 2.11, 2026-11-27, docs/gpu_report.md): the
+    estimate that sizes the micro-batch must stay within 10% of it."""
+    from config import PRESETS
+    cfg = PRESETS[preset]()
+    cfg.train = replace(cfg.train, micro_batch_size=micro)
+    assert sizing.training_bytes_estimate(cfg) / GIB == pytest.approx(measured_gib, rel=0.10)
+
+
+def test_a_micro_batch_written_by_hand_is_kept_and_accumulation_follows():
+    from config import preset_small
+    cfg = preset_small()
+    cfg.train = replace(cfg.train, micro_batch_size=8)
+    cfg, _ = sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=None)
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (8, 32)
+    cfg.train = replace(cfg.train, grad_accum_steps=4)  # all three written, and they disagree
+    with pytest.raises(ConfigError, match=r"batch_tokens=262144 is not micro_batch_size=8 x max_seq_len=1024 x "
+                                          r"grad_accum_steps=4"):
+        sizing.fill_automatic(cfg, Machine("cuda", "GPU", 80 * GIB), corpus_bytes=None)
