@@ -111,12 +111,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
+        self.qkv_proj = None  # q, k and v stacked into one layer (fuse_projections, for inference)
+
+    def fuse_projections(self):
+        """q_proj, k_proj and v_proj as one layer: a decode step then reads the three weights in one matmul."""
+        self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim, *[self.n_kv_head * self.head_dim] * 2], -1)
+        q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_head != self.n_kv_head
         if cache is None and mask is None:
@@ -153,9 +163,29 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = None  # gate and up stacked into one layer (fuse_projections, for inference)
+
+    def fuse_projections(self):
+        """gate_proj and up_proj as one layer: one matmul where a decode step made two."""
+        self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if self.gate_up_proj is None else \
+            self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def stacked(*linears: nn.Linear) -> nn.Linear:
+    """One linear layer whose outputs are the given layers' outputs side by side (their weights and biases
+    concatenated), in their dtype and on their device."""
+    w = torch.cat([m.weight for m in linears])
+    b = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    with torch.device("meta"):  # allocates nothing: the parameters are set below
+        out = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+    out.weight = nn.Parameter(w, requires_grad=False)
+    out.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+    return out
 
 
 class Block(nn.Module):
@@ -217,6 +247,13 @@ class Transformer(nn.Module):
             raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+    def fuse_projections(self):
+        """Stack each block's q/k/v and gate/up layers (Attention and MLP.fuse_projections): fewer, larger matmuls
+        for generation. Checkpoints store the layers apart, so this is for a model that only generates."""
+        for block in self.layers:
+            block.attn.fuse_projections()
+            block.mlp.fuse_projections()
 
     def use_matmul_attention(self, on: bool):
         """Causal attention written out as matmuls and a softmax (on) or SDPA's kernel (off): causal_attention."""

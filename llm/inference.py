@@ -70,11 +70,12 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 def for_inference(model: Transformer, device: torch.device, quantize: str = "none",
                   compile: str = "auto") -> Transformer:
     """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that compute
-    it natively, else fp32), int8 when quantize says so, and with the few-row linear layers where its decode step
-    compiles on a CPU. In place."""
+    it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, and with the few-row linear
+    layers where its decode step compiles on a CPU. In place."""
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
     model.eval().requires_grad_(False)
+    model.fuse_projections()  # a decode step's matmuls: 4 a block, not 7 (kernels, not FLOPs, bound it on a GPU)
     if quantize == "int8":
         quantize_int8(model)
     if device.type == "cpu" and compiles(compile, device):

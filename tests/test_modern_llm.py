@@ -378,3 +378,30 @@ def test_chunked_loss_casts_the_head_once_under_autocast(tiny_config):
     (whole_casts, whole), (chunk_casts, chunked) = results
     assert chunk_casts <= whole_casts + 1 and chunk_casts <= 2  # 8 chunks: once, not 8 + 8 times
     assert chunked == pytest.approx(whole, rel=1e-2)
+
+
+@pytest.mark.parametrize("qkv_bias,kv_heads", [(False, 1), (True, 2)])
+def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bias, kv_heads, tiny):
+    """Inference stacks q/k/v and gate/up (a decode step made 7 matmuls a block, now 4): in float64 the stacked
+    model's logits and cached decode equal the separate layers', biases included."""
+    from llm.inference import for_inference
+    cfg = tiny(qkv_bias=qkv_bias, num_key_value_heads=kv_heads)
+    separate = model_of(cfg).double()
+    for p in separate.parameters():  # non-zero biases, so a misplaced one shows
+        torch.nn.init.normal_(p, std=0.2) if p.dim() == 1 else None
+    fused = model_of(cfg).double()
+    fused.load_state_dict(separate.state_dict())
+    fused.fuse_projections()
+    matmuls = lambda m: sum(isinstance(x, torch.nn.Linear) for x in m.layers[0].modules())  # noqa: E731
+    assert (matmuls(separate), matmuls(fused)) == (7, 4)
+    assert fused.num_parameters() == separate.num_parameters()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        want, got = separate(ids)[0], fused(ids)[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        caches = [m.make_kv_cache(2, dtype=torch.float64) for m in (separate, fused)]
+        steps = [[m(ids[:, :8], kv_cache=c)[0] for _ in [0]] + [m(ids[:, 8:9], kv_cache=c)[0]]
+                 for m, c in zip((separate, fused), caches)]
+    torch.testing.assert_close(steps[1][1], steps[0][1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(steps[1][1][:, 0], want[:, 8], rtol=1e-12, atol=1e-12)
+    assert matmuls(for_inference(model_of(cfg), torch.device("cpu"), compile="false")) == 4  # what generation runs
