@@ -109,10 +109,14 @@ def error_contract(main):
 
 
 def _close_progress_bars():
-    """An error line then starts on a line of its own, under the bar."""
+    """An error line then starts on a line of its own, under the bar. A bar that fails to draw itself is dropped:
+    it is only a display, and its error once replaced the run's own outcome."""
     tqdm = sys.modules.get("tqdm")
     for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
-        bar.close()
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a display's failure must not end or mask the run
+            bar.disable = True
 
 
 def _silence_stdout():

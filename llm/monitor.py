@@ -318,9 +318,16 @@ def progress_bar(clock, start: int, enabled: bool):
     """The one progress bar: steps, or for a time budget the seconds of it spent (steps in the description)."""
     if not clock.by_time:
         return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled, dynamic_ncols=True, desc="train")
-    return tqdm(total=round(clock.budget_s), initial=round(clock.spent_s()), disable=not enabled,
+    total = round(clock.budget_s)
+    # n_fmt/total_fmt, not {total:.0f}: tqdm sets total to None once n passes it, and a format must not end the run.
+    return tqdm(total=total, initial=_budget_seconds(clock, total), disable=not enabled,
                 dynamic_ncols=True, desc=f"train step {start}",
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the time budget{postfix}")
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the time budget{postfix}")
+
+
+def _budget_seconds(clock, total: int) -> int:
+    """The budget's seconds spent, at most its total: a step (the first, compiling) may end past the budget."""
+    return min(round(clock.spent_s()), total)
 
 
 def advance_bar(bar, clock, step: int, epoch: float | None = None):
@@ -330,7 +337,7 @@ def advance_bar(bar, clock, step: int, epoch: float | None = None):
                             refresh=False)
     if clock.by_time:
         bar.set_description(f"train step {step}", refresh=False)
-        bar.update(max(0, round(clock.spent_s()) - bar.n))
+        bar.update(max(0, _budget_seconds(clock, bar.total) - bar.n))
     else:
         bar.update(1)
 

@@ -44,6 +44,26 @@ def test_the_contract_prints_one_line_and_exits(capsys):
     assert error_contract(lambda: 0)() == 0
 
 
+def test_a_bar_that_cannot_draw_itself_leaves_the_outcome_alone(capsys):
+    """Closing the progress bars once raised tqdm's own TypeError (a bar past its total drops the total its format
+    printed), which replaced the run's outcome with a traceback: the failure's line and code, or success, stay."""
+    from tqdm import tqdm
+    bars = []  # alive when the contract closes them
+
+    def bar_past_its_total():
+        bars.append(tqdm(total=10, bar_format="{n:.0f}/{total:.0f}", mininterval=3600))
+        bars[-1].n = 12  # tqdm formats total None from here on
+
+    def fails():
+        bar_past_its_total()
+        raise DataError("data.jsonl line 3 is not JSON, fix that line")
+    with pytest.raises(SystemExit) as e:
+        error_contract(fails)()
+    assert e.value.code == 2 and "error: data.jsonl line 3" in capsys.readouterr().err
+    assert error_contract(lambda: bar_past_its_total() or 0)() == 0
+    assert all(bar.disable for bar in bars)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_runs_under_the_contract(script):
     """Each script's `__main__` calls a function decorated with error_contract, and none maps errors by hand

@@ -648,3 +648,25 @@ def test_the_summary_of_a_run_stopped_before_its_first_evaluation_says_so():
     assert "no evaluation yet" in before and "inf" not in before and "nan" not in before
     after = monitor.summary(best_val=2.0794415, **common).splitlines()[0]  # ln 8: 3 bits, over 3 bytes a token
     assert "best val loss 2.0794 (1.0000 bits per byte)" in after
+
+
+def test_a_first_step_longer_than_the_budget_ends_the_run_cleanly(corpus, tmp_path, monkeypatch, capsys, argv_for):
+    """--max_minutes 0.3 with a cold compile cache: the first step ended past the budget, tqdm then dropped the
+    bar's total and its format raised TypeError (in the loop, and again while the error contract closed the bar).
+    A step that overshoots the budget must end the run as any budget does: final evaluation, checkpoint, exit 0."""
+    shift = [0.0]
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + shift[0])
+    original = trainer.first_train_step
+
+    def compiling(*args, **kwargs):
+        shift[0] += 60.0  # a minute-long compile: 42 s past an 18 s budget
+        return original(*args, **kwargs)
+    monkeypatch.setattr(trainer, "first_train_step", compiling)
+    run = tmp_path / "run"
+    assert trainer.run(argv_for(corpus, run, "--max_minutes", 0.3, "--eval_batches", 2)) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "error:" not in err, err[-2000:]
+    assert "done: 1 steps" in out
+    assert ckpt_io.latest_checkpoint(str(run)).endswith("step_000001")
+    assert read_metrics(run, "eval")[-1]["step"] == 1
