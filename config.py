@@ -43,6 +43,7 @@ def _require_choices(cfg):
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
 AUTO = 0  # the value of a size or rate that sizing.py chooses for the device and corpus (printed at start)
+MAX_MINUTES = 525_600  # a year: a budget past it no run reaches, and its warmup would hold the learning rate near 0
 
 
 @dataclass
@@ -247,6 +248,8 @@ class TrainConfig:
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
         for name in ("learning_rate", "muon_lr", "max_minutes", "epochs"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be positive (0: automatic)")
+        _require(self.max_minutes <= MAX_MINUTES, "max_minutes", self.max_minutes,
+                 f"must be at most {MAX_MINUTES:,} (a year); for a run without a time limit set max_steps or epochs")
         _require(not (self.epochs and self.max_steps), "epochs", self.epochs,
                  f"set epochs or max_steps (here {self.max_steps}), not both")
         _require(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0: no adapters)")

@@ -135,3 +135,16 @@ def test_no_float_setting_takes_inf_or_nan():
                         section(**{f.name: bad})
     with pytest.raises(ConfigError, match="lora_alpha=inf"):
         parse_config(["--lora_alpha", "inf"])
+
+
+@pytest.mark.parametrize("minutes", ["1e308", "1e10", "525601"])
+def test_a_time_budget_past_a_year_is_one_line_from_the_trainer(minutes, capsys):
+    """--max_minutes 1e308 overflowed into a traceback (minutes x 60 is inf, rounded for the progress bar), and
+    1e10 was taken: its warmup then spans a budget no run reaches, so the learning rate stayed near 0 all run.
+    The trainer's command line refuses both, naming the field, with exit 2 and nothing written."""
+    import gpu_training_optimized as trainer
+    from conftest import one_error_line
+    with pytest.raises(SystemExit) as e:
+        trainer.run(["--preset", "tiny", "--max_minutes", minutes, "--run_dir", "/nonexistent/run"])
+    assert "max_minutes=" in one_error_line(capsys, 2, e)
+    assert TrainConfig(max_minutes=config.MAX_MINUTES).max_minutes == 525_600  # a year is still a budget
