@@ -48,6 +48,7 @@ def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
     cfg = _model_config(meta, reader, path, max_seq_len)
     arch = meta["general.architecture"]
     check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}: {arch}.context_length")
+    _check_blocks(reader, cfg.num_hidden_layers, f"{path}: {arch}.block_count")
     names = _our_names(arch, cfg.num_hidden_layers)
     shapes = {names.get(t.name, t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     shapes = {k: v for k, v in shapes.items() if k != "rope_freqs.weight"}  # llama3 scaling: refused with the config
@@ -84,10 +85,21 @@ def _metadata(reader, path: str) -> dict:
 
 
 def _int(meta: dict, key: str, path: str, default: int | None = None) -> int:
+    """A size from the metadata; every one a model has is at least 1 (a context length of 0 once reached the
+    generator, which then asked for prompts of 1 to -1 tokens)."""
     value = meta.get(key, default)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise CheckpointError(f"{path}: {key}={value!r} is not a count, the file is damaged or not a model")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{path}: {key}={value!r} is not a positive count, the file is damaged or not a model")
     return int(value)
+
+
+def _check_blocks(reader, layers: int, where: str):
+    """The declared block count must be the blocks the file's tensors hold (blk.0 to blk.N-1), checked before a name
+    is built for each: a file declaring 10^12 blocks once built names until memory ran out."""
+    held = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
+    if len(held) != layers or held != {str(i) for i in range(layers)}:  # len first: range(10**12) is never built
+        raise CheckpointError(f"{where}={layers:,} but the file's tensors hold {len(held):,} blocks; the file is "
+                              "damaged or not a model")
 
 
 def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfig:

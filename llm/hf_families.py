@@ -142,6 +142,9 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
     try:
         hf = AutoConfig.from_pretrained(path)
         context = max_seq_len or hf.max_position_embeddings
+        if not isinstance(context, int) or context < 1:  # 0 would read as "automatic" and reach the generator
+            raise ConfigError(f"max_position_embeddings={context!r} is not a positive context length, the file is "
+                              "damaged; load it with --max_seq_len N")
         why = unsupported(hf, raw, context)
         # transformers 5 gathers RoPE settings in rope_parameters; 4.x keeps rope_scaling (key rope_type or type)
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}

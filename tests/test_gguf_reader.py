@@ -95,19 +95,21 @@ def test_the_tokenizer_rebuilt_from_the_metadata_encodes_as_the_original(tmp_pat
     assert rebuilt.token_to_id("<|im_end|>") == ours.token_to_id("<|im_end|>")
 
 
-def write_file(path, arch="llama", tokenizer="gpt2", **keys):
-    """A tiny GGUF of architecture arch with one tensor and the given extra keys, written by the gguf package."""
+def write_file(path, arch="llama", tokenizer="gpt2", blocks=1, context=32, **keys):
+    """A tiny GGUF of architecture arch with two tensors (the embedding and one of block 0's) and the given extra
+    keys, written by the gguf package; blocks and context: the block count and context length it declares."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
+    w.add_uint64(f"{arch}.block_count", blocks)  # 64 bits: room for a hostile count
     w.add_embedding_length(8)
     w.add_head_count(2)
     w.add_feed_forward_length(16)
-    w.add_context_length(32)
+    w.add_context_length(context)
     w.add_tokenizer_model(tokenizer)
     w.add_token_list(["a", "b"])
     for key, value in keys.items():
         w.add_uint32(key, value)
     w.add_tensor("token_embd.weight", np.zeros((2, 8), np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -121,8 +123,10 @@ def write_file(path, arch="llama", tokenizer="gpt2", **keys):
     (lambda p: write_file(p, arch="gemma"), "the architecture 'gemma' is not one our model computes"),
     (lambda p: write_file(p, **{"llama.attention.sliding_window": 8}), "a sliding window of 8 tokens"),
     (lambda p: write_file(p, **{"llama.rope.dimension_count": 2}), "RoPE on 2 of each head's 4 channels"),
-    (lambda p: write_file(p), "declares 680 parameters but its weight files hold 16"),  # one tensor of many
-], ids=["text", "damaged", "gemma", "window", "partial-rope", "missing-tensors"])
+    (lambda p: write_file(p), "declares 680 parameters but its weight files hold 24"),  # two tensors of many
+    (lambda p: write_file(p, blocks=2), "llama.block_count=2 but the file's tensors hold 1 blocks"),
+    (lambda p: write_file(p, context=0), "llama.context_length=0 is not a positive count"),
+], ids=["text", "damaged", "gemma", "window", "partial-rope", "missing-tensors", "missing-block", "no-context"])
 def test_what_cannot_be_read_is_one_line(tmp_path, capsys, make, words):
     """The REPL on a file it cannot read says so in one line naming the file, exit 2, no traceback."""
     path = tmp_path / "model.gguf"
@@ -133,6 +137,19 @@ def test_what_cannot_be_read_is_one_line(tmp_path, capsys, make, words):
         text_generator.main([str(path), "--prompt", "x"])
     line = one_error_line(capsys, 2, e)
     assert str(path) in line and words in line, line
+
+
+@pytest.mark.slow
+def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
+    """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block before the
+    file's tensors were looked at. The block count is checked against them first: one line naming the file and the
+    key, exit 2, in the seconds the generator takes to start (a subprocess, so the old hang ends at the timeout)."""
+    path = write_file(tmp_path / "model.gguf", blocks=10**12)
+    r = subprocess.run([sys.executable, "text_generator.py", path, "--prompt", "x"], cwd=ROOT, text=True,
+                       capture_output=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines[0].startswith(f"error: {path}: llama.block_count=1,000,000,000,000 but"), lines
 
 
 def test_a_sentencepiece_vocabulary_is_refused_by_name(tmp_path):

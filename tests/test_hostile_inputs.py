@@ -114,6 +114,18 @@ def test_a_context_of_a_trillion_positions_is_refused_with_the_way_out(hf_folder
     assert export_hf.main(["--import", str(folder), str(tmp_path / "run"), "--max_seq_len", "64"]) == 0
 
 
+def test_a_context_of_no_positions_is_refused_naming_the_field(hf_folder, tmp_path, capsys):
+    """max_position_embeddings=0 read as the automatic context and reached the generator, which refused every prompt
+    with "it needs 1 to -1" tokens (the GGUF reader's context_length=0 did the same): one line names the file and
+    the field."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
+    line = refused(capsys, tg.main, [str(folder), "--prompt", "x"])
+    assert f"{folder}/config.json" in line and "max_position_embeddings=0 is not a positive" in line, line
+
+
 def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tiny_checkpoint, tmp_path, capsys):
     """A tokenizer.json whose ids go past the embedding's rows (same count of tokens, one id moved to 5000)
     passed the load and hit an index error in the middle of generating."""
