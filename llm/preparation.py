@@ -116,11 +116,13 @@ def _make_tokenizer(cfg: DataConfig, found, vocab_size: int, log) -> Tokenizer:
 def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
     """The cache folder's name: every data setting but the cache's place and how batches are cut from it (a field
     added to DataConfig takes part without being listed here), the sources as given (not their files, whose
-    changes redo only their own shards; not their weights) and the tokenizer file."""
+    changes redo only their own shards; not their weights) and the tokenizer file by its contents: a GGUF's
+    tokenizer is written to a new temporary path by each process, and by its path no run from one could resume."""
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
     settings.update(sources=[os.path.abspath(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
-                    format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES)
-    return tc.digest(settings, tc.file_identity(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else None)
+                    format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES,
+                    tokenizer=tc.file_digest(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else "")
+    return tc.digest(settings)
 
 
 def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tuple[Tokenizer, dict]:

@@ -40,6 +40,16 @@ def digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def file_digest(path: str) -> str:
+    """A short hash of a file's contents: what names a file that is written anew under another name (a GGUF's
+    tokenizer, rebuilt in a temporary folder by each process)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
 def file_identity(path: str) -> list:
     """What says a file changed: its path, size and modification time."""
     st = os.stat(path)

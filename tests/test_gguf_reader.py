@@ -139,6 +139,24 @@ def test_what_cannot_be_read_is_one_line(tmp_path, capsys, make, words):
     assert str(path) in line and words in line, line
 
 
+def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp_path):
+    """A GGUF's tokenizer is rebuilt into a new temporary folder by each process (and each read), and the token
+    cache was keyed by the tokenizer's path: --resume of a run started with --init_from X.gguf always refused with
+    "cannot resume on other data (tokenizer: checkpoint '/tmp/gguf-tokenizers-...' vs now '...')". The tokenizer is
+    known by its contents: the run resumes, on the cache it started with."""
+    import gpu_training_optimized as trainer
+    from llm import checkpoint as ckpt_io
+    model = sharp_model(tiny_config, init_std=0.02)
+    path = export(save(model, python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
+    run = tmp_path / "run"
+    argv = ["--init_from", path, "--sources", corpus["src"], "--cache_dir", str(tmp_path / "cache"), "--run_dir",
+            str(run), "--micro_batch_size", "4", "--compile", "off", "--eval_batches", "1", "--log_interval", "1"]
+    assert trainer.main([*argv, "--max_steps", "2"]) == 0
+    assert trainer.main([*argv, "--max_steps", "4", "--resume"]) == 0
+    assert ckpt_io.latest_checkpoint(str(run)).endswith("step_000004")
+    assert len(os.listdir(tmp_path / "cache")) == 1  # one token cache: the resumed session did not tokenize anew
+
+
 @pytest.mark.slow
 def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
     """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block before the
