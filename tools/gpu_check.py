@@ -1,6 +1,7 @@
 """Every GPU figure of README from one command, in parts that each finish within about 8 minutes; and, with no
 GPU at all, the compile check (--compile_only).
 
+    python tools/gpu_check.py --quick --out gpu_results            # the headline figures in about 8 minutes
     python tools/gpu_check.py --out gpu_results                    # every part, one after the other
     python tools/gpu_check.py --part throughput --out gpu_results  # one part; the report is rebuilt after each
     python tools/gpu_check.py --dry_run --out /tmp/dry             # CPU: every configuration on the tiny shape
@@ -9,8 +10,12 @@ Parts: throughput (ours and Hugging Face's Qwen3 of the same shape, small/medium
 on the trainer's own train_step; MFU, peak memory against the estimate, the optimizer's share), autotune
 (the same with max-autotune), graphs (CUDA-graph modes at accumulation 1 and 4 against compile default),
 startup (launch to the first step; DDP on one GPU against plain python), curves (300 steps of large,
-compiled against eager, and FP8 against bf16). Each part writes OUT/<part>.json; the report,
-docs/gpu_report.md, is written from all of them.
+compiled against eager, and FP8 against bf16). --quick runs its own short parts instead, most telling first:
+default_run (the no-flag trainer for a minute), first_token (a one-shot generation from its checkpoint: cold
+compile cache, warm, eager), throughput (small and large against Hugging Face, at the automatic micro-batch),
+decode (the large shape at batch 1 and 8 against the bandwidth bound, and a greedy check against transformers
+on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large).
+Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
 """
 
 import argparse
@@ -19,6 +24,9 @@ import json
 import math
 import os
 import platform
+import re
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,17 +41,23 @@ import torch
 
 from config import PRESETS, Config
 from gpu_training_optimized import build, train_step
+from llm.checkpoint import latest_checkpoint, read_model
 from llm.startup import new_model
-from llm.device import machine, pick_device
+from llm.device import has_fp8, machine, pick_device
 from llm.distributed import setup
 from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
+from llm.inference import for_inference
 from llm.monitor import device_report, peak_flops, read_metrics
 from llm.sizing import fill_automatic, training_bytes_estimate
+from modern_llm import Transformer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8")
+QUICK_PRESETS = ("small", "large")
+PROMPT = "def fibonacci(n):"
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
 BF16_NOISE = 0.02  # the largest relative loss difference two bf16 runs of the same steps may show
@@ -56,11 +70,11 @@ def preset(name: str, dry: bool, **train) -> Config:
     return fill_automatic(cfg, machine(pick_device("auto")), corpus_bytes=None)[0]
 
 
-def throughput(args, compile_mode: str) -> dict:
+def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, warmup: int = WARMUP) -> dict:
     """Ours and the transformers twin on the trainer's step; MFU, memory against the estimate, optimizer share."""
     device, rows = pick_device("auto"), []
-    steps, warmup = (1, 0) if args.dry_run else (STEPS, WARMUP)
-    for name in PRESET_NAMES:
+    steps, warmup = (1, 0) if args.dry_run else (steps, warmup)
+    for name in names:
         cfg = preset(name, args.dry_run, compile=compile_mode, precision="bf16" if device.type == "cuda" else "auto")
         ours = new_model(cfg, device)
         flops, peak = ours.flops_per_token(), peak_flops(device)
@@ -71,8 +85,10 @@ def throughput(args, compile_mode: str) -> dict:
         runs.append(bench.measure("hf", cfg, device, twin, steps, warmup))
         del twin
         bench.release(device)
+        t = cfg.train
         for r in runs:
-            rows.append({"preset": name, "compile": cfg.train.compile, **r,
+            rows.append({"preset": name, "compile": t.compile, "batch": f"{t.micro_batch_size} x "
+                         f"{cfg.model.max_seq_len} x {t.grad_accum_steps}", **r,
                          "mfu": r["tokens_per_s"] * flops / peak if peak else None,
                          "estimate_gib": training_bytes_estimate(cfg) / 2**30})
         print(f"{name}: ours {runs[0]['tokens_per_s']:,.0f} tokens/s, hf {runs[1]['tokens_per_s']:,.0f} tokens/s, "
@@ -175,22 +191,184 @@ def curves(args) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- --quick: the headline figures
+
+def command(cmd: list, env: dict | None = None) -> tuple[float, str]:
+    """Run a project script as a user would; (wall seconds, stdout + stderr). RuntimeError with its end if it fails."""
+    start = time.time()
+    done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=HERE,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{done.stderr[-3000:]}")
+    return time.time() - start, done.stdout + done.stderr
+
+
+def default_run(args) -> dict:
+    """The trainer with no flags but a one-minute budget, as a first run: what it chose, its speed and MFU."""
+    run_dir = os.path.join(args.out, "default_run")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
+        else ["--max_minutes", 1]
+    data = ["--sources", *args.sources] if args.sources else []
+    seconds, log = command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir, "--cache_dir",
+                                  os.path.join(args.out, "cache"), *data, *map(str, flags)])
+    train, evals = read_metrics(run_dir, "train"), read_metrics(run_dir, "eval")
+    timed = [r for r in train if r["tokens_per_s"]][-5:] or train[-1:]
+    median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
+    chosen = next((line for line in log.splitlines() if line.startswith("automatic:")), "")
+    print(f"default run: {train[-1]['step']} steps in {seconds:.0f} s, {median('tokens_per_s'):,.0f} tokens/s",
+          flush=True)
+    return {"seconds": seconds, "steps": train[-1]["step"], "tokens_per_s": median("tokens_per_s"),
+            "mfu": median("mfu"), "vram_gb": max(r["vram_gb"] or 0 for r in train), "chosen": chosen,
+            "val_bpb": evals[-1]["val_bpb"] if evals else None, "checkpoint": latest_checkpoint(run_dir)}
+
+
+def trained_checkpoint(args) -> str:
+    """The default run's checkpoint (default_run makes it when no earlier part did)."""
+    path = os.path.join(args.out, "default_run.json")
+    found = json.load(open(path))["checkpoint"] if os.path.isfile(path) else None
+    return found or default_run(args)["checkpoint"]
+
+
+def first_token(args) -> dict:
+    """A one-shot generation from the default run's checkpoint, launch to exit: with an empty compile cache (the
+    first use), with the cache it left (a later use), and eagerly (--compile false)."""
+    ckpt, rows = trained_checkpoint(args), []
+    with tempfile.TemporaryDirectory() as cache:
+        for label, flags in (("compiled, cold cache", []), ("compiled, warm cache", []),
+                             ("eager", ["--compile", "false"])):  # the first fills the cache the second reads
+            compiled = "false" if args.dry_run else "true"  # a CPU's compile takes half a minute: not the point
+            cmd = [os.path.join(HERE, "text_generator.py"), ckpt, "--prompt", PROMPT, "--max_new_tokens", "32",
+                   "--temperature", "0", *(flags or ["--compile", compiled])]
+            seconds, log = command(cmd, env={"TORCHINDUCTOR_CACHE_DIR": cache})
+            compiling = re.search(r"compiling the decode step[^.]*\.\.\. (\d+) s", log)
+            rows.append({"mode": label, "launch_to_exit_s": seconds,
+                         "compile_s": float(compiling.group(1)) if compiling else 0.0})
+            print(f"first token, {label}: {seconds:.1f} s from launch to exit", flush=True)
+    return {"rows": rows, "prompt": PROMPT}
+
+
+def decode(args) -> dict:
+    """The engine's decode at batch 1 and 8 on the large shape (random weights: speed does not depend on them),
+    against the bandwidth bound; and its greedy tokens against transformers' on the trained checkpoint, both in
+    float32, where a trained model's ties cannot flip."""
+    import bench_generate as bg
+    device, rows = pick_device("auto"), []
+    torch.manual_seed(0)
+    cfg = bg.shape("tiny" if args.dry_run else "large")
+    compiled = "false" if args.dry_run else "true"  # as in first_token
+    model = for_inference(Transformer(cfg).to(device), device, compile=compiled)
+    n, reps = (8, 1) if args.dry_run else (128, 3)
+    for batch in (1, 8):
+        prompts = torch.randint(0, cfg.vocab_size, (batch, 64), device=device)
+        runs = bg.decode_rates({"ours": lambda k: bg.ours(model, prompts, k, compiled)}, batch, n, reps, device)["ours"]
+        rate = statistics.median(r[0] for r in runs)
+        bound = batch * bg.bandwidth(device) / bg.bytes_per_step(model, batch, 64 + n / 2)
+        rows.append({"batch": batch, "tokens_per_s": rate, "ms_per_step": 1e3 * batch / rate,
+                     "bound_share": rate / bound})
+        print(f"decode, batch {batch}: {rate:,.0f} tokens/s, {100 * rate / bound:.0f}% of the bandwidth bound",
+              flush=True)
+    del model
+    bench.release(device)
+    found = read_model(trained_checkpoint(args))
+    ours = Transformer(found.config).to(device)
+    ours.load_stored(found.state)
+    twin = hf_twin(found.config, ours.state_dict()).to(device).float().eval()
+    ours = for_inference(ours, device, compile=compiled).float()
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
+    mine, theirs = bg.ours(ours, prompt, 32, compiled), bg.theirs(twin, prompt, 32, fastest=False)
+    print(f"greedy check against transformers: {'identical' if mine == theirs else 'DIFFERENT'}", flush=True)
+    return {"rows": rows, "shape": "tiny" if args.dry_run else "large", "greedy_identical": mine == theirs}
+
+
+def quick_graphs(args) -> dict:
+    """reduce-overhead (CUDA graphs) under accumulation 4 against compile default: the same losses within bf16
+    noise, on small cut to 2 layers (every kind of layer, a fraction of the compile)."""
+    device, steps = pick_device("auto"), 2 if args.dry_run else 10
+    runs = {}
+    for mode in ("default", "reduce-overhead"):
+        cfg = preset("small", args.dry_run, compile=mode, micro_batch_size=16 if not args.dry_run else 2,
+                     grad_accum_steps=4)
+        cfg.model = replace(cfg.model, num_hidden_layers=2)
+        runs[mode] = losses(cfg, device, steps)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["reduce-overhead"], runs["default"]))
+    print(f"CUDA graphs under accumulation 4: largest relative loss difference {worst:.2e}", flush=True)
+    return {"rows": [{"mode": "reduce-overhead", "grad_accum_steps": 4, "losses": runs["reduce-overhead"],
+                      "reference": runs["default"], "max_relative_difference": worst,
+                      "within_noise": worst <= BF16_NOISE}]}
+
+
+def fp8(args) -> dict:
+    """large with FP8 linear layers (torchao), ours alone; the bf16 figure is quick_throughput's."""
+    device = pick_device("auto")
+    if not args.dry_run and not has_fp8(device):
+        return {"skipped": "needs a GPU of compute capability 8.9 or newer and torchao"}
+    cfg = preset("large", args.dry_run, precision="auto" if args.dry_run else "fp8")
+    steps, warmup = (1, 0) if args.dry_run else (3, 2)
+    model = new_model(cfg, device)
+    row = bench.measure("ours", cfg, device, model, steps, warmup)
+    peak = peak_flops(device)
+    row["mfu"] = row["tokens_per_s"] * model.flops_per_token() / peak if peak else None
+    del model
+    bench.release(device)
+    print(f"fp8, large: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+    return {"rows": [row]}
+
+
+def quick_table(found: dict) -> list[str]:
+    """--quick's figures as one table, a row for each that was measured."""
+    pct = lambda v: f"{100 * v:.1f}%" if v else "n/a"  # noqa: E731
+    rows = []
+    if "default_run" in found:
+        d = found["default_run"]
+        rows.append(("the no-flag trainer, `--max_minutes 1`", f"{d['steps']} steps, {d['tokens_per_s']:,.0f} "
+                     f"tokens/s, MFU {pct(d['mfu'])}, {d['vram_gb']:.1f} GB, bits per byte "
+                     f"{d['val_bpb'] or float('nan'):.4f}; {d['chosen'].removeprefix('automatic: ')}"))
+    for r in found.get("first_token", {}).get("rows", []):
+        rows.append((f"one-shot generation, {r['mode']}", f"{r['launch_to_exit_s']:.1f} s launch to exit"
+                     + (f" ({r['compile_s']:.0f} s compiling)" if r["compile_s"] else "")))
+    train = found.get("quick_throughput", {}).get("rows", [])
+    for ours, hf in zip(train[::2], train[1::2]):
+        rows.append((f"training `{ours['preset']}`, {ours['batch']}, bf16", f"ours {ours['tokens_per_s']:,.0f} "
+                     f"tokens/s, MFU {pct(ours['mfu'])}, {ours.get('peak_gib') or 0:.1f} GiB; Hugging Face "
+                     f"{hf['tokens_per_s']:,.0f} ({pct(hf['mfu'])}): {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"))
+    for r in found.get("fp8", {}).get("rows", []):
+        rows.append(("training `large`, FP8 linear layers", f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])}"))
+    if "skipped" in found.get("fp8", {}):
+        rows.append(("training `large`, FP8", found["fp8"]["skipped"]))
+    for r in found.get("quick_graphs", {}).get("rows", []):
+        rows.append(("CUDA graphs (reduce-overhead) under accumulation 4", f"largest relative loss difference "
+                     f"{r['max_relative_difference']:.1e} over {len(r['losses'])} steps, within bf16 noise: "
+                     f"{r['within_noise']}"))
+    dec = found.get("decode", {})
+    for r in dec.get("rows", []):
+        rows.append((f"decode, `{dec['shape']}` shape, batch {r['batch']}", f"{r['tokens_per_s']:,.0f} tokens/s, "
+                     f"{r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} of the bandwidth bound"))
+    if dec:
+        rows.append(("greedy tokens against transformers (trained checkpoint, float32)",
+                     "identical" if dec["greedy_identical"] else "DIFFERENT"))
+    if not rows:
+        return []
+    return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
+
+
 def write_report(out: str, path: str):
     """docs/gpu_report.md from every part's JSON found in out."""
-    found = {p: json.load(open(os.path.join(out, f"{p}.json"))) for p in PARTS
+    found = {p: json.load(open(os.path.join(out, f"{p}.json"))) for p in PARTS + QUICK_PARTS
              if os.path.isfile(os.path.join(out, f"{p}.json"))}
     meta = next(iter(found.values()), {}).get("meta", {})
-    lines = ["# GPU report", "", f"Written by `python tools/gpu_check.py` on {meta.get('device', 'n/a')}, torch "
-             f"{meta.get('torch', 'n/a')}, {meta.get('date', '')}.", ""]
-    for part in ("throughput", "autotune"):
+    lines = ["# GPU report", "", f"Written by `python tools/gpu_check.py{' --quick' * meta.get('quick', False)}` on "
+             f"{meta.get('device', 'n/a')}, torch {meta.get('torch', 'n/a')}, {meta.get('date', '')}.", ""]
+    lines += quick_table(found)
+    for part in ("throughput", "autotune", "quick_throughput"):
         if part in found:
-            lines += [f"## Training throughput, {part}", "", "| preset | model | tokens/s | MFU | peak GiB | "
-                      "estimate GiB | optimizer share |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [f"## Training throughput, {part}", "", "| preset | batch | model | tokens/s | MFU | peak GiB | "
+                      "estimate GiB | optimizer share |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for r in found[part]["rows"]:
                 mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
                 share = f"{100 * r['share']:.1f}%" if "share" in r else ""
                 peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a"
-                lines.append(f"| {r['preset']} | {r['model']} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} | "
+                lines.append(f"| {r['preset']} | {r.get('batch', '')} | {r['model']} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} | "
                              f"{r['estimate_gib']:.1f} | {share} |")
             lines.append("")
     if "graphs" in found:
@@ -223,7 +401,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                "decode steps for an H100 (and an RTX 4090, an A100) "
                                                                "on fake tensors, down to cubin (compile_check.py)")
     p.add_argument("--out", help="folder for each part's JSON and the data cache")
-    p.add_argument("--part", choices=PARTS + ("all",), default="all")
+    p.add_argument("--part", choices=PARTS + QUICK_PARTS + ("all",), default="all")
+    p.add_argument("--quick", action="store_true", help="the headline figures only, in about 8 minutes on one H100: "
+                                                        f"{', '.join(QUICK_PARTS)}")
     p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step each, "
                                                           "no compile: checks the script on a CPU")
     p.add_argument("--sources", nargs="*", default=[], help="training text (default: the default corpus)")
@@ -245,10 +425,14 @@ def main(argv=None) -> int:
         raise ConfigError("no CUDA device: run on a GPU, or pass --dry_run to check the script on a CPU")
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": device_report(pick_device("auto")), "torch": torch.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run}
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run,
+            "quick": args.quick}
     jobs = {"throughput": lambda: throughput(args, "default"), "autotune": lambda: throughput(args, "max-autotune"),
-            "graphs": lambda: graphs(args), "startup": lambda: startup(args), "curves": lambda: curves(args)}
-    for part in PARTS if args.part == "all" else (args.part,):
+            "graphs": lambda: graphs(args), "startup": lambda: startup(args), "curves": lambda: curves(args),
+            "default_run": lambda: default_run(args), "first_token": lambda: first_token(args),
+            "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
+            "decode": lambda: decode(args), "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args)}
+    for part in (QUICK_PARTS if args.quick else PARTS) if args.part == "all" else (args.part,):
         start = time.time()
         print(f"part {part}...", flush=True)
         result = {"meta": meta, **jobs[part](), "seconds": time.time() - start}
