@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from config import ModelConfig
+from llm.atomic import write_error
 from llm.errors import CheckpointError, ConfigError
 from llm.gguf_format import BLOCK, QWEN2_PATTERN, TOP, gguf_package, uninterleave_rope
 from llm.hf_families import family_field
 from llm.hf_format import check_context, check_declared_size, check_weights, expected_shapes
-from llm.tokenizer import GPT4_PATTERN, TOKENIZER_FILE
+from llm.tokenizer import GPT4_PATTERN, TOKENIZER_FILE, save_tokenizer
 from modern_llm import is_stored
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -211,10 +212,14 @@ _folder = None
 def _tokenizer_file(meta: dict, path: str, vocab_size: int) -> str:
     """gguf_tokenizer() saved as tokenizer.json in a folder of this process, removed when it exits."""
     global _folder
-    if _folder is None:
-        _folder = tempfile.mkdtemp(prefix="gguf-tokenizers-")
-        atexit.register(shutil.rmtree, _folder, True)
-    file = os.path.join(_folder, f"{len(os.listdir(_folder))}", TOKENIZER_FILE)
-    os.makedirs(os.path.dirname(file))
-    gguf_tokenizer(meta, path, vocab_size).save(file)
+    tok = gguf_tokenizer(meta, path, vocab_size)
+    try:
+        if _folder is None:
+            _folder = tempfile.mkdtemp(prefix="gguf-tokenizers-")
+            atexit.register(shutil.rmtree, _folder, True)
+        file = os.path.join(_folder, f"{len(os.listdir(_folder))}", TOKENIZER_FILE)
+        os.makedirs(os.path.dirname(file))
+        save_tokenizer(tok, file)
+    except OSError as e:  # a full temporary folder: one line (exit 1), as for every other write
+        raise write_error(e, f"writing the tokenizer of {path}") from None
     return file

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 
+import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -28,7 +29,7 @@ from llm.packing import packs
 from llm.tiktoken_bpe import Encoder, encoder_for
 from llm.token_cache import PreparedData
 from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
-                           encode_segments, existing_tokenizer, tokenizer_file, train_tokenizer)
+                           encode_segments, existing_tokenizer, save_tokenizer, tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
@@ -139,7 +140,7 @@ def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tup
             "format": CACHE_FORMAT}
     # Under a temporary name, then renamed over the damaged folder: its parts were tokenized by another tokenizer.
     with atomic.folder(path, f"writing the token cache {path}") as tmp:
-        tok.save(os.path.join(tmp, TOKENIZER_FILE))
+        save_tokenizer(tok, os.path.join(tmp, TOKENIZER_FILE))
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
     return tok, meta
@@ -161,10 +162,12 @@ def _advance(bar, nbytes: int, tokens: int):
     bar.update(nbytes)
 
 
-def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encoder, meta: dict, bar) -> dict:
+def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encoder, meta: dict, bar,
+                need: int = 0) -> dict:
     """Tokenize one part's documents into a folder written under a temporary name; returns its part.json. A
-    batch is tokenized in a thread (the encoder releases the GIL and uses every core) while the next is read."""
-    with atomic.folder(folder, f"writing the token cache part {folder}") as tmp, ThreadPoolExecutor(1) as pool:
+    batch is tokenized in a thread (the encoder releases the GIL and uses every core) while the next is read.
+    need: about the bytes the rest of the cache takes, for the message of a full disk."""
+    with atomic.folder(folder, f"writing the token cache part {folder}", need) as tmp, ThreadPoolExecutor(1) as pool:
         writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
         batch, size, chats, running = [], 0, False, None
         for _, doc_id, piece, doc, nbytes, is_val in itertools.chain(items, [(None,) * 6]):  # None: the end
@@ -235,7 +238,8 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                     if problem != "absent":
                         log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
                     encoder = encoder or encoder_for(tok, log)  # said once, when something is encoded
-                    record = _write_part(folder, items, files, tok, encoder, meta, bar)
+                    record = _write_part(folder, items, files, tok, encoder, meta, bar,
+                                         _room(total, parts, np.dtype(meta["dtype"]).itemsize))
                 parts.append(dict(record, folder=folder, source=s))
                 count += 1
                 if _taken(parts, s, weighted) >= caps[s]:
@@ -245,6 +249,14 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                     {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
             _merge(seen, asdict(stats))
     return parts, seen
+
+
+def _room(total: int, parts: list, itemsize: int) -> int:
+    """About the bytes the rest of the token cache takes: the text not yet in a part, at the tokens per byte of the
+    parts so far (before any, one per byte: the most a byte-level tokenizer gives)."""
+    text = sum(p["train_bytes"] + p["val_bytes"] for p in parts)
+    tokens = sum(p["train_tokens"] + p["val_tokens"] for p in parts)
+    return int(max(0, total - text) * (tokens / text if text else 1) * itemsize)
 
 
 def _merge(seen: ReadStats, counts: dict):

@@ -134,10 +134,12 @@ class SplitWriter:
     def flush(self):
         """Write what add() collected."""
         self.tokens += len(self.ids)
-        np.fromiter(self.ids, self.dtype, len(self.ids)).tofile(self.files[0])
+        # file.write, not ndarray.tofile: on a full disk tofile raises OSError('N requested and M written') without
+        # its errno, which then read as a folder we may not write to (exit 2) rather than a full disk (exit 1).
+        self.files[0].write(np.fromiter(self.ids, self.dtype, len(self.ids)))
         if self.masks:
-            np.concatenate([np.ones(m, np.uint8) if isinstance(m, int) else np.array(m, np.uint8)
-                            for m in self.masks]).tofile(self.files[1])
+            self.files[1].write(np.concatenate([np.ones(m, np.uint8) if isinstance(m, int) else np.array(m, np.uint8)
+                                                for m in self.masks]))
         self.ids, self.masks = [], []
 
     def close(self, keep_masks: bool):

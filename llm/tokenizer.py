@@ -44,6 +44,18 @@ def tokenizer_file(path: str) -> str:
     return file
 
 
+def save_tokenizer(tok: Tokenizer, file: str):
+    """tok.save(file), a write the disk refuses raised as the OSError it is (atomic.write_error turns that into one
+    line): tokenizers reports it as a bare Exception '... No space left on device (os error 28)'."""
+    try:
+        tok.save(file)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises nothing narrower
+        number = re.search(r"\(os error (\d+)\)", str(e))
+        if not number:
+            raise
+        raise OSError(int(number.group(1)), os.strerror(int(number.group(1))), file) from None
+
+
 def read_tokenizer(path: str) -> Tokenizer:
     """The tokenizers.Tokenizer of a tokenizer.json (or its folder), or of a tiktoken rank file (lines of
     'base64-token rank', such as cl100k_base.tiktoken); DataError when it is neither."""

@@ -157,6 +157,22 @@ def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp
     assert len(os.listdir(tmp_path / "cache")) == 1  # one token cache: the resumed session did not tokenize anew
 
 
+def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tiny_config, tmp_path, monkeypatch):
+    """The GGUF's tokenizer is written to a temporary folder; on a full one tokenizers' save raised its bare
+    Exception '... (os error 28)', a traceback for the generator, the trainer and export alike. Now the one line
+    of a full disk (WriteError, exit 1) naming the file it was rebuilt from."""
+    from llm import gguf_reader
+    from llm.errors import WriteError
+    path = export(save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
+
+    class FullDisk:
+        def save(self, file, pretty=True):
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002 - as tokenizers raises it
+    monkeypatch.setattr(gguf_reader, "gguf_tokenizer", lambda *a: FullDisk())
+    with pytest.raises(WriteError, match=f"writing the tokenizer of {path} failed \\(No space left on device\\)"):
+        read_model(path)
+
+
 @pytest.mark.slow
 def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
     """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block before the

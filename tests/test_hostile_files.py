@@ -81,6 +81,50 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_di
             assert ckpt_io.read_model(str(run)).path.endswith("step_000001")
 
 
+# The corpus fixture's token cache: a 22 kB tokenizer.json, then one part of 89 kB of tokens.
+@pytest.mark.parametrize("free,what", [(8_000, "writing the token cache "), (40_000, "writing the token cache part ")],
+                         ids=["tokenizer", "token-shards"])
+def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, argv_for, small_disk, capsys, free, what):
+    """On a full disk the tokenizer's save raised tokenizers' bare Exception 'No space left on device (os error 28)'
+    (a traceback), and numpy's tofile an OSError without its errno ('N requested and M written'), which read as a
+    folder we may not write to: "choose a folder you can write to", exit 2. A full disk is a runtime failure: one
+    line, exit 1, the room needed against the room free, and no temporary folder left."""
+    cache = small_disk(free) / "cache"
+    with pytest.raises(SystemExit) as e:
+        pd.main(argv_for(corpus, cache.parent / "run", "--cache_dir", cache))
+    line = one_error_line(capsys, 1, e)
+    assert what in line and "No space left on device" in line and "free some space and run again" in line, line
+    assert "choose a folder" not in line
+    if what.endswith("part "):
+        assert "it needs about" in line and "are free in" in line, line
+    leftovers = [p for p in cache.rglob(".*") if p.name.startswith((".tmp_", ".old_"))]
+    assert not leftovers, leftovers
+
+
+def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, argv_for, tmp_path, capsys,
+                                                                   monkeypatch):
+    """The same full disk where no file system can be mounted: tokenizers' save raising what it raises for one (a
+    bare Exception naming the OS error) once ended in a traceback; now one line, exit 1."""
+    from llm import preparation
+    make = preparation._make_tokenizer
+
+    class FullDisk:  # the trained tokenizer, but a disk with no room for its file
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def save(self, path, pretty=True):
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002 - as tokenizers raises it
+    monkeypatch.setattr(preparation, "_make_tokenizer", lambda *a: FullDisk(make(*a)))
+    with pytest.raises(SystemExit) as e:
+        pd.main(argv_for(corpus, tmp_path / "run", "--cache_dir", tmp_path / "cache"))
+    line = one_error_line(capsys, 1, e)
+    assert f"writing the token cache {tmp_path / 'cache'}" in line and "No space left on device" in line, line
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+
+
 # ----------------------------------------------------------------------------- a damaged token cache
 
 def edit_meta(change):
