@@ -33,3 +33,23 @@ def test_the_ddp_overhead_is_said_in_words():
     assert gpu_check.overhead_words(0.02) == "2.0% slower than plain"
     assert gpu_check.overhead_words(-0.85) == "85.0% faster than plain"
     assert gpu_check.overhead_words(None).startswith("not measured")
+
+
+def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, tmp_path):
+    """--quick is what a lent GPU runs first (docs/gpu_report.md); its dry run builds every part here, so the
+    15-minute lease is not spent finding a typo. Each row of the table is a figure the issue of GPU speed asks for."""
+    out = tmp_path / "quick"
+    assert gpu_check.main(["--quick", "--dry_run", "--out", str(out), "--sources", corpus["src"]]) == 0
+    parts = {p: json.load(open(out / f"{p}.json")) for p in gpu_check.QUICK_PARTS}
+    assert all(part["meta"]["quick"] and part["meta"]["dry_run"] for part in parts.values())
+    assert parts["default_run"]["steps"] == 3 and parts["default_run"]["checkpoint"]
+    assert [r["mode"] for r in parts["first_token"]["rows"]] == ["compiled, cold cache", "compiled, warm cache",
+                                                                "eager"]
+    rows = parts["quick_throughput"]["rows"]
+    assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS for m in ("ours", "hf")]
+    assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
+    assert parts["quick_graphs"]["rows"][0]["within_noise"] and parts["fp8"]["rows"][0]["tokens_per_s"] > 0
+    table = (out / "gpu_report.md").read_text().split("## ")[0]
+    for row in ("the no-flag trainer", "one-shot generation, eager", "training `small`", "training `large`, FP8",
+                "CUDA graphs", "decode, `tiny` shape, batch 8", "greedy tokens against transformers"):
+        assert f"| {row}" in table, row
