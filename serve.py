@@ -28,6 +28,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from llm.checkpoint import checkpoint_step
+from llm.engine import compile_failed, compile_in_background, compiles
 from llm.errors import ConfigError, RunFailure, error_contract
 from llm.hf_hub import HF_PREFIX, is_hub_name
 from llm.inference import load_for_inference
@@ -91,6 +92,9 @@ class Server:
         self.about = self.facts()
         self.worker = Worker(self.model, self.tokenizer, args.max_batch)
         self.worker.start()
+        if compiles(args.compile, self.model.embed_tokens.weight.device):  # the first replies are eager meanwhile
+            settings = settings_of({}, self.config.max_seq_len)  # a request's defaults
+            compile_in_background(self.model, settings, compile_failed)
 
     def job(self, body: dict, chat: bool) -> Job:
         """The request as a job for the worker, every value checked first: a bad one never joins a batch."""

@@ -26,7 +26,7 @@ from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoin
                             load_model_config)
 from llm.cli import parse_sections
 from llm.corpus import corpus_bytes
-from llm.engine import CHUNK, compiles, generate_text
+from llm.engine import CHUNK, compile_failed, compile_in_background, compiles, generate_text
 from llm.errors import CheckpointError, ConfigError, InputError, error_contract
 from llm.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
 from llm.inference import load_for_inference
@@ -373,7 +373,14 @@ def main(argv=None) -> int:
           f"{weight.device.type} {str(weight.dtype).removeprefix('torch.')}"
           + (", int8 linear weights" if settings.quantize == "int8" else ""), file=sys.stderr)
     if compiles(settings.compile, weight.device):
-        warm_up(model, tokenizer, settings)
+        if extras.prompt is None:  # a REPL or a stream of prompts: compiled replies from when it is ready
+            compile_in_background(model, settings, compile_failed)
+            print("compiling the decode step in the background; replies are eager until it is ready",
+                  file=sys.stderr, flush=True)
+        elif settings.compile == "true":
+            warm_up(model, tokenizer, settings)
+        else:  # one reply: eager, as a compile would take longer than it saves (docs/generation.md)
+            settings = replace(settings, compile="false")
     if extras.prompt is None and (sys.stdin.isatty() or extras.interactive):
         return Repl(model, tokenizer, settings).loop()
     prompts = [extras.prompt] if extras.prompt is not None else (l.rstrip("\r\n") for l in sys.stdin)

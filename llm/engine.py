@@ -11,6 +11,8 @@ that are already there: each token's log-probability and the likeliest tokens in
 """
 
 import contextlib
+import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -125,6 +127,49 @@ def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
     return slots[batch]
 
 
+_BACKGROUND = weakref.WeakKeyDictionary()  # model -> the thread compiling its steps (compile_in_background)
+
+
+def compile_in_background(model, settings: SampleConfig, on_error=None) -> threading.Thread:
+    """Compile the batch-1 prefill (of the shortest bucket) and decode step for these settings in a thread, while
+    generate() runs eagerly: a REPL's or a server's first reply then waits for no compile. The thread runs each
+    step once; it never captures a CUDA graph (the first compiled call of a generating thread does), so eager
+    generation beside it is safe. A failed compile leaves generation eager, with the error kept as `.error` and
+    passed to on_error."""
+    def work():
+        try:
+            with torch.no_grad(), compile_limits():
+                slot = _slot(model, 1, model.config.max_seq_len, compiled=True)
+                device = model.embed_tokens.weight.device
+                ids = torch.zeros(1, MIN_BUCKET, dtype=torch.long, device=device)
+                ranked = candidates([settings.temperature], [settings.top_k], model.config.vocab_size)
+                slot.prefill(model, ids, torch.ones(1, dtype=torch.long, device=device), slot.cache, slot.state,
+                             ranked)
+                slot.decode(model, slot.cache, slot.state, ranked)
+        except Exception as e:  # generation stays eager; the caller says so
+            thread.error = e
+            if on_error:
+                on_error(e)
+    thread = threading.Thread(target=work, name="compile", daemon=True)
+    thread.error = None
+    _BACKGROUND[model] = thread
+    thread.start()
+    return thread
+
+
+def compile_failed(e: BaseException):
+    """The warning of a background compile that failed (compile_in_background's on_error for the scripts)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    print(f"warning: compiling the decode step failed ({first[:200]}); generating eagerly", file=sys.stderr,
+          flush=True)
+
+
+def compiling(model) -> bool:
+    """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then."""
+    thread = _BACKGROUND.get(model)
+    return thread is not None and (thread.is_alive() or thread.error is not None)
+
+
 def compiles(mode: str, device: torch.device) -> bool:
     """Whether generation compiles its steps (SampleConfig.compile): "auto" on CUDA, where CUDA graphs pay back the
     compile; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU."""
@@ -182,7 +227,7 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
-    compiled, real = compiles(rows[0][1].compile, device), len(rows)
+    compiled, real = compiles(rows[0][1].compile, device) and not compiling(model), len(rows)
     if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read
         padding = batch_bucket(real) - real
         rows, limits = rows + [(rows[0][0], GREEDY_ONE)] * padding, limits + [1] * padding

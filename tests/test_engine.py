@@ -226,3 +226,37 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
         engine.decode_step = real_decode
     assert seen and set(seen) == {(max(before[0], engine.RECOMPILE_LIMIT), True)}
     assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+
+
+def test_generation_is_eager_while_its_steps_compile_in_the_background(tiny_loaded, monkeypatch):
+    """The REPL once waited 22 s on an H200 for its decode step to compile before the first token. Now the steps
+    compile in a thread and generate() runs eagerly until they are ready: a reply comes while the compile is
+    held back, then the compiled steps give the same tokens; a compile that fails leaves generation eager."""
+    import threading
+    model = copy.deepcopy(tiny_loaded[0])  # a model of its own: its compiled steps are kept per model
+    prompts = [ids_of(tiny_loaded[1], "def fibonacci(n):")]
+    want = engine.generate(model, prompts, GREEDY)
+    release, slot = threading.Event(), engine._slot
+    def held(model, batch, max_len, compiled):  # a compile that lasts until the test releases it
+        if compiled:
+            release.wait(60)
+        return slot(model, batch, max_len, compiled)
+    monkeypatch.setattr(engine, "_slot", held)
+    thread = engine.compile_in_background(model, replace(GREEDY, compile="true"))
+    assert engine.compiling(model)
+    got = engine.generate(model, prompts, replace(GREEDY, compile="true"))
+    assert got == want and model not in engine._COMPILED  # replied eagerly: nothing compiled yet
+    release.set()
+    thread.join(120)
+    assert not engine.compiling(model) and thread.error is None and 1 in engine._COMPILED[model]
+    assert engine.generate(model, prompts, replace(GREEDY, compile="true")) == want  # the compiled steps now
+    failing, errors = copy.deepcopy(tiny_loaded[0]), []
+    def broken(model, batch, max_len, compiled):
+        if compiled:
+            raise RuntimeError("no compiler")
+        return slot(model, batch, max_len, compiled)
+    monkeypatch.setattr(engine, "_slot", broken)
+    engine.compile_in_background(failing, replace(GREEDY, compile="true"), errors.append).join(60)
+    assert [str(e) for e in errors] == ["no compiler"] and engine.compiling(failing)  # stays eager
+    assert engine.generate(failing, prompts, replace(GREEDY, compile="true")) == want
+    torch._dynamo.reset()

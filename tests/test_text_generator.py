@@ -108,6 +108,22 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path):
+    """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its first
+    prompt. It now compiles in the background and answers at once, eagerly, with the same tokens; a one-shot
+    --compile true still compiles first, as asked."""
+    model, tok = loaded
+    expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
+    r = cli([ckpt, "--interactive", "--compile", "true", "--temperature", "0", "--max_new_tokens", "6"], tmp_path,
+            stdin="def\nquit\n")
+    assert r.returncode == 0, r.stderr
+    assert "compiling the decode step in the background" in r.stderr and "compiling the decode step..." not in r.stderr
+    assert expect in r.stdout
+    one = cli([ckpt, "--compile", "true", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"], tmp_path)
+    assert one.returncode == 0 and one.stdout == expect + "\n" and "compiling the decode step..." in one.stderr
+
+
+@pytest.mark.slow
 def test_repl_covers_every_command(ckpt, tmp_path):
     """Drive the REPL through stdin: every command works, a bad `set` is one error line, quit leaves."""
     script = "\n".join(["help", "settings", "set temperature 0", "set max_new_tokens 5", "set nope 1",
