@@ -60,3 +60,17 @@ def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
     assert estimate["roofline_other_ms"] == pytest.approx(1e3 * 2 * 4 * m * k / bandwidth, rel=1e-6)
     assert estimate["roofline_mfu"] == pytest.approx(
         2 * 2 * m * k * n / (estimate["roofline_ms"] / 1e3) / (gpu.tflops["bf16"] * 1e12), rel=1e-6)
+    # Calibrated to the H200's measured step: matmuls at 0.62 of the peak, the rest at 0.60 of the bandwidth.
+    assert estimate["calibrated_ms"] == pytest.approx(
+        2e3 * one_matmul / 0.62 + 1e3 * 2 * 4 * m * k / bandwidth / 0.60, rel=1e-6)
+    # As a decode step: three launches, each held to the least time a kernel of its kind took on that H200.
+    step = roof.decode_step()
+    assert (step["decode_kernels"], step["decode_matmuls"]) == (3, 2)
+    assert step["decode_estimate_us"] == pytest.approx(
+        1e6 * (2 * max(one_matmul, 5.9e-6) + max(2 * 4 * m * k / bandwidth, 1.7e-6)), rel=1e-6)
+
+
+def test_the_h200_stand_in_has_the_datasheets_bandwidth_and_memory():
+    gpu = fake_gpu.GPUS["h200"]
+    assert gpu.mem_clock_khz * 1e3 * 2 * gpu.bus_bits / 8 == pytest.approx(4.8e12, rel=1e-3)
+    assert gpu.memory == 143_771 * 2**20  # what nvidia-smi reported on the lent H200

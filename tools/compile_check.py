@@ -124,22 +124,22 @@ def skip_moves_in_place():
     torch.nn.Module.to = to
 
 
-def check_config(precision: str, compile_mode: str):
-    """The `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and optimizer path of the
-    full model, at a tenth of its compile time."""
+def check_config(precision: str, compile_mode: str, preset: str = "large", layers: int = 2, accum: int = 2):
+    """By default the `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and optimizer
+    path of the full model, at a tenth of its compile time. The calibration rows compile a whole preset."""
     from config import PRESETS
-    cfg = PRESETS["large"]()
-    cfg.model = replace(cfg.model, num_hidden_layers=2)
-    cfg.train = replace(cfg.train, compile=compile_mode, precision=precision, grad_accum_steps=2)
+    cfg = PRESETS[preset]()
+    cfg.model = replace(cfg.model, num_hidden_layers=layers or cfg.model.num_hidden_layers)
+    cfg.train = replace(cfg.train, compile=compile_mode, precision=precision, grad_accum_steps=accum)
     return cfg
 
 
 def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None,
-                 deterministic: bool = False, packed: bool = False, lora_rank: int = 0) -> dict:
+                 deterministic: bool = False, packed: bool = False, lora_rank: int = 0, whole: str = "") -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
     in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
     packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters of
-    that rank on a frozen bf16 base."""
+    that rank on a frozen bf16 base; whole: that preset at its full depth, one micro-step (a calibration row)."""
     import bench
     import torch
 
@@ -147,7 +147,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from llm import distributed
     from llm.device import machine, make_deterministic, pick_device
     from llm.sizing import fill_automatic, training_bytes_estimate
-    cfg, device, dist = check_config(precision, compile_mode), pick_device("cuda"), distributed.setup()
+    cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
+    device, dist = pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank)
     if lora_rank:
         skip_moves_in_place()
@@ -200,7 +201,9 @@ def run_generation() -> dict:
     from llm.device import pick_device
     from llm.inference import for_inference
     from llm.sampling import candidates
+    from config import PRESETS
     cfg, device = check_config("bf16", "default"), pick_device("cuda")
+    cfg.model = PRESETS["large"]().model  # the whole depth: a decode step's kernels are counted per step
     model = for_inference(new_model(cfg, device), device)
     memory = DeviceMemory()
     with torch.no_grad():
@@ -211,16 +214,19 @@ def run_generation() -> dict:
             ranked = candidates([0.8] * batch, [50] * batch, cfg.model.vocab_size)
             for steps in range(2):  # the second round must compile nothing
                 slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
-                for _ in range(3):
+                for i in range(3):
+                    ROOFLINE.counting = batch == 1 and steps == 1 and i == 0  # the kernels of one decode step
                     torch.compiler.cudagraph_mark_step_begin()
                     slot.decode(model, slot.cache, slot.state, ranked)
+                    ROOFLINE.counting = False
                 torch._dynamo.config.error_on_recompile = steps == 0
             torch._dynamo.config.error_on_recompile = False  # a new batch size compiles its own steps
         memory.add([*model.parameters(), *model.buffers(), *slot.cache.k, *slot.cache.v, *vars(slot.state).values()])
         with torch.compiler.set_stance("force_eager"), memory.mode:
             engine.prefill_step(model, ids, lengths, slot.cache, slot.state, ranked)
             engine.decode_step(model, slot.cache, slot.state, ranked)
-    return {"peak_gib": memory.peak / 2**30, "estimate_gib": None, "sdpa": sdpa_backends(memory.ops)}
+    return {"peak_gib": memory.peak / 2**30, "estimate_gib": None, "sdpa": sdpa_backends(memory.ops),
+            **ROOFLINE.decode_step()}
 
 
 def optimizer_state(opt) -> list:
@@ -253,6 +259,8 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-packed": (lambda: run_training("bf16", "default", packed=True), "h100"),
     "train-lora": (lambda: run_training("bf16", "default", packed=True, lora_rank=16), "h100"),
     "generate": (run_generation, "h100"),
+    "calibrate-large-h200": (lambda: run_training("bf16", "default", whole="large"), "h200"),
+    "calibrate-small-h200": (lambda: run_training("bf16", "default", whole="small"), "h200"),
     "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
     "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),
 }
@@ -344,12 +352,17 @@ def run_all(names: list[str]) -> int:
 
 
 def roofline_text(r: dict) -> str:
-    """The step's roofline estimate in a few words, or n/a (generation has none)."""
+    """The step's roofline estimate in a few words (a decode step's for generation), or n/a."""
+    if "decode_kernels" in r:
+        return (f"decode step {r['decode_kernels']} kernels ({r['decode_matmuls']} matmuls), roofline "
+                f"{r['decode_roofline_us']:.0f} us, estimate {r['decode_estimate_us']:.0f} us")
     if r.get("roofline_ms") is None:
         return f"not costed ({r['roofline_missing']})" if r.get("roofline_missing") else "n/a"
     mfu = f", MFU {r['roofline_mfu']:.0%}" if r.get("roofline_mfu") else ""
+    calibrated = f"; calibrated {r['calibrated_ms']:.1f} ms (forward and backward " \
+        f"{r['calibrated_forward_backward_ms']:.1f}), MFU {r['calibrated_mfu']:.0%}" if r.get("calibrated_mfu") else ""
     return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other {r['roofline_other_ms']:.1f}, "
-            f"optimizer {r['roofline_optimizer_ms']:.1f}){mfu}")
+            f"optimizer {r['roofline_optimizer_ms']:.1f}){mfu}{calibrated}")
 
 
 def row_line(r: dict) -> str:
@@ -357,7 +370,8 @@ def row_line(r: dict) -> str:
         return f"  FAILED: {'; '.join(r['problems'])}"
     casts = f", weight casts {r['weight_casts_gib']:.2f} GiB a step ({r['weight_casts_ms']:.2f} ms)" \
         if "weight_casts_gib" in r else ""
-    roof = f", roofline estimate {roofline_text(r)}" if r.get("roofline_ms") is not None else ""
+    roof = f", roofline estimate {roofline_text(r)}" if r.get("roofline_ms") is not None or "decode_kernels" in r \
+        else ""
     return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}{roof}, {r['seconds']:.0f} s"
 
 
