@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import fields, replace
 
 import numpy as np
@@ -140,6 +141,29 @@ def test_long_text_file_is_cut_at_line_ends_into_documents(tmp_path):
     assert len(docs) >= 2 and sum(map(len, docs)) == len(text)
     for doc in docs:
         assert doc.endswith("\n") and ("\n" + doc) in ("\n" + text)
+
+
+def test_text_without_whitespace_trains_a_tokenizer_quickly_and_round_trips(tmp_path):
+    """Prevents tokenizer training that stalls with no message on text without a space or a newline: the file was
+    one pre-tokenized word, whose cost grows faster than its length (64 KB took 32 s, 512 KB ran on for
+    minutes); and a cut of that word which would lose or change text."""
+    texts = text_corpus(tmp_path / "corpus", n_docs=6)
+    blob = tmp_path / "corpus" / "invalid_utf8.txt"
+    blob.write_bytes(bytes(range(0x80, 0x100)) * 2000)  # 256 KB, every byte invalid UTF-8: one run of U+FFFD
+    texts[str(blob)] = "\ufffd" * 256000
+    outcome = []  # the prepared data or the error, from a thread that a stall cannot hold past the bound
+
+    def run():
+        try:
+            outcome.append(prepare(config(tmp_path, [tmp_path / "corpus"]), vocab_size=512))
+        except Exception as e:  # noqa: BLE001 - handed to the test below
+            outcome.append(e)
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=30)  # a generous bound: it takes about a second
+    assert outcome, "preparing 256 KB without whitespace took over 30 s"
+    assert not isinstance(outcome[0], Exception), outcome[0]
+    assert sorted(documents(outcome[0])) == sorted(texts.values())
 
 
 def test_jsonl_takes_the_first_known_text_field_or_the_configured_one(tmp_path):
