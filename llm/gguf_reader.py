@@ -45,8 +45,10 @@ def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
     line for a file that is not one, a family or feature our model does not compute, or a type gguf cannot read.
     max_seq_len, when given, replaces the file's context length."""
     reader = _open(path)
+    _check_layout(reader, path)
     meta = _metadata(reader, path)
     cfg = _model_config(meta, reader, path, max_seq_len)
+    _check_vocabulary(meta, path)  # before the weights are read: a damaged vocabulary is refused at once
     arch = meta["general.architecture"]
     check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}: {arch}.context_length")
     _check_blocks(reader, cfg.num_hidden_layers, f"{path}: {arch}.block_count")
@@ -83,6 +85,50 @@ def _metadata(reader, path: str) -> dict:
         return {key: field.contents() for key, field in reader.fields.items()}
     except Exception as e:
         raise CheckpointError(f"{path}: its metadata cannot be read ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def _check_layout(reader, path: str):
+    """Each tensor's bytes (from its type and shape) must fill its space, from its offset to the next tensor's (or
+    the file's end), padded to the alignment, as llama.cpp lays them out: tensors that overlap (every offset 0) or
+    f16 data labelled q8_0 otherwise load as other numbers without a word."""
+    starts = [t.data_offset - reader.data_offset for t in reader.tensors]
+    ends = starts[1:] + [len(reader.data) - reader.data_offset]
+    if starts and starts[0] != 0:
+        raise CheckpointError(f"{path}: tensor {reader.tensors[0].name} starts at byte {starts[0]:,} of the data "
+                              "region, not 0; the file is damaged")
+    for t, start, end in zip(reader.tensors, starts, ends):
+        padded = -(-int(t.n_bytes) // reader.alignment) * reader.alignment
+        if not t.n_bytes <= end - start <= padded:
+            shape = " x ".join(str(int(n)) for n in reversed(t.shape))
+            raise CheckpointError(f"{path}: tensor {t.name} ({t.tensor_type.name}, {shape}) takes {int(t.n_bytes):,} "
+                                  f"bytes but has {end - start:,} up to the next tensor or the file's end; the file is "
+                                  "damaged (overlapping tensors, or a type or shape that does not match the data)")
+
+
+def _check_vocabulary(meta: dict, path: str):
+    """The vocabulary's keys must hold what their names say (tokens and merges strings, special ids tokens of the
+    list): tokens stored as integers once reached tokenizers, which failed in two lines blaming the merges."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    for key, kind in (("tokenizer.ggml.tokens", str), ("tokenizer.ggml.merges", str),
+                      ("tokenizer.ggml.token_type", (int, np.integer))):
+        values = meta.get(key) or []
+        if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+            raise CheckpointError(f"{path}: {key} is not a list of {'strings' if kind is str else 'integers'}, the "
+                                  "file is damaged")
+    for key in [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]:
+        value = meta[key]
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < len(tokens):
+            raise CheckpointError(f"{path}: {key}={value!r} is not a token id (0 to {len(tokens) - 1}), the file is "
+                                  "damaged")
+
+
+def _number(meta: dict, key: str, path: str, default: float) -> float:
+    """A positive finite number from the metadata (a RoPE base written as a string is damage, not a number)."""
+    value = meta.get(key, default)
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool) \
+            or not np.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{path}: {key}={value!r} is not a positive number, the file is damaged")
+    return float(value)
 
 
 def _int(meta: dict, key: str, path: str, default: int | None = None) -> int:
@@ -126,6 +172,8 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
     if why:
         raise CheckpointError(f"{path} cannot be represented by our model: {'; '.join(why)}")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    theta = _number(meta, a + "rope.freq_base", path, 10000.0)
+    eps = _number(meta, a + "attention.layer_norm_rms_epsilon", path, 1e-6)
     try:
         return ModelConfig(
             vocab_size=_int(meta, a + "vocab_size", path, len(tokens)), hidden_size=hidden,
@@ -133,8 +181,7 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
             num_key_value_heads=_int(meta, a + "attention.head_count_kv", path, heads), head_dim=head_dim,
             intermediate_size=_int(meta, a + "feed_forward_length", path),
             max_seq_len=max_seq_len or _int(meta, a + "context_length", path),
-            rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
-            rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=theta, rms_norm_eps=eps,
             qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2",
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             family=family_field(arch))
@@ -182,6 +229,7 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{path}: the pre-tokenizer {pre!r} is not one read here ({', '.join(PRE_TOKENIZERS)}); "
                               "load the model's Hugging Face folder instead")
+    _check_vocabulary(meta, path)
     tokens, merges = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.merges") or []
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens or len(tokens) > vocab_size or len(types) != len(tokens) or len(set(tokens)) != len(tokens):
@@ -191,9 +239,9 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
     try:
         bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],
                          ignore_merges=ignore_merges)
-    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
-        raise CheckpointError(f"{path}: its merges do not fit its tokens ({str(e)[:120]}), the file is damaged") \
-            from None
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens, over several lines
+        raise CheckpointError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens "
+                              f"({str(e).splitlines()[0][:120]}), the file is damaged") from None
     tok = Tokenizer(bpe)
     steps = [pre_tokenizers.Split(Regex(split), behavior="isolated")] if split else []
     steps += [pre_tokenizers.Digits(individual_digits=True)] if digits else []

@@ -139,6 +139,92 @@ def test_what_cannot_be_read_is_one_line(tmp_path, capsys, make, words):
     assert str(path) in line and words in line, line
 
 
+@pytest.fixture(scope="module")
+def good_gguf(python_data, tmp_path_factory):
+    """An f16 export of a tiny model: the file the damaged copies below start from."""
+    from conftest import PYTHON_VOCAB, TINY_MODEL
+    from config import ModelConfig
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY_MODEL, "vocab_size": PYTHON_VOCAB}))
+    folder = tmp_path_factory.mktemp("good_gguf")
+    return export(save(model, python_data.tokenizer_path, folder / "run"), folder / "out")
+
+
+def rewritten(src, dst, **keys) -> str:
+    """A copy of the GGUF src written anew by the gguf package, each key given replaced by (value, GGUFValueType),
+    an array's by (values, ARRAY, their type); the tensors as they were."""
+    reader = gguf.GGUFReader(str(src))
+    assert set(keys) <= set(reader.fields), "a key to replace that the file lacks"
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value, vtype, *sub = keys.get(key, (f.contents(), *f.types[:2]))
+        w.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def patched(src, dst, change) -> str:
+    """A byte copy of the GGUF src whose tensor infos change(tensor) rewrites in place (its field's parts are views
+    of the file: name length, name, dimension count, dimensions, type, offset)."""
+    dst.write_bytes(open(src, "rb").read())
+    reader = gguf.GGUFReader(str(dst), "r+")
+    for t in reader.tensors:
+        change(t)
+    reader.data.flush()
+    return str(dst)
+
+
+def f16_as_q8_0(t):
+    if t.name == "token_embd.weight":  # f16 bytes labelled q8_0: fewer bytes are read, as other numbers
+        t.field.parts[4][0] = gguf.GGMLQuantizationType.Q8_0
+
+
+STR, U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32
+ARR = gguf.GGUFValueType.ARRAY
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda src, dst: patched(src, dst, lambda t: t.field.parts[-1].__setitem__(0, 0)),
+     "tensor token_embd.weight (F16, 384 x 64) takes 49,152 bytes but has 0"),
+    (lambda src, dst: patched(src, dst, f16_as_q8_0),
+     "tensor token_embd.weight (Q8_0, 384 x 64) takes 26,112 bytes but has 49,152"),
+    (lambda src, dst: rewritten(src, dst, **{"tokenizer.ggml.eos_token_id": (10**6, U32)}),
+     "tokenizer.ggml.eos_token_id=1000000 is not a token id (0 to 383)"),
+    (lambda src, dst: rewritten(src, dst, **{"qwen3.rope.freq_base": ("10000", STR)}),
+     "qwen3.rope.freq_base='10000' is not a positive number"),
+    (lambda src, dst: rewritten(src, dst, **{"tokenizer.ggml.tokens": (list(range(384)), ARR, U32)}),
+     "tokenizer.ggml.tokens"),
+    (lambda src, dst: rewritten(src, dst, **{"tokenizer.ggml.merges": ([5, 6], ARR, U32)}),
+     "tokenizer.ggml.merges"),
+], ids=["offsets-0", "f16-as-q8_0", "eot-1e6", "rope-base-string", "int-tokens", "int-merges"])
+def test_a_damaged_gguf_is_refused_in_one_line(good_gguf, tmp_path, capsys, damage, words):
+    """Damaged GGUFs that loaded without a word (every tensor at offset 0, so all read the same bytes; f16 data
+    labelled q8_0, read as other numbers; an end-of-text id outside the vocabulary; the RoPE base as a string) or
+    failed in two lines from the tokenizers library (tokens stored as integers, blamed on the merges) are refused
+    in one line naming the file and the key or tensor, exit 2."""
+    path = damage(good_gguf, tmp_path / "model.gguf")
+    with pytest.raises(CheckpointError, match=str(path)):
+        read_model(path)
+    with pytest.raises(SystemExit) as e:
+        text_generator.main([path, "--prompt", "x"])
+    line = one_error_line(capsys, 2, e)
+    assert line.startswith(f"error: {path}: ") and words in line, line
+
+
+def test_the_damage_helpers_keep_a_good_file_good(good_gguf, tmp_path):
+    """The copies above differ from the good file only by the damage: a plain copy reads back as the original."""
+    cfg, state, _ = read_gguf(good_gguf)
+    again, state_again, _ = read_gguf(rewritten(good_gguf, tmp_path / "copy.gguf"))
+    assert again == cfg and all(torch.equal(state[k], state_again[k]) for k in state)
+
+
 def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp_path):
     """A GGUF's tokenizer is rebuilt into a new temporary folder by each process (and each read), and the token
     cache was keyed by the tokenizer's path: --resume of a run started with --init_from X.gguf always refused with
