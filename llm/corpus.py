@@ -237,7 +237,11 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
     text_fields = _text_fields(cfg)
     stats.files += 1
     with readers.open_stream(path) as f:
-        for number, raw in enumerate(f, 1):
+        for number, raw in enumerate(readers.lines(f), 1):
+            if raw is None:
+                _bad(stats, f"{path} line {number}: longer than {readers.MAX_LINE_BYTES:,} bytes (one document "
+                            "a line), split it")
+                continue
             if number == 1:
                 raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not JSON
             if not raw.strip():

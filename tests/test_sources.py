@@ -9,6 +9,7 @@ import json
 import os
 import random
 import sys
+import tracemalloc
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +24,7 @@ import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
 from conftest import DATA_SEQ, DATA_VOCAB, prepare  # noqa: E402
 from llm import corpus  # noqa: E402
+from llm import readers  # noqa: E402
 from llm import token_cache  # noqa: E402
 from llm.errors import DataError
 
@@ -318,6 +320,32 @@ def test_skip_bad_lines_skips_and_counts_bad_rows_but_not_broken_containers(tmp_
                for m in logs)
     with pytest.raises(DataError, match="gzip stream is cut short"):
         prepare(config(tmp_path, _truncated_gz(tmp_path), skip_bad_lines=True))
+
+
+def test_a_jsonl_line_past_the_bound_is_refused_by_number_in_bounded_memory(tmp_path, monkeypatch):
+    """A 2 GB one-line JSONL of zero bytes peaked at 5.1 GiB before its error: the line was read whole, then decoded.
+    A line longer than readers.MAX_LINE_BYTES (made small here) is read through in pieces and never held: the Python
+    memory at the peak stays far under the line (before: about twice it), and the file is refused in one line
+    naming its line number, or that line is skipped and counted under --skip_bad_lines."""
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 64 * 1024)
+    monkeypatch.setattr(readers, "SKIP_BYTES", 16 * 1024)
+    docs = rows(6)
+    path = tmp_path / "d.jsonl"
+    with open(path, "wb") as f:
+        f.write(jsonl_bytes(docs[:3]) + b"\0" * 20_000_000 + b"\n" + jsonl_bytes(docs[3:]))
+    stats = corpus.ReadStats()
+    tracemalloc.start()
+    try:
+        read = list(corpus.documents([(str(path), False)], config(tmp_path, [path], skip_bad_lines=True), stats))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2e6, f"peak {peak / 1e6:.1f} MB for a line of 20 MB"
+    assert len(read) == len(docs) and stats.bad_lines == 1
+    with pytest.raises(DataError, match=r"1 bad JSONL line\(s\), the first is .*d\.jsonl line 4: longer than 65,536 "
+                                        r"bytes .*--skip_bad_lines") as err:
+        prepare(config(tmp_path, [path]))
+    assert "\n" not in str(err.value)
 
 
 def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
