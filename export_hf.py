@@ -2,14 +2,15 @@
 
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
     python export_hf.py [CHECKPOINT] OUT_DIR --gguf f16|q8_0 [--overwrite]
-    python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]
+    python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]   (a base run of ours: also OUT_DIR-base)
     python export_hf.py --import HF_DIR|hf:ORG/NAME|MODEL.gguf RUN_DIR [--tokenizer PATH] [--max_seq_len N]
 Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
 SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
 model.safetensors, the tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and
 AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either way
 README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged into the
-base given with --base, or written alone as a PEFT folder (--adapter_only). Import reads a folder of one of those
+base given with --base, or written alone as a PEFT folder (--adapter_only; a base that is a run of this project is
+exported beside it as OUT_DIR-base, which adapter_config.json names). Import reads a folder of one of those
 families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3; dequantized), into
 RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a checkpoint or run folder
 (default runs/default). The formats live in hf_format.py, hf_families.py, gguf_format.py, gguf_reader.py, lora.py and
@@ -31,7 +32,7 @@ from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
-from llm.lora import write_peft_folder
+from llm.lora import check_adapter_target, check_base, write_peft_folder
 from llm.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
 from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
@@ -83,15 +84,33 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
                            trainer_state=trainer_state, keep=1)
 
 
-def loadable_base(base: str, checkpoint: str) -> str:
+def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str:
     """The base as adapter_config.json names it, which AutoPeftModelForCausalLM loads: a Hub name or a Hugging Face
-    folder's path; a checkpoint of this project or a GGUF file is no model transformers loads by that name."""
+    folder's path as it is; a run of this project (no model transformers loads by name) exported first as a Hugging
+    Face folder beside out, OUT-base, so one command gives both; a GGUF file is refused."""
     if is_hub_name(base) or is_hf_folder(base):
         return base if is_hub_name(base) else os.path.abspath(base)
-    raise ConfigError(f"the adapters of {checkpoint} adapt {base}, which transformers cannot load by name (a "
-                      "checkpoint of this project or a GGUF file); export the base as a Hugging Face folder "
-                      "(export_hf.py BASE BASE_HF, or --import a GGUF first) and pass --base BASE_HF, which "
-                      "adapter_config.json then names")
+    if is_gguf(base):
+        raise ConfigError(f"the adapters of {checkpoint} adapt {base}, a GGUF file, which transformers cannot load "
+                          "by name; import it (export_hf.py --import BASE BASE_RUN), export that as a Hugging Face "
+                          "folder (export_hf.py BASE_RUN BASE_HF) and pass --base BASE_HF")
+    check_base(meta, resolve_checkpoint(base), checkpoint, "--base")  # before a whole model is written for nothing
+    folder = os.path.normpath(out) + "-base"
+    export(base, folder, args.dtype, args.eos, args.overwrite)
+    print(f"exported the base {base} to {folder}, which adapter_config.json names (a run of ours loads in PEFT "
+          "only as a Hugging Face folder)")
+    return os.path.abspath(folder)
+
+
+def export_adapters(checkpoint: str, out: str, args):
+    """A LoRA run's adapters as a PEFT folder naming a base PEFT can load (exported first if it is a run of ours)."""
+    meta, adapters = read_adapters(checkpoint)
+    check_adapter_target(out, args.overwrite)  # refused before a base is exported for nothing
+    base = loadable_base(args.base or meta["base"], checkpoint, meta, out, args)
+    card = adapter_card(resolve_checkpoint(checkpoint), meta, base)
+    write_peft_folder(out, meta, adapters, base, args.overwrite, card)
+    print(f"exported the adapters of {checkpoint} to {out}, for the base {base.removeprefix('hf:')}")
+    print(f"load with: AutoPeftModelForCausalLM.from_pretrained({out!r})")
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -137,12 +156,7 @@ def main(argv=None) -> int:
     else:
         checkpoint, out = args.paths if len(args.paths) == 2 else (default_run_dir(), args.paths[0])
         if args.adapter_only:
-            meta, adapters = read_adapters(checkpoint)
-            base = loadable_base(args.base or meta["base"], checkpoint)
-            card = adapter_card(resolve_checkpoint(checkpoint), meta, base)
-            write_peft_folder(out, meta, adapters, base, args.overwrite, card)
-            print(f"exported the adapters of {checkpoint} to {out}, for the base {base.removeprefix('hf:')}")
-            print(f"load with: AutoPeftModelForCausalLM.from_pretrained({out!r})")
+            export_adapters(checkpoint, out, args)
             return 0
         ckpt = export(checkpoint, out, args.dtype, args.eos, args.overwrite, args.gguf or "", args.base)
         if args.gguf:

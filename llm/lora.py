@@ -174,16 +174,21 @@ def peft_config(meta: dict, base_name: str) -> dict:
             "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
 
 
-def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False, card: str = ""):
-    """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically; only
-    an earlier adapter export is replaced (with overwrite), never another folder."""
-    from safetensors.torch import save_file
+def check_adapter_target(out: str, overwrite: bool):
+    """out must be empty, or (with overwrite) hold an earlier adapter export and nothing else."""
     if os.path.isdir(out) and os.listdir(out):
         others = sorted(f for f in set(os.listdir(out)) - {PEFT_WEIGHTS, ADAPTER_CONFIG}
                         if not (f == CARD and is_written_card(os.path.join(out, f))))
         if not overwrite or others:
             raise CheckpointError(f"{os.path.abspath(out)} is not empty" + (f" (it holds {others[0]})" if others else
                                   "") + ", choose another folder" + ("" if others else " or pass --overwrite"))
+
+
+def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False, card: str = ""):
+    """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically; only
+    an earlier adapter export is replaced (with overwrite), never another folder."""
+    from safetensors.torch import save_file
+    check_adapter_target(out, overwrite)
     with atomic.folder(out, f"exporting adapters to {out}", sum(v.nbytes for v in adapters.values())) as tmp:
         save_file(peft_state(adapters), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
