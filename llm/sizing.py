@@ -171,14 +171,11 @@ def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
     if machine.kind != "cuda":
         return micro, f"{micro} sequences a forward off CUDA"
     budget = MEMORY_FRACTION * machine.memory
-    while micro and training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=micro))) > budget:
+    need = lambda m: training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=m)))  # noqa: E731
+    while micro and need(micro) > budget:
         micro //= 2
-    return micro, (f"{micro * seq:,} tokens a forward, about {_gib(cfg, micro):.1f} GiB of training memory in "
+    return micro, (f"{micro * seq:,} tokens a forward, about {need(micro) / 2**30:.1f} GiB of training memory in "
                    f"{budget / 2**30:.1f} GiB")
-
-
-def _gib(cfg: Config, micro: int) -> float:
-    return training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=micro))) / 2**30
 
 
 def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[str, str]:
