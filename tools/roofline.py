@@ -138,10 +138,11 @@ class Roofline:
         total = matmul + other + optimizer
         if self.missing:  # a graph left out would make the estimate look faster than it is
             return {"roofline_ms": None, "roofline_missing": self.missing[0]}
-        calibrated = matmul / MATMUL_EFFICIENCY + other / BANDWIDTH_EFFICIENCY + optimizer * OPTIMIZER_FACTOR
+        forward_backward = matmul / MATMUL_EFFICIENCY + other / BANDWIDTH_EFFICIENCY
+        calibrated = forward_backward + optimizer * OPTIMIZER_FACTOR
         return {"roofline_ms": 1e3 * total, "roofline_matmul_ms": 1e3 * matmul, "roofline_other_ms": 1e3 * other,
                 "roofline_optimizer_ms": 1e3 * optimizer, "calibrated_ms": 1e3 * calibrated,
-                "calibrated_forward_backward_ms": 1e3 * (matmul / MATMUL_EFFICIENCY + other / BANDWIDTH_EFFICIENCY),
+                "calibrated_forward_backward_ms": 1e3 * forward_backward,
                 "calibrated_mfu": model_flops / calibrated / (self.tflops["bf16"] * 1e12) if calibrated else None,
                 "roofline_mfu": model_flops / total / (self.tflops["bf16"] * 1e12) if total else None,
                 "roofline_tokens_per_s": tokens / total if total else None}
