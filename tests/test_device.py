@@ -140,16 +140,18 @@ def test_memory_a_step_frees_is_kept_for_the_next_one():
               "    keep_freed_memory()\n"
               "for _ in range(5):\n"  # the heap settles over the first few
               "    torch.ones(16 << 20)\n"  # 64 MB, freed at once
-              "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
               "for _ in range(10):\n"
+              "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
               "    torch.ones(16 << 20)\n"
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
+              "    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    def faults(mode: str) -> int:
+    def median_faults(mode: str) -> int:
+        """The page faults of a typical allocation: the median, since the heap may still grow once (one machine
+        faulted a whole 64 MB block again in one of the ten)."""
         out = subprocess.run([sys.executable, "-c", script, mode], cwd=root, capture_output=True, text=True,
                              check=True)
-        return int(out.stdout.split()[-1])
-    pages = 10 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults("default") > pages // 2  # each 64 MB fresh from the kernel
-    assert faults("kept") < pages // 100
+        return sorted(int(n) for n in out.stdout.split())[5]
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert median_faults("default") > pages // 2  # each 64 MB fresh from the kernel
+    assert median_faults("kept") < pages // 100
