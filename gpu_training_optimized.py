@@ -188,10 +188,16 @@ def falls_back(t, device: torch.device) -> bool:
     return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
 
 
-def evaluation(run: "Run", b: Built, step: int, full: bool) -> float:
+def evaluation(run: "Run", b: Built, step: int, full: bool, last: bool = False) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
-    FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar."""
-    val_loss = evaluate(b.evaluator, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
+    FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
+    leaves in the better of the weight average and the last step's weights."""
+    def val_loss_now():
+        return evaluate(b.evaluator, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
+    chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
+    if chosen and run.monitor:
+        run.bar.write(chosen[1])
+    val_loss = chosen[0] if chosen else val_loss_now()
     with b.amp:
         (code_ok, code_n), samples = (run.probe.code(b.raw_model), run.probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
@@ -328,10 +334,8 @@ def main(argv=None) -> int:
         fresh = step == start  # just started or resumed: this step's eval and save are already done
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         evaluated = not fresh and (last_step or clock.eval_due(step))
-        if last_step:
-            b.average.swap_in()  # the run ends on the average of its second half's weights
         if evaluated:
-            val_loss = timed(clock, "eval", evaluation, run, b, step, clock.full_eval(step, last_step))
+            val_loss = timed(clock, "eval", evaluation, run, b, step, clock.full_eval(step, last_step), last_step)
             best_val = min(best_val, val_loss)
         saving = not fresh and (last_step or clock.save_due(step, evaluated) or stopping)
         if saving:
@@ -347,7 +351,7 @@ def main(argv=None) -> int:
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
         loss, grad_norm, ok = (first_train_step if fresh else train_step)(b, batches, step, t, dist)
-        b.average.update(clock.progress(step))
+        b.average.update(step, clock.progress(step))
         window.add(loss, ok)
         tokens += tokens_per_step
         done = step + 1

@@ -9,7 +9,8 @@ from torch import nn
 
 import gpu_training_optimized as trainer
 from llm import checkpoint as ckpt_io
-from llm.averaging import START, WeightAverage
+from llm import averaging
+from llm.averaging import HORIZON, START, WeightAverage
 from llm.errors import CheckpointError
 from modern_llm import Transformer
 
@@ -22,14 +23,14 @@ def stepped_model():
     return model
 
 
-def take_steps(model, average, steps: int, first: int = 0, total: int = 10) -> list[torch.Tensor]:
+def take_steps(model, average, steps: int, first: int = 0, total: int = 100) -> list[torch.Tensor]:
     """Steps first..steps-1 of a run of `total`: new weights, then the average's update; the weights the second
     half made, in float64."""
     made = []
     for step in range(first, steps):
         with torch.no_grad():
             model.weight.copy_(torch.randn(2, 3, generator=torch.Generator().manual_seed(step)))
-        average.update((step + 1) / total)
+        average.update(step, (step + 1) / total)
         if (step + 1) / total >= START:
             made.append(model.weight.detach().double().clone())
     return made
@@ -38,7 +39,7 @@ def take_steps(model, average, steps: int, first: int = 0, total: int = 10) -> l
 def test_the_run_ends_on_an_exponential_average_of_its_second_half():
     model, beta = stepped_model(), 0.8
     average = WeightAverage(model, beta)
-    made = take_steps(model, average, 10)
+    made = take_steps(model, average, 100)
     expected = made[0]  # a float64 loop of the definition: the first weight, then each later one weighted 1 - beta
     for w in made[1:]:
         expected = beta * expected + (1 - beta) * w
@@ -51,22 +52,22 @@ def test_the_run_ends_on_an_exponential_average_of_its_second_half():
 
 def test_a_restored_average_goes_on_as_the_uninterrupted_one():
     model = stepped_model()
-    whole = WeightAverage(model, 0.7)
-    take_steps(model, whole, 10)
+    whole = WeightAverage(model, 0.995)  # shortened on this 100-step run: the resumed one must shorten it alike
+    take_steps(model, whole, 100)
     whole.swap_in()
     interrupted = stepped_model()
-    before = WeightAverage(interrupted, 0.7)
-    take_steps(interrupted, before, 7)
+    before = WeightAverage(interrupted, 0.995)
+    take_steps(interrupted, before, 70)
     resumed = copy.deepcopy(interrupted)  # a new process: its own weights, and the average its checkpoint held
-    after = WeightAverage(resumed, 0.7)
+    after = WeightAverage(resumed, 0.995)
     after.load_state_dict(before.state_dict())
-    take_steps(resumed, after, 10, first=7)
+    take_steps(resumed, after, 100, first=70)
     after.swap_in()
     assert torch.equal(resumed.weight, model.weight)
 
 
 def test_off_or_before_the_second_half_the_run_ends_on_its_own_weights():
-    for beta, steps in ((0.0, 10), (0.9, 4)):
+    for beta, steps in ((0.0, 100), (0.9, 40)):
         model = stepped_model()
         average = WeightAverage(model, beta)
         take_steps(model, average, steps)
@@ -78,22 +79,67 @@ def test_off_or_before_the_second_half_the_run_ends_on_its_own_weights():
     assert off.average is None
 
 
-@pytest.mark.parametrize("saved", [[torch.zeros(3, 3)], [torch.zeros(2, 3), torch.zeros(2)], ["weights"], {"a": 1}])
+@pytest.mark.parametrize("saved", [[torch.zeros(3, 3)], [torch.zeros(2, 3), torch.zeros(2)], ["weights"], {"a": 1},
+                                   {"average": [torch.zeros(2, 3)], "beta": "0.9"}])
 def test_an_average_of_other_weights_is_refused_in_one_line(saved):
     with pytest.raises(CheckpointError, match="does not match this model's trained weights"):
         WeightAverage(stepped_model(), 0.9).load_state_dict(saved)
 
 
-def test_the_last_checkpoint_holds_the_average_of_the_weights_the_steps_made(corpus, tmp_path, argv_for,
-                                                                             monkeypatch):
-    """The trainer folds in each step's weights and ends on their average: the last checkpoint (and so every
-    export) equals a float64 average of the weights recorded after each step of the run's second half."""
+def step_weights(total: int, beta: float) -> torch.Tensor:
+    """What share of the final average each step's weights hold, over a run of `total` steps: step k's weights are
+    the unit vector e_k, so the average's coordinates are the shares."""
+    model = nn.Linear(total, 1, bias=False)
+    average = WeightAverage(model, beta)
+    for step in range(total):
+        with torch.no_grad():
+            model.weight.copy_(torch.eye(total, dtype=torch.float64)[step].float())
+        average.update(step, (step + 1) / total)
+    average.swap_in()
+    return model.weight.detach().double()[0]
+
+
+def test_a_short_run_averages_over_its_last_steps_and_a_long_one_over_beta():
+    """0.995 spans 200 steps: a 600-step run's average reached back to its 300th step's weights. It now spans
+    at most HORIZON of a run; from a run of 1 / (1 - beta) / HORIZON steps on, beta itself."""
+    short = step_weights(600, 0.995)
+    assert abs(short.sum().item() - 1) < 1e-4
+    reach = 3 * HORIZON * 600  # three horizons back: e^-3 of the weight at most
+    assert short[:600 - int(reach)].sum() < 0.06
+    long_run = step_weights(2400, 0.995)
+    last = long_run[-200:-1]
+    assert torch.allclose(last[:-1] / last[1:], torch.full_like(last[1:], 0.995), atol=1e-4)
+
+
+def test_the_run_ends_on_the_better_of_the_average_and_its_last_weights():
+    """The weights with the lower loss stay, whichever they are, and the line says which."""
+    for kept in ("weight average", "last step's weights"):
+        model = stepped_model()
+        average = WeightAverage(model, 0.8)
+        take_steps(model, average, 100)
+        candidates = {"weight average": average.average[0].clone(), "last step's weights": model.weight.detach().clone()}
+        target = candidates[kept]
+
+        def distance():  # a loss lowest at the weights that should stay
+            return (model.weight - target).square().sum().item()
+        loss, line = average.end_on_better(distance)
+        assert kept in line
+        assert loss == distance() == 0
+        assert torch.equal(model.weight, target)
+    assert WeightAverage(stepped_model(), 0.0).end_on_better(lambda: 0.0) is None
+
+
+def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weights(corpus, tmp_path, argv_for,
+                                                                                  monkeypatch, capsys):
+    """The trainer folds in each step's weights and ends on their average or its last step's weights, whichever
+    evaluates better, saying which: the last checkpoint (and so every export) equals a float64 average of the
+    weights recorded after each step of the run's second half, or the last of them."""
     made, update = [], WeightAverage.update
 
-    def recording(self, progress):
+    def recording(self, step, progress):
         if progress >= START:
             made.append({n: p.detach().double().clone() for n, p in trainer_model[0].named_parameters()})
-        return update(self, progress)
+        return update(self, step, progress)
 
     trainer_model = []
     build = trainer.build
@@ -105,9 +151,13 @@ def test_the_last_checkpoint_holds_the_average_of_the_weights_the_steps_made(cor
 
     monkeypatch.setattr(WeightAverage, "update", recording)
     monkeypatch.setattr(trainer, "build", keeping)
+    monkeypatch.setattr(averaging, "HORIZON", 1.0)  # an 8-step run keeps the beta asked for
     run, beta = tmp_path / "run", 0.6
     assert trainer.main(argv_for(corpus, run, "--max_steps", 8, "--weight_average", beta)) == 0
     assert len(made) == 5  # the weights after steps 4 to 8 of 8: the second half
+    out = capsys.readouterr()
+    ended_on_average = "the run ends on its weight average" in out.out + out.err
+    assert ended_on_average or "the run ends on its last step's weights" in out.out + out.err
     ckpt = ckpt_io.latest_checkpoint(str(run))
     model = Transformer(ckpt_io.load_model_config(ckpt))
     ckpt_io.load_weights(ckpt, model)
@@ -115,5 +165,5 @@ def test_the_last_checkpoint_holds_the_average_of_the_weights_the_steps_made(cor
         expected = made[0][name]
         for weights in made[1:]:
             expected = beta * expected + (1 - beta) * weights[name]
-        assert torch.allclose(p.double(), expected, atol=1e-6), name
-    assert not torch.allclose(model.embed_tokens.weight.double(), made[-1]["embed_tokens.weight"], atol=1e-6)
+        assert torch.allclose(p.double(), expected if ended_on_average else made[-1][name], atol=1e-6), name
+    assert not torch.allclose(made[0]["embed_tokens.weight"], made[-1]["embed_tokens.weight"], atol=1e-6)
