@@ -117,8 +117,7 @@ def test_the_run_ends_on_the_better_of_the_average_and_its_last_weights():
         model = stepped_model()
         average = WeightAverage(model, 0.8)
         take_steps(model, average, 100)
-        candidates = {"weight average": average.average[0].clone(), "last step's weights": model.weight.detach().clone()}
-        target = candidates[kept]
+        target = (average.average[0] if kept == "weight average" else model.weight).detach().clone()
 
         def distance():  # a loss lowest at the weights that should stay
             return (model.weight - target).square().sum().item()
