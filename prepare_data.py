@@ -11,6 +11,7 @@ windows are.
 
 import signal
 import sys
+from dataclasses import fields
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -18,6 +19,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 import numpy as np
 from tokenizers import Tokenizer
 
+from config import DataConfig
 from llm import token_cache as tc
 from llm.cli import parse_config
 from llm.corpus import corpus_bytes
@@ -58,8 +60,22 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
         print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), windows are random slices")
 
 
+# What decides the cache: the data's settings, the vocabulary and context (a preset's, or sizing's for --device).
+CACHE_FLAGS = {f.name for f in fields(DataConfig)} | {"vocab_size", "max_seq_len", "device", "preset", "config",
+                                                      "show", "help", "h"}
+
+
 def parse_args(argv=None):
-    """(Config, extras): the trainer's settings, of which the data's apply, and --show N."""
+    """(Config, extras): the data, tokenizer and sizing settings, and --show N; another trainer flag is refused
+    by name (it would be ignored here). A --config file may hold any: only those apply."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for word in argv:
+        name = word.lstrip("-").split("=")[0].replace("-", "_")
+        if word.startswith("-") and not word[1:2].isdigit() and name not in CACHE_FLAGS:
+            raise ConfigError(f"{word.split('=')[0]} is the trainer's setting, not the data's: prepare_data.py takes "
+                              "the data, tokenizer and sizing settings (--help lists them); pass it to "
+                              "gpu_training_optimized.py")
+
     def show(parser):
         parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
                             "examples with their learned tokens marked, and the share of tokens learned")

@@ -67,6 +67,17 @@ def argv_for(tiny_flags):
     return make
 
 
+@pytest.fixture(scope="session")
+def data_argv_for(argv_for):
+    """argv_for's settings that prepare_data.py takes (it refuses the trainer's own): the same token cache."""
+    from prepare_data import CACHE_FLAGS
+
+    def make(corpus, *extra):
+        argv = argv_for(corpus, "run", *extra)  # flag, value pairs
+        return [w for flag, value in zip(argv[::2], argv[1::2]) if flag[2:] in CACHE_FLAGS for w in (flag, value)]
+    return make
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small folder of real Python text and one cache folder per test module, so preparation runs once."""

@@ -84,14 +84,15 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_di
 # The corpus fixture's token cache: a 22 kB tokenizer.json, then one part of 89 kB of tokens.
 @pytest.mark.parametrize("free,what", [(8_000, "writing the token cache "), (40_000, "writing the token cache part ")],
                          ids=["tokenizer", "token-shards"])
-def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, argv_for, small_disk, capsys, free, what):
+def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, data_argv_for, small_disk, capsys, free,
+                                                                  what):
     """On a full disk the tokenizer's save raised tokenizers' bare Exception 'No space left on device (os error 28)'
     (a traceback), and numpy's tofile an OSError without its errno ('N requested and M written'), which read as a
     folder we may not write to: "choose a folder you can write to", exit 2. A full disk is a runtime failure: one
     line, exit 1, the room needed against the room free, and no temporary folder left."""
     cache = small_disk(free) / "cache"
     with pytest.raises(SystemExit) as e:
-        pd.main(argv_for(corpus, cache.parent / "run", "--cache_dir", cache))
+        pd.main(data_argv_for(corpus, "--cache_dir", cache))
     line = one_error_line(capsys, 1, e)
     assert what in line and "No space left on device" in line and "free some space and run again" in line, line
     assert "choose a folder" not in line
@@ -101,7 +102,7 @@ def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, argv_f
     assert not leftovers, leftovers
 
 
-def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, argv_for, tmp_path, capsys,
+def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, data_argv_for, tmp_path, capsys,
                                                                    monkeypatch):
     """The same full disk where no file system can be mounted: tokenizers' save raising what it raises for one (a
     bare Exception naming the OS error) once ended in a traceback; now one line, exit 1."""
@@ -119,7 +120,7 @@ def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, arg
             raise Exception("No space left on device (os error 28)")  # noqa: TRY002 - as tokenizers raises it
     monkeypatch.setattr(preparation, "_make_tokenizer", lambda *a: FullDisk(make(*a)))
     with pytest.raises(SystemExit) as e:
-        pd.main(argv_for(corpus, tmp_path / "run", "--cache_dir", tmp_path / "cache"))
+        pd.main(data_argv_for(corpus, "--cache_dir", tmp_path / "cache"))
     line = one_error_line(capsys, 1, e)
     assert f"writing the token cache {tmp_path / 'cache'}" in line and "No space left on device" in line, line
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
@@ -159,18 +160,18 @@ DAMAGED_CACHES = {  # the folder's tokenizer record, then one part's tokens
 
 
 @pytest.fixture(scope="module")
-def pristine_cache(corpus, argv_for, tmp_path_factory):
+def pristine_cache(corpus, data_argv_for, tmp_path_factory):
     """The corpus's token cache folder, prepared once, to copy and damage."""
     base = tmp_path_factory.mktemp("pristine")
-    pd.main(argv_for(corpus, base / "run", "--cache_dir", base / "cache"))
+    pd.main(data_argv_for(corpus, "--cache_dir", base / "cache"))
     (folder,) = [d for d in (base / "cache").iterdir() if not d.name.startswith(".")]
     return folder
 
 
 @pytest.mark.parametrize("script", ["trainer", "prepare_data"])
 @pytest.mark.parametrize("damage", list(DAMAGED_CACHES))
-def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, pristine_cache, tmp_path, capsys, damage,
-                                                       script):
+def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, data_argv_for, pristine_cache, tmp_path,
+                                                        capsys, damage, script):
     """meta.json of garbage bytes, a list, missing keys or an unknown dtype; a part's train.bin cut short, emptied
     or holding ids past the vocabulary, its part.json garbage: once seven tracebacks (UnicodeDecodeError,
     TypeError, KeyError, ValueError, an IndexError from the embedding mid-run). A cache is derived data: what is
@@ -178,7 +179,8 @@ def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, pristi
     cache = tmp_path / "cache" / pristine_cache.name
     shutil.copytree(pristine_cache, cache)
     DAMAGED_CACHES[damage](cache)
-    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--cache_dir", tmp_path / "cache")
+    argv = argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--cache_dir", tmp_path / "cache") \
+        if script == "trainer" else data_argv_for(corpus, "--cache_dir", tmp_path / "cache")
     assert (trainer.run if script == "trainer" else pd.main)(argv) in (0, None)
     out, err = capsys.readouterr()
     what = f"the token cache {cache}" if damage.startswith("meta") else f"the token cache part {first_part(cache)}"
@@ -252,7 +254,8 @@ def test_a_preparation_killed_half_way_leaves_nothing_the_next_run_keeps(big_cor
         assert child.returncode == 130 and not leftovers(cache), err
     else:
         assert child.returncode == -getattr(signal, sig) and leftovers(cache)  # what the next run must clear
-    assert pd.main(argv) is None
+    assert pd.main([w for flag, value in zip(argv[::2], argv[1::2]) if flag[2:] in pd.CACHE_FLAGS
+                    for w in (flag, value)]) is None  # the data settings of the trainer's command
     assert not leftovers(cache) and len(os.listdir(cache)) == 1
 
 
@@ -262,7 +265,12 @@ def test_ctrl_c_while_the_trainer_imports_is_quiet(tmp_path):
     KeyboardInterrupt traceback from deep inside torch."""
     child = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), "--run_dir",
                               str(tmp_path / "run")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-    time.sleep(0.3)  # torch alone takes longer to import
+    maps, deadline = f"/proc/{child.pid}/maps", time.monotonic() + 60
+    if os.path.exists(maps):  # past Python's own start-up (on a busy machine 0.3 s fell inside it): torch loading
+        while child.poll() is None and time.monotonic() < deadline and "torch" not in open(maps).read():
+            time.sleep(0.01)
+    else:
+        time.sleep(0.3)  # torch alone takes longer to import
     child.send_signal(signal.SIGINT)
     err = child.communicate(timeout=60)[1].decode()
     # The shell shows 130 for both: an exit with 130, or (in the imports) the default action of SIGINT.

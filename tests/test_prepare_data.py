@@ -528,3 +528,7 @@ def test_command_line_prepares_and_reports_errors_in_one_line(tmp_path):
                          timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: data source")
+    trainer_flag = subprocess.run(common + ["--sources", str(tmp_path / "corpus"), "--learning-rate", "1e-3"],
+                                  capture_output=True, text=True, timeout=120)  # was taken and ignored
+    assert trainer_flag.returncode == 2 and trainer_flag.stderr.count("\n") == 1, trainer_flag.stderr
+    assert trainer_flag.stderr.startswith("error: --learning-rate is the trainer's setting")
