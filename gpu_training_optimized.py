@@ -28,8 +28,8 @@ from llm import distributed as dist_utils
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
-from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure,
-                        keep_freed_memory, machine, make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
+from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, machine,
+                        make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
 from llm.evaluation import Probe, evaluate
 from llm.lora import adapter_state, add_adapters
@@ -147,18 +147,13 @@ def train_step(b: Built, batches, step: int, t, dist):
 
 
 def first_train_step(b: Built, batches, step: int, t, dist):
-    """train_step, which compiles. When the compiler itself fails (no C compiler, say): a CompileError, or,
-    where compile_fallback allows it, a warning and eager mode from here on."""
+    """train_step, which compiles; after a compiler failure (no C compiler, say), eager from here on if allowed."""
     try:
         return train_step(b, batches, step, t, dist)
     except Exception as e:
         if b.compiled is b.model or not is_compile_failure(e):
             raise
-        error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
-        if not falls_back(t, next(b.raw_model.parameters()).device):
-            raise CompileError(f"torch.compile failed ({error}); pass --compile off to train eagerly (much slower), "
-                               "or --compile_fallback true to do so whenever compiling fails") from e
-        dist.print(f"warning: torch.compile failed ({error}); training eagerly")
+        dist.print(eager_or_stop(e, t, b, "training"))
         b.opt.zero_grad(set_to_none=not b.persistent_grads)
         b.compiled, b.cudagraphs = b.model, False
         b.opt.use_compile(False)
@@ -166,8 +161,8 @@ def first_train_step(b: Built, batches, step: int, t, dist):
 
 
 def warm_evaluator(b: Built, val_batches, t, dist):
-    """Compile evaluation's own graph (FP8 runs) before the loop times anything; a compiler failure there is
-    handled as in the first step."""
+    """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler failure
+    if allowed."""
     if b.evaluator is b.raw_model:
         return
     try:
@@ -175,11 +170,18 @@ def warm_evaluator(b: Built, val_batches, t, dist):
     except Exception as e:
         if not is_compile_failure(e):
             raise
-        if not falls_back(t, next(b.raw_model.parameters()).device):
-            raise CompileError(f"torch.compile failed on the evaluation graph ({str(e).splitlines()[0][:300]}); "
-                               "pass --compile off, or --compile_fallback true") from e
-        dist.print("warning: torch.compile failed on the evaluation graph; evaluating eagerly")
+        dist.print(eager_or_stop(e, t, b, "evaluating"))
         b.evaluator = b.raw_model
+
+
+def eager_or_stop(e: Exception, t, b: Built, doing: str) -> str:
+    """The one rule for a compiler failure: a warning, where compile_fallback allows going on eagerly, or a
+    CompileError that stops the run saying how to go on."""
+    error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
+    if not falls_back(t, next(b.raw_model.parameters()).device):
+        raise CompileError(f"torch.compile failed ({error}) while {doing}; pass --compile off to run eagerly (much "
+                           "slower), or --compile_fallback true to do so whenever compiling fails") from e
+    return f"warning: torch.compile failed ({error}); {doing} eagerly"
 
 
 def falls_back(t, device: torch.device) -> bool:
@@ -236,7 +238,7 @@ def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss
                      "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                      "config": json.dumps(cfg.to_dict()), **run.clock.state(), "command": run.command,
                      "device": device_report(next(b.raw_model.parameters()).device),
-                     "precision": "fp8 + " * (cfg.train.precision == "fp8") + PRECISION_NAMES[b.amp_dtype]}
+                     "precision": precision_label(cfg.train.precision, b.amp_dtype)}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, model_config=cfg.model,
                                    tokenizer_path=run.data.tokenizer_path, trainer_state=trainer_state,
                                    keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=run.lora_meta)
@@ -313,10 +315,9 @@ def main(argv=None) -> int:
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tensorboard=t.tensorboard, wandb=t.wandb,
                       config=cfg.to_dict(), world_size=dist.world_size,
                       resume_step=start if ckpt else None) if dist.is_main else None
-    precision = "fp8 linear layers + bf16 autocast" if t.precision == "fp8" else PRECISION_NAMES[b.amp_dtype]
     dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision, dist=dist, tokens_per_step=tokens_per_step,
-        compile_fallback=falls_back(t, device)))
+        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), dist=dist,
+        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
     args = sys.argv[1:] if argv is None else argv
     run = Run(cfg=cfg, dist=dist, data=ds, batches=batches, val_batches=val_batches, clock=clock, monitor=monitor,
               bar=progress_bar(clock, start, enabled=dist.is_main), tokens_per_step=tokens_per_step,

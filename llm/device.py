@@ -21,6 +21,11 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling", None: "fp32"}
 
 
+def precision_label(precision: str, amp_dtype) -> str:
+    """What a run computes in, for its start report and its checkpoints' model card."""
+    return ("fp8 linear layers + " if precision == "fp8" else "") + PRECISION_NAMES[amp_dtype]
+
+
 def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     """CUDA, then Apple MPS, then CPU for "auto"; the named device otherwise (CUDA: this local rank's GPU)."""
     cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
