@@ -201,9 +201,10 @@ class TrainConfig:
     adam_beta2: float = arg(0.95, "AdamW beta2")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
-    weight_average: float = arg(0.995, "beta of an exponential average of the weights over the run's second half, "
-                                       "which its end evaluates, saves and exports (one more copy of the trained "
-                                       "weights); 0: off, the run ends on its last step's weights")
+    weight_average: float = arg(0.995, "beta of an exponential average of the weights over the run's second half "
+                                       "(less on a short run: a horizon of at most 0.09 of its steps); the run ends "
+                                       "on it or on its last step's weights, whichever evaluates better (one more "
+                                       "copy of the trained weights); 0: off")
     warmup_ratio: float = arg(0.05, "fraction of the run (its steps, or its time budget) warming the rate up")
     lr_schedule: Literal["cosine", "cosine_restarts", "constant", "wsd"] = arg(
         "cosine", "shape after warmup; wsd: warmup-stable-decay, the peak held, then a linear decay at the end")

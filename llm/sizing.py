@@ -56,6 +56,9 @@ class Machine:
 FINE_TUNING_OPTIMIZER = "adamw"
 FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
                      "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
+# A base that is a run of ours recorded the optimizer and peak rates it learned at: a fine-tune takes this share of
+# them. SmolLM2's rates left a 2.4M-parameter run where it was (docs/fine-tuning.md#a-run-of-your-own).
+BASE_RATE_SHARE = {"lora": 1.0, "full": 1.0}
 
 LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # block weights; auto: bf16, as on a GPU
 
@@ -199,22 +202,41 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
     return CPU_SIZE, f"no larger preset fits {budget / 2**30:.1f} GiB of {machine.name}{feeds}"
 
 
-def fill_fine_tuning(cfg: Config) -> tuple[Config, list[str]]:
+def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, list[str]]:
     """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
-    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are."""
+    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are.
+    base_train: the train settings a base that is a run of ours recorded (its config.json), which the rates
+    follow; else those measured on SmolLM2."""
     t = cfg.train
     if not t.init_from:
         return cfg, []
     kind = "lora" if t.lora_rank else "full"
-    chosen = {"optimizer": FINE_TUNING_OPTIMIZER} if t.optimizer == "auto" else {}
-    chosen |= {k: v for k, v in FINE_TUNING_RATES[kind].items() if getattr(t, k) == AUTO}
+    recorded = _recorded_rates(base_train)
+    if recorded:
+        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # Muon leaves adapters alone
+        rates = {k: recorded[k] * BASE_RATE_SHARE[kind] for k in ("learning_rate", "muon_lr")}
+        why = f"{BASE_RATE_SHARE[kind]:g} of the peak rates the --init_from run trained at"
+    else:
+        optimizer, rates = FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES[kind]
+        why = "the presets' rates are for training from scratch"
+    chosen = {"optimizer": optimizer} if t.optimizer == "auto" else {}
+    chosen |= {k: v for k, v in rates.items() if getattr(t, k) == AUTO}
     if not chosen:
         return cfg, []
     what = "LoRA adapters on" if t.lora_rank else "every weight of"
     values = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items())
     return replace(cfg, train=replace(t, **chosen)), [
-        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; the presets' rates are for "
-        "training from scratch)"]
+        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; {why})"]
+
+
+def _recorded_rates(train: dict | None) -> dict | None:
+    """The optimizer and peak rates a run of ours recorded, if it trained from scratch and they read as such."""
+    if not isinstance(train, dict) or train.get("init_from") or train.get("optimizer") not in ("muon", "adamw"):
+        return None
+    rates = {k: train.get(k) for k in ("learning_rate", "muon_lr")}
+    if not all(isinstance(v, (int, float)) and 0 < v < 1 for v in rates.values()):
+        return None
+    return {"optimizer": train["optimizer"], **rates}
 
 
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,

@@ -14,6 +14,7 @@ from llm.cli import describe
 from llm.corpus import corpus_bytes
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.errors import ConfigError
+from llm.model_card import run_facts
 from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point)
@@ -59,7 +60,8 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     if saved:
         cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
         notes += carried
-    cfg, tuned = fill_fine_tuning(cfg)  # before the presets' rates, which are for training from scratch
+    base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
+    cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data), dist.world_size)
     dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
     data = prepare_once(cfg, dist)
