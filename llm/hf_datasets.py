@@ -20,7 +20,6 @@ from urllib.parse import unquote, urlparse
 
 from llm import atomic
 from llm.errors import DataError, RunFailure
-from llm.sizing import BYTES_PER_TOKEN
 
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
@@ -42,6 +41,7 @@ def offline(constants) -> bool:
 
 def target_bytes(tokens: int, max_mb: float = 0.0) -> float:
     """The text to fetch for a target of `tokens` (0: all) and at most max_mb MB of text (0: no limit)."""
+    from llm.sizing import BYTES_PER_TOKEN  # here: sizing brings torch, which reading a corpus does without
     wanted = tokens * BYTES_PER_TOKEN * FETCH_MARGIN if tokens else math.inf
     return min(wanted, max_mb * 1e6) if max_mb else wanted
 
@@ -133,8 +133,7 @@ def _listing(hub, repo: str, revision: str, pattern: str) -> tuple[list, str] | 
 
 def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: bool) -> tuple[list, str]:
     """(matching file names, commit) of the cached snapshot of revision; an error line when there is none."""
-    ref = os.path.join(storage, "refs", revision)
-    commit = revision if COMMIT.fullmatch(revision) else open(ref).read().strip() if os.path.isfile(ref) else ""
+    commit = revision if COMMIT.fullmatch(revision) else _ref(os.path.join(storage, "refs", revision))
     snapshot = os.path.join(storage, "snapshots", commit)
     names = sorted(os.path.relpath(os.path.join(d, n), snapshot).replace(os.sep, "/")
                    for d, _, files in os.walk(snapshot) for n in files) if commit else []
@@ -146,6 +145,14 @@ def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: boo
         raise error(f"data source {url}: no file of it is in the Hugging Face cache ({os.path.dirname(storage)}) and "
                     f"{why}, then run again")
     return names, commit
+
+
+def _ref(path: str) -> str:
+    """The commit a cached refs/ file names, or "" when there is none."""
+    if not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
 
 
 def _data_files(names: list, url: str) -> list:

@@ -9,6 +9,7 @@ Run: python -m pytest -q tests/test_hf_datasets.py
 
 import errno
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -138,6 +139,19 @@ def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path
     assert hub.gets(name)[-1] == f"bytes={kept}-"
     assert [open(p, "rb").read() for p in paths] == [files[n] for n in sorted(files) if n.startswith("data/")]
     assert not list(blobs.glob("*.partial"))
+
+
+def test_a_partial_file_that_is_not_the_hubs_is_refused_then_fetched_anew(hub, tmp_path, files):
+    """A kept .partial whose bytes are not the start of the Hub's file (the file changed, the disk lied) must not
+    become data: the whole is checked against the Hub's hash, the partial removed, and the next run starts over."""
+    name = "data/part-0.parquet"
+    blobs = tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{hashlib.sha256(files[name]).hexdigest()}.partial").write_bytes(b"not the start of it")
+    with pytest.raises(RunFailure, match=f"{name} came down different from the Hub's copy"):
+        hf_datasets.fetch(URL)
+    assert not list(blobs.glob("*.partial")) and hub.gets(name) == ["bytes=19-"]
+    assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
 
 
 def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
