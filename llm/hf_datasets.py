@@ -12,6 +12,7 @@ import errno
 import fnmatch
 import hashlib
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -60,7 +61,7 @@ def matches(path: str, pattern: str) -> bool:
     without wildcards names a file or every file under that folder; an empty one the whole repository."""
     if not pattern:
         return True
-    if not any(c in pattern for c in "*?["):
+    if not _wild(pattern):
         return path == pattern or path.startswith(pattern + "/")
     return _match(path.split("/"), pattern.split("/"))
 
@@ -75,15 +76,20 @@ def _match(parts: list, globs: list) -> bool:
 
 def _folder(pattern: str) -> str:
     """The folders before the pattern's first wildcard: the listing need not go above them."""
-    fixed = []
-    for part in pattern.split("/")[:-1]:
-        if any(c in part for c in "*?["):
-            break
-        fixed.append(part)
-    return "/".join(fixed)
+    parts = pattern.split("/")[:-1]
+    return "/".join(parts[:next((i for i, part in enumerate(parts) if _wild(part)), len(parts))])
 
 
-def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=print) -> list[str]:
+def _wild(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def _print_once(line: str):
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fetches; the first says what it found
+        print(line)
+
+
+def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once) -> list[str]:
     """Local paths of the dataset's files that match, in name order: enough of them that `measure` (bytes of text a
     file holds) sums to max_bytes, downloaded where missing; offline, or with the Hub out of reach, the cached ones."""
     from huggingface_hub import constants
@@ -222,25 +228,22 @@ def _unreachable() -> tuple:
     """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2 for
     huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
     from huggingface_hub.errors import OfflineModeIsEnabled
-    found = [OfflineModeIsEnabled]
-    for client in ("httpx2", "httpx"):
-        try:
-            found.append(importlib.import_module(client).TransportError)
-        except ImportError:
-            continue
-    return tuple(found)
+    clients = [importlib.import_module(name) for name in ("httpx2", "httpx") if importlib.util.find_spec(name)]
+    return (OfflineModeIsEnabled, *(client.TransportError for client in clients))
 
 
 @contextmanager
 def _failures(url: str, repo: str, revision: str):
     """huggingface_hub's failures as one line naming the source and what to do."""
     from huggingface_hub import errors
-    page = f"https://huggingface.co/datasets/{repo}"
     try:
         yield
+    except errors.HFValidationError as e:  # the Hub's naming rule (no '--', at most 96 characters), not ours
+        raise DataError(f"data source {url}: {repo!r} is not a Hub dataset name ({str(e).splitlines()[0][:200]}), "
+                        "write hf://datasets/OWNER/NAME/GLOB") from None
     except errors.GatedRepoError:
-        raise DataError(f"data source {url}: the dataset is gated, accept its terms on {page} and log in with "
-                        "`hf auth login`") from None
+        raise DataError(f"data source {url}: the dataset is gated, accept its terms on "
+                        f"https://huggingface.co/datasets/{repo} and log in with `hf auth login`") from None
     except errors.RepositoryNotFoundError:
         raise DataError(f"data source {url}: no dataset {repo} on the Hub (a private one needs `hf auth login`), "
                         "check the name") from None

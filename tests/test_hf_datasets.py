@@ -196,6 +196,7 @@ def test_a_missing_dataset_is_one_error_line_naming_it(hub, tmp_path, capsys):
     assert "matches no file" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}/nothing/*.parquet"), 2)
     assert "only 1 file(s) of other kinds (README.md)" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}/*.md"),
                                                                          2)
+    assert "is not a Hub dataset name (" in one_error_line(capsys, prepare("hf://datasets/tiny-org/a--b/*"), 2)
     err = one_error_line(capsys, prepare("hf://datasets/tiny-org/gated/data/*"), 2)
     assert "gated" in err and "hf auth login" in err and "Bearer" not in err
 
