@@ -1,11 +1,12 @@
 """The corpus: the documents that text files, folders, JSONL and chat JSONL files, parquet and Arrow tables hold
 (text and JSONL also gzip- or zstd-compressed; readers.py opens each container), read in a fixed order.
 
-Sources are files, folders or glob patterns. Folders are walked recursively (hidden files, caches, installed
-packages and pipes skipped; binary files skipped and counted; a `datasets` save_to_disk folder gives its Arrow
-files); long text files are cut at line ends into documents of about 32 KiB (a line longer than 256 KiB at a
-character boundary); a JSONL line or a table row is one document, its chat messages (in any shape
-chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does, from documents().
+Sources are files, folders, glob patterns or Hub datasets (hf_datasets.py fetches their files). Folders are
+walked recursively (hidden files, caches, installed packages and pipes skipped; binary files skipped and counted;
+a `datasets` save_to_disk folder gives its Arrow files); long text files are cut at line ends into documents of
+about 32 KiB (a line longer than 256 KiB at a character boundary); a JSONL line or a table row is one document,
+its chat messages (in any shape chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does,
+from documents().
 """
 
 import codecs
