@@ -20,11 +20,12 @@ COMMIT = "c0ffee" + "0" * 34
 
 class Hub:
     """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
-    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `requests` logs what was asked."""
+    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `requests` logs what was asked,
+    `tokens` the Authorization headers."""
 
     def __init__(self, repos: dict, gated=(), stall=None):
         self.repos, self.gated, self.stall = repos, set(gated), stall
-        self.requests, self.stalled, self.release = [], threading.Event(), threading.Event()
+        self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -55,6 +56,8 @@ def _handler(hub: Hub):
             path = unquote(urlparse(self.path).path)
             hub.requests.append((self.command, path, self.headers.get("Range")))
             parts = path.strip("/").split("/")
+            if "datasets" in parts[:2]:  # huggingface_hub's other calls (its agent-harness list) are not ours
+                hub.tokens.add(self.headers.get("Authorization"))
             if parts[:2] == ["api", "datasets"] and len(parts) >= 6:
                 self._api("/".join(parts[2:4]), parts[4], parts[5], "/".join(parts[6:]))
             elif parts[:1] == ["datasets"] and len(parts) >= 6 and parts[3] == "resolve":

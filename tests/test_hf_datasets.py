@@ -32,6 +32,7 @@ from llm.errors import DataError, RunFailure
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = "tiny-org/tiny-text"
 URL = f"hf://datasets/{REPO}/data/*"
+SECRET = "hf_standInTokenNeverShown0123456789"
 
 
 def _parquet(texts) -> bytes:
@@ -88,11 +89,16 @@ def one_error_line(capsys, call, code: int) -> str:
 
 def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub, tmp_path, argv_for, monkeypatch,
                                                                               files, capsys):
-    """The trainer must fetch the pattern's data files (not the card) into huggingface_hub's cache, train on them,
-    and keep no more than the sources string in its config; then, with HF_HUB_OFFLINE=1 and the Hub gone, train
-    again from the cache."""
+    """The trainer must fetch the pattern's data files (not the card) into huggingface_hub's cache with the user's
+    token, train on them, and print or keep nothing of the token (config.json holds the sources as written); then,
+    with HF_HUB_OFFLINE=1 and the Hub gone, train again from the cache."""
     data = {"src": URL, "cache": str(tmp_path / "cache")}
+    monkeypatch.setenv("HF_TOKEN", SECRET)  # as `hf auth login` would keep it: sent to the Hub, written nowhere
     assert trainer.main(argv_for(data, tmp_path / "run", "--max_steps", 3, "--eval_interval", 3)) == 0
+    assert hub.tokens == {f"Bearer {SECRET}"}
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err and "data: 3 files" in out.out
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     names = [n for n in files if n.startswith("data/")]
     assert sorted(p.rsplit("/", 1)[1] for _, p, _ in hub.requests if "/resolve/" in p) == \
         sorted(n.split("/")[1] for n in names for _ in ("HEAD", "GET", "HEAD"))  # never README.md
@@ -100,7 +106,6 @@ def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub
         assert open(snapshot(tmp_path, name), "rb").read() == files[name]
     config = json.load(open(tmp_path / "run" / "config.json"))
     assert config["data"]["sources"] == [URL]
-    assert "data: 3 files" in capsys.readouterr().out
 
     hub.stop()
     point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
