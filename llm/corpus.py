@@ -1,11 +1,12 @@
 """The corpus: the documents that text files, folders, JSONL and chat JSONL files, parquet and Arrow tables hold
 (text and JSONL also gzip- or zstd-compressed; readers.py opens each container), read in a fixed order.
 
-Sources are files, folders or glob patterns. Folders are walked recursively (hidden files, caches, installed
-packages and pipes skipped; binary files skipped and counted; a `datasets` save_to_disk folder gives its Arrow
-files); long text files are cut at line ends into documents of about 32 KiB (a line longer than 256 KiB at a
-character boundary); a JSONL line or a table row is one document, its chat messages (in any shape
-chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does, from documents().
+Sources are files, folders, glob patterns or Hub datasets (hf_datasets.py fetches their files). Folders are
+walked recursively (hidden files, caches, installed packages and pipes skipped; binary files skipped and counted;
+a `datasets` save_to_disk folder gives its Arrow files); long text files are cut at line ends into documents of
+about 32 KiB (a line longer than 256 KiB at a character boundary); a JSONL line or a table row is one document,
+its chat messages (in any shape chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does,
+from documents().
 """
 
 import codecs
@@ -18,7 +19,7 @@ import sysconfig
 from dataclasses import dataclass
 
 from config import DEFAULT_TEXT_FIELDS, DataConfig
-from llm import readers
+from llm import hf_datasets, readers
 from llm.chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
 from llm.errors import DataError
 
@@ -69,7 +70,8 @@ class Source:
 
 
 def split_weight(source: str) -> tuple[str, float | None]:
-    """`web/*.parquet:0.7` -> ("web/*.parquet", 0.7); a path that exists as written keeps its colon."""
+    """`web/*.parquet:0.7` -> ("web/*.parquet", 0.7); a path that exists as written keeps its colon, and so does
+    hf://datasets/... (what follows its colon is no number)."""
     path, colon, tail = source.rpartition(":")
     if not colon or os.path.exists(source):
         return source, None
@@ -86,12 +88,15 @@ def sources(cfg: DataConfig) -> list[Source]:
     """Every source with its files in a fixed order; weights given to every source or to none."""
     if not cfg.sources:
         return [Source("", None, [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")])]
-    found = []
+    found, weights = [], [split_weight(given)[1] for given in cfg.sources]
     for given in cfg.sources:
         source, weight = split_weight(given)
         path = os.path.abspath(source)
         files = []
-        if not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
+        if hf_datasets.is_hub_dataset(source):
+            files = [(p, False) for p in hf_datasets.fetch(source, _hub_bytes(cfg, weight, weights),
+                                                           functools.partial(file_bytes, cfg=cfg))]
+        elif not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
             matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
             if not matches:
                 raise DataError(f"data source pattern {source} matches no file, check the pattern given to --sources")
@@ -106,6 +111,12 @@ def sources(cfg: DataConfig) -> list[Source]:
         raise DataError(f"data source {unweighted} has no weight while {weighted[0]} has one; give every source a "
                         "weight (path:0.3) or none")
     return found
+
+
+def _hub_bytes(cfg: DataConfig, weight: float | None, weights: list) -> float:
+    """The text a Hub dataset brings: its share of --max_tokens (with weights, by its weight), or all of it."""
+    share = weight / sum(weights) if weight is not None and None not in weights else 1.0
+    return hf_datasets.target_bytes(round(cfg.max_tokens * share), cfg.max_source_mb)
 
 
 def source_files(cfg: DataConfig) -> list[tuple[str, bool]]:

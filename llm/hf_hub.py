@@ -12,6 +12,7 @@ import os
 import re
 
 from llm.errors import CheckpointError, RunFailure
+from llm.hf_datasets import offline
 from llm.hf_families import HF_CONFIG, model_config_from_hf
 from llm.hf_format import check_memory, is_hf_folder
 from llm.sizing import count_parameters
@@ -26,12 +27,6 @@ FILES = [HF_CONFIG, "generation_config.json", "model.safetensors", "model-*.safe
 
 def is_hub_name(path: str) -> bool:
     return path.startswith(HF_PREFIX)
-
-
-def offline(constants) -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import (its constants), or as it is set now."""
-    now = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    return bool(constants.HF_HUB_OFFLINE) or now
 
 
 def resolve(name: str, max_seq_len: int = 0) -> str:

@@ -25,6 +25,7 @@ from llm import atomic
 from llm import token_cache as tc
 from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
 from llm.errors import ConfigError, DataError
+from llm.hf_datasets import is_hub_dataset
 from llm.packing import packs
 from llm.tiktoken_bpe import Encoder, encoder_for
 from llm.token_cache import PreparedData
@@ -120,10 +121,16 @@ def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
     changes redo only their own shards; not their weights) and the tokenizer file by its contents: a GGUF's
     tokenizer is written to a new temporary path by each process, and by its path no run from one could resume."""
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
-    settings.update(sources=[os.path.abspath(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
+    settings.update(sources=[_source_key(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
                     format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES,
                     tokenizer=tc.file_digest(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else "")
     return tc.digest(settings)
+
+
+def _source_key(source: str) -> str:
+    """A source as the cache key names it: a path made absolute (the same folder from any directory), a Hub URL as
+    written (its revision and pattern say which files)."""
+    return source if is_hub_dataset(source) else os.path.abspath(source)
 
 
 def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tuple[Tokenizer, dict]:

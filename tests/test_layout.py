@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "config", "cli", "atomic", "sizing",
         "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "corpus", "packing", "token_cache", "preparation",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache", "preparation",
         "batches",
         "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",

@@ -1,0 +1,259 @@
+"""Hugging Face Hub datasets as data sources, in huggingface_hub's URL form, alone or weighted like any source:
+
+    python gpu_training_optimized.py --sources "hf://datasets/OWNER/NAME/data/*.parquet" --max_tokens 200000000
+    python prepare_data.py --sources "hf://datasets/OWNER/NAME@v1.0/train/*.jsonl.zst:0.7" notes/:0.3
+Files only (parquet, Arrow, JSONL, text, their .gz and .zst), never a dataset script. They come one by one in name
+order into huggingface_hub's cache (HF_HOME), only as many as the run's token target needs; a download cut by a
+kill resumes where it stopped and is checked against the Hub's hash. With HF_HUB_OFFLINE=1, or when the Hub cannot
+be reached, the cached files of the pattern are read. A gated or private dataset uses the token `hf auth login` saved.
+"""
+
+import errno
+import fnmatch
+import hashlib
+import importlib
+import importlib.util
+import math
+import os
+import re
+from contextlib import contextmanager
+from urllib.parse import unquote, urlparse
+
+from llm import atomic
+from llm.errors import DataError, RunFailure
+
+PREFIX = "hf://datasets/"
+URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
+DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.txt", "*.txt.gz", "*.txt.zst")
+FETCH_MARGIN = 1.5  # a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
+COMMIT = re.compile(r"[0-9a-f]{40}")
+_fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
+
+
+def is_hub_dataset(source: str) -> bool:
+    return source.startswith(PREFIX)
+
+
+def offline(constants) -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import (its constants), or as it is set now."""
+    now = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE) or now
+
+
+def target_bytes(tokens: int, max_mb: float = 0.0) -> float:
+    """The text to fetch for a target of `tokens` (0: all) and at most max_mb MB of text (0: no limit)."""
+    from llm.sizing import BYTES_PER_TOKEN  # here: sizing brings torch, which reading a corpus does without
+    wanted = tokens * BYTES_PER_TOKEN * FETCH_MARGIN if tokens else math.inf
+    return min(wanted, max_mb * 1e6) if max_mb else wanted
+
+
+def parse(url: str) -> tuple[str, str, str]:
+    """hf://datasets/OWNER/NAME[@REVISION][/GLOB] -> (OWNER/NAME, revision, glob); DataError if not that form."""
+    m = URL.fullmatch(url)
+    if not m or ".." in m["repo"]:
+        raise DataError(f"data source {url} is not a Hub dataset URL, write hf://datasets/OWNER/NAME/GLOB "
+                        "(hf://datasets/OWNER/NAME@main/data/*.parquet)")
+    return m["repo"], unquote(m["revision"] or "main"), (m["pattern"] or "").strip("/")
+
+
+def matches(path: str, pattern: str) -> bool:
+    """A repository path against a glob as a shell reads it: `*` within a folder, `**` across folders; a pattern
+    without wildcards names a file or every file under that folder; an empty one the whole repository."""
+    if not pattern:
+        return True
+    if not _wild(pattern):
+        return path == pattern or path.startswith(pattern + "/")
+    return _match(path.split("/"), pattern.split("/"))
+
+
+def _match(parts: list, globs: list) -> bool:
+    if not globs:
+        return not parts
+    if globs[0] == "**":  # zero or more folders
+        return any(_match(parts[i:], globs[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], globs[0]) and _match(parts[1:], globs[1:])
+
+
+def _folder(pattern: str) -> str:
+    """The folders before the pattern's first wildcard: the listing need not go above them."""
+    parts = pattern.split("/")[:-1]
+    return "/".join(parts[:next((i for i, part in enumerate(parts) if _wild(part)), len(parts))])
+
+
+def _wild(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def _print_once(line: str):
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fetches; the first says what it found
+        print(line)
+
+
+def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once) -> list[str]:
+    """Local paths of the dataset's files that match, in name order: enough of them that `measure` (bytes of text a
+    file holds) sums to max_bytes, downloaded where missing; offline, or with the Hub out of reach, the cached ones."""
+    from huggingface_hub import constants
+    key = (url, max_bytes, constants.HF_HUB_CACHE, offline(constants))
+    if key not in _fetched:
+        _fetched[key] = _fetch(url, max_bytes, measure, log)
+    return _fetched[key]
+
+
+def _fetch(url: str, max_bytes: float, measure, log) -> list[str]:
+    import huggingface_hub as hub
+    from huggingface_hub import constants
+    repo, revision, pattern = parse(url)
+    storage = os.path.join(constants.HF_HUB_CACHE, f"datasets--{repo.replace('/', '--')}")
+    with _failures(url, repo, revision):
+        listed = None if offline(constants) else _listing(hub, repo, revision, pattern)
+        names, commit = listed or _cached(storage, revision, pattern, url, offline(constants))
+        paths, total, fetched, data = [], 0, 0, _data_files(names, url)
+        for name in data:
+            if total >= max_bytes:
+                break
+            path = os.path.join(storage, "snapshots", commit, *name.split("/"))
+            if listed is not None and not os.path.exists(path):
+                path = _download(hub, repo, name, commit, storage, url)
+                fetched += 1
+            paths.append(path)
+            total += measure(path)
+        if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
+            _remember(storage, revision, commit)
+    why = "HF_HUB_OFFLINE is set" if offline(constants) else "the Hub is out of reach"
+    where = f"{fetched} downloaded into {os.path.dirname(storage)}" if listed else f"from the cache: {why}"
+    log(f"data: {url}: {len(paths)} of its {len(data)} {'' if listed else 'cached '}data file(s) at commit "
+        f"{commit[:8]}, {where}")
+    return paths
+
+
+def _listing(hub, repo: str, revision: str, pattern: str) -> tuple[list, str] | None:
+    """(matching file names, the revision's commit) from the Hub, or None when it cannot be reached."""
+    api = hub.HfApi()
+    try:  # one request that fails at once when the Hub is out of reach, before the listing's retries
+        commit = api.dataset_info(repo, revision=revision, timeout=hub.constants.HF_HUB_ETAG_TIMEOUT).sha
+    except _unreachable():
+        return None
+    tree = api.list_repo_tree(repo, _folder(pattern) or None, recursive=True, revision=commit, repo_type="dataset")
+    return sorted(f.path for f in tree if hasattr(f, "size") and matches(f.path, pattern)), commit
+
+
+def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: bool) -> tuple[list, str]:
+    """(matching file names, commit) of the cached snapshot of revision; an error line when there is none."""
+    commit = revision if COMMIT.fullmatch(revision) else _ref(os.path.join(storage, "refs", revision))
+    snapshot = os.path.join(storage, "snapshots", commit)
+    names = sorted(os.path.relpath(os.path.join(d, n), snapshot).replace(os.sep, "/")
+                   for d, _, files in os.walk(snapshot) for n in files) if commit else []
+    names = [n for n in names if matches(n, pattern)]
+    if not names:
+        why = "HF_HUB_OFFLINE=1 forbids downloading; unset it" if by_setting else \
+            "the Hub could not be reached; check the connection (or HF_ENDPOINT)"
+        error = DataError if by_setting else RunFailure
+        raise error(f"data source {url}: no file of it is in the Hugging Face cache ({os.path.dirname(storage)}) and "
+                    f"{why}, then run again")
+    return names, commit
+
+
+def _ref(path: str) -> str:
+    """The commit a cached refs/ file names, or "" when there is none."""
+    if not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _data_files(names: list, url: str) -> list:
+    """The names of the kinds the readers take; an error line when the pattern matches none (or only others)."""
+    data = [n for n in names if any(fnmatch.fnmatchcase(n.lower(), kind) for kind in DATA_FILES)]
+    if not data:
+        what = f"only {len(names)} file(s) of other kinds ({names[0]})" if names else "no file"
+        raise DataError(f"data source {url} matches {what}; the files read are {', '.join(DATA_FILES)}, check the "
+                        "pattern after the dataset's name")
+    return data
+
+
+def _download(hub, repo: str, name: str, commit: str, storage: str, url: str) -> str:
+    """One file into the cache: to a .partial file beside the blobs that a later run continues, checked against
+    the Hub's hash, renamed to its blob; huggingface_hub then links it into the snapshot as its own download."""
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+    meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo, name, repo_type="dataset", revision=commit))
+    blob = os.path.join(storage, "blobs", meta.etag)
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    headers = build_hf_headers()
+    if urlparse(meta.location).netloc != urlparse(hub.constants.ENDPOINT).netloc:
+        headers.pop("authorization", None)  # a signed CDN address: the token stays with the Hub
+    lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), meta.etag + ".partial.lock")
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    with WeakFileLock(lock):  # several ranks of one run fetch the same files
+        if not os.path.exists(blob):
+            partial = blob + ".partial"
+            try:
+                with open(partial, "ab") as f:
+                    if meta.size is not None and f.tell() > meta.size:
+                        f.truncate(0)  # longer than the file: not a start of it
+                    http_get(meta.location, f, resume_size=f.tell(), headers=headers, expected_size=meta.size,
+                             displayed_filename=name)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise RunFailure(f"data source {url}: the disk is full downloading {name} ({meta.size or 0:,} "
+                                     f"bytes) into {os.path.dirname(storage)}; free that much room, or point HF_HOME "
+                                     "at a larger disk, and run again") from None
+                raise
+            _check_hash(partial, meta.etag, name, url)
+            os.replace(partial, blob)
+    return hub.hf_hub_download(repo, name, repo_type="dataset", revision=commit)
+
+
+def _check_hash(path: str, etag: str, name: str, url: str):
+    """The Hub's ETag is the file's sha256 (large files) or its git blob id: a resumed file must give it."""
+    if len(etag) not in (40, 64):
+        return
+    h = hashlib.sha256() if len(etag) == 64 else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    if h.hexdigest() != etag:
+        os.remove(path)
+        raise RunFailure(f"data source {url}: {name} came down different from the Hub's copy (hash mismatch); it "
+                         "was removed, run again to download it anew")
+
+
+def _remember(storage: str, revision: str, commit: str):
+    """refs/REVISION names the commit, as huggingface_hub writes it: an offline run finds the snapshot by it."""
+    os.makedirs(os.path.join(storage, "refs", os.path.dirname(revision)), exist_ok=True)
+    atomic.write_text(os.path.join(storage, "refs", revision), commit)
+
+
+def _unreachable() -> tuple:
+    """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2 for
+    huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    clients = [importlib.import_module(name) for name in ("httpx2", "httpx") if importlib.util.find_spec(name)]
+    return (OfflineModeIsEnabled, *(client.TransportError for client in clients))
+
+
+@contextmanager
+def _failures(url: str, repo: str, revision: str):
+    """huggingface_hub's failures as one line naming the source and what to do."""
+    from huggingface_hub import errors
+    try:
+        yield
+    except errors.HFValidationError as e:  # the Hub's naming rule (no '--', at most 96 characters), not ours
+        raise DataError(f"data source {url}: {repo!r} is not a Hub dataset name ({str(e).splitlines()[0][:200]}), "
+                        "write hf://datasets/OWNER/NAME/GLOB") from None
+    except errors.GatedRepoError:
+        raise DataError(f"data source {url}: the dataset is gated, accept its terms on "
+                        f"https://huggingface.co/datasets/{repo} and log in with `hf auth login`") from None
+    except errors.RepositoryNotFoundError:
+        raise DataError(f"data source {url}: no dataset {repo} on the Hub (a private one needs `hf auth login`), "
+                        "check the name") from None
+    except errors.RevisionNotFoundError:
+        raise DataError(f"data source {url}: the dataset has no revision {revision!r}, check the name after @") \
+            from None
+    except errors.EntryNotFoundError:
+        raise DataError(f"data source {url} matches no file, check the pattern after the dataset's name") from None
+    except errors.HfHubHTTPError as e:
+        raise RunFailure(f"data source {url}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
+    except _unreachable() as e:
+        raise RunFailure(f"data source {url}: the Hub stopped answering ({type(e).__name__}); run again, the "
+                         "download resumes where it stopped") from None

@@ -1,0 +1,134 @@
+"""A stand-in for the Hugging Face Hub on 127.0.0.1: the few routes huggingface_hub 2.x calls to list a dataset
+repository and download its files, enough that HF_ENDPOINT can point at it in tests.
+
+    GET  /api/datasets/OWNER/NAME/revision/REV          the repository's info: its commit (sha)
+    GET  /api/datasets/OWNER/NAME/tree/REV[/FOLDER]     the files under a folder (one page, recursive)
+    HEAD /datasets/OWNER/NAME/resolve/REV/PATH          X-Repo-Commit, ETag (the sha256), Content-Length
+    GET  /datasets/OWNER/NAME/resolve/REV/PATH          the bytes, or from a Range's start (206)
+Errors carry the X-Error-Code the Hub sends (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo), which
+huggingface_hub turns into its error classes. `stall` holds a file's download after some bytes, for a kill.
+"""
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlparse
+
+COMMIT = "c0ffee" + "0" * 34
+
+
+class Hub:
+    """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
+    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `requests` logs what was asked,
+    `tokens` the Authorization headers."""
+
+    def __init__(self, repos: dict, gated=(), stall=None):
+        self.repos, self.gated, self.stall = repos, set(gated), stall
+        self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()  # stops fast
+
+    def stop(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self, path: str) -> list:
+        """The Range headers (None: none) of every GET of a file."""
+        return [r for method, p, r in self.requests if method == "GET" and p.endswith("/" + path)]
+
+
+def _handler(hub: Hub):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet: the tests read hub.requests
+            pass
+
+        def do_HEAD(self):
+            self._route(body=False)
+
+        def do_GET(self):
+            self._route(body=True)
+
+        def _route(self, body: bool):
+            path = unquote(urlparse(self.path).path)
+            hub.requests.append((self.command, path, self.headers.get("Range")))
+            parts = path.strip("/").split("/")
+            if "datasets" in parts[:2]:  # huggingface_hub's other calls (its agent-harness list) are not ours
+                hub.tokens.add(self.headers.get("Authorization"))
+            if parts[:2] == ["api", "datasets"] and len(parts) >= 6:
+                self._api("/".join(parts[2:4]), parts[4], parts[5], "/".join(parts[6:]))
+            elif parts[:1] == ["datasets"] and len(parts) >= 6 and parts[3] == "resolve":
+                self._file("/".join(parts[1:3]), parts[4], "/".join(parts[5:]), body)
+            else:
+                self._error(404, "RepoNotFound")
+
+        def _repo(self, repo: str, revision: str) -> dict | None:
+            if repo not in hub.repos:
+                return self._error(404, "RepoNotFound")
+            if revision not in ("main", COMMIT):
+                return self._error(404, "RevisionNotFound")
+            return hub.repos[repo]
+
+        def _api(self, repo: str, route: str, revision: str, folder: str):
+            files = self._repo(repo, revision)
+            if files is None:
+                return
+            if route == "revision":
+                return self._json({"id": repo, "sha": COMMIT, "private": False, "gated": repo in hub.gated})
+            listed = [{"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                      for p, data in sorted(files.items()) if not folder or p.startswith(folder + "/")]
+            if not listed:
+                return self._error(404, "EntryNotFound")
+            self._json(listed)
+
+        def _file(self, repo: str, revision: str, name: str, body: bool):
+            files = self._repo(repo, revision)
+            if files is None:
+                return
+            if repo in hub.gated:
+                return self._error(403, "GatedRepo")
+            if name not in files:
+                return self._error(404, "EntryNotFound")
+            data = files[name]
+            start = int(self.headers["Range"].split("=")[1].split("-")[0]) if self.headers.get("Range") else 0
+            self.send_response(206 if start else 200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(len(data) - start))
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.end_headers()
+            if body:
+                self._send(data[start:], name)
+
+        def _send(self, data: bytes, name: str):
+            if hub.stall and hub.stall[0] == name:
+                self.wfile.write(data[:hub.stall[1]])
+                self.wfile.flush()
+                hub.stalled.set()
+                hub.release.wait()  # the client waits here until it is killed
+                return
+            self.wfile.write(data)
+
+        def _json(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(data)
+
+        def _error(self, status: int, code: str):
+            self.send_response(status)
+            self.send_header("X-Error-Code", code)
+            self.send_header("X-Error-Message", f"{code} (stand-in)")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    return Handler

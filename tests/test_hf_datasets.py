@@ -1,0 +1,228 @@
+"""Tests of hf_datasets.py: `--sources hf://datasets/OWNER/NAME/GLOB` fetched through huggingface_hub from a stand-in
+Hub on 127.0.0.1 (hub_stand_in.py; the real Hub is never reached): the trainer trains on the files, a download
+killed with -9 resumes where it stopped and gives the Hub's bytes, an offline run reads the cache, only the files
+a token target needs come down, and every failure (no such dataset, a pattern that matches nothing, a gated
+dataset, no network and nothing cached, a full disk) is one error line.
+
+Run: python -m pytest -q tests/test_hf_datasets.py
+"""
+
+import errno
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from huggingface_hub import constants
+from hub_stand_in import COMMIT, Hub
+
+import gpu_training_optimized as trainer
+import prepare_data
+from config import DataConfig
+from llm import corpus, hf_datasets
+from llm.errors import DataError, RunFailure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = "tiny-org/tiny-text"
+URL = f"hf://datasets/{REPO}/data/*"
+SECRET = "hf_standInTokenNeverShown0123456789"
+
+
+def _parquet(texts) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), out, compression="none", row_group_size=64)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def files():
+    """The stand-in dataset: two parquet files and a gzipped JSONL of real Python text, and a card not to read."""
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+    docs = [text[i:i + 600] for i in range(0, len(text), 600)]
+    third = len(docs) // 3
+    return {"data/part-0.parquet": _parquet(docs[:third]), "data/part-1.parquet": _parquet(docs[third:2 * third]),
+            "data/part-2.jsonl.gz": gzip.compress("".join(json.dumps({"text": d}) + "\n"
+                                                          for d in docs[2 * third:]).encode()),
+            "README.md": b"# a dataset card, not data\n"}
+
+
+def point_at(monkeypatch, home, endpoint: str, offline: bool = False):
+    """huggingface_hub read HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import: set them and its constants both."""
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    hf_datasets._fetched.clear()  # a new cache and endpoint: nothing fetched yet
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path, files):
+    server = Hub({REPO: dict(files), "tiny-org/gated": dict(files)}, gated={"tiny-org/gated"})
+    point_at(monkeypatch, tmp_path / "hf_home", server.url)
+    yield server
+    server.stop()
+
+
+def snapshot(tmp_path, name: str) -> str:
+    return str(tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}" / "snapshots" / COMMIT / name)
+
+
+def one_error_line(capsys, call, code: int) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == code and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub, tmp_path, argv_for, monkeypatch,
+                                                                              files, capsys):
+    """The trainer must fetch the pattern's data files (not the card) into huggingface_hub's cache with the user's
+    token, train on them, and print or keep nothing of the token (config.json holds the sources as written); then,
+    with HF_HUB_OFFLINE=1 and the Hub gone, train again from the cache."""
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    monkeypatch.setenv("HF_TOKEN", SECRET)  # as `hf auth login` would keep it: sent to the Hub, written nowhere
+    assert trainer.main(argv_for(data, tmp_path / "run", "--max_steps", 3, "--eval_interval", 3)) == 0
+    assert hub.tokens == {f"Bearer {SECRET}"}
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err and "data: 3 files" in out.out
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    names = [n for n in files if n.startswith("data/")]
+    assert sorted(p.rsplit("/", 1)[1] for _, p, _ in hub.requests if "/resolve/" in p) == \
+        sorted(n.split("/")[1] for n in names for _ in ("HEAD", "GET", "HEAD"))  # never README.md
+    for name in names:
+        assert open(snapshot(tmp_path, name), "rb").read() == files[name]
+    config = json.load(open(tmp_path / "run" / "config.json"))
+    assert config["data"]["sources"] == [URL]
+
+    hub.stop()
+    point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
+    assert trainer.main(argv_for(data, tmp_path / "again", "--max_steps", 3, "--eval_interval", 3)) == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # online, but the Hub is down: the cache, too
+    hf_datasets._fetched.clear()
+    assert len(corpus.source_files(DataConfig(sources=[URL]))) == 3
+
+
+@pytest.mark.slow
+def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path, files):
+    """kill -9 in the middle of a file must leave what came down, and the next run must ask only for the rest
+    (a Range request) and end with the file the Hub holds; huggingface_hub 2.4 alone starts such a file over."""
+    name = "data/part-0.parquet"
+    hub.stall = (name, len(files[name]) * 2 // 3)
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from huggingface_hub import constants; "
+              "constants.DOWNLOAD_CHUNK_SIZE = 16384; from llm import hf_datasets; hf_datasets.fetch(sys.argv[2])")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
+    child = subprocess.Popen([sys.executable, "-c", script, ROOT, URL], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        assert hub.stalled.wait(60), "the download never began"
+        blobs = tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}" / "blobs"
+        deadline = time.time() + 30
+        while not any(p.stat().st_size for p in blobs.glob("*.partial")) and time.time() < deadline:
+            time.sleep(0.05)  # the chunks before the stall reach the disk
+    finally:
+        child.kill()
+        child.wait()
+    kept = sum(p.stat().st_size for p in blobs.glob("*.partial"))
+    assert 0 < kept < len(files[name])
+
+    hub.stall = None
+    paths = hf_datasets.fetch(URL)
+    assert hub.gets(name)[-1] == f"bytes={kept}-"
+    assert [open(p, "rb").read() for p in paths] == [files[n] for n in sorted(files) if n.startswith("data/")]
+    assert not list(blobs.glob("*.partial"))
+
+
+def test_a_partial_file_that_is_not_the_hubs_is_refused_then_fetched_anew(hub, tmp_path, files):
+    """A kept .partial whose bytes are not the start of the Hub's file (the file changed, the disk lied) must not
+    become data: the whole is checked against the Hub's hash, the partial removed, and the next run starts over."""
+    name = "data/part-0.parquet"
+    blobs = tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{hashlib.sha256(files[name]).hexdigest()}.partial").write_bytes(b"not the start of it")
+    with pytest.raises(RunFailure, match=f"{name} came down different from the Hub's copy"):
+        hf_datasets.fetch(URL)
+    assert not list(blobs.glob("*.partial")) and hub.gets(name) == ["bytes=19-"]
+    assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
+
+
+def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
+    """--max_tokens sets how much text a Hub source brings (at about 4 bytes a token, with a margin): the first
+    files in name order, the rest never asked for; a weighted Hub source sits in a mixture like a local one."""
+    one = corpus.source_files(DataConfig(sources=[URL], max_tokens=10))
+    assert one == [(snapshot(tmp_path, "data/part-0.parquet"), False)]
+    assert not hub.gets("data/part-1.parquet")
+
+    local = tmp_path / "notes"
+    local.mkdir()
+    (local / "a.txt").write_text("some local text\n")
+    found = corpus.sources(DataConfig(sources=[URL + ":0.7", f"{local}:0.3"]))
+    assert [(s.given, s.weight, len(s.files)) for s in found] == [(URL + ":0.7", 0.7, 3), (f"{local}:0.3", 0.3, 1)]
+    assert corpus.split_weight(f"hf://datasets/{REPO}") == (f"hf://datasets/{REPO}", None)
+    assert corpus.split_weight(f"hf://datasets/{REPO}@main/data/*.parquet:2") == \
+        (f"hf://datasets/{REPO}@main/data/*.parquet", 2.0)
+
+
+def test_patterns_read_as_the_shell_reads_them():
+    """`*` stays in its folder, `**` crosses folders, a plain path is a file or a folder, @ names the revision."""
+    assert hf_datasets.matches("data/a.parquet", "data/*.parquet")
+    assert not hf_datasets.matches("data/sub/a.parquet", "data/*.parquet")
+    assert hf_datasets.matches("data/sub/a.parquet", "data/**/*.parquet")
+    assert hf_datasets.matches("data/a.parquet", "**/*.parquet")
+    assert hf_datasets.matches("data/sub/a.parquet", "data") and not hf_datasets.matches("database/a", "data")
+    assert hf_datasets.parse("hf://datasets/o/n@v1.0/en/*.jsonl.zst") == ("o/n", "v1.0", "en/*.jsonl.zst")
+    assert hf_datasets.parse("hf://datasets/o/n@refs%2Fconvert%2Fparquet") == ("o/n", "refs/convert/parquet", "")
+    with pytest.raises(DataError, match="not a Hub dataset URL"):
+        hf_datasets.parse("hf://datasets/no-name")
+
+
+def test_a_missing_dataset_is_one_error_line_naming_it(hub, tmp_path, capsys):
+    """A dataset the Hub does not have must be one line, exit 2, naming it; so must a revision it lacks, a
+    pattern that matches nothing and a gated dataset (with the way in)."""
+    def prepare(source):
+        return lambda: prepare_data.main(["--sources", source, "--cache_dir", str(tmp_path / "cache")])
+    err = one_error_line(capsys, prepare("hf://datasets/tiny-org/missing/*.parquet"), 2)
+    assert "no dataset tiny-org/missing on the Hub" in err and "hf auth login" in err
+    assert "no revision 'v9'" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}@v9/data/*"), 2)
+    assert "matches no file" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}/data/*.arrow"), 2)
+    assert "matches no file" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}/nothing/*.parquet"), 2)
+    assert "only 1 file(s) of other kinds (README.md)" in one_error_line(capsys, prepare(f"hf://datasets/{REPO}/*.md"),
+                                                                         2)
+    assert "is not a Hub dataset name (" in one_error_line(capsys, prepare("hf://datasets/tiny-org/a--b/*"), 2)
+    err = one_error_line(capsys, prepare("hf://datasets/tiny-org/gated/data/*"), 2)
+    assert "gated" in err and "hf auth login" in err and "Bearer" not in err
+
+
+def test_no_network_and_nothing_cached_is_one_error_line(monkeypatch, tmp_path, capsys):
+    """With the Hub out of reach (nothing listens) and nothing cached, one line saying so, exit 1; with
+    HF_HUB_OFFLINE=1, one line saying what to unset, exit 2."""
+    point_at(monkeypatch, tmp_path / "hf_home", "http://127.0.0.1:9")
+    argv = ["--sources", URL, "--cache_dir", str(tmp_path / "cache")]
+    err = one_error_line(capsys, lambda: prepare_data.main(argv), 1)
+    assert f"data source {URL}: no file of it is in the Hugging Face cache" in err and "could not be reached" in err
+    point_at(monkeypatch, tmp_path / "hf_home", "http://127.0.0.1:9", offline=True)
+    assert "unset it" in one_error_line(capsys, lambda: prepare_data.main(argv), 2)
+
+
+def test_a_full_disk_is_a_runtime_failure_naming_the_room(hub, monkeypatch):
+    """ENOSPC while a file comes down must say which file, how many bytes and where, not a traceback."""
+    from huggingface_hub import file_download
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(file_download, "http_get", full)
+    with pytest.raises(RunFailure, match=r"the disk is full downloading data/part-0.parquet \([\d,]+ bytes\)"):
+        hf_datasets.fetch(URL)
