@@ -42,6 +42,18 @@ GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor
 MATMUL_ATTENTION_ROWS = 256  # measured on a 2-core CPU: written out, attention is 2x faster at 128-256, slower at 512
 
 
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets, which sizing plans a GPU
+# run's budget with and monitor.py reports MFU against. The first entry whose name occurs in the device name wins,
+# so specific names come before general ones.
+PEAK_TFLOPS = [
+    ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
+    ("A10", 125.0), ("A6000", 154.8), ("RTX 6000 Ada", 364.2), ("RTX 5090", 209.5), ("RTX 4090", 165.2),
+    ("RTX 4080", 97.5), ("RTX 4070", 58.3), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("V100", 125.0),
+    ("T4", 65.0),
+]
+
+
 @dataclass
 class Machine:
     """What sizing needs to know about where the run trains."""
@@ -58,6 +70,11 @@ FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
                      "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
 
 LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # block weights; auto: bf16, as on a GPU
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The peak dense bf16 FLOP/s of the GPU of this name (PEAK_TFLOPS), or None when the table lacks it."""
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
 def count_parameters(m: ModelConfig) -> int:
