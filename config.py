@@ -124,7 +124,8 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
     sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
                                   ".zst), folders or glob patterns, each optionally with a mixture weight "
-                                  "(web/:0.7 code/:0.3); empty: the Python standard library")
+                                  "(web/:0.7 code/:0.3), or stdlib; empty or stdlib: the bundled corpus, the Python "
+                                  "standard library's sources without its tests")
     text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
                           + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")

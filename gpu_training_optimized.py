@@ -28,6 +28,7 @@ from llm import distributed as dist_utils
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
+from llm.corpus import is_bundled
 from llm.device import (PRECISION_NAMES, autocast, compile_model, float8_training, is_compile_failure,
                         keep_freed_memory, machine, make_deterministic, pick_device, pick_precision, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run = Run(cfg=cfg, dist=dist, data=ds, batches=batches, val_batches=val_batches, clock=clock, monitor=monitor,
               bar=progress_bar(clock, start, enabled=dist.is_main), tokens_per_step=tokens_per_step,
-              probe=Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts),
+              probe=Probe(b.raw_model.config, ds, python=is_bundled(cfg.data), prompts=t.sample_prompts),
               lora_meta=settled.lora_meta,
               command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")  # for the card
 

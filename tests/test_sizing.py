@@ -180,7 +180,8 @@ def test_a_no_flag_gpu_run_trains_the_model_an_hour_buys(machine, peak_tflops, o
     flops = 60 * 60 * peak_tflops * 1e12 * 0.40  # an hour at the MFU measured on an H200
     assert math.sqrt(flops / (6 * 20)) / 1e6 == pytest.approx(optimal_m, abs=0.5)
     assert "the small preset" in notes[0] and cfg.model.hidden_size == 768  # 100M: nearest, by far, on a log scale
-    # small's training FLOPs a token by hand: 6 x 100,094,208 weights (tied head) + 12 x 12 layers x 12 heads x 64 x 1,024
+    # small's training FLOPs a token by hand: 6 x 100,094,208 weights (the head tied) + attention's 12 x 12 layers
+    # x 12 heads x 64 wide x 1,024 positions
     small_flops = 6 * 100_094_208 + 12 * 12 * 12 * 64 * 1024
     assert cfg.data.max_tokens == pytest.approx(flops / small_flops, rel=1e-6)  # 2.0B on an H100, 0.33B on a 4090
     assert cfg.train.micro_batch_size == micro and micro * 1024 >= 32_768
