@@ -124,8 +124,8 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
     sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
                                   ".zst), folders, glob patterns or Hub datasets (hf://datasets/OWNER/NAME/GLOB), "
-                                  "each optionally with a mixture weight (web/:0.7 code/:0.3); empty: the Python "
-                                  "standard library")
+                                  "each optionally with a mixture weight (web/:0.7 code/:0.3), or stdlib; empty or "
+                                  "stdlib: the bundled corpus, the Python standard library's sources without its tests")
     text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
                           + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
@@ -136,7 +136,8 @@ class DataConfig:
                                        "of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
     max_tokens: int = arg(0, "train on at most this many tokens of the sources (with weights: each source its "
-                             "weighted share); preparation stops soon after; 0: all")
+                             "weighted share); preparation stops soon after; 0: all (of a corpus larger than "
+                             "any run, the GPU default: what the run's time budget trains on)")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
     tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "
                                                                              "tiktoken: BPE split as GPT-4 does")
@@ -179,13 +180,13 @@ class TrainConfig:
                                       "many as the GPU's memory holds)")
     grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic (batch_tokens over the "
                                       "micro-batch)")
-    max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget on a CPU, four passes "
-                               "over the corpus on a GPU)")
+    max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget, or on a GPU four passes "
+                               "over the corpus where they take less)")
     epochs: float = arg(0.0, "passes over the training split (sets max_steps; each window or packed example is read "
                              "once per epoch, in a seeded order); 0: max_steps or the time budget decides")
     max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
-                                   "final evaluation and checkpoint inside it; 0: automatic (10 on a CPU when "
-                                   "max_steps is automatic, else none)")
+                                   "final evaluation and checkpoint inside it; 0: automatic (when max_steps is "
+                                   "automatic, 10 on a CPU, 60 on a GPU; else none)")
     optimizer: Literal["auto", "muon", "adamw"] = arg("auto", "muon: Muon for hidden matrices + AdamW for the rest; "
                                                       "adamw: AdamW for all; auto: muon from scratch, adamw when "
                                                       "fine-tuning (--init_from), as measured")

@@ -1,5 +1,6 @@
-"""Train the model. With no arguments: the `auto` preset (sized to the GPU found; tiny on a CPU) on the
-Python standard library's own sources, into runs/default, then `python text_generator.py` samples from it.
+"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/sizing.py): on a CPU
+the tiny preset for ten minutes on the bundled corpus (the standard library's sources), on a GPU the preset an
+hour's compute suits, into runs/default; then `python text_generator.py` samples from it.
 
     python gpu_training_optimized.py --preset small --max_steps 2000 --micro_batch_size 16
     python gpu_training_optimized.py --resume                     # continue runs/default exactly
@@ -28,6 +29,7 @@ from llm import distributed as dist_utils
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
+from llm.corpus import is_bundled
 from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, machine,
                         make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
@@ -321,7 +323,7 @@ def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run = Run(cfg=cfg, dist=dist, data=ds, batches=batches, val_batches=val_batches, clock=clock, monitor=monitor,
               bar=progress_bar(clock, start, enabled=dist.is_main), tokens_per_step=tokens_per_step,
-              probe=Probe(b.raw_model.config, ds, python=not cfg.data.sources, prompts=t.sample_prompts),
+              probe=Probe(b.raw_model.config, ds, python=is_bundled(cfg.data), prompts=t.sample_prompts),
               lora_meta=settled.lora_meta,
               command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")  # for the card
 

@@ -27,6 +27,12 @@ PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents 
 LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
 BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
 SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+# The bundled corpus: the installed Python's standard library sources, asked for by no --sources (on a CPU) or by
+# --sources stdlib (anywhere; a path named stdlib that exists is read instead). Without the test suites (Lib/test,
+# idlelib/idle_test, tkinter/test, lib2to3/tests, ...), which some installs leave out and others ship, it is about the
+# same text on every install of Python 3.10-3.13.
+BUNDLED = "stdlib"
+TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 @dataclass
@@ -45,12 +51,12 @@ class ReadStats:
     first_invalid: str = ""
 
 
-def _walk(root: str, suffix=None) -> list[str]:
-    """Files under root, sorted, without hidden files, caches and installed packages; of a `datasets`
-    save_to_disk folder its Arrow files only (its JSON files describe them, they are no text to learn)."""
+def _walk(root: str, suffix=None, skipped=SKIPPED_DIRS) -> list[str]:
+    """Files under root, sorted, without hidden files and the folders skipped (caches and installed packages); of a
+    `datasets` save_to_disk folder its Arrow files only (its JSON files describe them, they are no text to learn)."""
     found = []
     for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skipped]
         if suffix is None and (arrow := readers.dataset_files(folder, names)) is not None:
             dirs[:] = []
             found += arrow
@@ -84,10 +90,20 @@ def split_weight(source: str) -> tuple[str, float | None]:
     return path, weight
 
 
+def bundled_files() -> list[tuple[str, bool]]:
+    """The bundled corpus's files: the standard library's .py files without its test suites (BUNDLED)."""
+    return [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py", SKIPPED_DIRS | TEST_DIRS)]
+
+
+def is_bundled(cfg: DataConfig) -> bool:
+    """Whether the sources are the bundled corpus alone: none given, or BUNDLED where no such path exists."""
+    return not cfg.sources or all(split_weight(g)[0] == BUNDLED and not os.path.exists(BUNDLED) for g in cfg.sources)
+
+
 def sources(cfg: DataConfig) -> list[Source]:
     """Every source with its files in a fixed order; weights given to every source or to none."""
     if not cfg.sources:
-        return [Source("", None, [(p, True) for p in _walk(sysconfig.get_paths()["stdlib"], ".py")])]
+        return [Source("", None, bundled_files())]
     found, weights = [], [split_weight(given)[1] for given in cfg.sources]
     for given in cfg.sources:
         source, weight = split_weight(given)
@@ -96,6 +112,8 @@ def sources(cfg: DataConfig) -> list[Source]:
         if hf_datasets.is_hub_dataset(source):
             files = [(p, False) for p in hf_datasets.fetch(source, _hub_bytes(cfg, weight, weights),
                                                            functools.partial(file_bytes, cfg=cfg))]
+        elif source == BUNDLED and not os.path.exists(path):
+            files = bundled_files()
         elif not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
             matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
             if not matches:

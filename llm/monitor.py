@@ -17,30 +17,14 @@ from tqdm import tqdm
 
 from config import LORA_TARGETS
 from llm import atomic
-from llm.sizing import activation_bytes
+from llm.sizing import activation_bytes, gpu_peak_flops
 
 METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"
 
-# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets. The first
-# entry whose name occurs in the device name wins, so specific names come before general ones.
-PEAK_TFLOPS = [
-    ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
-    ("A10", 125.0), ("A6000", 154.8), ("RTX 6000 Ada", 364.2), ("RTX 5090", 209.5), ("RTX 4090", 165.2),
-    ("RTX 4080", 97.5), ("RTX 4070", 58.3), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("V100", 125.0),
-    ("T4", 65.0),
-]
-
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's peak bf16/fp16 FLOP/s, or None when unknown (MFU then shows as n/a)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS:
-        if key in name:
-            return tflops * 1e12
-    return None
+    """The device's peak bf16/fp16 FLOP/s (sizing's table), or None when unknown (MFU then shows as n/a)."""
+    return gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def gpu_utilization(device: torch.device) -> float | None:

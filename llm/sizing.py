@@ -3,16 +3,18 @@
 Only automatic fields are filled; a value written in config.py, a preset, a --config file or a flag is never
 changed. Every choice comes back as a line for the start report, saying why.
 - CPU (or Apple MPS): the tiny preset's shape, batch and rates, and a 10-minute time budget.
-- CUDA: the largest preset whose estimated training memory, without activation checkpointing, fits in 80%
-  of the GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger
-  than its data memorises it); four passes over the corpus.
+- CUDA: of the presets whose estimated training memory, without activation checkpointing, fits in 80% of the
+  GPU and whose size the corpus can feed (at least one token per 20 parameters: a model far larger than its
+  data memorises it), the one nearest the compute-optimal size for the time budget (an hour unless max_minutes
+  says otherwise: the GPU's peak x the MFU measured here, 20 tokens a parameter); the largest when the run's
+  length is in steps. The run: four passes over the corpus, or the budget where they would take longer. On a
+  corpus larger than any run (corpus_bytes None: the GPU default), max_tokens left at 0 becomes the tokens the
+  budget trains on, which a fetch of it should cover (token_target).
 - The micro-batch, where automatic: on CUDA as many sequences as fit that memory, up to MICRO_TOKENS tokens a
   forward (the anchors' 65k; on an H200 64 x 1,024 ran 1.10x 16 x 1,024); elsewhere up to CPU_MICRO sequences.
   Accumulation, where automatic, keeps batch_tokens per optimizer step.
 - --auto_micro_batch on CUDA: the largest micro-batch whose step fits, found by trying (fit_micro_batch).
-- --init_from (fine-tuning a pretrained model): AdamW (optimizer auto) at the rates of FINE_TUNING_RATES, for LoRA
-  adapters or every weight; the presets' rates are for training from scratch, and on a pretrained model they undo
-  what it knew. From scratch, optimizer auto is Muon.
+- From scratch, optimizer auto is Muon (a fine-tune's optimizer and rates come first, from fine_tuning.py).
 """
 
 import math
@@ -24,6 +26,18 @@ from config import AUTO, LORA_TARGETS, PRESETS, Config, ModelConfig
 from llm.errors import ConfigError
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
+# A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to
+# CPU_MINUTES: a first run a user waits for. An hour buys an H100 or H200 about 1.4e18 FLOPs at MEASURED_MFU, whose
+# compute-optimal model (TOKENS_PER_PARAMETER) has about 109M parameters: the small preset (GPT-2 small's size) on
+# its 2B tokens. Half an hour would ask for a 77M model, which no preset has, and give small half its tokens.
+GPU_MINUTES = 60.0
+MEASURED_MFU = 0.40  # of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
+FALLBACK_TFLOPS = 100.0  # a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
+TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C = 6 N D with D = 20 N
+# At fixed compute the loss is about symmetric in log N around its optimum (Hoffmann et al. 2022, figure 3's isoFLOP
+# curves), so the preset nearest the optimum on a log scale learns most; one past 3x the optimum (under about two
+# tokens per parameter in its budget) is never chosen.
+MAX_OVER_OPTIMAL = 3.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
 MEMORY_FRACTION = 0.8  # of the GPU's memory; the rest is for the allocator's slack and CUDA's own use
 PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
@@ -42,6 +56,18 @@ GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor
 MATMUL_ATTENTION_ROWS = 256  # measured on a 2-core CPU: written out, attention is 2x faster at 128-256, slower at 512
 
 
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets, which sizing plans a GPU
+# run's budget with and monitor.py reports MFU against. The first entry whose name occurs in the device name wins,
+# so specific names come before general ones.
+PEAK_TFLOPS = [
+    ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
+    ("A10", 125.0), ("A6000", 154.8), ("RTX 6000 Ada", 364.2), ("RTX 5090", 209.5), ("RTX 4090", 165.2),
+    ("RTX 4080", 97.5), ("RTX 4070", 58.3), ("RTX 3090", 71.0), ("RTX 3080", 59.5), ("V100", 125.0),
+    ("T4", 65.0),
+]
+
+
 @dataclass
 class Machine:
     """What sizing needs to know about where the run trains."""
@@ -50,17 +76,12 @@ class Machine:
     memory: int = 0  # bytes of GPU memory; 0 off CUDA
 
 
-# Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py (docs/fine-tuning.md):
-# the chats' style learned while general answers and general text's bits per byte hold. AdamW kept them best, for
-# adapters and whole weights; muon_lr serves a fine-tuning run given --optimizer muon.
-FINE_TUNING_OPTIMIZER = "adamw"
-FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
-                     "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
-# A base that is a run of ours recorded the optimizer and peak rates it learned at: a fine-tune takes this share of
-# them. SmolLM2's rates left a 2.4M-parameter run where it was (docs/fine-tuning.md#a-run-of-your-own).
-BASE_RATE_SHARE = {"lora": 1.0, "full": 1.0}
-
 LORA_BASE_BYTES = {"auto": 2, "bf16": 2, "fp32": 4, "int8": 1.03}  # block weights; auto: bf16, as on a GPU
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The peak dense bf16 FLOP/s of the GPU of this name (PEAK_TFLOPS), or None when the table lacks it."""
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
 def count_parameters(m: ModelConfig) -> int:
@@ -72,6 +93,76 @@ def count_parameters(m: ModelConfig) -> int:
     per_layer = attn + 3 * d * m.intermediate_size + norms + biases
     embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
     return m.num_hidden_layers * per_layer + embed + d
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token as modern_llm.Transformer.flops_per_token counts them (and MFU with them), from the
+    config: 6 per matmul weight, the head's included and the embedding lookup not, plus attention's 12 * layers *
+    heads * head_dim * context."""
+    lookup = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # a tied table is the head's matmul
+    attention = 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * m.max_seq_len
+    return 6 * (count_parameters(m) - lookup) + attention
+
+
+def budget_minutes(t, machine: Machine) -> float:
+    """The minutes a run works to: max_minutes as written, else, when its length is automatic too (max_steps and
+    epochs 0), CPU_MINUTES off CUDA and GPU_MINUTES on it; 0 for a run whose length is in steps or epochs."""
+    if t.max_minutes or t.max_steps or t.epochs:
+        return t.max_minutes
+    return GPU_MINUTES if machine.kind == "cuda" else CPU_MINUTES
+
+
+def planned_flops_per_s(machine: Machine, world_size: int = 1) -> float:
+    """The training FLOP/s a CUDA run plans with: the GPU's peak (FALLBACK_TFLOPS when unknown) at MEASURED_MFU,
+    on every rank."""
+    return (gpu_peak_flops(machine.name) or FALLBACK_TFLOPS * 1e12) * MEASURED_MFU * world_size
+
+
+def budget_tokens(cfg: Config, machine: Machine, world_size: int = 1) -> int:
+    """Tokens this model trains on in its time budget at the planned FLOP/s; 0 off CUDA or without a budget."""
+    minutes = budget_minutes(cfg.train, machine)
+    if machine.kind != "cuda" or not minutes:
+        return 0
+    return int(minutes * 60 * planned_flops_per_s(machine, world_size) / flops_per_token(cfg.model))
+
+
+def optimal_parameters(minutes: float, machine: Machine, world_size: int = 1) -> float:
+    """The compute-optimal model size for a budget of these minutes: C = 6 N D with D = TOKENS_PER_PARAMETER * N."""
+    return math.sqrt(minutes * 60 * planned_flops_per_s(machine, world_size) / (6 * TOKENS_PER_PARAMETER))
+
+
+def token_target(cfg: Config, machine: Machine, world_size: int = 1) -> int:
+    """The tokens a corpus fetched for this run should hold: what the model trains on in its budget, at most the
+    budget's compute-optimal tokens (a model far smaller than that, tiny on a GPU, runs far below MEASURED_MFU: 0.4%
+    on an H200, and repeats its data). 0 off CUDA or without a budget."""
+    tokens = budget_tokens(cfg, machine, world_size)
+    if not tokens:
+        return 0
+    optimal = optimal_parameters(budget_minutes(cfg.train, machine), machine, world_size)
+    return min(tokens, int(TOKENS_PER_PARAMETER * optimal))
+
+
+def plan_report(cfg: Config, machine: Machine, world_size: int = 1) -> list[str]:
+    """A CUDA run's budget in figures: the compute it buys, the size compute-optimal for it, this model's speed and
+    tokens, and the disk they take. Empty off CUDA or without a time budget."""
+    target = token_target(cfg, machine, world_size)
+    if not target:
+        return []
+    minutes, rate = budget_minutes(cfg.train, machine), planned_flops_per_s(machine, world_size)
+    peak, optimal = gpu_peak_flops(machine.name), optimal_parameters(minutes, machine, world_size)
+    params, shard_bytes = count_parameters(cfg.model), 2 if cfg.model.vocab_size <= 2**16 else 4
+    gpus = f"{world_size} x " if world_size > 1 else ""
+    speed = budget_tokens(cfg, machine, world_size) / (60 * minutes)
+    capped = ", capped at the budget's compute-optimal tokens" if target < speed * 60 * minutes else ""
+    known = f"{machine.name} peak" if peak else f"assumed: {machine.name} is not in the peak table"
+    return [f"budget: {minutes:g} min x {gpus}{(peak or FALLBACK_TFLOPS * 1e12) / 1e12:.0f} TFLOP/s ({known}) x "
+            f"{MEASURED_MFU:.0%} MFU = {minutes * 60 * rate:.2e} FLOPs: compute-optimal {optimal / 1e6:.0f}M "
+            f"parameters, {TOKENS_PER_PARAMETER * optimal / 1e9:.2f}B tokens",
+            f"budget: this model, {params / 1e6:.0f}M parameters x {flops_per_token(cfg.model) / 1e6:.0f} MFLOP a "
+            f"token: about {speed:,.0f} tokens/s, {target / 1e9:.2f}B tokens ({target / params:.0f} a parameter"
+            f"{capped})",
+            f"budget: disk for {target / 1e9:.2f}B tokens: about {target * BYTES_PER_TOKEN / 1e9:.1f} GB of text "
+            f"and {target * shard_bytes / 1e9:.1f} GB of token shards"]
 
 
 def adapter_parameters(cfg: Config) -> int:
@@ -181,14 +272,16 @@ def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
                    f"{budget / 2**30:.1f} GiB")
 
 
-def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tuple[str, str]:
-    """The preset whose values fill the automatic fields, and why (corpus_bytes None: memory alone decides)."""
+def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_size: int = 1) -> tuple[str, str]:
+    """The preset whose values fill the automatic fields, and why. On CUDA, of the presets that fit the memory and
+    that the corpus feeds (corpus_bytes None: a corpus larger than any run here, FineWeb-Edu's sample): under a time
+    budget the one nearest the budget's compute-optimal size, else the largest."""
     if machine.kind != "cuda":
         return CPU_SIZE, f"no CUDA device ({machine.name})"
     corpus_tokens = math.inf if corpus_bytes is None else corpus_bytes / BYTES_PER_TOKEN
     feeds = "" if corpus_bytes is None else (f", and the corpus (about {corpus_tokens / 1e6:.1f}M tokens) feeds up "
                                              f"to {PARAMETERS_PER_TOKEN} parameters per token")
-    budget = MEMORY_FRACTION * machine.memory
+    room, fitting = MEMORY_FRACTION * machine.memory, []
     for size in GPU_SIZES:
         candidate = _filled(cfg, size)
         candidate.model = replace(candidate.model, gradient_checkpointing=False)
@@ -196,53 +289,31 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None) -> tupl
             least = 1 << (-(-MIN_MICRO_TOKENS // candidate.model.max_seq_len) - 1).bit_length()  # fit_micro's 2^k
             candidate.train = replace(candidate.train, micro_batch_size=least)
         need, params = training_bytes_estimate(candidate), count_parameters(candidate.model)
-        if need <= budget and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
-            return size, (f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB of training memory in "
-                          f"{budget / 2**30:.1f} GiB ({MEMORY_FRACTION:.0%} of {machine.name}){feeds}")
-    return CPU_SIZE, f"no larger preset fits {budget / 2**30:.1f} GiB of {machine.name}{feeds}"
-
-
-def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, list[str]]:
-    """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
-    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are.
-    base_train: the train settings a base that is a run of ours recorded (its config.json), which the rates
-    follow; else those measured on SmolLM2."""
-    t = cfg.train
-    if not t.init_from:
-        return cfg, []
-    kind = "lora" if t.lora_rank else "full"
-    recorded = _recorded_rates(base_train)
-    if recorded:
-        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # Muon leaves adapters alone
-        rates = {k: recorded[k] * BASE_RATE_SHARE[kind] for k in ("learning_rate", "muon_lr")}
-        why = f"{BASE_RATE_SHARE[kind]:g} of the peak rates the --init_from run trained at"
-    else:
-        optimizer, rates = FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES[kind]
-        why = "the presets' rates are for training from scratch"
-    chosen = {"optimizer": optimizer} if t.optimizer == "auto" else {}
-    chosen |= {k: v for k, v in rates.items() if getattr(t, k) == AUTO}
-    if not chosen:
-        return cfg, []
-    what = "LoRA adapters on" if t.lora_rank else "every weight of"
-    values = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items())
-    return replace(cfg, train=replace(t, **chosen)), [
-        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; {why})"]
-
-
-def _recorded_rates(train: dict | None) -> dict | None:
-    """The optimizer and peak rates a run of ours recorded, if it trained from scratch and they read as such."""
-    if not isinstance(train, dict) or train.get("init_from") or train.get("optimizer") not in ("muon", "adamw"):
-        return None
-    rates = {k: train.get(k) for k in ("learning_rate", "muon_lr")}
-    if not all(isinstance(v, (int, float)) and 0 < v < 1 for v in rates.values()):
-        return None
-    return {"optimizer": train["optimizer"], **rates}
+        if need <= room and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
+            fitting.append((size, params, need))
+    if not fitting:
+        return CPU_SIZE, f"no larger preset fits {room / 2**30:.1f} GiB of {machine.name}{feeds}"
+    fits = f"{room / 2**30:.1f} GiB ({MEMORY_FRACTION:.0%} of {machine.name})"
+    minutes = budget_minutes(cfg.train, machine)
+    if not minutes:  # the run's length is in steps: memory and corpus alone decide
+        size, params, need = fitting[0]
+        return size, f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB of training memory in {fits}{feeds}"
+    optimal = optimal_parameters(minutes, machine, world_size)
+    budget = f"compute-optimal for {minutes:g} minutes here: {optimal / 1e6:.0f}M parameters"
+    near = [f for f in fitting if f[1] <= MAX_OVER_OPTIMAL * optimal]
+    if not near:
+        return CPU_SIZE, f"{budget}, under a third of the smallest GPU preset that fits {fits}{feeds}"
+    size, params, need = min(near, key=lambda f: abs(math.log(f[1] / optimal)))
+    return size, (f"{params / 1e6:.0f}M parameters, the preset nearest the {budget}; about {need / 2**30:.1f} GiB "
+                  f"of training memory in {fits}{feeds}")
 
 
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
                    world_size: int = 1) -> tuple[Config, list[str]]:
     """cfg with its automatic shape, batch and rates filled, and report lines saying with what and why; an
-    optimizer still automatic (a run from scratch) is Muon."""
+    optimizer still automatic (a run from scratch) is Muon. corpus_bytes None: a corpus larger than any run here
+    (the GPU default, FineWeb-Edu's sample), of which a CUDA run with a time budget reads the tokens the budget
+    trains on (budget_tokens) as its max_tokens, where that is left at 0."""
     if cfg.train.optimizer == "auto":
         cfg = replace(cfg, train=replace(cfg.train, optimizer="muon"))
     batch = ("batch_tokens", "micro_batch_size", "grad_accum_steps")
@@ -250,7 +321,7 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
                                       if k not in ("max_steps", "max_minutes", "eval_batches", *batch)]
     notes = []
     if wanted:
-        size, why = choose_size(cfg, machine, corpus_bytes)
+        size, why = choose_size(cfg, machine, corpus_bytes, world_size)
         filled = _filled(cfg, size)
         section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
         values = ", ".join(f"{k}={getattr(getattr(filled, section[k]), k)}" for k in wanted)
@@ -263,6 +334,12 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
         notes.append(f"automatic: {', '.join(f'{k}={getattr(t, k)}' for k in auto)} ({t.micro_batch_size} x "
                      f"{cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x {world_size} ranks = "
                      f"{t.batch_tokens:,} tokens a step; {why})")
+    if corpus_bytes is None:  # a corpus fetched for the run: what it needs, said before the fetch
+        notes += plan_report(cfg, machine, world_size)
+        if not cfg.data.max_tokens and (tokens := token_target(cfg, machine, world_size)):
+            cfg = replace(cfg, data=replace(cfg.data, max_tokens=tokens))
+            notes.append(f"automatic: max_tokens={tokens} (the tokens of the budget above, of a corpus larger than "
+                         "the run)")
     return cfg, notes
 
 
@@ -283,11 +360,19 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
                      "or max_minutes to change it)")
-    if steps == AUTO and minutes == AUTO:
+    if steps == AUTO and minutes == AUTO:  # on CUDA: GPU_EPOCHS passes, or the budget where they would take longer
         steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
-        notes.append(f"automatic: max_steps={steps} ({GPU_EPOCHS} passes over {train_tokens:,} training "
-                     f"tokens at {per_step * cfg.model.max_seq_len:,} tokens per step)")
-    elif steps == AUTO:
+        passes = f"{GPU_EPOCHS} passes over {train_tokens:,} training tokens"
+        # by the planned speed, at most the budget's compute-optimal tokens: a model far below the GPU presets (tiny)
+        # runs far below MEASURED_MFU, and its passes would outlast the budget
+        if steps * per_step * cfg.model.max_seq_len <= token_target(cfg, machine, world_size):
+            notes.append(f"automatic: max_steps={steps} ({passes} at {per_step * cfg.model.max_seq_len:,} tokens "
+                         f"per step, within a GPU run's {GPU_MINUTES:g}-minute budget at the planned speed)")
+        else:
+            steps, minutes = AUTO, GPU_MINUTES
+            notes.append(f"automatic: max_minutes={GPU_MINUTES:g} (a GPU run's time budget, in which {passes} would "
+                         "not fit; set max_steps or max_minutes to change it)")
+    if steps == AUTO:
         notes.append(f"automatic: no step limit, the {minutes:g}-minute budget ends the run")
     if eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
         run_tokens = steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size

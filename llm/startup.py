@@ -4,6 +4,7 @@ run length from the tokenized corpus), the checkpoint it continues and the data 
 settle() once; everything it refuses is refused here, before a model exists.
 """
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -11,14 +12,15 @@ import torch
 from config import Config
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
-from llm.corpus import corpus_bytes
+from llm.corpus import BUNDLED, corpus_bytes, is_bundled, source_files
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.errors import ConfigError
+from llm.fine_tuning import fill_fine_tuning
 from llm.model_card import run_facts
 from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point)
-from llm.sizing import fill_automatic, fill_fine_tuning, fill_run_length, fit_micro_batch
+from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
 
@@ -30,6 +32,17 @@ def new_model(cfg: Config, device: torch.device) -> Transformer:
     torch.manual_seed(cfg.train.seed)
     raw_model.init_weights()  # the same weights on every rank and every device
     return raw_model
+
+
+def bundled_report(cfg: Config, size: int) -> list[str]:
+    """A line naming the bundled corpus and its size, when the run reads it."""
+    if not is_bundled(cfg.data):
+        return []
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    capped = " of them (max_source_mb)" if cfg.data.max_source_mb else ""
+    return [f"corpus: the bundled one (--sources {BUNDLED}), Python {version}'s standard library without its tests: "
+            f"{len(source_files(cfg.data))} files, {size / 1e6:.1f} MB{capped}, about "
+            f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens"]
 
 
 @dataclass
@@ -62,8 +75,9 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         notes += carried
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
     cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
-    cfg, sized = fill_automatic(cfg, machine(device), corpus_bytes(cfg.data), dist.world_size)
-    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized]))
+    size = corpus_bytes(cfg.data)
+    cfg, sized = fill_automatic(cfg, machine(device), size, dist.world_size)
+    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized, *bundled_report(cfg, size)]))
     data = prepare_once(cfg, dist)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)

@@ -11,10 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core in import order: a module may import only the ones before it. The three of the second line
 # share a rank: none of them imports another.
-CORE = ["errors", "config", "cli", "atomic", "sizing",
+CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
         "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache", "preparation",
-        "batches",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache",
+        "preparation", "batches",
         "modern_llm", "sampling", "engine", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
         "checkpoint", "inference", "model_card", "schedule", "resume", "startup", "openai_api", "worker",

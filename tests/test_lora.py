@@ -200,9 +200,9 @@ def test_adapters_on_a_base_run_of_ours_export_with_that_base_in_one_command(tin
 def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path, capsys):
     """--init_from with the rates left automatic trained a pretrained model's adapters at the tiny preset's rates
     for training from scratch (Muon 0.03, AdamW 5e-3), which undid what it knew (docs/fine-tuning.md); LoRA and
-    full fine-tuning now take AdamW at the measured rates of sizing.FINE_TUNING_RATES, the start report says so,
+    full fine-tuning now take AdamW at the measured rates of fine_tuning.FINE_TUNING_RATES, the start report says so,
     and a value given on the command line still wins. A run from scratch keeps Muon."""
-    from llm.sizing import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
+    from llm.fine_tuning import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
     chats = write_greetings(tmp_path / "chats.jsonl", 40)
     common = ["--init_from", str(qwen3_folder), "--sources", chats, "--cache_dir", str(tmp_path / "cache"),
               "--micro_batch_size", "4", "--max_steps", "2", "--compile", "off"]
@@ -226,7 +226,7 @@ def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tm
     """SmolLM2's fine-tuning rates left a 2.4M-parameter run of ours where it was (a chat loss of 5.7 where its own
     rates reached 0.14): a base that is a run of ours is fine-tuned with its recorded optimizer at a share of its
     own peak rates (adapters with AdamW); a base that was itself fine-tuned gives no such record."""
-    from llm.sizing import BASE_RATE_SHARE, FINE_TUNING_RATES
+    from llm.fine_tuning import BASE_RATE_SHARE, FINE_TUNING_RATES
     base = tmp_path / "base"
     assert trainer.main(argv_for(corpus, base, "--max_steps", 1, "--learning_rate", 0.003, "--muon_lr", 0.02)) == 0
     capsys.readouterr()

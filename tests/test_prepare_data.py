@@ -184,6 +184,7 @@ def test_default_corpus_is_the_standard_library(tmp_path):
     files = [p for p, _ in corpus.source_files(DataConfig())]
     assert files == sorted(files) and len(files) > 100
     assert all(p.endswith(".py") and "site-packages" not in p and "dist-packages" not in p for p in files)
+    assert not any({"test", "tests", "idle_test"} & set(p.split(os.sep)) for p in files)  # the same on any install
     data = prepare(DataConfig(cache_dir=str(tmp_path / "cache"), max_source_mb=0.2))
     assert 0.2e6 <= data.meta["source_bytes"] < 0.2e6 + 2 * corpus.PIECE_BYTES
     assert data.meta["val_tokens"] > SEQ and data.meta["train_tokens"] > data.meta["val_tokens"]

@@ -384,3 +384,65 @@ def test_a_pipe_matched_by_a_glob_is_refused_by_name(tmp_path):
     os.mkfifo(tmp_path / "web" / "b.parquet")
     with pytest.raises(DataError, match=r"web/\*\.parquet \(its match .*b\.parquet\) is not a regular file"):
         corpus.source_files(config(tmp_path, [tmp_path / "web" / "*.parquet"]))
+
+
+def fake_stdlib(root) -> str:
+    """A standard library as an install lays it out, its test suites included (some installs leave them out)."""
+    files = {"os.py": "import sys\n", "json/__init__.py": "def dumps(obj):\n    return str(obj)\n",
+             "json/tests/test_dump.py": "assert True\n", "test/test_os.py": "import os\n",
+             "idlelib/editor.py": "class Editor:\n    pass\n", "idlelib/idle_test/test_editor.py": "x = 1\n",
+             "tkinter/test/test_widgets.py": "y = 2\n", "lib2to3/tests/data/bom.py": "z = 3\n",
+             "site-packages/numpy/core.py": "w = 4\n", "__pycache__/os.cpython-311.py": "v = 5\n",
+             "LICENSE.txt": "text\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text * 40)
+    return str(root)
+
+
+def test_the_bundled_corpus_leaves_out_the_standard_librarys_tests(tmp_path, monkeypatch):
+    """The bundled corpus once read Lib/test where an install ships it (31.5 MB of 1,790 files on one machine, 10.7 MB
+    of 569 on another): the same command trained on different text. It is the library's own sources alone."""
+    import sysconfig
+    root = fake_stdlib(tmp_path / "lib" / "python3.11")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})
+    found = [os.path.relpath(p, root) for p, _ in corpus.source_files(DataConfig())]
+    assert found == ["idlelib/editor.py", "json/__init__.py", "os.py"]
+    assert corpus.is_bundled(DataConfig())
+
+
+def test_sources_stdlib_names_the_bundled_corpus_unless_a_path_of_that_name_exists(tmp_path, monkeypatch):
+    """--sources stdlib asks for the bundled corpus on any device (a GPU's default is another), alone or in a
+    mixture, and prepares the same tokens as no --sources; a folder named stdlib in the working directory is read
+    instead, as every path given is."""
+    import sysconfig
+    root = fake_stdlib(tmp_path / "lib" / "python3.11")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})
+    monkeypatch.chdir(tmp_path)
+    assert corpus.source_files(DataConfig(sources=["stdlib"])) == corpus.source_files(DataConfig())
+    assert corpus.is_bundled(DataConfig(sources=["stdlib"]))
+    named = prepare(DataConfig(sources=["stdlib"], cache_dir=str(tmp_path / "a")))
+    default = prepare(DataConfig(cache_dir=str(tmp_path / "b")))
+    assert named.meta["train_tokens"] == default.meta["train_tokens"] > 0 and named.meta["files"] == 3
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("a note\n")
+    mixed = corpus.sources(DataConfig(sources=["stdlib:0.9", "notes:0.1"]))
+    assert [len(s.files) for s in mixed] == [3, 1] and not corpus.is_bundled(DataConfig(sources=["stdlib", "notes"]))
+    (tmp_path / "stdlib").mkdir()
+    (tmp_path / "stdlib" / "mine.txt").write_text("my own text\n")
+    assert corpus.source_files(DataConfig(sources=["stdlib"])) == [(str(tmp_path / "stdlib" / "mine.txt"), True)]
+    assert not corpus.is_bundled(DataConfig(sources=["stdlib"]))
+
+
+def test_the_start_report_names_the_bundled_corpus_and_its_size(tmp_path, monkeypatch):
+    import sysconfig
+
+    from config import Config
+    from llm.startup import bundled_report
+    root = fake_stdlib(tmp_path / "lib" / "python3.11")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})
+    size = corpus.corpus_bytes(DataConfig())
+    assert size == sum(os.path.getsize(p) for p, _ in corpus.source_files(DataConfig()))
+    (line,) = bundled_report(Config(), size)
+    assert "standard library without its tests: 3 files" in line and f"{size / 1e6:.1f} MB" in line
+    assert bundled_report(Config(data=DataConfig(sources=[root])), size) == []  # a path given: no such line

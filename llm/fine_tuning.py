@@ -1,0 +1,57 @@
+"""The automatic optimizer and rates of a run from a pretrained model (--init_from): a fine-tune, whose rates are
+not the presets' (those train from scratch, and on a pretrained model they undo what it knew).
+- A base that is a run of ours: its recorded optimizer at BASE_RATE_SHARE of the peak rates it trained at.
+- Any other base (a Hugging Face folder or Hub model, a GGUF): AdamW at FINE_TUNING_RATES, measured on SmolLM2.
+Only automatic fields are filled; the start report says with what and why.
+"""
+
+from dataclasses import replace
+
+from config import AUTO, Config
+
+# Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py (docs/fine-tuning.md):
+# the chats' style learned while general answers and general text's bits per byte hold. AdamW kept them best, for
+# adapters and whole weights; muon_lr serves a fine-tuning run given --optimizer muon.
+FINE_TUNING_OPTIMIZER = "adamw"
+FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
+                     "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
+# A base that is a run of ours recorded the optimizer and peak rates it learned at: a fine-tune takes this share of
+# them. SmolLM2's rates left a 2.4M-parameter run where it was (docs/fine-tuning.md#a-run-of-your-own).
+BASE_RATE_SHARE = {"lora": 1.0, "full": 1.0}
+
+
+def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, list[str]]:
+    """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
+    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are.
+    base_train: the train settings a base that is a run of ours recorded (its config.json), which the rates
+    follow; else those measured on SmolLM2."""
+    t = cfg.train
+    if not t.init_from:
+        return cfg, []
+    kind = "lora" if t.lora_rank else "full"
+    recorded = _recorded_rates(base_train)
+    if recorded:
+        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # Muon leaves adapters alone
+        rates = {k: recorded[k] * BASE_RATE_SHARE[kind] for k in ("learning_rate", "muon_lr")}
+        why = f"{BASE_RATE_SHARE[kind]:g} of the peak rates the --init_from run trained at"
+    else:
+        optimizer, rates = FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES[kind]
+        why = "the presets' rates are for training from scratch"
+    chosen = {"optimizer": optimizer} if t.optimizer == "auto" else {}
+    chosen |= {k: v for k, v in rates.items() if getattr(t, k) == AUTO}
+    if not chosen:
+        return cfg, []
+    what = "LoRA adapters on" if t.lora_rank else "every weight of"
+    values = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items())
+    return replace(cfg, train=replace(t, **chosen)), [
+        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; {why})"]
+
+
+def _recorded_rates(train: dict | None) -> dict | None:
+    """The optimizer and peak rates a run of ours recorded, if it trained from scratch and they read as such."""
+    if not isinstance(train, dict) or train.get("init_from") or train.get("optimizer") not in ("muon", "adamw"):
+        return None
+    rates = {k: train.get(k) for k in ("learning_rate", "muon_lr")}
+    if not all(isinstance(v, (int, float)) and 0 < v < 1 for v in rates.values()):
+        return None
+    return {"optimizer": train["optimizer"], **rates}
