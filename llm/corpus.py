@@ -33,6 +33,10 @@ SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 # same text on every install of Python 3.10-3.13.
 BUNDLED = "stdlib"
 TEST_DIRS = {"test", "tests", "idle_test"}
+# The GPU default, asked for by no --sources on CUDA: FineWeb-Edu's 10B-token sample (educational web text, what
+# the anchors' speedruns train on), fetched only as far as the run's token target; the bundled corpus when neither
+# the Hub nor the cache has it.
+GPU_CORPUS = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
 
 
 @dataclass

@@ -99,6 +99,15 @@ def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_p
     return _fetched[key]
 
 
+def unavailable(url: str) -> str:
+    """Why fetch(url) could give no file (the error's line), or "" when the Hub lists it or the cache holds some."""
+    try:
+        fetch(url, 0, log=lambda line: None)
+    except (DataError, RunFailure) as e:
+        return str(e)
+    return ""
+
+
 def _fetch(url: str, max_bytes: float, measure, log) -> list[str]:
     import huggingface_hub as hub
     from huggingface_hub import constants

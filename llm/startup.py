@@ -5,14 +5,15 @@ settle() once; everything it refuses is refused here, before a model exists.
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from config import Config
+from llm import hf_datasets
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
-from llm.corpus import BUNDLED, corpus_bytes, is_bundled, source_files
+from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, is_bundled, source_files
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.errors import ConfigError
 from llm.fine_tuning import fill_fine_tuning
@@ -45,6 +46,20 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
             f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens"]
 
 
+def default_corpus(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
+    """cfg reading the GPU default corpus where no --sources are given on CUDA and the Hub or the cache has it, with
+    a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read instead."""
+    if device.type != "cuda" or cfg.data.sources:
+        return cfg, []
+    problem = hf_datasets.unavailable(GPU_CORPUS)
+    if problem:
+        return cfg, [f"data: the GPU default corpus cannot be read ({problem.removeprefix('data source ')}); "
+                     f"training on the bundled one instead; run once with the Hub in reach to fetch it, or pass --sources"]
+    return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS])), [
+        f"data: the GPU default corpus, FineWeb-Edu's sample ({GPU_CORPUS}): the files the token target below needs "
+        "come into the Hugging Face cache (HF_HOME) before training, and a later run reads them offline"]
+
+
 @dataclass
 class Settled:
     """settle()'s result: the run's final config and what it starts from."""
@@ -75,9 +90,10 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         notes += carried
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
     cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
-    size = corpus_bytes(cfg.data)
+    cfg, corpus = default_corpus(cfg, device)
+    size = None if cfg.data.sources == [GPU_CORPUS] else corpus_bytes(cfg.data)  # sized by the budget, not the corpus
     cfg, sized = fill_automatic(cfg, machine(device), size, dist.world_size)
-    dist.print("\n".join([describe(cfg), *notes, *tuned, *sized, *bundled_report(cfg, size)]))
+    dist.print("\n".join([describe(cfg), *notes, *tuned, *corpus, *sized, *bundled_report(cfg, size)]))
     data = prepare_once(cfg, dist)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)

@@ -226,3 +226,40 @@ def test_a_full_disk_is_a_runtime_failure_naming_the_room(hub, monkeypatch):
     monkeypatch.setattr(file_download, "http_get", full)
     with pytest.raises(RunFailure, match=r"the disk is full downloading data/part-0.parquet \([\d,]+ bytes\)"):
         hf_datasets.fetch(URL)
+
+
+@pytest.mark.parametrize("gpu,gib,preset,least", [("NVIDIA H100 80GB HBM3", 80, "small", 1e9),
+                                                  ("NVIDIA GeForce RTX 4090", 24, "small", 2e8)])
+def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypatch, tmp_path, files, gpu, gib, preset,
+                                                                       least):
+    """With no --sources on CUDA the run read the bundled corpus (2.7M tokens) and so trained the tiny preset. It
+    now reads FineWeb-Edu's sample from the Hub (here a stand-in holding one of its files), sized by the hour's
+    compute rather than by the corpus: the start report names the corpus, the preset, the budget and a micro-batch
+    of at least 32k tokens, and the fetch brings the files the token target needs. With the Hub out of reach and
+    nothing cached, one line says the bundled corpus is read instead; a CPU run is untouched."""
+    import torch
+
+    from config import PRESETS
+    from llm import sizing, startup
+    server = Hub({"HuggingFaceFW/fineweb-edu": {"sample/10BT/000_00000.parquet": files["data/part-0.parquet"],
+                                                "README.md": files["README.md"]}})
+    point_at(monkeypatch, tmp_path / "hf_home", server.url)
+    try:
+        cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"))
+        assert cfg.data.sources == [corpus.GPU_CORPUS] and "FineWeb-Edu" in notes[0]
+        cfg, sized = sizing.fill_automatic(cfg, sizing.Machine("cuda", gpu, gib * 2**30), None)
+        report = "\n".join(notes + sized)
+        assert f"the {preset} preset" in report and "budget: 60 min" in report, report
+        assert cfg.train.micro_batch_size * cfg.model.max_seq_len >= 32_768
+        # The hour's tokens at about 40% of the card's peak: some 2B on an H100, a third of a billion on a 4090 (its
+        # peak a sixth of the H100's), where the bundled corpus holds 2.7M.
+        assert least <= cfg.data.max_tokens <= 5 * least
+        paths = corpus.source_files(cfg.data)
+        assert [os.path.basename(p) for p, _ in paths] == ["000_00000.parquet"]
+        assert open(paths[0][0], "rb").read() == files["data/part-0.parquet"]
+    finally:
+        server.stop()
+    point_at(monkeypatch, tmp_path / "elsewhere", "http://127.0.0.1:9")  # nothing listens, nothing cached
+    cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"))
+    assert cfg.data.sources == [] and len(notes) == 1 and "training on the bundled one instead" in notes[0], notes
+    assert startup.default_corpus(PRESETS["auto"](), torch.device("cpu")) == (PRESETS["auto"](), [])
