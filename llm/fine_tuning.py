@@ -33,7 +33,7 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
     if recorded:
         optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # Muon leaves adapters alone
         rates = {k: recorded[k] * BASE_RATE_SHARE[kind] for k in ("learning_rate", "muon_lr")}
-        why = f"{BASE_RATE_SHARE[kind]:g} of the peak rates the --init_from run trained at"
+        why = f"{BASE_RATE_SHARE[kind]:g}x the peak rates the --init_from run trained at"
     else:
         optimizer, rates = FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES[kind]
         why = "the presets' rates are for training from scratch"

@@ -242,5 +242,5 @@ def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tm
         assert trainer.main(["--init_from", str(start), "--run_dir", str(tmp_path / name), *common, *extra]) == 0
         train = json.loads((tmp_path / name / "config.json").read_text())["train"]
         assert {k: train[k] for k in want} == pytest.approx(want), name
-        recorded = "of the peak rates the --init_from run trained at" in capsys.readouterr().out
+        recorded = "x the peak rates the --init_from run trained at" in capsys.readouterr().out
         assert recorded == (name != "again"), name
