@@ -1,6 +1,8 @@
 """The automatic optimizer and rates of a run from a pretrained model (--init_from): a fine-tune, whose rates are
 not the presets' (those train from scratch, and on a pretrained model they undo what it knew).
-- A base that is a run of ours: its recorded optimizer at BASE_RATE_SHARE of the peak rates it trained at.
+- A base that is a run of ours, trained from scratch: the optimizer and peak rates it recorded (adapters: AdamW at
+  its AdamW rate). SmolLM2's rates left a 2.4M-parameter run where it was, and half its own rates learned less
+  than all of them (docs/fine-tuning.md#a-run-of-your-own).
 - Any other base (a Hugging Face folder or Hub model, a GGUF): AdamW at FINE_TUNING_RATES, measured on SmolLM2.
 Only automatic fields are filled; the start report says with what and why.
 """
@@ -15,9 +17,6 @@ from config import AUTO, Config
 FINE_TUNING_OPTIMIZER = "adamw"
 FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
                      "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
-# A base that is a run of ours recorded the optimizer and peak rates it learned at: a fine-tune takes this share of
-# them. SmolLM2's rates left a 2.4M-parameter run where it was (docs/fine-tuning.md#a-run-of-your-own).
-BASE_RATE_SHARE = {"lora": 1.0, "full": 1.0}
 
 
 def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, list[str]]:
@@ -31,9 +30,9 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
     kind = "lora" if t.lora_rank else "full"
     recorded = _recorded_rates(base_train)
     if recorded:
-        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # Muon leaves adapters alone
-        rates = {k: recorded[k] * BASE_RATE_SHARE[kind] for k in ("learning_rate", "muon_lr")}
-        why = f"{BASE_RATE_SHARE[kind]:g}x the peak rates the --init_from run trained at"
+        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # adapters: AdamW won on both bases
+        rates = {k: recorded[k] for k in ("learning_rate", "muon_lr")}
+        why = "the peak rates the --init_from run trained at"
     else:
         optimizer, rates = FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES[kind]
         why = "the presets' rates are for training from scratch"
