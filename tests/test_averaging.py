@@ -93,7 +93,8 @@ def step_weights(total: int, beta: float) -> torch.Tensor:
     average = WeightAverage(model, beta)
     for step in range(total):
         with torch.no_grad():
-            model.weight.copy_(torch.eye(total, dtype=torch.float64)[step].float())
+            model.weight.zero_()
+            model.weight[0, step] = 1.0
         average.update(step, (step + 1) / total)
     average.swap_in()
     return model.weight.detach().double()[0]
