@@ -20,7 +20,7 @@ from llm.fine_tuning import fill_fine_tuning
 from llm.model_card import run_facts
 from llm.preparation import prepare_once
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
-                        lora_start, resume_point)
+                        lora_start, resume_point, saved_config)
 from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
@@ -46,11 +46,15 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
             f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens"]
 
 
-def default_corpus(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
+def default_corpus(cfg: Config, device: torch.device, saved: dict | None = None) -> tuple[Config, list[str]]:
     """cfg reading the GPU default corpus where no --sources are given on CUDA and the Hub or the cache has it, with
-    a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read instead."""
+    a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read instead. saved: a
+    resumed run's trainer state, whose corpus it goes on with (the Hub is not asked)."""
     if device.type != "cuda" or cfg.data.sources:
         return cfg, []
+    if saved is not None:
+        had = saved_config(saved).get("data", {}).get("sources") == [GPU_CORPUS]
+        return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS] if had else [])), []
     problem = hf_datasets.unavailable(GPU_CORPUS)
     if problem:
         return cfg, [f"data: the GPU default corpus cannot be read ({problem.removeprefix('data source ')}); "
@@ -90,7 +94,7 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         notes += carried
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
     cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
-    cfg, corpus = default_corpus(cfg, device)
+    cfg, corpus = default_corpus(cfg, device, saved)
     size = None if cfg.data.sources == [GPU_CORPUS] else corpus_bytes(cfg.data)  # sized by the budget, not the corpus
     cfg, sized = fill_automatic(cfg, machine(device), size, dist.world_size)
     dist.print("\n".join([describe(cfg), *notes, *tuned, *corpus, *sized, *bundled_report(cfg, size)]))

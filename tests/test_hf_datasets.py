@@ -262,4 +262,8 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
     point_at(monkeypatch, tmp_path / "elsewhere", "http://127.0.0.1:9")  # nothing listens, nothing cached
     cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"))
     assert cfg.data.sources == [] and len(notes) == 1 and "training on the bundled one instead" in notes[0], notes
+    for had in ([corpus.GPU_CORPUS], []):  # a resumed run goes on with its own corpus, the Hub unasked
+        state = {"config": json.dumps({"data": {"sources": had}})}
+        cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"), state)
+        assert cfg.data.sources == had and notes == []
     assert startup.default_corpus(PRESETS["auto"](), torch.device("cpu")) == (PRESETS["auto"](), [])
