@@ -58,7 +58,8 @@ def default_corpus(cfg: Config, device: torch.device, saved: dict | None = None)
     problem = hf_datasets.unavailable(GPU_CORPUS)
     if problem:
         return cfg, [f"data: the GPU default corpus cannot be read ({problem.removeprefix('data source ')}); "
-                     f"training on the bundled one instead; run once with the Hub in reach to fetch it, or pass --sources"]
+                     "training on the bundled one instead; run once with the Hub in reach to fetch it, or pass "
+                     "--sources"]
     return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS])), [
         f"data: the GPU default corpus, FineWeb-Edu's sample ({GPU_CORPUS}): the files the token target below needs "
         "come into the Hugging Face cache (HF_HOME) before training, and a later run reads them offline"]
