@@ -38,7 +38,7 @@ from llm.lora import adapter_state, add_adapters
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
-from llm.resume import load_into
+from llm.resume import StartPoint, load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
 from llm.sizing import loss_chunk_rows, matmul_attention
 from llm.startup import new_model, settle
@@ -114,6 +114,23 @@ def keep_grads(opt):
         for p in group["params"]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+
+
+@dataclass
+class Session:
+    """What evaluations, checkpoints and log lines read besides the model side (Built): the settled config, the
+    processes, the data, the clock and where this session reports (rank 0: the monitor and the progress bar)."""
+    cfg: Config
+    dist: object
+    data: PreparedData
+    val_batches: Batches
+    clock: RunClock
+    monitor: Monitor | None
+    bar: object
+    probe: Probe
+    tokens_per_step: int  # over every rank
+    lora_meta: dict | None  # a LoRA run's adapter_config.json
+    command: str = ""  # how this session was started, as a user would type it (for the model card)
 
 
 # ----------------------------------------------------------------------------- one step, eval
@@ -192,58 +209,61 @@ def falls_back(t, device: torch.device) -> bool:
     return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
 
 
-def evaluation(run: "Run", b: Built, step: int, full: bool, last: bool = False) -> float:
+def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = False) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
     leaves in the better of the weight average and the last step's weights."""
     def val_loss_now():
-        return evaluate(b.evaluator, b.amp, run.val_batches, run.cfg.train.eval_batches, run.dist)
+        return evaluate(b.evaluator, b.amp, session.val_batches, session.cfg.train.eval_batches, session.dist)
     chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
-    if chosen and run.monitor:
-        run.bar.write(chosen[1])
+    if chosen and session.monitor:
+        session.bar.write(chosen[1])
     val_loss = chosen[0] if chosen else val_loss_now()
+    probe = session.probe
     with b.amp:
-        (code_ok, code_n), samples = (run.probe.code(b.raw_model), run.probe.samples(b.raw_model)) if full else \
+        (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
-    if run.monitor:
-        r = run.monitor.eval_record(step, val_loss, run.data.meta["val_bytes_per_token"], code_ok=code_ok,
-                                    code_samples=code_n)
+    if session.monitor:
+        r = session.monitor.eval_record(step, val_loss, session.data.meta["val_bytes_per_token"], code_ok=code_ok,
+                                        code_samples=code_n)
         code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
-        run.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}{code}")
-        run.monitor.samples_record(step, samples)
+        session.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"
+                          + code)
+        session.monitor.samples_record(step, samples)
         for sample in samples:
-            run.bar.write(f"  {sample['prompt'] + sample['text']!r}")
+            session.bar.write(f"  {sample['prompt'] + sample['text']!r}")
     return val_loss
 
 
 # ----------------------------------------------------------------------------- checkpoints, logging, the run
 
-def save(run: "Run", b: Built, step: int, tokens: int, best_val: float, val_loss: float | None = None) -> str | None:
+def save(session: Session, b: Built, step: int, tokens: int, best_val: float,
+         val_loss: float | None = None) -> str | None:
     """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
     refusing NaN or Inf. Every rank calls it. val_loss: the evaluation at this step, if there was one."""
-    cfg, dist = run.cfg, run.dist
+    cfg, dist = session.cfg, session.dist
     weights = dist_utils.full_state(b.raw_model.state_dict(), keep=dist.is_main)
     opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
     average = b.average.state_dict(keep=dist.is_main)  # every rank: a gather under FSDP2
     if not dist.is_main:
         return None
-    state = adapter_state(b.raw_model) if run.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
+    state = adapter_state(b.raw_model) if session.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
     trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
                      "weight_average": average,
-                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": run.data.fingerprint,
-                     "data_files": [list(f) for f in run.data.files],  # to say what changed, if a resume is refused
-                     "corpus": {k: v for k, v in run.data.meta.items() if k in CORPUS_FACTS},  # the model card's
+                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": session.data.fingerprint,
+                     "data_files": [list(f) for f in session.data.files],  # to say what changed, if a resume is refused
+                     "corpus": {k: v for k, v in session.data.meta.items() if k in CORPUS_FACTS},  # the model card's
                      "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
                      "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                     "config": json.dumps(cfg.to_dict()), **run.clock.state(), "command": run.command,
+                     "config": json.dumps(cfg.to_dict()), **session.clock.state(), "command": session.command,
                      "device": device_report(next(b.raw_model.parameters()).device),
                      "precision": precision_label(cfg.train.precision, b.amp_dtype)}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, model_config=cfg.model,
-                                   tokenizer_path=run.data.tokenizer_path, trainer_state=trainer_state,
-                                   keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=run.lora_meta)
+                                   tokenizer_path=session.data.tokenizer_path, trainer_state=trainer_state,
+                                   keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=session.lora_meta)
 
 
 def write_run_config(cfg: Config):
@@ -251,48 +271,45 @@ def write_run_config(cfg: Config):
     atomic.write_text(os.path.join(cfg.train.run_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
 
 
-def log_window(run: "Run", b: Built, step: int, tokens: int, window: LossWindow, grad_norm, lr_scale: float):
+def log_window(session: Session, b: Built, step: int, tokens: int, window: LossWindow, grad_norm, lr_scale: float):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
     worst = int(window.worst.item())  # sync point: the only per-window host reads of device values
-    if worst >= run.cfg.train.max_bad_steps:
+    if worst >= session.cfg.train.max_bad_steps:
         raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
                                  "use --precision fp32, then --resume")
-    mean_loss = run.dist.mean(window.mean()).item()
-    if run.monitor:
+    mean_loss = session.dist.mean(window.mean()).item()
+    if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
-        r = run.monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
-                                     compiled=b.compiled is not b.model)
-        run.bar.set_postfix(format_postfix(r), refresh=False)
-
-
-def timed(clock: RunClock, kind: str, fn, *args):
-    """fn(*args), its seconds noted on the clock (the final evaluation and checkpoint are kept room for)."""
-    start = time.monotonic()
-    out = fn(*args)
-    clock.note_overhead(kind, time.monotonic() - start)
-    return out
-
-
-@dataclass
-class Run:
-    """What the loop works with besides the model side (Built): the settled config, the data it reads, the clock
-    and where it reports."""
-    cfg: Config
-    dist: object
-    data: PreparedData
-    batches: Batches
-    val_batches: Batches
-    clock: RunClock
-    monitor: Monitor | None  # rank 0 only
-    bar: object
-    probe: Probe
-    tokens_per_step: int
-    lora_meta: dict | None
-    command: str = ""  # how this session was started, as a user would type it
+        step_s = session.clock.step_s if session.clock.measured else None  # the first step compiles: no speed
+        r = session.monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
+                                         compiled=b.compiled is not b.model)
+        session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
 # ----------------------------------------------------------------------------- main
+
+def open_session(settled, b: Built, clock: RunClock, dist, device: torch.device, start: StartPoint,
+                 argv) -> Session:
+    """config.json, the start report, the monitor and the progress bar of this session."""
+    cfg, t = settled.cfg, settled.cfg.train
+    if dist.is_main:
+        write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
+    tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
+    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tokens_per_step, tensorboard=t.tensorboard,
+                      wandb=t.wandb, config=cfg.to_dict(), world_size=dist.world_size,
+                      resume_step=start.step if settled.ckpt else None) if dist.is_main else None
+    dist.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
+        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), dist=dist,
+        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
+    args = sys.argv[1:] if argv is None else argv
+    return Session(cfg=cfg, dist=dist, data=settled.data, val_batches=settled.val_batches, clock=clock,
+                   monitor=monitor, tokens_per_step=tokens_per_step,
+                   bar=progress_bar(clock, start.step, enabled=dist.is_main),
+                   probe=Probe(b.raw_model.config, settled.data, python=is_bundled(cfg.data),
+                               prompts=t.sample_prompts), lora_meta=settled.lora_meta,
+                   command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")
+
 
 @dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
@@ -303,79 +320,58 @@ def main(argv=None) -> int:
                          dist.local_rank)
     if cfg.train.deterministic:
         make_deterministic()
-    settled = settle(cfg, dist, device)
-    cfg, ckpt, ds, t = settled.cfg, settled.ckpt, settled.data, settled.cfg.train
-    batches, val_batches = settled.batches, settled.val_batches
+    settled = settle(cfg, dist, device)  # the final config, the data, and the checkpoint a --resume continues
+    cfg, t, batches = settled.cfg, settled.cfg.train, settled.batches
     b = build(cfg, device, dist, init_state=settled.init_state)
-    start, tokens, best_val, budget = load_into(ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler,
-                                                run_dir=t.run_dir) if ckpt else (0, 0, float("inf"), {})
-    b.average.load_state_dict(settled.saved.get("weight_average") if ckpt else None)
-    clock = RunClock(t, launch, **budget)
-    if dist.is_main:
-        write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
-    tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
-    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tensorboard=t.tensorboard, wandb=t.wandb,
-                      config=cfg.to_dict(), world_size=dist.world_size,
-                      resume_step=start if ckpt else None) if dist.is_main else None
-    dist.print((f"resumed from {ckpt} at step {start}\n" if ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), dist=dist,
-        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
-    args = sys.argv[1:] if argv is None else argv
-    run = Run(cfg=cfg, dist=dist, data=ds, batches=batches, val_batches=val_batches, clock=clock, monitor=monitor,
-              bar=progress_bar(clock, start, enabled=dist.is_main), tokens_per_step=tokens_per_step,
-              probe=Probe(b.raw_model.config, ds, python=is_bundled(cfg.data), prompts=t.sample_prompts),
-              lora_meta=settled.lora_meta,
-              command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")  # for the card
-
-    warm_evaluator(b, val_batches, t, dist)
+    start = load_into(settled.ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler, average=b.average,
+                      run_dir=t.run_dir)  # step 0, or where the checkpoint left off
+    clock = RunClock(t, launch, dist, start.step, **start.clock)
+    session = open_session(settled, b, clock, dist, device, start, argv)
+    warm_evaluator(b, settled.val_batches, t, dist)
+    tokens, best_val, last_ckpt = start.tokens, start.best_val, None
     stop, window = StopFlag(), LossWindow(device)
-    profiler = StepProfiler(t.run_dir, device, first=start + 2) if t.profile and dist.is_main else None
-    clock.sync(start, dist)
-    last_ckpt = None
-    for step in itertools.count(start):
-        last_step = clock.finished(step)
-        fresh = step == start  # just started or resumed: this step's eval and save are already done
+    profiler = StepProfiler(t.run_dir, device, first=start.step + 2) if t.profile and dist.is_main else None
+
+    clock.sync(start.step)
+    for step in itertools.count(start.step):
+        last_step = clock.finished(step)  # max_steps done, or the budget holds no other step
         stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
-        evaluated = not fresh and (last_step or clock.eval_due(step))
-        if evaluated:
-            val_loss = timed(clock, "eval", evaluation, run, b, step, clock.full_eval(step, last_step), last_step)
-            best_val = min(best_val, val_loss)
-        saving = not fresh and (last_step or clock.save_due(step, evaluated) or stopping)
-        if saving:
-            last_ckpt = timed(clock, "save", save, run, b, step, tokens, best_val,
-                              val_loss if evaluated else None) or last_ckpt
-        if last_step or (stopping and not fresh):
+        if step > start.step:  # at a session's first step the checkpoint it resumed holds both
+            val_loss = None
+            if last_step or clock.eval_due(step):
+                with clock.pause("eval", step):
+                    val_loss = evaluation(session, b, step, full=clock.full_eval(step, last_step), last=last_step)
+                clock.mark_evaluated(step)
+                best_val = min(best_val, val_loss)
+            if last_step or stopping or clock.save_due(step):
+                with clock.pause("save", step):
+                    last_ckpt = save(session, b, step, tokens, best_val, val_loss) or last_ckpt
+        if last_step or (stopping and step > start.step):
             break
-        if evaluated or saving:
-            clock.sync(step, dist, measure=False)  # the time they took is gone from the budget: count it now
-        if monitor and (evaluated or saving):
-            monitor.reset_clock(step, tokens)  # tokens/s and MFU measure training steps, not the evaluation
 
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
-        loss, grad_norm, ok = (first_train_step if fresh else train_step)(b, batches, step, t, dist)
+        loss, grad_norm, ok = (first_train_step if step == start.step else train_step)(b, batches, step, t, dist)
         b.average.update(step, clock.progress(step))
         window.add(loss, ok)
-        tokens += tokens_per_step
-        done = step + 1
-        if fresh and monitor:
-            monitor.reset_clock(done, tokens)  # the first step includes compilation: not timed
+        tokens += session.tokens_per_step
         if profiler:
-            profiler.step(done)  # the steps after the first two, which compile
-        if done % t.log_interval == 0 or done - start <= 2 or done == t.max_steps:
-            clock.sync(done, dist, measure=done - start > 1)  # the first step compiles: not a speed
-            log_window(run, b, done, tokens, window, grad_norm, lr_scale)
-        advance_bar(run.bar, clock, done, done * tokens_per_step / cfg.model.max_seq_len / batches.epoch_sequences
+            profiler.step(step + 1)  # the steps after the first two, which compile
+        if clock.log_due(step + 1):
+            clock.sync(step + 1)
+            log_window(session, b, step + 1, tokens, window, grad_norm, lr_scale)
+        advance_bar(session.bar, clock, step + 1, tokens / cfg.model.max_seq_len / batches.epoch_sequences
                     if t.epochs else None)
-    run.bar.close()
-    if step == start and not ckpt:
+    session.bar.close()
+
+    if step == start.step and not settled.ckpt:
         raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
                           f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
-    if monitor:
-        monitor.close()
+    if session.monitor:
+        session.monitor.close()
     if dist.is_main:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
-                      bytes_per_token=ds.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
+                      bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
                       interrupted=stopping, launcher=dist.launcher(), base=t.init_from if t.lora_rank else "")
               + "\n" + clock.eval_report())
     dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)

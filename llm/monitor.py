@@ -49,13 +49,15 @@ def device_report(device: torch.device) -> str:
 class Monitor:
     """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
 
-    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, *, tensorboard: bool = False,
-                 wandb: bool = False, config: dict | None = None, resume_step: int | None = None,
-                 world_size: int = 1):
-        """resume_step: the run continues from this step, so records logged after it (by the session that went
-        on past its last checkpoint) are dropped: the file then reads as one uninterrupted run. world_size:
-        GPUs sharing the tokens/s, so MFU is per GPU (the tokens of one GPU against that GPU's peak)."""
+    def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tokens_per_step: int, *,
+                 tensorboard: bool = False, wandb: bool = False, config: dict | None = None,
+                 resume_step: int | None = None, world_size: int = 1):
+        """tokens_per_step: over every rank. resume_step: the run continues from this step, so records logged
+        after it (by the session that went on past its last checkpoint) are dropped: the file then reads as one
+        uninterrupted run. world_size: GPUs sharing the tokens/s, so MFU is per GPU (the tokens of one GPU
+        against that GPU's peak)."""
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
+        self.tokens_per_step = tokens_per_step
         self.peak = peak_flops(device) * world_size if peak_flops(device) else None
         self.metrics_path = os.path.join(run_dir, METRICS_FILE)
         kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] if resume_step is not None else []
@@ -81,33 +83,26 @@ class Monitor:
                 # Offline: no account or network needed; `wandb sync <run_dir>/wandb/offline-run-*` uploads later.
                 self.wandb_run = wandb_lib.init(project="modern-llm", name=os.path.basename(os.path.normpath(run_dir)),
                                                 dir=run_dir, mode="offline", config=config or {})
-        self._last_time, self._last_tokens, self._last_step = time.perf_counter(), 0, 0
-
-    def reset_clock(self, step: int, tokens: int):
-        """Start the throughput window here (after warm-up or resume)."""
-        self._last_time, self._last_tokens, self._last_step = time.perf_counter(), tokens, step
 
     def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float,
-                     compiled: bool = False) -> dict:
-        """Throughput over the window since the last record, plus memory; appended to metrics.jsonl.
+                     step_s: float | None, compiled: bool = False) -> dict:
+        """Throughput from the seconds of a step (the run clock's, None for the first step, which compiles), plus
+        memory; appended to metrics.jsonl.
 
         lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...});
         compiled: whether the step ran compiled.
         """
-        now = time.perf_counter()
-        dt = max(now - self._last_time, 1e-9)
-        timed = step > self._last_step  # no step since the clock was reset (the untimed first step): no rate
-        tok_s = (tokens - self._last_tokens) / dt if timed else None
+        timed = bool(step_s)
+        tok_s = self.tokens_per_step / step_s if timed else None
         record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
                   "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s,
-                  "steps_per_s": (step - self._last_step) / dt if timed else None,
+                  "steps_per_s": 1 / step_s if timed else None,
                   "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
                   "vram_gb": None, "vram_total_gb": None, "time": time.time()}
         if self.device.type == "cuda":
             record["vram_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             record["vram_total_gb"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
-        self._last_time, self._last_tokens, self._last_step = now, tokens, step
         self.train_points.append((step, loss))
         self._write(record)
         return record

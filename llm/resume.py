@@ -10,8 +10,9 @@ and optimizer, and a LoRA run's base.
 """
 
 import json
+import math
 import os
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -153,9 +154,20 @@ def _file_changes(before: dict, now: dict) -> list[str]:
         ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
-def load_into(ckpt: str, state: dict, *, model, opt, scaler, run_dir: str):
-    """Weights, optimizer, loss scaler and RNG state from the checkpoint; returns (step, tokens, best val
-    loss, the time budget's state)."""
+@dataclass
+class StartPoint:
+    """Where a session starts: step 0 of a new run, or a resumed checkpoint's counters."""
+    step: int = 0
+    tokens: int = 0
+    best_val: float = math.inf
+    clock: dict = field(default_factory=dict)  # the time budget's state (RunClock.state()), spent so far
+
+
+def load_into(ckpt: str | None, state: dict | None, *, model, opt, scaler, average, run_dir: str) -> StartPoint:
+    """A resumed run's weights, optimizer, loss scaler, weight average and RNG state from its checkpoint, and
+    where it goes on; a new run's StartPoint() when ckpt is None."""
+    if ckpt is None:
+        return StartPoint()
     try:
         ckpt_io.load_weights(ckpt, model)  # read on the CPU, then copied into the device's parameters
     except CheckpointError as e:
@@ -168,11 +180,12 @@ def load_into(ckpt: str, state: dict, *, model, opt, scaler, run_dir: str):
                           "or start a new run from its weights with --init_from") from None
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
+    average.load_state_dict(state.get("weight_average"))
     torch.set_rng_state(state["rng_torch"])
     if state.get("rng_cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng_cuda"])
-    budget = {k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state}  # the clock's state()
-    return state["step"], state["tokens"], state["best_val_loss"], budget
+    clock = {k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state}
+    return StartPoint(state["step"], state["tokens"], state["best_val_loss"], clock)
 
 
 def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:

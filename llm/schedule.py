@@ -10,6 +10,7 @@ time so far (a 10-step smoke run evaluates only at its end); one that would fall
 left to it. Ctrl-C or SIGTERM asks the loop to stop after its step (StopFlag).
 """
 
+import contextlib
 import math
 import os
 import signal
@@ -47,40 +48,47 @@ def lr_multiplier(progress: float, t) -> float:
 
 
 class RunClock:
-    """Progress by steps, or by time under a budget; decides where the run evaluates and where it stops.
+    """Progress by steps, or by time under a budget; the one timer of the run's steps; answers what is due.
 
-    Time figures change only in sync(), which every rank calls at the same steps with the same agreed
-    values, so every rank computes the same learning rate and stops at the same step.
+    The questions (finished, eval_due, save_due, log_due, progress) change nothing; the figures they read change
+    only in sync() and pause(), which every rank calls at the same steps with the same agreed values, and in
+    mark_evaluated(). So every rank computes the same learning rate, evaluates and stops at the same step.
     """
 
-    def __init__(self, t, launch: float, spent_s: float = 0.0, step_s: float = 0.0, overhead_s: dict | None = None):
-        """launch: time.monotonic() when this session started; spent_s, step_s and overhead_s: what earlier
+    def __init__(self, t, launch: float, ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
+                 overhead_s: dict | None = None):
+        """launch: time.monotonic() when this session started; ranks: the processes that agree on the figures
+        (llm.distributed.Ranks); start: the session's first step; spent_s, step_s and overhead_s: what earlier
         sessions measured (state()), so a resumed run's schedule continues where it stopped."""
-        self.t, self.by_time = t, t.max_minutes > 0
+        self.t, self.ranks, self.start, self.by_time = t, ranks, start, t.max_minutes > 0
         self.budget_s = t.max_minutes * 60
         self.launch, self.session_start = launch - spent_s, launch
         self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
+        self.measured = False  # whether the last sync measured step_s (not the first, compiling step)
         self.pace_s = step_s  # the same smoothed over windows: what the schedule's progress reads
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         self.synced_step, self.synced_remaining = 0, math.inf
         self.synced_eval = (0.0, 0.0, 0.0)  # (evaluation seconds spent, one evaluation's expected, seconds spent)
         self._window_start = self._window_step = None
-        self._window_overhead = 0.0
-        self._sixths = None  # sixths of the run already evaluated at
-        self._last_eval = 0.0  # the progress of this session's last automatic evaluation
+        self._evaluated = None  # (step, sixths of the run reached, progress) at this session's last evaluation
 
     # ---- measuring
     def spent_s(self) -> float:
         """Seconds of the budget used, this session and the earlier ones."""
         return time.monotonic() - self.launch
 
-    def note_overhead(self, kind: str, seconds: float):
-        """An evaluation or checkpoint just took this long: the final ones are kept room for."""
+    @contextlib.contextmanager
+    def pause(self, kind: str, step: int):
+        """Time an evaluation or checkpoint before this step: the final ones are kept room for, and its time is
+        counted against the budget at once, but not as step time (a collective: every rank pauses alike)."""
+        started = time.monotonic()
+        yield
+        seconds = time.monotonic() - started
         self.overhead_s[kind] = max(self.overhead_s[kind], seconds)
-        self._window_overhead += seconds
         if kind == "eval":
             self.eval_spent_s, self.evals = self.eval_spent_s + seconds, self.evals + 1
+        self._sync(step, measure=False)
 
     def eval_s(self) -> float:
         """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a forward
@@ -92,19 +100,22 @@ class RunClock:
         """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any."""
         return 1.25 * (self.eval_s() + (self.overhead_s["save"] or 2.0)) + self.step_s
 
-    def sync(self, step: int, dist, measure: bool = True):
-        """Measure the steps since the last sync and agree on the time figures over ranks (a collective).
-        Call on every rank at the same steps; measure=False counts the steps' time but not their speed
-        (the first step of a session, which compiles)."""
+    def sync(self, step: int):
+        """Measure the steps since the last sync and agree on the time figures over ranks (a collective): at the
+        session's start and at each log step. The session's first step compiles: its time is not a speed."""
+        self._sync(step, measure=step > self.start + 1)
+
+    def _sync(self, step: int, measure: bool):
         now = time.monotonic()
-        if measure and self._window_start is not None and step > self._window_step:
-            self.step_s = (now - self._window_start - self._window_overhead) / (step - self._window_step)
-        self._window_start, self._window_step, self._window_overhead = now, step, 0.0
+        self.measured = measure and self._window_start is not None and step > self._window_step
+        if self.measured:
+            self.step_s = (now - self._window_start) / (step - self._window_step)
+        self._window_start, self._window_step = now, step
         spent = self.spent_s()
         remaining = self.budget_s - spent - self.reserve_s()
         # The slowest rank's clock is everyone's: the longest step, the least time left, the most spent.
-        self.step_s, neg_remaining, *evals = dist.maximum([self.step_s, -remaining, self.eval_spent_s, self.eval_s(),
-                                                           spent])
+        self.step_s, neg_remaining, *evals = self.ranks.maximum([self.step_s, -remaining, self.eval_spent_s,
+                                                                 self.eval_s(), spent])
         self.synced_step, self.synced_remaining, self.synced_eval = step, -neg_remaining, tuple(evals)
         # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
         # the rate dipped. The schedule reads a smoothed pace; finishing still reads the last window's speed.
@@ -131,24 +142,31 @@ class RunClock:
         return self.by_time and self.synced_remaining - self._since_sync(step) < self.step_s
 
     def eval_due(self, step: int) -> bool:
-        """An evaluation before this step (besides the final one): every eval_interval steps, or at each
-        sixth of the run when automatic."""
+        """Whether to evaluate before this step (besides the final one): every eval_interval steps, or when
+        automatic, in the first half of each sixth of the run not yet evaluated at, where the evaluation is
+        affordable and half a sixth apart from the last one and from the end. Asking changes nothing;
+        mark_evaluated() does."""
         if self.t.eval_interval:
             return step % self.t.eval_interval == 0
-        if step == 0:
+        if step <= self.start + 1:  # a session's first steps: the checkpoint it resumed holds an evaluation
             return False
-        reached = math.floor(AUTO_EVALS * self.progress(step - 1) + 1e-9)  # sixths done when the last step ended
-        if self._sixths is None:  # first call of the session: no evaluation owed for the sixths already past
-            self._sixths = reached
-        due = reached > self._sixths
-        self._sixths = max(self._sixths, reached)
         done = self.progress(step - 1)
+        _, evaluated_sixths, evaluated_at = self._evaluated or (None, self._sixths(self.progress(self.start)), 0.0)
         # Half a sixth apart at least, the final one included: a budget's estimate of the run's length moves.
-        apart = done - self._last_eval > 0.5 / AUTO_EVALS and self._leaves_room(step, done)
-        if due and apart and self.affords_eval(step):
-            self._last_eval = done
-            return True
-        return False
+        apart = done - evaluated_at > 0.5 / AUTO_EVALS and self._leaves_room(step, done)
+        sixths = self._sixths(done)
+        # Owed from the sixth's start until halfway through it: a late one would crowd the next.
+        owed = sixths > evaluated_sixths and AUTO_EVALS * done - sixths < 0.5
+        return owed and apart and self.affords_eval(step)
+
+    def mark_evaluated(self, step: int):
+        """An evaluation ran before this step: the sixths reached so far are evaluated."""
+        done = self.progress(step - 1)
+        self._evaluated = (step, self._sixths(done), done)
+
+    @staticmethod
+    def _sixths(progress: float) -> int:
+        return math.floor(AUTO_EVALS * progress + 1e-9)
 
     def _leaves_room(self, step: int, done: float) -> bool:
         """Whether half a sixth of the run follows an evaluation before this step. Under a budget the evaluation and
@@ -184,10 +202,17 @@ class RunClock:
         return (f"evaluation: {self.evals} in {self.eval_spent_s:.1f} s, {100 * share:.1f}% of this session's time"
                 + ("" if self.t.eval_interval else f" (automatic ones keep to {100 * EVAL_SHARE:.0f}%)"))
 
-    def save_due(self, step: int, evaluated: bool) -> bool:
+    def save_due(self, step: int) -> bool:
         """A checkpoint before this step (besides the final one): every save_interval steps, or with each
         evaluation when automatic."""
-        return step % self.t.save_interval == 0 if self.t.save_interval else evaluated
+        if self.t.save_interval:
+            return step % self.t.save_interval == 0
+        return self._evaluated is not None and self._evaluated[0] == step
+
+    def log_due(self, done: int) -> bool:
+        """A log line (and a sync) after this many steps: every log_interval, the session's first two (the first
+        compiles, the second is its first speed) and the run's last."""
+        return done % self.t.log_interval == 0 or done - self.start <= 2 or done == self.t.max_steps
 
     def state(self) -> dict:
         """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
