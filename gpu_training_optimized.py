@@ -25,7 +25,8 @@ import torch
 from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
-from llm import distributed as dist_utils
+from llm import distributed
+from llm.distributed import Ranks
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
@@ -70,13 +71,13 @@ class Built:
     average: WeightAverage | None = None  # of the trained weights, which the run ends on
 
 
-def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | None = None,
+def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
           init_state: dict | None = None) -> Built:
     """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device. raw_model replaces our
     Transformer (the benchmarks pass a transformers twin); init_state holds weights to start from."""
     t = cfg.train
     amp_dtype = pick_precision(t.precision, device)
-    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and dist.enabled:
+    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
         raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
                           "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     amp = autocast(device, amp_dtype)
@@ -92,7 +93,7 @@ def build(cfg: Config, device: torch.device, dist, raw_model: torch.nn.Module | 
         raw_model.use_matmul_attention(matmul_attention(cfg, machine(device)))
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
-    model = dist.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
+    model = ranks.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     cudagraphs = uses_cuda_graphs(t.compile, device)
@@ -121,7 +122,7 @@ class Session:
     """What evaluations, checkpoints and log lines read besides the model side (Built): the settled config, the
     processes, the data, the clock and where this session reports (rank 0: the monitor and the progress bar)."""
     cfg: Config
-    dist: object
+    ranks: Ranks
     data: PreparedData
     val_batches: Batches
     clock: RunClock
@@ -135,7 +136,7 @@ class Session:
 
 # ----------------------------------------------------------------------------- one step, eval
 
-def train_step(b: Built, batches, step: int, t, dist):
+def train_step(b: Built, batches, step: int, t, ranks: Ranks):
     """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok)."""
     loss_sum = torch.zeros((), device=batches.device)
     x, y, pos = batches.get(step, 0)
@@ -143,7 +144,7 @@ def train_step(b: Built, batches, step: int, t, dist):
         last_micro = micro == t.grad_accum_steps - 1
         if b.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new replay may reuse the previous outputs' memory
-        dist.set_grad_sync(b.model, last_micro)  # DDP all-reduces once, on the last micro-batch
+        ranks.set_grad_sync(b.model, last_micro)  # DDP all-reduces once, on the last micro-batch
         with b.amp:
             _, loss = b.compiled(x, labels=y, positions=pos)
             loss = loss / t.grad_accum_steps
@@ -155,7 +156,7 @@ def train_step(b: Built, batches, step: int, t, dist):
     if b.scaler:
         b.scaler.unscale_(b.opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))  # inf: measure only
-    if isinstance(grad_norm, dist_utils.DTensor):  # FSDP2: each rank's share of the squares, summed
+    if isinstance(grad_norm, distributed.DTensor):  # FSDP2: each rank's share of the squares, summed
         grad_norm = grad_norm.full_tensor()
     ok = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
     b.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync (GradScaler.step would read it)
@@ -165,31 +166,31 @@ def train_step(b: Built, batches, step: int, t, dist):
     return loss_sum, grad_norm, ok
 
 
-def first_train_step(b: Built, batches, step: int, t, dist):
+def first_train_step(b: Built, batches, step: int, t, ranks: Ranks):
     """train_step, which compiles; after a compiler failure (no C compiler, say), eager from here on if allowed."""
     try:
-        return train_step(b, batches, step, t, dist)
+        return train_step(b, batches, step, t, ranks)
     except Exception as e:
         if b.compiled is b.model or not is_compile_failure(e):
             raise
-        dist.print(eager_or_stop(e, t, b, "training"))
+        ranks.print(eager_or_stop(e, t, b, "training"))
         b.opt.zero_grad(set_to_none=not b.persistent_grads)
         b.compiled, b.cudagraphs = b.model, False
         b.opt.use_compile(False)
-        return train_step(b, batches, step, t, dist)
+        return train_step(b, batches, step, t, ranks)
 
 
-def warm_evaluator(b: Built, val_batches, t, dist):
+def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
     """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler failure
     if allowed."""
     if b.evaluator is b.raw_model:
         return
     try:
-        evaluate(b.evaluator, b.amp, val_batches, 1, dist)
+        evaluate(b.evaluator, b.amp, val_batches, 1, ranks)
     except Exception as e:
         if not is_compile_failure(e):
             raise
-        dist.print(eager_or_stop(e, t, b, "evaluating"))
+        ranks.print(eager_or_stop(e, t, b, "evaluating"))
         b.evaluator = b.raw_model
 
 
@@ -214,7 +215,7 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
     leaves in the better of the weight average and the last step's weights."""
     def val_loss_now():
-        return evaluate(b.evaluator, b.amp, session.val_batches, session.cfg.train.eval_batches, session.dist)
+        return evaluate(b.evaluator, b.amp, session.val_batches, session.cfg.train.eval_batches, session.ranks)
     chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
     if chosen and session.monitor:
         session.bar.write(chosen[1])
@@ -241,11 +242,11 @@ def save(session: Session, b: Built, step: int, tokens: int, best_val: float,
          val_loss: float | None = None) -> str | None:
     """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
     refusing NaN or Inf. Every rank calls it. val_loss: the evaluation at this step, if there was one."""
-    cfg, dist = session.cfg, session.dist
-    weights = dist_utils.full_state(b.raw_model.state_dict(), keep=dist.is_main)
-    opt_state = dist_utils.full_state(b.opt.state_dict(), keep=dist.is_main)
-    average = b.average.state_dict(keep=dist.is_main)  # every rank: a gather under FSDP2
-    if not dist.is_main:
+    cfg, ranks = session.cfg, session.ranks
+    weights = distributed.full_state(b.raw_model.state_dict(), keep=ranks.is_main)
+    opt_state = distributed.full_state(b.opt.state_dict(), keep=ranks.is_main)
+    average = b.average.state_dict(keep=ranks.is_main)  # every rank: a gather under FSDP2
+    if not ranks.is_main:
         return None
     state = adapter_state(b.raw_model) if session.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
@@ -256,7 +257,7 @@ def save(session: Session, b: Built, step: int, tokens: int, best_val: float,
                      "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": session.data.fingerprint,
                      "data_files": [list(f) for f in session.data.files],  # to say what changed, if a resume is refused
                      "corpus": {k: v for k, v in session.data.meta.items() if k in CORPUS_FACTS},  # the model card's
-                     "world_size": dist.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
+                     "world_size": ranks.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
                      "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                      "config": json.dumps(cfg.to_dict()), **session.clock.state(), "command": session.command,
                      "device": device_report(next(b.raw_model.parameters()).device),
@@ -278,7 +279,7 @@ def log_window(session: Session, b: Built, step: int, tokens: int, window: LossW
         raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
                                  "use --precision fp32, then --resume")
-    mean_loss = session.dist.mean(window.mean()).item()
+    mean_loss = session.ranks.mean(window.mean()).item()
     if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
         step_s = session.clock.step_s if session.clock.measured else None  # the first step compiles: no speed
@@ -289,53 +290,53 @@ def log_window(session: Session, b: Built, step: int, tokens: int, window: LossW
 
 # ----------------------------------------------------------------------------- main
 
-def open_session(settled, b: Built, clock: RunClock, dist, device: torch.device, start: StartPoint,
+def open_session(settled, b: Built, clock: RunClock, ranks: Ranks, device: torch.device, start: StartPoint,
                  argv) -> Session:
     """config.json, the start report, the monitor and the progress bar of this session."""
     cfg, t = settled.cfg, settled.cfg.train
-    if dist.is_main:
+    if ranks.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
-    tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * dist.world_size
+    tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * ranks.world_size
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tokens_per_step, tensorboard=t.tensorboard,
-                      wandb=t.wandb, config=cfg.to_dict(), world_size=dist.world_size,
-                      resume_step=start.step if settled.ckpt else None) if dist.is_main else None
-    dist.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), dist=dist,
+                      wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
+                      resume_step=start.step if settled.ckpt else None) if ranks.is_main else None
+    ranks.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
+        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), ranks=ranks,
         tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
     args = sys.argv[1:] if argv is None else argv
-    return Session(cfg=cfg, dist=dist, data=settled.data, val_batches=settled.val_batches, clock=clock,
+    return Session(cfg=cfg, ranks=ranks, data=settled.data, val_batches=settled.val_batches, clock=clock,
                    monitor=monitor, tokens_per_step=tokens_per_step,
-                   bar=progress_bar(clock, start.step, enabled=dist.is_main),
+                   bar=progress_bar(clock, start.step, enabled=ranks.is_main),
                    probe=Probe(b.raw_model.config, settled.data, python=is_bundled(cfg.data),
                                prompts=t.sample_prompts), lora_meta=settled.lora_meta,
-                   command=f"{dist.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")
+                   command=f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")
 
 
-@dist_utils.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
+@distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
     launch = time.monotonic()  # a time budget counts from here
     cfg, _ = parse_config(argv)
-    dist = dist_utils.setup()
-    device = pick_device(cfg.train.device if not dist.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
-                         dist.local_rank)
+    ranks = distributed.setup()
+    device = pick_device(cfg.train.device if not ranks.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
+                         ranks.local_rank)
     if cfg.train.deterministic:
         make_deterministic()
-    settled = settle(cfg, dist, device)  # the final config, the data, and the checkpoint a --resume continues
+    settled = settle(cfg, ranks, device)  # the final config, the data, and the checkpoint a --resume continues
     cfg, t, batches = settled.cfg, settled.cfg.train, settled.batches
-    b = build(cfg, device, dist, init_state=settled.init_state)
+    b = build(cfg, device, ranks, init_state=settled.init_state)
     start = load_into(settled.ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler, average=b.average,
                       run_dir=t.run_dir)  # step 0, or where the checkpoint left off
-    clock = RunClock(t, launch, dist, start.step, **start.clock)
-    session = open_session(settled, b, clock, dist, device, start, argv)
-    warm_evaluator(b, settled.val_batches, t, dist)
+    clock = RunClock(t, launch, ranks, start.step, **start.clock)
+    session = open_session(settled, b, clock, ranks, device, start, argv)
+    warm_evaluator(b, settled.val_batches, t, ranks)
     tokens, best_val, last_ckpt = start.tokens, start.best_val, None
     stop, window = StopFlag(), LossWindow(device)
-    profiler = StepProfiler(t.run_dir, device, first=start.step + 2) if t.profile and dist.is_main else None
+    profiler = StepProfiler(t.run_dir, device, first=start.step + 2) if t.profile and ranks.is_main else None
 
     clock.sync(start.step)
     for step in itertools.count(start.step):
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other step
-        stopping = dist.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
+        stopping = ranks.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
         if step > start.step:  # at a session's first step the checkpoint it resumed holds both
             val_loss = None
             if last_step or clock.eval_due(step):
@@ -351,7 +352,7 @@ def main(argv=None) -> int:
 
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
-        loss, grad_norm, ok = (first_train_step if step == start.step else train_step)(b, batches, step, t, dist)
+        loss, grad_norm, ok = (first_train_step if step == start.step else train_step)(b, batches, step, t, ranks)
         b.average.update(step, clock.progress(step))
         window.add(loss, ok)
         tokens += session.tokens_per_step
@@ -369,13 +370,13 @@ def main(argv=None) -> int:
                           f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
     if session.monitor:
         session.monitor.close()
-    if dist.is_main:
+    if ranks.is_main:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
-                      interrupted=stopping, launcher=dist.launcher(), base=t.init_from if t.lora_rank else "")
+                      interrupted=stopping, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
               + "\n" + clock.eval_report())
-    dist.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
-    dist.cleanup()
+    ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
+    ranks.cleanup()
     return 0
 
 

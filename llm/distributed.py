@@ -35,7 +35,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 BARRIER_TIMEOUT_S = 6 * 3600
 
 
-class Dist:
+class Ranks:
     """Rank bookkeeping and the few collectives the training loop uses."""
 
     def __init__(self):
@@ -215,8 +215,8 @@ def full_state(obj, keep: bool = True):
     return obj
 
 
-def setup() -> Dist:
-    return Dist()
+def setup() -> Ranks:
+    return Ranks()
 
 
 def record(fn):

@@ -21,6 +21,7 @@ import torch
 
 from config import DataConfig, SampleConfig
 from llm.corpus import ReadStats, documents, source_files
+from llm.distributed import Ranks
 from llm.engine import generate_text
 from llm.errors import DataError
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
@@ -209,7 +210,7 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
 
 @torch.no_grad()
-def evaluate(model, amp, val_batches, n: int, dist) -> float:
+def evaluate(model, amp, val_batches, n: int, ranks: Ranks) -> float:
     """Mean validation loss over n fixed micro-batches (averaged over ranks). Takes the uncompiled model: a
     compiled one would compile again for inference (no gradients, other guards) inside the run."""
     model.eval()
@@ -220,7 +221,7 @@ def evaluate(model, amp, val_batches, n: int, dist) -> float:
             _, loss = model(x, labels=y, positions=pos)
         total += loss.float()
     model.train()
-    return dist.mean(total / n).item()  # sync point: once per evaluation
+    return ranks.mean(total / n).item()  # sync point: once per evaluation
 
 
 class Probe:

@@ -248,7 +248,7 @@ def _well_formed(record) -> bool:
                                                                    for v in figures)
 
 
-def start_report(cfg, device: torch.device, model, opt, *, precision: str, dist, tokens_per_step: int,
+def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks, tokens_per_step: int,
                  compile_fallback: bool = False) -> str:
     """The lines printed before the first step: device, model, batch and run length, optimizer, folder.
     compile_fallback: a compile failure would become an eager run (else it stops the run)."""
@@ -259,11 +259,11 @@ def start_report(cfg, device: torch.device, model, opt, *, precision: str, dist,
     return "\n".join([
         f"device: {device_report(device)} | precision: {precision} | compile: {t.compile}"
         f"{' (eager if compiling fails)' if compile_fallback and t.compile != 'off' else ''} | "
-        f"world size: {dist.world_size}" + (f" ({t.data_parallel})" if dist.enabled else ""),
+        f"world size: {ranks.world_size}" + (f" ({t.data_parallel})" if ranks.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
         f"{model.flops_per_token() / 1e6:.1f} MFLOP per token",
         f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
-        f"{dist.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
+        f"{ranks.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
         *([trainable_report(cfg, model)] if t.lora_rank else []),
         opt.describe(),
         f"run folder: {t.run_dir}",

@@ -24,6 +24,7 @@ from config import Config, DataConfig
 from llm import atomic
 from llm import token_cache as tc
 from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
+from llm.distributed import Ranks
 from llm.errors import ConfigError, DataError
 from llm.hf_datasets import is_hub_dataset
 from llm.packing import packs
@@ -385,11 +386,11 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
     return data
 
 
-def prepare_once(cfg: Config, dist) -> PreparedData:
+def prepare_once(cfg: Config, ranks: Ranks) -> PreparedData:
     """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it complete."""
     m = cfg.model
-    data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=dist.print) if dist.is_main else None
-    dist.barrier()
+    data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=ranks.print) if ranks.is_main else None
+    ranks.barrier()
     data = data or prepare(cfg.data, m.vocab_size, m.max_seq_len, log=lambda *a: None)
     if data.meta["vocab_size"] > m.vocab_size:
         raise ConfigError(f"the tokenizer has {data.meta['vocab_size']} tokens but vocab_size={m.vocab_size}, "

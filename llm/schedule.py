@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 
+from llm.distributed import Ranks
 from llm.evaluation import CODE_SETTINGS, SAMPLE_SETTINGS
 from llm.sizing import AUTO_EVALS, EVAL_SHARE
 
@@ -55,7 +56,7 @@ class RunClock:
     mark_evaluated(). So every rank computes the same learning rate, evaluates and stops at the same step.
     """
 
-    def __init__(self, t, launch: float, ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
+    def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None):
         """launch: time.monotonic() when this session started; ranks: the processes that agree on the figures
         (llm.distributed.Ranks); start: the session's first step; spent_s, step_s and overhead_s: what earlier

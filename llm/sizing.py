@@ -386,12 +386,12 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
     return replace(cfg, train=train), notes
 
 
-def fit_micro_batch(raw_model, cfg: Config, amp, dist) -> Config:
+def fit_micro_batch(raw_model, cfg: Config, amp, ranks) -> Config:
     """cfg with the largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
     memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only."""
     t = cfg.train
     if next(raw_model.parameters()).device.type != "cuda":
-        dist.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")
+        ranks.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")
         return cfg
     sequences = t.micro_batch_size * t.grad_accum_steps
     micro = sequences
@@ -412,5 +412,5 @@ def fit_micro_batch(raw_model, cfg: Config, amp, dist) -> Config:
     raw_model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     accum = math.ceil(sequences / micro)
-    dist.print(f"auto micro-batch: {micro} sequences x {accum} accumulation steps")
+    ranks.print(f"auto micro-batch: {micro} sequences x {accum} accumulation steps")
     return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum))

@@ -15,6 +15,7 @@ from llm.batches import Batches, run_loaders
 from llm.cli import describe
 from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, is_bundled, source_files
 from llm.device import autocast, float8_training, machine, pick_precision
+from llm.distributed import Ranks
 from llm.errors import ConfigError
 from llm.fine_tuning import fill_fine_tuning
 from llm.model_card import run_facts
@@ -78,7 +79,7 @@ class Settled:
     lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
 
 
-def settle(cfg: Config, dist, device: torch.device) -> Settled:
+def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
     fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run
     length from the tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot
@@ -88,7 +89,7 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
         cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
     ckpt, saved, notes = resume_point(cfg)
     lora_meta = lora_start(cfg, ckpt, init)
-    if dist.is_main:
+    if ranks.is_main:
         check_run_folder(cfg.train, resuming=ckpt is not None)  # before the data, which may take a while
     if saved:
         cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
@@ -97,19 +98,19 @@ def settle(cfg: Config, dist, device: torch.device) -> Settled:
     cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     cfg, corpus = default_corpus(cfg, device, saved)
     size = None if cfg.data.sources == [GPU_CORPUS] else corpus_bytes(cfg.data)  # sized by the budget, not the corpus
-    cfg, sized = fill_automatic(cfg, machine(device), size, dist.world_size)
-    dist.print("\n".join([describe(cfg), *notes, *tuned, *corpus, *sized, *bundled_report(cfg, size)]))
-    data = prepare_once(cfg, dist)
+    cfg, sized = fill_automatic(cfg, machine(device), size, ranks.world_size)
+    ranks.print("\n".join([describe(cfg), *notes, *tuned, *corpus, *sized, *bundled_report(cfg, size)]))
+    data = prepare_once(cfg, ranks)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
         cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
-                              autocast(device, pick_precision(cfg.train.precision, device)), dist)
+                              autocast(device, pick_precision(cfg.train.precision, device)), ranks)
         del probe
-    batches = run_loaders(cfg, data, dist.rank, dist.world_size, device)
-    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], dist.world_size,
+    batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
+    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], ranks.world_size,
                                    batches[0].epoch_sequences)
     for note in lengths:
-        dist.print(note)
+        ranks.print(note)
     t = cfg.train
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "

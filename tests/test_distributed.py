@@ -35,7 +35,7 @@ PROBE = r'''
 import atexit, hashlib, json, os, signal, sys, time
 import torch
 import torch.distributed
-from llm import distributed as dist_utils
+from llm import distributed
 import gpu_training_optimized as trainer
 import muon_optimizer
 from llm import batches
@@ -50,12 +50,12 @@ now = {"sync": None}
 def digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        t = dist_utils.local(t)  # FSDP2: this rank's rows
+        t = distributed.local(t)  # FSDP2: this rank's rows
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def at_exit():  # registered before Dist's cleanup, so it runs after it
+def at_exit():  # registered before Ranks's cleanup, so it runs after it
     log["group_alive_at_exit"] = torch.distributed.is_available() and torch.distributed.is_initialized()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(log, f)
@@ -71,13 +71,13 @@ def logged_get(self, step, micro_step):
     return x, y, pos
 batches.Batches.get = logged_get
 
-set_grad_sync = dist_utils.Dist.set_grad_sync
+set_grad_sync = distributed.Ranks.set_grad_sync
 def logged_set_grad_sync(self, model, sync):
     now["sync"] = sync
     set_grad_sync(self, model, sync)
-dist_utils.Dist.set_grad_sync = logged_set_grad_sync
+distributed.Ranks.set_grad_sync = logged_set_grad_sync
 
-wrap = dist_utils.Dist.wrap
+wrap = distributed.Ranks.wrap
 def hooked_wrap(self, model, *args, **kwargs):
     ddp = wrap(self, model, *args, **kwargs)
     if ddp is not model:
@@ -87,7 +87,7 @@ def hooked_wrap(self, model, *args, **kwargs):
             return allreduce_hook(None, bucket)
         ddp.register_comm_hook(None, hook)
     return ddp
-dist_utils.Dist.wrap = hooked_wrap
+distributed.Ranks.wrap = hooked_wrap
 
 reduce_scatter = torch.distributed.reduce_scatter_single
 def logged_reduce_scatter(*args, **kwargs):  # FSDP2 reduces and shards gradients through this

@@ -120,7 +120,7 @@ def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
 def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkeypatch, argv_for):
     """config.json must hold the batch the run really used: it was once written before --auto_micro_batch
     changed it, so `--config run/config.json` reproduced another run."""
-    def halve(raw_model, cfg, amp, dist):  # what the CUDA search does when the whole batch does not fit
+    def halve(raw_model, cfg, amp, ranks):  # what the CUDA search does when the whole batch does not fit
         return replace(cfg, train=replace(cfg.train, micro_batch_size=2, grad_accum_steps=2))
     monkeypatch.setattr(startup, "fit_micro_batch", halve)
     run = tmp_path / "run"

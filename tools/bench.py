@@ -25,7 +25,7 @@ import torch
 
 from gpu_training_optimized import build, train_step
 from llm.startup import new_model
-from llm import distributed as dist_utils
+from llm import distributed
 from llm.cli import parse_config
 from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
 from llm.errors import error_contract
@@ -85,12 +85,12 @@ class Contender:
 
     def __init__(self, name: str, cfg, device, raw_model, warmup: int, share: bool = False):
         allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        self.name, self.cfg, self.device, self.dist = name, cfg, device, dist_utils.setup()
-        self.b = build(cfg, device, self.dist, raw_model=raw_model)
+        self.name, self.cfg, self.device, self.ranks = name, cfg, device, distributed.setup()
+        self.b = build(cfg, device, self.ranks, raw_model=raw_model)
         self.batches = FixedBatches(cfg, device)
         self.optimizer_s = timed_optimizer(self.b, device) if share else []
         for step in range(warmup):
-            train_step(self.b, self.batches, step, cfg.train, self.dist)
+            train_step(self.b, self.batches, step, cfg.train, self.ranks)
         synchronize(device)
         self.step = warmup
         self.resident = torch.cuda.memory_allocated() - allocated if device.type == "cuda" else 0
@@ -104,7 +104,7 @@ class Contender:
         self.optimizer_s.clear()
         start = time.perf_counter()
         for _ in range(steps):
-            loss, _, _ = train_step(self.b, self.batches, self.step, self.cfg.train, self.dist)
+            loss, _, _ = train_step(self.b, self.batches, self.step, self.cfg.train, self.ranks)
             self.step += 1
         loss.item()  # sync point: wait for the queued steps before stopping the clock
         self.seconds.append(time.perf_counter() - start)

@@ -49,15 +49,15 @@ def measure(variant: str, steps: int) -> dict:
     from llm import distributed
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])
-    dist, device = distributed.setup(), torch.device("cpu")
-    b = build(cfg, device, dist)
+    ranks, device = distributed.setup(), torch.device("cpu")
+    b = build(cfg, device, ranks)
     batches = bench.FixedBatches(cfg, device)
     for step in range(2):
-        train_step(b, batches, step, cfg.train, dist)
+        train_step(b, batches, step, cfg.train, ranks)
     sampler = RssPeak()
     start = time.perf_counter()
     for step in range(2, 2 + steps):
-        loss, _, _ = train_step(b, batches, step, cfg.train, dist)
+        loss, _, _ = train_step(b, batches, step, cfg.train, ranks)
     seconds = time.perf_counter() - start
     trained = sum(p.numel() for p in b.raw_model.parameters() if p.requires_grad)
     return {"tokens_per_s": steps * cfg.train.micro_batch_size * cfg.model.max_seq_len / seconds,

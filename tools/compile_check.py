@@ -148,7 +148,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from llm.device import machine, make_deterministic, pick_device
     from llm.sizing import fill_automatic, training_bytes_estimate
     cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
-    device, dist = pick_device("cuda"), distributed.setup()
+    device, ranks = pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank)
     if lora_rank:
         skip_moves_in_place()
@@ -156,25 +156,25 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     if deterministic:
         make_deterministic()
     memory = DeviceMemory()
-    b = build(cfg, device, dist)
+    b = build(cfg, device, ranks)
     b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
     batches = bench.FixedBatches(cfg, device, packed)
     evaluates = lambda: evaluation_forward(b, batches)  # noqa: E731  FP8's own graph, warmed before the loop
     if b.evaluator is not b.raw_model:
         evaluates()
     ROOFLINE.watch_optimizer(b.opt)
-    train_step(b, batches, 0, cfg.train, dist)
+    train_step(b, batches, 0, cfg.train, ranks)
     torch._dynamo.config.error_on_recompile = True  # "unexpected recompile" is an error from here on
     for step in (1, 2):
         ROOFLINE.counting = step == 1  # the calls of one whole step, compiled
-        train_step(b, batches, step, cfg.train, dist)
+        train_step(b, batches, step, cfg.train, ranks)
         ROOFLINE.counting = False
         evaluates()  # an evaluation between steps compiles nothing (or runs eagerly, without FP8)
     memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt), batches.x, batches.y])
     memory.weights.update({p.untyped_storage(): True for p in b.raw_model.parameters()})
     # Dynamo compiles nothing under a dispatch mode: this step runs eagerly, op by op, for the modes to see.
     with torch.compiler.set_stance("force_eager"), memory.mode, ROOFLINE.eager_mode():
-        train_step(b, batches, 3, cfg.train, dist)
+        train_step(b, batches, 3, cfg.train, ranks)
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.max_seq_len
     return {**ROOFLINE.step(tokens), "peak_gib": memory.peak / 2**30,
             "estimate_gib": training_bytes_estimate(cfg) / 2**30,
