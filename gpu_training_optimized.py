@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     for step in itertools.count(start.step):
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other step
         stopping = ranks.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
-        if step > start.step:  # at a session's first step the checkpoint it resumed holds both
+        if step > start.step:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
             val_loss = None
             if last_step or clock.eval_due(step):
                 with clock.pause("eval", step):

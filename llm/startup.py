@@ -80,26 +80,34 @@ class Settled:
 
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
-    """Every value the run will use, in one place: --init_from's shape and tokenizer, a resumed run's automatic
-    fields, fine-tuning rates, the machine's sizing, the micro-batch that fits (--auto_micro_batch), then the run
-    length from the tokenized corpus. Each step returns a new config; the last is the run's. Refuses what cannot
-    run before the model is built."""
+    """Every value the run will use, in one pass; each filler returns a new config and the lines saying what it
+    set, and fills only what is still automatic (a value given in config.py or by a flag stays):
+        apply_init_from   model shape, tokenizer                      --init_from
+        carry_settings    the automatic fields a resumed run had      --resume
+        fill_fine_tuning  optimizer and rates for a pretrained base   --init_from
+        default_corpus    sources: FineWeb-Edu on a GPU               no --sources
+        fill_automatic    preset shape and rates, batch, max_tokens   this machine, the corpus size
+        fit_micro_batch   micro-batch and accumulation                --auto_micro_batch, on CUDA
+        fill_run_length   max_steps, max_minutes, eval_batches        the tokenized corpus
+    Refuses what cannot run before the model is built."""
     init = None
     if cfg.train.init_from:
-        cfg, init = apply_init_from(cfg)  # the shape and tokenizer come from there
+        cfg, init = apply_init_from(cfg)
     ckpt, saved, notes = resume_point(cfg)
     lora_meta = lora_start(cfg, ckpt, init)
     if ranks.is_main:
         check_run_folder(cfg.train, resuming=ckpt is not None)  # before the data, which may take a while
     if saved:
-        cfg, carried = carry_settings(cfg, saved)  # automatic fields as the resumed run had them
-        notes += carried
+        cfg, lines = carry_settings(cfg, saved)
+        notes += lines
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
-    cfg, tuned = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
-    cfg, corpus = default_corpus(cfg, device, saved)
+    cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
+    notes += lines
+    cfg, lines = default_corpus(cfg, device, saved)
+    notes += lines
     size = None if cfg.data.sources == [GPU_CORPUS] else corpus_bytes(cfg.data)  # sized by the budget, not the corpus
-    cfg, sized = fill_automatic(cfg, machine(device), size, ranks.world_size)
-    ranks.print("\n".join([describe(cfg), *notes, *tuned, *corpus, *sized, *bundled_report(cfg, size)]))
+    cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
+    ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
     data = prepare_once(cfg, ranks)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
@@ -107,10 +115,10 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
                               autocast(device, pick_precision(cfg.train.precision, device)), ranks)
         del probe
     batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
-    cfg, lengths = fill_run_length(cfg, machine(device), data.meta["train_tokens"], ranks.world_size,
-                                   batches[0].epoch_sequences)
-    for note in lengths:
-        ranks.print(note)
+    cfg, lines = fill_run_length(cfg, machine(device), data.meta["train_tokens"], ranks.world_size,
+                                 batches[0].epoch_sequences)
+    for line in lines:
+        ranks.print(line)
     t = cfg.train
     if ckpt and t.max_steps and saved["step"] >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
