@@ -206,6 +206,10 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nn.Module):
+    """Transformer(cfg) is ready to train, its weights drawn by init_weights(). Built under torch.device("meta") it
+    allocates and draws nothing: materialize(device) then gives it memory and its RoPE tables, and init_weights()
+    (a new run, after seeding) or load_stored() (a checkpoint) fills the weights, once."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -213,16 +217,42 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
+        self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
         self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
-        self.init_weights()
+        self.tie_weights()
+        if self.rope_cos.device.type != "meta":
+            self.compute_rope()
+            self.init_weights()
+
+    def tie_weights(self):
+        """With tie_word_embeddings, make the head the embedding itself (one tensor): at construction, and again
+        after materialize, which gives each module its own new tensor."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def compute_rope(self):
+        """Fill the RoPE tables, computed on the CPU in fp32: the same tables on every device."""
+        cfg = self.config
+        with torch.device("cpu"):
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def materialize(self, device) -> "Transformer":
+        """A model built on the meta device given uninitialised memory on `device`, its RoPE tables computed and a
+        tied head tied again; init_weights() or load_stored() fills the weights. Returns the model."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.compute_rope()
+        return self
 
     def init_weights(self):
         """Normal(0, init_std) for every matrix; o_proj and down_proj also scaled by 1/sqrt(2 * n_layer)
         (GPT-2's rule: each block adds two residual branches, so this keeps the residual stream's variance
-        roughly independent of depth); biases at 0; RMSNorm scales at 1; RoPE tables recomputed (for meta init)."""
+        roughly independent of depth); biases at 0; RMSNorm scales at 1. Draws from torch's global generator
+        (the device's), in parameter order; a tied head is drawn once, as the embedding."""
         std, n = self.config.init_std, self.config.num_hidden_layers
         for name, p in self.named_parameters():
             if name.endswith(".bias"):
@@ -232,13 +262,6 @@ class Transformer(nn.Module):
             else:
                 scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n) if scaled else std)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one tensor; tied again after any re-init
-        if self.rope_cos.device.type != "meta":
-            cfg = self.config
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
     def make_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """An empty cache on this model's device; max_len defaults to (and may not exceed) max_seq_len."""
