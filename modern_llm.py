@@ -8,6 +8,7 @@ Only torch; no optimizer, device or file logic lives here.
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -110,7 +111,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
-        self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
         self.qkv_proj = None  # q, k and v stacked into one layer (fuse_projections, for inference)
 
     def fuse_projections(self):
@@ -118,7 +118,8 @@ class Attention(nn.Module):
         self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
+    def forward(self, x, cos, sin, attend):
+        """attend(q, k, v) -> (B, H, T, hd): how this call attends, which Transformer.attention_plan chose."""
         B, T, _ = x.shape
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -128,15 +129,7 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.n_head != self.n_kv_head
-        if cache is None and mask is None:
-            y = causal_attention(q, k, v, gqa, self.matmul_softmax)
-        elif cache is None:  # packed examples: GPU kernels that take a mask want every head's keys, not GQA's
-            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
-            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+        y = attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -153,6 +146,21 @@ def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.
     future = (at[None, :] > at[:, None]).repeat(H // Hkv, 1)  # (rows, T): a query's later keys
     weights = scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype)
     return (weights @ v).view(B, H, T, hd)
+
+
+def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The keys and
+    values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
+    """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values into it
+    at positions (B, T); mask (B, 1, T, max_len) hides each row's later and unfilled places."""
+    k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -198,14 +206,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, positions=None, mask=None):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, cache, layer, positions, mask)
+    def forward(self, x, cos, sin, attend):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nn.Module):
+    """Transformer(cfg) is ready to train, its weights drawn by init_weights(). Built under torch.device("meta") it
+    allocates and draws nothing: materialize(device) then gives it memory and its RoPE tables, and init_weights()
+    (a new run, after seeding) or load_stored() (a checkpoint) fills the weights, once."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -213,16 +225,43 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
+        self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
         self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
-        self.init_weights()
+        self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
+        self.tie_weights()
+        if self.rope_cos.device.type != "meta":
+            self.compute_rope()
+            self.init_weights()
+
+    def tie_weights(self):
+        """With tie_word_embeddings, make the head the embedding itself (one tensor): at construction, and again
+        after materialize, which gives each module its own new tensor."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def compute_rope(self):
+        """Fill the RoPE tables, computed on the CPU in fp32: the same tables on every device."""
+        cfg = self.config
+        with torch.device("cpu"):
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def materialize(self, device) -> "Transformer":
+        """A model built on the meta device given uninitialised memory on `device`, its RoPE tables computed and a
+        tied head tied again; init_weights() or load_stored() fills the weights. Returns the model."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.compute_rope()
+        return self
 
     def init_weights(self):
         """Normal(0, init_std) for every matrix; o_proj and down_proj also scaled by 1/sqrt(2 * n_layer)
         (GPT-2's rule: each block adds two residual branches, so this keeps the residual stream's variance
-        roughly independent of depth); biases at 0; RMSNorm scales at 1; RoPE tables recomputed (for meta init)."""
+        roughly independent of depth); biases at 0; RMSNorm scales at 1. Draws from torch's global generator
+        (the device's), in parameter order; a tied head is drawn once, as the embedding."""
         std, n = self.config.init_std, self.config.num_hidden_layers
         for name, p in self.named_parameters():
             if name.endswith(".bias"):
@@ -232,13 +271,6 @@ class Transformer(nn.Module):
             else:
                 scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n) if scaled else std)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one tensor; tied again after any re-init
-        if self.rope_cos.device.type != "meta":
-            cfg = self.config
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_rescaling(cfg))
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
     def make_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """An empty cache on this model's device; max_len defaults to (and may not exceed) max_seq_len."""
@@ -257,8 +289,7 @@ class Transformer(nn.Module):
 
     def use_matmul_attention(self, on: bool):
         """Causal attention written out as matmuls and a softmax (on) or SDPA's kernel (off): causal_attention."""
-        for block in self.layers:
-            block.attn.matmul_softmax = on
+        self.matmul_softmax = on
 
     def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
                 last_only: bool = False, positions=None):
@@ -274,23 +305,12 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if kv_cache is None and positions is None:
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-            mask = None
-        elif kv_cache is None:
-            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, hd)
-            mask = example_mask(positions)
-        else:
-            positions = kv_cache.pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
-            positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
-            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, hd)
-            key_pos = torch.arange(kv_cache.max_len, device=input_ids.device)
-            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
-        for i, block in enumerate(self.layers):
+        cos, sin, attends = self.attention_plan(T, kv_cache, positions)
+        for block, attend in zip(self.layers, attends):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, cos, sin, None, i, None, mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, attend, use_reentrant=False)
             else:
-                x = block(x, cos, sin, kv_cache, i, positions, mask)
+                x = block(x, cos, sin, attend)
         if kv_cache is not None:
             kv_cache.pos += T if input_lengths is None else input_lengths
         if last_only:
@@ -302,6 +322,26 @@ class Transformer(nn.Module):
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
+
+    def attention_plan(self, T: int, kv_cache: KVCache | None, positions):
+        """(cos, sin, one attend(q, k, v) per layer) for a call of T tokens, the one place that tells its kinds
+        apart: causal over the T tokens (training, a whole prefill); packed examples (positions (B, T)), each
+        attending within itself; or tokens continuing each row of kv_cache at kv_cache.pos."""
+        n = self.config.num_hidden_layers
+        if kv_cache is None and positions is None:
+            gqa = self.config.num_attention_heads != self.config.num_key_value_heads
+            attend = partial(causal_attention, gqa=gqa, matmul_softmax=self.matmul_softmax)
+            return self.rope_cos[:T], self.rope_sin[:T], [attend] * n
+        if kv_cache is None:
+            attends = [partial(packed_attention, mask=example_mask(positions))] * n
+        else:
+            positions = kv_cache.pos[:, None] + torch.arange(T, device=kv_cache.pos.device)  # (B, T)
+            positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
+            key_pos = torch.arange(kv_cache.max_len, device=positions.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
+            attends = [partial(cached_attention, cache=kv_cache, layer=i, positions=positions, mask=mask)
+                       for i in range(n)]
+        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None], attends  # (B, 1, T, hd)
 
     def load_stored(self, state: dict):
         """Weights as checkpoints store them (is_stored): every tensor, a tied head left out."""

@@ -96,9 +96,9 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
-    with torch.device(device):  # initialise on the device: fast even for large models on a GPU
+    with torch.device("meta"):  # no random weights drawn only to be overwritten: they come from the checkpoint
         model = Transformer(cfg)
-    model.load_stored(found.state)  # read_model checked every tensor
+    model.materialize(device).load_stored(found.state)  # read_model checked every tensor
     tokenizer = load_tokenizer(found.tokenizer_path)
     ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
     if ids > cfg.vocab_size:

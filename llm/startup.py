@@ -28,9 +28,11 @@ from modern_llm import Transformer
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model initialised from cfg.train.seed, built directly on `device` (never whole on the CPU first)."""
-    with torch.device(device):
+    """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given memory there
+    (never whole on the CPU first), then drawn once."""
+    with torch.device("meta"):
         raw_model = Transformer(cfg.model)
+    raw_model.materialize(device)
     torch.manual_seed(cfg.train.seed)
     raw_model.init_weights()  # the same weights on every rank and every device
     return raw_model

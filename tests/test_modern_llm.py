@@ -1,15 +1,20 @@
 """Tests of the model: attention against written-out references, cache, RoPE, counts, learning."""
 
 import math
+import os
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import config
-from llm.inference import RowProductLinear
+from safetensors.torch import load_file
+
+from llm.inference import RowProductLinear, load_for_inference
 from llm.sizing import count_parameters
-from modern_llm import Transformer, apply_rope, causal_attention, cross_entropy, rope_tables
+from llm.startup import new_model
+from modern_llm import Transformer, apply_rope, causal_attention, cross_entropy, is_stored, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +259,80 @@ def test_tied_embeddings_are_one_tensor_and_untie_flag_works(tiny):
     untied = model_of(tiny(tie_word_embeddings=False))
     assert untied.lm_head.weight is not untied.embed_tokens.weight
     assert untied.num_parameters() == m.num_parameters() + 97 * 64
+
+
+@pytest.mark.parametrize("change", [{}, {"tie_word_embeddings": False, "qk_norm": False, "qkv_bias": True}])
+def test_a_new_run_draws_its_weights_once_as_init_weights_documents(tiny, change):
+    """new_model builds on meta and draws once, after seeding: its weights must be, to the bit, a reference drawn
+    here from init_weights' docstring (each matrix Normal(0, init_std), o_proj and down_proj over sqrt(2 n_layer),
+    in parameter order; biases 0, norm scales 1; a tied head drawn once, as the embedding), and the weights the
+    eager path (Transformer(cfg), then init_weights after the same seed) gives. Catches the two paths drifting."""
+    base = config.PRESETS["tiny"]()
+    cfg = replace(base, model=tiny(init_std=0.05, **change), train=replace(base.train, seed=5))
+    model = new_model(cfg, torch.device("cpu"))
+    eager = Transformer(cfg.model)
+    torch.manual_seed(5)
+    eager.init_weights()
+    torch.manual_seed(5)
+    std, n = cfg.model.init_std, cfg.model.num_hidden_layers
+    for name, value in ((k, v) for k, v in model.state_dict().items() if is_stored(k, cfg.model)):
+        if name.endswith(".bias"):
+            expected = torch.zeros_like(value)
+        elif value.dim() == 1:
+            expected = torch.ones_like(value)
+        else:
+            scale = math.sqrt(2 * n) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            expected = torch.empty_like(value).normal_(0.0, std / scale)
+        assert torch.equal(value, expected), name
+        assert torch.equal(value, eager.state_dict()[name]), name
+    assert (model.lm_head.weight is model.embed_tokens.weight) == cfg.model.tie_word_embeddings
+    assert torch.equal(model.rope_cos, eager.rope_cos) and torch.equal(model.rope_sin, eager.rope_sin)
+
+
+def float64_rope(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_seq_len, head_dim) of plain RoPE in float64, from the formula, for comparing tables."""
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)
+    return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_built_for_loading_draws_nothing_and_holds_what_it_loads(tiny, tied):
+    """Built on meta and given memory by materialize, a model that load_stored fills must draw no random number,
+    keep its head tied, compute its RoPE tables (never stored; empty memory otherwise) and give the logits a float64
+    reference computes from the source's weights. Catches random or uninitialised weights and lost tables."""
+    source = model_of(tiny(tie_word_embeddings=tied), seed=3)
+    state = {k: v.clone() for k, v in source.state_dict().items() if is_stored(k, source.config)}
+    rng = torch.get_rng_state()
+    with torch.device("meta"):
+        model = Transformer(source.config)
+    model.materialize("cpu").load_stored(state)
+    assert torch.equal(torch.get_rng_state(), rng)  # no weight was drawn only to be overwritten
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    cos, sin = float64_rope(source.config)
+    assert torch.allclose(model.rope_cos.double(), cos, atol=1e-5) and torch.allclose(model.rope_sin.double(), sin,
+                                                                                      atol=1e-5)
+    ids = torch.randint(0, 97, (2, 16))
+    ref = naive_attention_logits(source, ids)
+    assert torch.allclose(model.eval()(ids)[0].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_the_generator_loads_the_stored_weights_and_computes_its_rope_tables(tiny_checkpoint):
+    """load_for_inference (text_generator.py, serve.py) builds on meta: its model must give the logits a float64
+    reference computes from model.safetensors read here, with RoPE tables from the formula, and draw nothing."""
+    stored = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+    rng = torch.get_rng_state()
+    model, _, cfg, _ = load_for_inference(tiny_checkpoint, "cpu", compile="off")
+    assert torch.equal(torch.get_rng_state(), rng)
+    cos, sin = float64_rope(cfg)
+    assert torch.allclose(model.rope_cos.double(), cos, atol=1e-5) and torch.allclose(model.rope_sin.double(), sin,
+                                                                                      atol=1e-5)
+    reference = Transformer(cfg)  # the eager path: an initialised model, the stored weights copied over it
+    reference.load_stored(stored)
+    assert all(torch.equal(reference.state_dict()[k], v) for k, v in stored.items())
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    ref = naive_attention_logits(reference, ids)
+    assert torch.allclose(model(ids)[0].double(), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", [name for name in config.PRESETS if name != "auto"])
