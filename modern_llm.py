@@ -252,7 +252,12 @@ class Transformer(nn.Module):
     def materialize(self, device) -> "Transformer":
         """A model built on the meta device given uninitialised memory on `device`, its RoPE tables computed and a
         tied head tied again; init_weights() or load_stored() fills the weights. Returns the model."""
-        self.to_empty(device=device)
+        # New tensors set in place of the meta ones: to_empty swaps tensors, which fails on any that something
+        # (a fake-tensor mode, say) holds a weak reference to.
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+        self.rope_cos, self.rope_sin = (torch.empty_like(t, device=device) for t in (self.rope_cos, self.rope_sin))
         self.tie_weights()
         self.compute_rope()
         return self
