@@ -14,10 +14,12 @@ from typing import Literal, get_args, get_origin
 from llm.errors import ConfigError
 
 
-def arg(default, help: str, const=None):
+def arg(default, help: str, const=None, positional: bool = False, aliases: dict | None = None):
     """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
-    given bare (`--resume`), meaning that value."""
-    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {})}
+    given bare (`--resume`), meaning that value; positional, it is given without its name (`text_generator.py
+    runs/mine`); aliases: older words the command line still takes for some of its values."""
+    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {}),
+                **({"positional": True} if positional else {}), **({"aliases": aliases} if aliases else {})}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
