@@ -234,7 +234,10 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     check_memory(model, len(rows), ctx if compiled else min(ctx, width + max(limits)))
     with torch.no_grad(), compile_limits():
         slot = _slot(model, len(rows), min(ctx, width + max(limits)), compiled)
-        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, (on_text, on_end), cancelled, real)
+        streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
+        outputs = Outputs([[] for _ in rows], set(range(real)), limits, eos_ids, streams, slot.state, on_text,
+                          on_end, cancelled)
+        return _run(model, slot, rows, width, outputs, real)
 
 
 def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int):
@@ -277,20 +280,16 @@ def _generators(rows, device) -> list:
              [i for i in sampling if rows[i][1].seed == seed]) for seed in sorted(seeds)]
 
 
-def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks, cancelled,
-         real: int) -> list[list[int]]:
-    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch).
-    hooks: generate()'s (on_text, on_end)."""
-    device, B = model.embed_tokens.weight.device, len(rows)
+def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> list[list[int]]:
+    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch)."""
+    device, B, limits = model.embed_tokens.weight.device, len(rows), outputs.limits
     # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
     padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)
     lengths = torch.tensor([len(p) for p, _ in rows], device=device)
     state, cache = slot.state, slot.cache
-    _fill(state, rows, limits, padded, eos_ids, model.config.vocab_size)
+    _fill(state, rows, limits, padded, outputs.eos_ids, model.config.vocab_size)
     cache.reset()  # stale keys past each row's position are masked out, so nothing else needs clearing
     generators = _generators(rows, device)
-    streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
-    out, active = [[] for _ in rows], set(range(real))
     chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
     host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
     graphs = device.type == "cuda" and slot.decode is not decode_step
@@ -301,9 +300,8 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks,
     with contextlib.ExitStack() as unguarded:
         for step in range(1, max(limits) + 1):
             if step % CHUNK == 0 or step == max(limits):
-                block = _sync(chunk[:, :step % CHUNK or CHUNK], host, cancelled, active, state)
-                _read(block, out, active, limits, eos_ids, streams, hooks, state)
-                if not active:
+                outputs.read(_sync(chunk[:, :step % CHUNK or CHUNK], host))
+                if not outputs.active:
                     break
             _noise(state, generators, real)
             if graphs:
@@ -313,51 +311,63 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks,
                 # Its guards passed (or it compiled) once; the other steps repeat the same arguments exactly.
                 unguarded.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
             chunk[:, step % CHUNK] = state.tokens[:, 0]
-    for i in sorted(active):
-        _finish(i, "length", active, streams, hooks)
-    return out[:real]
+    for i in sorted(outputs.active):
+        outputs.finish(i, "length")
+    return outputs.out[:real]
 
 
-def _sync(chunk: torch.Tensor, host: torch.Tensor, cancelled, active: set, state: State) -> list[list[int]]:
-    """The new tokens of the last steps on the host (the one sync of CHUNK steps); rows a caller cancelled end."""
+def _sync(chunk: torch.Tensor, host: torch.Tensor) -> list[list[int]]:
+    """The new tokens of the last steps on the host: the one sync of CHUNK steps."""
     host = host[:, :chunk.size(1)]
     host.copy_(chunk, non_blocking=True)
     if chunk.is_cuda:
         torch.cuda.current_stream(chunk.device).synchronize()
-    if cancelled:
-        for i in [i for i in active if cancelled(i)]:
-            active.discard(i)
-            state.done[i] = True
     return host.tolist()
 
 
-def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, hooks, state: State):
-    """The host's share of CHUNK steps: each active row's new ids, its text, its stops."""
-    on_text = hooks[0]
-    for i in sorted(active):
-        for token in block[i]:
-            if token in eos_ids:
-                _finish(i, "stop", active, streams, hooks, token)
-                break
-            out[i].append(token)
-            text = streams[i].push(token) if streams else ""
-            if text and on_text:
-                on_text(i, text)
-            stopped = bool(streams and streams[i].stopped)
-            if stopped or len(out[i]) >= limits[i]:
-                _finish(i, "stop" if stopped else "length", active, streams, hooks)
-                state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
-                break
+@dataclass
+class Outputs:
+    """The host's side of one generation: each row's new ids and text, the rows still going, and the caller's
+    hooks (generate()'s on_text, on_end and cancelled)."""
+    out: list  # each row's new ids
+    active: set  # rows still generating
+    limits: list  # each row's max new tokens
+    eos_ids: tuple
+    streams: list | None  # each row's TextStream, given a tokenizer
+    state: State  # the device's side: a row ended here ends there too
+    on_text: object = None
+    on_end: object = None
+    cancelled: object = None
 
+    def read(self, block: list[list[int]]):
+        """The host's share of CHUNK steps: rows a caller cancelled end where they are; each active row's new
+        ids, its text, its stops."""
+        for i in [i for i in self.active if self.cancelled and self.cancelled(i)]:
+            self.active.discard(i)
+            self.state.done[i] = True
+        for i in sorted(self.active):
+            for token in block[i]:
+                if token in self.eos_ids:
+                    self.finish(i, "stop", token)
+                    break
+                self.out[i].append(token)
+                text = self.streams[i].push(token) if self.streams else ""
+                if text and self.on_text:
+                    self.on_text(i, text)
+                stopped = bool(self.streams and self.streams[i].stopped)
+                if stopped or len(self.out[i]) >= self.limits[i]:
+                    self.finish(i, "stop" if stopped else "length")
+                    self.state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
+                    break
 
-def _finish(i: int, reason: str, active: set, streams, hooks, end: int | None = None):
-    """Row i has ended: its held-back text out, then why it ended (and at which end id, if one)."""
-    (on_text, on_end), text = hooks, streams[i].flush() if streams else ""
-    active.discard(i)
-    if text and on_text:
-        on_text(i, text)
-    if on_end:
-        on_end(i, reason, end)
+    def finish(self, i: int, reason: str, end: int | None = None):
+        """Row i has ended: its held-back text out, then why it ended (and at which end id, if one)."""
+        text = self.streams[i].flush() if self.streams else ""
+        self.active.discard(i)
+        if text and self.on_text:
+            self.on_text(i, text)
+        if self.on_end:
+            self.on_end(i, reason, end)
 
 
 def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list[SampleConfig], eos_ids=None,

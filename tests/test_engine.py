@@ -123,8 +123,9 @@ def test_the_host_reads_tokens_once_per_chunk(tiny_loaded, monkeypatch):
     """No host sync per token: the new ids come back CHUNK steps at a time (the last read may be shorter)."""
     model, tok = tiny_loaded
     reads = []
-    original = engine._read
-    monkeypatch.setattr(engine, "_read", lambda block, *a: (reads.append(len(block[0])), original(block, *a))[1])
+    original = engine.Outputs.read
+    monkeypatch.setattr(engine.Outputs, "read", lambda self, block: (reads.append(len(block[0])),
+                                                                     original(self, block))[1])
     out = engine.generate(model, [ids_of(tok, "def f")], replace(GREEDY, max_new_tokens=2 * engine.CHUNK + 3))
     assert len(out[0]) == 2 * engine.CHUNK + 3 and reads == [engine.CHUNK, engine.CHUNK, 3]
 
