@@ -337,10 +337,13 @@ def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
 
 
 def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
-    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback."""
+    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback. ServeConfig now
+    refuses it, as every setting is refused, before the model loads."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), tiny_checkpoint, "--port", "70000"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("error: --port 70000") and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: port=70000 is invalid") and "65535" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
 
 
 def connect(url: str) -> socket.socket:
@@ -444,7 +447,7 @@ def test_completions_of_a_chat_model_end_at_im_end_too(chat_stopper):
     """/v1/completions on a chat-trained model once printed <|im_end|> as text and went on: every route ends where
     the model ends its reply."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 12,
             "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
@@ -456,7 +459,7 @@ def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
     """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
     request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
         whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]

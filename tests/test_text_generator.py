@@ -111,7 +111,7 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
 def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path):
     """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its first
     prompt. It now compiles in the background and answers at once, eagerly, with the same tokens; a one-shot
-    --compile true still compiles first, as asked."""
+    compile asked by name (--compile default, or the older word true) still compiles first, as asked."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     r = cli([ckpt, "--interactive", "--compile", "true", "--temperature", "0", "--max_new_tokens", "6"], tmp_path,
@@ -119,7 +119,8 @@ def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "compiling the decode step in the background" in r.stderr and "compiling the decode step..." not in r.stderr
     assert expect in r.stdout
-    one = cli([ckpt, "--compile", "true", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"], tmp_path)
+    one = cli([ckpt, "--compile", "default", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"],
+              tmp_path)
     assert one.returncode == 0 and one.stdout == expect + "\n" and "compiling the decode step..." in one.stderr
 
 
@@ -149,9 +150,9 @@ def test_missing_default_checkpoint_cli(tmp_path):
 
 def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
     """TextGenerator: one load, then generate() with the CLI's settings, one prompt or a batch; bad settings are
-    refused by name; the settings record what was loaded."""
+    refused by name; its load records what was loaded."""
     g = tg.TextGenerator(ckpt, device="cpu", max_new_tokens=6, temperature=0.0)
-    assert g.settings.checkpoint == ckpt
+    assert g.load.checkpoint == ckpt
     one = g.generate("def")
     expected = generate_text(g.model, g.tokenizer, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     assert isinstance(one, str) and one == expected
@@ -171,7 +172,7 @@ def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
 def test_chat_replies_end_at_im_end_with_no_stop_setting(chat_stopper, capsys):
     """A chat-trained model ends each reply with <|im_end|>: the REPL's chat and TextGenerator.chat must stop there
     with no stop setting, or the reply runs on into turns the model invents ("OK<|im_end|>OK<|im_end|>...")."""
-    g = tg.TextGenerator(chat_stopper, device="cpu", compile="false", temperature=0.0, max_new_tokens=12)
+    g = tg.TextGenerator(chat_stopper, device="cpu", compile="off", temperature=0.0, max_new_tokens=12)
     hello = [{"role": "user", "content": "hello"}]
     ok = g.tokenizer.encode("OK<|im_end|>", add_special_tokens=False)
     endless = generate_text(g.model, g.tokenizer, [chat_prompt_ids(g.tokenizer, hello)], g.settings, eos_ids=[])[1]
