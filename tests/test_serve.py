@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import serve
-from config import SampleConfig
+from config import LoadConfig, SampleConfig, ServeConfig
 from llm import openai_api, worker
 from llm.engine import generate, generate_text
-from llm.errors import RunFailure
+from llm.errors import ConfigError, RunFailure
 from llm.inference import load_for_inference
 from llm.tokenizer import stop_ids
 
@@ -344,6 +344,30 @@ def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
     assert r.returncode == 2 and r.stderr.startswith("error: port=70000 is invalid") and "65535" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
 
+
+def test_the_flags_are_loadconfigs_and_serveconfigs():
+    """serve.py declares no flag of its own: the checkpoint (a bare word) and the loading flags fill LoadConfig,
+    the server's fill ServeConfig, with the generator's words and checks; an older --compile word still works."""
+    load, serving = serve.parse_args(["runs/x", "--best", "--base", "hf:A/B", "--device", "cpu", "--compile", "false",
+                                      "--quantize", "int8", "--max_seq_len", "64", "--host", "0.0.0.0", "--port",
+                                      "8080", "--api_key", "k", "--name", "m", "--max_batch", "3"])
+    assert load == LoadConfig(checkpoint="runs/x", best=True, base="hf:A/B", device="cpu", compile="off",
+                              quantize="int8", max_seq_len=64)
+    assert serving == ServeConfig(host="0.0.0.0", port=8080, api_key="k", name="m", max_batch=3)
+    assert serve.parse_args([]) == (LoadConfig(), ServeConfig())
+    assert serve.parse_args(["--compile", "true"])[0].compile == "reduce-overhead"
+    for argv, named in ((["--temperature", "1"], "--temperature"), (["--compile", "fast"], "fast"),
+                        (["--max_batch", "0"], "max_batch=0"), (["a", "b"], "b")):
+        with pytest.raises(ConfigError, match=named):
+            serve.parse_args(argv)
+
+
+def test_an_unknown_flag_is_one_line_and_exit_2():
+    """A flag serve.py does not take (a sampling one) is refused by name, before the model loads: exit 2."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--temperature", "0.5"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown setting --temperature") and "Traceback" not in \
+        r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def connect(url: str) -> socket.socket:

@@ -7,16 +7,17 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 import text_generator as tg
-from config import SampleConfig
+from config import LoadConfig, SampleConfig
 from conftest import save_model
 from llm.checkpoint import read_model, save_checkpoint
 from llm.engine import generate_text
+from llm.errors import ConfigError
 from llm.inference import load_for_inference
 from llm.tokenizer import chat_prompt_ids
 from modern_llm import Transformer
@@ -67,6 +68,46 @@ def test_bad_checkpoints_exit_2(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         tg.main([str(ckpt), "--temperature", "-1"])
     assert e.value.code == 2 and "temperature" in capsys.readouterr().err
+
+
+def test_loading_and_sampling_flags_fill_their_own_configs():
+    """text_generator.py declares only its actions by hand: the checkpoint (a bare word) and the loading flags fill
+    LoadConfig, the sampling flags SampleConfig, each checked by its own rules; `set` changes only the latter."""
+    load, settings, extras = tg.parse_args(["runs/x", "--best", "--base", "b", "--device", "cpu", "--compile",
+                                            "max-autotune", "--quantize", "int8", "--max_seq_len", "64",
+                                            "--temperature", "0.5", "--top_k", "7", "--top_p", "0.9",
+                                            "--repetition_penalty", "1.2", "--num_return_sequences", "2", "--seed",
+                                            "3", "--max_new_tokens", "9", "--stop", "\\n", "--prompt", "p"])
+    assert load == LoadConfig(checkpoint="runs/x", best=True, base="b", device="cpu", compile="max-autotune",
+                              quantize="int8", max_seq_len=64)
+    assert settings == SampleConfig(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.2,
+                                    num_return_sequences=2, seed=3, max_new_tokens=9, stop=["\n"])
+    assert extras.prompt == "p" and not extras.list
+    assert tg.parse_args([])[:2] == (LoadConfig(), SampleConfig())
+    assert [tg.parse_args(["--compile", w])[0].compile for w in ("true", "false")] == ["reduce-overhead", "off"]
+    assert set(tg.SETTABLE) == {f.name for f in fields(SampleConfig)} and not set(tg.SETTABLE) & {
+        f.name for f in fields(LoadConfig)}
+    for argv, named in ((["--checkpoint", "x"], "--checkpoint"), (["--compile", "fast"], "fast"),
+                        (["--max_seq_len", "-1"], "max_seq_len"), (["--port", "1"], "--port")):
+        with pytest.raises(ConfigError, match=named):
+            tg.parse_args(argv)
+
+
+def test_a_config_file_may_name_the_checkpoint(tmp_path):
+    """A --config file's checkpoint is the positional word it stands for; the command line's other flags apply on
+    top."""
+    (tmp_path / "g.json").write_text('{"checkpoint": "runs/y", "compile": "off", "temperature": 0.1}')
+    load, settings, _ = tg.parse_args(["--config", str(tmp_path / "g.json"), "--temperature", "0.3"])
+    assert (load.checkpoint, load.compile, settings.temperature) == ("runs/y", "off", 0.3)
+
+
+def test_an_unknown_flag_is_one_line_and_exit_2(capsys):
+    """A flag the generator does not take (the server's --port) is refused by name with exit code 2, before
+    anything loads."""
+    with pytest.raises(SystemExit) as e:
+        tg.main(["--port", "8000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: unknown setting --port")
 
 
 def test_settings_are_validated():
