@@ -14,10 +14,12 @@ from typing import Literal, get_args, get_origin
 from llm.errors import ConfigError
 
 
-def arg(default, help: str, const=None):
+def arg(default, help: str, const=None, positional: bool = False, aliases: dict | None = None):
     """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
-    given bare (`--resume`), meaning that value."""
-    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {})}
+    given bare (`--resume`), meaning that value; positional, it is given without its name (`text_generator.py
+    runs/mine`); aliases: older words the command line still takes for some of its values."""
+    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {}),
+                **({"positional": True} if positional else {}), **({"aliases": aliases} if aliases else {})}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -152,7 +154,8 @@ class DataConfig:
         _require(self.max_tokens >= 0, "max_tokens", self.max_tokens, "must be >= 0")
 
 
-CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# One vocabulary for training and generation: torch.compile's modes, off, and auto (what pays back where it runs).
+CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 @dataclass
@@ -165,7 +168,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg("auto", "autocast dtype; fp8: linear layers in FP8 "
                                                                      "(H100-class GPUs, torchao); auto: bf16 where the "
                                                              "hardware has it, else fp16 on GPU, fp32 on CPU")
-    compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager")
+    compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager; auto: default")
     compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
                                                              "(much slower), false stops with the error; auto: "
                                                              "false on CUDA, true elsewhere")
@@ -284,15 +287,32 @@ def default_run_dir() -> str:
 
 
 MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a request
+GENERATOR_COMPILE_WORDS = {"true": "reduce-overhead", "false": "off"}  # --compile's words before training's
+
+
+@dataclass
+class LoadConfig:
+    """How a model is loaded for generation (text_generator.py, serve.py): read once, at start."""
+    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, hf:ORG/NAME from the Hub, or a .gguf; "
+                              "empty: newest checkpoint of the default run folder", positional=True)
+    best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
+    base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")
+    max_seq_len: int = arg(0, "load the model with this context length; 0: the saved one")
+    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
+    compile: CompileMode = arg("auto", "torch.compile mode of the prefill and decode step (a CUDA graph in "
+                                       "reduce-overhead on CUDA), once at load; off: eager; auto: reduce-overhead "
+                                       "on CUDA, off elsewhere", aliases=GENERATOR_COMPILE_WORDS)
+    quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers (torchao): half the bytes "
+                                                    "read per token")
+
+    def __post_init__(self):
+        _require_choices(self)
+        _require(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len, "must be >= 0 (0: the saved context)")
 
 
 @dataclass
 class SampleConfig:
-    """Text generation settings (text_generator.py)."""
-    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, hf:ORG/NAME from the Hub, or a .gguf; "
-                              "empty: newest checkpoint of the default run folder")
-    best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
-    base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")
+    """Text generation settings, per request (text_generator.py, its REPL's `set`, serve.py's requests)."""
     max_new_tokens: int = arg(200, "tokens generated per prompt")
     temperature: float = arg(0.8, "softmax temperature; 0: greedy")
     top_k: int = arg(50, "keep the k most likely tokens; 0: off")
@@ -301,11 +321,6 @@ class SampleConfig:
     num_return_sequences: int = arg(1, f"samples per prompt, at most {MAX_SEQUENCES}")
     seed: int = arg(-1, "sampling seed; -1: random")
     stop: list[str] = arg([], "strings that end a generation")
-    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
-    compile: Literal["auto", "true", "false"] = arg("auto", "compile prefill and decode step (CUDA graphs on CUDA), "
-                                                            "once at load; auto: on CUDA")
-    quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers (torchao): half the bytes "
-                                                    "read per token")
 
     def __post_init__(self):
         _require_choices(self)
@@ -316,6 +331,20 @@ class SampleConfig:
         _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be positive")
         _require(0 < self.num_return_sequences <= MAX_SEQUENCES, "num_return_sequences", self.num_return_sequences,
                  f"must be between 1 and {MAX_SEQUENCES}")
+
+
+@dataclass
+class ServeConfig:
+    """The server's own settings (serve.py); the model loads by LoadConfig."""
+    host: str = arg("127.0.0.1", "address to listen on; 0.0.0.0 opens it to the network")
+    port: int = arg(8000, "1 to 65535")
+    api_key: str = arg("", "require Authorization: Bearer KEY on every request")
+    name: str = arg("", "the model's name in the API; empty: the folder's")
+    max_batch: int = arg(8, "requests generated together at most")
+
+    def __post_init__(self):
+        _require(0 < self.port < 2**16, "port", self.port, "use a port from 1 to 65535")
+        _require(self.max_batch >= 1, "max_batch", self.max_batch, "pass 1 or more")
 
 
 @dataclass

@@ -14,7 +14,6 @@ characters each, n up to 16, 64 prompts, seed and top_k up to 2**63 - 1; JSON's 
 surrogates ("\\ud800") in any field, are refused.
 """
 
-import argparse
 import asyncio
 import json
 import os
@@ -22,14 +21,15 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import replace
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+from config import LoadConfig, ServeConfig
 from llm.checkpoint import checkpoint_step
+from llm.cli import parse_sections
 from llm.engine import compile_failed, compile_in_background, compiles
-from llm.errors import ConfigError, RunFailure, error_contract
+from llm.errors import RunFailure, error_contract
 from llm.hf_hub import HF_PREFIX, is_hub_name
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
@@ -83,16 +83,14 @@ async def read_json(request) -> dict:
 class Server:
     """The model, its tokenizer and the worker: what the handlers reach as request.app.state.server."""
 
-    def __init__(self, args):
-        self.model, self.tokenizer, self.config, self.path = load_for_inference(args.path, args.device, args.best,
-                                                                                args.quantize, base=args.base,
-                                                                                compile=args.compile)
-        named = args.path if is_hub_name(args.path) else self.path  # a Hub model by its name, not its cache folder
-        self.name, self.api_key, self.compile = args.name or model_name(named), args.api_key, args.compile
+    def __init__(self, load: LoadConfig, serving: ServeConfig):
+        self.model, self.tokenizer, self.config, self.path = load_for_inference(load)
+        named = load.checkpoint if is_hub_name(load.checkpoint) else self.path  # a Hub model by its name, not its cache
+        self.name, self.api_key = serving.name or model_name(named), serving.api_key
         self.about = self.facts()
-        self.worker = Worker(self.model, self.tokenizer, args.max_batch)
+        self.worker = Worker(self.model, self.tokenizer, serving.max_batch)
         self.worker.start()
-        if compiles(args.compile, self.model.embed_tokens.weight.device):  # the first replies are eager meanwhile
+        if compiles(self.model):  # the first replies are eager meanwhile
             settings = settings_of({}, self.config.max_seq_len)  # a request's defaults
             compile_in_background(self.model, settings, compile_failed)
 
@@ -126,8 +124,7 @@ class Server:
                 print(f"refused a request: {e.message}", file=sys.stderr, flush=True)
                 raise e
         echoed = [("".join(released(self.tokenizer, ids))) for ids in prompts] if scoring.echo else []
-        return Job(prompts, replace(settings, compile=self.compile), chat, asyncio.get_running_loop(), scoring,
-                   generating, echoed)
+        return Job(prompts, settings, chat, asyncio.get_running_loop(), scoring, generating, echoed)
 
     def facts(self) -> dict:
         """What /v1/models tells of the model besides its name: context, whether it chats, and for a run's
@@ -304,38 +301,25 @@ def app_for(server: Server):
     return app
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line; tests build their in-process servers from it too."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, hf:ORG/NAME or "
-                                                       "a .gguf (default: the default run folder)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
-    p.add_argument("--port", type=int, default=8000, help="1 to 65535")
-    p.add_argument("--api_key", default="", help="require Authorization: Bearer KEY on every request")
-    p.add_argument("--name", default="", help="the model's name in the API (default: the folder's)")
-    p.add_argument("--best", action="store_true", help="a run folder's best checkpoint, not its newest")
-    p.add_argument("--base", default="", help="a LoRA run's checkpoint: the base model its adapters join")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
-                   help="compile the decode step (auto: on CUDA)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none")
-    p.add_argument("--max_batch", type=int, default=8, help="requests generated together at most")
-    return p.parse_args(argv)
+def parse_args(argv=None) -> tuple[LoadConfig, ServeConfig]:
+    """The command line, every flag a field of LoadConfig or ServeConfig; tests build their in-process servers from
+    it too."""
+    (load, serving), _ = parse_sections((LoadConfig, ServeConfig), (LoadConfig(), ServeConfig()),
+                                        sys.argv[1:] if argv is None else argv,
+                                        "Serve a model over the OpenAI API, with a chat page at /. Every field below "
+                                        "can be set as --name value.")
+    return load, serving
 
 
 @error_contract
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not 0 < args.port < 2**16:
-        raise ConfigError(f"--port {args.port} is out of range, use a port from 1 to 65535")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max_batch {args.max_batch} is invalid, pass 1 or more")
+    load, serving = parse_args(argv)
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
-    server = Server(args)
-    print(f"serving {server.path} as {server.name!r} on http://{args.host}:{args.port}/v1, a chat page at "
-          f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    uvicorn.run(app_for(server), host=args.host, port=args.port, log_level="warning")
+    server = Server(load, serving)
+    print(f"serving {server.path} as {server.name!r} on http://{serving.host}:{serving.port}/v1, a chat page at "
+          f"http://{serving.host}:{serving.port}/", file=sys.stderr, flush=True)
+    uvicorn.run(app_for(server), host=serving.host, port=serving.port, log_level="warning")
     return 0
 
 

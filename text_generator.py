@@ -21,7 +21,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 import torch
 from tqdm import tqdm
 
-from config import DataConfig, SampleConfig, default_run_dir
+from config import DataConfig, LoadConfig, SampleConfig, default_run_dir
 from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
                             load_model_config)
 from llm.cli import parse_sections
@@ -36,8 +36,7 @@ from llm.sizing import count_parameters
 from llm.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
-SETTABLE = [f.name for f in fields(SampleConfig) if f.name not in ("checkpoint", "best", "device", "compile",
-                                                                  "quantize")]
+SETTABLE = [f.name for f in fields(SampleConfig)]  # what `set` and keyword settings change; the loading is fixed
 
 
 class TextGenerator:
@@ -48,16 +47,17 @@ class TextGenerator:
         texts = g.generate(["import os", "class A:"], temperature=0)      # a batch: one completion each
         reply = g.chat([{"role": "user", "content": "Hi"}])              # chat-trained models
 
-    Keyword settings are SampleConfig's fields (max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-    num_return_sequences, seed, stop); given to the constructor they last, given to a call they apply to it.
+    The constructor's named arguments are LoadConfig's. Keyword settings are SampleConfig's fields (max_new_tokens,
+    temperature, top_k, top_p, repetition_penalty, num_return_sequences, seed, stop); given to the constructor they
+    last, given to a call they apply to it.
     """
 
     def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
                  compile: str = "auto", base: str = "", **settings):
-        self.model, self.tokenizer, self.config, self.path = load_for_inference(path, device, best, quantize,
-                                                                                base=base, compile=compile)
-        self.settings = self._with(SampleConfig(checkpoint=self.path, best=best, device=device, quantize=quantize,
-                                                compile=compile, base=base), settings)
+        load = LoadConfig(checkpoint=path, best=best, base=base, device=device, compile=compile, quantize=quantize)
+        self.model, self.tokenizer, self.config, self.path = load_for_inference(load)
+        self.load = replace(load, checkpoint=self.path)  # what was loaded
+        self.settings = self._with(SampleConfig(), settings)
 
     @staticmethod
     def _with(base: SampleConfig, changes: dict) -> SampleConfig:
@@ -191,8 +191,8 @@ COMMANDS = ("sample", "greedy", "batch", "chat", "reset", "plain", "settings", "
 class Repl:
     """The interactive loop: parses commands and calls run(); state is the settings and the dialogue."""
 
-    def __init__(self, model, tokenizer, settings: SampleConfig):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+    def __init__(self, model, tokenizer, settings: SampleConfig, load: LoadConfig | None = None):
+        self.model, self.tokenizer, self.settings, self.load = model, tokenizer, settings, load
         self.messages, self.chatting = [], False
         self.can_chat = can_chat(tokenizer)
 
@@ -253,8 +253,9 @@ class Repl:
             print(f"--- {i} ---\n{text}{t}")
 
     def cmd_settings(self, _=""):
-        for f in fields(SampleConfig):
-            print(f"  {f.name} = {getattr(self.settings, f.name)!r}")
+        for section in (self.load, self.settings) if self.load else (self.settings,):  # how it loaded, then `set`'s
+            for f in fields(section):
+                print(f"  {f.name} = {getattr(section, f.name)!r}")
 
     def cmd_set(self, rest):
         name, _, value = rest.partition(" ")
@@ -332,10 +333,8 @@ def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
 
 
 def parse_args(argv):
-    """(SampleConfig, extras) from the command line; extras hold path, prompt, list, interactive."""
+    """(LoadConfig, SampleConfig, extras) from the command line; extras hold prompt, list, interactive, eval."""
     def extra(parser):
-        parser.add_argument("path", nargs="?", default="", help="checkpoint, run or Hugging Face folder, "
-                                                                "hf:ORG/NAME or a .gguf (same as --checkpoint)")
         parser.add_argument("--prompt", default=None, help="generate once for this prompt, print, exit")
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")
@@ -344,45 +343,39 @@ def parse_args(argv):
                                                                 "share of Python function bodies that parse")
         parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
                                                                         "validation split of config.py's data")
-        parser.add_argument("--max_seq_len", type=int, default=0, help="load the model with this context length; "
-                                                                       "0: the saved one")
-    (settings,), extras = parse_sections((SampleConfig,), (SampleConfig(),), argv,
-                                         "Generate text with a trained checkpoint.", extra)
-    if extras.path and settings.checkpoint and extras.path != settings.checkpoint:
-        raise ConfigError(f"two checkpoints given ({extras.path} and --checkpoint {settings.checkpoint}), keep one")
-    extras.path = extras.path or settings.checkpoint
+    (load, settings), extras = parse_sections((LoadConfig, SampleConfig), (LoadConfig(), SampleConfig()), argv,
+                                              "Generate text with a trained checkpoint.", extra)
     extras.prompt = None if extras.prompt is None else _from_argv(extras.prompt)
-    return replace(settings, stop=[_unescape(_from_argv(s)) for s in settings.stop]), extras
+    return load, replace(settings, stop=[_unescape(_from_argv(s)) for s in settings.stop]), extras
 
 
 @error_contract
 def main(argv=None) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 become U+FFFD, as in the data path
-    settings, extras = parse_args(sys.argv[1:] if argv is None else argv)
+    load, settings, extras = parse_args(sys.argv[1:] if argv is None else argv)
     if extras.list:
-        print(list_runs(extras.path or os.path.dirname(default_run_dir())))
+        print(list_runs(load.checkpoint or os.path.dirname(default_run_dir())))
         return 0
-    model, tokenizer, cfg, ckpt = load_for_inference(extras.path, settings.device, settings.best, settings.quantize,
-                                                     extras.max_seq_len, settings.base, settings.compile)
-    settings = replace(settings, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
+    if extras.eval or (extras.prompt is not None and load.compile == "auto"):
+        load = replace(load, compile="off")  # one reply or a measurement: a compile takes longer than it saves
+    model, tokenizer, cfg, ckpt = load_for_inference(load)
+    load = replace(load, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:
         return measure(model, tokenizer, ckpt, extras.eval_files)
     weight = model.embed_tokens.weight
     print(f"loaded {ckpt}: {_human(model.num_parameters())} parameters, context {cfg.max_seq_len} tokens, "
           f"{weight.device.type} {str(weight.dtype).removeprefix('torch.')}"
-          + (", int8 linear weights" if settings.quantize == "int8" else ""), file=sys.stderr)
-    if compiles(settings.compile, weight.device):
+          + (", int8 linear weights" if load.quantize == "int8" else ""), file=sys.stderr)
+    if compiles(model):
         if extras.prompt is None:  # a REPL or a stream of prompts: compiled replies from when it is ready
             compile_in_background(model, settings, compile_failed)
             print("compiling the decode step in the background; replies are eager until it is ready",
                   file=sys.stderr, flush=True)
-        elif settings.compile == "true":
+        else:  # one reply, a compile asked for by name (docs/generation.md)
             warm_up(model, tokenizer, settings)
-        else:  # one reply: eager, as a compile would take longer than it saves (docs/generation.md)
-            settings = replace(settings, compile="false")
     if extras.prompt is None and (sys.stdin.isatty() or extras.interactive):
-        return Repl(model, tokenizer, settings).loop()
+        return Repl(model, tokenizer, settings, load).loop()
     prompts = [extras.prompt] if extras.prompt is not None else (l.rstrip("\r\n") for l in sys.stdin)
     for prompt in prompts:
         if not prompt.strip() and extras.prompt is None:

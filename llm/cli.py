@@ -55,9 +55,12 @@ def _file_overrides(path: str, types) -> list[str]:
             flat[key] = value
     if flat.get("epochs") and "max_steps" in flat:  # a run's config.json: its epochs gave it max_steps
         del flat["max_steps"]
+    positional = {f.name for t in types for f in fields(t) if f.metadata.get("positional")}
     words = []
     for key, value in flat.items():
-        if isinstance(value, list):
+        if key in positional:
+            words += [str(value)] if value else []
+        elif isinstance(value, list):
             words += [f"--{key}", *map(str, value)] if value else []
         elif isinstance(value, bool):
             words += [f"--{key}", str(value).lower()]
@@ -128,20 +131,25 @@ def _boolean(text: str) -> bool:
 
 def add_fields(parser: argparse.ArgumentParser, section):
     """One flag per field of the dataclass `section`, named as the field (or with dashes) and parsed to its
-    annotated type: bool takes true/false (bare: true), a Literal its values, a list its values (none: empty)."""
+    annotated type: bool takes true/false (bare: true), a Literal its values (or their aliases), a list its values
+    (none: empty). A positional field is a word without a name instead."""
     for f in fields(section):
         default = f.default_factory() if f.default is MISSING else f.default
         kind, options = f.type, {"help": f.metadata.get("help"), "default": default}
         if kind is bool:
             options.update(type=_boolean, nargs="?", const=True, metavar="true|false")
         elif get_origin(kind) is Literal:
-            options.update(choices=get_args(kind))
+            aliases = f.metadata.get("aliases", {})  # checked against the choices after the alias is replaced
+            options.update(choices=get_args(kind), **({"type": lambda w, a=aliases: a.get(w, w)} if aliases else {}))
         elif get_origin(kind) is list:
             options.update(type=get_args(kind)[0], nargs="*")
         else:
             options.update(type=kind)
         if "nargs" in f.metadata:  # a flag that may be given bare (`--resume`)
             options.update(nargs=f.metadata["nargs"], const=f.metadata["const"])
+        if f.metadata.get("positional"):  # given without its name: at most one word, the field's value
+            parser.add_argument(f.name, nargs="?", **options)
+            continue
         dashed = [f"--{f.name.replace('_', '-')}"] if "_" in f.name else []  # --max-new-tokens as well
         parser.add_argument(f"--{f.name}", *dashed, **options)
 

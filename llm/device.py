@@ -136,14 +136,14 @@ def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
 
 
 def compile_model(model: torch.nn.Module, mode: str, amp_dtype: torch.dtype | None = None):
-    """torch.compile with fixed shapes, or the model itself when compiling is off. amp_dtype: the autocast dtype
-    the compiled model runs under."""
+    """torch.compile with fixed shapes (auto: the default mode), or the model itself when compiling is off.
+    amp_dtype: the autocast dtype the compiled model runs under."""
     if mode == "off":
         return model
     if amp_dtype in (torch.bfloat16, torch.float16) and next(model.parameters()).device.type == "cpu":
         narrow_cpu_vectors()
     # dynamic=False: every batch has the same shape, so one static graph and no recompiles.
-    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+    return torch.compile(model, mode=None if mode in ("default", "auto") else mode, dynamic=False)
 
 
 def narrow_cpu_vectors():

@@ -4,22 +4,24 @@ reading the weights.
 One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt
 of that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature,
 top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device, compiled (a
-CUDA graph on CUDA). The host reads the new tokens back every CHUNK steps, not every token: streaming
-stays smooth and the device never waits for Python. Sampling settings are tensors, one row each, so one
-compiled step serves every setting and a batch may mix them (the server does). score() reads sequences
-that are already there: each token's log-probability and the likeliest tokens in its place.
+CUDA graph on CUDA) when the model was set to at load (use_compile). The host reads the new tokens back every
+CHUNK steps, not every token: streaming stays smooth and the device never waits for Python. Sampling settings
+are tensors, one row each, so one compiled step serves every setting and a batch may mix them (the server does).
+score() reads sequences that are already there: each token's log-probability and the likeliest tokens in its
+place.
 """
 
 import contextlib
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from config import SampleConfig
+from llm.device import uses_cuda_graphs
 from llm.errors import ConfigError
 from llm.sampling import TextStream, candidates, exp_noise, pick
 from llm.tokenizer import stop_ids
@@ -92,54 +94,106 @@ def decode_step(model, cache, state: State, ranked: int):
     advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
 
 
-# ----------------------------------------------------------------------------- one model's compiled steps
+# ----------------------------------------------------------------------------- compiling: decided once per model
 
-_COMPILED = weakref.WeakKeyDictionary()  # model -> {batch size: Slot}
+def compile_mode(setting: str, device: torch.device) -> str | None:
+    """The one decision whether generation compiles (LoadConfig.compile on this device): the torch.compile mode of
+    the decode step, or None for eager. auto: reduce-overhead on CUDA, where CUDA graphs pay back the compile, eager
+    elsewhere; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU. Off CUDA a
+    mode that captures CUDA graphs runs as the same mode without them."""
+    if setting == "off" or device.type == "mps" or (setting == "auto" and device.type != "cuda"):
+        return None
+    mode = "reduce-overhead" if setting == "auto" else setting
+    if device.type != "cuda":
+        return {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+    return mode
 
 
 @dataclass
 class Slot:
-    """A batch size's full-context cache, state and compiled steps, kept for the model's life."""
+    """A batch size's cache, state and prefill and decode steps. A compiled slot is kept for the model's life, with
+    the full context, so one graph serves every length; an eager one is sized to its call."""
     cache: object
     state: State
     prefill: object
     decode: object
+    compiled: bool = False
 
 
-def _slot(model, batch: int, max_len: int, compiled: bool) -> Slot:
-    """The cache, state and steps for `batch` rows: compiled ones built once per batch size and kept (with the
-    full context, so one graph serves every length), plain ones sized to this call."""
+@dataclass
+class Compiled:
+    """A model whose generation compiles: its decode step's mode, its slots and its background compile."""
+    mode: str
+    slots: dict = field(default_factory=dict)  # batch size -> Slot
+    background: threading.Thread | None = None
+
+
+_COMPILED = weakref.WeakKeyDictionary()  # model -> Compiled, for the models use_compile() set to compile
+
+
+def use_compile(model, setting: str) -> bool:
+    """Set once, at load, whether generate() compiles this model's steps (compile_mode of LoadConfig.compile and the
+    model's device); True when it does. Models never set generate eagerly."""
+    mode = compile_mode(setting, model.embed_tokens.weight.device)
+    if mode is None:
+        _COMPILED.pop(model, None)
+    elif _COMPILED.get(model) is None or _COMPILED[model].mode != mode:
+        _COMPILED[model] = Compiled(mode)
+    return mode is not None
+
+
+def compiles(model) -> bool:
+    """Whether generate() compiles this model's steps (use_compile)."""
+    return model in _COMPILED
+
+
+def compiled_slot(model, batch: int) -> Slot:
+    """The compiled slot of `batch` rows, built on first use and kept: the full-context cache and state at pinned
+    addresses, the prefill compiled, and the decode step compiled in the model's mode. With a mode that captures
+    CUDA graphs the first decode calls of a generating thread capture the graph and later ones replay it."""
+    steps, device, vocab = _COMPILED[model], model.embed_tokens.weight.device, model.config.vocab_size
+    if batch in steps.slots:
+        return steps.slots[batch]
+    cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
+    prefill = torch.compile(prefill_step, dynamic=False)
+    if device.type == "cuda":
+        for t in (*cache.k, *cache.v, cache.pos, *vars(state).values()):
+            torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
+    mode = None if steps.mode == "default" else steps.mode
+    compiled = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=device.type == "cuda")
+
+    def graph_step(*args):  # a new graph step per call: no output of the last replay is kept
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(*args)
+    decode = graph_step if uses_cuda_graphs(steps.mode, device) else compiled
+    steps.slots[batch] = Slot(cache, state, prefill, decode, compiled=True)
+    return steps.slots[batch]
+
+
+def eager_slot(model, batch: int, max_len: int) -> Slot:
+    """A slot of plain steps, its cache sized to this call."""
     device, vocab = model.embed_tokens.weight.device, model.config.vocab_size
-    if not compiled:
-        return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device), prefill_step,
-                    decode_step)
-    slots = _COMPILED.setdefault(model, {})
-    if batch not in slots:
-        cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
-        prefill = torch.compile(prefill_step, dynamic=False)
-        if device.type == "cuda":
-            for t in (*cache.k, *cache.v, cache.pos, *vars(state).values()):
-                torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
-            decode = torch.compile(decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
-        else:  # no CUDA graphs off CUDA: the default mode is the useful one
-            decode = torch.compile(decode_step, dynamic=False)
-        slots[batch] = Slot(cache, state, prefill, decode)
-    return slots[batch]
+    return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device), prefill_step, decode_step)
 
 
-_BACKGROUND = weakref.WeakKeyDictionary()  # model -> the thread compiling its steps (compile_in_background)
+def compile_limits():
+    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's default 8)
+    and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the process's own
+    settings hold outside it."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
 
 
 def compile_in_background(model, settings: SampleConfig, on_error=None) -> threading.Thread:
-    """Compile the batch-1 prefill (of the shortest bucket) and decode step for these settings in a thread, while
-    generate() runs eagerly: a REPL's or a server's first reply then waits for no compile. The thread runs each
-    step once; it never captures a CUDA graph (the first compiled call of a generating thread does), so eager
-    generation beside it is safe. A failed compile leaves generation eager, with the error kept as `.error` and
-    passed to on_error."""
+    """Compile the batch-1 prefill (of the shortest bucket) and decode step of a model set to compile, for these
+    settings, in a thread, while generate() runs eagerly: a REPL's or a server's first reply then waits for no
+    compile. The thread runs each step once; it never captures a CUDA graph (the first compiled call of a
+    generating thread does), so eager generation beside it is safe. A failed compile leaves generation eager, with
+    the error kept as `.error` and passed to on_error."""
     def work():
         try:
             with torch.no_grad(), compile_limits():
-                slot = _slot(model, 1, model.config.max_seq_len, compiled=True)
+                slot = compiled_slot(model, 1)
                 device = model.embed_tokens.weight.device
                 ids = torch.zeros(1, MIN_BUCKET, dtype=torch.long, device=device)
                 ranked = candidates([settings.temperature], [settings.top_k], model.config.vocab_size)
@@ -152,7 +206,7 @@ def compile_in_background(model, settings: SampleConfig, on_error=None) -> threa
                 on_error(e)
     thread = threading.Thread(target=work, name="compile", daemon=True)
     thread.error = None
-    _BACKGROUND[model] = thread
+    _COMPILED[model].background = thread
     thread.start()
     return thread
 
@@ -166,24 +220,8 @@ def compile_failed(e: BaseException):
 
 def compiling(model) -> bool:
     """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then."""
-    thread = _BACKGROUND.get(model)
+    thread = _COMPILED[model].background if model in _COMPILED else None
     return thread is not None and (thread.is_alive() or thread.error is not None)
-
-
-def compiles(mode: str, device: torch.device) -> bool:
-    """Whether generation compiles its steps (SampleConfig.compile): "auto" on CUDA, where CUDA graphs pay back the
-    compile; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU."""
-    if device.type == "mps":
-        return False
-    return mode == "true" or (mode == "auto" and device.type == "cuda")
-
-
-def compile_limits():
-    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's default 8)
-    and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the process's own
-    settings hold outside it."""
-    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
 
 
 def check_memory(model, batch: int, max_len: int):
@@ -221,20 +259,24 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
     """
     per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
     rows = [(list(p), s) for p, s in zip(prompts, per_prompt) for _ in range(s.num_return_sequences)]
-    ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
+    ctx = model.config.max_seq_len
     for p, _ in rows:
         check_prompt(len(p), ctx)
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
-    compiled, real = compiles(rows[0][1].compile, device) and not compiling(model), len(rows)
+    compiled, real = compiles(model) and not compiling(model), len(rows)
     if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read
         padding = batch_bucket(real) - real
         rows, limits = rows + [(rows[0][0], GREEDY_ONE)] * padding, limits + [1] * padding
-    check_memory(model, len(rows), ctx if compiled else min(ctx, width + max(limits)))
+    max_len = min(ctx, width + max(limits))
+    check_memory(model, len(rows), ctx if compiled else max_len)
     with torch.no_grad(), compile_limits():
-        slot = _slot(model, len(rows), min(ctx, width + max(limits)), compiled)
-        return _run(model, slot, rows, limits, width, eos_ids, tokenizer, (on_text, on_end), cancelled, real)
+        slot = compiled_slot(model, len(rows)) if compiled else eager_slot(model, len(rows), max_len)
+        streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
+        outputs = Outputs([[] for _ in rows], set(range(real)), limits, eos_ids, streams, slot.state, on_text,
+                          on_end, cancelled)
+        return _run(model, slot, rows, width, outputs, real)
 
 
 def _fill(state: State, rows, limits, padded: torch.Tensor, eos_ids, vocab: int):
@@ -277,23 +319,18 @@ def _generators(rows, device) -> list:
              [i for i in sampling if rows[i][1].seed == seed]) for seed in sorted(seeds)]
 
 
-def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks, cancelled,
-         real: int) -> list[list[int]]:
-    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch).
-    hooks: generate()'s (on_text, on_end)."""
-    device, B = model.embed_tokens.weight.device, len(rows)
+def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> list[list[int]]:
+    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch)."""
+    device, B, limits = model.embed_tokens.weight.device, len(rows), outputs.limits
     # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
     padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)
     lengths = torch.tensor([len(p) for p, _ in rows], device=device)
     state, cache = slot.state, slot.cache
-    _fill(state, rows, limits, padded, eos_ids, model.config.vocab_size)
+    _fill(state, rows, limits, padded, outputs.eos_ids, model.config.vocab_size)
     cache.reset()  # stale keys past each row's position are masked out, so nothing else needs clearing
     generators = _generators(rows, device)
-    streams = [TextStream(tokenizer, s.stop) for _, s in rows] if tokenizer is not None else None
-    out, active = [[] for _ in rows], set(range(real))
     chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
     host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
-    graphs = device.type == "cuda" and slot.decode is not decode_step
     ranked = candidates([s.temperature for _, s in rows], [s.top_k for _, s in rows], model.config.vocab_size)
     _noise(state, generators, real)
     slot.prefill(model, padded, lengths, cache, state, ranked)
@@ -301,63 +338,72 @@ def _run(model, slot: Slot, rows, limits, width: int, eos_ids, tokenizer, hooks,
     with contextlib.ExitStack() as unguarded:
         for step in range(1, max(limits) + 1):
             if step % CHUNK == 0 or step == max(limits):
-                block = _sync(chunk[:, :step % CHUNK or CHUNK], host, cancelled, active, state)
-                _read(block, out, active, limits, eos_ids, streams, hooks, state)
-                if not active:
+                outputs.read(_sync(chunk[:, :step % CHUNK or CHUNK], host))
+                if not outputs.active:
                     break
             _noise(state, generators, real)
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
             slot.decode(model, cache, state, ranked)
-            if step == 1 and slot.decode is not decode_step:
+            if step == 1 and slot.compiled:
                 # Its guards passed (or it compiled) once; the other steps repeat the same arguments exactly.
                 unguarded.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
             chunk[:, step % CHUNK] = state.tokens[:, 0]
-    for i in sorted(active):
-        _finish(i, "length", active, streams, hooks)
-    return out[:real]
+    for i in sorted(outputs.active):
+        outputs.finish(i, "length")
+    return outputs.out[:real]
 
 
-def _sync(chunk: torch.Tensor, host: torch.Tensor, cancelled, active: set, state: State) -> list[list[int]]:
-    """The new tokens of the last steps on the host (the one sync of CHUNK steps); rows a caller cancelled end."""
+def _sync(chunk: torch.Tensor, host: torch.Tensor) -> list[list[int]]:
+    """The new tokens of the last steps on the host: the one sync of CHUNK steps."""
     host = host[:, :chunk.size(1)]
     host.copy_(chunk, non_blocking=True)
     if chunk.is_cuda:
         torch.cuda.current_stream(chunk.device).synchronize()
-    if cancelled:
-        for i in [i for i in active if cancelled(i)]:
-            active.discard(i)
-            state.done[i] = True
     return host.tolist()
 
 
-def _read(block: list[list[int]], out, active: set, limits, eos_ids, streams, hooks, state: State):
-    """The host's share of CHUNK steps: each active row's new ids, its text, its stops."""
-    on_text = hooks[0]
-    for i in sorted(active):
-        for token in block[i]:
-            if token in eos_ids:
-                _finish(i, "stop", active, streams, hooks, token)
-                break
-            out[i].append(token)
-            text = streams[i].push(token) if streams else ""
-            if text and on_text:
-                on_text(i, text)
-            stopped = bool(streams and streams[i].stopped)
-            if stopped or len(out[i]) >= limits[i]:
-                _finish(i, "stop" if stopped else "length", active, streams, hooks)
-                state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
-                break
+@dataclass
+class Outputs:
+    """The host's side of one generation: each row's new ids and text, the rows still going, and the caller's
+    hooks (generate()'s on_text, on_end and cancelled)."""
+    out: list  # each row's new ids
+    active: set  # rows still generating
+    limits: list  # each row's max new tokens
+    eos_ids: tuple
+    streams: list | None  # each row's TextStream, given a tokenizer
+    state: State  # the device's side: a row ended here ends there too
+    on_text: object = None
+    on_end: object = None
+    cancelled: object = None
 
+    def read(self, block: list[list[int]]):
+        """The host's share of CHUNK steps: rows a caller cancelled end where they are; each active row's new
+        ids, its text, its stops."""
+        for i in [i for i in self.active if self.cancelled and self.cancelled(i)]:
+            self.active.discard(i)
+            self.state.done[i] = True
+        for i in sorted(self.active):
+            for token in block[i]:
+                if token in self.eos_ids:
+                    self.finish(i, "stop", token)
+                    break
+                self.out[i].append(token)
+                text = self.streams[i].push(token) if self.streams else ""
+                if text and self.on_text:
+                    self.on_text(i, text)
+                stopped = bool(self.streams and self.streams[i].stopped)
+                if stopped or len(self.out[i]) >= self.limits[i]:
+                    self.finish(i, "stop" if stopped else "length")
+                    self.state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
+                    break
 
-def _finish(i: int, reason: str, active: set, streams, hooks, end: int | None = None):
-    """Row i has ended: its held-back text out, then why it ended (and at which end id, if one)."""
-    (on_text, on_end), text = hooks, streams[i].flush() if streams else ""
-    active.discard(i)
-    if text and on_text:
-        on_text(i, text)
-    if on_end:
-        on_end(i, reason, end)
+    def finish(self, i: int, reason: str, end: int | None = None):
+        """Row i has ended: its held-back text out, then why it ended (and at which end id, if one)."""
+        text = self.streams[i].flush() if self.streams else ""
+        self.active.discard(i)
+        if text and self.on_text:
+            self.on_text(i, text)
+        if self.on_end:
+            self.on_end(i, reason, end)
 
 
 def generate_text(model, tokenizer, prompts: list, settings: SampleConfig | list[SampleConfig], eos_ids=None,

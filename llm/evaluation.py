@@ -27,9 +27,10 @@ from llm.errors import DataError
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
-# Eager: a few dozen tokens during training do not pay back compiling a decode step (and its CUDA graphs).
-CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0, compile="false")
-SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0, compile="false")
+# Eager (the training model is never set to compile generation): a few dozen tokens during training do not pay
+# back compiling a decode step (and its CUDA graphs).
+CODE_SETTINGS = SampleConfig(max_new_tokens=96, temperature=0.7, top_k=40, top_p=1.0, seed=0)
+SAMPLE_SETTINGS = SampleConfig(max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=0)
 # No trailing space or newline: BPE merges whitespace with what follows, so a prompt ending in it ends on a
 # token the model rarely saw there (it went on with the codec tables' runs of spaces instead of a name).
 PYTHON_PROMPTS = ["def", "class", "import"]  # the default corpus is Python

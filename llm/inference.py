@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config import default_run_dir
+from config import LoadConfig, default_run_dir
 from llm.checkpoint import read_model
 from llm.device import inference_dtype, pick_device
-from llm.engine import compiles
+from llm.engine import use_compile
 from llm.errors import CheckpointError, ConfigError
 from llm.tokenizer import load_tokenizer
 from modern_llm import Transformer
@@ -70,29 +70,32 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 def for_inference(model: Transformer, device: torch.device, quantize: str = "none",
                   compile: str = "auto") -> Transformer:
     """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that compute
-    it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, and with the few-row linear
-    layers where its decode step compiles on a CPU. In place."""
+    it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, its generation set to compile or
+    not (LoadConfig.compile, engine.use_compile), and with the few-row linear layers where its decode step compiles
+    on a CPU. In place."""
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
     model.eval().requires_grad_(False)
     model.fuse_projections()  # a decode step's matmuls: 4 a block, not 7 (kernels, not FLOPs, bound it on a GPU)
     if quantize == "int8":
         quantize_int8(model)
-    if device.type == "cpu" and compiles(compile, device):
+    if use_compile(model, compile) and device.type == "cpu":
         use_row_products(model)
     return model
 
 
-def load_for_inference(path: str = "", device=None, best: bool = False, quantize: str = "none",
-                       max_seq_len: int = 0, base: str = "", compile: str = "auto"):
+def load_for_inference(load: LoadConfig | str = "", device=None, **options):
     """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
 
-    path "" means the default run folder, whose newest checkpoint (best: its best) loads; device None or "auto"
-    picks CUDA, MPS or CPU; max_seq_len, when given, replaces the saved context length; base is the model a LoRA
-    run's adapters join; quantize and compile as SampleConfig's (for_inference). Raises CheckpointError.
+    load: a LoadConfig, or its checkpoint with its other fields as keywords; device, when given (a name or a
+    torch.device), replaces its device. A checkpoint "" means the default run folder, whose newest checkpoint (best:
+    its best) loads; device "auto" picks CUDA, MPS or CPU; max_seq_len, when given, replaces the saved context
+    length; base is the model a LoRA run's adapters join; quantize and compile as for_inference's. Raises
+    CheckpointError.
     """
-    device = device if isinstance(device, torch.device) else pick_device(device or "auto")
-    found = read_model(path or default_run_dir(), max_seq_len, best, base)
+    load = load if isinstance(load, LoadConfig) else LoadConfig(checkpoint=load, **options)
+    device = device if isinstance(device, torch.device) else pick_device(device or load.device)
+    found = read_model(load.checkpoint or default_run_dir(), load.max_seq_len, load.best, load.base)
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
     cfg = found.config
@@ -105,4 +108,4 @@ def load_for_inference(path: str = "", device=None, best: bool = False, quantize
         raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
                               f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
                               "model; put the tokenizer.json the model was trained with beside it")
-    return for_inference(model, device, quantize, compile), tokenizer, cfg, found.path
+    return for_inference(model, device, load.quantize, load.compile), tokenizer, cfg, found.path

@@ -120,7 +120,7 @@ def settings_of(body: dict, ctx: int, chat: bool = False, echo: bool = False) ->
                             top_k=max(number(body, "top_k", 0, int, -1, INT64_MAX), 0),  # -1: off, as in vLLM
                             seed=number(body, "seed", -1, int, -1, INT64_MAX),
                             num_return_sequences=number(body, "n", 1, int, 1, MAX_N),
-                            stop=stop, repetition_penalty=1.0, compile="false")
+                            stop=stop, repetition_penalty=1.0)
     except ConfigError as e:
         raise BadRequest(str(e), getattr(e, "field", None)) from None
 

@@ -281,6 +281,6 @@ def app(tiny_checkpoint):
     from starlette.testclient import TestClient
 
     import serve
-    server = serve.Server(serve.parse_args([str(tiny_checkpoint), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(tiny_checkpoint), "--device", "cpu", "--compile", "off"]))
     with TestClient(serve.app_for(server)) as client:
         yield server, client

@@ -58,7 +58,7 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
 def live(looper):
     """The server (with an API key) on a free port of 127.0.0.1, in a thread of this process: (Server, page URL)."""
     uvicorn = pytest.importorskip("uvicorn")
-    server = serve.Server(serve.parse_args([str(looper), "--device", "cpu", "--compile", "false", "--api_key", KEY]))
+    server = serve.Server(*serve.parse_args([str(looper), "--device", "cpu", "--compile", "off", "--api_key", KEY]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,7 +120,7 @@ def test_models_and_the_page_follow_the_api_rules(looper):
     validation bits per byte of the run's evaluation at that step (not a later one). The page holds no secret;
     it is served with a policy that lets it load and call nothing but this server, and links nothing outside."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(looper), "--device", "cpu", "--compile", "false", "--api_key", KEY]))
+    server = serve.Server(*serve.parse_args([str(looper), "--device", "cpu", "--compile", "off", "--api_key", KEY]))
     with TestClient(serve.app_for(server)) as client:
         refused = client.get("/v1/models")
         (model,) = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]

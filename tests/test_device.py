@@ -71,6 +71,16 @@ def test_float8_conversion_keeps_names_and_skips_the_head(tiny_config):
     assert kinds["lm_head"] == "Linear"
 
 
+def test_the_trainer_takes_the_generators_auto_compile_word_as_default():
+    """Training and generation share one --compile vocabulary; auto reached torch.compile as a mode it does not
+    know (RuntimeError). For training it is the default mode; no CUDA graphs, so no step markers."""
+    from llm.cli import parse_config
+    assert parse_config(["--compile", "auto"])[0].train.compile == "auto"
+    model = torch.nn.Linear(2, 2)
+    assert device.compile_model(model, "auto") is not model and device.compile_model(model, "off") is model
+    assert not device.uses_cuda_graphs("auto", torch.device("cuda"))
+
+
 def test_tf32_is_set_through_the_api_inductor_reads():
     """Setting TF32 through the per-backend fp32_precision made torch.get_float32_matmul_precision() raise "a mix
     of the legacy and new APIs", and Inductor's GEMM autotuning reads it: --compile max-autotune failed on the

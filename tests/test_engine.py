@@ -17,7 +17,14 @@ from conftest import CODE as TEXT
 from llm import engine
 from llm.inference import load_for_inference, quantize_int8
 
-GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0, compile="false")
+GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
+
+
+def compiled(model, mode: str = "default"):
+    """A copy of model whose generation compiles, as for_inference sets a loaded one; model itself stays eager."""
+    twin = copy.deepcopy(model)
+    assert engine.use_compile(twin, mode)
+    return twin
 
 
 def ids_of(tok, text):
@@ -112,19 +119,22 @@ def test_stop_strings_stop_and_are_not_printed(tiny_loaded):
 def test_compiled_cuda_decode_matches_eager(tiny_checkpoint):
     """The CUDA-graph decode step must give eager's greedy tokens, across calls and batch sizes (a stale
     graph output or a cache whose address changed would show up here)."""
-    model, tok, *_ = load_for_inference(tiny_checkpoint, "cuda")
+    model, tok, *_ = load_for_inference(tiny_checkpoint, "cuda")  # auto: compiled on CUDA
+    plain = load_for_inference(tiny_checkpoint, "cuda", compile="off")[0]
+    assert engine.compiles(model) and not engine.compiles(plain)
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
-    eager = engine.generate(model, prompts, GREEDY)
+    eager = engine.generate(plain, prompts, GREEDY)
     for batch in (prompts, prompts[:1], prompts):
-        assert engine.generate(model, batch, replace(GREEDY, compile="true")) == eager[:len(batch)]
+        assert engine.generate(model, batch, GREEDY) == eager[:len(batch)]
 
 
 def test_the_host_reads_tokens_once_per_chunk(tiny_loaded, monkeypatch):
     """No host sync per token: the new ids come back CHUNK steps at a time (the last read may be shorter)."""
     model, tok = tiny_loaded
     reads = []
-    original = engine._read
-    monkeypatch.setattr(engine, "_read", lambda block, *a: (reads.append(len(block[0])), original(block, *a))[1])
+    original = engine.Outputs.read
+    monkeypatch.setattr(engine.Outputs, "read", lambda self, block: (reads.append(len(block[0])),
+                                                                     original(self, block))[1])
     out = engine.generate(model, [ids_of(tok, "def f")], replace(GREEDY, max_new_tokens=2 * engine.CHUNK + 3))
     assert len(out[0]) == 2 * engine.CHUNK + 3 and reads == [engine.CHUNK, engine.CHUNK, 3]
 
@@ -151,12 +161,13 @@ def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
     with torch.no_grad():
         other.lm_head.weight.mul_(-1.0)  # tied: the embedding too
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if n < 2:\n        return", "x")]
-    greedy = replace(GREEDY, compile="true", max_new_tokens=20)
+    greedy = replace(GREEDY, max_new_tokens=20)
     sampled = replace(greedy, temperature=0.9, top_k=30, seed=11)
+    twins = {id(model): compiled(model), id(other): compiled(other)}
     runs = [(m, batch, s) for s in (greedy, sampled) for batch in (prompts, prompts[:1]) for m in (model, other)]
-    outputs = [engine.generate(m, batch, s) for m, batch, s in runs + runs]
+    outputs = [engine.generate(twins[id(m)], batch, s) for m, batch, s in runs + runs]
     for (m, batch, s), out, again in zip(runs, outputs, outputs[len(runs):]):
-        assert out == again == engine.generate(m, batch, replace(s, compile="false"))
+        assert out == again == engine.generate(m, batch, s)
     assert len({str(out) for out in outputs[:len(runs)]}) == len(runs)  # every run differs from every other
 
 
@@ -167,18 +178,18 @@ def test_mixed_batch_sizes_reuse_a_few_compiled_graphs(tiny_loaded):
     without a word. Batches now pad to powers of two: sizes 1-5 compile for 1, 2, 4 and 8 only, a second round
     compiles nothing, and each padded batch gives the tokens of the eager, unpadded one."""
     from torch._dynamo.utils import counters
-    model, tok = tiny_loaded
-    model = copy.deepcopy(model)  # a model of its own: no compiled steps from other tests
+    eager, tok = tiny_loaded
+    model = compiled(eager)  # a model of its own: no compiled steps from other tests
     prompts = [ids_of(tok, t) for t in ("import os", "def f(x):", "class A:", "x = 1", "for i in")]
-    settings = replace(GREEDY, compile="true", max_new_tokens=10)
+    settings = replace(GREEDY, max_new_tokens=10)
     sizes = (3, 1, 5, 2, 4)
     first = [engine.generate(model, prompts[:n], settings) for n in sizes]
     graphs = counters["stats"]["unique_graphs"]
     again = [engine.generate(model, prompts[:n], settings) for n in sizes]
     assert counters["stats"]["unique_graphs"] == graphs  # the second round compiled nothing
-    assert sorted(engine._COMPILED[model]) == [1, 2, 4, 8]
+    assert sorted(engine._COMPILED[model].slots) == [1, 2, 4, 8]
     for n, out, out_again in zip(sizes, first, again):
-        assert out == out_again == engine.generate(model, prompts[:n], replace(settings, compile="false"))
+        assert out == out_again == engine.generate(eager, prompts[:n], settings)
 
 
 @pytest.mark.slow
@@ -188,20 +199,34 @@ def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
     model, tok = tiny_loaded
     int8 = quantize_int8(copy.deepcopy(model))
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if")]
-    compiled = replace(GREEDY, compile="true", max_new_tokens=16)
-    eager = engine.generate(int8, prompts, replace(compiled, compile="false"))
-    assert engine.generate(int8, prompts, compiled) == eager
+    settings = replace(GREEDY, max_new_tokens=16)
+    eager = engine.generate(int8, prompts, settings)
+    assert engine.generate(compiled(int8), prompts, settings) == eager
     ids = torch.tensor([prompts[1]])
     with torch.no_grad():
         p, p8 = model(ids)[0].softmax(-1), int8(ids)[0].softmax(-1)
     assert 0 < (p - p8).abs().sum(-1).max() / 2 < 0.05  # total variation distance at every position (2% seen)
 
 
-def test_compile_auto_means_cuda_and_never_mps():
-    on = lambda mode, kind: engine.compiles(mode, torch.device(kind))  # noqa: E731
-    assert [on("auto", k) for k in ("cuda", "cpu", "mps")] == [True, False, False]
-    assert [on("true", k) for k in ("cuda", "cpu", "mps")] == [True, True, False]
-    assert not on("false", "cuda")
+def test_compile_auto_means_cuda_graphs_on_cuda_and_never_mps():
+    """The one decision whether generation compiles (LoadConfig.compile and the device): auto compiles into CUDA
+    graphs on CUDA only; a mode named compiles everywhere but MPS, off CUDA without graphs; off never does."""
+    mode = lambda setting, kind: engine.compile_mode(setting, torch.device(kind))  # noqa: E731
+    kinds = ("cuda", "cpu", "mps")
+    assert [mode("auto", k) for k in kinds] == ["reduce-overhead", None, None]
+    assert [mode("reduce-overhead", k) for k in kinds] == ["reduce-overhead", "default", None]
+    assert [mode("default", k) for k in kinds] == ["default", "default", None]
+    assert [mode("max-autotune", k) for k in kinds] == ["max-autotune", "max-autotune-no-cudagraphs", None]
+    assert [mode("off", k) for k in kinds] == [None, None, None]
+
+
+def test_a_model_compiles_as_it_was_set_to_at_load(tiny_loaded):
+    """Whether generate() compiles is decided once per model (use_compile, from for_inference): a loaded CPU
+    model with compile auto stays eager, one set to a mode compiles its steps, and off undoes it."""
+    model = copy.deepcopy(tiny_loaded[0])
+    assert not engine.compiles(tiny_loaded[0]) and not engine.compiles(model)
+    assert engine.use_compile(model, "default") and engine.compiles(model)
+    assert not engine.use_compile(model, "off") and not engine.compiles(model)
 
 
 def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
@@ -221,7 +246,7 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
     try:
         engine.decode_step = lambda *a: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit)) \
             or real_decode(*a)
-        engine.generate(model, [[1, 2]], SampleConfig(max_new_tokens=3, temperature=0, compile="false"))
+        engine.generate(model, [[1, 2]], SampleConfig(max_new_tokens=3, temperature=0))
     finally:
         engine.decode_step = real_decode
     assert seen and set(seen) == {(max(before[0], engine.RECOMPILE_LIMIT), True)}
@@ -233,30 +258,27 @@ def test_generation_is_eager_while_its_steps_compile_in_the_background(tiny_load
     compile in a thread and generate() runs eagerly until they are ready: a reply comes while the compile is
     held back, then the compiled steps give the same tokens; a compile that fails leaves generation eager."""
     import threading
-    model = copy.deepcopy(tiny_loaded[0])  # a model of its own: its compiled steps are kept per model
     prompts = [ids_of(tiny_loaded[1], "def fibonacci(n):")]
-    want = engine.generate(model, prompts, GREEDY)
-    release, slot = threading.Event(), engine._slot
-    def held(model, batch, max_len, compiled):  # a compile that lasts until the test releases it
-        if compiled:
-            release.wait(60)
-        return slot(model, batch, max_len, compiled)
-    monkeypatch.setattr(engine, "_slot", held)
-    thread = engine.compile_in_background(model, replace(GREEDY, compile="true"))
+    want = engine.generate(tiny_loaded[0], prompts, GREEDY)
+    model = compiled(tiny_loaded[0])  # a model of its own: its compiled steps are kept per model
+    release, slot = threading.Event(), engine.compiled_slot
+    def held(model, batch):  # a compile that lasts until the test releases it
+        release.wait(60)
+        return slot(model, batch)
+    monkeypatch.setattr(engine, "compiled_slot", held)
+    thread = engine.compile_in_background(model, GREEDY)
     assert engine.compiling(model)
-    got = engine.generate(model, prompts, replace(GREEDY, compile="true"))
-    assert got == want and model not in engine._COMPILED  # replied eagerly: nothing compiled yet
+    got = engine.generate(model, prompts, GREEDY)
+    assert got == want and not engine._COMPILED[model].slots  # replied eagerly: nothing compiled yet
     release.set()
     thread.join(120)
-    assert not engine.compiling(model) and thread.error is None and 1 in engine._COMPILED[model]
-    assert engine.generate(model, prompts, replace(GREEDY, compile="true")) == want  # the compiled steps now
-    failing, errors = copy.deepcopy(tiny_loaded[0]), []
-    def broken(model, batch, max_len, compiled):
-        if compiled:
-            raise RuntimeError("no compiler")
-        return slot(model, batch, max_len, compiled)
-    monkeypatch.setattr(engine, "_slot", broken)
-    engine.compile_in_background(failing, replace(GREEDY, compile="true"), errors.append).join(60)
+    assert not engine.compiling(model) and thread.error is None and 1 in engine._COMPILED[model].slots
+    assert engine.generate(model, prompts, GREEDY) == want  # the compiled steps now
+    failing, errors = compiled(tiny_loaded[0]), []
+    def broken(model, batch):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(engine, "compiled_slot", broken)
+    engine.compile_in_background(failing, GREEDY, errors.append).join(60)
     assert [str(e) for e in errors] == ["no compiler"] and engine.compiling(failing)  # stays eager
-    assert engine.generate(failing, prompts, replace(GREEDY, compile="true")) == want
+    assert engine.generate(failing, prompts, GREEDY) == want
     torch._dynamo.reset()

@@ -107,7 +107,7 @@ def test_f16_file_reads_back_as_our_model(python_data, tmp_path, tiny_config, qk
     tok = Tokenizer.from_file(python_data.tokenizer_path)
     for text in ("import os\n", "def parse_args(self", "class HelpFormatter(object):\n    "):
         prompt = tok.encode(text).ids
-        mine = engine.generate(ours, [prompt], SampleConfig(temperature=0, max_new_tokens=16, compile="false"),
+        mine = engine.generate(ours, [prompt], SampleConfig(temperature=0, max_new_tokens=16),
                                eos_ids=[eos])[0]
         x = torch.tensor([prompt])
         new = theirs.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,

@@ -147,7 +147,7 @@ def test_a_prompt_with_bytes_that_are_not_utf8_is_generated_from(tiny_checkpoint
     byte now becomes U+FFFD, as on stdin."""
     assert tg.main([tiny_checkpoint, "--prompt", "caf\udce9", "--max_new_tokens", "2", "--temperature", "0"]) == 0
     assert "tokens/s" in capsys.readouterr().err
-    assert tg.parse_args(["--prompt", "caf\udce9", "--stop", "\udcff"])[1].prompt == "caf\ufffd"
+    assert tg.parse_args(["--prompt", "caf\udce9", "--stop", "\udcff"])[2].prompt == "caf\ufffd"
 
 
 def test_list_skips_plain_files_beside_the_runs(tiny_checkpoint, tmp_path, capsys):

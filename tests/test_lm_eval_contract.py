@@ -162,7 +162,7 @@ def test_a_generated_end_token_is_in_the_logprobs(ender):
     """lm-eval drops the last entry (the one generated token); when that token was the end token, the server
     once left it out, and lm-eval's slice then dropped the continuation's last token instead."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(ender), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(ender), "--device", "cpu", "--compile", "off"]))
     ids, ctxlen = server.tokenizer.encode("import os", add_special_tokens=False), 1
     with TestClient(serve.app_for(server)) as client:
         answer = client.post("/v1/completions", json={"prompt": [ids], "temperature": 0, "max_tokens": 1,

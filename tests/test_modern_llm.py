@@ -165,7 +165,7 @@ def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(t
     now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head still
     tied) only where the decode step will compile on a CPU, and generate() changes no model."""
     from config import SampleConfig
-    from llm.engine import generate
+    from llm.engine import generate, use_compile
     from llm.inference import for_inference
     source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
     assert "is_compiling" not in source and "Int8Tensor" not in source
@@ -174,15 +174,17 @@ def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(t
     plain = Transformer(tiny_config(vocab_size=64))
     swapped = Transformer(tiny_config(vocab_size=64))
     swapped.load_state_dict(plain.state_dict())
-    plain = for_inference(plain, torch.device("cpu"), compile="false")
-    swapped = for_inference(swapped, torch.device("cpu"), compile="true")
+    plain = for_inference(plain, torch.device("cpu"), compile="off")
+    swapped = for_inference(swapped, torch.device("cpu"), compile="default")
     assert linears(plain) == {torch.nn.Linear} and linears(swapped) == {RowProductLinear}
     assert swapped.lm_head.weight is swapped.embed_tokens.weight
     prompts = [[1, 2, 3]]
-    eager = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="false"))
-    compiled = generate(plain, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
+    greedy = SampleConfig(max_new_tokens=4, temperature=0)
+    eager = generate(plain, prompts, greedy)
+    assert use_compile(plain, "default")  # the engine alone set to compile it, for_inference not asked again
+    compiled = generate(plain, prompts, greedy)
     assert linears(plain) == {torch.nn.Linear}  # generating compiled left the caller's model as it was
-    on_swapped = generate(swapped, prompts, SampleConfig(max_new_tokens=4, temperature=0, compile="true"))
+    on_swapped = generate(swapped, prompts, greedy)
     assert on_swapped == compiled == eager
     torch._dynamo.reset()
 
@@ -483,4 +485,4 @@ def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bi
                  for m, c in zip((separate, fused), caches)]
     torch.testing.assert_close(steps[1][1], steps[0][1], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(steps[1][1][:, 0], want[:, 8], rtol=1e-12, atol=1e-12)
-    assert matmuls(for_inference(model_of(cfg), torch.device("cpu"), compile="false")) == 4  # what generation runs
+    assert matmuls(for_inference(model_of(cfg), torch.device("cpu"), compile="off")) == 4  # what generation runs

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import serve
-from config import SampleConfig
+from config import LoadConfig, SampleConfig, ServeConfig
 from llm import openai_api, worker
 from llm.engine import generate, generate_text
-from llm.errors import RunFailure
+from llm.errors import ConfigError, RunFailure
 from llm.inference import load_for_inference
 from llm.tokenizer import stop_ids
 
@@ -337,10 +337,37 @@ def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
 
 
 def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
-    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback."""
+    """`serve.py --port 70000` once loaded the model and ended in an OverflowError traceback. ServeConfig now
+    refuses it, as every setting is refused, before the model loads."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), tiny_checkpoint, "--port", "70000"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("error: --port 70000") and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: port=70000 is invalid") and "65535" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_the_flags_are_loadconfigs_and_serveconfigs():
+    """serve.py declares no flag of its own: the checkpoint (a bare word) and the loading flags fill LoadConfig,
+    the server's fill ServeConfig, with the generator's words and checks; an older --compile word still works."""
+    load, serving = serve.parse_args(["runs/x", "--best", "--base", "hf:A/B", "--device", "cpu", "--compile", "false",
+                                      "--quantize", "int8", "--max_seq_len", "64", "--host", "0.0.0.0", "--port",
+                                      "8080", "--api_key", "k", "--name", "m", "--max_batch", "3"])
+    assert load == LoadConfig(checkpoint="runs/x", best=True, base="hf:A/B", device="cpu", compile="off",
+                              quantize="int8", max_seq_len=64)
+    assert serving == ServeConfig(host="0.0.0.0", port=8080, api_key="k", name="m", max_batch=3)
+    assert serve.parse_args([]) == (LoadConfig(), ServeConfig())
+    assert serve.parse_args(["--compile", "true"])[0].compile == "reduce-overhead"
+    for argv, named in ((["--temperature", "1"], "--temperature"), (["--compile", "fast"], "fast"),
+                        (["--max_batch", "0"], "max_batch=0"), (["a", "b"], "b")):
+        with pytest.raises(ConfigError, match=named):
+            serve.parse_args(argv)
+
+
+def test_an_unknown_flag_is_one_line_and_exit_2():
+    """A flag serve.py does not take (a sampling one) is refused by name, before the model loads: exit 2."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--temperature", "0.5"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown setting --temperature") and "Traceback" not in \
+        r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def connect(url: str) -> socket.socket:
@@ -444,7 +471,7 @@ def test_completions_of_a_chat_model_end_at_im_end_too(chat_stopper):
     """/v1/completions on a chat-trained model once printed <|im_end|> as text and went on: every route ends where
     the model ends its reply."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 12,
             "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
@@ -456,7 +483,7 @@ def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
     """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
     request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
     from starlette.testclient import TestClient
-    server = serve.Server(serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "false"]))
+    server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}
     with TestClient(serve.app_for(server)) as client:
         whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]

@@ -7,16 +7,17 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 import text_generator as tg
-from config import SampleConfig
+from config import LoadConfig, SampleConfig
 from conftest import save_model
 from llm.checkpoint import read_model, save_checkpoint
 from llm.engine import generate_text
+from llm.errors import ConfigError
 from llm.inference import load_for_inference
 from llm.tokenizer import chat_prompt_ids
 from modern_llm import Transformer
@@ -69,6 +70,46 @@ def test_bad_checkpoints_exit_2(ckpt, tmp_path, capsys):
     assert e.value.code == 2 and "temperature" in capsys.readouterr().err
 
 
+def test_loading_and_sampling_flags_fill_their_own_configs():
+    """text_generator.py declares only its actions by hand: the checkpoint (a bare word) and the loading flags fill
+    LoadConfig, the sampling flags SampleConfig, each checked by its own rules; `set` changes only the latter."""
+    load, settings, extras = tg.parse_args(["runs/x", "--best", "--base", "b", "--device", "cpu", "--compile",
+                                            "max-autotune", "--quantize", "int8", "--max_seq_len", "64",
+                                            "--temperature", "0.5", "--top_k", "7", "--top_p", "0.9",
+                                            "--repetition_penalty", "1.2", "--num_return_sequences", "2", "--seed",
+                                            "3", "--max_new_tokens", "9", "--stop", "\\n", "--prompt", "p"])
+    assert load == LoadConfig(checkpoint="runs/x", best=True, base="b", device="cpu", compile="max-autotune",
+                              quantize="int8", max_seq_len=64)
+    assert settings == SampleConfig(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.2,
+                                    num_return_sequences=2, seed=3, max_new_tokens=9, stop=["\n"])
+    assert extras.prompt == "p" and not extras.list
+    assert tg.parse_args([])[:2] == (LoadConfig(), SampleConfig())
+    assert [tg.parse_args(["--compile", w])[0].compile for w in ("true", "false")] == ["reduce-overhead", "off"]
+    assert set(tg.SETTABLE) == {f.name for f in fields(SampleConfig)} and not set(tg.SETTABLE) & {
+        f.name for f in fields(LoadConfig)}
+    for argv, named in ((["--checkpoint", "x"], "--checkpoint"), (["--compile", "fast"], "fast"),
+                        (["--max_seq_len", "-1"], "max_seq_len"), (["--port", "1"], "--port")):
+        with pytest.raises(ConfigError, match=named):
+            tg.parse_args(argv)
+
+
+def test_a_config_file_may_name_the_checkpoint(tmp_path):
+    """A --config file's checkpoint is the positional word it stands for; the command line's other flags apply on
+    top."""
+    (tmp_path / "g.json").write_text('{"checkpoint": "runs/y", "compile": "off", "temperature": 0.1}')
+    load, settings, _ = tg.parse_args(["--config", str(tmp_path / "g.json"), "--temperature", "0.3"])
+    assert (load.checkpoint, load.compile, settings.temperature) == ("runs/y", "off", 0.3)
+
+
+def test_an_unknown_flag_is_one_line_and_exit_2(capsys):
+    """A flag the generator does not take (the server's --port) is refused by name with exit code 2, before
+    anything loads."""
+    with pytest.raises(SystemExit) as e:
+        tg.main(["--port", "8000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: unknown setting --port")
+
+
 def test_settings_are_validated():
     """`set` parses by the field's type and reruns SampleConfig's checks; unknown names list valid ones."""
     s = tg.with_setting(SampleConfig(), "top_k", "7")
@@ -111,7 +152,7 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
 def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path):
     """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its first
     prompt. It now compiles in the background and answers at once, eagerly, with the same tokens; a one-shot
-    --compile true still compiles first, as asked."""
+    compile asked by name (--compile default, or the older word true) still compiles first, as asked."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     r = cli([ckpt, "--interactive", "--compile", "true", "--temperature", "0", "--max_new_tokens", "6"], tmp_path,
@@ -119,7 +160,8 @@ def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "compiling the decode step in the background" in r.stderr and "compiling the decode step..." not in r.stderr
     assert expect in r.stdout
-    one = cli([ckpt, "--compile", "true", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"], tmp_path)
+    one = cli([ckpt, "--compile", "default", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"],
+              tmp_path)
     assert one.returncode == 0 and one.stdout == expect + "\n" and "compiling the decode step..." in one.stderr
 
 
@@ -149,9 +191,9 @@ def test_missing_default_checkpoint_cli(tmp_path):
 
 def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
     """TextGenerator: one load, then generate() with the CLI's settings, one prompt or a batch; bad settings are
-    refused by name; the settings record what was loaded."""
+    refused by name; its load records what was loaded."""
     g = tg.TextGenerator(ckpt, device="cpu", max_new_tokens=6, temperature=0.0)
-    assert g.settings.checkpoint == ckpt
+    assert g.load.checkpoint == ckpt
     one = g.generate("def")
     expected = generate_text(g.model, g.tokenizer, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     assert isinstance(one, str) and one == expected
@@ -171,7 +213,7 @@ def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
 def test_chat_replies_end_at_im_end_with_no_stop_setting(chat_stopper, capsys):
     """A chat-trained model ends each reply with <|im_end|>: the REPL's chat and TextGenerator.chat must stop there
     with no stop setting, or the reply runs on into turns the model invents ("OK<|im_end|>OK<|im_end|>...")."""
-    g = tg.TextGenerator(chat_stopper, device="cpu", compile="false", temperature=0.0, max_new_tokens=12)
+    g = tg.TextGenerator(chat_stopper, device="cpu", compile="off", temperature=0.0, max_new_tokens=12)
     hello = [{"role": "user", "content": "hello"}]
     ok = g.tokenizer.encode("OK<|im_end|>", add_special_tokens=False)
     endless = generate_text(g.model, g.tokenizer, [chat_prompt_ids(g.tokenizer, hello)], g.settings, eos_ids=[])[1]

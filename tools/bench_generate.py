@@ -111,9 +111,9 @@ def median_ratio(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
-def ours(model, prompts, n, compile_mode="true"):
-    """(B, n) new ids from engine.generate, greedy."""
-    return generate(model, prompts.tolist(), SampleConfig(temperature=0.0, max_new_tokens=n, compile=compile_mode))
+def ours(model, prompts, n):
+    """(B, n) new ids from engine.generate, greedy; compiled as for_inference set the model to."""
+    return generate(model, prompts.tolist(), SampleConfig(temperature=0.0, max_new_tokens=n))
 
 
 def theirs(hf, prompts, n, fastest: bool):
@@ -166,7 +166,8 @@ def main(argv=None):
         twin = None if args.skip_hf else hf_twin(cfg, model.state_dict()).to(device, dtype).eval()
         if twin is not None:
             twin.generation_config.eos_token_id, twin.generation_config.pad_token_id = None, 0  # exactly n tokens
-        for_inference(model, device, args.quantize, compile="true")  # as text_generator.py --compile true loads it
+        # As text_generator.py --compile reduce-overhead loads it: compiled, a CUDA graph on CUDA.
+        for_inference(model, device, args.quantize, compile="reduce-overhead")
         check = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
         mine = ours(model, check, 32)
         for label, fastest in hfs.items():

@@ -208,7 +208,7 @@ def run_generation() -> dict:
     memory = DeviceMemory()
     with torch.no_grad():
         for batch in (1, 4):
-            slot = engine._slot(model, batch, cfg.model.max_seq_len, compiled=True)
+            slot = engine.compiled_slot(model, batch)  # for_inference set the model to compile (auto on CUDA)
             ids = torch.zeros(batch, engine.MIN_BUCKET, dtype=torch.long, device=device)
             lengths = torch.full((batch,), engine.MIN_BUCKET - 3, device=device)
             ranked = candidates([0.8] * batch, [50] * batch, cfg.model.vocab_size)
@@ -216,7 +216,6 @@ def run_generation() -> dict:
                 slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
                 for i in range(3):
                     ROOFLINE.counting = batch == 1 and steps == 1 and i == 0  # the kernels of one decode step
-                    torch.compiler.cudagraph_mark_step_begin()
                     slot.decode(model, slot.cache, slot.state, ranked)
                     ROOFLINE.counting = False
                 torch._dynamo.config.error_on_recompile = steps == 0

@@ -78,8 +78,8 @@ def held_out(n: int = 12) -> list[str]:
 
 def measure(path: str, base: str, texts: list[str]) -> dict:
     """Style rate, general answers kept and bits per byte on general text of one model."""
-    model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="false")
-    greedy = SampleConfig(temperature=0, max_new_tokens=40, compile="false")
+    model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="off")
+    greedy = SampleConfig(temperature=0, max_new_tokens=40)
 
     def reply(question: str) -> str:
         prompt = chat_prompt_ids(tok, [{"role": "user", "content": question}])

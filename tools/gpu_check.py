@@ -232,12 +232,12 @@ def trained_checkpoint(args) -> str:
 
 def first_token(args) -> dict:
     """A one-shot generation from the default run's checkpoint, launch to exit: with an empty compile cache (the
-    first use), with the cache it left (a later use), and eagerly (--compile false)."""
+    first use), with the cache it left (a later use), and eagerly (--compile off)."""
     ckpt, rows = trained_checkpoint(args), []
     with tempfile.TemporaryDirectory() as cache:
         for label, flags in (("compiled, cold cache", []), ("compiled, warm cache", []),
-                             ("eager", ["--compile", "false"])):  # the first fills the cache the second reads
-            compiled = "false" if args.dry_run else "true"  # a CPU's compile takes half a minute: not the point
+                             ("eager", ["--compile", "off"])):  # the first fills the cache the second reads
+            compiled = "off" if args.dry_run else "reduce-overhead"  # a CPU's compile takes half a minute
             cmd = [os.path.join(HERE, "text_generator.py"), ckpt, "--prompt", PROMPT, "--max_new_tokens", "32",
                    "--temperature", "0", *(flags or ["--compile", compiled])]
             seconds, log = command(cmd, env={"TORCHINDUCTOR_CACHE_DIR": cache})
@@ -256,12 +256,12 @@ def decode(args) -> dict:
     device, rows = pick_device("auto"), []
     torch.manual_seed(0)
     cfg = bg.shape("tiny" if args.dry_run else "large")
-    compiled = "false" if args.dry_run else "true"  # as in first_token
+    compiled = "off" if args.dry_run else "reduce-overhead"  # as in first_token
     model = for_inference(Transformer(cfg).to(device), device, compile=compiled)
     n, reps = (8, 1) if args.dry_run else (128, 3)
     for batch in (1, 8):
         prompts = torch.randint(0, cfg.vocab_size, (batch, 64), device=device)
-        runs = bg.decode_rates({"ours": lambda k: bg.ours(model, prompts, k, compiled)}, batch, n, reps, device)["ours"]
+        runs = bg.decode_rates({"ours": lambda k: bg.ours(model, prompts, k)}, batch, n, reps, device)["ours"]
         rate = statistics.median(r[0] for r in runs)
         bound = batch * bg.bandwidth(device) / bg.bytes_per_step(model, batch, 64 + n / 2)
         rows.append({"batch": batch, "tokens_per_s": rate, "ms_per_step": 1e3 * batch / rate,
@@ -276,7 +276,7 @@ def decode(args) -> dict:
     twin = hf_twin(found.config, ours.state_dict()).to(device).float().eval()
     ours = for_inference(ours, device, compile=compiled).float()
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
-    mine, theirs = bg.ours(ours, prompt, 32, compiled), bg.theirs(twin, prompt, 32, fastest=False)
+    mine, theirs = bg.ours(ours, prompt, 32), bg.theirs(twin, prompt, 32, fastest=False)
     print(f"greedy check against transformers: {'identical' if mine == theirs else 'DIFFERENT'}", flush=True)
     return {"rows": rows, "shape": "tiny" if args.dry_run else "large", "greedy_identical": mine == theirs}
 
