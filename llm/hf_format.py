@@ -28,7 +28,7 @@ EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export wr
 # and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md a
 # user wrote in a folder stays).
 CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
-ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while a model builds its cos and sin (twice)
+ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while cos and sin are built: buffers, temporaries
 
 
 # ----------------------------------------------------------------------------- names and shapes
