@@ -6,8 +6,9 @@ of the run's steps done, so warmup and decay end where the run ends. Under a tim
 are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
 for the final evaluation and checkpoint; a resumed run carries on with what its earlier sessions left.
 Evaluations left automatic fall at every sixth of the run, as long as evaluating keeps to EVAL_SHARE of the
-time so far (a 10-step smoke run evaluates only at its end); one that would fall just before the final one is
-left to it. Ctrl-C or SIGTERM asks the loop to stop after its step (StopFlag).
+time so far (a 10-step smoke run evaluates only at its end), or later in the sixth's first half when the share
+can pay then; one that would fall just before the final one is left to it. RunClock is also the run's one step
+timer. Ctrl-C or SIGTERM asks the loop to stop after its step (StopFlag).
 """
 
 import contextlib
