@@ -26,7 +26,8 @@ from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoin
                             load_model_config)
 from llm.cli import parse_sections
 from llm.corpus import corpus_bytes
-from llm.engine import CHUNK, compile_failed, compile_in_background, compiles, generate_text
+from llm.decode_compile import compile_failed, compile_in_background, compiles
+from llm.engine import CHUNK, generate_text
 from llm.errors import CheckpointError, ConfigError, InputError, error_contract
 from llm.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
 from llm.inference import load_for_inference

@@ -4,7 +4,7 @@ reading the weights.
 One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt
 of that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature,
 top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device, compiled (a
-CUDA graph on CUDA) when the model was set to at load (use_compile). The host reads the new tokens back every
+CUDA graph on CUDA) when the model was set to at load (decode_compile.use_compile). The host reads the new tokens back every
 CHUNK steps, not every token: streaming stays smooth and the device never waits for Python. Sampling settings
 are tensors, one row each, so one compiled step serves every setting and a batch may mix them (the server does).
 score() reads sequences that are already there: each token's log-probability and the likeliest tokens in its
@@ -12,216 +12,22 @@ place.
 """
 
 import contextlib
-import sys
-import threading
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
 
 from config import SampleConfig
-from llm.device import uses_cuda_graphs
+from llm.decode import Slot, State, batch_bucket, bucket, eager_slot
+from llm.decode_compile import compile_limits, compiled_slot, compiles, compiling
 from llm.errors import ConfigError
-from llm.sampling import TextStream, candidates, exp_noise, pick
+from llm.sampling import TextStream, candidates, exp_noise
 from llm.tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
 SCORE_ROWS = 8  # sequences score() runs together
 SCORE_LOGITS = 2**25  # logits score() holds at once (rows x positions x vocabulary): 128 MiB in float32
-MIN_BUCKET = 16
 GREEDY_ONE = SampleConfig(temperature=0.0, max_new_tokens=1)  # the settings of a row that pads a batch
-RECOMPILE_LIMIT = 64  # graphs of one compiled step: a prompt bucket each (batch sizes have steps of their own)
-
-
-def bucket(length: int, ctx: int) -> int:
-    """The padded prefill length of a prompt: the next power of two from 16, at most the context."""
-    return min(ctx, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
-
-
-def batch_bucket(rows: int) -> int:
-    """The batch a compiled step runs: the next power of two, so a server's changing batch sizes reuse a few
-    compiled graphs instead of compiling (and stalling every request) for each new size."""
-    return 1 << (rows - 1).bit_length()
-
-
-@dataclass
-class State:
-    """The tensors a decode step reads and writes in place, one row per sequence: static addresses, so a CUDA
-    graph can replay over them."""
-    tokens: torch.Tensor  # (B, 1) the last token of each row
-    seen: torch.Tensor  # (B, V) bool: tokens in the prompt or generated, for the repetition penalty
-    done: torch.Tensor  # (B,) bool
-    count: torch.Tensor  # (B,) tokens generated
-    noise: torch.Tensor  # (B, V) the Exp(1) draws of this step
-    temperature: torch.Tensor  # (B, 1), and the same for the other settings
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    penalty: torch.Tensor
-    limit: torch.Tensor  # (B,) max new tokens of each row
-    eos: torch.Tensor  # (E,) ids that end a row
-
-    @classmethod
-    def empty(cls, batch: int, vocab: int, device, eos_slots: int = 4) -> "State":
-        z = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(batch, 1, dtype=torch.long), z(batch, vocab, dtype=torch.bool), z(batch, dtype=torch.bool),
-                   z(batch, dtype=torch.long), z(batch, vocab), z(batch, 1), z(batch, 1, dtype=torch.long),
-                   z(batch, 1), z(batch, 1), z(batch, dtype=torch.long), z(eos_slots, dtype=torch.long))
-
-    def sampling(self):
-        return self.temperature, self.top_k, self.top_p, self.penalty
-
-
-def advance(state: State, nxt: torch.Tensor):
-    """Write the picked ids into the state; a finished row keeps its token (its steps are thrown away)."""
-    nxt = torch.where(state.done, state.tokens[:, 0], nxt)
-    state.tokens.copy_(nxt[:, None])
-    state.seen.scatter_(1, nxt[:, None], True)
-    state.count.add_((~state.done).long())
-    state.done.logical_or_(torch.isin(nxt, state.eos) | (state.count >= state.limit))
-
-
-def prefill_step(model, ids, lengths, cache, state: State, ranked: int):
-    """The prompts into the cache, and the first new token of each row into the state."""
-    logits = model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0].float()
-    advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
-
-
-def decode_step(model, cache, state: State, ranked: int):
-    """One token for every row: the forward, sampling and checks, all on the device, all in place. ranked:
-    sampling.candidates() of the batch, a constant of the compiled step."""
-    logits = model(state.tokens, kv_cache=cache)[0][:, -1].float()
-    advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
-
-
-# ----------------------------------------------------------------------------- compiling: decided once per model
-
-def compile_mode(setting: str, device: torch.device) -> str | None:
-    """The one decision whether generation compiles (LoadConfig.compile on this device): the torch.compile mode of
-    the decode step, or None for eager. auto: reduce-overhead on CUDA, where CUDA graphs pay back the compile, eager
-    elsewhere; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU. Off CUDA a
-    mode that captures CUDA graphs runs as the same mode without them."""
-    if setting == "off" or device.type == "mps" or (setting == "auto" and device.type != "cuda"):
-        return None
-    mode = "reduce-overhead" if setting == "auto" else setting
-    if device.type != "cuda":
-        return {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
-    return mode
-
-
-@dataclass
-class Slot:
-    """A batch size's cache, state and prefill and decode steps. A compiled slot is kept for the model's life, with
-    the full context, so one graph serves every length; an eager one is sized to its call."""
-    cache: object
-    state: State
-    prefill: object
-    decode: object
-    compiled: bool = False
-
-
-@dataclass
-class Compiled:
-    """A model whose generation compiles: its decode step's mode, its slots and its background compile."""
-    mode: str
-    slots: dict = field(default_factory=dict)  # batch size -> Slot
-    background: threading.Thread | None = None
-
-
-_COMPILED = weakref.WeakKeyDictionary()  # model -> Compiled, for the models use_compile() set to compile
-
-
-def use_compile(model, setting: str) -> bool:
-    """Set once, at load, whether generate() compiles this model's steps (compile_mode of LoadConfig.compile and the
-    model's device); True when it does. Models never set generate eagerly."""
-    mode = compile_mode(setting, model.embed_tokens.weight.device)
-    if mode is None:
-        _COMPILED.pop(model, None)
-    elif _COMPILED.get(model) is None or _COMPILED[model].mode != mode:
-        _COMPILED[model] = Compiled(mode)
-    return mode is not None
-
-
-def compiles(model) -> bool:
-    """Whether generate() compiles this model's steps (use_compile)."""
-    return model in _COMPILED
-
-
-def compiled_slot(model, batch: int) -> Slot:
-    """The compiled slot of `batch` rows, built on first use and kept: the full-context cache and state at pinned
-    addresses, the prefill compiled, and the decode step compiled in the model's mode. With a mode that captures
-    CUDA graphs the first decode calls of a generating thread capture the graph and later ones replay it."""
-    steps, device, vocab = _COMPILED[model], model.embed_tokens.weight.device, model.config.vocab_size
-    if batch in steps.slots:
-        return steps.slots[batch]
-    cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
-    prefill = torch.compile(prefill_step, dynamic=False)
-    if device.type == "cuda":
-        for t in (*cache.k, *cache.v, cache.pos, *vars(state).values()):
-            torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
-    mode = None if steps.mode == "default" else steps.mode
-    compiled = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=device.type == "cuda")
-
-    def graph_step(*args):  # a new graph step per call: no output of the last replay is kept
-        torch.compiler.cudagraph_mark_step_begin()
-        compiled(*args)
-    decode = graph_step if uses_cuda_graphs(steps.mode, device) else compiled
-    steps.slots[batch] = Slot(cache, state, prefill, decode, compiled=True)
-    return steps.slots[batch]
-
-
-def eager_slot(model, batch: int, max_len: int) -> Slot:
-    """A slot of plain steps, its cache sized to this call."""
-    device, vocab = model.embed_tokens.weight.device, model.config.vocab_size
-    return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device), prefill_step, decode_step)
-
-
-def compile_limits():
-    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's default 8)
-    and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the process's own
-    settings hold outside it."""
-    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
-
-
-def compile_in_background(model, settings: SampleConfig, on_error=None) -> threading.Thread:
-    """Compile the batch-1 prefill (of the shortest bucket) and decode step of a model set to compile, for these
-    settings, in a thread, while generate() runs eagerly: a REPL's or a server's first reply then waits for no
-    compile. The thread runs each step once; it never captures a CUDA graph (the first compiled call of a
-    generating thread does), so eager generation beside it is safe. A failed compile leaves generation eager, with
-    the error kept as `.error` and passed to on_error."""
-    def work():
-        try:
-            with torch.no_grad(), compile_limits():
-                slot = compiled_slot(model, 1)
-                device = model.embed_tokens.weight.device
-                ids = torch.zeros(1, MIN_BUCKET, dtype=torch.long, device=device)
-                ranked = candidates([settings.temperature], [settings.top_k], model.config.vocab_size)
-                slot.prefill(model, ids, torch.ones(1, dtype=torch.long, device=device), slot.cache, slot.state,
-                             ranked)
-                slot.decode(model, slot.cache, slot.state, ranked)
-        except Exception as e:  # generation stays eager; the caller says so
-            thread.error = e
-            if on_error:
-                on_error(e)
-    thread = threading.Thread(target=work, name="compile", daemon=True)
-    thread.error = None
-    _COMPILED[model].background = thread
-    thread.start()
-    return thread
-
-
-def compile_failed(e: BaseException):
-    """The warning of a background compile that failed (compile_in_background's on_error for the scripts)."""
-    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-    print(f"warning: compiling the decode step failed ({first[:200]}); generating eagerly", file=sys.stderr,
-          flush=True)
-
-
-def compiling(model) -> bool:
-    """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then."""
-    thread = _COMPILED[model].background if model in _COMPILED else None
-    return thread is not None and (thread.is_alive() or thread.error is not None)
 
 
 def check_memory(model, batch: int, max_len: int):

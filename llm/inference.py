@@ -13,7 +13,7 @@ from torch import nn
 from config import LoadConfig, default_run_dir
 from llm.checkpoint import read_model
 from llm.device import inference_dtype, pick_device
-from llm.engine import use_compile
+from llm.decode_compile import use_compile
 from llm.errors import CheckpointError, ConfigError
 from llm.tokenizer import load_tokenizer
 from modern_llm import Transformer
@@ -71,7 +71,7 @@ def for_inference(model: Transformer, device: torch.device, quantize: str = "non
                   compile: str = "auto") -> Transformer:
     """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that compute
     it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, its generation set to compile or
-    not (LoadConfig.compile, engine.use_compile), and with the few-row linear layers where its decode step compiles
+    not (LoadConfig.compile, decode_compile.use_compile), and with the few-row linear layers where its decode step compiles
     on a CPU. In place."""
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))

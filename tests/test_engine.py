@@ -14,7 +14,7 @@ from test_sampling import sample_next
 
 from config import SampleConfig
 from conftest import CODE as TEXT
-from llm import engine
+from llm import decode, decode_compile, engine
 from llm.inference import load_for_inference, quantize_int8
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
@@ -23,7 +23,7 @@ GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
 def compiled(model, mode: str = "default"):
     """A copy of model whose generation compiles, as for_inference sets a loaded one; model itself stays eager."""
     twin = copy.deepcopy(model)
-    assert engine.use_compile(twin, mode)
+    assert decode_compile.use_compile(twin, mode)
     return twin
 
 
@@ -121,7 +121,7 @@ def test_compiled_cuda_decode_matches_eager(tiny_checkpoint):
     graph output or a cache whose address changed would show up here)."""
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cuda")  # auto: compiled on CUDA
     plain = load_for_inference(tiny_checkpoint, "cuda", compile="off")[0]
-    assert engine.compiles(model) and not engine.compiles(plain)
+    assert decode_compile.compiles(model) and not decode_compile.compiles(plain)
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x")]
     eager = engine.generate(plain, prompts, GREEDY)
     for batch in (prompts, prompts[:1], prompts):
@@ -187,7 +187,7 @@ def test_mixed_batch_sizes_reuse_a_few_compiled_graphs(tiny_loaded):
     graphs = counters["stats"]["unique_graphs"]
     again = [engine.generate(model, prompts[:n], settings) for n in sizes]
     assert counters["stats"]["unique_graphs"] == graphs  # the second round compiled nothing
-    assert sorted(engine._COMPILED[model].slots) == [1, 2, 4, 8]
+    assert sorted(decode_compile._COMPILED[model].slots) == [1, 2, 4, 8]
     for n, out, out_again in zip(sizes, first, again):
         assert out == out_again == engine.generate(eager, prompts[:n], settings)
 
@@ -211,7 +211,7 @@ def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
 def test_compile_auto_means_cuda_graphs_on_cuda_and_never_mps():
     """The one decision whether generation compiles (LoadConfig.compile and the device): auto compiles into CUDA
     graphs on CUDA only; a mode named compiles everywhere but MPS, off CUDA without graphs; off never does."""
-    mode = lambda setting, kind: engine.compile_mode(setting, torch.device(kind))  # noqa: E731
+    mode = lambda setting, kind: decode_compile.compile_mode(setting, torch.device(kind))  # noqa: E731
     kinds = ("cuda", "cpu", "mps")
     assert [mode("auto", k) for k in kinds] == ["reduce-overhead", None, None]
     assert [mode("reduce-overhead", k) for k in kinds] == ["reduce-overhead", "default", None]
@@ -224,9 +224,9 @@ def test_a_model_compiles_as_it_was_set_to_at_load(tiny_loaded):
     """Whether generate() compiles is decided once per model (use_compile, from for_inference): a loaded CPU
     model with compile auto stays eager, one set to a mode compiles its steps, and off undoes it."""
     model = copy.deepcopy(tiny_loaded[0])
-    assert not engine.compiles(tiny_loaded[0]) and not engine.compiles(model)
-    assert engine.use_compile(model, "default") and engine.compiles(model)
-    assert not engine.use_compile(model, "off") and not engine.compiles(model)
+    assert not decode_compile.compiles(tiny_loaded[0]) and not decode_compile.compiles(model)
+    assert decode_compile.use_compile(model, "default") and decode_compile.compiles(model)
+    assert not decode_compile.use_compile(model, "off") and not decode_compile.compiles(model)
 
 
 def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
@@ -242,14 +242,14 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
     before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
     seen = []
     model, tok = tiny_loaded
-    real_decode = engine.decode_step
+    real_decode = decode.decode_step
     try:
-        engine.decode_step = lambda *a: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit)) \
+        decode.decode_step = lambda *a: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit)) \
             or real_decode(*a)
         engine.generate(model, [[1, 2]], SampleConfig(max_new_tokens=3, temperature=0))
     finally:
-        engine.decode_step = real_decode
-    assert seen and set(seen) == {(max(before[0], engine.RECOMPILE_LIMIT), True)}
+        decode.decode_step = real_decode
+    assert seen and set(seen) == {(max(before[0], decode_compile.RECOMPILE_LIMIT), True)}
     assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
 
 
@@ -261,24 +261,24 @@ def test_generation_is_eager_while_its_steps_compile_in_the_background(tiny_load
     prompts = [ids_of(tiny_loaded[1], "def fibonacci(n):")]
     want = engine.generate(tiny_loaded[0], prompts, GREEDY)
     model = compiled(tiny_loaded[0])  # a model of its own: its compiled steps are kept per model
-    release, slot = threading.Event(), engine.compiled_slot
+    release, slot = threading.Event(), decode_compile.compiled_slot
     def held(model, batch):  # a compile that lasts until the test releases it
         release.wait(60)
         return slot(model, batch)
-    monkeypatch.setattr(engine, "compiled_slot", held)
-    thread = engine.compile_in_background(model, GREEDY)
-    assert engine.compiling(model)
+    monkeypatch.setattr(decode_compile, "compiled_slot", held)
+    thread = decode_compile.compile_in_background(model, GREEDY)
+    assert decode_compile.compiling(model)
     got = engine.generate(model, prompts, GREEDY)
-    assert got == want and not engine._COMPILED[model].slots  # replied eagerly: nothing compiled yet
+    assert got == want and not decode_compile._COMPILED[model].slots  # replied eagerly: nothing compiled yet
     release.set()
     thread.join(120)
-    assert not engine.compiling(model) and thread.error is None and 1 in engine._COMPILED[model].slots
+    assert not decode_compile.compiling(model) and thread.error is None and 1 in decode_compile._COMPILED[model].slots
     assert engine.generate(model, prompts, GREEDY) == want  # the compiled steps now
     failing, errors = compiled(tiny_loaded[0]), []
     def broken(model, batch):
         raise RuntimeError("no compiler")
-    monkeypatch.setattr(engine, "compiled_slot", broken)
-    engine.compile_in_background(failing, GREEDY, errors.append).join(60)
-    assert [str(e) for e in errors] == ["no compiler"] and engine.compiling(failing)  # stays eager
+    monkeypatch.setattr(decode_compile, "compiled_slot", broken)
+    decode_compile.compile_in_background(failing, GREEDY, errors.append).join(60)
+    assert [str(e) for e in errors] == ["no compiler"] and decode_compile.compiling(failing)  # stays eager
     assert engine.generate(failing, prompts, GREEDY) == want
     torch._dynamo.reset()

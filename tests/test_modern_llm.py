@@ -165,7 +165,8 @@ def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(t
     now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head still
     tied) only where the decode step will compile on a CPU, and generate() changes no model."""
     from config import SampleConfig
-    from llm.engine import generate, use_compile
+    from llm.decode_compile import use_compile
+    from llm.engine import generate
     from llm.inference import for_inference
     source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
     assert "is_compiling" not in source and "Int8Tensor" not in source

@@ -197,7 +197,7 @@ def run_generation() -> dict:
     import torch
 
     from llm.startup import new_model
-    from llm import engine
+    from llm import decode, decode_compile
     from llm.device import pick_device
     from llm.inference import for_inference
     from llm.sampling import candidates
@@ -208,9 +208,9 @@ def run_generation() -> dict:
     memory = DeviceMemory()
     with torch.no_grad():
         for batch in (1, 4):
-            slot = engine.compiled_slot(model, batch)  # for_inference set the model to compile (auto on CUDA)
-            ids = torch.zeros(batch, engine.MIN_BUCKET, dtype=torch.long, device=device)
-            lengths = torch.full((batch,), engine.MIN_BUCKET - 3, device=device)
+            slot = decode_compile.compiled_slot(model, batch)  # for_inference set the model to compile (auto on CUDA)
+            ids = torch.zeros(batch, decode.MIN_BUCKET, dtype=torch.long, device=device)
+            lengths = torch.full((batch,), decode.MIN_BUCKET - 3, device=device)
             ranked = candidates([0.8] * batch, [50] * batch, cfg.model.vocab_size)
             for steps in range(2):  # the second round must compile nothing
                 slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
@@ -222,8 +222,8 @@ def run_generation() -> dict:
             torch._dynamo.config.error_on_recompile = False  # a new batch size compiles its own steps
         memory.add([*model.parameters(), *model.buffers(), *slot.cache.k, *slot.cache.v, *vars(slot.state).values()])
         with torch.compiler.set_stance("force_eager"), memory.mode:
-            engine.prefill_step(model, ids, lengths, slot.cache, slot.state, ranked)
-            engine.decode_step(model, slot.cache, slot.state, ranked)
+            decode.prefill_step(model, ids, lengths, slot.cache, slot.state, ranked)
+            decode.decode_step(model, slot.cache, slot.state, ranked)
     return {"peak_gib": memory.peak / 2**30, "estimate_gib": None, "sdpa": sdpa_backends(memory.ops),
             **ROOFLINE.decode_step()}
 
