@@ -107,8 +107,9 @@ def lengths(data) -> np.ndarray:
 def assistant_loss(run: str, data, seq_len: int) -> float:
     """Mean loss of the assistant tokens of every validation conversation, each whole in its own window rows."""
     found = read_model(run)
-    model = Transformer(found.config)
-    model.load_stored(found.state)
+    with torch.device("meta"):  # no random draws for weights the checkpoint replaces
+        model = Transformer(found.config)
+    model.materialize(torch.device("cpu")).load_stored(found.state)
     model.eval()
     val = PackedBatches(data, "val", 8, seq_len, seed=0)
     total, count = 0.0, 0

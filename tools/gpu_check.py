@@ -271,8 +271,9 @@ def decode(args) -> dict:
     del model
     bench.release(device)
     found = read_model(trained_checkpoint(args))
-    ours = Transformer(found.config).to(device)
-    ours.load_stored(found.state)
+    with torch.device("meta"):  # no random draws for weights the checkpoint replaces
+        ours = Transformer(found.config)
+    ours.materialize(device).load_stored(found.state)
     twin = hf_twin(found.config, ours.state_dict()).to(device).float().eval()
     ours = for_inference(ours, device, compile=compiled).float()
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
