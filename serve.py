@@ -28,7 +28,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from config import LoadConfig, ServeConfig
 from llm.checkpoint import checkpoint_step
 from llm.cli import parse_sections
-from llm.decode_compile import compile_failed, compile_in_background, compiles
+from llm.decode_compile import compile_failed, compile_in_background, compiles, exit_process
 from llm.errors import RunFailure, error_contract
 from llm.hf_hub import HF_PREFIX, is_hub_name
 from llm.inference import load_for_inference
@@ -324,4 +324,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: a background compile may still be running

@@ -26,7 +26,7 @@ from llm.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoin
                             load_model_config)
 from llm.cli import parse_sections
 from llm.corpus import corpus_bytes
-from llm.decode_compile import compile_failed, compile_in_background, compiles
+from llm.decode_compile import compile_failed, compile_in_background, compiles, exit_process
 from llm.engine import CHUNK, generate_text
 from llm.errors import CheckpointError, ConfigError, InputError, error_contract
 from llm.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
@@ -388,4 +388,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: a background compile may still be running

@@ -3,6 +3,7 @@ bucket, the decode step in the model's mode (a CUDA graph on CUDA), kept per bat
 a background compile so that a REPL's or a server's first reply waits for none.
 """
 
+import os
 import sys
 import threading
 import weakref
@@ -127,3 +128,14 @@ def compiling(model) -> bool:
     """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then."""
     thread = _COMPILED[model].background if model in _COMPILED else None
     return thread is not None and (thread.is_alive() or thread.error is not None)
+
+
+def exit_process(code: int):
+    """sys.exit(code), or, while a background compile still runs, an exit that skips the interpreter's teardown:
+    the teardown stops the compiling thread inside C++, which aborts the process ("terminate called without an
+    active exception") and turns the exit status of a reply already given into 134."""
+    if any(c.background is not None and c.background.is_alive() for c in list(_COMPILED.values())):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

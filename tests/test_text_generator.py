@@ -165,6 +165,25 @@ def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path)
     assert one.returncode == 0 and one.stdout == expect + "\n" and "compiling the decode step..." in one.stderr
 
 
+def test_a_reply_given_while_the_decode_step_compiles_exits_without_the_teardown(loaded, ckpt, tmp_path):
+    """A prompt piped in is answered eagerly while the decode step compiles in a thread; at the end of stdin the
+    interpreter's teardown then stopped that thread inside the compiler: "terminate called without an active
+    exception" (exit 134) or a bogus "compiling the decode step failed" warning after the reply, seen with a cold
+    compile cache. The script now leaves without the teardown while a compile runs: held here until the end, the
+    compile never finishes, no atexit hook runs, and the exit status is the reply's."""
+    model, tok = loaded
+    expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
+    held = (f"import atexit, runpy, sys, threading; sys.argv = {[SCRIPT, ckpt, '--compile', 'default']!r}"
+            " + ['--temperature', '0', '--max_new_tokens', '6']; "
+            "from llm import decode_compile; decode_compile.compiled_slot = lambda *a: threading.Event().wait(); "
+            "atexit.register(lambda: print('teardown', file=sys.stderr)); "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", held], input="def\n", capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout == expect + "\n", r.stderr
+    assert "compiling the decode step in the background" in r.stderr and "teardown" not in r.stderr
+
+
 @pytest.mark.slow
 def test_repl_covers_every_command(ckpt, tmp_path):
     """Drive the REPL through stdin: every command works, a bad `set` is one error line, quit leaves."""
