@@ -45,11 +45,13 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert parts["default_run"]["steps"] == 3 and parts["default_run"]["checkpoint"]
     assert [r["mode"] for r in parts["first_token"]["rows"]] == ["compiled, cold cache", "compiled, warm cache",
                                                                 "eager"]
+    reply = parts["first_token"]["first_reply"]
+    assert 0 < reply["loaded_to_reply_s"] < reply["launch_to_exit_s"]
     rows = parts["quick_throughput"]["rows"]
     assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS for m in ("ours", "hf")]
     assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
     assert parts["quick_graphs"]["rows"][0]["within_noise"] and parts["fp8"]["rows"][0]["tokens_per_s"] > 0
     table = (out / "gpu_report.md").read_text().split("## ")[0]
-    for row in ("the no-flag trainer", "one-shot generation, eager", "training `small`", "training `large`, FP8",
+    for row in ("the no-flag trainer", "one-shot generation, eager", "a prompt on stdin (as the REPL)", "training `small`", "training `large`, FP8",
                 "CUDA graphs", "decode, `tiny` shape, batch 8", "greedy tokens against transformers"):
         assert f"| {row}" in table, row

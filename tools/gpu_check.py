@@ -12,7 +12,7 @@ on the trainer's own train_step; MFU, peak memory against the estimate, the opti
 startup (launch to the first step; DDP on one GPU against plain python), curves (300 steps of large,
 compiled against eager, and FP8 against bf16). --quick runs its own short parts instead, most telling first:
 default_run (the no-flag trainer for a minute), first_token (a one-shot generation from its checkpoint: cold
-compile cache, warm, eager), throughput (small and large against Hugging Face, at the automatic micro-batch),
+compile cache, warm, eager; and a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large against Hugging Face, at the automatic micro-batch),
 decode (the large shape at batch 1 and 8 against the bandwidth bound, and a greedy check against transformers
 on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large).
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
@@ -245,7 +245,36 @@ def first_token(args) -> dict:
             rows.append({"mode": label, "launch_to_exit_s": seconds,
                          "compile_s": float(compiling.group(1)) if compiling else 0.0})
             print(f"first token, {label}: {seconds:.1f} s from launch to exit", flush=True)
-    return {"rows": rows, "prompt": PROMPT}
+    try:  # a figure no other part needs: its failure is reported, and the lease goes on
+        seconds, loaded_to_reply = first_reply(ckpt, "off" if args.dry_run else "auto")
+        reply = {"launch_to_exit_s": seconds, "loaded_to_reply_s": loaded_to_reply}
+        print(f"first reply to a prompt on stdin: {loaded_to_reply:.1f} s after the model loaded", flush=True)
+    except RuntimeError as e:
+        reply = {"error": str(e)[-300:]}
+        print(f"first reply to a prompt on stdin: {e}", flush=True)
+    return {"rows": rows, "prompt": PROMPT, "first_reply": reply}
+
+
+def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
+    """A prompt on stdin, as the REPL and a stream of prompts read it (the decode step compiles in the background
+    under auto on CUDA): (launch to exit, seconds from the "loaded" line to the reply's end) in wall seconds."""
+    cmd = [sys.executable, os.path.join(HERE, "text_generator.py"), ckpt, "--max_new_tokens", "32",
+           "--temperature", "0", "--compile", compile_mode]
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdin.write(PROMPT + "\n")
+    proc.stdin.close()
+    loaded, log = None, []
+    for line in proc.stderr:  # the loaded line comes before the reply; the reply's end is the stdout's end
+        log.append(line)
+        if loaded is None and line.startswith("loaded "):
+            loaded = time.time()
+    out = proc.stdout.read()
+    replied = time.time()
+    if proc.wait() != 0 or loaded is None or not out.strip():
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(log)[-3000:]}")
+    return time.time() - start, replied - loaded
 
 
 def decode(args) -> dict:
@@ -328,6 +357,12 @@ def quick_table(found: dict) -> list[str]:
     for r in found.get("first_token", {}).get("rows", []):
         rows.append((f"one-shot generation, {r['mode']}", f"{r['launch_to_exit_s']:.1f} s launch to exit"
                      + (f" ({r['compile_s']:.0f} s compiling)" if r["compile_s"] else "")))
+    if "first_reply" in found.get("first_token", {}):
+        r = found["first_token"]["first_reply"]
+        rows.append(("a prompt on stdin (as the REPL), decode step compiling in the background",
+                     f"failed: {r['error'].splitlines()[-1]}" if "error" in r else
+                     f"reply {r['loaded_to_reply_s']:.1f} s after the model loaded, {r['launch_to_exit_s']:.1f} s "
+                     "launch to exit"))
     train = found.get("quick_throughput", {}).get("rows", [])
     for ours, hf in zip(train[::2], train[1::2]):
         rows.append((f"training `{ours['preset']}`, {ours['batch']}, bf16", f"ours {ours['tokens_per_s']:,.0f} "
