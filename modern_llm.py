@@ -62,7 +62,7 @@ class KVCache:
     `pos` holds, per sequence, how many positions are filled; it lives on the device so a decode step
     needs no host sync (and can be captured in a CUDA graph). Rows may have different lengths. One tensor per
     layer, not one stacked: a compiled step then writes each in place, where a write into a view of a stacked
-    tensor made it copy the whole cache every step.
+    tensor made it copy the whole cache every step. `next_mask` follows `pos` (both change only in advance()).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
@@ -71,9 +71,21 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.pos = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.max_len = max_len
+        self.next_mask = torch.zeros(batch_size, 1, 1, max_len, device=device, dtype=dtype)
+        self.reset()
 
     def reset(self):
-        self.pos.zero_()
+        self.advance(-self.pos)
+
+    def advance(self, n):
+        """Move each row's position on by n (an int, or (B,)), and write the attention mask of a one-token step from
+        there: 0 at each row's filled places and its next, -inf after. A decode step's layers then read one tensor
+        that is already there; a mask made inside the step was made again by each layer's attention call, one
+        kernel per layer."""
+        self.pos += n
+        key_pos = torch.arange(self.max_len, device=self.pos.device)
+        allowed = key_pos <= self.pos[:, None].clamp(max=self.max_len - 1)  # (B, max_len)
+        self.next_mask.copy_(torch.where(allowed, 0.0, float("-inf"))[:, None, None])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write (B, Hkv, T, hd) keys/values at per-row positions (B, T); return the layer's whole cache."""
@@ -157,9 +169,11 @@ def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
 
 def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
     """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values into it
-    at positions (B, T); mask (B, 1, T, max_len) hides each row's later and unfilled places."""
+    at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's later and unfilled
+    places."""
     k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
     gqa = q.shape[1] != k.shape[1]
+    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
 
 
@@ -317,7 +331,7 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, attend)
         if kv_cache is not None:
-            kv_cache.pos += T if input_lengths is None else input_lengths
+            kv_cache.advance(T if input_lengths is None else input_lengths)
         if last_only:
             last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
@@ -342,8 +356,11 @@ class Transformer(nn.Module):
         else:
             positions = kv_cache.pos[:, None] + torch.arange(T, device=kv_cache.pos.device)  # (B, T)
             positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
-            key_pos = torch.arange(kv_cache.max_len, device=positions.device)
-            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
+            if T == 1:  # a decode step: the mask the cache wrote when it last advanced
+                mask = kv_cache.next_mask
+            else:
+                key_pos = torch.arange(kv_cache.max_len, device=positions.device)
+                mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, max_len)
             attends = [partial(cached_attention, cache=kv_cache, layer=i, positions=positions, mask=mask)
                        for i in range(n)]
         return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None], attends  # (B, 1, T, hd)

@@ -69,7 +69,7 @@ def compiled_slot(model, batch: int) -> Slot:
     cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
     prefill = torch.compile(prefill_step, dynamic=False)
     if device.type == "cuda":
-        for t in (*cache.k, *cache.v, cache.pos, *vars(state).values()):
+        for t in (*cache.k, *cache.v, cache.pos, cache.next_mask, *vars(state).values()):
             torch._dynamo.mark_static_address(t)  # written in place by the graph: addresses never change
     mode = None if steps.mode == "default" else steps.mode
     compiled = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=device.type == "cuda")

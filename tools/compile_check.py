@@ -220,7 +220,8 @@ def run_generation() -> dict:
                     ROOFLINE.counting = False
                 torch._dynamo.config.error_on_recompile = steps == 0
             torch._dynamo.config.error_on_recompile = False  # a new batch size compiles its own steps
-        memory.add([*model.parameters(), *model.buffers(), *slot.cache.k, *slot.cache.v, *vars(slot.state).values()])
+        memory.add([*model.parameters(), *model.buffers(), *slot.cache.k, *slot.cache.v, slot.cache.next_mask,
+                    *vars(slot.state).values()])
         with torch.compiler.set_stance("force_eager"), memory.mode:
             decode.prefill_step(model, ids, lengths, slot.cache, slot.state, ranked)
             decode.decode_step(model, slot.cache, slot.state, ranked)
