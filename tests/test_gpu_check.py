@@ -49,7 +49,9 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert 0 < reply["loaded_to_reply_s"] < reply["launch_to_exit_s"]
     rows = parts["quick_throughput"]["rows"]
     assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS for m in ("ours", "hf")]
-    assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
+    assert [(r["batch"], r.get("combo_kernels", False)) for r in parts["decode"]["rows"]] == [(1, False), (8, False),
+                                                                                              (1, True)]
+    assert parts["decode"]["greedy_identical"] and parts["decode"]["greedy_identical_combo_kernels"]
     assert parts["quick_graphs"]["rows"][0]["within_noise"] and parts["fp8"]["rows"][0]["tokens_per_s"] > 0
     table = (out / "gpu_report.md").read_text().split("## ")[0]
     for row in ("the no-flag trainer", "one-shot generation, eager", "a prompt on stdin (as the REPL)", "training `small`", "training `large`, FP8",

@@ -280,15 +280,30 @@ def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
 def decode(args) -> dict:
     """The engine's decode at batch 1 and 8 on the large shape (random weights: speed does not depend on them),
     against the bandwidth bound; and its greedy tokens against transformers' on the trained checkpoint, both in
-    float32, where a trained model's ties cannot flip."""
+    float32, where a trained model's ties cannot flip. Then the same at batch 1 with Inductor's combo kernels (the
+    compile check's lead: independent kernels of a block launched as one, 154 kernels a step to 130), tokens too."""
     import bench_generate as bg
-    device, rows = pick_device("auto"), []
-    torch.manual_seed(0)
+    device = pick_device("auto")
     cfg = bg.shape("tiny" if args.dry_run else "large")
     compiled = "off" if args.dry_run else "reduce-overhead"  # as in first_token
-    model = for_inference(Transformer(cfg).to(device), device, compile=compiled)
     n, reps = (8, 1) if args.dry_run else (128, 3)
-    for batch in (1, 8):
+    rows = decode_rates(cfg, device, compiled, (1, 8), n, reps)
+    with torch._inductor.config.patch(combo_kernels=True):  # read when a step compiles: at its first call
+        rows += [dict(r, combo_kernels=True) for r in decode_rates(cfg, device, compiled, (1,), n, reps)]
+        combo_identical = greedy_identical(args, device, compiled)
+    identical = greedy_identical(args, device, compiled)
+    print(f"greedy check against transformers: {'identical' if identical else 'DIFFERENT'}; with combo kernels: "
+          f"{'identical' if combo_identical else 'DIFFERENT'}", flush=True)
+    return {"rows": rows, "shape": "tiny" if args.dry_run else "large", "greedy_identical": identical,
+            "greedy_identical_combo_kernels": combo_identical}
+
+
+def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) -> list[dict]:
+    """Tokens per second of a model of this shape (its own compiled steps) at each batch size, and the bound."""
+    import bench_generate as bg
+    torch.manual_seed(0)
+    model, rows = for_inference(Transformer(cfg).to(device), device, compile=compiled), []
+    for batch in batches:
         prompts = torch.randint(0, cfg.vocab_size, (batch, 64), device=device)
         runs = bg.decode_rates({"ours": lambda k: bg.ours(model, prompts, k)}, batch, n, reps, device)["ours"]
         rate = statistics.median(r[0] for r in runs)
@@ -299,6 +314,12 @@ def decode(args) -> dict:
               flush=True)
     del model
     bench.release(device)
+    return rows
+
+
+def greedy_identical(args, device, compiled: str) -> bool:
+    """Whether our greedy tokens from the trained checkpoint (float32, compiled as asked) are transformers'."""
+    import bench_generate as bg
     found = read_model(trained_checkpoint(args))
     with torch.device("meta"):  # no random draws for weights the checkpoint replaces
         ours = Transformer(found.config)
@@ -306,9 +327,7 @@ def decode(args) -> dict:
     twin = hf_twin(found.config, ours.state_dict()).to(device).float().eval()
     ours = for_inference(ours, device, compile=compiled).float()
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
-    mine, theirs = bg.ours(ours, prompt, 32), bg.theirs(twin, prompt, 32, fastest=False)
-    print(f"greedy check against transformers: {'identical' if mine == theirs else 'DIFFERENT'}", flush=True)
-    return {"rows": rows, "shape": "tiny" if args.dry_run else "large", "greedy_identical": mine == theirs}
+    return bg.ours(ours, prompt, 32) == bg.theirs(twin, prompt, 32, fastest=False)
 
 
 def quick_graphs(args) -> dict:
@@ -378,11 +397,14 @@ def quick_table(found: dict) -> list[str]:
                      f"{r['within_noise']}"))
     dec = found.get("decode", {})
     for r in dec.get("rows", []):
-        rows.append((f"decode, `{dec['shape']}` shape, batch {r['batch']}", f"{r['tokens_per_s']:,.0f} tokens/s, "
-                     f"{r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} of the bandwidth bound"))
+        combo = ", combo kernels" if r.get("combo_kernels") else ""
+        rows.append((f"decode, `{dec['shape']}` shape, batch {r['batch']}{combo}", f"{r['tokens_per_s']:,.0f} "
+                     f"tokens/s, {r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} of the bandwidth bound"))
     if dec:
         rows.append(("greedy tokens against transformers (trained checkpoint, float32)",
                      "identical" if dec["greedy_identical"] else "DIFFERENT"))
+    if "greedy_identical_combo_kernels" in dec:
+        rows.append(("the same, combo kernels", "identical" if dec["greedy_identical_combo_kernels"] else "DIFFERENT"))
     if not rows:
         return []
     return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
