@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -37,27 +36,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import bench
 import compile_check
+import gpu_generation as gen
 import torch
 
 from config import PRESETS, Config
 from gpu_training_optimized import build, train_step
-from llm.checkpoint import latest_checkpoint, read_model
+from llm.checkpoint import latest_checkpoint
 from llm.startup import new_model
 from llm.device import has_fp8, machine, pick_device
 from llm.distributed import setup
 from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
-from llm.inference import for_inference
 from llm.monitor import device_report, peak_flops, read_metrics
 from llm.sizing import fill_automatic, training_bytes_estimate
-from modern_llm import Transformer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
 QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8")
 QUICK_PRESETS = ("small", "large")
-PROMPT = "def fibonacci(n):"
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
 BF16_NOISE = 0.02  # the largest relative loss difference two bf16 runs of the same steps may show
@@ -193,16 +190,6 @@ def curves(args) -> dict:
 
 # ----------------------------------------------------------------------------- --quick: the headline figures
 
-def command(cmd: list, env: dict | None = None) -> tuple[float, str]:
-    """Run a project script as a user would; (wall seconds, stdout + stderr). RuntimeError with its end if it fails."""
-    start = time.time()
-    done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=HERE,
-                          env={**os.environ, **(env or {})})
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{done.stderr[-3000:]}")
-    return time.time() - start, done.stdout + done.stderr
-
-
 def default_run(args) -> dict:
     """The trainer with no flags but a one-minute budget, as a first run: what it chose, its speed and MFU."""
     run_dir = os.path.join(args.out, "default_run")
@@ -210,7 +197,7 @@ def default_run(args) -> dict:
     flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
         else ["--max_minutes", 1]
     data = ["--sources", *args.sources] if args.sources else []
-    seconds, log = command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir, "--cache_dir",
+    seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir, "--cache_dir",
                                   os.path.join(args.out, "cache"), *data, *map(str, flags)])
     train, evals = read_metrics(run_dir, "train"), read_metrics(run_dir, "eval")
     timed = [r for r in train if r["tokens_per_s"]][-5:] or train[-1:]
@@ -228,106 +215,6 @@ def trained_checkpoint(args) -> str:
     path = os.path.join(args.out, "default_run.json")
     found = json.load(open(path))["checkpoint"] if os.path.isfile(path) else None
     return found or default_run(args)["checkpoint"]
-
-
-def first_token(args) -> dict:
-    """A one-shot generation from the default run's checkpoint, launch to exit: with an empty compile cache (the
-    first use), with the cache it left (a later use), and eagerly (--compile off)."""
-    ckpt, rows = trained_checkpoint(args), []
-    with tempfile.TemporaryDirectory() as cache:
-        for label, flags in (("compiled, cold cache", []), ("compiled, warm cache", []),
-                             ("eager", ["--compile", "off"])):  # the first fills the cache the second reads
-            compiled = "off" if args.dry_run else "reduce-overhead"  # a CPU's compile takes half a minute
-            cmd = [os.path.join(HERE, "text_generator.py"), ckpt, "--prompt", PROMPT, "--max_new_tokens", "32",
-                   "--temperature", "0", *(flags or ["--compile", compiled])]
-            seconds, log = command(cmd, env={"TORCHINDUCTOR_CACHE_DIR": cache})
-            compiling = re.search(r"compiling the decode step[^.]*\.\.\. (\d+) s", log)
-            rows.append({"mode": label, "launch_to_exit_s": seconds,
-                         "compile_s": float(compiling.group(1)) if compiling else 0.0})
-            print(f"first token, {label}: {seconds:.1f} s from launch to exit", flush=True)
-    try:  # a figure no other part needs: its failure is reported, and the lease goes on
-        seconds, loaded_to_reply = first_reply(ckpt, "off" if args.dry_run else "auto")
-        reply = {"launch_to_exit_s": seconds, "loaded_to_reply_s": loaded_to_reply}
-        print(f"first reply to a prompt on stdin: {loaded_to_reply:.1f} s after the model loaded", flush=True)
-    except RuntimeError as e:
-        reply = {"error": str(e)[-300:]}
-        print(f"first reply to a prompt on stdin: {e}", flush=True)
-    return {"rows": rows, "prompt": PROMPT, "first_reply": reply}
-
-
-def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
-    """A prompt on stdin, as the REPL and a stream of prompts read it (the decode step compiles in the background
-    under auto on CUDA): (launch to exit, seconds from the "loaded" line to the reply's end) in wall seconds."""
-    cmd = [sys.executable, os.path.join(HERE, "text_generator.py"), ckpt, "--max_new_tokens", "32",
-           "--temperature", "0", "--compile", compile_mode]
-    start = time.time()
-    proc = subprocess.Popen(cmd, cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    proc.stdin.write(PROMPT + "\n")
-    proc.stdin.close()
-    loaded, log = None, []
-    for line in proc.stderr:  # the loaded line comes before the reply; the reply's end is the stdout's end
-        log.append(line)
-        if loaded is None and line.startswith("loaded "):
-            loaded = time.time()
-    out = proc.stdout.read()
-    replied = time.time()
-    if proc.wait() != 0 or loaded is None or not out.strip():
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(log)[-3000:]}")
-    return time.time() - start, replied - loaded
-
-
-def decode(args) -> dict:
-    """The engine's decode at batch 1 and 8 on the large shape (random weights: speed does not depend on them),
-    against the bandwidth bound; and its greedy tokens against transformers' on the trained checkpoint, both in
-    float32, where a trained model's ties cannot flip. Then the same at batch 1 with Inductor's combo kernels (the
-    compile check's lead: independent kernels of a block launched as one, 154 kernels a step to 130), tokens too."""
-    import bench_generate as bg
-    device = pick_device("auto")
-    cfg = bg.shape("tiny" if args.dry_run else "large")
-    compiled = "off" if args.dry_run else "reduce-overhead"  # as in first_token
-    n, reps = (8, 1) if args.dry_run else (128, 3)
-    rows = decode_rates(cfg, device, compiled, (1, 8), n, reps)
-    with torch._inductor.config.patch(combo_kernels=True):  # read when a step compiles: at its first call
-        rows += [dict(r, combo_kernels=True) for r in decode_rates(cfg, device, compiled, (1,), n, reps)]
-        combo_identical = greedy_identical(args, device, compiled)
-    identical = greedy_identical(args, device, compiled)
-    print(f"greedy check against transformers: {'identical' if identical else 'DIFFERENT'}; with combo kernels: "
-          f"{'identical' if combo_identical else 'DIFFERENT'}", flush=True)
-    return {"rows": rows, "shape": "tiny" if args.dry_run else "large", "greedy_identical": identical,
-            "greedy_identical_combo_kernels": combo_identical}
-
-
-def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) -> list[dict]:
-    """Tokens per second of a model of this shape (its own compiled steps) at each batch size, and the bound."""
-    import bench_generate as bg
-    torch.manual_seed(0)
-    model, rows = for_inference(Transformer(cfg).to(device), device, compile=compiled), []
-    for batch in batches:
-        prompts = torch.randint(0, cfg.vocab_size, (batch, 64), device=device)
-        runs = bg.decode_rates({"ours": lambda k: bg.ours(model, prompts, k)}, batch, n, reps, device)["ours"]
-        rate = statistics.median(r[0] for r in runs)
-        bound = batch * bg.bandwidth(device) / bg.bytes_per_step(model, batch, 64 + n / 2)
-        rows.append({"batch": batch, "tokens_per_s": rate, "ms_per_step": 1e3 * batch / rate,
-                     "bound_share": rate / bound})
-        print(f"decode, batch {batch}: {rate:,.0f} tokens/s, {100 * rate / bound:.0f}% of the bandwidth bound",
-              flush=True)
-    del model
-    bench.release(device)
-    return rows
-
-
-def greedy_identical(args, device, compiled: str) -> bool:
-    """Whether our greedy tokens from the trained checkpoint (float32, compiled as asked) are transformers'."""
-    import bench_generate as bg
-    found = read_model(trained_checkpoint(args))
-    with torch.device("meta"):  # no random draws for weights the checkpoint replaces
-        ours = Transformer(found.config)
-    ours.materialize(device).load_stored(found.state)
-    twin = hf_twin(found.config, ours.state_dict()).to(device).float().eval()
-    ours = for_inference(ours, device, compile=compiled).float()
-    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
-    return bg.ours(ours, prompt, 32) == bg.theirs(twin, prompt, 32, fastest=False)
 
 
 def quick_graphs(args) -> dict:
@@ -487,9 +374,11 @@ def main(argv=None) -> int:
             "quick": args.quick}
     jobs = {"throughput": lambda: throughput(args, "default"), "autotune": lambda: throughput(args, "max-autotune"),
             "graphs": lambda: graphs(args), "startup": lambda: startup(args), "curves": lambda: curves(args),
-            "default_run": lambda: default_run(args), "first_token": lambda: first_token(args),
+            "default_run": lambda: default_run(args),
+            "first_token": lambda: gen.first_token(args, trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
-            "decode": lambda: decode(args), "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args)}
+            "decode": lambda: gen.decode(args, trained_checkpoint(args)), "quick_graphs": lambda: quick_graphs(args),
+            "fp8": lambda: fp8(args)}
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == "all" else (args.part,):
         start = time.time()
         print(f"part {part}...", flush=True)
