@@ -5,6 +5,7 @@ import json
 
 import gpu_check
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +58,23 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     for row in ("the no-flag trainer", "one-shot generation, eager", "a prompt on stdin (as the REPL)", "training `small`", "training `large`, FP8",
                 "CUDA graphs", "decode, `tiny` shape, batch 8", "greedy tokens against transformers"):
         assert f"| {row}" in table, row
+
+
+def test_a_failing_combo_kernel_compile_is_reported_and_the_part_goes_on(monkeypatch):
+    """Combo kernels have run on no GPU yet: if they fail to compile on the lent one, the decode part keeps its
+    other figures and the table says what failed, instead of the check stopping before its last parts."""
+    import argparse
+    import gpu_generation as gen
+    calls = []
+    def rates(cfg, device, compiled, batches, n, reps):
+        calls.append(batches)
+        if torch._inductor.config.combo_kernels:
+            raise RuntimeError("triton: combo kernel failed\nmore")
+        return [{"batch": b, "tokens_per_s": 100.0, "ms_per_step": 10.0, "bound_share": 0.2} for b in batches]
+    monkeypatch.setattr(gen, "decode_rates", rates)
+    monkeypatch.setattr(gen, "greedy_identical", lambda *a: True)
+    out = gen.decode(argparse.Namespace(dry_run=True), "unused")
+    assert calls == [(1, 8), (1,)] and [r["batch"] for r in out["rows"]] == [1, 8] and out["greedy_identical"]
+    assert out["combo_kernels_error"] == "RuntimeError: triton: combo kernel failed"
+    table = "\n".join(gpu_check.quick_table({"decode": out}))
+    assert "| decode with combo kernels | failed: RuntimeError: triton: combo kernel failed |" in table

@@ -12,9 +12,11 @@ on the trainer's own train_step; MFU, peak memory against the estimate, the opti
 startup (launch to the first step; DDP on one GPU against plain python), curves (300 steps of large,
 compiled against eager, and FP8 against bf16). --quick runs its own short parts instead, most telling first:
 default_run (the no-flag trainer for a minute), first_token (a one-shot generation from its checkpoint: cold
-compile cache, warm, eager; and a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large against Hugging Face, at the automatic micro-batch),
-decode (the large shape at batch 1 and 8 against the bandwidth bound, and a greedy check against transformers
-on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large).
+compile cache, warm, eager; and a prompt on stdin, whose reply must not wait for the background compile),
+throughput (small and large against Hugging Face, at the automatic micro-batch), decode (the large shape at batch
+1 and 8 against the bandwidth bound, batch 1 again with Inductor's combo kernels, and greedy checks against
+transformers on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default),
+fp8 (large). The generation parts live in gpu_generation.py.
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
 """
 
@@ -292,6 +294,8 @@ def quick_table(found: dict) -> list[str]:
                      "identical" if dec["greedy_identical"] else "DIFFERENT"))
     if "greedy_identical_combo_kernels" in dec:
         rows.append(("the same, combo kernels", "identical" if dec["greedy_identical_combo_kernels"] else "DIFFERENT"))
+    if "combo_kernels_error" in dec:
+        rows.append(("decode with combo kernels", f"failed: {dec['combo_kernels_error']}"))
     if not rows:
         return []
     return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
