@@ -62,7 +62,7 @@ def first_token(args, ckpt: str) -> dict:
 
 def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
     """A prompt on stdin, as the REPL and a stream of prompts read it (the decode step compiles in the background
-    under auto on CUDA): (launch to exit, seconds from the "loaded" line to the reply's end) in wall seconds."""
+    under auto on CUDA): (launch to exit, seconds from the "loaded" line to the exit that follows the one reply)."""
     cmd = [sys.executable, os.path.join(HERE, "text_generator.py"), ckpt, "--max_new_tokens", "32",
            "--temperature", "0", "--compile", compile_mode]
     start = time.time()
@@ -71,7 +71,7 @@ def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
     proc.stdin.write(PROMPT + "\n")
     proc.stdin.close()
     loaded, log = None, []
-    for line in proc.stderr:  # the loaded line comes before the reply; the reply's end is the stdout's end
+    for line in proc.stderr:  # until the exit: the loaded line, then the reply's rate line
         log.append(line)
         if loaded is None and line.startswith("loaded "):
             loaded = time.time()
