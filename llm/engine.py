@@ -3,10 +3,11 @@ reading the weights.
 
 One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt
 of that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature,
-top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device, compiled (a
-CUDA graph on CUDA) when the model was set to at load (decode_compile.use_compile). The host reads the new tokens back every
-CHUNK steps, not every token: streaming stays smooth and the device never waits for Python. Sampling settings
-are tensors, one row each, so one compiled step serves every setting and a batch may mix them (the server does).
+top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device (decode.py),
+compiled (a CUDA graph on CUDA) when the model was set to at load (decode_compile.py). The host reads the new
+tokens back every CHUNK steps, not every token: streaming stays smooth and the device never waits for Python.
+Sampling settings are tensors, one row each, so one compiled step serves every setting and a batch may mix them
+(the server does).
 score() reads sequences that are already there: each token's log-probability and the likeliest tokens in its
 place.
 """
