@@ -16,7 +16,8 @@ compile cache, warm, eager; and a prompt on stdin, whose reply must not wait for
 throughput (small and large against Hugging Face, at the automatic micro-batch), decode (the large shape at batch
 1 and 8 against the bandwidth bound, batch 1 again with Inductor's combo kernels, and greedy checks against
 transformers on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default),
-fp8 (large). The generation parts live in gpu_generation.py.
+fp8 (large), short_budget (small with a one-minute budget and a cold compile cache, last). The generation
+parts live in gpu_generation.py.
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
 """
 
@@ -55,7 +56,7 @@ from llm.sizing import fill_automatic, training_bytes_estimate
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
-QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8")
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "short_budget")
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -199,8 +200,8 @@ def default_run(args) -> dict:
     flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
         else ["--max_minutes", 1]
     data = ["--sources", *args.sources] if args.sources else []
-    seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir, "--cache_dir",
-                                  os.path.join(args.out, "cache"), *data, *map(str, flags)])
+    seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir,
+                                "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)])
     train, evals = read_metrics(run_dir, "train"), read_metrics(run_dir, "eval")
     timed = [r for r in train if r["tokens_per_s"]][-5:] or train[-1:]
     median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
@@ -253,6 +254,28 @@ def fp8(args) -> dict:
     return {"rows": [row]}
 
 
+def short_budget(args) -> dict:
+    """`--preset small --max_minutes 1` with an empty compile cache: the first step compiles for about as long as
+    the budget, and the run must still end on its budget with a checkpoint and exit 0. Last, so a lease running
+    short loses only this."""
+    run_dir = os.path.join(args.out, "short_budget")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    flags = ["--preset", "tiny", "--max_minutes", 0.1, "--compile", "off", "--micro_batch_size", 2,
+             "--max_seq_len", 64] if args.dry_run else ["--preset", "small", "--max_minutes", 1]
+    data = ["--sources", *args.sources] if args.sources else []
+    with tempfile.TemporaryDirectory() as cold:
+        try:
+            seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir,
+                                        "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)],
+                                       env={"TORCHINDUCTOR_CACHE_DIR": cold})
+        except RuntimeError as e:  # the finding itself: reported in the table
+            return {"error": str(e)[-300:]}
+    train = read_metrics(run_dir, "train")
+    print(f"short budget: {train[-1]['step'] if train else 0} steps in {seconds:.0f} s", flush=True)
+    return {"seconds": seconds, "steps": train[-1]["step"] if train else 0,
+            "checkpoint": latest_checkpoint(run_dir), "traceback": "Traceback" in log}
+
+
 def quick_table(found: dict) -> list[str]:
     """--quick's figures as one table, a row for each that was measured."""
     pct = lambda v: f"{100 * v:.1f}%" if v else "n/a"  # noqa: E731
@@ -296,6 +319,11 @@ def quick_table(found: dict) -> list[str]:
         rows.append(("the same, combo kernels", "identical" if dec["greedy_identical_combo_kernels"] else "DIFFERENT"))
     if "combo_kernels_error" in dec:
         rows.append(("decode with combo kernels", f"failed: {dec['combo_kernels_error']}"))
+    if "short_budget" in found:
+        b = found["short_budget"]
+        rows.append(("`--preset small --max_minutes 1`, cold compile cache", f"failed: {b['error'].splitlines()[-1]}"
+                     if "error" in b else f"{b['steps']} steps, {b['seconds']:.0f} s launch to exit, checkpoint "
+                     f"{'written' if b['checkpoint'] else 'MISSING'}{', a traceback' if b['traceback'] else ''}"))
     if not rows:
         return []
     return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
@@ -382,7 +410,7 @@ def main(argv=None) -> int:
             "first_token": lambda: gen.first_token(args, trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
             "decode": lambda: gen.decode(args, trained_checkpoint(args)), "quick_graphs": lambda: quick_graphs(args),
-            "fp8": lambda: fp8(args)}
+            "fp8": lambda: fp8(args), "short_budget": lambda: short_budget(args)}
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == "all" else (args.part,):
         start = time.time()
         print(f"part {part}...", flush=True)
