@@ -193,15 +193,22 @@ def curves(args) -> dict:
 
 # ----------------------------------------------------------------------------- --quick: the headline figures
 
-def default_run(args) -> dict:
-    """The trainer with no flags but a one-minute budget, as a first run: what it chose, its speed and MFU."""
-    run_dir = os.path.join(args.out, "default_run")
+def fresh_run(args, name: str, flags: list, env: dict | None = None) -> tuple[str, float, str]:
+    """The trainer launched as a user would, into a new OUT/<name> run folder, on the check's token cache:
+    (the run folder, wall seconds, its output). RuntimeError with the output's end if it fails."""
+    run_dir = os.path.join(args.out, name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
-        else ["--max_minutes", 1]
     data = ["--sources", *args.sources] if args.sources else []
     seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir,
-                                "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)])
+                                "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)], env)
+    return run_dir, seconds, log
+
+
+def default_run(args) -> dict:
+    """The trainer with no flags but a one-minute budget, as a first run: what it chose, its speed and MFU."""
+    flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
+        else ["--max_minutes", 1]
+    run_dir, seconds, log = fresh_run(args, "default_run", flags)
     train, evals = read_metrics(run_dir, "train"), read_metrics(run_dir, "eval")
     timed = [r for r in train if r["tokens_per_s"]][-5:] or train[-1:]
     median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
@@ -258,16 +265,11 @@ def short_budget(args) -> dict:
     """`--preset small --max_minutes 1` with an empty compile cache: the first step compiles for about as long as
     the budget, and the run must still end on its budget with a checkpoint and exit 0. Last, so a lease running
     short loses only this."""
-    run_dir = os.path.join(args.out, "short_budget")
-    shutil.rmtree(run_dir, ignore_errors=True)
     flags = ["--preset", "tiny", "--max_minutes", 0.1, "--compile", "off", "--micro_batch_size", 2,
              "--max_seq_len", 64] if args.dry_run else ["--preset", "small", "--max_minutes", 1]
-    data = ["--sources", *args.sources] if args.sources else []
     with tempfile.TemporaryDirectory() as cold:
         try:
-            seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir,
-                                        "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)],
-                                       env={"TORCHINDUCTOR_CACHE_DIR": cold})
+            run_dir, seconds, log = fresh_run(args, "short_budget", flags, {"TORCHINDUCTOR_CACHE_DIR": cold})
         except RuntimeError as e:  # the finding itself: reported in the table
             return {"error": str(e)[-300:]}
     train = read_metrics(run_dir, "train")
