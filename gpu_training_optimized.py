@@ -27,6 +27,7 @@ from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import distributed
 from llm.distributed import Ranks
+from llm.arrival import stopped_by
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
@@ -336,7 +337,9 @@ def main(argv=None) -> int:
     clock.sync(start.step)
     for step in itertools.count(start.step):
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other step
-        stopping = ranks.stop_vote(stop.requested)  # every rank stops at the same step, whichever got the signal
+        # ready: waits for the step's data where the corpus still arrives; False if that stopped (saved, then raised)
+        data_lost = not last_step and not batches.ready(step, give_up=lambda: stop.requested)
+        stopping = ranks.stop_vote(stop.requested or data_lost)  # every rank stops at the same step, whichever asked
         if step > start.step:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
             val_loss = None
             if last_step or clock.eval_due(step):
@@ -365,11 +368,13 @@ def main(argv=None) -> int:
                     if t.epochs else None)
     session.bar.close()
 
-    if step == start.step and not settled.ckpt:
+    if step == start.step and not settled.ckpt and not data_lost:
         raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
                           f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
     if session.monitor:
         session.monitor.close()
+    if data_lost:  # the corpus stopped arriving (the Hub, the disk): the work up to here is saved above
+        raise stopped_by(batches.failure, step, last_ckpt)
     if ranks.is_main:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,

@@ -11,10 +11,33 @@ from tokenizers import Tokenizer
 
 from config import Config
 from llm import packing
+from llm.arrival import ArrivingData
 from llm.errors import DataError
-from llm.preparation import check_window
 from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START
+
+
+def check_window(split: str, tokens: int, seq_len: int):
+    """A split must hold one training window of seq_len + 1 tokens."""
+    if tokens < seq_len + 1:
+        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
+                        f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
+
+
+def check_windows(data: PreparedData, mode: str, seq_len: int):
+    """Both splits hold a training window, and so does each weighted source, where windows are random slices
+    (packed ones, by --packing `mode`, fit any example; they read the corpus as a whole, so refuse weights)."""
+    if packing.packs(mode, data.meta):
+        if data.weights:
+            raise DataError("source weights apply to random windows, and these windows are packed whole examples "
+                            "(--packing auto with chats, or documents); pass --packing off or give no weights")
+        return
+    for split in ("train", "val"):
+        check_window(split, data.meta[f"{split}_tokens"], seq_len)
+    for source, (a, b) in zip(data.meta["sources"], data.source_ranges() if data.weights else []):
+        if b - a < seq_len + 1:
+            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer than one window of "
+                            f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
 
 
 def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
@@ -36,7 +59,9 @@ class Batches:
     """Windows of seq_len + 1 tokens of one split. Training tiles the split with windows that start at a seeded
     offset each epoch and reads them in a seeded order, so an epoch sees every token once (random windows would
     leave a third of the split unread after one epoch's worth); a weighted mixture draws random windows of each
-    source by its weight. Evaluation reads consecutive windows, the same each time."""
+    source by its weight. A corpus read in arrival order tiles its first epoch part by part, in the order the
+    parts were written, each part's windows in a seeded order, waiting for a part not yet written (arrival.py).
+    Evaluation reads consecutive windows, the same each time."""
 
     def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
                  rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
@@ -47,17 +72,53 @@ class Batches:
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.seed, self.rank, self.world_size, self.accum = seed, rank, world_size, accum
         self.device = torch.device(device)
-        self.tokens = data.stream(split)
-        self.masks = data.stream(split, masks=True) if data.meta["has_masks"] else None
+        self.data, self.arrival = data, data.arrival and split == "train"
+        self._orders, self._part_orders = {}, {}  # epoch -> the order of its windows; part -> of its windows
+        self._load()
+        self.check()
+
+    def _load(self):
+        """Read the split's parts as they are now: a corpus read in arrival order gains parts while a run reads."""
+        d = self.data
+        self.final = getattr(d, "complete", True)  # read before the parts: once complete, they are all there
+        now = PreparedData(d.path, d.meta, list(d.parts), d.weights, d.arrival, d.commit)
+        self.tokens = now.stream(self.split)
+        self.masks = now.stream(self.split, masks=True) if now.meta["has_masks"] else None
         self.length = len(self.tokens)
         # A mixture draws each training window's source by its weight, then a place in that source's tokens.
-        self.ranges = np.array(data.source_ranges() if data.weights and split == "train" else [(0, self.length)])
-        self.weights = np.array(data.weights if data.weights and split == "train" else [1.0])
-        self._orders = {}  # epoch -> the order of its windows
-        self.check()
+        self.ranges = np.array(now.source_ranges() if now.weights and self.split == "train" else [(0, self.length)])
+        self.weights = np.array(now.weights if now.weights and self.split == "train" else [1.0])
+        if self.arrival:  # the first epoch's windows, part by part: where each part's tokens and windows begin
+            tokens = [p["train_tokens"] for p in now.parts]
+            self.part_starts = np.cumsum([0] + tokens)
+            self.part_windows = np.cumsum([0] + [max(0, (n - 1) // self.seq_len) for n in tokens])
 
     def check(self):
         check_window(self.split, self.length, self.seq_len)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the preparation of a corpus read as it arrives, if anything did."""
+        return getattr(self.data, "error", None)
+
+    def ready(self, step: int, give_up=lambda: False) -> bool:
+        """Wait until every window of this step is in, where the corpus is still arriving, or give_up() (the run
+        was asked to stop); False if its preparation failed first (the run then saves and stops)."""
+        last = (step + 1) * self.accum * self.world_size * self.batch_size - 1  # the step's last sequence
+        return self._arrived(last, give_up)
+
+    def _arrived(self, sequence: int, give_up=lambda: False) -> bool:
+        """Wait until the run's sequence-th training window is in (or every part is, or give_up()); False if the
+        preparation failed."""
+        data = self.data
+        if not self.arrival or self.final or sequence < self.part_windows[-1]:
+            return True
+        if not data.complete:
+            seq_len = self.seq_len
+            data.wait(lambda parts: sum(max(0, (p["train_tokens"] - 1) // seq_len) for p in parts) > sequence,
+                      f"the part that holds training window {sequence:,}", give_up)
+        self._load()
+        return data.error is None
 
     @property
     def epoch_sequences(self) -> int:
@@ -83,15 +144,45 @@ class Batches:
         slack = self.length - 1 - self.epoch_sequences * self.seq_len  # tokens the tiling leaves over
         return int(np.random.default_rng([self.seed, epoch, 3]).integers(0, slack + 1))
 
+    def part_order(self, part: int) -> np.ndarray:
+        """The order of one part's windows in the first epoch of a corpus read in arrival order."""
+        if part not in self._part_orders:  # kept: this part's and the one before
+            self._part_orders = {p: order for p, order in self._part_orders.items() if p == part - 1}
+            count = int(self.part_windows[part + 1] - self.part_windows[part])
+            self._part_orders[part] = np.random.default_rng([self.seed, part, 4]).permutation(count)
+        return self._part_orders[part]
+
+    def _tiled(self, numbers: np.ndarray, first_epoch: int = 0) -> np.ndarray:
+        """Starts of these sequence numbers of the whole split's tiling, counted from epoch first_epoch."""
+        epochs, within = np.divmod(numbers, self.epoch_sequences)
+        epochs += first_epoch
+        shifts = {e: self.epoch_shift(e) for e in set(epochs.tolist())}  # a batch spans one epoch or two
+        return np.array([shifts[e] + self.epoch_order(e)[i] * self.seq_len
+                         for e, i in zip(epochs.tolist(), within.tolist())], dtype=np.int64)
+
+    def _arrival_starts(self, numbers: np.ndarray) -> np.ndarray:
+        """Starts of these sequence numbers when the first epoch reads the parts in arrival order; the epochs after
+        it tile the whole split as any corpus does."""
+        if not self._arrived(int(numbers.max())):
+            raise self.failure
+        first = int(self.part_windows[-1])  # the first epoch's windows: final once a window past them is asked for
+        later, out = numbers >= first, np.zeros(len(numbers), np.int64)
+        if later.any():
+            out[later] = self._tiled(numbers[later] - first, first_epoch=1)
+        for row in np.flatnonzero(~later).tolist():
+            n = int(numbers[row])
+            part = int(np.searchsorted(self.part_windows, n, side="right")) - 1
+            out[row] = self.part_starts[part] + self.part_order(part)[n - self.part_windows[part]] * self.seq_len
+        return out
+
     def starts(self, step: int, micro_step: int) -> np.ndarray:
         """First token of each window in this micro-batch, shape (B,)."""
         span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
         if self.split == "train":
+            if self.arrival:
+                return self._arrival_starts(self.sequence_numbers(step, micro_step))
             if len(self.weights) == 1:
-                epochs, within = np.divmod(self.sequence_numbers(step, micro_step), self.epoch_sequences)
-                shifts = {e: self.epoch_shift(e) for e in set(epochs.tolist())}  # a batch spans one epoch or two
-                return np.array([shifts[e] + self.epoch_order(e)[i] * self.seq_len
-                                 for e, i in zip(epochs.tolist(), within.tolist())], dtype=np.int64)
+                return self._tiled(self.sequence_numbers(step, micro_step))
             rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
             first, last = self.ranges[rng.choice(len(self.weights), size=self.batch_size, p=self.weights)].T
             return rng.integers(first, last - self.seq_len)
@@ -124,7 +215,10 @@ class PackedBatches(Batches):
     in an order drawn from (seed, epoch); evaluation reads the split's windows in file order."""
 
     def __init__(self, data: PreparedData, split: str, *args, **kwargs):
+        if isinstance(data, ArrivingData) and not data.wait(lambda parts: False, "every part, to pack them"):
+            raise data.error  # a plan covers the whole split: a corpus still arriving is waited for
         super().__init__(data, split, *args, **kwargs)
+        self.arrival = False  # packed windows are drawn from the plan, which covers the whole split
         tok = Tokenizer.from_file(data.tokenizer_path)
         self.plan = packing.plan(self.tokens, data.meta["eot_id"], tok.token_to_id(IM_START), self.seq_len,
                                  self.seed if split == "train" else None)

@@ -104,8 +104,18 @@ def is_bundled(cfg: DataConfig) -> bool:
     return not cfg.sources or all(split_weight(g)[0] == BUNDLED and not os.path.exists(BUNDLED) for g in cfg.sources)
 
 
-def sources(cfg: DataConfig) -> list[Source]:
-    """Every source with its files in a fixed order; weights given to every source or to none."""
+def in_arrival_order(cfg: DataConfig) -> bool:
+    """Whether the corpus is read in the order its files arrive: one Hub dataset without a weight. Its tokenizer
+    learns from its first file, its validation split is its first parts' and its first epoch reads the parts in
+    fetch order (batches.py), so a run can train while the rest downloads (arrival.py) and read the same batches as
+    a run that waited."""
+    return len(cfg.sources) == 1 and hf_datasets.is_hub_dataset(cfg.sources[0]) and split_weight(cfg.sources[0])[1] \
+        is None
+
+
+def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
+    """Every source with its files in a fixed order; weights given to every source or to none. lazy: a Hub
+    dataset's files are an iterator that downloads each as it is reached."""
     if not cfg.sources:
         return [Source("", None, bundled_files())]
     found, weights = [], [split_weight(given)[1] for given in cfg.sources]
@@ -114,8 +124,10 @@ def sources(cfg: DataConfig) -> list[Source]:
         path = os.path.abspath(source)
         files = []
         if hf_datasets.is_hub_dataset(source):
-            files = [(p, False) for p in hf_datasets.fetch(source, _hub_bytes(cfg, weight, weights),
-                                                           functools.partial(file_bytes, cfg=cfg))]
+            fetch = hf_datasets.arriving if lazy else hf_datasets.fetch
+            files = ((p, False) for p in fetch(source, _hub_bytes(cfg, weight, weights),
+                                               functools.partial(file_bytes, cfg=cfg)))
+            files = files if lazy else list(files)
         elif source == BUNDLED and not os.path.exists(path):
             files = bundled_files()
         elif not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern

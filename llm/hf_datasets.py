@@ -28,6 +28,7 @@ DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*
 FETCH_MARGIN = 1.5  # a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
+commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives
 
 
 def is_hub_dataset(source: str) -> bool:
@@ -95,8 +96,37 @@ def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_p
     from huggingface_hub import constants
     key = (url, max_bytes, constants.HF_HUB_CACHE, offline(constants))
     if key not in _fetched:
-        _fetched[key] = _fetch(url, max_bytes, measure, log)
+        _fetched[key] = list(arriving(url, max_bytes, measure, log))
     return _fetched[key]
+
+
+def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once):
+    """fetch(url)'s paths one by one, each as soon as it is on disk: a reader starts on the first file while the
+    next downloads. The commit the files come from is in commits[url] before the first is yielded."""
+    import huggingface_hub as hub
+    from huggingface_hub import constants
+    repo, revision, pattern = parse(url)
+    storage = os.path.join(constants.HF_HUB_CACHE, f"datasets--{repo.replace('/', '--')}")
+    with _failures(url, repo, revision):
+        listed = None if offline(constants) else _listing(hub, repo, revision, pattern)
+        names, commit = listed or _cached(storage, revision, pattern, url, offline(constants))
+        commits[url] = commit
+        total, fetched, count, data = 0, 0, 0, _data_files(names, url)
+        for name in data:
+            if total >= max_bytes:
+                break
+            path = os.path.join(storage, "snapshots", commit, *name.split("/"))
+            if listed is not None and not os.path.exists(path):
+                path = _download(hub, repo, name, commit, storage, url)
+                fetched += 1
+            count, total = count + 1, total + measure(path)
+            yield path
+        if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
+            _remember(storage, revision, commit)
+    why = "HF_HUB_OFFLINE is set" if offline(constants) else "the Hub is out of reach"
+    where = f"{fetched} downloaded into {os.path.dirname(storage)}" if listed else f"from the cache: {why}"
+    log(f"data: {url}: {count} of its {len(data)} {'' if listed else 'cached '}data file(s) at commit "
+        f"{commit[:8]}, {where}")
 
 
 def unavailable(url: str) -> str:
@@ -106,33 +136,6 @@ def unavailable(url: str) -> str:
     except (DataError, RunFailure) as e:
         return str(e)
     return ""
-
-
-def _fetch(url: str, max_bytes: float, measure, log) -> list[str]:
-    import huggingface_hub as hub
-    from huggingface_hub import constants
-    repo, revision, pattern = parse(url)
-    storage = os.path.join(constants.HF_HUB_CACHE, f"datasets--{repo.replace('/', '--')}")
-    with _failures(url, repo, revision):
-        listed = None if offline(constants) else _listing(hub, repo, revision, pattern)
-        names, commit = listed or _cached(storage, revision, pattern, url, offline(constants))
-        paths, total, fetched, data = [], 0, 0, _data_files(names, url)
-        for name in data:
-            if total >= max_bytes:
-                break
-            path = os.path.join(storage, "snapshots", commit, *name.split("/"))
-            if listed is not None and not os.path.exists(path):
-                path = _download(hub, repo, name, commit, storage, url)
-                fetched += 1
-            paths.append(path)
-            total += measure(path)
-        if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
-            _remember(storage, revision, commit)
-    why = "HF_HUB_OFFLINE is set" if offline(constants) else "the Hub is out of reach"
-    where = f"{fetched} downloaded into {os.path.dirname(storage)}" if listed else f"from the cache: {why}"
-    log(f"data: {url}: {len(paths)} of its {len(data)} {'' if listed else 'cached '}data file(s) at commit "
-        f"{commit[:8]}, {where}")
-    return paths
 
 
 def _listing(hub, repo: str, revision: str, pattern: str) -> tuple[list, str] | None:

@@ -14,20 +14,20 @@ import shutil
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from config import Config, DataConfig
-from llm import atomic
+from llm import arrival, atomic, hf_datasets
 from llm import token_cache as tc
-from llm.corpus import PIECE_BYTES, ReadStats, check_read, documents, file_bytes, sources, split_weight
+from llm.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, in_arrival_order, sources,
+                        split_weight)
 from llm.distributed import Ranks
 from llm.errors import ConfigError, DataError
-from llm.hf_datasets import is_hub_dataset
-from llm.packing import packs
+from llm.batches import check_windows
 from llm.tiktoken_bpe import Encoder, encoder_for
 from llm.token_cache import PreparedData
 from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
@@ -125,13 +125,15 @@ def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
     settings.update(sources=[_source_key(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
                     format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES,
                     tokenizer=tc.file_digest(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer else "")
+    if in_arrival_order(cfg):  # its tokenizer and validation split come from its first file and parts
+        settings.update(arrival=True)
     return tc.digest(settings)
 
 
 def _source_key(source: str) -> str:
     """A source as the cache key names it: a path made absolute (the same folder from any directory), a Hub URL as
     written (its revision and pattern say which files)."""
-    return source if is_hub_dataset(source) else os.path.abspath(source)
+    return source if hf_datasets.is_hub_dataset(source) else os.path.abspath(source)
 
 
 def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tuple[Tokenizer, dict]:
@@ -215,15 +217,19 @@ def _taken(parts: list, s: int, weighted: bool) -> int:
     return sum(p["train_tokens"] for p in parts if p["source"] == s or not weighted)
 
 
-def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log) -> tuple[list, ReadStats]:
-    """Every shard's parts, reused where complete and intact, written where not; stops a source at its cap."""
+def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log, on_part=None,
+                 bar: bool = True) -> tuple[list, ReadStats]:
+    """Every shard's parts, reused where complete and intact, written where not; stops a source at its cap.
+    on_part(parts): called with the parts so far whenever one is added (a corpus that trains as it arrives)."""
     shards = os.path.join(path, "shards")
     os.makedirs(shards, exist_ok=True)
     atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
     tc.drop_stale(shards, log)
     caps, weighted, seen, parts, encoder = _caps(cfg, found), bool(found[0].weight), ReadStats(), [], None
-    total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
-    with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None) as bar:
+    total = None  # unknown while files arrive
+    if all(isinstance(source.files, list) for source in found):
+        total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None if bar else True) as bar:
         for s, files, key, stats, docs in _shards(cfg, found):
             if _taken(parts, s, weighted) >= caps[s]:
                 continue
@@ -233,6 +239,8 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                 _merge(seen, counts)
                 parts += [dict(r, source=s) for r in records]
                 _advance(bar, stats.bytes, sum(r["train_tokens"] + r["val_tokens"] for r in records))
+                if on_part:
+                    on_part(parts)
                 continue
             count = 0
             for part, items in itertools.groupby(docs, key=lambda d: d[0]):
@@ -247,8 +255,10 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                         log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
                     encoder = encoder or encoder_for(tok, log)  # said once, when something is encoded
                     record = _write_part(folder, items, files, tok, encoder, meta, bar,
-                                         _room(total, parts, np.dtype(meta["dtype"]).itemsize))
+                                         _room(total or 0, parts, np.dtype(meta["dtype"]).itemsize))
                 parts.append(dict(record, folder=folder, source=s))
+                if on_part:
+                    on_part(parts)
                 count += 1
                 if _taken(parts, s, weighted) >= caps[s]:
                     break
@@ -284,17 +294,19 @@ def _apply_caps(parts: list, caps: list, weighted: bool):
         left[at] -= p["train_tokens"]
 
 
-def _totals(meta: dict, parts: list, found, weights) -> dict:
-    """meta.json's fields with the parts' sums, and the mixture per source."""
+def _totals(meta: dict, parts: list, found, weights, arrival: bool = False) -> dict:
+    """meta.json's fields with the parts' sums (the validation split's from its parts), and the mixture per
+    source."""
     out = dict(meta, has_masks=any(p["has_masks"] for p in parts))
     for key in tc.PART_FIELDS:
-        out[key] = sum(p[key] for p in parts)
+        out[key] = sum(p[key] for p in (tc.val_parts(parts, arrival) if key.startswith("val") else parts))
     out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])
     out["sources"] = []
     for s, source in enumerate(found):
         mine = [p for p in parts if p["source"] == s]
+        files = source.files if isinstance(source.files, list) else {f[0] for p in mine for f in p["files"]}
         out["sources"].append({"source": source.given or sysconfig.get_paths()["stdlib"],
-                               "weight": weights[s] if weights else None, "files": len(source.files),
+                               "weight": weights[s] if weights else None, "files": len(files),
                                "bytes": sum(p["train_bytes"] + p["val_bytes"] for p in mine),
                                "train_tokens": sum(p["train_tokens"] for p in mine)})
     return out
@@ -315,51 +327,35 @@ def source_table(meta: dict) -> list[str]:
     return rows
 
 
-def check_window(split: str, tokens: int, seq_len: int):
-    """A split must hold one training window of seq_len + 1 tokens."""
-    if tokens < seq_len + 1:
-        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
-                        f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
-
-
-def check_windows(data: PreparedData, packing: str, seq_len: int):
-    """Both splits hold a training window, and so does each weighted source, where windows are random slices
-    (packed ones fit any example; they read the corpus as a whole, so refuse weights)."""
-    if packs(packing, data.meta):
-        if data.weights:
-            raise DataError("source weights apply to random windows, and these windows are packed whole examples "
-                            "(--packing auto with chats, or documents); pass --packing off or give no weights")
-        return
-    for split in ("train", "val"):
-        check_window(split, data.meta[f"{split}_tokens"], seq_len)
-    for source, (a, b) in zip(data.meta["sources"], data.source_ranges() if data.weights else []):
-        if b - a < seq_len + 1:
-            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer than one window of "
-                            f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
-
-
 def _old_caches(cache_dir: str) -> list[str]:
     """Cache folders of the single-file format (before shards): no longer read."""
     return sorted(os.path.join(cache_dir, d) for d in (os.listdir(cache_dir) if os.path.isdir(cache_dir) else [])
                   if os.path.isfile(os.path.join(cache_dir, d, "train.bin")))
 
 
-def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> PreparedData:
-    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad input."""
+def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, background: bool = False) -> PreparedData:
+    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad input.
+    background: a corpus read in arrival order (corpus.in_arrival_order) is prepared in a thread, and the
+    ArrivingData returned as soon as its first parts hold a validation split and a training window."""
     if cfg.data_seed < 0:
         raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
     if not cfg.tokenizer and vocab_size < MIN_VOCAB:
         raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
                         f"which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
                         f"pass --vocab_size {MIN_VOCAB} or more")
-    start, found = time.perf_counter(), sources(cfg)
+    in_order = in_arrival_order(cfg)
+    background &= in_order
+    start, found = time.perf_counter(), sources(cfg, lazy=background)
+    sample, found = _first_file(found, background) if in_order else (found, found)
     path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
     atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
     for old in _old_caches(cfg.cache_dir):
         log(f"data: {old} holds a token cache of an earlier format, no longer read; delete it to free its space")
     created = not os.path.isdir(path)
     try:
-        tok, meta = _open_folder(path, cfg, found, vocab_size, log)
+        tok, meta = _open_folder(path, cfg, sample, vocab_size, log)
+        if background:
+            return _in_background(cfg, path, tok, meta, found, seq_len, log)
         parts, seen = _build_parts(path, cfg, found, tok, meta, log)
         check_read(seen, cfg, log)
     except DataError:
@@ -368,10 +364,28 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
                             if p[0] != "." and not p.endswith(".json")]:
             shutil.rmtree(path, ignore_errors=True)  # bad input leaves no folder behind, only finished parts
         raise
+    data = _prepared(cfg, path, meta, parts, seen, found, time.perf_counter() - start, log)
+    check_windows(data, cfg.packing, seq_len)
+    return data
+
+
+def _first_file(found: list, lazy: bool) -> tuple[list, list]:
+    """(the source with its first file only, from which a corpus read in arrival order trains its tokenizer; the
+    source with every file, fetched one ahead of the reader when lazy)."""
+    files = iter(found[0].files)
+    first = list(itertools.islice(files, 1))  # downloads it, for a Hub dataset
+    rest = arrival.one_ahead(itertools.chain(first, files)) if lazy else found[0].files
+    return [replace(found[0], files=first)], [replace(found[0], files=rest)]
+
+
+def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadStats, found, seconds: float,
+              log) -> PreparedData:
+    """The finished cache's data: the parts cut at their caps, the totals, and the lines saying what it holds."""
+    in_order = in_arrival_order(cfg)
     _apply_caps(parts, _caps(cfg, found), bool(found[0].weight))
     weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
-    data = PreparedData(path, _totals(meta, parts, found, weights), parts, weights)
-    seconds = time.perf_counter() - start
+    data = PreparedData(path, _totals(meta, parts, found, weights, in_order), parts, weights, arrival=in_order,
+                        commit=hf_datasets.commits.get(cfg.sources[0], "") if in_order else "")
     m = data.meta
     m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
              bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
@@ -382,14 +396,42 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print) -> Prepar
     if len(found) > 1 or cfg.max_tokens:
         for row in source_table(m):
             log(f"data: {row}")
+    return data
+
+
+def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found, seq_len: int,
+                   log) -> arrival.ArrivingData:
+    """The cache of a corpus read in arrival order, written by a thread while the run trains on its first parts."""
+    start, caps = time.perf_counter(), _caps(cfg, found)
+    commit = hf_datasets.commits.get(cfg.sources[0], "")
+
+    def work(data: arrival.ArrivingData):
+        def on_part(parts):
+            capped = [dict(p) for p in parts]
+            _apply_caps(capped, caps, False)
+            data.publish(capped, _totals(meta, capped, found, None, arrival=True))
+        parts, seen = _build_parts(path, cfg, found, tok, meta, arrival.say, on_part, bar=False)
+        check_read(seen, cfg, arrival.say)
+        done = _prepared(cfg, path, meta, parts, seen, found, time.perf_counter() - start, arrival.say)
+        data.publish(done.parts, done.meta)
+        data.finish(done.meta)
+
+    data = arrival.start(PreparedData(path, meta, [], arrival=True, commit=commit), work)
+    if not data.wait_to_start(seq_len):
+        raise data.error
+    m = data.meta
+    log(f"data: training starts on the first {len(data.parts)} part(s) ({m['train_tokens']:,} train tokens, val "
+        f"{m['val_tokens']:,} tokens) while the rest of {cfg.sources[0]} downloads and tokenizes")
     check_windows(data, cfg.packing, seq_len)
     return data
 
 
-def prepare_once(cfg: Config, ranks: Ranks) -> PreparedData:
-    """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it complete."""
+def prepare_once(cfg: Config, ranks: Ranks, background: bool = False) -> PreparedData:
+    """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it complete.
+    background: prepare a corpus read in arrival order while the run trains (one process only)."""
     m = cfg.model
-    data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=ranks.print) if ranks.is_main else None
+    data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=ranks.print, background=background) \
+        if ranks.is_main else None
     ranks.barrier()
     data = data or prepare(cfg.data, m.vocab_size, m.max_seq_len, log=lambda *a: None)
     if data.meta["vocab_size"] > m.vocab_size:

@@ -13,7 +13,7 @@ from config import Config
 from llm import hf_datasets
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
-from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, is_bundled, source_files
+from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_bundled, source_files
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
@@ -65,7 +65,27 @@ def default_corpus(cfg: Config, device: torch.device, saved: dict | None = None)
                      "--sources"]
     return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS])), [
         f"data: the GPU default corpus, FineWeb-Edu's sample ({GPU_CORPUS}): the files the token target below needs "
-        "come into the Hugging Face cache (HF_HOME) before training, and a later run reads them offline"]
+        "come into the Hugging Face cache (HF_HOME), training starting on the first while the rest arrive, and a "
+        "later run reads them offline"]
+
+
+def trains_while_arriving(cfg: Config, ranks: Ranks) -> bool:
+    """Whether the run starts on the first files of its corpus while the rest download and tokenize (arrival.py):
+    one Hub dataset read to a token target, in one process (other ranks would read parts rank 0 has not written),
+    a run whose length is not in passes over the corpus, and windows that are not packed across it."""
+    d = cfg.data
+    return in_arrival_order(d) and d.max_tokens > 0 and ranks.world_size == 1 and not cfg.train.epochs and \
+        d.packing != "documents"
+
+
+def corpus_size(cfg: Config) -> int | None:
+    """The bytes of text sizing plans with: None for the GPU default (larger than any run here), the text a token
+    target reads for a Hub dataset that arrives while training, else the sources' size (fetched first)."""
+    if cfg.data.sources == [GPU_CORPUS]:
+        return None
+    if in_arrival_order(cfg.data) and cfg.data.max_tokens:
+        return int(cfg.data.max_tokens * BYTES_PER_TOKEN)
+    return corpus_bytes(cfg.data)
 
 
 @dataclass
@@ -107,18 +127,21 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     notes += lines
     cfg, lines = default_corpus(cfg, device, saved)
     notes += lines
-    size = None if cfg.data.sources == [GPU_CORPUS] else corpus_bytes(cfg.data)  # sized by the budget, not the corpus
+    size = corpus_size(cfg)
     cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
     ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
-    data = prepare_once(cfg, ranks)
+    arriving = trains_while_arriving(cfg, ranks)
+    data = prepare_once(cfg, ranks, background=arriving)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
         cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,
                               autocast(device, pick_precision(cfg.train.precision, device)), ranks)
         del probe
     batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
-    cfg, lines = fill_run_length(cfg, machine(device), data.meta["train_tokens"], ranks.world_size,
-                                 batches[0].epoch_sequences)
+    # A corpus still arriving is planned at its token target: what the run reads of it is known only when it is in.
+    train_tokens = cfg.data.max_tokens if arriving else data.meta["train_tokens"]
+    cfg, lines = fill_run_length(cfg, machine(device), train_tokens, ranks.world_size,
+                                 None if arriving else batches[0].epoch_sequences)
     for line in lines:
         ranks.print(line)
     t = cfg.train

@@ -32,6 +32,7 @@ GROUP_EVERY = 32  # a run of small files ends where a path hashes to 0 mod this:
 PART_BYTES = 64 * 2**20  # text per part: what a kill can lose, and how far --max_tokens may read past its cap
 ID_CHUNK = 2**26  # token ids per max() when a part is checked: bounds the memory one chunk maps
 META_FIELDS = {"vocab_size": int, "dtype": str, "eot_id": int}  # meta.json: the folder's tokenizer
+ARRIVAL_VAL_TOKENS = 2**18  # a corpus read as it arrives validates on its first parts' val tokens, at least these
 PART_FIELDS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "train_bytes", "val_bytes")
 
 
@@ -56,22 +57,25 @@ def file_identity(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns]
 
 
-def group_files(files: list) -> list[list]:
-    """A source's files (path, came from a folder) as shards: a file of GROUP_FILE_BYTES or more on its own,
-    smaller ones in runs that end where a path's hash says (never where a count or a size says, which an added
-    file would shift for every run after it)."""
-    shards, run = [], []
+def group_files(files):
+    """A source's files (path, came from a folder) as shards, yielded as soon as each is complete (files may still
+    be arriving): a file of GROUP_FILE_BYTES or more on its own, smaller ones in runs that end where a path's hash
+    says (never where a count or a size says, which an added file would shift for every run after it)."""
+    run = []
     for path, in_folder in files:
         if os.path.getsize(path) >= GROUP_FILE_BYTES:
-            shards += [run] * bool(run) + [[(path, in_folder)]]
+            if run:
+                yield run
+            yield [(path, in_folder)]
             run = []
             continue
         run.append((path, in_folder))
         # By the file's name, not its folder or compression: the same files group alike wherever they lie.
         if zlib.crc32(os.path.basename(path).removesuffix(".gz").removesuffix(".zst").encode()) % GROUP_EVERY == 0:
-            shards.append(run)
+            yield run
             run = []
-    return shards + [run] * bool(run)
+    if run:
+        yield run
 
 
 def shard_key(files: list, budget: float) -> str:
@@ -248,6 +252,15 @@ class TokenStream:
         return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, self.dtype)
 
 
+def val_parts(parts: list, arrival: bool) -> list:
+    """The parts whose val documents make the validation split: all of them, or for a corpus read as it arrives
+    (corpus.in_arrival_order) the first ones up to ARRIVAL_VAL_TOKENS, so evaluations are alike while files come."""
+    if not arrival:
+        return parts
+    ends = np.cumsum([p["val_tokens"] for p in parts])
+    return parts[:int(np.searchsorted(ends, ARRIVAL_VAL_TOKENS)) + 1]
+
+
 @dataclass
 class PreparedData:
     """The parts of a cache folder that hold these sources, in order, and their totals (meta)."""
@@ -255,6 +268,8 @@ class PreparedData:
     meta: dict
     parts: list  # per part: folder, source (index), tokens per split (train after --max_tokens), has_masks
     weights: list | None = None  # per source, summing to 1; None: windows drawn over all tokens alike
+    arrival: bool = False  # read in the order its files arrive (corpus.in_arrival_order)
+    commit: str = ""  # the Hub commit of such a corpus
 
     @property
     def tokenizer_path(self) -> str:
@@ -262,11 +277,13 @@ class PreparedData:
 
     def stream(self, split: str, masks: bool = False) -> TokenStream:
         """A split's tokens (or its masks: 1 where learned) across the parts, as one array."""
-        lengths = [p[f"{split}_tokens"] for p in self.parts]
+        parts = list(self.parts)  # one look: arrival.py appends parts while a run reads them
+        parts = val_parts(parts, self.arrival) if split == "val" else parts
+        lengths = [p[f"{split}_tokens"] for p in parts]
         if not masks:
-            return TokenStream([os.path.join(p["folder"], f"{split}.bin") for p in self.parts], lengths,
+            return TokenStream([os.path.join(p["folder"], f"{split}.bin") for p in parts], lengths,
                                self.meta["dtype"], vocab=self.meta["vocab_size"])
-        paths = [os.path.join(p["folder"], f"{split}_mask.bin") if p["has_masks"] else None for p in self.parts]
+        paths = [os.path.join(p["folder"], f"{split}_mask.bin") if p["has_masks"] else None for p in parts]
         return TokenStream(paths, lengths, np.uint8, fill=1)
 
     def source_ranges(self) -> list[tuple[int, int]]:
@@ -278,7 +295,10 @@ class PreparedData:
 
     @property
     def fingerprint(self) -> str:
-        """Names this data exactly: the parts, the tokens read from each, the mixture."""
+        """Names this data exactly: the parts, the tokens read from each, the mixture; for a corpus read as it
+        arrives, its folder and commit, which fix every part before it is written."""
+        if self.arrival:
+            return digest("arrival", os.path.basename(self.path), self.commit)
         return digest([[os.path.basename(p["folder"]), p["train_tokens"]] for p in self.parts], self.weights,
                       os.path.basename(self.path))
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache",
-        "preparation", "batches",
+        "arrival", "batches", "preparation",
         "modern_llm", "sampling", "decode", "decode_compile", "engine", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
         "checkpoint", "inference", "model_card", "schedule", "resume", "startup", "openai_api", "worker",

@@ -76,7 +76,7 @@ def test_adding_a_file_tokenizes_only_its_shard_and_leaves_the_others_bytes(tmp_
 def test_a_run_of_small_files_is_one_shard_and_the_split_is_stable_by_document(tmp_path):
     """Small files group; the same documents land in the same split however the files are grouped."""
     src = write_texts(tmp_path / "src", [f"f{i:03d}.jsonl" for i in range(150)], lines=3)
-    groups = tc.group_files([(str(p), True) for p in sorted(src.iterdir())])
+    groups = list(tc.group_files([(str(p), True) for p in sorted(src.iterdir())]))
     assert 1 < len(groups) < 50 and sum(map(len, groups)) == 150
     for sources in ([src], [src / "f003.jsonl", src / "f007.jsonl", src / "f011.jsonl"]):
         data = prepare(config(tmp_path, sources))

@@ -1,0 +1,157 @@
+"""Tests of arrival.py: a Hub dataset read to a token target trains while its files download. Against the stand-in
+Hub on 127.0.0.1 (hub_stand_in.py): a run ends its steps while its last file is still held back by the Hub; the
+batches read while parts arrive are those of the complete cache, and its first epoch reads every window of every
+part once, part by part; the Hub going away mid-run leaves the steps trained saved, one error line, and a
+--resume that goes on.
+
+Run: python -m pytest -q tests/test_arrival.py
+"""
+
+import logging
+import os
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hub_stand_in import Hub
+from test_hf_datasets import point_at
+
+import gpu_training_optimized as trainer
+from config import DataConfig
+from llm import arrival
+from llm import token_cache as tc
+from llm.batches import Batches
+from llm.preparation import prepare
+
+REPO = "tiny-org/arriving"
+URL = f"hf://datasets/{REPO}/data/*.parquet"
+NAMES = [f"data/part-{i}.parquet" for i in range(4)]
+MODULES = ["argparse.py", "textwrap.py", "calendar.py", "difflib.py"]
+
+
+def _parquet(texts) -> bytes:
+    out = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": texts}), out, compression="none", row_group_size=16)
+    return out.getvalue().to_pybytes()
+
+
+@pytest.fixture(scope="module")
+def files():
+    """Four parquet files of about 24 KB of text each, from four standard library modules."""
+    out = {}
+    for name, module in zip(NAMES, MODULES):
+        text = open(os.path.join(os.path.dirname(os.__file__), module), encoding="utf-8").read()[:24_000]
+        out[name] = _parquet([text[i:i + 600] for i in range(0, len(text), 600)])
+    return out
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path, files):
+    server = Hub({REPO: dict(files)})
+    point_at(monkeypatch, tmp_path / "hf_home", server.url)
+    monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)  # each file its own shard, as FineWeb-Edu's 2 GB files are
+    monkeypatch.setattr(tc, "ARRIVAL_VAL_TOKENS", 64)  # the first part's val documents make the split
+    yield server
+    server.stall = None
+    server.release.set()  # a held download ends short, and the rest comes on its retry
+    for thread in threading.enumerate():  # a preparation a test left running ends before the Hub goes
+        if thread.name in ("prepare", "fetch-ahead"):
+            thread.join(60)
+    server.stop()
+
+
+def data_config(tmp_path) -> DataConfig:
+    return DataConfig(sources=[URL], cache_dir=str(tmp_path / "cache"), max_tokens=10**6)
+
+
+def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path, argv_for, capsys):
+    """Before, the trainer fetched and tokenized every file before its first step. The Hub now holds the last file's
+    download open; the run must still train its steps on the first files, evaluate, save and end."""
+    hub.stall = (NAMES[-1], 0)
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    assert trainer.main(argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_steps", 3,
+                                 "--eval_interval", 3)) == 0
+    assert hub.stalled.is_set() and not hub.release.is_set()  # the last file was asked for, and never came
+    out = capsys.readouterr().out
+    assert "data: training starts on the first" in out and "while the rest of" in out, out
+    assert (tmp_path / "run" / "checkpoints").is_dir() or any((tmp_path / "run").glob("**/*.safetensors"))
+
+
+def test_batches_read_while_parts_arrive_are_those_of_the_complete_cache(hub, tmp_path, files):
+    """A micro-batch must be a pure function of the step: the windows read while files arrive (each read waiting for
+    its part) are those a run reads from the finished cache, through the first epoch and into the next, and the
+    data names itself the same (a resumed run is checked against it)."""
+    hub.stall = (NAMES[2], 0)  # held until the batches ask for its windows
+    arriving = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None, background=True)
+    assert isinstance(arriving, arrival.ArrivingData) and not arriving.complete and len(arriving.parts) <= 2
+    before = Batches(arriving, "train", 8, 32, seed=3)
+    early = [before.get(step, 0)[0] for step in range(3)]  # in the first part
+
+    def let_it_come():
+        hub.stall = None
+        hub.release.set()  # the held connection ends short; huggingface_hub asks again for the rest
+    threading.Timer(0.5, let_it_come).start()  # the held file comes while a later read waits for it
+    count = 0
+    while before.ready(count):
+        count += 1
+        if arriving.complete and count * 8 > 2 * before.epoch_sequences:
+            break
+    windows = [before.get(step, 0)[0] for step in range(count)]
+
+    complete = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None)
+    assert complete.fingerprint == arriving.fingerprint and len(complete.parts) == len(NAMES)
+    after = Batches(complete, "train", 8, 32, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(windows, (after.get(s, 0)[0] for s in range(count))))
+    assert all(np.array_equal(a, b) for a, b in zip(early, windows))
+
+
+def test_the_first_epoch_reads_every_window_of_each_part_once_in_part_order(hub, tmp_path):
+    """Counted naively from the parts' lengths: the first epoch's windows are each part's windows tiled from its
+    start, every one once, the parts one after another in the order they were written."""
+    data = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None)
+    batches, seq_len = Batches(data, "train", 1, 32, seed=5), 32
+    expected, start = [], 0
+    for p in data.parts:
+        expected.append({start + k * seq_len for k in range((p["train_tokens"] - 1) // seq_len)})
+        start += p["train_tokens"]
+    total = sum(map(len, expected))
+    read = [int(batches.starts(n, 0)[0]) for n in range(total)]
+    at = 0
+    for windows in expected:
+        assert set(read[at:at + len(windows)]) == windows and len(set(read[at:at + len(windows)])) == len(windows)
+        at += len(windows)
+    assert sorted(read) != read  # a seeded order within each part, not the file's
+
+
+@pytest.mark.slow
+def test_the_hub_going_away_mid_run_saves_the_steps_and_resume_goes_on(hub, tmp_path, argv_for, capsys, caplog):
+    """The Hub stops answering while the run waits for a file: the steps trained are saved, the run ends with one
+    line naming the failure and the saved step, and --resume with the Hub back trains to the end."""
+    hub.stall = (NAMES[2], 0)
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    args = argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_steps", 400, "--eval_interval", 400)
+
+    def hub_goes_away():
+        hub.stalled.wait(60)
+        hub.stop()
+    threading.Thread(target=hub_goes_away, daemon=True).start()
+    caplog.set_level(logging.ERROR, logger="huggingface_hub")  # its retries' warnings: this test reads our line
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(args)
+    err = capsys.readouterr().err.splitlines()[-1]  # after the progress bar, which stderr shows
+    assert exit_info.value.code == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert "the Hub stopped answering" in err and "training stopped at step" in err and "--resume" in err, err
+    step = int(err.split("training stopped at step ")[1].split(",")[0])
+    assert 0 < step < 400
+
+    again = Hub({REPO: hub.repos[REPO]})
+    point_at(pytest.MonkeyPatch(), tmp_path / "hf_home", again.url)
+    try:
+        assert trainer.main(args + ["--resume"]) == 0
+    finally:
+        again.stop()
+    out = capsys.readouterr().out
+    assert "resumed from" in out and f"at step {step}\n" in out and "done: 400 steps" in out, out[-2000:]
