@@ -124,10 +124,11 @@ def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
         path = os.path.abspath(source)
         files = []
         if hf_datasets.is_hub_dataset(source):
-            fetch = hf_datasets.arriving if lazy else hf_datasets.fetch
-            files = ((p, False) for p in fetch(source, _hub_bytes(cfg, weight, weights),
-                                               functools.partial(file_bytes, cfg=cfg)))
-            files = files if lazy else list(files)
+            target, measure = _hub_bytes(cfg, weight, weights), functools.partial(file_bytes, cfg=cfg)
+            if lazy:  # fetched as the reader reaches them, a line per file rather than a bar beside the run's
+                files = ((p, False) for p in hf_datasets.arriving(source, target, measure, bars=False))
+            else:
+                files = [(p, False) for p in hf_datasets.fetch(source, target, measure)]
         elif source == BUNDLED and not os.path.exists(path):
             files = bundled_files()
         elif not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern

@@ -19,6 +19,8 @@ import re
 from contextlib import contextmanager
 from urllib.parse import unquote, urlparse
 
+from tqdm import tqdm
+
 from llm import atomic
 from llm.errors import DataError, RunFailure
 
@@ -87,7 +89,14 @@ def _wild(text: str) -> bool:
 
 def _print_once(line: str):
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fetches; the first says what it found
-        print(line)
+        tqdm.write(line)  # above a training bar, when files come while a run trains
+
+
+class _NoBar(tqdm):
+    """huggingface_hub's bar of a file's bytes, hidden: files that come while a run trains are a line each."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **dict(kwargs, disable=True))
 
 
 def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once) -> list[str]:
@@ -100,9 +109,10 @@ def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_p
     return _fetched[key]
 
 
-def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once):
+def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once, bars: bool = True):
     """fetch(url)'s paths one by one, each as soon as it is on disk: a reader starts on the first file while the
-    next downloads. The commit the files come from is in commits[url] before the first is yielded."""
+    next downloads. The commit the files come from is in commits[url] before the first is yielded. bars: a bar of
+    bytes per file (else a line once each is in, for files that come while a run trains)."""
     import huggingface_hub as hub
     from huggingface_hub import constants
     repo, revision, pattern = parse(url)
@@ -117,8 +127,11 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
                 break
             path = os.path.join(storage, "snapshots", commit, *name.split("/"))
             if listed is not None and not os.path.exists(path):
-                path = _download(hub, repo, name, commit, storage, url)
+                path = _download(hub, repo, name, commit, storage, url, bars)
                 fetched += 1
+                if not bars:
+                    log(f"data: {name} came down ({os.path.getsize(path) / 1e6:,.1f} MB), file {count + 1} of at "
+                        f"most {len(data)}")
             count, total = count + 1, total + measure(path)
             yield path
         if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
@@ -183,7 +196,7 @@ def _data_files(names: list, url: str) -> list:
     return data
 
 
-def _download(hub, repo: str, name: str, commit: str, storage: str, url: str) -> str:
+def _download(hub, repo: str, name: str, commit: str, storage: str, url: str, bars: bool = True) -> str:
     """One file into the cache: to a .partial file beside the blobs that a later run continues, checked against
     the Hub's hash, renamed to its blob; huggingface_hub then links it into the snapshot as its own download."""
     from huggingface_hub.file_download import http_get
@@ -204,7 +217,7 @@ def _download(hub, repo: str, name: str, commit: str, storage: str, url: str) ->
                     if meta.size is not None and f.tell() > meta.size:
                         f.truncate(0)  # longer than the file: not a start of it
                     http_get(meta.location, f, resume_size=f.tell(), headers=headers, expected_size=meta.size,
-                             displayed_filename=name)
+                             displayed_filename=name, tqdm_class=None if bars else _NoBar)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise RunFailure(f"data source {url}: the disk is full downloading {name} ({meta.size or 0:,} "

@@ -420,8 +420,9 @@ def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found
     if not data.wait_to_start(seq_len):
         raise data.error
     m = data.meta
-    log(f"data: training starts on the first {len(data.parts)} part(s) ({m['train_tokens']:,} train tokens, val "
-        f"{m['val_tokens']:,} tokens) while the rest of {cfg.sources[0]} downloads and tokenizes")
+    if not data.complete:  # else the thread said what the whole corpus holds
+        log(f"data: training starts on the first {len(data.parts)} part(s) ({m['train_tokens']:,} train tokens, "
+            f"val {m['val_tokens']:,} tokens) while the rest of {cfg.sources[0]} downloads and tokenizes")
     check_windows(data, cfg.packing, seq_len)
     return data
 

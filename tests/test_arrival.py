@@ -10,6 +10,7 @@ Run: python -m pytest -q tests/test_arrival.py
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -88,6 +89,9 @@ def test_batches_read_while_parts_arrive_are_those_of_the_complete_cache(hub, tm
     assert isinstance(arriving, arrival.ArrivingData) and not arriving.complete and len(arriving.parts) <= 2
     before = Batches(arriving, "train", 8, 32, seed=3)
     early = [before.get(step, 0)[0] for step in range(3)]  # in the first part
+    asked = time.monotonic()  # a Ctrl-C while a step waits for its part: the wait ends, the run saves and stops
+    assert before.ready(10**6, give_up=lambda: time.monotonic() - asked > 0.3)
+    assert time.monotonic() - asked < 5 and not arriving.complete
 
     def let_it_come():
         hub.stall = None

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -254,6 +255,9 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
         # The hour's tokens at about 40% of the card's peak: some 2B on an H100, a third of a billion on a 4090 (its
         # peak a sixth of the H100's), where the bundled corpus holds 2.7M.
         assert least <= cfg.data.max_tokens <= 5 * least
+        # It trains while the files beyond the first download (arrival.py), in one process; under torchrun it waits.
+        assert startup.trains_while_arriving(cfg, SimpleNamespace(world_size=1))
+        assert not startup.trains_while_arriving(cfg, SimpleNamespace(world_size=2))
         paths = corpus.source_files(cfg.data)
         assert [os.path.basename(p) for p, _ in paths] == ["000_00000.parquet"]
         assert open(paths[0][0], "rb").read() == files["data/part-0.parquet"]
