@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from llm.errors import DataError, InputError, RunFailure
 from llm import token_cache
+from llm.errors import DataError, InputError, RunFailure
 from llm.token_cache import PreparedData, val_parts
 
 WAIT_NOTE_S = 2.0  # a wait for data longer than this is said, once per wait
@@ -92,10 +92,8 @@ class ArrivingData(PreparedData):
         return self.wait(enough, "the first parts")
 
 
-def start(prepared: PreparedData, work) -> ArrivingData:
-    """Run work(data) (which publishes parts, then finishes) in a thread; returns at once."""
-    data = ArrivingData(prepared.path, prepared.meta, [], arrival=True, commit=prepared.commit)
-
+def start(data: ArrivingData, work) -> ArrivingData:
+    """Run work(data) (which publishes parts, then finishes) in a thread; returns data at once."""
     def run():
         try:
             work(data)

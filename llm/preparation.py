@@ -416,7 +416,7 @@ def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found
         data.publish(done.parts, done.meta)
         data.finish(done.meta)
 
-    data = arrival.start(PreparedData(path, meta, [], arrival=True, commit=commit), work)
+    data = arrival.start(arrival.ArrivingData(path, meta, [], arrival=True, commit=commit), work)
     if not data.wait_to_start(seq_len):
         raise data.error
     m = data.meta
