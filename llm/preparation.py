@@ -345,8 +345,8 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
                         f"pass --vocab_size {MIN_VOCAB} or more")
     in_order = in_arrival_order(cfg)
     background &= in_order
-    start, found = time.perf_counter(), sources(cfg, lazy=background)
-    sample, found = _first_file(found, background) if in_order else (found, found)
+    start, found = time.perf_counter(), sources(cfg, lazy=in_order)  # a file downloads while the one before tokenizes
+    sample, found = _first_file(found) if in_order else (found, found)
     path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
     atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
     for old in _old_caches(cfg.cache_dir):
@@ -369,13 +369,12 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
     return data
 
 
-def _first_file(found: list, lazy: bool) -> tuple[list, list]:
+def _first_file(found: list) -> tuple[list, list]:
     """(the source with its first file only, from which a corpus read in arrival order trains its tokenizer; the
-    source with every file, fetched one ahead of the reader when lazy)."""
+    source with every file, each fetched while the reader tokenizes the one before)."""
     files = iter(found[0].files)
-    first = list(itertools.islice(files, 1))  # downloads it, for a Hub dataset
-    rest = arrival.one_ahead(itertools.chain(first, files)) if lazy else found[0].files
-    return [replace(found[0], files=first)], [replace(found[0], files=rest)]
+    first = list(itertools.islice(files, 1))  # downloads it
+    return [replace(found[0], files=first)], [replace(found[0], files=arrival.one_ahead(itertools.chain(first, files)))]
 
 
 def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadStats, found, seconds: float,
