@@ -56,10 +56,12 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert parts["quick_graphs"]["rows"][0]["within_noise"] and parts["fp8"]["rows"][0]["tokens_per_s"] > 0
     budget = parts["short_budget"]
     assert budget["steps"] >= 1 and budget["checkpoint"] and not budget["traceback"]
+    beside = parts["beside_preparation"]["rows"][0]  # the step beside a thread tokenizing, as a Hub corpus arrives
+    assert beside["preparations"] >= 1 and beside["ratio"] > 0 and len(beside["beside_tokens_per_s"]) == 1
     table = (out / "gpu_report.md").read_text().split("## ")[0]
     for row in ("the no-flag trainer", "one-shot generation, eager", "a prompt on stdin (as the REPL)", "training `small`", "training `large`, FP8",
                 "CUDA graphs", "decode, `tiny` shape, batch 8", "greedy tokens against transformers",
-                "`--preset small --max_minutes 1`"):
+                "`--preset small --max_minutes 1`", "training `small` beside a thread preparing a token cache"):
         assert f"| {row}" in table, row
 
 

@@ -12,17 +12,22 @@ the device drained around it, and reports its share.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
 
+import contextlib
 import gc
 import json
 import os
 import statistics
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 import torch
 
+from config import DataConfig
 from gpu_training_optimized import build, train_step
 from llm.startup import new_model
 from llm import distributed
@@ -31,6 +36,7 @@ from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, sy
 from llm.errors import error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops
+from llm.preparation import prepare
 from llm.sizing import fill_automatic
 
 
@@ -139,6 +145,46 @@ def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: b
         step_s, opt_s = c.seconds[-1] / steps, sum(c.optimizer_s) / steps
         out.update(optimizer_s=opt_s, forward_backward_s=step_s - opt_s, share=opt_s / step_s)
     return out
+
+
+def beside_preparation(cfg, device, raw_model, steps: int, warmup: int, rounds: int, corpus: list) -> dict:
+    """tokens/s of the trainer's step alone and beside a thread preparing a token cache (reading and tokenizing, as
+    arrival.py's thread does while a Hub corpus comes in): whether that thread's Python slows the step. Rounds
+    alternate, the two kinds side by side."""
+    c = Contender("ours", cfg, device, raw_model, warmup)
+    m, alone, beside, prepared = cfg.model, [], [], []
+    with tempfile.TemporaryDirectory() as work:  # the tokenizer first, as a run has it before training starts
+        first = prepare(DataConfig(sources=corpus, cache_dir=os.path.join(work, "first")), m.vocab_size,
+                        m.max_seq_len, log=lambda *a: None)
+        data = DataConfig(sources=corpus, tokenizer=first.tokenizer_path)
+        for _ in range(rounds):
+            alone.append(c.round(steps))
+            with preparing(data, m.vocab_size, m.max_seq_len, prepared):
+                beside.append(c.round(steps))
+    return {"model": c.name, "alone_tokens_per_s": alone, "beside_tokens_per_s": beside,
+            "ratio": statistics.median(beside) / statistics.median(alone), "preparations": len(prepared)}
+
+
+@contextlib.contextmanager
+def preparing(data: DataConfig, vocab_size: int, seq_len: int, done: list):
+    """A thread preparing a fresh token cache of `data` over and over until the block ends; each finished one
+    appended to done."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            with tempfile.TemporaryDirectory() as cache:
+                prepare(replace(data, cache_dir=cache), vocab_size, seq_len, log=lambda *a: None)
+            done.append(1)
+
+    thread = threading.Thread(target=loop, daemon=True, name="bench-prepare")
+    thread.start()
+    time.sleep(1.0)  # under way: reading and tokenizing
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def matmul_peak(device, dtype) -> float:

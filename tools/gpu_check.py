@@ -56,7 +56,8 @@ from llm.sizing import fill_automatic, training_bytes_estimate
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
-QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "short_budget")
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "short_budget",
+               "beside_preparation")
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -261,6 +262,17 @@ def fp8(args) -> dict:
     return {"rows": [row]}
 
 
+def beside_preparation(args) -> dict:
+    """small's step alone and beside a thread preparing a token cache from --sources (default: the bundled corpus),
+    as a run does while its Hub corpus arrives: whether that thread slows the GPU's step. After short_budget."""
+    device = pick_device("auto")
+    cfg = preset("small", args.dry_run)
+    steps, warmup, rounds = (1, 0, 1) if args.dry_run else (3, 2, 3)
+    row = bench.beside_preparation(cfg, device, new_model(cfg, device), steps, warmup, rounds, args.sources)
+    print(f"small beside a preparation thread: {row['ratio']:.2f}x the tokens/s alone", flush=True)
+    return {"rows": [row]}
+
+
 def short_budget(args) -> dict:
     """`--preset small --max_minutes 1` with an empty compile cache: the first step compiles for about as long as
     the budget, and the run must still end on its budget with a checkpoint and exit 0. Last, so a lease running
@@ -326,6 +338,11 @@ def quick_table(found: dict) -> list[str]:
         rows.append(("`--preset small --max_minutes 1`, cold compile cache", f"failed: {b['error'].splitlines()[-1]}"
                      if "error" in b else f"{b['steps']} steps, {b['seconds']:.0f} s launch to exit, checkpoint "
                      f"{'written' if b['checkpoint'] else 'MISSING'}{', a traceback' if b['traceback'] else ''}"))
+    for r in found.get("beside_preparation", {}).get("rows", []):
+        rounds = {k: ", ".join(f"{v:,.0f}" for v in r[f"{k}_tokens_per_s"]) for k in ("beside", "alone")}
+        rows.append(("training `small` beside a thread preparing a token cache (a Hub corpus arriving)",
+                     f"{r['ratio']:.2f}x the tokens/s alone (tokens/s by round: {rounds['beside']} beside, "
+                     f"{rounds['alone']} alone)"))
     if not rows:
         return []
     return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
@@ -412,7 +429,8 @@ def main(argv=None) -> int:
             "first_token": lambda: gen.first_token(args, trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
             "decode": lambda: gen.decode(args, trained_checkpoint(args)), "quick_graphs": lambda: quick_graphs(args),
-            "fp8": lambda: fp8(args), "short_budget": lambda: short_budget(args)}
+            "fp8": lambda: fp8(args), "short_budget": lambda: short_budget(args),
+            "beside_preparation": lambda: beside_preparation(args)}
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == "all" else (args.part,):
         start = time.time()
         print(f"part {part}...", flush=True)
