@@ -78,12 +78,13 @@ def trains_while_arriving(cfg: Config, ranks: Ranks) -> bool:
         d.packing != "documents"
 
 
-def corpus_size(cfg: Config) -> int | None:
-    """The bytes of text sizing plans with: None for the GPU default (larger than any run here), the text a token
-    target reads for a Hub dataset that arrives while training, else the sources' size (fetched first)."""
+def corpus_size(cfg: Config, device: torch.device) -> int | None:
+    """The bytes of text sizing plans with: None for the GPU default (larger than any run here); for a Hub dataset
+    with a token target whose size picks no model (a CPU run, or a model given), the text that target reads, so
+    its files download while the run trains; else the sources' size (a Hub dataset's files fetched first)."""
     if cfg.data.sources == [GPU_CORPUS]:
         return None
-    if in_arrival_order(cfg.data) and cfg.data.max_tokens:
+    if in_arrival_order(cfg.data) and cfg.data.max_tokens and (device.type != "cuda" or not cfg.model.automatic()):
         return int(cfg.data.max_tokens * BYTES_PER_TOKEN)
     return corpus_bytes(cfg.data)
 
@@ -127,7 +128,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     notes += lines
     cfg, lines = default_corpus(cfg, device, saved)
     notes += lines
-    size = corpus_size(cfg)
+    size = corpus_size(cfg, device)
     cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
     ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
     arriving = trains_while_arriving(cfg, ranks)

@@ -159,3 +159,20 @@ def test_the_hub_going_away_mid_run_saves_the_steps_and_resume_goes_on(hub, tmp_
         again.stop()
     out = capsys.readouterr().out
     assert "resumed from" in out and f"at step {step}\n" in out and "done: 400 steps" in out, out[-2000:]
+
+
+def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tmp_path):
+    """A token target's text stands in for a Hub corpus's size only where that size picks no model (a CPU run, or a
+    model given): on CUDA with the model left automatic the files are fetched and measured, or a small dataset under
+    a large target would size a model too large for it."""
+    import torch
+
+    from config import PRESETS
+    from llm import corpus, startup
+    from llm.sizing import BYTES_PER_TOKEN
+    cfg, given = PRESETS["auto"](), PRESETS["small"]()
+    cfg.data = given.data = data_config(tmp_path)
+    estimate = cfg.data.max_tokens * BYTES_PER_TOKEN
+    assert startup.corpus_size(cfg, torch.device("cuda")) == corpus.corpus_bytes(cfg.data) < estimate / 10
+    assert startup.corpus_size(cfg, torch.device("cpu")) == estimate
+    assert startup.corpus_size(given, torch.device("cuda")) == estimate
