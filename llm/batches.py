@@ -40,6 +40,12 @@ def check_windows(data: PreparedData, mode: str, seq_len: int):
                             f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
 
 
+def first_epoch_windows(parts: list, seq_len: int) -> list[int]:
+    """Windows of seq_len + 1 tokens each part's train tokens hold, tiled from its start: a corpus read in arrival
+    order reads these in its first epoch."""
+    return [max(0, (p["train_tokens"] - 1) // seq_len) for p in parts]
+
+
 def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
     """The batch loader of a split for the run's --packing."""
@@ -89,9 +95,8 @@ class Batches:
         self.ranges = np.array(now.source_ranges() if now.weights and self.split == "train" else [(0, self.length)])
         self.weights = np.array(now.weights if now.weights and self.split == "train" else [1.0])
         if self.arrival:  # the first epoch's windows, part by part: where each part's tokens and windows begin
-            tokens = [p["train_tokens"] for p in now.parts]
-            self.part_starts = np.cumsum([0] + tokens)
-            self.part_windows = np.cumsum([0] + [max(0, (n - 1) // self.seq_len) for n in tokens])
+            self.part_starts = np.cumsum([0] + [p["train_tokens"] for p in now.parts])
+            self.part_windows = np.cumsum([0] + first_epoch_windows(now.parts, self.seq_len))
 
     def check(self):
         check_window(self.split, self.length, self.seq_len)
@@ -114,8 +119,7 @@ class Batches:
         if not self.arrival or self.final or sequence < self.part_windows[-1]:
             return True
         if not data.complete:
-            seq_len = self.seq_len
-            data.wait(lambda parts: sum(max(0, (p["train_tokens"] - 1) // seq_len) for p in parts) > sequence,
+            data.wait(lambda parts: sum(first_epoch_windows(parts, self.seq_len)) > sequence,
                       f"the part that holds training window {sequence:,}", give_up)
         self._load()
         return data.error is None
