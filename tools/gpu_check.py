@@ -1,9 +1,9 @@
 """Every GPU figure of README from one command, in parts that each finish within about 8 minutes; and, with no
 GPU at all, the compile check (--compile_only).
 
-    python tools/gpu_check.py --quick --out gpu_results            # the headline figures in about 8 minutes
+    python tools/gpu_check.py --quick --out gpu_results --minutes 9  # the headline figures that fit 9 minutes
+    python tools/gpu_check.py --quick --out gpu_results --part fp8 short_budget  # named parts, into the same report
     python tools/gpu_check.py --out gpu_results                    # every part, one after the other
-    python tools/gpu_check.py --part throughput --out gpu_results  # one part; the report is rebuilt after each
     python tools/gpu_check.py --dry_run --out /tmp/dry             # CPU: every configuration on the tiny shape
     python tools/gpu_check.py --compile_only                       # no GPU: the GPU path compiled on fake tensors
 Parts: throughput (ours and Hugging Face's Qwen3 of the same shape, small/medium/large, bf16, compile default,
@@ -11,13 +11,16 @@ on the trainer's own train_step; MFU, peak memory against the estimate, the opti
 (the same with max-autotune), graphs (CUDA-graph modes at accumulation 1 and 4 against compile default),
 startup (launch to the first step; DDP on one GPU against plain python), curves (300 steps of large,
 compiled against eager, and FP8 against bf16). --quick runs its own short parts instead, most telling first:
-default_run (the no-flag trainer for a minute), first_token (a one-shot generation from its checkpoint: cold
-compile cache, warm, eager; and a prompt on stdin, whose reply must not wait for the background compile),
-throughput (small and large against Hugging Face, at the automatic micro-batch), decode (the large shape at batch
-1 and 8 against the bandwidth bound, batch 1 again with Inductor's combo kernels, and greedy checks against
-transformers on the trained checkpoint), graphs (reduce-overhead under accumulation 4 against compile default),
-fp8 (large), short_budget (small with a one-minute budget and a cold compile cache, last). The generation
-parts live in gpu_generation.py.
+default_run (the no-flag trainer as a first run, FineWeb-Edu from a stand-in Hub, stopped a minute after its
+first timed step), first_token (a one-shot generation from its checkpoint: cold compile cache, warm, eager; and
+a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large against
+Hugging Face, at the automatic micro-batch), decode (the large shape at batch 1 and 8 against the bandwidth
+bound, batch 1 again with Inductor's combo kernels, and greedy checks against transformers on the trained
+checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large), short_budget
+(small with a one-minute budget and a cold compile cache), beside_preparation (small's step beside a thread
+tokenizing). All of them take about 15 minutes, more than one call of a 15-minute lease: --minutes starts only
+the parts that fit and names the rest for a second call. The trainer's runs live in gpu_first_run.py, the
+generation parts in gpu_generation.py.
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
 """
 
@@ -27,24 +30,23 @@ import json
 import math
 import os
 import platform
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 import bench
 import compile_check
+import gpu_first_run as first
 import gpu_generation as gen
 import torch
 
 from config import PRESETS, Config
 from gpu_training_optimized import build, train_step
-from llm.checkpoint import latest_checkpoint
 from llm.startup import new_model
 from llm.device import has_fp8, machine, pick_device
 from llm.distributed import setup
@@ -58,6 +60,11 @@ PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
 QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "short_budget",
                "beside_preparation")
+# About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for
+# first_token's one-shots, quick_throughput, decode at batch 1 and 8 and quick_graphs; the rest (and decode's combo
+# kernels, first_token's prompt on stdin) guessed from their compiles and timed steps.
+QUICK_SECONDS = {"default_run": 150, "first_token": 100, "quick_throughput": 190, "decode": 125, "quick_graphs": 35,
+                 "fp8": 120, "short_budget": 90, "beside_preparation": 60}
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -194,40 +201,6 @@ def curves(args) -> dict:
 
 # ----------------------------------------------------------------------------- --quick: the headline figures
 
-def fresh_run(args, name: str, flags: list, env: dict | None = None) -> tuple[str, float, str]:
-    """The trainer launched as a user would, into a new OUT/<name> run folder, on the check's token cache:
-    (the run folder, wall seconds, its output). RuntimeError with the output's end if it fails."""
-    run_dir = os.path.join(args.out, name)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    data = ["--sources", *args.sources] if args.sources else []
-    seconds, log = gen.command([os.path.join(HERE, "gpu_training_optimized.py"), "--run_dir", run_dir,
-                                "--cache_dir", os.path.join(args.out, "cache"), *data, *map(str, flags)], env)
-    return run_dir, seconds, log
-
-
-def default_run(args) -> dict:
-    """The trainer with no flags but a one-minute budget, as a first run: what it chose, its speed and MFU."""
-    flags = ["--max_steps", 3, "--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run \
-        else ["--max_minutes", 1]
-    run_dir, seconds, log = fresh_run(args, "default_run", flags)
-    train, evals = read_metrics(run_dir, "train"), read_metrics(run_dir, "eval")
-    timed = [r for r in train if r["tokens_per_s"]][-5:] or train[-1:]
-    median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
-    chosen = next((line for line in log.splitlines() if line.startswith("automatic:")), "")
-    print(f"default run: {train[-1]['step']} steps in {seconds:.0f} s, {median('tokens_per_s'):,.0f} tokens/s",
-          flush=True)
-    return {"seconds": seconds, "steps": train[-1]["step"], "tokens_per_s": median("tokens_per_s"),
-            "mfu": median("mfu"), "vram_gb": max(r["vram_gb"] or 0 for r in train), "chosen": chosen,
-            "val_bpb": evals[-1]["val_bpb"] if evals else None, "checkpoint": latest_checkpoint(run_dir)}
-
-
-def trained_checkpoint(args) -> str:
-    """The default run's checkpoint (default_run makes it when no earlier part did)."""
-    path = os.path.join(args.out, "default_run.json")
-    found = json.load(open(path))["checkpoint"] if os.path.isfile(path) else None
-    return found or default_run(args)["checkpoint"]
-
-
 def quick_graphs(args) -> dict:
     """reduce-overhead (CUDA graphs) under accumulation 4 against compile default: the same losses within bf16
     noise, on small cut to 2 layers (every kind of layer, a fraction of the compile)."""
@@ -273,32 +246,19 @@ def beside_preparation(args) -> dict:
     return {"rows": [row]}
 
 
-def short_budget(args) -> dict:
-    """`--preset small --max_minutes 1` with an empty compile cache: the first step compiles for about as long as
-    the budget, and the run must still end on its budget with a checkpoint and exit 0. Last, so a lease running
-    short loses only this."""
-    flags = ["--preset", "tiny", "--max_minutes", 0.1, "--compile", "off", "--micro_batch_size", 2,
-             "--max_seq_len", 64] if args.dry_run else ["--preset", "small", "--max_minutes", 1]
-    with tempfile.TemporaryDirectory() as cold:
-        try:
-            run_dir, seconds, log = fresh_run(args, "short_budget", flags, {"TORCHINDUCTOR_CACHE_DIR": cold})
-        except RuntimeError as e:  # the finding itself: reported in the table
-            return {"error": str(e)[-300:]}
-    train = read_metrics(run_dir, "train")
-    print(f"short budget: {train[-1]['step'] if train else 0} steps in {seconds:.0f} s", flush=True)
-    return {"seconds": seconds, "steps": train[-1]["step"] if train else 0,
-            "checkpoint": latest_checkpoint(run_dir), "traceback": "Traceback" in log}
-
-
 def quick_table(found: dict) -> list[str]:
     """--quick's figures as one table, a row for each that was measured."""
     pct = lambda v: f"{100 * v:.1f}%" if v else "n/a"  # noqa: E731
-    rows = []
+    rows = [(f"part `{name}`", f"failed: {part['failed']}") for name, part in found.items() if "failed" in part]
+    found = {name: part for name, part in found.items() if "failed" not in part}
     if "default_run" in found:
         d = found["default_run"]
-        rows.append(("the no-flag trainer, `--max_minutes 1`", f"{d['steps']} steps, {d['tokens_per_s']:,.0f} "
-                     f"tokens/s, MFU {pct(d['mfu'])}, {d['vram_gb']:.1f} GB, bits per byte "
-                     f"{d['val_bpb'] or float('nan'):.4f}; {d['chosen'].removeprefix('automatic: ')}"))
+        corpus = "FineWeb-Edu, the GPU default," if d["default_corpus"] else "FineWeb-Edu's path by --sources (a dry run),"
+        rows.append(("the no-flag trainer as a first run, stopped a minute after its first timed step",
+                     f"`{d['preset']}` at {d['batch']}; first step {d['first_step_s']:.0f} s after launch, then "
+                     f"{d['steps']} steps, {d['tokens_per_s']:,.0f} tokens/s, MFU {pct(d['mfu'])}, "
+                     f"{d['vram_gb']:.1f} GB; {corpus} {d['files_fetched']} file(s) from a stand-in Hub holding the "
+                     f"bundled corpus's text (no network here){', training while they arrived' * d['while_arriving']}"))
     for r in found.get("first_token", {}).get("rows", []):
         rows.append((f"one-shot generation, {r['mode']}", f"{r['launch_to_exit_s']:.1f} s launch to exit"
                      + (f" ({r['compile_s']:.0f} s compiling)" if r["compile_s"] else "")))
@@ -353,9 +313,10 @@ def write_report(out: str, path: str):
     found = {p: json.load(open(os.path.join(out, f"{p}.json"))) for p in PARTS + QUICK_PARTS
              if os.path.isfile(os.path.join(out, f"{p}.json"))}
     meta = next(iter(found.values()), {}).get("meta", {})
+    table, found = quick_table(found), {name: part for name, part in found.items() if "failed" not in part}
     lines = ["# GPU report", "", f"Written by `python tools/gpu_check.py{' --quick' * meta.get('quick', False)}` on "
              f"{meta.get('device', 'n/a')}, torch {meta.get('torch', 'n/a')}, {meta.get('date', '')}.", ""]
-    lines += quick_table(found)
+    lines += table
     for part in ("throughput", "autotune", "quick_throughput"):
         if part in found:
             lines += [f"## Training throughput, {part}", "", "| preset | batch | model | tokens/s | MFU | peak GiB | "
@@ -397,7 +358,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                "decode steps for an H100 (and an RTX 4090, an A100) "
                                                                "on fake tensors, down to cubin (compile_check.py)")
     p.add_argument("--out", help="folder for each part's JSON and the data cache")
-    p.add_argument("--part", choices=PARTS + QUICK_PARTS + ("all",), default="all")
+    p.add_argument("--part", nargs="+", choices=PARTS + QUICK_PARTS + ("all",), default=["all"],
+                   help="the parts to run, in this order (default: every part, or --quick's)")
+    p.add_argument("--minutes", type=float, default=0.0, help="start no part that would end past this many "
+                   "minutes (by QUICK_SECONDS), and say which were left for a later --part call; 0: no limit")
     p.add_argument("--quick", action="store_true", help="the headline figures only, in about 8 minutes on one H100: "
                                                         f"{', '.join(QUICK_PARTS)}")
     p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step each, "
@@ -425,21 +389,33 @@ def main(argv=None) -> int:
             "quick": args.quick}
     jobs = {"throughput": lambda: throughput(args, "default"), "autotune": lambda: throughput(args, "max-autotune"),
             "graphs": lambda: graphs(args), "startup": lambda: startup(args), "curves": lambda: curves(args),
-            "default_run": lambda: default_run(args),
-            "first_token": lambda: gen.first_token(args, trained_checkpoint(args)),
+            "default_run": lambda: first.default_run(args),
+            "first_token": lambda: gen.first_token(args, first.trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
-            "decode": lambda: gen.decode(args, trained_checkpoint(args)), "quick_graphs": lambda: quick_graphs(args),
-            "fp8": lambda: fp8(args), "short_budget": lambda: short_budget(args),
+            "decode": lambda: gen.decode(args, first.trained_checkpoint(args)),
+            "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args), "short_budget": lambda: first.short_budget(args),
             "beside_preparation": lambda: beside_preparation(args)}
-    for part in (QUICK_PARTS if args.quick else PARTS) if args.part == "all" else (args.part,):
+    deadline, left = time.time() + 60 * args.minutes if args.minutes else math.inf, []
+    for part in (QUICK_PARTS if args.quick else PARTS) if args.part == ["all"] else args.part:
+        if time.time() + QUICK_SECONDS.get(part, 0) > deadline:  # a lease's call ends with its report, not killed
+            left.append(part)
+            continue
         start = time.time()
         print(f"part {part}...", flush=True)
-        result = {"meta": meta, **jobs[part](), "seconds": time.time() - start}
+        try:
+            result = {"meta": meta, **jobs[part](), "seconds": time.time() - start}
+        except Exception as e:  # one part's failure is its row: the lease goes on to the others
+            traceback.print_exc()
+            lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+            result = {"meta": meta, "failed": f"{type(e).__name__}: {lines[-1][:300]}", "seconds": time.time() - start}
         with open(os.path.join(args.out, f"{part}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         print(f"part {part}: {result['seconds']:.0f} s", flush=True)
         gc.collect()
         write_report(args.out, args.report)
+    if left:
+        print(f"not started, past --minutes {args.minutes:g}: {' '.join(left)}; run them with --out {args.out} "
+              f"--part {' '.join(left)}")
     print(f"report: {args.report}")
     return 0
 
