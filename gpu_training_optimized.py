@@ -336,9 +336,11 @@ def main(argv=None) -> int:
 
     clock.sync(start.step)
     for step in itertools.count(start.step):
-        last_step = clock.finished(step)  # max_steps done, or the budget holds no other step
-        # ready: waits for the step's data where the corpus still arrives; False if that stopped (saved, then raised)
-        data_lost = not last_step and not batches.ready(step, give_up=lambda: stop.requested)
+        last_step, data_lost = clock.finished(step), False  # finished: max_steps done, or the budget holds no other
+        if not last_step and not batches.in_hand(step):  # the corpus still arrives: wait, as budget, not step time
+            with clock.pause("wait", step):
+                data_lost = not batches.ready(step, give_up=lambda: stop.requested or clock.out_of_time())
+            last_step = clock.finished(step)  # the wait spent budget, perhaps all of it
         stopping = ranks.stop_vote(stop.requested or data_lost)  # every rank stops at the same step, whichever asked
         if step > start.step:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
             val_loss = None

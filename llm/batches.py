@@ -106,17 +106,27 @@ class Batches:
         """What stopped the preparation of a corpus read as it arrives, if anything did."""
         return getattr(self.data, "error", None)
 
+    def in_hand(self, step: int) -> bool:
+        """Whether ready(step) returns at once: the corpus is complete and loaded, or holds this step's windows."""
+        return self._holds(self._step_end(step))
+
     def ready(self, step: int, give_up=lambda: False) -> bool:
         """Wait until every window of this step is in, where the corpus is still arriving, or give_up() (the run
         was asked to stop); False if its preparation failed first (the run then saves and stops)."""
-        last = (step + 1) * self.accum * self.world_size * self.batch_size - 1  # the step's last sequence
-        return self._arrived(last, give_up)
+        return self._arrived(self._step_end(step), give_up)
+
+    def _step_end(self, step: int) -> int:
+        """The step's last training window, counted over the run."""
+        return (step + 1) * self.accum * self.world_size * self.batch_size - 1
+
+    def _holds(self, sequence: int) -> bool:
+        return not self.arrival or self.final or sequence < self.part_windows[-1]
 
     def _arrived(self, sequence: int, give_up=lambda: False) -> bool:
         """Wait until the run's sequence-th training window is in (or every part is, or give_up()); False if the
         preparation failed."""
         data = self.data
-        if not self.arrival or self.final or sequence < self.part_windows[-1]:
+        if self._holds(sequence):
             return True
         if not data.complete:
             data.wait(lambda parts: sum(first_epoch_windows(parts, self.seq_len)) > sequence,

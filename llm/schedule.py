@@ -82,12 +82,14 @@ class RunClock:
 
     @contextlib.contextmanager
     def pause(self, kind: str, step: int):
-        """Time an evaluation or checkpoint before this step: the final ones are kept room for, and its time is
-        counted against the budget at once, but not as step time (a collective: every rank pauses alike)."""
+        """Time an evaluation, a checkpoint or a wait for data before this step: its time is counted against the
+        budget at once, but not as step time (a collective: every rank pauses alike). Room is kept for the final
+        evaluation and checkpoint by the longest seen."""
         started = time.monotonic()
         yield
         seconds = time.monotonic() - started
-        self.overhead_s[kind] = max(self.overhead_s[kind], seconds)
+        if kind in self.overhead_s:
+            self.overhead_s[kind] = max(self.overhead_s[kind], seconds)
         if kind == "eval":
             self.eval_spent_s, self.evals = self.eval_spent_s + seconds, self.evals + 1
         self._sync(step, measure=False)
@@ -136,6 +138,11 @@ class RunClock:
             return 0.0
         total = self.synced_step + self.synced_remaining / self.pace_s
         return min(1.0, (step + 1) / max(total, step + 1))
+
+    def out_of_time(self) -> bool:
+        """Whether the budget is spent now, but for the room kept for the final evaluation and checkpoint: a wait for
+        data (which no step measures) asks it."""
+        return self.by_time and self.spent_s() > self.budget_s - self.reserve_s()
 
     def finished(self, step: int) -> bool:
         """Whether the run ends before this step: its last step is done, or the budget holds no other."""

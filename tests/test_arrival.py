@@ -80,6 +80,19 @@ def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path,
     assert (tmp_path / "run" / "checkpoints").is_dir() or any((tmp_path / "run").glob("**/*.safetensors"))
 
 
+def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, argv_for, capsys):
+    """A step waiting for a file that does not come waited past the run's time budget, as long as the file took
+    (and the wait counted as step time). The wait is budget now: the run ends on its budget with its checkpoint."""
+    hub.stall = (NAMES[1], 0)  # the second file is held until the test ends
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    started = time.monotonic()
+    assert trainer.main(argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_minutes", 0.25)) == 0
+    assert time.monotonic() - started < 15 + 20 and hub.stalled.is_set() and not hub.release.is_set()
+    out = capsys.readouterr()
+    assert "data: waiting for the part that holds training window" in out.err + out.out
+    assert any((tmp_path / "run").glob("checkpoints/step_*"))
+
+
 def test_batches_read_while_parts_arrive_are_those_of_the_complete_cache(hub, tmp_path, files):
     """A micro-batch must be a pure function of the step: the windows read while files arrive (each read waiting for
     its part) are those a run reads from the finished cache, through the first epoch and into the next, and the

@@ -188,6 +188,30 @@ def test_automatic_evaluations_keep_to_their_share_of_the_time(monkeypatch):
     assert explicit == list(range(100, 1000, 100))  # an interval someone wrote is kept whatever it costs
 
 
+def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
+    """While a Hub corpus arrives a step may wait for its part. Inside a measured window that wait read as slow
+    steps (a 20 s wait among ten 0.1 s steps: 2.1 s a step, a twentieth of the real tokens/s); as a pause it is
+    budget spent and the steps keep their speed, and out_of_time() ends a wait that outlasts the budget."""
+    now = [0.0]
+    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    clock = RunClock(TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1), 0.0, OneProcess())
+    clock.sync(0)
+    for step in range(1, 21):
+        now[0] += 0.1
+        if step % 10 == 0:
+            clock.sync(step)
+    with clock.pause("wait", 20):
+        now[0] += 20.0
+    assert not clock.out_of_time() and not clock.finished(20)
+    for step in range(21, 31):
+        now[0] += 0.1
+    clock.sync(30)
+    assert clock.step_s == pytest.approx(0.1) and "wait" not in clock.state()["overhead_s"]
+    assert clock.synced_remaining == pytest.approx(60 - 23 - clock.reserve_s())
+    now[0] = 60 - clock.reserve_s() + 0.01  # a second wait, past the budget's end
+    assert clock.out_of_time()
+
+
 def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eval_s: float, save_s: float,
                  asks: int = 1) -> tuple[list[int], int]:
     """(the steps a RunClock evaluates at, the step the run ends at) under a time budget, after setup_s of data
