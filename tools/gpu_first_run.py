@@ -49,13 +49,17 @@ def fresh_run(args, name: str, flags: list, env: dict | None = None) -> tuple[st
 
 
 def fineweb_files(dry: bool) -> dict:
-    """FineWeb-Edu's layout, filled with the bundled corpus's text: each file a parquet of it with a `text`
-    column, as FineWeb-Edu's are (a dry run: a few of its files, in two copies)."""
+    """FineWeb-Edu's layout, filled with the bundled corpus's text: each file a parquet of it with a `text` column,
+    as FineWeb-Edu's are, its documents in another order so that no two files are the same bytes (the Hub's cache
+    would link a copy without downloading it). A dry run: a few of its files, in two."""
     paths = [p for p, _ in bundled_files()][:40 if dry else None]
     texts = [open(p, encoding="utf-8", errors="replace").read() for p in paths]
-    buffer = io.BytesIO()
-    pq.write_table(pa.table({"text": texts}), buffer)
-    return {f"sample/10BT/{i:03d}_00000.parquet": buffer.getvalue() for i in range(2 if dry else 8)}
+    files = {}
+    for i in range(2 if dry else 8):
+        buffer, turn = io.BytesIO(), i * len(texts) // 8
+        pq.write_table(pa.table({"text": texts[turn:] + texts[:turn]}), buffer)
+        files[f"sample/10BT/{i:03d}_00000.parquet"] = buffer.getvalue()
+    return files
 
 
 def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tuple[str, float, str]:
@@ -95,7 +99,7 @@ def default_run(args) -> dict:
     home = os.path.join(args.out, "hf_home")
     shutil.rmtree(home, ignore_errors=True)  # a first run: nothing cached
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": home, "HF_HUB_OFFLINE": "0"}
-    flags = ["--sources", GPU_CORPUS, "--max_tokens", 100_000, "--compile", "off", "--micro_batch_size", 2,
+    flags = ["--sources", GPU_CORPUS, "--max_tokens", 10**6, "--compile", "off", "--micro_batch_size", 2,
              "--max_seq_len", 64] if args.dry_run else []
     try:
         run_dir, launched, log = stopped_run(args, "default_run", flags, env, 2.0 if args.dry_run else FIRST_RUN_S)
