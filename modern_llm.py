@@ -324,6 +324,8 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
+        if torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16:
+            x = x.to(torch.bfloat16)  # the residual stream in bf16: half the bytes of each add, norm and gradient
         cos, sin, attends = self.attention_plan(T, kv_cache, positions)
         for block, attend in zip(self.layers, attends):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:
