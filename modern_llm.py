@@ -244,6 +244,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
         self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
         self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
+        self.stream_dtype = None  # the residual stream's dtype under autocast, None for the embedding's (the trainer)
         self.tie_weights()
         if self.rope_cos.device.type != "meta":
             self.compute_rope()
@@ -324,8 +325,8 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16:
-            x = x.to(torch.bfloat16)  # the residual stream in bf16: half the bytes of each add, norm and gradient
+        if self.stream_dtype is not None:
+            x = x.to(self.stream_dtype)  # bf16 under a GPU's autocast: half the bytes of each add, norm and gradient
         cos, sin, attends = self.attention_plan(T, kv_cache, positions)
         for block, attend in zip(self.layers, attends):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:

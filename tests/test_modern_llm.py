@@ -207,25 +207,34 @@ def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
     assert [e.name for e in prof.events()].count("aten::_fused_rms_norm") == 9
 
 
-def test_under_autocast_the_residual_stream_is_in_the_compute_dtype(tiny_config):
-    """The embedding's float32 output once made every residual add and norm float32 under autocast: twice the
-    bytes of each of those kernels and their gradients (the compile check's roofline for `small` on an H200: its
-    kernels besides the matmuls 23.3 ms a micro-step, 18.2 ms with the stream in bf16). The blocks now take and
-    give bf16, and the embedding's weight still gets its float32 gradient; without autocast nothing changes."""
+def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
+    """The embedding's float32 output made every residual add and norm float32 under autocast: twice the bytes of
+    each of those kernels and their gradients (the compile check's roofline for `small` on an H200: forward and
+    backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With stream_dtype set (the trainer sets it on
+    a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets its float32 gradient;
+    unset (a CPU run, where it saved no time and learned a little less) the stream stays float32."""
+    from gpu_training_optimized import build
+    from llm.distributed import setup
     torch.manual_seed(0)
     model, ids = Transformer(tiny_config(vocab_size=64)), torch.randint(0, 64, (2, 16))
     seen = []
     for block in model.layers:
         block.register_forward_hook(lambda m, inputs, out: seen.append((inputs[0].dtype, out.dtype)))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss = model(ids, labels=ids)
-    loss.backward()
-    assert seen == [(torch.bfloat16, torch.bfloat16)] * len(model.layers)
+
+    def stream(dtype):
+        seen.clear()
+        model.stream_dtype = dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(ids, labels=ids)
+        loss.backward()
+        return set(seen)
+    assert stream(torch.bfloat16) == {(torch.bfloat16, torch.bfloat16)}
     grad = model.embed_tokens.weight.grad
     assert grad.dtype == torch.float32 and grad.abs().sum() > 0
-    seen.clear()
-    model(ids)
-    assert seen == [(torch.float32, torch.float32)] * len(model.layers)
+    assert stream(None) == {(torch.float32, torch.float32)}
+    cfg = config.PRESETS["tiny"]()
+    cfg.train.precision = "bf16"
+    assert build(cfg, torch.device("cpu"), setup()).raw_model.stream_dtype is None
 
 
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
