@@ -253,7 +253,8 @@ def quick_table(found: dict) -> list[str]:
     found = {name: part for name, part in found.items() if "failed" not in part}
     if "default_run" in found:
         d = found["default_run"]
-        corpus = "FineWeb-Edu, the GPU default," if d["default_corpus"] else "FineWeb-Edu's path by --sources (a dry run),"
+        corpus = "FineWeb-Edu, the GPU default," if d["default_corpus"] else \
+            "FineWeb-Edu's path by --sources (a dry run),"
         rows.append(("the no-flag trainer as a first run, stopped a minute after its first timed step",
                      f"`{d['preset']}` at {d['batch']}; first step {d['first_step_s']:.0f} s after launch, then "
                      f"{d['steps']} steps, {d['tokens_per_s']:,.0f} tokens/s, MFU {pct(d['mfu'])}, "
@@ -393,7 +394,8 @@ def main(argv=None) -> int:
             "first_token": lambda: gen.first_token(args, first.trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
             "decode": lambda: gen.decode(args, first.trained_checkpoint(args)),
-            "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args), "short_budget": lambda: first.short_budget(args),
+            "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args),
+            "short_budget": lambda: first.short_budget(args),
             "beside_preparation": lambda: beside_preparation(args)}
     deadline, left = time.time() + 60 * args.minutes if args.minutes else math.inf, []
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == ["all"] else args.part:
@@ -407,7 +409,8 @@ def main(argv=None) -> int:
         except Exception as e:  # one part's failure is its row: the lease goes on to the others
             traceback.print_exc()
             lines = [line for line in str(e).splitlines() if line.strip()] or [""]
-            result = {"meta": meta, "failed": f"{type(e).__name__}: {lines[-1][:300]}", "seconds": time.time() - start}
+            result = {"meta": meta, "failed": f"{type(e).__name__}: {lines[-1][:300]}",
+                      "seconds": time.time() - start}
         with open(os.path.join(args.out, f"{part}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         print(f"part {part}: {result['seconds']:.0f} s", flush=True)
