@@ -80,6 +80,7 @@ def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path,
     assert (tmp_path / "run" / "checkpoints").is_dir() or any((tmp_path / "run").glob("**/*.safetensors"))
 
 
+@pytest.mark.slow  # a 15-second budget run
 def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, argv_for, capsys):
     """A step waiting for a file that does not come waited past the run's time budget, as long as the file took
     (and the wait counted as step time). The wait is budget now: the run ends on its budget with its checkpoint."""
