@@ -120,6 +120,7 @@ class Batches:
         return (step + 1) * self.accum * self.world_size * self.batch_size - 1
 
     def _holds(self, sequence: int) -> bool:
+        """Whether the run's sequence-th training window is readable now, with no wait."""
         return not self.arrival or self.final or sequence < self.part_windows[-1]
 
     def _arrived(self, sequence: int, give_up=lambda: False) -> bool:
