@@ -91,6 +91,7 @@ class Contender:
 
     def __init__(self, name: str, cfg, device, raw_model, warmup: int, share: bool = False):
         allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        started = time.perf_counter()
         self.name, self.cfg, self.device, self.ranks = name, cfg, device, distributed.setup()
         self.b = build(cfg, device, self.ranks, raw_model=raw_model)
         self.batches = FixedBatches(cfg, device)
@@ -98,6 +99,7 @@ class Contender:
         for step in range(warmup):
             train_step(self.b, self.batches, step, cfg.train, self.ranks)
         synchronize(device)
+        self.warmup_s = time.perf_counter() - started  # build and the warmup steps: a compiled step's compile
         self.step = warmup
         self.resident = torch.cuda.memory_allocated() - allocated if device.type == "cuda" else 0
         self.seconds, self.peaks = [], []
@@ -133,7 +135,7 @@ def alternate(contenders: list, rounds: int, steps: int) -> list[list[float]]:
 
 def result(c: Contender, rates: list[float]) -> dict:
     return {"model": c.name, "tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
-            "peak_gib": max(c.peaks) / 2**30 if c.peaks else None}
+            "peak_gib": max(c.peaks) / 2**30 if c.peaks else None, "warmup_s": c.warmup_s}
 
 
 def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: bool = False) -> dict:

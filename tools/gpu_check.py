@@ -11,16 +11,17 @@ on the trainer's own train_step; MFU, peak memory against the estimate, the opti
 (the same with max-autotune), graphs (CUDA-graph modes at accumulation 1 and 4 against compile default),
 startup (launch to the first step; DDP on one GPU against plain python), curves (300 steps of large,
 compiled against eager, and FP8 against bf16). --quick runs its own short parts instead, most telling first:
-default_run (the no-flag trainer as a first run, FineWeb-Edu from a stand-in Hub, stopped a minute after its
-first timed step), first_token (a one-shot generation from its checkpoint: cold compile cache, warm, eager; and
-a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large against
-Hugging Face, at the automatic micro-batch), decode (the large shape at batch 1 and 8 against the bandwidth
+default_run (the no-flag trainer as a first run, FineWeb-Edu from a stand-in Hub, stopped half a minute after
+its first timed step), first_token (a one-shot generation from its checkpoint, compiled from a cold cache and
+eager; and a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large
+against Hugging Face, at the automatic micro-batch), decode (the large shape at batch 1 and 8 against the bandwidth
 bound, batch 1 again with Inductor's combo kernels, and greedy checks against transformers on the trained
-checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large), short_budget
-(small with a one-minute budget and a cold compile cache), beside_preparation (small's step beside a thread
-tokenizing). All of them take about 15 minutes, more than one call of a 15-minute lease: --minutes starts only
-the parts that fit and names the rest for a second call. The trainer's runs live in gpu_first_run.py, the
-generation parts in gpu_generation.py.
+checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large), autotune
+(large under max-autotune against compile default, both from empty compile caches), short_budget (small with a
+one-minute budget and a cold compile cache), beside_preparation (small's step beside a thread tokenizing). The
+first five, the table's headline figures, take about 9 minutes; all of them about 18, more than a 15-minute lease
+holds in one call: --minutes starts only the parts that fit and names the rest for a second call. The trainer's
+runs live in gpu_first_run.py, the generation parts in gpu_generation.py.
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
 """
 
@@ -58,13 +59,13 @@ from llm.sizing import fill_automatic, training_bytes_estimate
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
-QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "short_budget",
-               "beside_preparation")
-# About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for
-# first_token's one-shots, quick_throughput, decode at batch 1 and 8 and quick_graphs; the rest (and decode's combo
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "quick_autotune",
+               "short_budget", "beside_preparation")
+# About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for the
+# one-shots of first_token, quick_throughput, decode at batch 1 and 8 and quick_graphs; the rest (and decode's combo
 # kernels, first_token's prompt on stdin) guessed from their compiles and timed steps.
-QUICK_SECONDS = {"default_run": 150, "first_token": 100, "quick_throughput": 190, "decode": 125, "quick_graphs": 35,
-                 "fp8": 120, "short_budget": 90, "beside_preparation": 60}
+QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 125, "quick_graphs": 35,
+                 "fp8": 120, "short_budget": 90, "beside_preparation": 60, "quick_autotune": 240}
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -235,6 +236,27 @@ def fp8(args) -> dict:
     return {"rows": [row]}
 
 
+def quick_autotune(args) -> dict:
+    """large's step compiled by max-autotune (GEMMs tuned on this GPU, their neighbours fused into them) against
+    compile default, each from an empty compile cache as a first run has it: tokens/s, compile seconds, and how
+    long a run must train before the slower compile has paid for itself."""
+    device, rows = pick_device("auto"), []
+    steps, warmup = (1, 0) if args.dry_run else (3, 2)
+    for mode in ("default", "max-autotune-no-cudagraphs"):  # graphs under accumulation are quick_graphs' question
+        cfg = preset("large", args.dry_run, compile=mode, precision="bf16" if device.type == "cuda" else "auto")
+        with torch._inductor.config.patch(force_disable_caches=True):  # quick_throughput compiled the default
+            rows.append({"compile": mode, **bench.measure("ours", cfg, device, new_model(cfg, device), steps,
+                                                          warmup)})
+        bench.release(device)
+    default, tuned = rows
+    gain = 1 - default["tokens_per_s"] / tuned["tokens_per_s"]  # the share of a default run's time it saves
+    extra = tuned["warmup_s"] - default["warmup_s"]
+    pays_after = max(0.0, extra) / gain if gain > 0 else None
+    print(f"max-autotune, large: {tuned['tokens_per_s'] / default['tokens_per_s']:.3f}x compile default's "
+          f"tokens/s; compile and warmup {tuned['warmup_s']:.0f} s against {default['warmup_s']:.0f} s", flush=True)
+    return {"rows": rows, "pays_after_s": pays_after}
+
+
 def beside_preparation(args) -> dict:
     """small's step alone and beside a thread preparing a token cache from --sources (default: the bundled corpus),
     as a run does while its Hub corpus arrives: whether that thread slows the GPU's step. After short_budget."""
@@ -255,7 +277,7 @@ def quick_table(found: dict) -> list[str]:
         d = found["default_run"]
         corpus = "FineWeb-Edu, the GPU default," if d["default_corpus"] else \
             "FineWeb-Edu's path by --sources (a dry run),"
-        rows.append(("the no-flag trainer as a first run, stopped a minute after its first timed step",
+        rows.append((f"the no-flag trainer as a first run, stopped {first.FIRST_RUN_S:.0f} s after its first step",
                      f"`{d['preset']}` at {d['batch']}; first step {d['first_step_s']:.0f} s after launch, then "
                      f"{d['steps']} steps, {d['tokens_per_s']:,.0f} tokens/s, MFU {pct(d['mfu'])}, "
                      f"{d['vram_gb']:.1f} GB; {corpus} {d['files_fetched']} file(s) from a stand-in Hub holding the "
@@ -278,6 +300,13 @@ def quick_table(found: dict) -> list[str]:
         rows.append(("training `large`, FP8 linear layers", f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])}"))
     if "skipped" in found.get("fp8", {}):
         rows.append(("training `large`, FP8", found["fp8"]["skipped"]))
+    if "quick_autotune" in found:
+        (d, t), pays = found["quick_autotune"]["rows"], found["quick_autotune"]["pays_after_s"]
+        rows.append(("training `large`, max-autotune against compile default, empty compile caches",
+                     f"{t['tokens_per_s']:,.0f} tokens/s against {d['tokens_per_s']:,.0f}: "
+                     f"{t['tokens_per_s'] / d['tokens_per_s']:.3f}x; compile and warmup {t['warmup_s']:.0f} s "
+                     f"against {d['warmup_s']:.0f} s; " + (f"pays for its compile after {pays / 60:.1f} minutes of "
+                     "training" if pays is not None else "never pays: no faster")))
     for r in found.get("quick_graphs", {}).get("rows", []):
         rows.append(("CUDA graphs (reduce-overhead) under accumulation 4", f"largest relative loss difference "
                      f"{r['max_relative_difference']:.1e} over {len(r['losses'])} steps, within bf16 noise: "
@@ -395,6 +424,7 @@ def main(argv=None) -> int:
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
             "decode": lambda: gen.decode(args, first.trained_checkpoint(args)),
             "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args),
+            "quick_autotune": lambda: quick_autotune(args),
             "short_budget": lambda: first.short_budget(args),
             "beside_preparation": lambda: beside_preparation(args)}
     deadline, left = time.time() + 60 * args.minutes if args.minutes else math.inf, []

@@ -4,7 +4,7 @@ and a budget shorter than the first compile.
 The no-flag run on a GPU reads FineWeb-Edu from the Hub, sized for an hour. A lent machine has no network, so the
 check serves FineWeb-Edu's path from a stand-in Hub on 127.0.0.1 (hub_stand_in.py) holding the bundled corpus's
 text: the run takes the same path as a user's (the Hub asked, the preset and micro-batch the hour picks, the
-files downloaded and tokenized while it trains), and a minute after its first timed step it is stopped as a
+files downloaded and tokenized while it trains), and half a minute after its first timed step it is stopped as a
 user's Ctrl-C stops it (SIGTERM: the step finishes, the run saves)."""
 
 import io
@@ -33,7 +33,7 @@ from llm.monitor import read_metrics
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TRAINER = os.path.join(HERE, "gpu_training_optimized.py")
 FINEWEB = "HuggingFaceFW/fineweb-edu"  # GPU_CORPUS's repository; its files are sample/10BT/NNN_00000.parquet
-FIRST_RUN_S = 60.0  # the no-flag run trains this long after its first timed step, then is stopped
+FIRST_RUN_S = 30.0  # the no-flag run trains this long after its first timed step (dozens of steps), then is stopped
 STOP_WAIT_S = 300.0  # for the stopped run to finish its step and save
 
 
@@ -92,7 +92,7 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
 
 
 def default_run(args) -> dict:
-    """The trainer with no flags, as a user's first run, stopped a minute after its first timed step: the corpus
+    """The trainer with no flags, as a user's first run, stopped FIRST_RUN_S after its first timed step: the corpus
     and the size it chose, the seconds from launch to its first step, its speed and MFU. On a CPU (a dry run) the
     same path is asked for by flags: FineWeb-Edu from the stand-in, the tiny shape, no compile."""
     hub = Hub({FINEWEB: fineweb_files(args.dry_run)})
