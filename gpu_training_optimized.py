@@ -264,7 +264,7 @@ def save(session: Session, b: Built, step: int, tokens: int, best_val: float,
                      "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                      "config": json.dumps(cfg.to_dict()), **session.clock.state(), "command": session.command,
                      "device": device_report(next(b.raw_model.parameters()).device),
-                     "precision": precision_label(cfg.train.precision, b.amp_dtype)}
+                     "precision": precision_label(cfg.train.precision, b.amp_dtype, b.raw_model)}
     return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, model_config=cfg.model,
                                    tokenizer_path=session.data.tokenizer_path, trainer_state=trainer_state,
                                    keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=session.lora_meta)
@@ -304,7 +304,7 @@ def open_session(settled, b: Built, clock: RunClock, ranks: Ranks, device: torch
                       wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
                       resume_step=start.step if settled.ckpt else None) if ranks.is_main else None
     ranks.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype), ranks=ranks,
+        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype, b.raw_model), ranks=ranks,
         tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
     args = sys.argv[1:] if argv is None else argv
     return Session(cfg=cfg, ranks=ranks, data=settled.data, val_batches=settled.val_batches, clock=clock,

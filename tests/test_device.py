@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,18 +58,40 @@ def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch):
     assert device.pick_precision("fp8", torch.device("cuda", 0)) == torch.bfloat16
 
 
-def test_float8_conversion_keeps_names_and_skips_the_head(tiny_config):
+def test_float8_conversion_keeps_names_and_converts_the_layers_whose_shape_pays(tiny_config):
     """The FP8 conversion swaps the blocks' linear layers only, and every parameter keeps its name, so
-    checkpoints, the optimizer's split and exports are unchanged."""
+    checkpoints, the optimizer's split and exports are unchanged. At the large preset's width the keys' and
+    values' projections (1,536 -> 384) stay bf16: FP8's casts cost them more than its matmul saves."""
     pytest.importorskip("torchao")
+    from config import PRESETS
     from modern_llm import Transformer
-    model = Transformer(tiny_config())
+    with torch.device("meta"):
+        model = Transformer(replace(PRESETS["large"]().model, num_hidden_layers=2, vocab_size=4096))
     names = [n for n, _ in model.named_parameters()]
     device.float8_training(model)
     assert [n for n, _ in model.named_parameters()] == names
-    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj", "lm_head"))}
-    assert kinds["layers.0.attn.q_proj"] == "Float8Linear" and kinds["layers.1.mlp.down_proj"] == "Float8Linear"
-    assert kinds["lm_head"] == "Linear"
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert {n.split(".")[-1] for n, k in kinds.items() if k == "Float8Linear"} == {"q_proj", "o_proj", "gate_proj",
+                                                                                   "up_proj", "down_proj"}
+    assert kinds["layers.1.attn.k_proj"] == kinds["layers.1.attn.v_proj"] == kinds["lm_head"] == "Linear"
+    assert device.precision_label("fp8", torch.bfloat16, model) == "fp8 in 10 of 15 linear layers + bf16 autocast"
+    tiny = Transformer(tiny_config())  # 192 wide: no layer pays, and the start report says so
+    device.float8_training(tiny)
+    assert device.fp8_layers(tiny)[0] == 0
+
+
+def test_fp8_pays_where_torchaos_own_shape_filter_says_it_does():
+    """The shape rule against torchao's filter for its per-tensor recipe, over the shapes of every preset and
+    around the thresholds (a private torchao function: skipped where a release lacks it)."""
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    reference = getattr(torchao_float8, "_auto_filter_for_recipe", None)
+    if reference is None:
+        pytest.skip("this torchao has no _auto_filter_for_recipe")
+    pays = reference("tensorwise", filter_fqns=[])
+    sizes = (192, 256, 384, 768, 1000, 1024, 1040, 1536, 2048, 2816, 4096, 4112, 5632, 8192)
+    for k in sizes:
+        for n in sizes:
+            assert device.fp8_pays(k, n) == pays(torch.nn.Linear(k, n, device="meta"), "layers.0.mlp"), (k, n)
 
 
 def test_the_trainer_takes_the_generators_auto_compile_word_as_default():
