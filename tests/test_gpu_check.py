@@ -5,6 +5,7 @@ import argparse
 import json
 
 import gpu_check
+import gpu_generation as gen
 import pytest
 import torch
 
@@ -52,9 +53,10 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert 0 < reply["loaded_to_reply_s"] < reply["launch_to_exit_s"]
     rows = parts["quick_throughput"]["rows"]
     assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS for m in ("ours", "hf")]
-    assert [(r["batch"], r.get("combo_kernels", False)) for r in parts["decode"]["rows"]] == [(1, False), (8, False),
-                                                                                              (1, True)]
-    assert parts["decode"]["greedy_identical"] and parts["decode"]["greedy_identical_combo_kernels"]
+    assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
+    leads = parts["decode_leads"]  # batch 1 under each Inductor setting no GPU has run yet
+    assert [(r["batch"], r["lead"]) for r in leads["rows"]] == [(1, lead) for lead in gen.DECODE_LEADS]
+    assert all(leads["greedy_identical"].values()) and not leads["errors"]
     assert parts["quick_graphs"]["rows"][0]["within_noise"] and parts["fp8"]["rows"][0]["tokens_per_s"] > 0
     tuned = parts["quick_autotune"]["rows"]  # max-autotune against default, each with its compile's seconds
     assert [r["compile"] for r in tuned] == ["default", "max-autotune-no-cudagraphs"]
@@ -117,11 +119,9 @@ def test_a_failing_part_is_its_row_and_the_parts_after_it_still_run(corpus, tmp_
     assert "| one-shot generation, eager |" in table
 
 
-def test_a_failing_combo_kernel_compile_is_reported_and_the_part_goes_on(monkeypatch):
-    """Combo kernels have run on no GPU yet: if they fail to compile on the lent one, the decode part keeps its
-    other figures and the table says what failed, instead of the check stopping before its last parts."""
-    import argparse
-    import gpu_generation as gen
+def test_a_failing_decode_lead_is_reported_and_the_part_goes_on(monkeypatch):
+    """The decode leads have run on no GPU yet: if one fails to compile on the lent one, the part measures the
+    others and the table says what failed, instead of the check stopping before its last parts."""
     calls = []
     def rates(cfg, device, compiled, batches, n, reps):
         calls.append(batches)
@@ -130,8 +130,11 @@ def test_a_failing_combo_kernel_compile_is_reported_and_the_part_goes_on(monkeyp
         return [{"batch": b, "tokens_per_s": 100.0, "ms_per_step": 10.0, "bound_share": 0.2} for b in batches]
     monkeypatch.setattr(gen, "decode_rates", rates)
     monkeypatch.setattr(gen, "greedy_identical", lambda *a: True)
-    out = gen.decode(argparse.Namespace(dry_run=True), "unused")
-    assert calls == [(1, 8), (1,)] and [r["batch"] for r in out["rows"]] == [1, 8] and out["greedy_identical"]
-    assert out["combo_kernels_error"] == "RuntimeError: triton: combo kernel failed"
-    table = "\n".join(gpu_check.quick_table({"decode": out}))
-    assert "| decode with combo kernels | failed: RuntimeError: triton: combo kernel failed |" in table
+    out = gen.decode_leads(argparse.Namespace(dry_run=True), "unused")
+    assert calls == [(1,), (1,)] and [r["lead"] for r in out["rows"]] == ["coordinate descent tuning"]
+    both = "coordinate descent tuning and combo kernels"
+    assert out["errors"] == {both: "RuntimeError: triton: combo kernel failed"}
+    table = "\n".join(gpu_check.quick_table({"decode_leads": out}))
+    assert f"| decode with {both} | failed: RuntimeError: triton: combo kernel failed |" in table
+    assert "| decode, `tiny` shape, batch 1, coordinate descent tuning | 100 tokens/s" in table
+    assert "| the same, coordinate descent tuning | identical |" in table

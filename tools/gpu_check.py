@@ -15,11 +15,13 @@ default_run (the no-flag trainer as a first run, FineWeb-Edu from a stand-in Hub
 its first timed step), first_token (a one-shot generation from its checkpoint, compiled from a cold cache and
 eager; and a prompt on stdin, whose reply must not wait for the background compile), throughput (small and large
 against Hugging Face, at the automatic micro-batch), decode (the large shape at batch 1 and 8 against the bandwidth
-bound, batch 1 again with Inductor's combo kernels, and greedy checks against transformers on the trained
-checkpoint), graphs (reduce-overhead under accumulation 4 against compile default), fp8 (large), autotune
-(large under max-autotune against compile default, both from empty compile caches), short_budget (small with a
-one-minute budget and a cold compile cache), beside_preparation (small's step beside a thread tokenizing). The
-first five, the table's headline figures, take about 9 minutes; all of them about 18, more than a 15-minute lease
+bound, and greedy checks against transformers on the trained checkpoint), graphs (reduce-overhead under
+accumulation 4 against compile default), decode_leads (batch 1 under Inductor settings that may cut the decode
+step's kernels: coordinate descent tuning, with and without combo kernels; each checked against transformers),
+fp8 (large), autotune (large under max-autotune against compile default, both from empty compile caches),
+short_budget (small with a one-minute budget and a cold compile cache), beside_preparation (small's step beside a
+thread tokenizing). The
+first five, the table's headline figures, take about 8 minutes; all of them about 18, more than a 15-minute lease
 holds in one call: --minutes starts only the parts that fit and names the rest for a second call. The trainer's
 runs live in gpu_first_run.py, the generation parts in gpu_generation.py.
 Each part writes OUT/<part>.json; the report, docs/gpu_report.md, is written from all of them.
@@ -59,13 +61,13 @@ from llm.sizing import fill_automatic, training_bytes_estimate
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
-QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "fp8", "quick_autotune",
-               "short_budget", "beside_preparation")
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "decode_leads", "fp8",
+               "quick_autotune", "short_budget", "beside_preparation")
 # About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for the
-# one-shots of first_token, quick_throughput, decode at batch 1 and 8 and quick_graphs; the rest (and decode's combo
-# kernels, first_token's prompt on stdin) guessed from their compiles and timed steps.
-QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 125, "quick_graphs": 35,
-                 "fp8": 120, "short_budget": 90, "beside_preparation": 60, "quick_autotune": 240}
+# one-shots of first_token, quick_throughput, decode and quick_graphs; the rest (and first_token's prompt on stdin)
+# guessed from their compiles and timed steps.
+QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75, "quick_graphs": 35,
+                 "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60}
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -311,18 +313,19 @@ def quick_table(found: dict) -> list[str]:
         rows.append(("CUDA graphs (reduce-overhead) under accumulation 4", f"largest relative loss difference "
                      f"{r['max_relative_difference']:.1e} over {len(r['losses'])} steps, within bf16 noise: "
                      f"{r['within_noise']}"))
-    dec = found.get("decode", {})
-    for r in dec.get("rows", []):
-        combo = ", combo kernels" if r.get("combo_kernels") else ""
-        rows.append((f"decode, `{dec['shape']}` shape, batch {r['batch']}{combo}", f"{r['tokens_per_s']:,.0f} "
-                     f"tokens/s, {r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} of the bandwidth bound"))
+    dec, leads = found.get("decode", {}), found.get("decode_leads", {})
+    for r in dec.get("rows", []) + leads.get("rows", []):
+        lead = f", {r['lead']}" if "lead" in r else ""
+        rows.append((f"decode, `{dec.get('shape') or leads['shape']}` shape, batch {r['batch']}{lead}",
+                     f"{r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} "
+                     "of the bandwidth bound"))
     if dec:
         rows.append(("greedy tokens against transformers (trained checkpoint, float32)",
                      "identical" if dec["greedy_identical"] else "DIFFERENT"))
-    if "greedy_identical_combo_kernels" in dec:
-        rows.append(("the same, combo kernels", "identical" if dec["greedy_identical_combo_kernels"] else "DIFFERENT"))
-    if "combo_kernels_error" in dec:
-        rows.append(("decode with combo kernels", f"failed: {dec['combo_kernels_error']}"))
+    for lead, same in leads.get("greedy_identical", {}).items():
+        rows.append((f"the same, {lead}", "identical" if same else "DIFFERENT"))
+    for lead, error in leads.get("errors", {}).items():
+        rows.append((f"decode with {lead}", f"failed: {error}"))
     if "short_budget" in found:
         b = found["short_budget"]
         rows.append(("`--preset small --max_minutes 1`, cold compile cache", f"failed: {b['error'].splitlines()[-1]}"
@@ -423,6 +426,7 @@ def main(argv=None) -> int:
             "first_token": lambda: gen.first_token(args, first.trained_checkpoint(args)),
             "quick_throughput": lambda: throughput(args, "default", QUICK_PRESETS, steps=3, warmup=2),
             "decode": lambda: gen.decode(args, first.trained_checkpoint(args)),
+            "decode_leads": lambda: gen.decode_leads(args, first.trained_checkpoint(args)),
             "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args),
             "quick_autotune": lambda: quick_autotune(args),
             "short_budget": lambda: first.short_budget(args),
