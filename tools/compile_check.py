@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from fake_gpu import GPUS, fake_gpu_env, shim_library
 from roofline import Roofline
 
-from llm.errors import error_contract
+from llm.errors import ConfigError, error_contract
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 
@@ -266,8 +266,9 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
 }
 
 
-def child(name: str, library: str) -> dict:
-    """Run one configuration in this (fake-GPU) process; what it compiled and what went wrong."""
+def child(name: str, library: str, inductor: dict | None = None) -> dict:
+    """Run one configuration in this (fake-GPU) process, under these Inductor settings; what it compiled and what
+    went wrong."""
     import torch
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -279,7 +280,7 @@ def child(name: str, library: str) -> dict:
     ROOFLINE.install()
     start, failure, result = time.time(), None, {}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), torch._inductor.config.patch(inductor or {}):
             result = CONFIGS[name][0]()
     except Exception as e:  # the point of the check: any failure is reported, by configuration
         traceback.print_exc()  # the whole story on stderr, shown with --verbose
@@ -311,8 +312,9 @@ def summary(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- the command
 
-def run_all(names: list[str]) -> int:
-    """Each configuration in a fresh fake-GPU process, one after the other; the table; 1 if any failed."""
+def run_all(names: list[str], inductor: list[str] = ()) -> int:
+    """Each configuration in a fresh fake-GPU process (under --inductor's settings), one after the other; the
+    table; 1 if any failed."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -331,7 +333,7 @@ def run_all(names: list[str]) -> int:
                       file=sys.stderr)
                 return 2
             out = os.path.join(cache, f"{name}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out, "--inductor", *inductor]
             print(f"{name}: compiling for {GPUS[CONFIGS[name][1]].name}...", flush=True)
             done = subprocess.run(cmd, env=fake_gpu_env(library, cache), cwd=HERE, capture_output=True, text=True)
             if os.path.isfile(out):
@@ -393,6 +395,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")
+    p.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="Inductor settings to compile every configuration under, as the GPU check's decode leads "
+                        "try them: --only generate --inductor coordinate_descent_tuning=True")
     p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -401,12 +406,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 @error_contract
 def main(argv=None) -> int:
     args = parse_args(argv)
+    settings = inductor_settings(args.inductor)
     if args.child:
-        result = child(args.child, os.environ["LD_PRELOAD"])
+        result = child(args.child, os.environ["LD_PRELOAD"], settings)
         with open(args.result, "w", encoding="utf-8") as f:
             json.dump(result, f)
         return 0
-    return run_all(args.only)
+    return run_all(args.only, args.inductor)
+
+
+def inductor_settings(pairs: list[str]) -> dict:
+    """--inductor's NAME=VALUE pairs as Inductor settings: True, False, a whole number, else the text.
+    ConfigError on a name Inductor does not have."""
+    import torch
+    known, settings = torch._inductor.config.get_config_copy(), {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        if name not in known:
+            raise ConfigError(f"--inductor {pair}: Inductor has no setting {name!r} (torch {torch.__version__})")
+        settings[name] = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+    return settings
 
 
 if __name__ == "__main__":
