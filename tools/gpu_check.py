@@ -51,7 +51,7 @@ import torch
 from config import PRESETS, Config
 from gpu_training_optimized import build, train_step
 from llm.startup import new_model
-from llm.device import has_fp8, machine, pick_device
+from llm.device import fp8_layers, has_fp8, machine, pick_device
 from llm.distributed import setup
 from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
@@ -232,6 +232,7 @@ def fp8(args) -> dict:
     row = bench.measure("ours", cfg, device, model, steps, warmup)
     peak = peak_flops(device)
     row["mfu"] = row["tokens_per_s"] * model.flops_per_token() / peak if peak else None
+    row["fp8_layers"] = fp8_layers(model)  # the trainer's build converted those whose shape pays
     del model
     bench.release(device)
     print(f"fp8, large: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -299,7 +300,8 @@ def quick_table(found: dict) -> list[str]:
                      f"tokens/s, MFU {pct(ours['mfu'])}, {ours.get('peak_gib') or 0:.1f} GiB; Hugging Face "
                      f"{hf['tokens_per_s']:,.0f} ({pct(hf['mfu'])}): {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"))
     for r in found.get("fp8", {}).get("rows", []):
-        rows.append(("training `large`, FP8 linear layers", f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])}"))
+        layers = "{} of {} linear layers".format(*r["fp8_layers"])
+        rows.append((f"training `large`, FP8 in {layers}", f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])}"))
     if "skipped" in found.get("fp8", {}):
         rows.append(("training `large`, FP8", found["fp8"]["skipped"]))
     if "quick_autotune" in found:
