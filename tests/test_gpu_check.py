@@ -6,6 +6,7 @@ import json
 
 import gpu_check
 import gpu_generation as gen
+import gpu_report
 import pytest
 import torch
 
@@ -33,9 +34,9 @@ def test_dry_run_builds_every_configuration_and_writes_the_report(corpus, tmp_pa
 
 def test_the_ddp_overhead_is_said_in_words():
     """A DDP run faster than plain once read "DDP on one GPU -85.0% slower than plain"."""
-    assert gpu_check.overhead_words(0.02) == "2.0% slower than plain"
-    assert gpu_check.overhead_words(-0.85) == "85.0% faster than plain"
-    assert gpu_check.overhead_words(None).startswith("not measured")
+    assert gpu_report.overhead_words(0.02) == "2.0% slower than plain"
+    assert gpu_report.overhead_words(-0.85) == "85.0% faster than plain"
+    assert gpu_report.overhead_words(None).startswith("not measured")
 
 
 def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, tmp_path):
@@ -82,11 +83,11 @@ def test_autotune_says_when_its_longer_compile_has_paid_for_itself(monkeypatch):
     got = gpu_check.quick_autotune(argparse.Namespace(dry_run=True))
     t = got["pays_after_s"]  # T seconds of a default run's training: both runs have then trained the same tokens
     assert 10 + t == pytest.approx(70 + t * 100 / 125)
-    assert "pays for its compile after 5.0 minutes" in "".join(gpu_check.quick_table({"quick_autotune": got}))
+    assert "pays for its compile after 5.0 minutes" in "".join(gpu_report.quick_table({"quick_autotune": got}))
     slower = iter([{"tokens_per_s": 100.0, "warmup_s": 10.0}, {"tokens_per_s": 99.0, "warmup_s": 70.0}])
     monkeypatch.setattr(gpu_check.bench, "measure", lambda *a, **k: next(slower))
     got = gpu_check.quick_autotune(argparse.Namespace(dry_run=True))
-    assert got["pays_after_s"] is None and "never pays" in "".join(gpu_check.quick_table({"quick_autotune": got}))
+    assert got["pays_after_s"] is None and "never pays" in "".join(gpu_report.quick_table({"quick_autotune": got}))
 
 
 def test_minutes_starts_only_the_parts_that_fit_and_names_the_rest(corpus, tmp_path, capsys):
@@ -134,7 +135,7 @@ def test_a_failing_decode_lead_is_reported_and_the_part_goes_on(monkeypatch):
     assert calls == [(1,), (1,)] and [r["lead"] for r in out["rows"]] == ["coordinate descent tuning"]
     both = "coordinate descent tuning and combo kernels"
     assert out["errors"] == {both: "RuntimeError: triton: combo kernel failed"}
-    table = "\n".join(gpu_check.quick_table({"decode_leads": out}))
+    table = "\n".join(gpu_report.quick_table({"decode_leads": out}))
     assert f"| decode with {both} | failed: RuntimeError: triton: combo kernel failed |" in table
     assert "| decode, `tiny` shape, batch 1, coordinate descent tuning | 100 tokens/s" in table
     assert "| the same, coordinate descent tuning | identical |" in table

@@ -22,10 +22,10 @@ CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
 PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
 TOOLS = ["ablate", "bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
-         "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "hub_stand_in",
-         "roofline"]  # in tools/
+         "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
+         "hub_stand_in", "roofline"]  # in tools/
 # A tool may build on another only where declared here.
-TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation"},
+TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation", "gpu_report"},
               "gpu_first_run": {"gpu_generation", "hub_stand_in"},
               "gpu_generation": {"bench", "bench_generate"}, "compile_check": {"bench", "fake_gpu", "roofline"},
               "bench_lora": {"bench"}}

@@ -101,8 +101,9 @@ def default_run(args) -> dict:
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": home, "HF_HUB_OFFLINE": "0"}
     flags = ["--sources", GPU_CORPUS, "--max_tokens", 10**6, "--compile", "off", "--micro_batch_size", 2,
              "--max_seq_len", 64] if args.dry_run else []
+    after_s = 2.0 if args.dry_run else FIRST_RUN_S
     try:
-        run_dir, launched, log = stopped_run(args, "default_run", flags, env, 2.0 if args.dry_run else FIRST_RUN_S)
+        run_dir, launched, log = stopped_run(args, "default_run", flags, env, after_s)
     finally:
         hub.stop()
     train = read_metrics(run_dir, "train")
@@ -110,7 +111,7 @@ def default_run(args) -> dict:
     median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
     settings = json.load(open(os.path.join(run_dir, "config.json"), encoding="utf-8"))
     t, preset = settings["train"], re.search(r"\(the (\w+) preset", log)
-    row = {"steps": train[-1]["step"], "first_step_s": train[0]["time"] - launched,
+    row = {"steps": train[-1]["step"], "first_step_s": train[0]["time"] - launched, "stopped_after_s": after_s,
            "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
            "vram_gb": max(r["vram_gb"] or 0 for r in train), "preset": preset.group(1) if preset else "given",
            "batch": f"{t['micro_batch_size']} x {settings['model']['max_seq_len']} x {t['grad_accum_steps']}",
