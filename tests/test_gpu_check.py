@@ -53,7 +53,8 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     reply = parts["first_token"]["first_reply"]
     assert 0 < reply["loaded_to_reply_s"] < reply["launch_to_exit_s"]
     rows = parts["quick_throughput"]["rows"]
-    assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS for m in ("ours", "hf")]
+    assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS
+                                                         for m in ("ours", "hf")]
     assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
     leads = parts["decode_leads"]  # batch 1 under each Inductor setting no GPU has run yet
     assert [(r["batch"], r["lead"]) for r in leads["rows"]] == [(1, lead) for lead in gen.DECODE_LEADS]
