@@ -21,14 +21,12 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling", None: "fp32"}
 
 
-def precision_label(precision: str, amp_dtype, model: torch.nn.Module | None = None) -> str:
+def precision_label(precision: str, amp_dtype, model: torch.nn.Module) -> str:
     """What a run computes in, for its start report and its checkpoints' model card: under fp8, how many of the
     model's linear layers compute in FP8 (those whose shape pays for it)."""
     if precision != "fp8":
         return PRECISION_NAMES[amp_dtype]
-    fp8, linear = fp8_layers(model) if model is not None else (0, 0)
-    layers = f"fp8 in {fp8} of {linear} linear layers" if linear else "fp8 linear layers"
-    return f"{layers} + {PRECISION_NAMES[amp_dtype]}"
+    return "fp8 in {} of {} linear layers + ".format(*fp8_layers(model)) + PRECISION_NAMES[amp_dtype]
 
 
 def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
