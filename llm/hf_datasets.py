@@ -29,6 +29,9 @@ URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+
 DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.txt", "*.txt.gz", "*.txt.zst")
 FETCH_MARGIN = 1.5  # a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
 COMMIT = re.compile(r"[0-9a-f]{40}")
+ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a file's git blob id (sha1), or a large file's sha256
+DRIVE = re.compile(r"[A-Za-z]:")  # a path part that Windows reads as a drive
+HOSTILE = "refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub or a faithful mirror"
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
 commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives
 
@@ -56,7 +59,28 @@ def parse(url: str) -> tuple[str, str, str]:
     if not m or ".." in m["repo"]:
         raise DataError(f"data source {url} is not a Hub dataset URL, write hf://datasets/OWNER/NAME/GLOB "
                         "(hf://datasets/OWNER/NAME@main/data/*.parquet)")
-    return m["repo"], unquote(m["revision"] or "main"), (m["pattern"] or "").strip("/")
+    revision = _safe_relative(unquote(m["revision"] or "main"), "the revision", url, "write a branch, tag or commit "
+                              "after @ (refs%2Fconvert%2Fparquet for one with slashes)")
+    return m["repo"], revision, (m["pattern"] or "").strip("/")
+
+
+def _safe_relative(path, what: str, url: str, todo: str = "") -> str:
+    """A name from the Hub (or the URL) that becomes a path under the cache: no `..`, root, drive, backslash, NUL or
+    empty segment, which would name a file outside it."""
+    parts = path.split("/") if isinstance(path, str) else [""]
+    if any(part in ("", ".", "..") or "\\" in part or "\0" in part or DRIVE.match(part) for part in parts):
+        raise DataError(f"data source {url}: {what} {str(path)[:200]!r} is not a path inside the dataset (it has a "
+                        f"`..`, root, drive, backslash or empty part); {todo or HOSTILE}")
+    return path
+
+
+def _hex_hash(value, what: str, url: str, pattern=ETAG, todo: str = "") -> str:
+    """A hash the Hub sends, checked before it names a file in the cache (anything else could reach outside it)."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        digits = "40" if pattern is COMMIT else "40 or 64"
+        raise DataError(f"data source {url}: {what} {str(value)[:200]!r} is not a hash ({digits} lowercase hex "
+                        f"digits); {todo or HOSTILE}")
+    return value
 
 
 def matches(path: str, pattern: str) -> bool:
@@ -118,7 +142,7 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
     repo, revision, pattern = parse(url)
     storage = os.path.join(constants.HF_HUB_CACHE, f"datasets--{repo.replace('/', '--')}")
     with _failures(url, repo, revision):
-        listed = None if offline(constants) else _listing(hub, repo, revision, pattern)
+        listed = None if offline(constants) else _listing(hub, repo, revision, pattern, url)
         names, commit = listed or _cached(storage, revision, pattern, url, offline(constants))
         commits[url] = commit
         total, fetched, count, data = 0, 0, 0, _data_files(names, url)
@@ -127,7 +151,7 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
                 break
             path = os.path.join(storage, "snapshots", commit, *name.split("/"))
             if listed is not None and not os.path.exists(path):
-                path = _download(hub, repo, name, commit, storage, url, bars)
+                _download(hub, repo, name, commit, storage, path, url, bars)
                 fetched += 1
                 if not bars:
                     log(f"data: {name} came down ({os.path.getsize(path) / 1e6:,.1f} MB), file {count + 1} of at "
@@ -151,20 +175,23 @@ def unavailable(url: str) -> str:
     return ""
 
 
-def _listing(hub, repo: str, revision: str, pattern: str) -> tuple[list, str] | None:
-    """(matching file names, the revision's commit) from the Hub, or None when it cannot be reached."""
+def _listing(hub, repo: str, revision: str, pattern: str, url: str) -> tuple[list, str] | None:
+    """(matching file names, the revision's commit) from the Hub, or None when it cannot be reached; both checked
+    before they become paths in the cache."""
     api = hub.HfApi()
     try:  # one request that fails at once when the Hub is out of reach, before the listing's retries
         commit = api.dataset_info(repo, revision=revision, timeout=hub.constants.HF_HUB_ETAG_TIMEOUT).sha
     except _unreachable():
         return None
+    commit = _hex_hash(commit, "the commit the Hub sent", url, COMMIT)
     tree = api.list_repo_tree(repo, _folder(pattern) or None, recursive=True, revision=commit, repo_type="dataset")
-    return sorted(f.path for f in tree if hasattr(f, "size") and matches(f.path, pattern)), commit
+    return sorted(_safe_relative(f.path, "the file name the Hub listed", url)
+                  for f in tree if hasattr(f, "size") and matches(f.path, pattern)), commit
 
 
 def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: bool) -> tuple[list, str]:
     """(matching file names, commit) of the cached snapshot of revision; an error line when there is none."""
-    commit = revision if COMMIT.fullmatch(revision) else _ref(os.path.join(storage, "refs", revision))
+    commit = revision if COMMIT.fullmatch(revision) else _ref(os.path.join(storage, "refs", revision), url)
     snapshot = os.path.join(storage, "snapshots", commit)
     names = sorted(os.path.relpath(os.path.join(d, n), snapshot).replace(os.sep, "/")
                    for d, _, files in os.walk(snapshot) for n in files) if commit else []
@@ -178,12 +205,14 @@ def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: boo
     return names, commit
 
 
-def _ref(path: str) -> str:
-    """The commit a cached refs/ file names, or "" when there is none."""
+def _ref(path: str, url: str) -> str:
+    """The commit a cached refs/ file names, or "" when there is none; checked, as it names the snapshot's folder."""
     if not os.path.isfile(path):
         return ""
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        commit = f.read().strip()
+    return commit and _hex_hash(commit, f"the commit {path} names", url, COMMIT,
+                                "delete that file and run again with the Hub in reach")
 
 
 def _data_files(names: list, url: str) -> list:
@@ -196,20 +225,23 @@ def _data_files(names: list, url: str) -> list:
     return data
 
 
-def _download(hub, repo: str, name: str, commit: str, storage: str, url: str, bars: bool = True) -> str:
-    """One file into the cache: to a .partial file beside the blobs that a later run continues, checked against
-    the Hub's hash, renamed to its blob; huggingface_hub then links it into the snapshot as its own download."""
+def _download(hub, repo: str, name: str, commit: str, storage: str, path: str, url: str, bars: bool = True):
+    """One file into the cache at `path` (its name in the snapshot): to a .partial file beside the blobs that a later
+    run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub lays them out."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import WeakFileLock, build_hf_headers
     meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo, name, repo_type="dataset", revision=commit))
-    blob = os.path.join(storage, "blobs", meta.etag)
+    etag = _hex_hash(meta.etag, f"the ETag the Hub sent for {name}", url)
+    blob = os.path.join(storage, "blobs", etag)
     os.makedirs(os.path.dirname(blob), exist_ok=True)
     headers = build_hf_headers()
     if urlparse(meta.location).netloc != urlparse(hub.constants.ENDPOINT).netloc:
         headers.pop("authorization", None)  # a signed CDN address: the token stays with the Hub
-    lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), meta.etag + ".partial.lock")
+    lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), etag + ".partial.lock")
     os.makedirs(os.path.dirname(lock), exist_ok=True)
     with WeakFileLock(lock):  # several ranks of one run fetch the same files
+        if os.path.exists(path):  # another rank's, while this one waited
+            return
         if not os.path.exists(blob):
             partial = blob + ".partial"
             try:
@@ -224,15 +256,27 @@ def _download(hub, repo: str, name: str, commit: str, storage: str, url: str, ba
                                      f"bytes) into {os.path.dirname(storage)}; free that much room, or point HF_HOME "
                                      "at a larger disk, and run again") from None
                 raise
-            _check_hash(partial, meta.etag, name, url)
+            _check_hash(partial, etag, name, url)
             os.replace(partial, blob)
-    return hub.hf_hub_download(repo, name, repo_type="dataset", revision=commit)
+        _link(blob, path)
+
+
+def _link(blob: str, path: str):
+    """The snapshot's name for a blob: a relative link, as huggingface_hub makes (the blob itself where links are
+    refused, as it does too). Made here: its hf_hub_download would ask the Hub for the blob's name again, unchecked."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.remove(path)  # a link to a blob that is gone
+    try:
+        os.symlink(os.path.relpath(blob, os.path.dirname(path)), path)
+    except FileExistsError:
+        pass  # made by another program meanwhile (huggingface_hub's own download)
+    except OSError:
+        os.replace(blob, path)
 
 
 def _check_hash(path: str, etag: str, name: str, url: str):
     """The Hub's ETag is the file's sha256 (large files) or its git blob id: a resumed file must give it."""
-    if len(etag) not in (40, 64):
-        return
     h = hashlib.sha256() if len(etag) == 64 else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(2**20), b""):

@@ -2,7 +2,8 @@
 Hub on 127.0.0.1 (hub_stand_in.py; the real Hub is never reached): the trainer trains on the files, a download
 killed with -9 resumes where it stopped and gives the Hub's bytes, an offline run reads the cache, only the files
 a token target needs come down, and every failure (no such dataset, a pattern that matches nothing, a gated
-dataset, no network and nothing cached, a full disk) is one error line.
+dataset, no network and nothing cached, a full disk) is one error line; what a hostile Hub sends (an ETag, a listed
+name, a revision with `..`) never reaches a file outside the cache.
 
 Run: python -m pytest -q tests/test_hf_datasets.py
 """
@@ -102,7 +103,7 @@ def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub
     assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     names = [n for n in files if n.startswith("data/")]
     assert sorted(p.rsplit("/", 1)[1] for _, p, _ in hub.requests if "/resolve/" in p) == \
-        sorted(n.split("/")[1] for n in names for _ in ("HEAD", "GET", "HEAD"))  # never README.md
+        sorted(n.split("/")[1] for n in names for _ in ("HEAD", "GET"))  # never README.md; the Hub asked once
     for name in names:
         assert open(snapshot(tmp_path, name), "rb").read() == files[name]
     config = json.load(open(tmp_path / "run" / "config.json"))
@@ -226,6 +227,83 @@ def test_a_full_disk_is_a_runtime_failure_naming_the_room(hub, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(file_download, "http_get", full)
     with pytest.raises(RunFailure, match=r"the disk is full downloading data/part-0.parquet \([\d,]+ bytes\)"):
+        hf_datasets.fetch(URL)
+
+
+def prepare(tmp_path, source: str):
+    return lambda: prepare_data.main(["--sources", source, "--cache_dir", str(tmp_path / "cache")])
+
+
+def storage(tmp_path):
+    return tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}"
+
+
+@pytest.mark.parametrize("heads", ["every", "later"])
+def test_a_hostile_etag_is_refused_before_it_names_a_file(hub, tmp_path, capsys, heads):
+    """The Hub's ETag named the blob and its lock: `../` in it wrote the file's bytes and locks outside HF_HOME (and
+    read a file already there as the data). It must be a sha1 or sha256 in hex, refused in one line before any path
+    is built; huggingface_hub's own download asked the Hub again and took the second answer unchecked, so a Hub
+    honest on the first HEAD and hostile after must reach no file either (it is asked once)."""
+    victim = tmp_path / "victim" / "created_by_hub.txt"
+    hostile = os.path.relpath(victim, storage(tmp_path) / "blobs")
+    name = "data/part-0.parquet"
+    hub.etags[name] = hostile if heads == "every" else [hashlib.sha256(hub.repos[REPO][name]).hexdigest(), hostile]
+    if heads == "every":
+        err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+        assert not victim.parent.exists()
+        assert f"data source {URL}: the ETag the Hub sent for {name} '{hostile}' is not a hash" in err, err
+        assert "HF_ENDPOINT" in err
+    else:
+        assert open(hf_datasets.fetch(URL)[0], "rb").read() == hub.repos[REPO][name]
+        assert not victim.parent.exists()
+
+
+def test_a_listed_name_outside_the_snapshot_is_refused(hub, tmp_path, capsys):
+    """Once the cache held the snapshot's folder, a listing entry data/../../(...)/localsecret.txt named a local file
+    that the run then read as data. A listed name must stay inside the snapshot (no `..`, root, drive, backslash,
+    NUL or empty segment): one line, exit 2, and the local file is never read."""
+    hf_datasets.fetch(URL)
+    secret = tmp_path / "victim" / "localsecret.txt"
+    secret.parent.mkdir()
+    secret.write_text("the local secret\n" * 100)
+    name = "data/" + os.path.relpath(secret, snapshot(tmp_path, "data"))
+    hub.listed.append({"type": "file", "path": name, "size": 5, "oid": "0" * 40})
+    hf_datasets._fetched.clear()
+    url = f"hf://datasets/{REPO}/data"
+    err = one_error_line(capsys, prepare(tmp_path, url), 2)
+    assert f"data source {url}: the file name the Hub listed '{name}' is not a path inside the dataset" in err, err
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p != secret]
+    assert not [p for p in written if b"local secret" in p.read_bytes()] and not (tmp_path / "cache").exists()
+    for bad in ("/etc/passwd.txt", "data\\x.txt", "C:x.txt", "data//x.txt", "data/x\0.txt", "data/./x.txt"):
+        hub.listed[:] = [{"type": "file", "path": bad, "size": 5, "oid": "0" * 40}]
+        hf_datasets._fetched.clear()
+        with pytest.raises(DataError, match="the file name the Hub listed"):
+            hf_datasets.fetch(f"hf://datasets/{REPO}")
+
+
+def test_a_revision_or_commit_outside_the_cache_is_refused(hub, tmp_path, capsys, monkeypatch):
+    """A revision with `..` (its / written %2F in the URL) named refs/REVISION, the file a run writes to remember its
+    commit: a Hub that said it exists made the run write outside HF_HOME. Refused in one line before any request;
+    so are a commit the Hub sends that is not 40 hex digits and a cached refs/ file that names none."""
+    victim = tmp_path / "victim" / "ref"
+    revision = os.path.relpath(victim, storage(tmp_path) / "refs")
+    hub.revisions.add(revision)
+    url = f"hf://datasets/{REPO}@{revision.replace('/', '%2F')}/data/*"
+    err = one_error_line(capsys, prepare(tmp_path, url), 2)
+    assert not victim.parent.exists() and not hub.requests
+    assert f"data source {url}: the revision '{revision}' is not a path inside the dataset" in err, err
+    with pytest.raises(DataError, match="the revision '..' "):
+        hf_datasets.parse(f"hf://datasets/{REPO}@../data/*")
+
+    from huggingface_hub import HfApi
+    with monkeypatch.context() as patch:
+        patch.setattr(HfApi, "dataset_info", lambda *args, **kwargs: SimpleNamespace(sha="../" + COMMIT))
+        with pytest.raises(DataError, match=f"the commit the Hub sent '../{COMMIT}' is not a hash"):
+            hf_datasets.fetch(URL)
+    (storage(tmp_path) / "refs").mkdir(parents=True)
+    (storage(tmp_path) / "refs" / "main").write_text("../../../victim")
+    point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
+    with pytest.raises(DataError, match="refs/main names '../../../victim'"):
         hf_datasets.fetch(URL)
 
 

@@ -6,7 +6,8 @@ repository and download its files, enough that HF_ENDPOINT can point at it in te
     HEAD /datasets/OWNER/NAME/resolve/REV/PATH          X-Repo-Commit, ETag (the sha256), Content-Length
     GET  /datasets/OWNER/NAME/resolve/REV/PATH          the bytes, or from a Range's start (206)
 Errors carry the X-Error-Code the Hub sends (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo), which
-huggingface_hub turns into its error classes. `stall` holds a file's download after some bytes, for a kill.
+huggingface_hub turns into its error classes. `stall` holds a file's download after some bytes, for a kill; `etags`,
+`listed` and `revisions` make it a hostile Hub, for the checks of what it sends.
 """
 
 import hashlib
@@ -21,10 +22,13 @@ COMMIT = "c0ffee" + "0" * 34
 class Hub:
     """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
     `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `requests` logs what was asked,
-    `tokens` the Authorization headers."""
+    `tokens` the Authorization headers. A hostile Hub: `etags` {path: ETag, or a list of them for its HEADs in
+    turn} answers in place of the sha256, `listed` adds entries to every listing, `revisions` are the revisions it
+    says exist (besides main and COMMIT)."""
 
     def __init__(self, repos: dict, gated=(), stall=None):
         self.repos, self.gated, self.stall = repos, set(gated), stall
+        self.etags, self.listed, self.revisions = {}, [], set()
         self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -53,9 +57,9 @@ def _handler(hub: Hub):
             self._route(body=True)
 
         def _route(self, body: bool):
-            path = unquote(urlparse(self.path).path)
-            hub.requests.append((self.command, path, self.headers.get("Range")))
-            parts = path.strip("/").split("/")
+            path = urlparse(self.path).path
+            hub.requests.append((self.command, unquote(path), self.headers.get("Range")))
+            parts = [unquote(part) for part in path.strip("/").split("/")]  # a revision's %2F stays in its part
             if "datasets" in parts[:2]:  # huggingface_hub's other calls (its agent-harness list) are not ours
                 hub.tokens.add(self.headers.get("Authorization"))
             if parts[:2] == ["api", "datasets"] and len(parts) >= 6:
@@ -68,7 +72,7 @@ def _handler(hub: Hub):
         def _repo(self, repo: str, revision: str) -> dict | None:
             if repo not in hub.repos:
                 return self._error(404, "RepoNotFound")
-            if revision not in ("main", COMMIT):
+            if revision not in ("main", COMMIT, *hub.revisions):
                 return self._error(404, "RevisionNotFound")
             return hub.repos[repo]
 
@@ -79,7 +83,7 @@ def _handler(hub: Hub):
             if route == "revision":
                 return self._json({"id": repo, "sha": COMMIT, "private": False, "gated": repo in hub.gated})
             listed = [{"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                      for p, data in sorted(files.items()) if not folder or p.startswith(folder + "/")]
+                      for p, data in sorted(files.items()) if not folder or p.startswith(folder + "/")] + hub.listed
             if not listed:
                 return self._error(404, "EntryNotFound")
             self._json(listed)
@@ -96,7 +100,7 @@ def _handler(hub: Hub):
             start = int(self.headers["Range"].split("=")[1].split("-")[0]) if self.headers.get("Range") else 0
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("ETag", f'"{self._etag(name, data)}"')
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(len(data) - start))
             if start:
@@ -104,6 +108,13 @@ def _handler(hub: Hub):
             self.end_headers()
             if body:
                 self._send(data[start:], name)
+
+        def _etag(self, name: str, data: bytes) -> str:
+            etag = hub.etags.get(name, hashlib.sha256(data).hexdigest())
+            if not isinstance(etag, list):
+                return etag
+            asked = sum(method == "HEAD" and p.endswith("/" + name) for method, p, _ in hub.requests)
+            return etag[min(asked, len(etag)) - 1]  # the last one for every HEAD after
 
         def _send(self, data: bytes, name: str):
             if hub.stall and hub.stall[0] == name:
