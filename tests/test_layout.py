@@ -15,13 +15,13 @@ CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "batches", "preparation",
-        "modern_llm", "sampling", "decode", "decode_compile", "engine", "evaluation",
+        "modern_llm", "sampling", "decode", "decode_compile", "engine", "evaluation", "tasks", "scoring",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
-        "checkpoint", "inference", "model_card", "schedule", "resume", "startup", "openai_api", "worker",
+        "checkpoint", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
         "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
-SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve"]  # run by users, on the core, imported by nothing
-TOOLS = ["ablate", "bench", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
+SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]  # run by users, on the core, imported by nothing
+TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
          "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
          "hub_stand_in", "roofline"]  # in tools/
 # A tool may build on another only where declared here.
@@ -32,7 +32,7 @@ TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_gene
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
 # What a user runs, edits or reads first stays at the root; every other module lives in the package folder.
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
-           "serve", "export_hf"]
+           "serve", "export_hf", "evaluate"]
 PACKAGE = "llm"
 ROOT_SHARED = {"config", "modern_llm"}  # the only root files the package imports: the settings and the network
 

