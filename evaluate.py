@@ -24,7 +24,7 @@ from llm.cli import parse_sections
 from llm.errors import error_contract
 from llm.inference import load_for_inference
 from llm.model_card import export_name, run_folder
-from llm.scoring import TaskScore, score_items
+from llm.scoring import TaskScore, chance, score_items
 
 
 def report_folder(evals: EvalConfig, loaded: str) -> str:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     try:
         for task in chosen:
             items = task.items(evals.limit)
-            chances[task.name] = report_card.chance(items)
+            chances[task.name] = chance(items)
             with tqdm(total=len(items), desc=task.name, unit="item", file=sys.stderr, dynamic_ncols=True,
                       leave=False) as bar:
                 scores.append(TaskScore(task.name, task.split, norm=task.norm))

@@ -25,7 +25,7 @@ import torch
 from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
-from llm import distributed
+from llm import distributed, report_card
 from llm.distributed import Ranks
 from llm.arrival import stopped_by
 from llm.averaging import WeightAverage
@@ -35,7 +35,7 @@ from llm.corpus import is_bundled
 from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, machine,
                         make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
-from llm.evaluation import Probe, evaluate
+from llm.evaluation import GPU_TASK_ITEMS, Probe, evaluate
 from llm.lora import adapter_state, add_adapters
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
@@ -227,12 +227,15 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
     with b.amp:
         (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
+        scores = probe.scores(b.raw_model) if full else []
     if session.monitor:
         r = session.monitor.eval_record(step, val_loss, session.data.meta["val_bytes_per_token"], code_ok=code_ok,
-                                        code_samples=code_n)
+                                        code_samples=code_n, **{f"acc_{s.task}": s.acc for s in scores},
+                                        **({"scored_items": scores[0].items} if scores else {}))
         code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
+        tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
         session.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"
-                          + code)
+                          + code + tasks)
         session.monitor.samples_record(step, samples)
         for sample in samples:
             session.bar.write(f"  {sample['prompt'] + sample['text']!r}")
@@ -303,16 +306,31 @@ def open_session(settled, b: Built, clock: RunClock, ranks: Ranks, device: torch
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tokens_per_step, tensorboard=t.tensorboard,
                       wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
                       resume_step=start.step if settled.ckpt else None) if ranks.is_main else None
+    probe = Probe(b.raw_model.config, settled.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
+                  tasks=t.eval_tasks,
+                  task_items=t.eval_task_items or (GPU_TASK_ITEMS if device.type == "cuda" else 0))
     ranks.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
         cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype, b.raw_model), ranks=ranks,
-        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)))
+        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
     args = sys.argv[1:] if argv is None else argv
     return Session(cfg=cfg, ranks=ranks, data=settled.data, val_batches=settled.val_batches, clock=clock,
                    monitor=monitor, tokens_per_step=tokens_per_step,
                    bar=progress_bar(clock, start.step, enabled=ranks.is_main),
-                   probe=Probe(b.raw_model.config, settled.data, python=is_bundled(cfg.data),
-                               prompts=t.sample_prompts), lora_meta=settled.lora_meta,
+                   probe=probe, lora_meta=settled.lora_meta,
                    command=f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")
+
+
+def write_report_card(session: Session, ckpt: str | None) -> str:
+    """The run's report card (report.md, report.json) from its newest full evaluation's scores; the lines the
+    summary prints of it ("" without scores)."""
+    scores, probe = session.probe.last_scores, session.probe
+    if not scores or not ckpt:
+        return ""
+    device = str(session.monitor.device) if session.monitor else ""
+    items = max(s.items for s in scores)
+    text = report_card.report(ckpt, scores, items, probe.chances, device)
+    report_card.write_report(session.cfg.train.run_dir, text, report_card.as_json(scores, ckpt, items, probe.chances))
+    return f"\n{report_card.table(scores, probe.chances)}\nreport card: {session.cfg.train.run_dir}/report.md"
 
 
 @distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
@@ -383,7 +401,7 @@ def main(argv=None) -> int:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
                       interrupted=stopping, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
-              + "\n" + clock.eval_report())
+              + "\n" + clock.eval_report() + write_report_card(session, last_ckpt))
     ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     ranks.cleanup()
     return 0

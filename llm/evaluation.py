@@ -23,9 +23,12 @@ from config import DataConfig, SampleConfig
 from llm.corpus import ReadStats, documents, source_files
 from llm.distributed import Ranks
 from llm.engine import generate_text
-from llm.errors import DataError
+from llm import tasks as benchmarks
+from llm.errors import ConfigError, DataError
+from llm.scoring import TaskScore, chance, score_items
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
+GPU_TASK_ITEMS = 500  # items of each benchmark task a GPU run scores at a full evaluation when left automatic
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager (the training model is never set to compile generation): a few dozen tokens during training do not pay
 # back compiling a decode step (and its CUDA graphs).
@@ -226,14 +229,37 @@ def evaluate(model, amp, val_batches, n: int, ranks: Ranks) -> float:
 
 
 class Probe:
-    """The code metric and the samples of a run, on its validation texts, ready for each evaluation."""
+    """The code metric, the samples and the benchmark scores of a run, ready for each full evaluation: the
+    validation texts and the tasks' first items are read once, here."""
 
-    def __init__(self, model_config, data, python: bool, prompts: list[str] | None = None):
+    def __init__(self, model_config, data, python: bool, prompts: list[str] | None = None, tasks=(),
+                 task_items: int = 0):
         self.tokenizer = load_tokenizer(data.tokenizer_path)
         self.texts = data.texts("val")
         self.prompts = list(prompts) if prompts else sample_prompts(self.texts, python)
         self.sample_settings = fitted(SAMPLE_SETTINGS, model_config.max_seq_len)
         self.code_settings = fitted(CODE_SETTINGS, model_config.max_seq_len)
+        self.tasks, self.tasks_off = benchmark_items(tasks, task_items)
+        self.chances = {task.name: chance(items) for task, items in self.tasks}
+        self.last_scores: list[TaskScore] = []  # the newest full evaluation's, for the report card
+
+    def describe(self) -> str:
+        """The start report's line on scores."""
+        if not self.tasks:
+            return f"scores at full evaluations: off ({self.tasks_off})"
+        return (f"scores at full evaluations: {', '.join(t.name for t, _ in self.tasks)} (the first "
+                f"{max(len(i) for _, i in self.tasks)} items of each)")
+
+    def scores(self, model) -> list[TaskScore]:
+        """Each task's acc (and acc_norm) on its first items; kept as last_scores."""
+        model.eval()
+        try:
+            self.last_scores = [score_items(model, self.tokenizer, items, TaskScore(task.name, task.split,
+                                                                                   norm=task.norm))
+                                for task, items in self.tasks]
+        finally:
+            model.train()
+        return self.last_scores
 
     def code(self, model) -> tuple[float, int]:
         return self._eval(model, code_parse_rate, self.texts, self.code_settings)
@@ -247,3 +273,17 @@ class Probe:
             return fn(model, self.tokenizer, inputs, settings)
         finally:
             model.train()
+
+
+def benchmark_items(names, n: int) -> tuple[list, str]:
+    """[(task, its first n items)] of the named tasks, and why there are none ("" when there are): a run without
+    the tasks' data trains on, and its start report says so. An unknown name is a ConfigError."""
+    chosen = [benchmarks.get(name) for name in names]
+    if not chosen:
+        return [], "eval_tasks is empty"
+    if not n:
+        return [], "automatic on a CPU, where a run that fits scores at chance; --eval_task_items N scores N items"
+    try:
+        return [(task, task.items(n)) for task in chosen], ""
+    except ConfigError as e:  # the data is not installed
+        return [], str(e)

@@ -139,6 +139,11 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
     if _count(r.get("code_samples")) and _real(r.get("code_ok")) is not None:
         ok = round(r["code_ok"] * r["code_samples"])
         rows.append(("code metric", f"{ok} of {r['code_samples']} documented functions get a body that parses{at}"))
+    scores = {k.removeprefix("acc_"): v for k, v in r.items() if k.startswith("acc_") and _real(v) is not None}
+    if scores:
+        items = f"the first {r['scored_items']} items of each, " if _count(r.get("scored_items")) else ""
+        rows.append(("benchmarks", ", ".join(f"{k} {100 * v:.1f}%" for k, v in scores.items())
+                     + f" (accuracy; {items}zero-shot, lm-eval's prompts){at}"))
     return rows
 
 

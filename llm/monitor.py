@@ -67,6 +67,8 @@ class Monitor:
         self.eval_points = [(r["step"], r["val_loss"]) for r in kept if r.get("kind") == "eval"]
         self.code_points = [(r["step"], 100 * r["code_ok"]) for r in kept
                             if r.get("kind") == "eval" and r.get("code_ok") is not None]
+        self.score_points = [(r["step"], mean_score(r)) for r in kept
+                             if r.get("kind") == "eval" and mean_score(r) is not None]
         self.writer = self.wandb_run = None
         if tensorboard:
             try:
@@ -118,6 +120,8 @@ class Monitor:
         self.eval_points.append((step, val_loss))
         if record.get("code_ok") is not None:
             self.code_points.append((step, 100 * record["code_ok"]))
+        if mean_score(record) is not None:
+            self.score_points.append((step, mean_score(record)))
         self._write(record)
         self.plot()
         return record
@@ -143,7 +147,8 @@ class Monitor:
             self.wandb_run.log(scalars, step=record["step"])
 
     def plot(self):
-        """loss.png: train and val loss, and the code metric beside them when there is one (matplotlib only)."""
+        """loss.png: train and val loss, and beside them the code metric and the benchmarks' mean accuracy where
+        there are (matplotlib only)."""
         drawn = (len(self.train_points), len(self.eval_points))
         if drawn == getattr(self, "_drawn", None):
             return
@@ -154,7 +159,7 @@ class Monitor:
             import matplotlib.pyplot as plt
         except ImportError:
             return
-        panels = 2 if self.code_points else 1
+        panels = 2 if self.code_points or self.score_points else 1
         fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
         ax = axes[0][0]
         if self.train_points:
@@ -165,13 +170,17 @@ class Monitor:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
-        if self.code_points:
-            code = axes[0][1]
-            code.plot(*zip(*self.code_points), "o-", color="tab:green")
-            code.set_xlabel("step")
-            code.set_ylabel("function bodies that parse (%)")
-            code.set_ylim(0, 100)
-            code.grid(alpha=0.3)
+        if panels == 2:
+            right = axes[0][1]
+            for points, label, color in [(self.code_points, "function bodies that parse", "tab:green"),
+                                         (self.score_points, "benchmarks' mean accuracy", "tab:purple")]:
+                if points:
+                    right.plot(*zip(*points), "o-", color=color, label=label)
+            right.set_xlabel("step")
+            right.set_ylabel("%")
+            right.set_ylim(0, 100)
+            right.grid(alpha=0.3)
+            right.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
         plt.close(fig)
@@ -319,6 +328,12 @@ def advance_bar(bar, clock, step: int, epoch: float | None = None):
         bar.update(max(0, _budget_seconds(clock, bar.total) - bar.n))
     else:
         bar.update(1)
+
+
+def mean_score(record: dict) -> float | None:
+    """An evaluation's benchmarks' mean accuracy in % (its acc_TASK fields), or None without them."""
+    scores = [v for k, v in record.items() if k.startswith("acc_") and isinstance(v, (int, float))]
+    return 100 * sum(scores) / len(scores) if scores else None
 
 
 def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,

@@ -20,11 +20,6 @@ REFERENCES = {
 }
 
 
-def chance(task_items) -> float:
-    """The accuracy of a uniform guess: the mean of 1 / choices over the items."""
-    return sum(1 / len(i.choices) for i in task_items) / max(len(task_items), 1)
-
-
 def _pct(value) -> str:
     return "" if value is None else f"{100 * value:.1f}"
 
@@ -70,7 +65,8 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     if facts.get("step") is not None:
         lines.append(f"- step {facts['step']:,}" + (f", {facts['tokens']:,} tokens" if facts.get("tokens") else ""))
     if facts.get("spent_s"):
-        lines.append(f"- training time: {facts['spent_s'] / 60:.1f} min on {facts.get('device', 'a device not recorded')}")
+        where = facts.get("device", "a device not recorded")
+        lines.append(f"- training time: {facts['spent_s'] / 60:.1f} min on {where}")
     sources = facts.get("config", {}).get("data", {}).get("sources") if isinstance(facts.get("config"), dict) else None
     if isinstance(sources, list):
         lines.append("- data: " + (", ".join(f"`{s}`" for s in sources) or "the Python standard library's sources"))

@@ -186,6 +186,11 @@ class TaskScore:
         return self.correct_norm / max(self.items, 1) if self.norm else None
 
 
+def chance(items: list[Item]) -> float:
+    """The accuracy of a uniform guess: the mean of 1 / choices over the items."""
+    return sum(1 / len(i.choices) for i in items) / max(len(items), 1)
+
+
 def first_best(values) -> int:
     """The index of the largest value, the first among equals (numpy's argmax, as lm-eval picks)."""
     return max(range(len(values)), key=lambda i: (values[i], -i))

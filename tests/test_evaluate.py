@@ -87,3 +87,32 @@ def test_ctrl_c_prints_the_scores_so_far(tiny_checkpoint, tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert "stopped; the scores so far" in out and "copa" in out and "(stopped)" in out
     assert not (tmp_path / "report.md").exists()  # no report card of a half-scored model
+
+
+def test_a_training_run_scores_at_full_evaluations_and_writes_its_report_card(corpus, argv_for, tmp_path, capsys):
+    """eval_tasks at a run's full evaluations: each task's acc in metrics.jsonl and the evaluation's line, the
+    table in the summary, and the report card (its items the run's eval_task_items) in the run folder."""
+    import gpu_training_optimized as trainer
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 4, "--eval_interval", 2, "--eval_tasks", "copa",
+                                 "arc_easy", "--eval_task_items", 6)) == 0
+    out = capsys.readouterr().out
+    assert "scores at full evaluations: copa, arc_easy (the first 6 items of each)" in out
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    full = [r for r in evals if "acc_copa" in r]
+    assert full and full[-1]["step"] == 4 and all(0 <= r["acc_copa"] <= 1 and 0 <= r["acc_arc_easy"] <= 1
+                                                  for r in full)
+    card = json.loads((run / "report.json").read_text())
+    assert {k: v["items"] for k, v in card["tasks"].items()} == {"copa": 6, "arc_easy": 6}
+    assert card["tasks"]["copa"]["acc"] == full[-1]["acc_copa"]
+    assert "report card:" in out and "copa" in (run / "report.md").read_text()
+
+
+def test_a_cpu_run_leaves_scores_off_unless_asked(corpus, argv_for, tmp_path, capsys):
+    """Automatic on a CPU: no scores (a model that trains there scores at chance), said at start; no report card."""
+    import gpu_training_optimized as trainer
+    run = tmp_path / "run"
+    assert trainer.main(argv_for(corpus, run, "--max_steps", 2)) == 0
+    assert "scores at full evaluations: off (automatic on a CPU" in capsys.readouterr().out
+    assert not (run / "report.md").exists()

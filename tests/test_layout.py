@@ -15,13 +15,15 @@ CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "batches", "preparation",
-        "modern_llm", "sampling", "decode", "decode_compile", "engine", "evaluation", "tasks", "scoring",
+        "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "gguf_format", "gguf_reader",
         "checkpoint", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
         "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
-SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]  # run by users, on the core, imported by nothing
-TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_prepare", "compare_optimizers",
+# Run by users, on the core, imported by nothing.
+SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
+TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_prepare",
+         "compare_optimizers",
          "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
          "hub_stand_in", "roofline"]  # in tools/
 # A tool may build on another only where declared here.

@@ -30,7 +30,8 @@ def card_of(folder) -> str:
 def run(corpus, argv_for, tmp_path_factory):
     """A run of the tiny model through the trainer's command line: 3 steps, evaluated at the last."""
     folder = tmp_path_factory.mktemp("card") / "run"
-    argv = argv_for(corpus, folder, "--max_steps", 3, "--eval_interval", 3)
+    argv = argv_for(corpus, folder, "--max_steps", 3, "--eval_interval", 3, "--eval_tasks", "copa", "--eval_task_items",
+                    4)
     assert trainer.run(argv) == 0
     return folder, argv
 
@@ -62,6 +63,8 @@ def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
         assert r["command"] == f"`python gpu_training_optimized.py {' '.join(argv)}`"
         assert r["validation loss"] == f"{evaluation['val_loss']:.4f} (step 3)"
         assert r["bits per byte"].startswith(f"{evaluation['val_bpb']:.4f} (step 3)")
+        assert r["benchmarks"] == f"copa {100 * evaluation['acc_copa']:.1f}% (accuracy; the first 4 items of each, " \
+                                  "zero-shot, lm-eval's prompts) (step 3)"
         corpus_tokens = int(r["corpus"].split()[0].replace(",", ""))
         assert corpus_tokens > 10_000 and "not recorded" not in card
     assert "ollama create run -f Modelfile" in card_of(tmp_path / "gguf")
