@@ -6,23 +6,27 @@ Files only (parquet, Arrow, JSONL, text, their .gz and .zst), never a dataset sc
 order into huggingface_hub's cache (HF_HOME), only as many as the run's token target needs; a download cut by a
 kill resumes where it stopped and is checked against the Hub's hash. With HF_HUB_OFFLINE=1, or when the Hub cannot
 be reached, the cached files of the pattern are read. A gated or private dataset uses the token `hf auth login` saved.
+Every name and hash the Hub sends is checked here before it names a file; hf_hub.py downloads models through the same
+checks (Repo, listing, download).
 """
 
 import errno
 import fnmatch
+import functools
 import hashlib
 import importlib
 import importlib.util
 import math
 import os
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
 from tqdm import tqdm
 
-from llm import atomic
-from llm.errors import DataError, RunFailure
+from llm import atomic, readers
+from llm.errors import CheckpointError, DataError, RunFailure
 
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
@@ -32,12 +36,44 @@ COMMIT = re.compile(r"[0-9a-f]{40}")
 ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a file's git blob id (sha1), or a large file's sha256
 DRIVE = re.compile(r"[A-Za-z]:")  # a path part that Windows reads as a drive
 HOSTILE = "refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub or a faithful mirror"
+TOKEN = "the token given (HF_TOKEN, or the one `hf auth login` saved)"
+REFUSED = f"the Hub refused {TOKEN} as invalid; check it (`hf auth whoami`), or log in again with `hf auth login`"
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
 commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives
 
 
+@dataclass(frozen=True)
+class Repo:
+    """A Hub repository as the checks and downloads here name it: OWNER/NAME, its kind ("dataset" or "model") and
+    `where`, the words its error lines start with (the source as written)."""
+    id: str
+    kind: str
+    where: str
+
+    @property
+    def storage(self) -> str:
+        """Its folder in huggingface_hub's cache (HF_HOME as huggingface_hub read it), named as it names them."""
+        from huggingface_hub import constants
+        return os.path.join(constants.HF_HUB_CACHE, f"{self.kind}s--{self.id.replace('/', '--')}")
+
+    @property
+    def error(self) -> type:
+        return DataError if self.kind == "dataset" else CheckpointError
+
+
 def is_hub_dataset(source: str) -> bool:
     return source.startswith(PREFIX)
+
+
+def token_given() -> bool:
+    """Whether huggingface_hub sends a token: a refusal then means that token is wrong, not that a login is missing."""
+    from huggingface_hub import get_token
+    return bool(get_token())
+
+
+def refused_token(e) -> bool:
+    """A 401 that is no repository's (huggingface_hub makes those RepositoryNotFoundError): the token itself."""
+    return getattr(getattr(e, "response", None), "status_code", None) == 401 and token_given()
 
 
 def offline(constants) -> bool:
@@ -59,27 +95,28 @@ def parse(url: str) -> tuple[str, str, str]:
     if not m or ".." in m["repo"]:
         raise DataError(f"data source {url} is not a Hub dataset URL, write hf://datasets/OWNER/NAME/GLOB "
                         "(hf://datasets/OWNER/NAME@main/data/*.parquet)")
-    revision = _safe_relative(unquote(m["revision"] or "main"), "the revision", url, "write a branch, tag or commit "
-                              "after @ (refs%2Fconvert%2Fparquet for one with slashes)")
+    revision = _safe_relative(unquote(m["revision"] or "main"), "the revision", Repo(m["repo"], "dataset",
+                              f"data source {url}"), "write a branch, tag or commit after @ (refs%2Fconvert%2Fparquet "
+                              "for one with slashes)")
     return m["repo"], revision, (m["pattern"] or "").strip("/")
 
 
-def _safe_relative(path, what: str, url: str, todo: str = "") -> str:
+def _safe_relative(path, what: str, repo: Repo, todo: str = "") -> str:
     """A name from the Hub (or the URL) that becomes a path under the cache: no `..`, root, drive, backslash, NUL or
     empty segment, which would name a file outside it."""
     parts = path.split("/") if isinstance(path, str) else [""]
     if any(part in ("", ".", "..") or "\\" in part or "\0" in part or DRIVE.match(part) for part in parts):
-        raise DataError(f"data source {url}: {what} {str(path)[:200]!r} is not a path inside the dataset (it has a "
-                        f"`..`, root, drive, backslash or empty part); {todo or HOSTILE}")
+        raise repo.error(f"{repo.where}: {what} {str(path)[:200]!r} is not a path inside the {repo.kind} (it has a "
+                         f"`..`, root, drive, backslash or empty part); {todo or HOSTILE}")
     return path
 
 
-def _hex_hash(value, what: str, url: str, pattern=ETAG, todo: str = "") -> str:
+def _hex_hash(value, what: str, repo: Repo, pattern=ETAG, todo: str = "") -> str:
     """A hash the Hub sends, checked before it names a file in the cache (anything else could reach outside it)."""
     if not isinstance(value, str) or not pattern.fullmatch(value):
         digits = "40" if pattern is COMMIT else "40 or 64"
-        raise DataError(f"data source {url}: {what} {str(value)[:200]!r} is not a hash ({digits} lowercase hex "
-                        f"digits); {todo or HOSTILE}")
+        raise repo.error(f"{repo.where}: {what} {str(value)[:200]!r} is not a hash ({digits} lowercase hex "
+                         f"digits); {todo or HOSTILE}")
     return value
 
 
@@ -139,27 +176,29 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
     bytes per file (else a line once each is in, for files that come while a run trains)."""
     import huggingface_hub as hub
     from huggingface_hub import constants
-    repo, revision, pattern = parse(url)
-    storage = os.path.join(constants.HF_HUB_CACHE, f"datasets--{repo.replace('/', '--')}")
-    with _failures(url, repo, revision):
-        listed = None if offline(constants) else _listing(hub, repo, revision, pattern, url)
-        names, commit = listed or _cached(storage, revision, pattern, url, offline(constants))
+    repo_id, revision, pattern = parse(url)
+    repo = Repo(repo_id, "dataset", f"data source {url}")
+    storage = repo.storage
+    with _failures(repo, revision):
+        wanted = functools.partial(matches, pattern=pattern)
+        listed = None if offline(constants) else listing(hub, repo, revision, wanted, _folder(pattern))
+        names, commit = listed or _cached(repo, revision, pattern, offline(constants))
         commits[url] = commit
         total, fetched, count, data = 0, 0, 0, _data_files(names, url)
         for name in data:
             if total >= max_bytes:
                 break
-            path = os.path.join(storage, "snapshots", commit, *name.split("/"))
+            path = snapshot_path(repo, commit, name)
             if listed is not None and not os.path.exists(path):
-                _download(hub, repo, name, commit, storage, path, url, bars)
+                download(hub, repo, name, commit, bars)
                 fetched += 1
                 if not bars:
                     log(f"data: {name} came down ({os.path.getsize(path) / 1e6:,.1f} MB), file {count + 1} of at "
                         f"most {len(data)}")
-            count, total = count + 1, total + measure(path)
+            count, total = count + 1, total + _readable(measure, path, repo)
             yield path
         if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
-            _remember(storage, revision, commit)
+            remember(repo, revision, commit)
     why = "HF_HUB_OFFLINE is set" if offline(constants) else "the Hub is out of reach"
     where = f"{fetched} downloaded into {os.path.dirname(storage)}" if listed else f"from the cache: {why}"
     log(f"data: {url}: {count} of its {len(data)} {'' if listed else 'cached '}data file(s) at commit "
@@ -175,24 +214,36 @@ def unavailable(url: str) -> str:
     return ""
 
 
-def _listing(hub, repo: str, revision: str, pattern: str, url: str) -> tuple[list, str] | None:
-    """(matching file names, the revision's commit) from the Hub, or None when it cannot be reached; both checked
-    before they become paths in the cache."""
+def listing(hub, repo: Repo, revision: str, wanted, folder: str = "") -> tuple[list, str] | None:
+    """(the names of the files under folder that wanted(name) takes, the revision's commit) from the Hub, or None
+    when it cannot be reached; both checked before they become paths in the cache."""
     api = hub.HfApi()
     try:  # one request that fails at once when the Hub is out of reach, before the listing's retries
-        commit = api.dataset_info(repo, revision=revision, timeout=hub.constants.HF_HUB_ETAG_TIMEOUT).sha
-    except _unreachable():
+        commit = api.repo_info(repo.id, revision=revision, repo_type=repo.kind,
+                               timeout=hub.constants.HF_HUB_ETAG_TIMEOUT).sha
+    except unreachable():
         return None
-    commit = _hex_hash(commit, "the commit the Hub sent", url, COMMIT)
-    tree = api.list_repo_tree(repo, _folder(pattern) or None, recursive=True, revision=commit, repo_type="dataset")
-    return sorted(_safe_relative(f.path, "the file name the Hub listed", url)
-                  for f in tree if hasattr(f, "size") and matches(f.path, pattern)), commit
+    commit = _hex_hash(commit, "the commit the Hub sent", repo, COMMIT)
+    tree = api.list_repo_tree(repo.id, folder or None, recursive=True, revision=commit, repo_type=repo.kind)
+    return sorted(_safe_relative(f.path, "the file name the Hub listed", repo)
+                  for f in tree if hasattr(f, "size") and wanted(f.path)), commit
 
 
-def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: bool) -> tuple[list, str]:
+def cached_commit(repo: Repo, revision: str) -> str:
+    """The commit of revision's snapshot in the cache ("" when no refs/ file names one): checked, as it names a
+    folder."""
+    return revision if COMMIT.fullmatch(revision) else _ref(os.path.join(repo.storage, "refs", revision), repo)
+
+
+def snapshot_path(repo: Repo, commit: str, name: str = "") -> str:
+    """Where a checked name of a checked commit lies in the cache (the snapshot's folder when no name)."""
+    return os.path.join(repo.storage, "snapshots", commit, *filter(None, name.split("/")))
+
+
+def _cached(repo: Repo, revision: str, pattern: str, by_setting: bool) -> tuple[list, str]:
     """(matching file names, commit) of the cached snapshot of revision; an error line when there is none."""
-    commit = revision if COMMIT.fullmatch(revision) else _ref(os.path.join(storage, "refs", revision), url)
-    snapshot = os.path.join(storage, "snapshots", commit)
+    storage, commit = repo.storage, cached_commit(repo, revision)
+    snapshot = snapshot_path(repo, commit)
     names = sorted(os.path.relpath(os.path.join(d, n), snapshot).replace(os.sep, "/")
                    for d, _, files in os.walk(snapshot) for n in files) if commit else []
     names = [n for n in names if matches(n, pattern)]
@@ -200,18 +251,18 @@ def _cached(storage: str, revision: str, pattern: str, url: str, by_setting: boo
         why = "HF_HUB_OFFLINE=1 forbids downloading; unset it" if by_setting else \
             "the Hub could not be reached; check the connection (or HF_ENDPOINT)"
         error = DataError if by_setting else RunFailure
-        raise error(f"data source {url}: no file of it is in the Hugging Face cache ({os.path.dirname(storage)}) and "
+        raise error(f"{repo.where}: no file of it is in the Hugging Face cache ({os.path.dirname(storage)}) and "
                     f"{why}, then run again")
     return names, commit
 
 
-def _ref(path: str, url: str) -> str:
+def _ref(path: str, repo: Repo) -> str:
     """The commit a cached refs/ file names, or "" when there is none; checked, as it names the snapshot's folder."""
     if not os.path.isfile(path):
         return ""
     with open(path, encoding="utf-8", errors="replace") as f:
         commit = f.read().strip()
-    return commit and _hex_hash(commit, f"the commit {path} names", url, COMMIT,
+    return commit and _hex_hash(commit, f"the commit {path} names", repo, COMMIT,
                                 "delete that file and run again with the Hub in reach")
 
 
@@ -225,13 +276,14 @@ def _data_files(names: list, url: str) -> list:
     return data
 
 
-def _download(hub, repo: str, name: str, commit: str, storage: str, path: str, url: str, bars: bool = True):
-    """One file into the cache at `path` (its name in the snapshot): to a .partial file beside the blobs that a later
+def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
+    """One file (a checked name of a checked commit) into the cache: to a .partial file beside the blobs that a later
     run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub lays them out."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import WeakFileLock, build_hf_headers
-    meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo, name, repo_type="dataset", revision=commit))
-    etag = _hex_hash(meta.etag, f"the ETag the Hub sent for {name}", url)
+    storage, path = repo.storage, snapshot_path(repo, commit, name)
+    meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo.id, name, repo_type=repo.kind, revision=commit))
+    etag = _hex_hash(meta.etag, f"the ETag the Hub sent for {name}", repo)
     blob = os.path.join(storage, "blobs", etag)
     os.makedirs(os.path.dirname(blob), exist_ok=True)
     headers = build_hf_headers()
@@ -252,11 +304,11 @@ def _download(hub, repo: str, name: str, commit: str, storage: str, path: str, u
                              displayed_filename=name, tqdm_class=None if bars else _NoBar)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    raise RunFailure(f"data source {url}: the disk is full downloading {name} ({meta.size or 0:,} "
+                    raise RunFailure(f"{repo.where}: the disk is full downloading {name} ({meta.size or 0:,} "
                                      f"bytes) into {os.path.dirname(storage)}; free that much room, or point HF_HOME "
                                      "at a larger disk, and run again") from None
                 raise
-            _check_hash(partial, etag, name, url)
+            _check_hash(partial, etag, name, repo)
             os.replace(partial, blob)
         _link(blob, path)
 
@@ -275,7 +327,7 @@ def _link(blob: str, path: str):
         os.replace(blob, path)
 
 
-def _check_hash(path: str, etag: str, name: str, url: str):
+def _check_hash(path: str, etag: str, name: str, repo: Repo):
     """The Hub's ETag is the file's sha256 (large files) or its git blob id: a resumed file must give it."""
     h = hashlib.sha256() if len(etag) == 64 else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
     with open(path, "rb") as f:
@@ -283,17 +335,40 @@ def _check_hash(path: str, etag: str, name: str, url: str):
             h.update(block)
     if h.hexdigest() != etag:
         os.remove(path)
-        raise RunFailure(f"data source {url}: {name} came down different from the Hub's copy (hash mismatch); it "
+        raise RunFailure(f"{repo.where}: {name} came down different from the Hub's copy (hash mismatch); it "
                          "was removed, run again to download it anew")
 
 
-def _remember(storage: str, revision: str, commit: str):
+def _readable(measure, path: str, repo: Repo) -> int:
+    """measure(path); a cached file it cannot read (a web page where parquet should be) is removed, blob and link,
+    so that the next run fetches it anew rather than failing on it until someone deletes it by hand."""
+    try:
+        return measure(path)
+    except DataError as e:
+        if not str(e).endswith(readers.REWRITE):  # not the file's fault (pyarrow missing): the file stays
+            raise
+        _forget(path, repo.storage)
+        raise DataError(f"{str(e).removesuffix(readers.REWRITE).rstrip(', ')}; it came from {repo.where} and was "
+                        "removed from the Hugging Face cache: run again (with the Hub in reach) to fetch it anew, or "
+                        "leave it out with a narrower pattern if the Hub's own copy is the same") from None
+
+
+def _forget(path: str, storage: str):
+    """A snapshot's file and the blob it links to (only one of this repository's blobs), removed."""
+    blob = os.path.realpath(path)
+    with suppress(FileNotFoundError):  # another rank's run was first
+        os.remove(path)
+        if os.path.dirname(blob) == os.path.realpath(os.path.join(storage, "blobs")):
+            os.remove(blob)
+
+
+def remember(repo: Repo, revision: str, commit: str):
     """refs/REVISION names the commit, as huggingface_hub writes it: an offline run finds the snapshot by it."""
-    os.makedirs(os.path.join(storage, "refs", os.path.dirname(revision)), exist_ok=True)
-    atomic.write_text(os.path.join(storage, "refs", revision), commit)
+    os.makedirs(os.path.join(repo.storage, "refs", os.path.dirname(revision)), exist_ok=True)
+    atomic.write_text(os.path.join(repo.storage, "refs", revision), commit)
 
 
-def _unreachable() -> tuple:
+def unreachable() -> tuple:
     """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2 for
     huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
     from huggingface_hub.errors import OfflineModeIsEnabled
@@ -302,27 +377,37 @@ def _unreachable() -> tuple:
 
 
 @contextmanager
-def _failures(url: str, repo: str, revision: str):
+def _failures(repo: Repo, revision: str):
     """huggingface_hub's failures as one line naming the source and what to do."""
     from huggingface_hub import errors
     try:
         yield
     except errors.HFValidationError as e:  # the Hub's naming rule (no '--', at most 96 characters), not ours
-        raise DataError(f"data source {url}: {repo!r} is not a Hub dataset name ({str(e).splitlines()[0][:200]}), "
+        raise DataError(f"{repo.where}: {repo.id!r} is not a Hub dataset name ({str(e).splitlines()[0][:200]}), "
                         "write hf://datasets/OWNER/NAME/GLOB") from None
-    except errors.GatedRepoError:
-        raise DataError(f"data source {url}: the dataset is gated, accept its terms on "
-                        f"https://huggingface.co/datasets/{repo} and log in with `hf auth login`") from None
-    except errors.RepositoryNotFoundError:
-        raise DataError(f"data source {url}: no dataset {repo} on the Hub (a private one needs `hf auth login`), "
-                        "check the name") from None
+    except errors.RepositoryNotFoundError as e:  # gated ones too
+        raise DataError(not_shown(repo, isinstance(e, errors.GatedRepoError), f"no dataset {repo.id}",
+                                  f"https://huggingface.co/datasets/{repo.id}")) from None
     except errors.RevisionNotFoundError:
-        raise DataError(f"data source {url}: the dataset has no revision {revision!r}, check the name after @") \
-            from None
+        raise DataError(f"{repo.where}: the dataset has no revision {revision!r}, check the name after @") from None
     except errors.EntryNotFoundError:
-        raise DataError(f"data source {url} matches no file, check the pattern after the dataset's name") from None
+        raise DataError(f"{repo.where} matches no file, check the pattern after the dataset's name") from None
     except errors.HfHubHTTPError as e:
-        raise RunFailure(f"data source {url}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
-    except _unreachable() as e:
-        raise RunFailure(f"data source {url}: the Hub stopped answering ({type(e).__name__}); run again, the "
+        if refused_token(e):
+            raise DataError(f"{repo.where}: {REFUSED}") from None
+        raise RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
+    except unreachable() as e:
+        raise RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the "
                          "download resumes where it stopped") from None
+
+
+def not_shown(repo: Repo, gated: bool, missing: str, page: str) -> str:
+    """The line for a repository the Hub would not show: how to get in, or, with a token given, that it refused it."""
+    token = token_given()
+    if gated:
+        way = f"with the account of {TOKEN}, or check that token" if token else "and log in with `hf auth login`"
+        return f"{repo.where}: the {repo.kind} is gated, accept its terms on {page} {way}"
+    if token:
+        return f"{repo.where}: {missing} on the Hub that {TOKEN} can read; check the name, and the token " \
+            "(`hf auth whoami`)"
+    return f"{repo.where}: {missing} on the Hub (a private one needs `hf auth login`), check the name"

@@ -3,16 +3,21 @@
     python text_generator.py hf:HuggingFaceTB/SmolLM2-135M-Instruct
     python gpu_training_optimized.py --init_from hf:Qwen/Qwen2.5-0.5B --sources my_text/
     python export_hf.py --import hf:meta-llama/Llama-3.2-1B runs/llama --max_seq_len 2048
-Only a name written hf:... reaches the network, through huggingface_hub into its cache (HF_HOME): config.json
-first, checked as any folder's is (hf_families.py), and the weights and tokenizer only when it passes. With
-HF_HUB_OFFLINE=1 the cache alone is read, and a model missing there is one error line saying how to fetch it.
+Only a name written hf:... reaches the network, into huggingface_hub's cache (HF_HOME) in its layout: config.json
+first, checked as any folder's is (hf_families.py), and the weights and tokenizer only when it passes. The commit,
+the listed names and each file's hash come through hf_datasets.py's listing and download, which check them before
+they name a file (huggingface_hub's own downloads took them unchecked); refs/main is written once every file is in.
+With HF_HUB_OFFLINE=1, or with the Hub out of reach, the cache alone is read, and a model missing there is one error
+line saying how to fetch it.
 """
 
+import fnmatch
 import os
 import re
 
+from llm import hf_datasets
 from llm.errors import CheckpointError, RunFailure
-from llm.hf_datasets import offline
+from llm.hf_datasets import Repo, offline
 from llm.hf_families import HF_CONFIG, model_config_from_hf
 from llm.hf_format import check_memory, is_hf_folder
 from llm.sizing import count_parameters
@@ -32,45 +37,96 @@ def is_hub_name(path: str) -> bool:
 def resolve(name: str, max_seq_len: int = 0) -> str:
     """The local folder of hf:ORG/NAME in the Hugging Face cache, downloaded first unless offline: config.json,
     then (when our model can compute it at this context and it fits in memory) the weights and tokenizer."""
-    repo = name[len(HF_PREFIX):]
-    if not REPO_ID.fullmatch(repo) or ".." in repo:
-        raise CheckpointError(f"{name!r} is not a Hub model name, write hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)")
+    repo = Repo(_repo_id(name), "model", name)
+    hub, errors = _hub(name)
+    local = offline(hub.constants)
     try:
-        import huggingface_hub as hub
-        from huggingface_hub import constants, errors
-        from huggingface_hub.utils import validate_repo_id
-    except ImportError:
-        raise CheckpointError(f"{name} is read through the huggingface_hub package, pip install huggingface_hub") \
-            from None
-    try:  # the Hub's own rule (a trailing '-', '--', over 96 characters), which our pattern is looser than
-        validate_repo_id(repo)
-    except errors.HFValidationError as e:
-        raise CheckpointError(f"{name[:120]!r} is not a Hub model name ({str(e).splitlines()[0][:200]}), write "
-                              "hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)") from None
-    local = offline(constants)
-    fetch = f'fetch it with: hf download {repo} --include "*.json" "model*.safetensors"'
-    try:
-        if not local:
-            config = hub.hf_hub_download(repo, HF_CONFIG)
-            cfg = model_config_from_hf(os.path.dirname(config), max_seq_len)  # refused before the weights come
-            check_memory(count_parameters(cfg), name)
-        folder = hub.snapshot_download(repo, allow_patterns=FILES, local_files_only=local)
-    except errors.RepositoryNotFoundError as e:  # gated ones too: both say how to get in
-        gated = isinstance(e, errors.GatedRepoError)
-        raise CheckpointError(f"{name}: " + ("the model is gated, accept its terms on its Hub page and log in with "
-                                             "`hf auth login`" if gated else "no such model on the Hub (a private "
-                                             "one needs `hf auth login`), check the name")) from None
-    except errors.LocalEntryNotFoundError as e:  # not in the cache, or only part of it, and no download allowed
-        why = "HF_HUB_OFFLINE=1 forbids downloading it; unset HF_HUB_OFFLINE" if local else \
-            "the Hub could not be reached; check the connection"
-        where = "is only partly" if isinstance(e, getattr(errors, "IncompleteSnapshotError", ())) else "is not"
-        raise CheckpointError(f"{name} {where} in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}, or "
-                              f"{fetch}") from None
-    except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", ())):
-        raise CheckpointError(f"{name} has no {HF_CONFIG}, it is not a transformers model") from None
-    except errors.HfHubHTTPError as e:
-        raise RunFailure(f"{name}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
+        listed = None if local else hf_datasets.listing(hub, repo, "main", _wanted)
+        folder = _cached(repo, local) if listed is None else _fetch(hub, repo, *listed, max_seq_len)
+    except (errors.HfHubHTTPError, *hf_datasets.unreachable()) as e:  # a whole cached copy serves, as it always did
+        folder = _cached(repo, local, _failure(repo, e, errors))
     if not is_hf_folder(folder):
         raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors weights (model.safetensors "
                               "or its shards), the only weights read; use a model published with them")
     return folder
+
+
+def _hub(name: str):
+    """huggingface_hub and its errors module, or an error line saying how to install it."""
+    try:
+        import huggingface_hub.constants  # the package, with its constants loaded (hub.constants)
+        from huggingface_hub import errors
+    except ImportError:
+        raise CheckpointError(f"{name} is read through the huggingface_hub package, pip install huggingface_hub") \
+            from None
+    return huggingface_hub, errors
+
+
+def _repo_id(name: str) -> str:
+    """ORG/NAME of hf:ORG/NAME, by our pattern and then the Hub's own rule (a trailing '-', '--', over 96
+    characters), which our pattern is looser than: a name that becomes a cache folder."""
+    repo = name[len(HF_PREFIX):]
+    if not REPO_ID.fullmatch(repo) or ".." in repo:
+        raise CheckpointError(f"{name!r} is not a Hub model name, write hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)")
+    _, errors = _hub(name)
+    from huggingface_hub.utils import validate_repo_id
+    try:
+        validate_repo_id(repo)
+    except errors.HFValidationError as e:
+        raise CheckpointError(f"{name[:120]!r} is not a Hub model name ({str(e).splitlines()[0][:200]}), write "
+                              "hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)") from None
+    return repo
+
+
+def _wanted(path: str) -> bool:
+    """A file the reader uses, matched as huggingface_hub's allow_patterns were (`*` crosses folders)."""
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in FILES)
+
+
+def _fetch(hub, repo: Repo, names: list, commit: str, max_seq_len: int) -> str:
+    """The snapshot of commit holding the listed files: config.json first, checked before the weights are asked for;
+    refs/main names it once all are in, so that an offline run finds a whole model."""
+    if HF_CONFIG not in names:
+        raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
+    folder = hf_datasets.snapshot_path(repo, commit)
+    _get(hub, repo, commit, HF_CONFIG)
+    check_memory(count_parameters(model_config_from_hf(folder, max_seq_len)), repo.where)  # before the weights come
+    for name in names:
+        _get(hub, repo, commit, name)
+    hf_datasets.remember(repo, "main", commit)
+    return folder
+
+
+def _get(hub, repo: Repo, commit: str, name: str):
+    """One listed file into the snapshot, unless an earlier run brought it."""
+    if not os.path.exists(hf_datasets.snapshot_path(repo, commit, name)):
+        hf_datasets.download(hub, repo, name, commit)
+
+
+def _failure(repo: Repo, e: Exception, errors) -> Exception:
+    """huggingface_hub's failure as one line: how to get in, a token refused, or what the Hub answered."""
+    if isinstance(e, errors.RepositoryNotFoundError):  # gated ones too: both say how to get in
+        return CheckpointError(hf_datasets.not_shown(repo, isinstance(e, errors.GatedRepoError), "no such model",
+                                                     "its Hub page"))
+    if hf_datasets.refused_token(e):
+        return CheckpointError(f"{repo.where}: {hf_datasets.REFUSED}")
+    if isinstance(e, errors.HfHubHTTPError):
+        return RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later")
+    return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "
+                      "resumes where it stopped")
+
+
+def _cached(repo: Repo, by_setting: bool, failure: Exception | None = None) -> str:
+    """The snapshot the cached refs/main names (checked), for a run that cannot download; else `failure`, or an
+    error line saying the cache lacks it, or holds only part of it."""
+    commit = hf_datasets.cached_commit(repo, "main")
+    folder = hf_datasets.snapshot_path(repo, commit) if commit else ""
+    if folder and is_hf_folder(folder):
+        return folder
+    if failure:
+        raise failure from None
+    why = "HF_HUB_OFFLINE=1 forbids downloading it; unset HF_HUB_OFFLINE" if by_setting else \
+        "the Hub could not be reached; check the connection"
+    where = "is only partly" if folder and os.path.isdir(folder) else "is not"
+    raise CheckpointError(f"{repo.where} {where} in the Hugging Face cache ({os.path.dirname(repo.storage)}) and "
+                          f'{why}, or fetch it with: hf download {repo.id} --include "*.json" "model*.safetensors"')

@@ -29,6 +29,8 @@ DATASET_DICT = "dataset_dict.json"  # the index of a saved DatasetDict, whose sp
 # in SKIP_BYTES pieces and refused as a bad line. Generous: one document of a quarter gigabyte still reads.
 MAX_LINE_BYTES = 256 * 2**20
 SKIP_BYTES = 2**20
+# How an error line about a file that cannot be read ends; hf_datasets.py removes such a file from the Hub's cache.
+REWRITE = "write it again, or leave it out"
 
 
 def kind(path: str) -> str:
@@ -264,8 +266,7 @@ def text_bytes(path: str, columns) -> int:
             with pq.ParquetFile(path) as table:
                 meta = table.metadata
         except (_module("pyarrow", path).ArrowException, OSError) as e:
-            raise DataError(f"{path} is not a readable parquet file ({_first_line(e)}), write it again, "
-                            "or leave it out") from None
+            raise DataError(f"{path} is not a readable parquet file ({_first_line(e)}), {REWRITE}") from None
         return sum(c.total_uncompressed_size for g in range(meta.num_row_groups)
                    for c in map(meta.row_group(g).column, range(meta.row_group(g).num_columns))
                    if c.path_in_schema.split(".")[0] in columns)

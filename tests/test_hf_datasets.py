@@ -2,8 +2,9 @@
 Hub on 127.0.0.1 (hub_stand_in.py; the real Hub is never reached): the trainer trains on the files, a download
 killed with -9 resumes where it stopped and gives the Hub's bytes, an offline run reads the cache, only the files
 a token target needs come down, and every failure (no such dataset, a pattern that matches nothing, a gated
-dataset, no network and nothing cached, a full disk) is one error line; what a hostile Hub sends (an ETag, a listed
-name, a revision with `..`) never reaches a file outside the cache.
+dataset, a token the Hub refuses, no network and nothing cached, a full disk) is one error line; a file that cannot be
+read leaves the cache; what a hostile Hub sends (an ETag, a listed name, a revision with `..`) never reaches a file
+outside the cache.
 
 Run: python -m pytest -q tests/test_hf_datasets.py
 """
@@ -56,13 +57,16 @@ def files():
 
 
 def point_at(monkeypatch, home, endpoint: str, offline: bool = False):
-    """huggingface_hub read HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import: set them and its constants both."""
+    """huggingface_hub read HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import: set them and its constants both (the
+    token `hf auth login` saves lies in HF_HOME too)."""
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     hf_datasets._fetched.clear()  # a new cache and endpoint: nothing fetched yet
 
@@ -206,6 +210,42 @@ def test_a_missing_dataset_is_one_error_line_naming_it(hub, tmp_path, capsys):
     assert "is not a Hub dataset name (" in one_error_line(capsys, prepare("hf://datasets/tiny-org/a--b/*"), 2)
     err = one_error_line(capsys, prepare("hf://datasets/tiny-org/gated/data/*"), 2)
     assert "gated" in err and "hf auth login" in err and "Bearer" not in err
+
+
+def test_a_token_the_hub_refuses_is_named_not_a_missing_login(hub, tmp_path, capsys, monkeypatch):
+    """With a token given, a private dataset the Hub would not show said "a private one needs `hf auth login`" and a
+    token the Hub never issued said "try again later" (exit 1): both must say the token given was refused and to
+    check it (one line, exit 2, the token never printed); without one, the line still says to log in."""
+    hub.private.update({REPO: SECRET, "tiny-org/other": "hf_otherAccount"})
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert "(a private one needs `hf auth login`)" in one_error_line(capsys, prepare(tmp_path, URL), 2)
+    token = "the token given (HF_TOKEN, or the one `hf auth login` saved)"
+    monkeypatch.setenv("HF_TOKEN", "hf_otherAccount")  # an account that cannot read it: the Hub says 404
+    err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+    assert f"no dataset {REPO} on the Hub that {token} can read; check the name, and the token" in err, err
+    monkeypatch.setenv("HF_TOKEN", "hf_misTyped")  # a token the Hub never issued: 401
+    err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+    assert f"data source {URL}: the Hub refused {token} as invalid; check it" in err and "misTyped" not in err, err
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    err = one_error_line(capsys, prepare(tmp_path, "hf://datasets/tiny-org/gated/data/*"), 2)
+    assert f"the dataset is gated, accept its terms on https://huggingface.co/datasets/tiny-org/gated with the " \
+        f"account of {token}" in err and SECRET not in err, err
+
+
+def test_a_file_that_cannot_be_read_leaves_the_cache_and_comes_again(hub, tmp_path, capsys, files):
+    """A web page served as a .parquet file (a proxy's sign-in page, a broken mirror) stayed in the cache and the
+    line said "write it again": every rerun failed alike until someone found the cached file and deleted it. It must
+    be removed, blob and link, the line say so, and the next run fetch it anew."""
+    name, page = "data/part-0.parquet", b"<!DOCTYPE html><html><body>Sign in to continue</body></html>\n"
+    hub.repos[REPO][name] = page
+    err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+    assert f"{name} is not a readable parquet file (" in err and f"it came from data source {URL} and was removed " \
+        "from the Hugging Face cache: run again" in err and "write it again" not in err, err
+    assert not os.path.lexists(snapshot(tmp_path, name))
+    assert not (storage(tmp_path) / "blobs" / hashlib.sha256(page).hexdigest()).exists()
+    hub.repos[REPO][name] = files[name]
+    hf_datasets._fetched.clear()
+    assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
 
 
 def test_no_network_and_nothing_cached_is_one_error_line(monkeypatch, tmp_path, capsys):

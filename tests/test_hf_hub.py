@@ -1,12 +1,13 @@
 """Tests of hf_hub.py: hf:ORG/NAME read from the Hugging Face cache, offline, by the importer, the trainer's
 --init_from, the generator and the server alike; a model missing from the cache is one error line saying how to
-fetch it; and online, config.json is checked before any weight is asked for. The network is never reached: the
-cache is filled here in huggingface_hub's own layout, and where a test plays the online path the two download
-functions are replaced by stand-ins that read the local cache."""
+fetch it; online, config.json is checked before any weight is asked for; and what a hostile Hub sends (an ETag, a
+commit, a listed name) never reaches a file outside the cache. The network is never reached: the cache is filled
+here in huggingface_hub's own layout, and the online tests download from a stand-in Hub on 127.0.0.1
+(hub_stand_in.py)."""
 
 import hashlib
+import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,12 +16,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
+from hub_stand_in import COMMIT as HUB_COMMIT
+from hub_stand_in import Hub
+from test_hf_datasets import point_at
 from test_hf_families import TOLERANCE, hf_model, load_ours, max_diff
 
 import export_hf
 from config import Config, TrainConfig
-from conftest import edit_json
 from llm import checkpoint as ckpt_io
+from llm import hf_hub
+from llm.errors import CheckpointError
 from llm.inference import load_for_inference
 from llm.resume import apply_init_from
 
@@ -105,41 +110,129 @@ def test_a_missing_or_misspelt_hub_model_is_one_error_line(hub, tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
-def test_online_the_config_is_checked_before_the_weights_are_asked_for(hub, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def online(tmp_path, monkeypatch, tiny_checkpoint):
+    """A stand-in Hub on 127.0.0.1 serving REPO (a random Qwen2 model) and an empty Hugging Face home in tmp_path;
+    (the Hub, the model)."""
+    model = hf_model(tmp_path / "src", os.path.join(tiny_checkpoint, "tokenizer.json"), "qwen2")
+    server = Hub({REPO: {name: (tmp_path / "src" / name).read_bytes() for name in os.listdir(tmp_path / "src")}})
+    point_at(monkeypatch, tmp_path / "hf_home", server.url)
+    yield server, model
+    server.stop()
+
+
+def storage(tmp_path):
+    return tmp_path / "hf_home" / "hub" / f"models--{REPO.replace('/', '--')}"
+
+
+def gets(hub) -> list:
+    """The files downloaded, in order."""
+    return [p.rsplit("/resolve/", 1)[1].split("/", 1)[1] for method, p, _ in hub.requests
+            if method == "GET" and "/resolve/" in p]
+
+
+def test_online_the_config_is_checked_before_the_weights_are_asked_for(online, tmp_path, monkeypatch, capsys):
     """Online, config.json comes first: a model our architecture cannot compute (here SmolLM3 with NoPE layers) is
     refused before the weights, gigabytes for a real model, are downloaded; one that fits is fetched with only the
-    files the reader uses. Stand-ins for the two downloads: nothing reaches the network."""
-    cache, theirs = hub
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    snapshot, asked = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT, []
-
-    def config_download(repo_id, filename, **kw):
-        asked.append(("file", repo_id, filename))
-        return str(snapshot / filename)
-
-    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False, **kw):
-        asked.append(("snapshot", repo_id, tuple(allow_patterns), local_files_only))
-        return str(snapshot)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", config_download)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-
+    files the reader uses, into huggingface_hub's cache layout, and read again from it offline."""
+    hub, theirs = online
+    hub.repos[REPO]["pytorch_model.bin"] = b"pickled weights are never read"
     assert export_hf.main(["--import", f"hf:{REPO}", str(tmp_path / "run")]) == 0
-    assert asked[0] == ("file", REPO, "config.json") and asked[1][:2] == ("snapshot", REPO) and not asked[1][3]
-    assert "model-*.safetensors" in asked[1][2] and not any(p.endswith((".bin", ".pth", "*")) for p in asked[1][2])
+    assert gets(hub)[0] == "config.json" and "model.safetensors" in gets(hub)
+    assert "pytorch_model.bin" not in gets(hub)
     assert max_diff(load_ours(str(tmp_path / "run")), theirs) < TOLERANCE
+    assert (storage(tmp_path) / "refs" / "main").read_text() == HUB_COMMIT
+    assert os.path.islink(storage(tmp_path) / "snapshots" / HUB_COMMIT / "model.safetensors")
 
-    asked.clear()
-    config = snapshot / "config.json"
-    config.unlink()  # the link: the edited copy must not reach the shared blob
-    shutil.copyfile(tmp_path / "src" / "config.json", config)
-    edit_json(config, model_type="smollm3", architectures=["SmolLM3ForCausalLM"], no_rope_layer_interval=2)
+    hub.private[REPO] = "hf_someoneElse"  # the Hub refuses it now: the whole cached copy serves, as it always did
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert hf_hub.resolve(f"hf:{REPO}") == str(storage(tmp_path) / "snapshots" / HUB_COMMIT)
+    hub.stop()
+    point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
+    assert hf_hub.resolve(f"hf:{REPO}") == str(storage(tmp_path) / "snapshots" / HUB_COMMIT)
+
+    config = json.loads(hub.repos[REPO]["config.json"])
+    config.update(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], no_rope_layer_interval=2)
+    other = Hub({"tiny-org/nope": dict(hub.repos[REPO], **{"config.json": json.dumps(config).encode()})})
+    point_at(monkeypatch, tmp_path / "hf_home", other.url)
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            export_hf.main(["--import", "hf:tiny-org/nope", str(tmp_path / "run2")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "no_rope_layers=[1, 0]" in err and err.count("\n") == 1, err
+        assert gets(other) == ["config.json"]  # refused before the weights were asked for
+    finally:
+        other.stop()
+
+
+def one_error_line(capsys, tmp_path) -> str:
+    """export_hf.py --import hf:REPO, which must fail with one error line and exit 2."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        export_hf.main(["--import", f"hf:{REPO}", str(tmp_path / "run2")])
+        export_hf.main(["--import", f"hf:{REPO}", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "no_rope_layers=[1, 0]" in err and err.count("\n") == 1, err
-    assert [a[0] for a in asked] == ["file"]  # refused before the snapshot was asked for
+    assert exit_info.value.code == 2 and err.startswith(f"error: hf:{REPO}: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+    return err
+
+
+def test_a_hostile_etag_on_a_model_file_is_refused(online, tmp_path, capsys):
+    """The ETag named the blob and its lock: with `../` in it huggingface_hub wrote the weights and a .lock outside
+    HF_HOME. It must be a sha1 or sha256 in hex, refused in one line before any path is built."""
+    hub, _ = online
+    victim = tmp_path / "victim" / "created_by_hub"
+    hub.etags["model.safetensors"] = os.path.relpath(victim, storage(tmp_path) / "blobs")
+    err = one_error_line(capsys, tmp_path)
+    assert "the ETag the Hub sent for model.safetensors '../" in err and "HF_ENDPOINT" in err, err
+    assert not victim.parent.exists()
+
+
+def test_a_hostile_commit_is_refused_online_and_in_the_cache(online, tmp_path, capsys, monkeypatch):
+    """The commit the repository's info names became snapshots/COMMIT, trees/COMMIT.json and refs/main: with `../`
+    huggingface_hub wrote the listing outside HF_HOME, returned a folder outside it and kept the commit in refs/main.
+    It must be 40 hex digits; so must the commit a cached refs/main names, which an offline run reads."""
+    hub, _ = online
+    victim = tmp_path / "victim" / "snapshot"
+    hub.commit = os.path.relpath(victim, storage(tmp_path) / "snapshots")
+    hub.revisions.add(hub.commit)
+    err = one_error_line(capsys, tmp_path)
+    assert f"the commit the Hub sent '{hub.commit}' is not a hash" in err, err
+    assert not victim.parent.exists() and not (storage(tmp_path) / "refs").exists()
+
+    (storage(tmp_path) / "refs").mkdir(parents=True)
+    (storage(tmp_path) / "refs" / "main").write_text(hub.commit)
+    for offline in (True, False):  # HF_HUB_OFFLINE=1, and a Hub out of reach: both read the cache
+        point_at(monkeypatch, tmp_path / "hf_home", hub.url if offline else "http://127.0.0.1:9", offline)
+        with pytest.raises(CheckpointError, match=f"refs/main names '{hub.commit}' is not a hash"):
+            hf_hub.resolve(f"hf:{REPO}")
+    assert not victim.parent.exists()
+
+
+def test_a_listed_name_outside_the_snapshot_is_refused(online, tmp_path, capsys):
+    """A listing entry model-/../../(...).safetensors matches model-*.safetensors as huggingface_hub's patterns read
+    (`*` crosses folders) and named a file outside the snapshot. A name that is fetched must stay inside it: one
+    line, exit 2, and nothing written outside HF_HOME."""
+    hub, _ = online
+    victim = tmp_path / "victim" / "x.safetensors"
+    name = "model-/" + os.path.relpath(victim, storage(tmp_path) / "snapshots" / HUB_COMMIT / "model-")
+    hub.repos[REPO][name] = b"hostile"
+    hub.listed.append({"type": "file", "path": name, "size": 7, "oid": "0" * 40})
+    err = one_error_line(capsys, tmp_path)
+    assert f"the file name the Hub listed '{name}' is not a path inside the model" in err, err
+    assert not victim.parent.exists()
+
+
+def test_a_private_model_says_to_log_in_or_that_the_token_was_refused(online, tmp_path, capsys, monkeypatch):
+    """Without a token, a model the Hub does not show needs `hf auth login`; with one the Hub refuses, the line says
+    the token was refused and to check it, not to log in (nor, as a 401 did, to try again later)."""
+    hub, _ = online
+    hub.private[REPO] = "hf_rightToken"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert "no such model on the Hub (a private one needs `hf auth login`)" in one_error_line(capsys, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_misTyped")
+    err = one_error_line(capsys, tmp_path)
+    assert "the Hub refused the token given (HF_TOKEN, or the one `hf auth login` saved) as invalid" in err, err
 
 
 @pytest.mark.slow
