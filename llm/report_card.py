@@ -34,7 +34,7 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     done = [s for s in scores if s.items]
     if len(done) > 1:
         mean = sum(s.acc for s in done) / len(done)
-        base = [chances[s.task] for s in done if s.task in chances]
+        base = [chances[s.task] for s in done if chances.get(s.task) is not None]
         lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':>8} "
                      f"{_pct(sum(base) / len(base)) if len(base) == len(done) else '':>6} "
                      f"{sum(s.seconds for s in done):>8.1f}")

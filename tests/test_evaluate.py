@@ -116,3 +116,13 @@ def test_a_cpu_run_leaves_scores_off_unless_asked(corpus, argv_for, tmp_path, ca
     assert trainer.main(argv_for(corpus, run, "--max_steps", 2)) == 0
     assert "scores at full evaluations: off (automatic on a CPU" in capsys.readouterr().out
     assert not (run / "report.md").exists()
+
+
+def test_a_model_that_chats_is_also_asked_in_its_template(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """No --tasks: the base suite, and for a tokenizer with the chat tokens the chat suite after it."""
+    from llm import tasks
+    asked = []
+    monkeypatch.setattr(tasks.Task, "items", lambda self, limit=0: [])
+    monkeypatch.setattr(evaluate, "score_items", lambda model, tok, items, result, bar: asked.append(result.task))
+    assert evaluate.main([tiny_checkpoint, "--report", str(tmp_path)]) == 0
+    assert asked == list(tasks.BASE_SUITE + tasks.CHAT_SUITE)

