@@ -6,6 +6,7 @@ for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's
     python evaluate.py                                          # the newest checkpoint of runs/default
     python evaluate.py runs/mine --tasks hellaswag arc_easy --limit 200 --json scores.json
     python evaluate.py hf:HuggingFaceTB/SmolLM2-135M            # any model text_generator.py loads
+    python evaluate.py runs/mine --tasks lambada_openai         # any lm-eval task, where lm-eval is installed
 Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
 report.json, the report card, to the run folder (or --report). Ctrl-C prints the table of what was scored.
 """
@@ -20,9 +21,9 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from tqdm import tqdm
 
 from config import EvalConfig, LoadConfig
-from llm import report_card, tasks
+from llm import lm_eval_tasks, report_card, tasks
 from llm.cli import parse_sections
-from llm.errors import error_contract
+from llm.errors import ConfigError, error_contract
 from llm.inference import load_for_inference
 from llm.model_card import export_name, run_folder
 from llm.scoring import TaskScore, chance, score_items
@@ -47,8 +48,14 @@ def parse_args(argv) -> tuple[LoadConfig, EvalConfig]:
 @error_contract
 def main(argv=None) -> int:
     load, evals = parse_args(sys.argv[1:] if argv is None else argv)
-    chosen = [tasks.get(name) for name in (evals.tasks or tasks.BASE_SUITE)]  # an unknown name fails before loading
-    tasks.data_root()  # and so does missing data
+    names = evals.tasks or list(tasks.BASE_SUITE)
+    theirs = [name for name in names if name not in tasks.SPLITS]  # lm-eval's, where it is installed
+    unknown = sorted(set(theirs) - set(lm_eval_tasks.known(theirs)))
+    if unknown:  # before loading the model
+        raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.SPLITS)}; with lm-eval "
+                          "installed (pip install lm-eval) any of its tasks runs too")
+    chosen = [tasks.get(name) for name in names if name not in theirs]
+    tasks.data_root()  # missing data fails before loading too
     model, tokenizer, _, loaded = load_for_inference(load)
     if not evals.tasks and can_chat(tokenizer):  # a model that chats is asked in its template too
         chosen += [tasks.get(name) for name in tasks.CHAT_SUITE]
@@ -63,6 +70,9 @@ def main(argv=None) -> int:
                       leave=False) as bar:
                 scores.append(TaskScore(task.name, task.split, norm=task.norm))
                 score_items(model, tokenizer, items, scores[-1], bar)
+        if theirs:
+            print(f"lm-eval's tasks: {', '.join(theirs)} (its data from the Hub or its cache)", file=sys.stderr)
+            scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit)
     except KeyboardInterrupt:
         print("\nstopped; the scores so far:\n" + report_card.table(scores, chances), flush=True)
         raise

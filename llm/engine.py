@@ -249,7 +249,8 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
         B, width = len(group), max(map(len, group))
         check_memory(model, B, width)
         ids = torch.tensor([s + s[-1:] * (width - len(s)) for s in group], device=device)  # (B, width)
-        cache, part = model.make_kv_cache(B, width), max(1, SCORE_LOGITS // (B * vocab))
+        # The last token is never fed (nothing after it is scored): a sequence of the context plus one fits.
+        cache, part = model.make_kv_cache(B, max(width - 1, 1)), max(1, SCORE_LOGITS // (B * vocab))
         chosen, top_lp, top_ids = [], [], []
         for start in range(0, width - 1, part):
             end = min(start + part, width - 1)  # positions start..end-1 predict the ids at start+1..end

