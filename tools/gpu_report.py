@@ -79,6 +79,14 @@ def quick_table(found: dict) -> list[str]:
         rows.append(("training `small` beside a thread preparing a token cache (a Hub corpus arriving)",
                      f"{r['ratio']:.2f}x the tokens/s alone (tokens/s by round: {rounds['beside']} beside, "
                      f"{rounds['alone']} alone)"))
+    if "scores" in found:
+        s = found["scores"]
+        items, seconds = sum(t["items"] for t in s["rows"]), sum(t["seconds"] for t in s["rows"])
+        first = max(t["items"] for t in s["rows"])
+        rows.append((f"evaluate.py's default suite on the first run's checkpoint, the first {first} items of each task",
+                     f"{items:,} items in {seconds:.0f} s ({items / max(seconds, 1e-9):,.0f} items/s), "
+                     f"{s['launch_to_exit_s']:.0f} s launch to exit; accuracy "
+                     + ", ".join(f"{t['task']} {100 * t['acc']:.1f}%" for t in s["rows"])))
     if not rows:
         return []
     return ["| what | result |", "| --- | --- |", *[f"| {a} | {b} |" for a, b in rows], ""]
