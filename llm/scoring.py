@@ -89,7 +89,7 @@ def _score_batch(model, items: list[Encoded]) -> list[list[float]]:
     fed = [items[b].sequences[j][items[b].shared:-1] for b, j in seqs]  # a sequence's last token predicts nothing
     cache = model.make_kv_cache(len(items), max(map(len, prefixes)))
     ids, lengths = _padded(prefixes, device)
-    first = _log_probs(model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0])
+    first = _LogProbs(model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0])
     sums = [0.0] * len(seqs)
     shared = [items[b].shared for b, _ in seqs]
     for rows in _groups(fed, shared, vocab, model.config.max_seq_len):
@@ -104,7 +104,7 @@ def _score_batch(model, items: list[Encoded]) -> list[list[float]]:
                 mine[:, :, :n] = theirs[which, :, :n]
             copy.advance(cache.pos[which])
             ids, lengths = _padded([fed[r] for r in rows], device)
-            logp = _log_probs(model(ids, kv_cache=copy, input_lengths=lengths)[0])  # (R, T, V)
+            logp = _LogProbs(model(ids, kv_cache=copy, input_lengths=lengths)[0])  # (R, T, V)
         _add_scores(sums, items, seqs, rows, first, logp)
     out, k = [], 0
     for e in items:
@@ -113,7 +113,7 @@ def _score_batch(model, items: list[Encoded]) -> list[list[float]]:
     return out
 
 
-class _log_probs:
+class _LogProbs:
     """Log-probabilities read at chosen places: logits[i] - logsumexp(logits) in float32, without writing out
     the whole log-softmax (a vocabulary's worth of floats per position)."""
 

@@ -147,3 +147,15 @@ def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path,
     theirs = lm_eval_tasks.run_lm_eval(model, tok, ["local_arc"], limit=12, include_path=str(tmp_path))[0]
     ours = score_items(model, tok, tasks.get("arc_easy").items(12), TaskScore("arc_easy", "validation"))
     assert (theirs.items, theirs.acc, theirs.acc_norm) == (12, ours.acc, ours.acc_norm)
+
+
+def test_a_full_split_report_sets_references_beside_the_model(tmp_path):
+    """Beside a score of every item: chance and the reference models measured on the same items; a --limit
+    scores other items, so no reference row stands beside it."""
+    from llm import report_card
+    from llm.scoring import TaskScore
+    score = TaskScore("arc_easy", "validation", items=570, correct=285.0, correct_norm=290.0)
+    full = report_card.report(str(tmp_path), [score], 0, {"arc_easy": 0.2482}, "cpu float32")
+    assert "| this model | 50.0 |" in full and "| chance | 24.8 |" in full
+    assert "| SmolLM2-135M-Instruct (its Q4_1 GGUF) | 52.3 |" in full
+    assert "SmolLM2" not in report_card.report(str(tmp_path), [score], 100, {"arc_easy": 0.2482}, "cpu float32")
