@@ -53,7 +53,15 @@ def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> d
 
 
 def write_json(path: str, data: dict):
+    _folder(os.path.dirname(os.path.abspath(path)))
     atomic.write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def _folder(path: str):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise atomic.write_error(e, f"making the folder {path}") from None
 
 
 def report(model: str, scores: list[TaskScore], limit: int, chances: dict, device: str) -> str:
@@ -93,6 +101,6 @@ def _reference_rows(scores: list[TaskScore], chances: dict) -> list[str]:
 
 def write_report(folder: str, text: str, data: dict):
     """report.md and report.json in folder, each replaced whole."""
-    os.makedirs(folder, exist_ok=True)
+    _folder(folder)
     atomic.write_text(os.path.join(folder, REPORT), text)
     write_json(os.path.join(folder, REPORT_JSON), data)
