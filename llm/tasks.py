@@ -48,7 +48,8 @@ class Task:
         found = []
         for folder in self.folders:
             where = os.path.join(data_root(self.root), folder)
-            rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else read_rows(os.path.join(where, self.split))
+            rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else \
+                read_rows(os.path.join(where, self.split), limit)
             found += [self.item(row, folder) for row in (rows[:limit] if limit else rows)]
         return found
 
@@ -67,8 +68,9 @@ def data_root(root: str = "") -> str:
     return root
 
 
-def read_rows(split_folder: str) -> list[dict]:
-    """The rows of a `datasets.save_to_disk` split: its Arrow stream files in name order, as Python values."""
+def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
+    """The rows of a `datasets.save_to_disk` split (its first `limit`; 0: all): its Arrow stream files in name
+    order, as Python values."""
     import pyarrow as pa
     files = sorted(f for f in os.listdir(split_folder) if f.endswith(".arrow")) if os.path.isdir(split_folder) else []
     if not files:
@@ -76,8 +78,11 @@ def read_rows(split_folder: str) -> list[dict]:
     rows = []
     for name in files:
         try:
-            with pa.memory_map(os.path.join(split_folder, name)) as source:
-                rows += pa.ipc.open_stream(source).read_all().to_pylist()
+            with pa.memory_map(os.path.join(split_folder, name)) as source:  # the table's buffers are the map's
+                table = pa.ipc.open_stream(source).read_all()
+                rows += table.slice(0, limit - len(rows) if limit else None).to_pylist()  # only what is asked
+            if limit and len(rows) >= limit:
+                break
         except pa.ArrowInvalid as e:
             raise DataError(f"{os.path.join(split_folder, name)} is not an Arrow stream ({e}), reinstall the "
                             f"evaluation data: {INSTALL}") from None
