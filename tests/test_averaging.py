@@ -2,9 +2,11 @@
 the trainer's last checkpoint holding the average of the weights its steps made."""
 
 import copy
+import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import gpu_training_optimized as trainer
@@ -12,7 +14,7 @@ from llm import checkpoint as ckpt_io
 from llm import averaging
 from llm.averaging import HORIZON, START, WeightAverage
 from llm.errors import CheckpointError
-from modern_llm import Transformer
+from modern_llm import is_stored
 
 
 def stepped_model():
@@ -129,11 +131,23 @@ def test_the_run_ends_on_the_better_of_the_average_and_its_last_weights():
     assert WeightAverage(stepped_model(), 0.0).end_on_better(lambda: 0.0) is None
 
 
-def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weights(corpus, tmp_path, argv_for,
+def float64_average(made: list[dict], beta: float) -> dict:
+    """The exponential average of the recorded weights, by its definition, in float64: the first, then each later
+    one weighted 1 - beta."""
+    average = dict(made[0])
+    for weights in made[1:]:
+        average = {name: beta * average[name] + (1 - beta) * w for name, w in weights.items()}
+    return average
+
+
+@pytest.mark.parametrize("better", ["weight average", "last step's weights"])
+def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weights(better, corpus, tmp_path, argv_for,
                                                                                   monkeypatch, capsys):
     """The trainer folds in each step's weights and ends on their average or its last step's weights, whichever
-    evaluates better, saying which: the last checkpoint (and so every export) equals a float64 average of the
-    weights recorded after each step of the run's second half, or the last of them."""
+    evaluates better, saying which. Here the validation loss is a judge that knows the answer: it scores the
+    weights equal to a float64 average of those recorded after each step of the run's second half as `better`
+    wants, anything else in between. The line must name that ending, and the last checkpoint's model.safetensors
+    (and so every export) must hold exactly those weights: the average, or the last step's weights."""
     made, update = [], WeightAverage.update
 
     def recording(self, step, progress):
@@ -149,21 +163,36 @@ def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weight
         trainer_model.append(b.raw_model)
         return b
 
+    beta, judged = 0.6, []
+
+    def judge(*args, **kwargs):  # in place of the validation loss: 1 for the weights `better` names, 3 for the other
+        params = dict(trainer_model[0].named_parameters())
+        average = float64_average(made, beta) if made else None
+        is_average = average is not None and all(torch.allclose(p.double(), average[n], atol=1e-6)
+                                                 for n, p in params.items())
+        judged.append(is_average)
+        return (1.0 if better == "weight average" else 3.0) if is_average else 2.0
+
     monkeypatch.setattr(WeightAverage, "update", recording)
     monkeypatch.setattr(trainer, "build", keeping)
+    monkeypatch.setattr(trainer, "evaluate", judge)
     monkeypatch.setattr(averaging, "HORIZON", 1.0)  # an 8-step run keeps the beta asked for
-    run, beta = tmp_path / "run", 0.6
+    run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 8, "--weight_average", beta)) == 0
     assert len(made) == 5  # the weights after steps 4 to 8 of 8: the second half
+    assert judged[-2:] == [False, True]  # the last evaluation judged the last weights, then the true average
     out = capsys.readouterr()
-    ended_on_average = "the run ends on its weight average" in out.out + out.err
-    assert ended_on_average or "the run ends on its last step's weights" in out.out + out.err
+    said = [line for line in (out.out + out.err).splitlines() if "the run ends on its" in line]
+    ending = "the run ends on its weight average" if better == "weight average" else \
+        "the run ends on its last step's weights"
+    assert len(said) == 1 and said[0].startswith(ending), said
+    expected = float64_average(made, beta) if better == "weight average" else made[-1]
     ckpt = ckpt_io.latest_checkpoint(str(run))
-    model = Transformer(ckpt_io.load_model_config(ckpt))
-    ckpt_io.load_weights(ckpt, model)
-    for name, p in model.named_parameters():
-        expected = made[0][name]
-        for weights in made[1:]:
-            expected = beta * expected + (1 - beta) * weights[name]
-        assert torch.allclose(p.double(), expected if ended_on_average else made[-1][name], atol=1e-6), name
-    assert not torch.allclose(made[0]["embed_tokens.weight"], made[-1]["embed_tokens.weight"], atol=1e-6)
+    assert ckpt.endswith("step_000008")
+    saved = load_file(os.path.join(ckpt, ckpt_io.WEIGHTS))
+    stored = {name for name in expected if is_stored(name, ckpt_io.load_model_config(ckpt))}
+    assert set(saved) == stored  # every trained weight, the tied head once
+    for name in stored:
+        assert torch.allclose(saved[name].double(), expected[name], atol=1e-6), name
+    other = made[-1] if better == "weight average" else float64_average(made, beta)
+    assert not torch.allclose(other["embed_tokens.weight"], expected["embed_tokens.weight"], atol=1e-4)
