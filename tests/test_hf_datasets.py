@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from huggingface_hub import constants
-from hub_stand_in import COMMIT, Hub
+from hub_stand_in import COMMIT, Hub, git_blob_id
 
 import gpu_training_optimized as trainer
 import prepare_data
@@ -246,6 +246,55 @@ def test_a_file_that_cannot_be_read_leaves_the_cache_and_comes_again(hub, tmp_pa
     hub.repos[REPO][name] = files[name]
     hf_datasets._fetched.clear()
     assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
+
+
+def test_a_file_the_hub_sends_to_its_cdn_comes_down_checked_and_without_the_token(hub, tmp_path, capsys, files,
+                                                                                    monkeypatch):
+    """The Hub answers a large file's HEAD with a 302 to another host (its CDN, a signed address), the file's sha256
+    in X-Linked-Etag and another hash in ETag. The file must come from there checked against X-Linked-Etag (bytes
+    that do not give it are refused in one line and kept nowhere), a kept part resume there with a Range, and the
+    user's token reach the Hub only: never the other host, whose address is signed and whose logs are not the
+    Hub's."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    data = sorted(n for n in files if n.startswith("data/"))
+    hub.redirect.update(data)
+    name, other = data[0], hashlib.sha256(b"not the bytes the CDN sends").hexdigest()
+    hub.etags[name] = other
+    err = one_error_line(capsys, prepare(tmp_path, URL), 1)
+    assert f"{name} came down different from the Hub's copy (hash mismatch); it was removed" in err, err
+    assert not os.path.lexists(snapshot(tmp_path, name)) and not os.listdir(storage(tmp_path) / "blobs")
+
+    del hub.etags[name]
+    blobs = storage(tmp_path) / "blobs"
+    kept = len(files[name]) // 3
+    (blobs / f"{hashlib.sha256(files[name]).hexdigest()}.partial").write_bytes(files[name][:kept])
+    hf_datasets._fetched.clear()
+    assert [open(p, "rb").read() for p in hf_datasets.fetch(URL)] == [files[n] for n in data]
+    assert [r for m, p, r, _ in hub.cdn_requests if m == "GET" and p == f"{REPO}/{name}"] == [None, f"bytes={kept}-"]
+    assert sorted({p for m, p, _, _ in hub.cdn_requests if m == "GET"}) == [f"{REPO}/{n}" for n in data]
+    assert not [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]  # the bytes came from the CDN
+    assert hub.tokens == {f"Bearer {SECRET}"} and {auth for *_, auth in hub.cdn_requests} == {None}
+
+
+@pytest.mark.parametrize("kept_in", ["git", "lfs"])
+def test_bytes_that_do_not_give_the_etag_are_refused_and_leave_nothing(hub, tmp_path, capsys, files, kept_in):
+    """A small file the Hub keeps in git has its git blob id (a sha1 of "blob SIZE", a NUL and the bytes) as ETag,
+    a large one its sha256. Bytes that do not give it must be refused in one line (exit 1) with nothing left in the
+    cache, neither blob nor snapshot link; the bytes that do give it must come down, the blob named by it."""
+    name = "data/part-0.parquet"
+    if kept_in == "git":
+        hub.git.add(name)
+    right = git_blob_id(files[name]) if kept_in == "git" else hashlib.sha256(files[name]).hexdigest()
+    wrong = git_blob_id(b"other bytes") if kept_in == "git" else hashlib.sha256(b"other bytes").hexdigest()
+    hub.etags[name] = wrong
+    err = one_error_line(capsys, prepare(tmp_path, URL), 1)
+    assert f"data source {URL}: {name} came down different from the Hub's copy (hash mismatch)" in err, err
+    assert not os.path.lexists(snapshot(tmp_path, name)) and not os.listdir(storage(tmp_path) / "blobs")
+
+    del hub.etags[name]
+    hf_datasets._fetched.clear()
+    assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
+    assert os.path.realpath(snapshot(tmp_path, name)) == str(storage(tmp_path) / "blobs" / right)
 
 
 def test_no_network_and_nothing_cached_is_one_error_line(monkeypatch, tmp_path, capsys):
