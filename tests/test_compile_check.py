@@ -68,15 +68,27 @@ def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
     assert estimate["roofline_other_ms"] == pytest.approx(1e3 * 2 * 4 * m * k / bandwidth, rel=1e-6)
     assert estimate["roofline_mfu"] == pytest.approx(
         2 * 2 * m * k * n / (estimate["roofline_ms"] / 1e3) / (gpu.tflops["bf16"] * 1e12), rel=1e-6)
-    # Calibrated to the H200's measured step: matmuls at 0.62 of the peak, the rest at 0.59 of the bandwidth.
-    assert estimate["calibrated_ms"] == pytest.approx(
-        2e3 * one_matmul / 0.62 + 1e3 * 2 * 4 * m * k / bandwidth / 0.59, rel=1e-6)
-    # As a decode step: three launches, each held to the least time a kernel of its kind took on that H200, and
-    # each after the wait between kernels that H200's step showed (0.12 ms among 198 kernels).
-    step = roof.decode_step()
-    assert (step["decode_kernels"], step["decode_matmuls"]) == (3, 2)
-    assert step["decode_estimate_us"] == pytest.approx(
-        1e6 * (2 * max(one_matmul, 5.9e-6) + max(2 * 4 * m * k / bandwidth, 1.7e-6) + 3 * 0.12e-3 / 198), rel=1e-6)
+    # Calibrated: each part divided by the efficiency the roofline fitted to a measured H200 step (read from the
+    # module, never copied), then again with other efficiencies, so that the figures must come from them.
+    matmul_s, other_s = 2 * one_matmul, 2 * 4 * m * k / bandwidth
+    for efficiencies in ((roofline.MATMUL_EFFICIENCY, roofline.BANDWIDTH_EFFICIENCY), (0.5, 0.25), (0.25, 0.5)):
+        monkeypatch.setattr(roofline, "MATMUL_EFFICIENCY", efficiencies[0])
+        monkeypatch.setattr(roofline, "BANDWIDTH_EFFICIENCY", efficiencies[1])
+        assert roof.step(tokens=m)["calibrated_ms"] == pytest.approx(
+            1e3 * (matmul_s / efficiencies[0] + other_s / efficiencies[1]), rel=1e-6)
+    # As a decode step: three launches, each held to the least time a kernel of its kind took (DECODE_FLOOR_S), each
+    # after the wait between kernels (DECODE_GAP_S): the module's figures, floors above every kernel here, and none.
+    floors = [(roofline.DECODE_FLOOR_S, roofline.DECODE_GAP_S), ({"matmul": 1e-3, "other": 2e-3}, 1e-4),
+              ({"matmul": 0.0, "other": 0.0}, 0.0)]
+    for floor, gap in floors:
+        monkeypatch.setattr(roofline, "DECODE_FLOOR_S", floor)
+        monkeypatch.setattr(roofline, "DECODE_GAP_S", gap)
+        step = roof.decode_step()
+        assert (step["decode_kernels"], step["decode_matmuls"]) == (3, 2)
+        assert step["decode_roofline_us"] == pytest.approx(1e6 * (matmul_s + other_s), rel=1e-6)
+        assert step["decode_estimate_us"] == pytest.approx(
+            1e6 * (2 * max(one_matmul, floor["matmul"]) + max(other_s, floor["other"]) + 3 * gap), rel=1e-6)
+    assert step["decode_estimate_us"] == pytest.approx(step["decode_roofline_us"], rel=1e-6)  # no floor, no wait
 
 
 def test_a_fused_kernel_that_gathers_rows_moves_the_rows_not_the_table(monkeypatch):
