@@ -38,6 +38,8 @@ DRIVE = re.compile(r"[A-Za-z]:")  # a path part that Windows reads as a drive
 HOSTILE = "refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub or a faithful mirror"
 TOKEN = "the token given (HF_TOKEN, or the one `hf auth login` saved)"
 REFUSED = f"the Hub refused {TOKEN} as invalid; check it (`hf auth whoami`), or log in again with `hf auth login`"
+FORBIDDEN = f"the Hub refused {TOKEN} access (403); check its permissions (`hf auth whoami`: a fine-grained token " \
+    "needs read access to the repository), or log in with one that has them (`hf auth login`)"
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
 commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives
 
@@ -71,9 +73,12 @@ def token_given() -> bool:
     return bool(get_token())
 
 
-def refused_token(e) -> bool:
-    """A 401 that is no repository's (huggingface_hub makes those RepositoryNotFoundError): the token itself."""
-    return getattr(getattr(e, "response", None), "status_code", None) == 401 and token_given()
+def refused_token(e) -> str:
+    """Why the Hub refused the token given, or "" when none was given or it is not the token: a 401 that is no
+    repository's (huggingface_hub makes those RepositoryNotFoundError) is a token it never issued, a 403 one without
+    the rights."""
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    return {401: REFUSED, 403: FORBIDDEN}.get(status, "") if token_given() else ""
 
 
 def offline(constants) -> bool:
@@ -394,7 +399,7 @@ def _failures(repo: Repo, revision: str):
         raise DataError(f"{repo.where} matches no file, check the pattern after the dataset's name") from None
     except errors.HfHubHTTPError as e:
         if refused_token(e):
-            raise DataError(f"{repo.where}: {REFUSED}") from None
+            raise DataError(f"{repo.where}: {refused_token(e)}") from None
         raise RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
     except unreachable() as e:
         raise RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the "

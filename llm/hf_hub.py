@@ -109,7 +109,7 @@ def _failure(repo: Repo, e: Exception, errors) -> Exception:
         return CheckpointError(hf_datasets.not_shown(repo, isinstance(e, errors.GatedRepoError), "no such model",
                                                      "its Hub page"))
     if hf_datasets.refused_token(e):
-        return CheckpointError(f"{repo.where}: {hf_datasets.REFUSED}")
+        return CheckpointError(f"{repo.where}: {hf_datasets.refused_token(e)}")
     if isinstance(e, errors.HfHubHTTPError):
         return RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later")
     return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "

@@ -214,8 +214,9 @@ def test_a_missing_dataset_is_one_error_line_naming_it(hub, tmp_path, capsys):
 
 def test_a_token_the_hub_refuses_is_named_not_a_missing_login(hub, tmp_path, capsys, monkeypatch):
     """With a token given, a private dataset the Hub would not show said "a private one needs `hf auth login`" and a
-    token the Hub never issued said "try again later" (exit 1): both must say the token given was refused and to
-    check it (one line, exit 2, the token never printed); without one, the line still says to log in."""
+    token the Hub never issued, or one without the rights (403), said "try again later" (exit 1): each must say the
+    token given was refused and to check it (one line, exit 2, the token never printed); without one, the line still
+    says to log in."""
     hub.private.update({REPO: SECRET, "tiny-org/other": "hf_otherAccount"})
     monkeypatch.delenv("HF_TOKEN", raising=False)
     assert "(a private one needs `hf auth login`)" in one_error_line(capsys, prepare(tmp_path, URL), 2)
@@ -226,6 +227,11 @@ def test_a_token_the_hub_refuses_is_named_not_a_missing_login(hub, tmp_path, cap
     monkeypatch.setenv("HF_TOKEN", "hf_misTyped")  # a token the Hub never issued: 401
     err = one_error_line(capsys, prepare(tmp_path, URL), 2)
     assert f"data source {URL}: the Hub refused {token} as invalid; check it" in err and "misTyped" not in err, err
+    hub.forbidden.add("hf_noReadAccess")  # a token it knows, without the rights (a fine-grained one): 403
+    monkeypatch.setenv("HF_TOKEN", "hf_noReadAccess")
+    err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+    assert f"data source {URL}: the Hub refused {token} access (403); check its permissions" in err, err
+    assert "noReadAccess" not in err and "try again later" not in err and "a private one needs" not in err, err
     monkeypatch.setenv("HF_TOKEN", SECRET)
     err = one_error_line(capsys, prepare(tmp_path, "hf://datasets/tiny-org/gated/data/*"), 2)
     assert f"the dataset is gated, accept its terms on https://huggingface.co/datasets/tiny-org/gated with the " \

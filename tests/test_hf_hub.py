@@ -225,7 +225,7 @@ def test_a_listed_name_outside_the_snapshot_is_refused(online, tmp_path, capsys)
 
 def test_a_private_model_says_to_log_in_or_that_the_token_was_refused(online, tmp_path, capsys, monkeypatch):
     """Without a token, a model the Hub does not show needs `hf auth login`; with one the Hub refuses, the line says
-    the token was refused and to check it, not to log in (nor, as a 401 did, to try again later)."""
+    the token was refused and to check it, not to log in (nor, as a 401 or 403 did, to try again later)."""
     hub, _ = online
     hub.private[REPO] = "hf_rightToken"
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -233,6 +233,11 @@ def test_a_private_model_says_to_log_in_or_that_the_token_was_refused(online, tm
     monkeypatch.setenv("HF_TOKEN", "hf_misTyped")
     err = one_error_line(capsys, tmp_path)
     assert "the Hub refused the token given (HF_TOKEN, or the one `hf auth login` saved) as invalid" in err, err
+    hub.forbidden.add("hf_noReadAccess")  # known, without the rights to this model (a fine-grained token): 403
+    monkeypatch.setenv("HF_TOKEN", "hf_noReadAccess")
+    err = one_error_line(capsys, tmp_path)
+    assert "the Hub refused the token given (HF_TOKEN, or the one `hf auth login` saved) access (403)" in err, err
+    assert "noReadAccess" not in err and "try again later" not in err, err
 
 
 @pytest.mark.slow
