@@ -40,6 +40,7 @@ from llm.lora import adapter_state, add_adapters
 from llm.model_card import CORPUS_FACTS
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
+from llm.preparation import short_of_target
 from llm.resume import StartPoint, load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
 from llm.sizing import loss_chunk_rows, matmul_attention
@@ -333,6 +334,12 @@ def write_report_card(session: Session, ckpt: str | None) -> str:
     return f"\n{report_card.table(scores, probe.chances)}\nreport card: {session.cfg.train.run_dir}/report.md"
 
 
+def trained_short(cfg: Config, data: PreparedData) -> str:
+    """The summary's line where the run had fewer tokens than its target: a corpus still arriving counts once in."""
+    arrived = getattr(data, "complete", True) and getattr(data, "error", None) is None
+    return short_of_target(cfg.data, data.meta) if arrived else ""
+
+
 @distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
     launch = time.monotonic()  # a time budget counts from here
@@ -356,8 +363,10 @@ def main(argv=None) -> int:
 
     clock.sync(start.step)
     for step in itertools.count(start.step):
-        last_step, data_lost = clock.finished(step), False  # finished: max_steps done, or the budget holds no other
-        if not last_step and not batches.in_hand(step):  # the corpus still arrives: wait, as budget, not step time
+        last_step = clock.finished(step)  # max_steps done, or the budget holds no other
+        # A download that failed ends the run here, at the next step, not at the step that would need its part.
+        data_lost = not last_step and batches.failure is not None
+        if not (last_step or data_lost) and not batches.in_hand(step):  # the corpus still arrives: wait, as budget, not step time
             with clock.pause("wait", step):
                 data_lost = not batches.ready(step, give_up=lambda: stop.requested or clock.out_of_time())
             last_step = clock.finished(step)  # the wait spent budget, perhaps all of it
@@ -401,7 +410,8 @@ def main(argv=None) -> int:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
                       interrupted=stopping, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
-              + "\n" + clock.eval_report() + write_report_card(session, last_ckpt))
+              + "\n" + clock.eval_report() + write_report_card(session, last_ckpt)
+              + "".join(f"\n{line}" for line in [trained_short(cfg, settled.data)] if line))
     ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     ranks.cleanup()
     return 0

@@ -37,6 +37,7 @@ ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core b
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
 CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: shards, split by content)
 BATCH_TIME_FIELDS = ("cache_dir", "packing", "max_tokens")  # settings that do not change the cache's contents
+SHORT_OF_TARGET = 0.98  # sources this close to the token target are not worth a line
 STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
 
 
@@ -398,6 +399,16 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
     return data
 
 
+def short_of_target(cfg: DataConfig, meta: dict) -> str:
+    """One line where the sources hold fewer training tokens than --max_tokens asks for ("" otherwise): a Hub
+    dataset offline or out of reach gives only its cached files, and a dataset can be smaller than the target."""
+    target, have = cfg.max_tokens, meta["train_tokens"]
+    if not target or have >= SHORT_OF_TARGET * target:
+        return ""
+    return (f"data: the sources hold {have:,} training tokens, {have / target:.0%} of the --max_tokens target of "
+            f"{target:,}: the run trains on those (a Hub dataset offline or out of reach gives only its cached files)")
+
+
 def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found, seq_len: int,
                    log) -> arrival.ArrivingData:
     """The cache of a corpus read in arrival order, written by a thread while the run trains on its first parts."""
@@ -414,6 +425,8 @@ def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found
         done = _prepared(cfg, path, meta, parts, seen, found, time.perf_counter() - start, arrival.say)
         data.publish(done.parts, done.meta)
         data.finish(done.meta)
+        if line := short_of_target(cfg, done.meta):
+            arrival.say(line)
 
     data = arrival.start(arrival.ArrivingData(path, meta, [], arrival=True, commit=commit), work)
     if not data.wait_to_start(seq_len):

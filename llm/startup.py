@@ -19,7 +19,7 @@ from llm.distributed import Ranks
 from llm.errors import ConfigError
 from llm.fine_tuning import fill_fine_tuning
 from llm.model_card import run_facts
-from llm.preparation import prepare_once
+from llm.preparation import prepare_once, short_of_target
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point, saved_config)
 from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch
@@ -133,6 +133,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
     arriving = trains_while_arriving(cfg, ranks)
     data = prepare_once(cfg, ranks, background=arriving)
+    if not arriving and (line := short_of_target(cfg.data, data.meta)):  # else the preparing thread says it
+        ranks.print(line)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
         cfg = fit_micro_batch(float8_training(probe) if cfg.train.precision == "fp8" else probe, cfg,

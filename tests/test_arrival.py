@@ -175,6 +175,64 @@ def test_the_hub_going_away_mid_run_saves_the_steps_and_resume_goes_on(hub, tmp_
     assert "resumed from" in out and f"at step {step}\n" in out and "done: 400 steps" in out, out[-2000:]
 
 
+@pytest.mark.slow
+def test_a_download_failing_while_the_run_has_data_in_hand_ends_it_at_the_next_step(hub, tmp_path, argv_for, capsys,
+                                                                                      caplog, monkeypatch):
+    """The Hub goes away at step 2 while the run still holds windows for all its steps: before, the run trained on
+    to 'done' with exit 0 and nothing said. Now the next step saves, one line names the failure, exit 1, and
+    --resume with the Hub back ends the run."""
+    hub.stall = (NAMES[-1], 0)  # parts 0-2 come in, and hold the run's 6 steps; the last is held back
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    args = argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_steps", 6, "--eval_interval", 6)
+    real_step = trainer.train_step
+
+    def step_then_lose_the_hub(b, batches, step, *rest):
+        if step == 2:
+            hub.stalled.wait(60)
+            hub.stop()
+            deadline = time.monotonic() + 60
+            while batches.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert batches.failure is not None and batches.in_hand(5)  # failed, with the run's data still in hand
+        return real_step(b, batches, step, *rest)
+    monkeypatch.setattr(trainer, "train_step", step_then_lose_the_hub)
+    caplog.set_level(logging.ERROR, logger="huggingface_hub")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.run(args)
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_info.value.code == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert "training stopped at step 3, saved in" in err and "--resume" in err, err
+
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    again = Hub({REPO: hub.repos[REPO]})
+    point_at(monkeypatch, tmp_path / "hf_home", again.url)
+    try:
+        assert trainer.main(args + ["--resume"]) == 0
+    finally:
+        again.stop()
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 3\n" in out and "done: 6 steps" in out, out[-2000:]
+
+
+def test_a_run_offline_with_part_of_its_dataset_cached_says_it_trains_short_of_its_target(hub, tmp_path, argv_for,
+                                                                                           capsys, monkeypatch):
+    """Offline with only the first file cached, a run asked for 10^6 tokens trains on the few thousand there are:
+    before, it named the cached files and said nothing of the target. Now the start report and the summary say
+    how many tokens it has of how many."""
+    data = {"src": URL, "cache": str(tmp_path / "cache")}
+    assert trainer.main(argv_for(data, tmp_path / "first", "--max_tokens", 2000, "--max_steps", 1)) == 0
+    point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
+    capsys.readouterr()
+    assert trainer.main(argv_for(data, tmp_path / "offline", "--max_tokens", 10**6, "--max_steps", 2)) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "of the --max_tokens target of 1,000,000" in line]
+    have = int(said[0].split("the sources hold ")[1].split(" ")[0].replace(",", ""))
+    assert len(said) == 2 and out.index(said[0]) < out.index("done: 2 steps") < out.rindex(said[1]), out[-3000:]
+    assert 0 < have < 50_000 and "cached files" in said[0]
+    assert not [line for line in out.splitlines() if "--max_tokens target" in line and "first" in line]
+
+
 def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tmp_path):
     """A token target's text stands in for a Hub corpus's size only where that size picks no model (a CPU run, or a
     model given): on CUDA with the model left automatic the files are fetched and measured, or a small dataset under
