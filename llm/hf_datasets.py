@@ -158,13 +158,6 @@ def _print_once(line: str):
         tqdm.write(line)  # above a training bar, when files come while a run trains
 
 
-class _NoBar(tqdm):
-    """huggingface_hub's bar of a file's bytes, hidden: files that come while a run trains are a line each."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **dict(kwargs, disable=True))
-
-
 def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=_print_once) -> list[str]:
     """Local paths of the dataset's files that match, in name order: enough of them that `measure` (bytes of text a
     file holds) sums to max_bytes, downloaded where missing; offline, or with the Hub out of reach, the cached ones."""
@@ -283,9 +276,10 @@ def _data_files(names: list, url: str) -> list:
 
 def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
     """One file (a checked name of a checked commit) into the cache: to a .partial file beside the blobs that a later
-    run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub lays them out."""
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+    run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub lays them out.
+    Not its hf_hub_download: in 2.4 that asks for the ETag again, takes it unchecked and starts a cut file over."""
+    from filelock import FileLock  # huggingface_hub's own lock package, as its WeakFileLock is not its public API
+    from huggingface_hub.utils import build_hf_headers
     storage, path = repo.storage, snapshot_path(repo, commit, name)
     meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo.id, name, repo_type=repo.kind, revision=commit))
     etag = _hex_hash(meta.etag, f"the ETag the Hub sent for {name}", repo)
@@ -296,17 +290,13 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
         headers.pop("authorization", None)  # a signed CDN address: the token stays with the Hub
     lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), etag + ".partial.lock")
     os.makedirs(os.path.dirname(lock), exist_ok=True)
-    with WeakFileLock(lock):  # several ranks of one run fetch the same files
+    with FileLock(lock):  # several ranks of one run fetch the same files
         if os.path.exists(path):  # another rank's, while this one waited
             return
         if not os.path.exists(blob):
             partial = blob + ".partial"
             try:
-                with open(partial, "ab") as f:
-                    if meta.size is not None and f.tell() > meta.size:
-                        f.truncate(0)  # longer than the file: not a start of it
-                    http_get(meta.location, f, resume_size=f.tell(), headers=headers, expected_size=meta.size,
-                             displayed_filename=name, tqdm_class=None if bars else _NoBar)
+                _transfer(meta.location, partial, meta.size, headers, f"{repo.where}: {name}", bars)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise RunFailure(f"{repo.where}: the disk is full downloading {name} ({meta.size or 0:,} "
@@ -316,6 +306,40 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
             _check_hash(partial, etag, name, repo)
             os.replace(partial, blob)
         _link(blob, path)
+
+
+def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: bool, tries: int = 5):
+    """The bytes at url added to partial from its length on (a Range), through huggingface_hub's public session (its
+    offline mode and client settings hold); a connection cut after some bytes came resumes, at most `tries` times.
+    Hand-written: huggingface_hub's public downloads keep no cut file to resume (its http_get is not public API)."""
+    from huggingface_hub import constants, get_session, hf_raise_for_status
+    from huggingface_hub.utils import are_progress_bars_disabled
+    with open(partial, "ab") as f:
+        if size is not None and f.tell() > size:
+            f.truncate(0)  # longer than the file: not a start of it
+        shown = None if bars and not are_progress_bars_disabled() else True  # None: a bar on a terminal only
+        with tqdm(total=size, initial=f.tell(), unit="B", unit_scale=True, desc=where.rsplit(": ", 1)[-1],
+                  disable=shown) as bar:
+            while size is None or f.tell() < size:
+                start = f.tell()
+                ranged = dict(headers, Range=f"bytes={start}-") if start else headers
+                try:
+                    with get_session().stream("GET", url, headers=ranged,
+                                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                        hf_raise_for_status(response)
+                        if start and response.status_code == 200:  # the Range ignored: the whole file comes
+                            f.truncate(0)
+                            bar.reset(size)
+                        for chunk in response.iter_bytes():  # as they come: a cut keeps every byte
+                            f.write(chunk)
+                            bar.update(len(chunk))
+                    return  # all the server sends; the hash check judges it
+                except unreachable() as e:
+                    if f.tell() == start or tries <= 0:  # nothing came: the Hub is out of reach
+                        raise
+                    tries -= 1
+                    _print_once(f"{where}: the connection broke after {f.tell():,} bytes ({type(e).__name__}); "
+                                "resuming")
 
 
 def _link(blob: str, path: str):

@@ -165,6 +165,24 @@ def test_a_partial_file_that_is_not_the_hubs_is_refused_then_fetched_anew(hub, t
     assert open(hf_datasets.fetch(URL)[0], "rb").read() == files[name]
 
 
+def test_a_connection_cut_midway_resumes_in_the_same_run_and_says_so(hub, tmp_path, files, capsys):
+    """A connection that drops after some bytes (a proxy, a flaky network) must not end the run nor start the file
+    over: the download goes on from the bytes kept, with a Range, a line for each break; one that keeps breaking
+    ends in one line after a few tries, its bytes kept for the next run."""
+    name, quarter = "data/part-0.parquet", len(files["data/part-0.parquet"]) // 4
+    hub.cut = (name, quarter, 2)
+    assert open(hf_datasets.fetch(URL, 1)[0], "rb").read() == files[name]
+    assert hub.gets(name) == [None, f"bytes={quarter}-", f"bytes={2 * quarter}-"]
+    out = capsys.readouterr().out
+    assert out.count(f"{name}: the connection broke after ") == 2 and "resuming" in out, out
+    name = "data/part-1.parquet"
+    hub.cut = (name, 100, 99)
+    with pytest.raises(RunFailure, match=r"the Hub stopped answering \(RemoteProtocolError\); run again"):
+        hf_datasets.fetch(f"hf://datasets/{REPO}/{name}")
+    assert len(hub.gets(name)) == 6 and (storage(tmp_path) / "blobs" / (
+        hashlib.sha256(files[name]).hexdigest() + ".partial")).stat().st_size == 600
+
+
 def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
     """--max_tokens sets how much text a Hub source brings (at about 4 bytes a token, with a margin): the first
     files in name order, the rest never asked for; a weighted Hub source sits in a mixture like a local one."""
@@ -316,11 +334,9 @@ def test_no_network_and_nothing_cached_is_one_error_line(monkeypatch, tmp_path, 
 
 def test_a_full_disk_is_a_runtime_failure_naming_the_room(hub, monkeypatch):
     """ENOSPC while a file comes down must say which file, how many bytes and where, not a traceback."""
-    from huggingface_hub import file_download
-
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(file_download, "http_get", full)
+    monkeypatch.setattr(hf_datasets, "_transfer", full)
     with pytest.raises(RunFailure, match=r"the disk is full downloading data/part-0.parquet \([\d,]+ bytes\)"):
         hf_datasets.fetch(URL)
 

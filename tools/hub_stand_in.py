@@ -8,9 +8,9 @@ model repository and download its files, enough that HF_ENDPOINT can point at it
 and the same for a model: /api/models/OWNER/NAME/..., /OWNER/NAME/resolve/REV/PATH (one set of repositories serves
 both kinds). Errors carry the X-Error-Code the Hub sends (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo),
 which huggingface_hub turns into its error classes. `stall` holds a file's download after some bytes, for a kill;
-`private` asks for a token; `redirect` sends a file's downloads to a second server, as the Hub sends large files to
-its CDN; `git` gives a file the ETag of a file kept in git; `etags`, `listed`, `revisions` and `commit` make it a
-hostile Hub, for the checks of what it sends.
+`cut` drops a download's connection; `private` asks for a token; `redirect` sends a file's downloads to a second
+server, as the Hub sends large files to its CDN; `git` gives a file the ETag of a file kept in git; `etags`,
+`listed`, `revisions` and `commit` make it a hostile Hub, for the checks of what it sends.
 """
 
 import hashlib
@@ -24,7 +24,8 @@ COMMIT = "c0ffee" + "0" * 34
 
 class Hub:
     """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
-    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `requests` logs what was asked,
+    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `cut` = (path, bytes, times)
+    closes the connection after those bytes of the file's next `times` GETs; `requests` logs what was asked,
     `tokens` the Authorization headers. `private` {"OWNER/NAME": token}: that repository is shown to that token
     only, and once one is set, a token not among them is refused as invalid (401), as the Hub refuses one it never
     issued; `forbidden` names tokens it knows whose rights do not reach a private repository (403, as for a
@@ -40,7 +41,7 @@ class Hub:
     def __init__(self, repos: dict, gated=(), stall=None):
         self.repos, self.gated, self.stall = repos, set(gated), stall
         self.etags, self.listed, self.revisions, self.commit, self.private = {}, [], set(), COMMIT, {}
-        self.forbidden, self.redirect, self.git, self.cdn_requests = set(), set(), set(), []
+        self.forbidden, self.redirect, self.git, self.cdn_requests, self.cut = set(), set(), set(), [], None
         self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
         self.server, self.url = _serve(_handler(self))
         self.cdn_server, self.cdn_url = _serve(_cdn_handler(self))
@@ -168,6 +169,12 @@ def _handler(hub: Hub):
             return etag[min(asked, len(etag)) - 1]  # the last one for every HEAD after
 
         def _send(self, data: bytes, name: str):
+            if hub.cut and hub.cut[0] == name and hub.cut[2] > 0:  # the connection drops after some bytes
+                hub.cut = (name, hub.cut[1], hub.cut[2] - 1)
+                self.wfile.write(data[:hub.cut[1]])
+                self.wfile.flush()
+                self.close_connection = True
+                return
             if hub.stall and hub.stall[0] == name:
                 self.wfile.write(data[:hub.stall[1]])
                 self.wfile.flush()
