@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import fields, replace
 
 import pytest
@@ -148,18 +150,107 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
     assert many.returncode == 0 and many.stdout == expect[0] + "\n" + expect[1] + "\n"
 
 
+# text_generator.py with its compile held back until the file named first on its command line exists: every
+# torch.compile waits for it. It says on stderr when generate() takes the compiled step and when the background
+# compile's thread has ended.
+HELD_COMPILE = """
+import os, runpy, sys, threading, time
+import torch
+from llm import decode_compile, engine
+release, sys.argv = sys.argv[1], sys.argv[2:]  # then the script and its arguments
+compile_ = torch.compile
+def held(*args, **kwargs):
+    while not os.path.exists(release):
+        time.sleep(0.05)
+    return compile_(*args, **kwargs)
+torch.compile = held
+slot = engine.compiled_slot
+def used(model, batch):
+    print("[compiled step used]", file=sys.stderr, flush=True)
+    return slot(model, batch)
+engine.compiled_slot = used
+start = decode_compile.compile_in_background
+def watched(*args, **kwargs):
+    thread = start(*args, **kwargs)
+    def report():
+        thread.join()
+        print(f"[compile ended: {thread.error!r}]", file=sys.stderr, flush=True)
+    threading.Thread(target=report, daemon=True).start()
+    return thread
+decode_compile.compile_in_background = watched
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class Talk:
+    """A process whose stdout and stderr are read as they come, by two threads."""
+
+    def __init__(self, args, cwd):
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT})
+        self.out, self.err = [], []
+        for stream, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, i=into: i.extend(iter(lambda: s.read(1), "")),
+                             daemon=True).start()
+
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def send(self, line: str):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, ready, seconds: float, what: str):
+        deadline = time.monotonic() + seconds
+        while not ready():
+            assert self.proc.poll() is None, f"the process ended ({self.proc.returncode}) before {what}: " \
+                                             f"{self.stderr()[-2000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {seconds:.0f} s; stderr: {self.stderr()[-2000:]}"
+            time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path):
     """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its first
-    prompt. It now compiles in the background and answers at once, eagerly, with the same tokens; a one-shot
-    compile asked by name (--compile default, or the older word true) still compiles first, as asked."""
+    prompt. It now compiles in the background and answers at once, eagerly, with the same tokens. Here the compile
+    is held back until the test lets it go: the first reply must come while it is held, and must not use the
+    compiled step; once the compile has ended, the next reply must use it, with the same tokens."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
-    r = cli([ckpt, "--interactive", "--compile", "true", "--temperature", "0", "--max_new_tokens", "6"], tmp_path,
-            stdin="def\nquit\n")
-    assert r.returncode == 0, r.stderr
-    assert "compiling the decode step in the background" in r.stderr and "compiling the decode step..." not in r.stderr
-    assert expect in r.stdout
+    release = tmp_path / "release-the-compile"
+    repl = Talk([sys.executable, "-u", "-c", HELD_COMPILE, str(release), SCRIPT, ckpt, "--interactive", "--compile",
+                 "true", "--temperature", "0", "--max_new_tokens", "6"], tmp_path)
+    try:
+        repl.wait_for(lambda: "compiling the decode step in the background" in repl.stderr(), 120, "background compile")
+        repl.send("def")
+        repl.wait_for(lambda: repl.stderr().count("tokens/s") == 1, 60, "reply while the compile is held back")
+        assert expect in repl.stdout()
+        assert not release.exists() and "[compile ended" not in repl.stderr()  # the compile is still held back
+        assert "[compiled step used]" not in repl.stderr()  # the reply was eager
+        assert "compiling the decode step..." not in repl.stderr()  # no compile in front of the REPL
+        release.touch()
+        repl.wait_for(lambda: "[compile ended" in repl.stderr(), 300, "end of the compile")
+        assert "[compile ended: None]" in repl.stderr()  # it compiled, without an error
+        replied = len(repl.stdout())
+        repl.send("def")
+        repl.wait_for(lambda: repl.stderr().count("tokens/s") == 2, 120, "reply after the compile")
+        assert "[compiled step used]" in repl.stderr().split("[compile ended")[1]
+        assert expect in repl.stdout()[replied:]
+        repl.send("quit")
+        assert repl.proc.wait(timeout=60) == 0, repl.stderr()
+    finally:
+        repl.proc.kill()
+        repl.proc.wait()
+
+
+@pytest.mark.slow
+def test_a_one_shot_compile_asked_by_name_compiles_first(loaded, ckpt, tmp_path):
+    """A one-shot compile asked by name (--compile default) compiles first, as asked, then gives the same tokens."""
+    model, tok = loaded
+    expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     one = cli([ckpt, "--compile", "default", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"],
               tmp_path)
     assert one.returncode == 0 and one.stdout == expect + "\n" and "compiling the decode step..." in one.stderr
