@@ -35,11 +35,12 @@ FETCH_MARGIN = 1.5  # a token target is met at BYTES_PER_TOKEN; a larger vocabul
 COMMIT = re.compile(r"[0-9a-f]{40}")
 ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a file's git blob id (sha1), or a large file's sha256
 DRIVE = re.compile(r"[A-Za-z]:")  # a path part that Windows reads as a drive
+MAGIC = {".gz": ("gzip", b"\x1f\x8b"),  # how their streams start: zstd's with a frame, or a skippable one (pzstd's)
+         ".zst": ("zstd", (b"\x28\xb5\x2f\xfd", *(bytes([0x50 + i]) + b"\x2a\x4d\x18" for i in range(16))))}
 HOSTILE = "refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub or a faithful mirror"
 TOKEN = "the token given (HF_TOKEN, or the one `hf auth login` saved)"
 REFUSED = f"the Hub refused {TOKEN} as invalid; check it (`hf auth whoami`), or log in again with `hf auth login`"
-FORBIDDEN = f"the Hub refused {TOKEN} access (403); check its permissions (`hf auth whoami`: a fine-grained token " \
-    "needs read access to the repository), or log in with one that has them (`hf auth login`)"
+FORBIDDEN = f"the Hub refused {TOKEN} access (403); check that it may read the repository (`hf auth whoami`)"
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
 commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives
 
@@ -74,9 +75,8 @@ def token_given() -> bool:
 
 
 def refused_token(e) -> str:
-    """Why the Hub refused the token given, or "" when none was given or it is not the token: a 401 that is no
-    repository's (huggingface_hub makes those RepositoryNotFoundError) is a token it never issued, a 403 one without
-    the rights."""
+    """Why the Hub refused the token given ("" if none or not the token): a 401 that is no repository's (those are
+    RepositoryNotFoundError) means a token it never issued, a 403 one without the rights."""
     status = getattr(getattr(e, "response", None), "status_code", None)
     return {401: REFUSED, 403: FORBIDDEN}.get(status, "") if token_given() else ""
 
@@ -309,37 +309,33 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
 
 
 def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: bool, tries: int = 5):
-    """The bytes at url added to partial from its length on (a Range), through huggingface_hub's public session (its
-    offline mode and client settings hold); a connection cut after some bytes came resumes, at most `tries` times.
+    """The bytes at url added to partial from its length on (a Range), on huggingface_hub's public session (its
+    offline mode and client settings hold), resumed at most `tries` times when a connection breaks after some bytes.
     Hand-written: huggingface_hub's public downloads keep no cut file to resume (its http_get is not public API)."""
     from huggingface_hub import constants, get_session, hf_raise_for_status
     from huggingface_hub.utils import are_progress_bars_disabled
-    with open(partial, "ab") as f:
+    with open(partial, "ab") as f, tqdm(total=size, unit="B", unit_scale=True, desc=where.rsplit(": ", 1)[-1],
+                                        disable=True if not bars or are_progress_bars_disabled() else None) as bar:
         if size is not None and f.tell() > size:
             f.truncate(0)  # longer than the file: not a start of it
-        shown = None if bars and not are_progress_bars_disabled() else True  # None: a bar on a terminal only
-        with tqdm(total=size, initial=f.tell(), unit="B", unit_scale=True, desc=where.rsplit(": ", 1)[-1],
-                  disable=shown) as bar:
-            while size is None or f.tell() < size:
-                start = f.tell()
-                ranged = dict(headers, Range=f"bytes={start}-") if start else headers
-                try:
-                    with get_session().stream("GET", url, headers=ranged,
-                                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
-                        hf_raise_for_status(response)
-                        if start and response.status_code == 200:  # the Range ignored: the whole file comes
-                            f.truncate(0)
-                            bar.reset(size)
-                        for chunk in response.iter_bytes():  # as they come: a cut keeps every byte
-                            f.write(chunk)
-                            bar.update(len(chunk))
-                    return  # all the server sends; the hash check judges it
-                except unreachable() as e:
-                    if f.tell() == start or tries <= 0:  # nothing came: the Hub is out of reach
-                        raise
-                    tries -= 1
-                    _print_once(f"{where}: the connection broke after {f.tell():,} bytes ({type(e).__name__}); "
-                                "resuming")
+        bar.update(f.seek(0, os.SEEK_END))
+        while size is None or f.tell() < size:
+            start = f.tell()
+            try:
+                with get_session().stream("GET", url, headers=dict(headers, Range=f"bytes={start}-") if start else
+                                          headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                    hf_raise_for_status(response)
+                    if start and response.status_code == 200:  # the Range ignored: the whole file comes
+                        f.truncate(f.seek(0))
+                        bar.update(-start)
+                    for chunk in response.iter_bytes():  # as they come: a cut keeps every byte
+                        bar.update(f.write(chunk))
+                return  # all the server sent; the hash check judges it
+            except unreachable() as e:
+                if f.tell() == start or tries <= 0:  # nothing came: the Hub is out of reach
+                    raise
+                tries -= 1
+                _print_once(f"{where}: the connection broke after {f.tell():,} bytes ({type(e).__name__}); resuming")
 
 
 def _link(blob: str, path: str):
@@ -369,9 +365,11 @@ def _check_hash(path: str, etag: str, name: str, repo: Repo):
 
 
 def _readable(measure, path: str, repo: Repo) -> int:
-    """measure(path); a cached file it cannot read (a web page where parquet should be) is removed, blob and link,
-    so that the next run fetches it anew rather than failing on it until someone deletes it by hand."""
+    """measure(path); a cached file it cannot read, or whose first bytes cannot start its kind (a web page where
+    parquet, JSON lines or a gzip stream should be), leaves the cache, blob and link: the next run fetches it anew."""
     try:
+        if wrong := _wrong_start(path):
+            raise DataError(f"{path} is not a readable {wrong}, {readers.REWRITE}")
         return measure(path)
     except DataError as e:
         if not str(e).endswith(readers.REWRITE):  # not the file's fault (pyarrow missing): the file stays
@@ -380,6 +378,19 @@ def _readable(measure, path: str, repo: Repo) -> int:
         raise DataError(f"{str(e).removesuffix(readers.REWRITE).rstrip(', ')}; it came from {repo.where} and was "
                         "removed from the Hugging Face cache: run again (with the Hub in reach) to fetch it anew, or "
                         "leave it out with a narrower pattern if the Hub's own copy is the same") from None
+
+
+def _wrong_start(path: str) -> str:
+    """What a file's first bytes show it is not (""): a gzip or zstd stream without its magic, or a web page (a
+    proxy's sign-in page) where JSON lines or an Arrow table should be."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    kind = os.path.splitext(path)[1]
+    name, magic = MAGIC.get(kind, (kind[1:], b""))
+    if head and not head.startswith(magic):
+        return f"{name} file (its first bytes are not a {name} stream's)"
+    page = head.lstrip().lower().startswith((b"<!doctype html", b"<html"))
+    return f"{kind[1:]} file (it is a web page)" if page and kind in (".jsonl", ".arrow") else ""
 
 
 def _forget(path: str, storage: str):
