@@ -183,6 +183,18 @@ def test_a_connection_cut_midway_resumes_in_the_same_run_and_says_so(hub, tmp_pa
         hashlib.sha256(files[name]).hexdigest() + ".partial")).stat().st_size == 600
 
 
+def test_a_server_that_ignores_the_range_gives_the_whole_file_once(hub, tmp_path, files):
+    """A server (a proxy, a CDN) that answers a Range with the whole file (200, not 206): the bytes kept must be
+    dropped, not kept before the whole file, so the file checks and comes down once."""
+    name = "data/part-0.parquet"
+    blobs = storage(tmp_path) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{hashlib.sha256(files[name]).hexdigest()}.partial").write_bytes(files[name][:1000])
+    hub.ranges = False
+    assert open(hf_datasets.fetch(URL, 1)[0], "rb").read() == files[name]
+    assert hub.gets(name) == ["bytes=1000-"]
+
+
 def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
     """--max_tokens sets how much text a Hub source brings (at about 4 bytes a token, with a margin): the first
     files in name order, the rest never asked for; a weighted Hub source sits in a mixture like a local one."""

@@ -25,7 +25,8 @@ COMMIT = "c0ffee" + "0" * 34
 class Hub:
     """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
     `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `cut` = (path, bytes, times)
-    closes the connection after those bytes of the file's next `times` GETs; `requests` logs what was asked,
+    closes the connection after those bytes of the file's next `times` GETs; `ranges` False sends the whole file
+    whatever Range is asked (200), as some proxies and CDNs do; `requests` logs what was asked,
     `tokens` the Authorization headers. `private` {"OWNER/NAME": token}: that repository is shown to that token
     only, and once one is set, a token not among them is refused as invalid (401), as the Hub refuses one it never
     issued; `forbidden` names tokens it knows whose rights do not reach a private repository (403, as for a
@@ -42,6 +43,7 @@ class Hub:
         self.repos, self.gated, self.stall = repos, set(gated), stall
         self.etags, self.listed, self.revisions, self.commit, self.private = {}, [], set(), COMMIT, {}
         self.forbidden, self.redirect, self.git, self.cdn_requests, self.cut = set(), set(), set(), [], None
+        self.ranges = True
         self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
         self.server, self.url = _serve(_handler(self))
         self.cdn_server, self.cdn_url = _serve(_cdn_handler(self))
@@ -158,7 +160,7 @@ def _handler(hub: Hub):
                                    "Content-Length": "0"}.items():
                     self.send_header(key, value)
                 return self.end_headers()
-            _send_bytes(self, data, _range_start(self.headers), {"X-Repo-Commit": COMMIT,
+            _send_bytes(self, data, _range_start(self.headers) if hub.ranges else 0, {"X-Repo-Commit": COMMIT,
                         "ETag": f'"{self._etag(name, data)}"'}, body, lambda part: self._send(part, name))
 
         def _etag(self, name: str, data: bytes) -> str:
