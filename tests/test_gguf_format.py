@@ -13,8 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+# Test dependencies (requirements-test.txt): a missing one fails these tests, never skips them.
+import accelerate  # noqa: F401  transformers loads GGUF files only with it
+import gguf
 
 from test_hf_format import CHAT, TEXTS, train
 from tokenizers import Tokenizer

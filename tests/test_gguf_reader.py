@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+# Test dependencies (requirements-test.txt): a missing one fails these tests, never skips them.
+import accelerate  # noqa: F401  transformers loads GGUF files only with it
+import gguf
 
 from test_gguf_format import export, load_theirs, rounded, save, sharp_model
 from test_hf_format import TEXTS
