@@ -3,7 +3,8 @@
 read_gguf() gives what a Hugging Face folder gives (checkpoint.read_model() calls it for a .gguf): the shape from
 the file's metadata, every tensor dequantized to fp32 by the gguf package (f32, f16, bf16, q8_0, q4_0, q4_1, the
 k-quants and whatever else it reads), in our names, and the byte-level BPE tokenizer rebuilt from the metadata as
-a tokenizer.json in a temporary folder of this process. The families are those our model computes: llama, qwen2
+a tokenizer.json in a temporary folder of this process (which a later process removes, should this one be
+killed before it can). The families are those our model computes: llama, qwen2
 and qwen3. The write side (and the name tables both sides share) is gguf_format.py.
 """
 
@@ -11,6 +12,11 @@ import atexit
 import os
 import shutil
 import tempfile
+
+try:
+    import fcntl  # POSIX file locks: what tells a live process's tokenizer folder from a killed one's
+except ImportError:
+    fcntl = None
 
 import numpy as np
 import torch
@@ -254,7 +260,9 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
     return tok
 
 
+FOLDER_PREFIX, LOCK_SUFFIX = "gguf-tokenizers-", ".lock"
 _folder = None
+_lock = None  # the open file descriptor of _folder's lock, locked for this process's life
 
 
 def _tokenizer_file(meta: dict, path: str, vocab_size: int) -> str:
@@ -263,11 +271,69 @@ def _tokenizer_file(meta: dict, path: str, vocab_size: int) -> str:
     tok = gguf_tokenizer(meta, path, vocab_size)
     try:
         if _folder is None:
-            _folder = tempfile.mkdtemp(prefix="gguf-tokenizers-")
-            atexit.register(shutil.rmtree, _folder, True)
+            _folder = _own_folder()
         file = os.path.join(_folder, f"{len(os.listdir(_folder))}", TOKENIZER_FILE)
         os.makedirs(os.path.dirname(file))
         save_tokenizer(tok, file)
     except OSError as e:  # a full temporary folder: one line (exit 1), as for every other write
         raise write_error(e, f"writing the tokenizer of {path}") from None
     return file
+
+
+def _own_folder() -> str:
+    """A new folder of this process in the temporary folder, removed at its exit. A process killed (kill -9, the
+    OOM killer) runs no exit code, so its folder once stayed for good. Now each folder F has a file F.lock beside
+    it, made first and locked for the process's life (the kernel lets go of a lock when its process dies, however
+    it dies); each new folder's process first removes every folder whose lock is free. Without POSIX locks
+    (Windows), a folder as before: removed at a normal exit."""
+    global _lock
+    if fcntl is None:
+        folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        atexit.register(shutil.rmtree, folder, True)
+        return folder
+    _remove_orphans(tempfile.gettempdir())
+    while True:
+        fd, lock = tempfile.mkstemp(prefix=FOLDER_PREFIX, suffix=LOCK_SUFFIX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:  # not taken for an orphan's by another process between mkstemp and flock
+            break
+        os.close(fd)
+    folder = lock.removesuffix(LOCK_SUFFIX)
+    os.mkdir(folder, 0o700)
+    _lock = fd
+    atexit.register(_remove, folder, lock)
+    return folder
+
+
+def _remove(folder: str, lock: str):
+    """A folder, then its lock file (in this order: a folder never lacks its lock)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.unlink(lock)
+    except OSError:
+        pass
+
+
+def _remove_orphans(temp: str):
+    """Remove the tokenizer folders in `temp` whose lock no process holds: their processes were killed. A live
+    process's lock is held; another user's cannot be opened. Folders without a lock file (made before locks
+    were) are left alone: their process may still live."""
+    try:
+        locks = [e.path for e in os.scandir(temp) if e.name.startswith(FOLDER_PREFIX) and e.name.endswith(LOCK_SUFFIX)]
+    except OSError:
+        return
+    for lock in locks:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:  # gone already, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))  # still the file that was opened, not a new one
+        except OSError:  # held: a live process's folder (or the file went meanwhile)
+            same = False
+        try:
+            if same:
+                _remove(lock.removesuffix(LOCK_SUFFIX), lock)
+        finally:
+            os.close(fd)

@@ -260,6 +260,46 @@ def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tin
         read_model(path)
 
 
+# A process that reads a GGUF (as a run started from one does), prints the tokenizer.json it was given, and waits.
+READ_AND_WAIT = ("import sys, time; from llm.gguf_reader import read_gguf; print(read_gguf(sys.argv[1])[2], flush=True); "
+                 "time.sleep(int(sys.argv[2]))")
+
+
+@pytest.mark.slow
+def test_a_killed_process_leaves_no_tokenizer_folder_behind(python_data, tiny_config, tmp_path):
+    """kill -9 of a run started from a .gguf left its gguf-tokenizers-* folder in the temporary folder for good:
+    only an exit hook removed it. Now the next process that reads a GGUF removes the folders of processes that
+    are gone, and never a live process's: after it has run and exited, nothing is left but the live one's."""
+    path = export(save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": ROOT}
+
+    def reader(seconds: int):
+        return subprocess.Popen([sys.executable, "-c", READ_AND_WAIT, path, str(seconds)], stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=env)
+    killed, live = reader(600), reader(600)
+    try:
+        files = [p.stdout.readline().strip() for p in (killed, live)]
+        folders = [os.path.dirname(os.path.dirname(f)) for f in files]
+        assert all(os.path.isfile(f) and os.path.dirname(d) == str(temp) for f, d in zip(files, folders)), files
+        killed.kill()  # SIGKILL: no exit hook runs
+        killed.wait()
+        assert os.path.isfile(files[0])  # what the kill left, as before
+        assert reader(0).wait(timeout=120) == 0  # the next start, which exits normally
+        assert not os.path.exists(folders[0])  # the killed process's folder is gone
+        assert os.path.isfile(files[1])  # the live process's is whole
+        assert {os.path.join(temp, n) for n in os.listdir(temp) if os.path.isdir(temp / n)} == {folders[1]}
+        live.kill()
+        live.wait()
+        assert reader(0).wait(timeout=120) == 0
+        assert os.listdir(temp) == []  # no folder, no lock file outlives its process
+    finally:
+        for p in (killed, live):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
     """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block before the
