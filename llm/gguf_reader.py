@@ -298,10 +298,9 @@ def _own_folder() -> str:
         if os.fstat(fd).st_nlink:  # not taken for an orphan's by another process between mkstemp and flock
             break
         os.close(fd)
-    folder = lock.removesuffix(LOCK_SUFFIX)
+    folder, _lock = lock.removesuffix(LOCK_SUFFIX), fd
+    atexit.register(_remove, folder, lock)  # first: a failed mkdir (a full disk) leaves no lock file either
     os.mkdir(folder, 0o700)
-    _lock = fd
-    atexit.register(_remove, folder, lock)
     return folder
 
 
