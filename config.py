@@ -168,7 +168,8 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg("auto", "autocast dtype; fp8: linear layers in FP8 "
                                                                      "(H100-class GPUs, torchao); auto: bf16 where the "
                                                              "hardware has it, else fp16 on GPU, fp32 on CPU")
-    compile: CompileMode = arg("default", "torch.compile mode for the model; off: eager; auto: default")
+    compile: CompileMode = arg("auto", "torch.compile mode for the model; off: eager; auto: default, but off "
+                                       "under a time budget too short for a compile to pay back (2 minutes)")
     compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
                                                              "(much slower), false stops with the error; auto: "
                                                              "false on CUDA, true elsewhere")

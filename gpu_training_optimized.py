@@ -8,13 +8,16 @@ hour's compute suits, into runs/default; then `python text_generator.py` samples
 `--help` lists every setting. Ctrl-C or SIGTERM finishes the step, saves, and prints how to resume.
 """
 
+import time
+
+PROCESS_START = time.monotonic()  # run as a script, a time budget counts from here: the imports below are in it
+
 import itertools
 import json
 import os
 import shlex
 import signal
 import sys
-import time
 from dataclasses import dataclass
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
@@ -342,7 +345,7 @@ def trained_short(cfg: Config, data: PreparedData) -> str:
 
 @distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
-    launch = time.monotonic()  # a time budget counts from here
+    launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
     cfg, _ = parse_config(argv)
     ranks = distributed.setup()
     device = pick_device(cfg.train.device if not ranks.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
@@ -409,12 +412,14 @@ def main(argv=None) -> int:
     if ranks.is_main:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
-                      interrupted=stopping, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
+                      interrupted=stopping and not last_step, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
               + "\n" + clock.eval_report() + write_report_card(session, last_ckpt)
               + "".join(f"\n{line}" for line in [trained_short(cfg, settled.data)] if line))
     ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     ranks.cleanup()
-    return 0
+    # An unfinished run exits 130 or 143, so `train && export` stops; under torchrun rank 0 alone says it, since a
+    # rank's failing exit makes torchrun end the others, which would cut rank 0's last writes.
+    return stop.exit_status() if stopping and not last_step and ranks.is_main else 0
 
 
 @error_contract

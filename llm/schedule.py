@@ -233,7 +233,7 @@ class StopFlag:
     """Ctrl-C or SIGTERM asks the loop to finish its step and save; a second Ctrl-C leaves at once."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.signum = False, None
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
 
@@ -241,4 +241,10 @@ class StopFlag:
         if self.requested and signum == signal.SIGINT:
             print("\nsecond interrupt: leaving without saving", file=sys.stderr)
             os._exit(130)
-        self.requested = True
+        self.requested, self.signum = True, signum
+
+    def exit_status(self) -> int:
+        """The status of a run stopped early, saved: 128 + the signal, as a shell shows a process the signal ended
+        (130 Ctrl-C, 143 SIGTERM), so that `train && export` does not go on. A rank another one's signal stopped
+        (stop_vote) answers as SIGTERM."""
+        return 128 + (self.signum or signal.SIGTERM)

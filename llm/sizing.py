@@ -31,6 +31,9 @@ CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 # compute-optimal model (TOKENS_PER_PARAMETER) has about 109M parameters: the small preset (GPT-2 small's size) on
 # its 2B tokens. Half an hour would ask for a 77M model, which no preset has, and give small half its tokens.
 GPU_MINUTES = 60.0
+# A compile from an empty cache took 20-60 s on the 2-core CPU here; at the speedups measured (1.5-2x) it pays back
+# only over a budget of a minute or two, so an automatic compile is off below this.
+COMPILE_PAYS_MINUTES = 2.0
 MEASURED_MFU = 0.40  # of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
 FALLBACK_TFLOPS = 100.0  # a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
 TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C = 6 N D with D = 20 N
@@ -334,6 +337,11 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
         notes.append(f"automatic: {', '.join(f'{k}={getattr(t, k)}' for k in auto)} ({t.micro_batch_size} x "
                      f"{cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x {world_size} ranks = "
                      f"{t.batch_tokens:,} tokens a step; {why})")
+    if cfg.train.compile == "auto" and 0 < cfg.train.max_minutes < COMPILE_PAYS_MINUTES:
+        cfg = replace(cfg, train=replace(cfg.train, compile="off"))
+        notes.append(f"automatic: compile=off (a {cfg.train.max_minutes:g}-minute budget is too short for a compile "
+                     f"to pay back: it takes 20-60 s from an empty cache; under {COMPILE_PAYS_MINUTES:g} minutes the "
+                     "run trains eagerly)")
     if corpus_bytes is None:  # a corpus fetched for the run: what it needs, said before the fetch
         notes += plan_report(cfg, machine, world_size)
         if not cfg.data.max_tokens and (tokens := token_target(cfg, machine, world_size)):

@@ -430,7 +430,7 @@ def test_signal_on_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path):
     run = tmp_path / "run"
     rc, output, _, logs = torchrun(corpus, tmp_path / "probe", args_for(corpus, run, 1, "--max_steps", 40,
                                                                       "--save_interval", 100), signal_step=3)
-    assert rc == 0, output[-4000:]
+    assert rc != 0, output[-4000:]  # 143 from each rank: torchrun reports the run as not finished
     saved = sorted(logs[0]["hashes"])
     assert saved == sorted(logs[1]["hashes"]) and len(saved) == 1 and 3 < int(saved[0]) < 40
     assert logs[0]["hashes"] == logs[1]["hashes"]

@@ -229,3 +229,18 @@ def test_the_planned_flops_a_token_are_the_models_own(tied):
     cfg = preset_tiny()
     model_cfg = replace(cfg.model, tie_word_embeddings=tied)
     assert sizing.flops_per_token(model_cfg) == Transformer(model_cfg).flops_per_token()
+
+
+def test_a_budget_too_short_for_a_compile_to_pay_back_trains_eagerly_unless_compile_was_chosen():
+    """A compile from an empty cache takes 20-60 s on a CPU: under a 0.3-minute budget it once spent the whole budget
+    and the run ended at 5x its budget. Left automatic, compile is off under COMPILE_PAYS_MINUTES and says so; a
+    longer budget, no budget, or a mode the user chose keep compiling."""
+    def filled(minutes, compile_mode="auto"):
+        cfg = preset_tiny()
+        return sizing.fill_automatic(replace(cfg, train=replace(cfg.train, max_minutes=minutes, compile=compile_mode)),
+                                     CPU, corpus_bytes=1_000_000)
+    short, notes = filled(0.3)
+    assert short.train.compile == "off" and any("compile=off" in n and "0.3-minute" in n for n in notes), notes
+    assert filled(sizing.COMPILE_PAYS_MINUTES)[0].train.compile == "auto"
+    assert filled(0)[0].train.compile == "auto"  # a run in steps
+    assert filled(0.3, "default")[0].train.compile == "default"  # what a user writes is what runs

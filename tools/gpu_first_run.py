@@ -70,7 +70,7 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, TRAINER, "--run_dir", run_dir, "--cache_dir", os.path.join(args.out, "cache"),
            *map(str, flags)]
-    launched, stop_at = time.time(), None
+    launched, stop_at, stopped = time.time(), None, False
     with open(log_path, "w", encoding="utf-8") as log:  # a file, not a pipe: a long run's output never blocks it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env={**os.environ, **env})
         while proc.poll() is None:
@@ -79,6 +79,7 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
                 stop_at = time.time() + after_s
             if stop_at is not None and time.time() >= stop_at:
                 proc.send_signal(signal.SIGTERM)
+                stopped = True
                 break
         try:
             code = proc.wait(timeout=STOP_WAIT_S)
@@ -86,7 +87,7 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
             proc.kill()
             code = proc.wait()
     output = open(log_path, encoding="utf-8", errors="replace").read()
-    if code != 0:
+    if code != (143 if stopped else 0):  # a run SIGTERM stopped saves, then exits 143
         raise RuntimeError(f"{' '.join(cmd[1:])} ended with status {code}:\n{output[-3000:]}")
     return run_dir, launched, output
 
