@@ -14,6 +14,7 @@ PROCESS_START = time.monotonic()  # run as a script, a time budget counts from h
 
 import itertools
 import json
+import math
 import os
 import shlex
 import signal
@@ -193,7 +194,7 @@ def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
     if b.evaluator is b.raw_model:
         return
     try:
-        evaluate(b.evaluator, b.amp, val_batches, 1, ranks)
+        evaluate(b.evaluator, b.amp, val_batches, 1, ranks)  # compiles its graph
     except Exception as e:
         if not is_compile_failure(e):
             raise
@@ -217,13 +218,26 @@ def falls_back(t, device: torch.device) -> bool:
     return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
 
 
-def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = False) -> float:
+def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = False, batches: int = 0,
+               until: float = math.inf) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
-    leaves in the better of the weight average and the last step's weights."""
+    leaves in the better of the weight average and the last step's weights. batches and until: the final one's
+    under a time budget (RunClock.final_eval), where the time left may hold fewer than eval_batches."""
+    planned = session.cfg.train.eval_batches
+    n, now = batches or planned, time.monotonic()
+    # The first pass has a third of the time left: a second (the weight average's) reads the same batches, and a
+    # busy machine's second pass may run slower.
+    deadlines = [now + (until - now) / 3 if until < math.inf else math.inf]
+
     def val_loss_now():
-        return evaluate(b.evaluator, b.amp, session.val_batches, session.cfg.train.eval_batches, session.ranks)
+        nonlocal n
+        loss, n = evaluate(b.evaluator, b.amp, session.val_batches, n, session.ranks,
+                           deadlines.pop() if deadlines else math.inf)
+        return loss
     chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
+    if n < planned and session.monitor:
+        session.bar.write(f"final evaluation on {n} of {planned} batches: the time budget left holds no more")
     if chosen and session.monitor:
         session.bar.write(chosen[1])
     val_loss = chosen[0] if chosen else val_loss_now()
@@ -357,7 +371,8 @@ def main(argv=None) -> int:
     b = build(cfg, device, ranks, init_state=settled.init_state)
     start = load_into(settled.ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler, average=b.average,
                       run_dir=t.run_dir)  # step 0, or where the checkpoint left off
-    clock = RunClock(t, launch, ranks, start.step, **start.clock)
+    clock = RunClock(t, launch, ranks, start.step, params=sum(p.numel() for p in b.raw_model.parameters()),
+                     **start.clock)
     session = open_session(settled, b, clock, ranks, device, start, argv)
     warm_evaluator(b, settled.val_batches, t, ranks)
     tokens, best_val, last_ckpt = start.tokens, start.best_val, None
@@ -369,7 +384,7 @@ def main(argv=None) -> int:
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other
         # A download that failed ends the run here, at the next step, not at the step that would need its part.
         data_lost = not last_step and batches.failure is not None
-        if not (last_step or data_lost) and not batches.in_hand(step):  # the corpus still arrives: wait, as budget, not step time
+        if not (last_step or data_lost) and not batches.in_hand(step):  # still arriving: a wait is budget, not a step
             with clock.pause("wait", step):
                 data_lost = not batches.ready(step, give_up=lambda: stop.requested or clock.out_of_time())
             last_step = clock.finished(step)  # the wait spent budget, perhaps all of it
@@ -378,7 +393,9 @@ def main(argv=None) -> int:
             val_loss = None
             if last_step or clock.eval_due(step):
                 with clock.pause("eval", step):
-                    val_loss = evaluation(session, b, step, full=clock.full_eval(step, last_step), last=last_step)
+                    n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
+                    val_loss = evaluation(session, b, step, full=clock.full_eval(step, last_step), last=last_step,
+                                          batches=n, until=until)
                 clock.mark_evaluated(step)
                 best_val = min(best_val, val_loss)
             if last_step or stopping or clock.save_due(step):
@@ -412,7 +429,8 @@ def main(argv=None) -> int:
     if ranks.is_main:
         print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
-                      interrupted=stopping and not last_step, launcher=ranks.launcher(), base=t.init_from if t.lora_rank else "")
+                      interrupted=stopping and not last_step, launcher=ranks.launcher(),
+                      base=t.init_from if t.lora_rank else "")
               + "\n" + clock.eval_report() + write_report_card(session, last_ckpt)
               + "".join(f"\n{line}" for line in [trained_short(cfg, settled.data)] if line))
     ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)

@@ -15,6 +15,7 @@ import itertools
 import math
 import re
 import textwrap
+import time
 from dataclasses import replace
 
 import torch
@@ -214,18 +215,22 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
 
 @torch.no_grad()
-def evaluate(model, amp, val_batches, n: int, ranks: Ranks) -> float:
-    """Mean validation loss over n fixed micro-batches (averaged over ranks). Takes the uncompiled model: a
-    compiled one would compile again for inference (no gradients, other guards) inside the run."""
+def evaluate(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf) -> tuple[float, int]:
+    """Mean validation loss over n fixed micro-batches (averaged over ranks), and the batches it read: fewer once
+    time.monotonic() passes `until` (one process only: under FSDP2 every rank must run every forward). Takes the
+    uncompiled model: a compiled one would compile again for inference (no gradients, other guards) in the run."""
     model.eval()
-    total = torch.zeros((), device=val_batches.device)
-    for i in range(n):
-        x, y, pos = val_batches.get(0, i)
+    total, read = torch.zeros((), device=val_batches.device), 0
+    while read < n and (read == 0 or time.monotonic() < until):
+        x, y, pos = val_batches.get(0, read)
         with amp:
             _, loss = model(x, labels=y, positions=pos)
         total += loss.float()
+        read += 1
+        if until < math.inf:
+            total.item()  # the clock is read after the batch is done, not when it is queued
     model.train()
-    return ranks.mean(total / n).item()  # sync point: once per evaluation
+    return ranks.mean(total / read).item(), read  # sync point: once per evaluation
 
 
 class Probe:

@@ -29,6 +29,13 @@ PROBE_DECODE_STEPS, DECODE_STEP_S = CODE_SETTINGS.max_new_tokens + SAMPLE_SETTIN
 # An evaluation may take this much longer than the longest before it (a busy machine), the first one this much
 # longer than its estimate (how fast this machine decodes is a guess until then).
 EVAL_COST_MARGIN, FIRST_EVAL_MARGIN = 1.5, 4.0
+# Under a time budget the final evaluation keeps to this share of it, in fewer batches where it must: its 20 batches
+# once took 20 s, longer than a 0.3-minute budget's steps.
+FINAL_EVAL_SHARE = 0.1
+# A checkpoint's seconds before the first is timed: 16 bytes a parameter (fp32 weights, two optimizer moments, the
+# weight average) at a slow disk's 200 MB/s, and a fixed part (fsync, renames: a tiny model's whole checkpoint took
+# 1 s on a busy 2-core machine). A flat 2 s once kept a quarter of a 24-second budget unused.
+CHECKPOINT_BYTES_PER_PARAM, DISK_BYTES_PER_S, CHECKPOINT_FIXED_S = 16, 200e6, 0.5
 
 
 def lr_multiplier(progress: float, t) -> float:
@@ -58,11 +65,13 @@ class RunClock:
     """
 
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
-                 overhead_s: dict | None = None):
+                 overhead_s: dict | None = None, params: int = 0):
         """launch: time.monotonic() when this session started; ranks: the processes that agree on the figures
         (llm.distributed.Ranks); start: the session's first step; spent_s, step_s and overhead_s: what earlier
-        sessions measured (state()), so a resumed run's schedule continues where it stopped."""
+        sessions measured (state()), so a resumed run's schedule continues where it stopped; params: the model's,
+        which size a checkpoint before one is timed."""
         self.t, self.ranks, self.start, self.by_time = t, ranks, start, t.max_minutes > 0
+        self.save_guess_s = CHECKPOINT_FIXED_S + CHECKPOINT_BYTES_PER_PARAM * params / DISK_BYTES_PER_S
         self.budget_s = t.max_minutes * 60
         self.launch, self.session_start = launch - spent_s, launch
         self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
@@ -101,8 +110,36 @@ class RunClock:
         return self.overhead_s["eval"] or forwards + PROBE_DECODE_STEPS * DECODE_STEP_S
 
     def reserve_s(self) -> float:
-        """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any."""
-        return 1.25 * (self.eval_s() + (self.overhead_s["save"] or 2.0)) + self.step_s
+        """Room kept for the final evaluation and checkpoint: the longest seen, or an estimate before any; under a
+        budget at most FINAL_EVAL_SHARE of it for the evaluation, which final_batches() trims to fit."""
+        final_eval = min(self.eval_s(), FINAL_EVAL_SHARE * self.budget_s) if self.by_time else self.eval_s()
+        return 1.25 * (final_eval + self._save_s()) + self.step_s
+
+    def _save_s(self) -> float:
+        return self.overhead_s["save"] or self.save_guess_s  # the longest checkpoint, or a guess before any
+
+    def _left_s(self) -> float:
+        """The budget's seconds left for the final evaluation, once the final checkpoint's are set aside."""
+        return self.budget_s - self.spent_s() - self._save_s()
+
+    def final_eval(self) -> tuple[int, float]:
+        """The final evaluation's batches and the time.monotonic() its batches stop by: under a budget, one process
+        reads batches until the time left (less the final checkpoint's) is spent; ranks, which must read alike,
+        read as many as the measured speed says that time holds."""
+        if not self.by_time:
+            return self.t.eval_batches, math.inf
+        if self.ranks.enabled:
+            return self.final_batches(passes=2), math.inf
+        return self.t.eval_batches, self.launch + self.budget_s - self._save_s()
+
+    def final_batches(self, passes: int) -> int:
+        """The final evaluation's batches: eval_batches, or under a budget as many as the time left holds (at least
+        one). passes: forward passes over each batch (two where the weight average is compared with the last
+        weights); a forward is about a third of a step."""
+        if not self.by_time or not self.step_s:
+            return self.t.eval_batches
+        forward_s = passes * self.step_s / self.t.grad_accum_steps / 3
+        return max(1, min(self.t.eval_batches, int(0.8 * self._left_s() / forward_s)))
 
     def sync(self, step: int):
         """Measure the steps since the last sync and agree on the time figures over ranks (a collective): at the
@@ -148,6 +185,8 @@ class RunClock:
         """Whether the run ends before this step: its last step is done, or the budget holds no other."""
         if self.t.max_steps and step >= self.t.max_steps:
             return True
+        if self.by_time and not self.ranks.enabled:  # one process reads the clock itself at every step: a machine
+            return self.budget_s - self.spent_s() - self.reserve_s() < self.step_s  # slowing mid-run is seen at once
         return self.by_time and self.synced_remaining - self._since_sync(step) < self.step_s
 
     def eval_due(self, step: int) -> bool:
@@ -184,7 +223,7 @@ class RunClock:
         if not self.by_time:
             return done < 1 - 0.5 / AUTO_EVALS
         cost = self.eval_s() * (EVAL_COST_MARGIN if self.overhead_s["eval"] else FIRST_EVAL_MARGIN)
-        save = self.overhead_s["save"] or 2.0
+        save = self._save_s()
         reserve_then = 1.25 * (cost + save) + self.step_s  # reserve_s() once this evaluation is measured
         left_s = self.synced_remaining + self.reserve_s() - self._since_sync(step) - cost - save - reserve_then
         steps_after = left_s / max(self.step_s, self.pace_s)
@@ -203,7 +242,8 @@ class RunClock:
         at the end of a run where they would pass EVAL_SHARE, or, under a budget, cost time not yet measured."""
         if self.t.eval_interval or not last_step:
             return True
-        return self.affords_eval(step) and (not self.by_time or self.overhead_s["eval"] > 0)
+        measured = self.overhead_s["eval"]  # a full evaluation's seconds, once one ran: under a budget, it must fit
+        return self.affords_eval(step) and (not self.by_time or 0 < measured < self._left_s())
 
     def eval_report(self) -> str:
         """One line: this session's evaluations and their share of its time."""

@@ -1,6 +1,7 @@
 """Tests of the training loop on CPU with a tiny model: end to end, accumulation, exact resume, signals,
 the NaN guard, corrupt checkpoints and the metrics file."""
 
+import contextlib
 import glob
 import json
 import math
@@ -150,6 +151,8 @@ def test_lr_schedule_warmup_cosine_floor_and_restarts():
 
 
 class OneProcess:
+    enabled = False
+
     def maximum(self, values):
         return list(values)
 
@@ -247,6 +250,55 @@ def test_under_a_time_budget_no_evaluation_falls_near_the_end(monkeypatch, minut
     at, end = budgeted_run(monkeypatch, t, setup_s=2.0, step_s=step_s, eval_s=eval_s, save_s=1.0)
     assert all(b - a > end / 12 for a, b in zip(at, at[1:] + [end])), (at, end)
     assert at or eval_s > EVAL_SHARE * 60 * minutes  # a cheap evaluation still happens
+
+
+def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_its_final_evaluation(monkeypatch):
+    """A 0.3-minute run on a 2-core machine measured 0.47 s steps at its log step 10, then a busy neighbour made them
+    3.9 s: reading the clock only at log steps, it trained ten more and ended at 48 s, and its final evaluation's 20
+    batches took 20 s more. Now one process reads the clock every step, and the final evaluation takes the batches
+    the time left holds."""
+    now = [5.0]  # setup
+    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    t = TrainConfig(max_minutes=0.3, eval_interval=0, eval_batches=20, grad_accum_steps=1, log_interval=10)
+    clock, step = RunClock(t, 0.0, OneProcess()), 0
+    clock.sync(0)
+    while not clock.finished(step):
+        now[0] += 0.47 if step < 10 else 3.9
+        step += 1
+        if clock.log_due(step):
+            clock.sync(step)
+    assert now[0] <= 18 + 3.9 and step > 10  # within the budget plus one (slow) step
+    assert clock.final_eval() == (20, 18 - clock.save_guess_s)  # one process reads batches until the time is up
+    forward_s = 2 * 3.9 / 3  # ranks read alike: as many as the speed the clock last measured says fit
+    batches = clock.final_batches(passes=2)
+    assert 1 <= batches < 20 and batches * forward_s <= max(18 - now[0] - clock.save_guess_s, forward_s)
+    assert RunClock(replace(t, max_minutes=0, max_steps=5), 0.0, OneProcess()).final_eval() == (20, math.inf)
+
+
+def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
+    """The final evaluation of a budgeted run stops reading batches once its time is up (at least one), and says
+    how many it read: the mean is over those, as a naive loop over them computes it."""
+    from llm.evaluation import evaluate
+    losses = [3.0, 1.0, 2.0, 6.0]
+
+    class Model(torch.nn.Module):
+        def forward(self, x, labels=None, positions=None):
+            time.sleep(0.05)
+            return None, torch.tensor(losses[int(x)])
+
+    class Val:
+        device = torch.device("cpu")
+
+        def get(self, micro_step, i):
+            return torch.tensor(i), None, None
+
+    class Ranks:
+        def mean(self, t):
+            return t
+    model, amp = Model(), contextlib.nullcontext()
+    assert evaluate(model, amp, Val(), 4, Ranks()) == (pytest.approx(3.0), 4)
+    assert evaluate(model, amp, Val(), 4, Ranks(), until=time.monotonic() + 0.08) == (pytest.approx(2.0), 2)
+    assert evaluate(model, amp, Val(), 4, Ranks(), until=time.monotonic() - 1) == (pytest.approx(3.0), 1)
 
 
 def test_asking_what_is_due_changes_nothing(monkeypatch):
