@@ -2,7 +2,8 @@
 Hub on 127.0.0.1 (hub_stand_in.py): a run ends its steps while its last file is still held back by the Hub; the
 batches read while parts arrive are those of the complete cache, and its first epoch reads every window of every
 part once, part by part; the Hub going away mid-run leaves the steps trained saved, one error line, and a
---resume that goes on.
+--resume that goes on; the validation split is fixed before the first step; the next file downloads while one is
+tokenized; only a one-process run to a token target over unpacked windows, its length not in epochs, trains so.
 
 Run: python -m pytest -q tests/test_arrival.py
 """
@@ -11,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -20,11 +22,13 @@ from hub_stand_in import Hub
 from test_hf_datasets import point_at
 
 import gpu_training_optimized as trainer
-from config import DataConfig
-from llm import arrival
+from config import PRESETS, DataConfig
+from llm import arrival, preparation
 from llm import token_cache as tc
 from llm.batches import Batches
+from llm.distributed import Ranks
 from llm.preparation import prepare
+from llm.startup import trains_while_arriving
 
 REPO = "tiny-org/arriving"
 URL = f"hf://datasets/{REPO}/data/*.parquet"
@@ -248,3 +252,93 @@ def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tm
     assert startup.corpus_size(cfg, torch.device("cuda")) == corpus.corpus_bytes(cfg.data) < estimate / 10
     assert startup.corpus_size(cfg, torch.device("cpu")) == estimate
     assert startup.corpus_size(given, torch.device("cuda")) == estimate
+
+
+def test_the_validation_split_a_run_starts_on_is_the_one_it_ends_on(hub, tmp_path, monkeypatch):
+    """Validation is the first parts' val documents up to ARRIVAL_VAL_TOKENS, fixed before the first step: the loss a
+    user watches and the best checkpoint compare the same text at every evaluation, and a reader made once every
+    part is in (a resumed run, a run on the complete cache) reads that text too, not the later parts' val documents.
+    The threshold is set one token past the first part's val tokens, so the split needs the first two parts: the run
+    may not start on the first alone. The third part is held until the first evaluation is read."""
+    real_publish, real_wait = arrival.ArrivingData.publish, arrival.ArrivingData.wait
+    waiting, more = threading.Event(), threading.Event()
+
+    def publish(self, parts, meta):  # in the preparing thread, before readers see these parts
+        if len(parts) == 1:
+            monkeypatch.setattr(tc, "ARRIVAL_VAL_TOKENS", parts[0]["val_tokens"] + 1)
+        elif len(parts) == 2:  # held until the run is seen waiting on the first part alone, or has started on it
+            waiting.wait(60)
+        elif len(parts) == 3:
+            more.wait(60)
+        real_publish(self, parts, meta)
+
+    def wait(self, enough, what, give_up=lambda: False):
+        def looked(parts):
+            ok = enough(parts)
+            if parts and not ok:
+                waiting.set()
+            return ok
+        return real_wait(self, looked, what, give_up)
+
+    monkeypatch.setattr(arrival.ArrivingData, "publish", publish)
+    monkeypatch.setattr(arrival.ArrivingData, "wait", wait)
+
+    def evaluation(batches: Batches) -> list:  # every window an evaluation of the whole split reads
+        return [batches.get(0, m)[0] for m in range(-(-batches.length // (8 * 32)))]
+
+    try:
+        arriving = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None, background=True)
+        waiting.set()
+        started = [dict(p) for p in arriving.parts]
+        first_meta, first = dict(arriving.meta), Batches(arriving, "val", 8, 32, seed=3)
+        assert len(started) == 2 and not arriving.complete, started  # the run starts with the rest still to come
+        first_windows, first_tokens = evaluation(first), np.array(first.tokens[0:first.length])
+    finally:
+        waiting.set()
+        more.set()
+    assert arriving.wait(lambda parts: False, "every part") and len(arriving.parts) == len(NAMES)
+    assert first.length == sum(p["val_tokens"] for p in started) < sum(p["val_tokens"] for p in arriving.parts)
+    complete = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None)
+    for data in (arriving, complete):
+        assert data.meta["val_tokens"] == first_meta["val_tokens"] == first.length
+        last = Batches(data, "val", 8, 32, seed=3)
+        assert last.length == first.length and np.array_equal(np.array(last.tokens[0:last.length]), first_tokens)
+        assert all(np.array_equal(a, b) for a, b in zip(first_windows, evaluation(last), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(first_windows, evaluation(first), strict=True))
+
+
+def test_the_next_file_downloads_while_one_is_tokenized(hub, tmp_path, monkeypatch):
+    """The files of a corpus read as it arrives are fetched one ahead (arrival.one_ahead): the tokenizing of the
+    first file is held until the Hub is asked for the second file's bytes, which a fetch in the reader's own thread
+    would ask for only once the first is tokenized (downloads and tokenizing then take turns)."""
+    hub.stall = (NAMES[1], 0)  # the GET of the second file sets hub.stalled
+    real_encode, held = preparation.encode_segments, []
+    first_text = open(os.path.join(os.path.dirname(os.__file__), MODULES[0]), encoding="utf-8").read()[:600]
+
+    def encode(tok, segments, encoder=None):
+        if not held:  # the first file's first batch: nothing of it tokenized yet
+            held.append(("".join(s for s in segments if isinstance(s, str)), hub.stalled.wait(20)))
+        return real_encode(tok, segments, encoder)
+
+    monkeypatch.setattr(preparation, "encode_segments", encode)
+    arriving = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None, background=True)
+    assert len(held) == 1 and first_text in held[0][0]  # what was held is the first file's text
+    assert held[0][1], "the second file was not asked for while the first was tokenized"
+    assert hub.gets(NAMES[1]) and len(arriving.parts) == 1 and not arriving.complete
+
+
+def test_only_a_run_of_one_process_to_a_token_target_over_unpacked_windows_trains_while_its_files_arrive(tmp_path):
+    """trains_while_arriving's conditions, one at a time: a run whose length is in passes over the corpus (--epochs)
+    or whose windows are packed across it (--packing documents) must know the whole corpus first; so must a run of
+    two ranks (the second would read parts the first has not written) and one without a token target (the whole
+    dataset is read)."""
+    plain = PRESETS["tiny"]()
+    plain.data = data_config(tmp_path)
+    one, two = Ranks(), Ranks()
+    two.world_size = 2
+    assert one.world_size == 1 and trains_while_arriving(plain, one)
+    assert not trains_while_arriving(plain, two)
+    assert not trains_while_arriving(replace(plain, train=replace(plain.train, max_steps=0, epochs=1.0)), one)
+    assert not trains_while_arriving(replace(plain, data=replace(plain.data, packing="documents")), one)
+    assert trains_while_arriving(replace(plain, data=replace(plain.data, packing="off")), one)
+    assert not trains_while_arriving(replace(plain, data=replace(plain.data, max_tokens=0)), one)
