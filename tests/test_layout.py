@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core in import order: a module may import only the ones before it. The three of the second line
 # share a rank: none of them imports another.
-CORE = ["errors", "config", "cli", "atomic", "sizing", "fine_tuning",
+CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "fine_tuning",
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "batches", "preparation",

@@ -1,0 +1,201 @@
+"""Will it fit? The peak memory of a training step from shapes alone: the model's config (a Hub model's config.json
+is a few KB), the base format, LoRA rank and targets, context, micro-batch, precision, checkpointing and the loss's
+chunking, before any weight or data is downloaded and before any compile.
+
+    estimate(cfg, Target("cuda", 2)).total     bytes at the step's peak, each term in .terms with why
+The peak is during backward: weights, their autocast copies, gradients and optimizer state (held from the first
+step on) beside the activations kept for backward and the loss's logits. sizing.py sizes the micro-batch with it;
+startup.py refuses a run it says cannot fit, naming a change that does (suggest).
+"""
+
+from dataclasses import dataclass, replace
+
+from config import LORA_TARGETS, Config, ModelConfig
+
+# Bytes a frozen base weight takes as a LoRA run holds it. int8 adds a scale per output row (counted by shape, below).
+# nf4 as torchao's NF4Tensor stores it: 4 bits a weight, an int8 scale per block of 64 weights, and an fp32 scale of
+# those scales per 256 blocks (QLoRA's double quantization, Dettmers et al. 2023).
+BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
+CUDA_CONTEXT = 1 << 30  # the CUDA context, cuBLAS/cuDNN workspaces and kernels: 0.5-1 GiB on an H100 beside torch's
+FIT_FRACTION = 0.9  # of the GPU's memory an estimate may fill: the caching allocator's fragmentation takes the rest
+
+
+@dataclass
+class Target:
+    """Where the step runs, as the estimate needs it."""
+    kind: str  # "cuda", "cpu" or "mps"
+    amp_bytes: int  # bytes of an autocast activation: 2 under bf16/fp16, 4 in fp32
+    compiled: bool = False  # Inductor keeps the matmuls' inputs and recomputes pointwise ops in backward
+    loss_rows: int = 0  # rows per chunk of the loss (sizing.loss_chunk_rows), 0 for the logits whole
+
+
+@dataclass
+class Estimate:
+    terms: list  # (name, bytes, why)
+
+    @property
+    def total(self) -> int:
+        return int(sum(b for _, b, _ in self.terms))
+
+    def lines(self) -> list[str]:
+        return [f"  {name:<22} {b / 2**30:7.2f} GiB  {why}" for name, b, why in self.terms]
+
+
+def count_parameters(m: ModelConfig) -> int:
+    """Closed-form parameter count of modern_llm.Transformer for this config."""
+    d, h = m.hidden_size, m.head_dim
+    attn = d * h * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)  # q, o, k, v
+    norms = 2 * d + (2 * h if m.qk_norm else 0)
+    biases = h * (m.num_attention_heads + 2 * m.num_key_value_heads) if m.qkv_bias else 0  # q, k, v
+    per_layer = attn + 3 * d * m.intermediate_size + norms + biases
+    embed = m.vocab_size * d * (1 if m.tie_word_embeddings else 2)
+    return m.num_hidden_layers * per_layer + embed + d
+
+
+def block_matrices(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each linear layer of one block, by its name."""
+    q, kv, d, f = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
+        m.intermediate_size
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+            "up_proj": (d, f), "down_proj": (f, d)}
+
+
+def adapter_parameters(cfg: Config) -> int:
+    """Parameters of the LoRA adapters cfg.train asks for: rank * (inputs + outputs) per targeted matrix."""
+    sides = block_matrices(cfg.model)
+    return cfg.model.num_hidden_layers * cfg.train.lora_rank * sum(sum(sides[name]) for name in _targets(cfg))
+
+
+def _targets(cfg: Config) -> list[str]:
+    return list(cfg.train.lora_targets or LORA_TARGETS)
+
+
+def layer_activation_bytes(m: ModelConfig, target: Target, lora_rank: int = 0, targets=()) -> float:
+    """Bytes one block keeps for backward per token. a: an autocast activation; r: the residual stream (bf16
+    under a GPU's autocast, modern_llm's stream_dtype; fp32 elsewhere). SDPA keeps q, k, v, its output and a
+    logsumexp row per head (flash and memory-efficient kernels: no T x T matrix)."""
+    a, d, f = target.amp_bytes, m.hidden_size, m.intermediate_size
+    r = a if target.kind == "cuda" else 4
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    lse = 4 * m.num_attention_heads  # fp32 logsumexp per head
+    if target.compiled:  # matmul inputs, the attention's inputs and output; norms and SiLU recomputed
+        attention = r * d + a * d + a * (q + 2 * kv) + a * q + lse
+        mlp = r * d + a * d + 3 * a * f  # gate and up for SiLU's backward, their product for down_proj
+    else:  # eager: every op keeps its own inputs
+        qk_norm = a * (q + kv) if m.qk_norm else 0  # QK-norm's inputs
+        attention = r * d + a * d + a * (q + 2 * kv) + qk_norm + 2 * a * q + lse  # SDPA's output and o_proj's copy
+        mlp = r * d + a * d + 4 * a * f  # gate (SiLU), silu(gate) and up (the product), the product (down_proj)
+    adapters = a * lora_rank * len(targets)  # each adapter keeps its A output for B
+    return attention + mlp + adapters
+
+
+def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
+    """The step's peak memory in terms, for cfg as it would run on target. base: a LoRA run's base format (fp32,
+    bf16, int8, nf4); empty: cfg.train.lora_base, auto meaning bf16 under bf16 compute, else fp32."""
+    m, t = cfg.model, cfg.train
+    a, P, L = target.amp_bytes, count_parameters(m), m.num_hidden_layers
+    tokens = t.micro_batch_size * m.max_seq_len
+    sides = block_matrices(m)
+    matmul = L * sum(i * o for i, o in sides.values()) + m.vocab_size * m.hidden_size  # the head included
+    terms = []
+    if not t.lora_rank:
+        trained, targets = P, []
+        terms.append(("weights", 4 * P, "fp32 master weights (DESIGN.md numerics)"))
+        if a < 4:
+            terms.append(("autocast copies", a * matmul, "16-bit copies of each matmul weight, cached by autocast "
+                                                         "and kept for backward"))
+    else:
+        base = base or (t.lora_base if t.lora_base != "auto" else "bf16" if a == 2 else "fp32")
+        targets = _targets(cfg)
+        held = L * sum(i * o for name, (i, o) in sides.items() if name in targets)
+        rows = L * sum(o for name, (i, o) in sides.items() if name in targets)
+        scales = 4 * rows if base == "int8" else 0  # an fp32 scale per output row
+        trained = adapter_parameters(cfg)
+        terms.append((f"base ({base})", BASE_BYTES[base] * held + scales + 4 * (P - held),
+                      "frozen targeted matrices in the base format; embeddings, head and norms in fp32"))
+        if base == "fp32" and a < 4:
+            terms.append(("autocast copies", a * held, "16-bit copies of the frozen matrices, kept for the inputs' "
+                                                       "gradients"))
+        if base in ("int8", "nf4"):
+            widest = max(i * o for name, (i, o) in sides.items() if name in targets)
+            terms.append(("dequantised weight", 2 * a * widest, "the largest matrix dequantised for its matmul, "
+                                                                "forward and backward"))
+        terms.append(("adapters", 4 * trained, "fp32 adapters"))
+    terms.append(("gradients", 4 * trained, "fp32, one per trained weight, held across accumulation"))
+    terms.append(("optimizer", optimizer_bytes(cfg, trained), _optimizer_why(cfg)))
+    per_layer = layer_activation_bytes(m, target, t.lora_rank, targets)
+    if m.gradient_checkpointing:  # each block's input kept; one block's activations alive while it is recomputed
+        r = a if target.kind == "cuda" else 4
+        terms.append(("activations", tokens * (L * r * m.hidden_size + per_layer),
+                      f"checkpointed: {L} block inputs and one block recomputed, {tokens:,} tokens"))
+    else:
+        terms.append(("activations", tokens * L * per_layer,
+                      f"{per_layer / m.hidden_size:.0f} x hidden bytes a token in each of {L} blocks, "
+                      f"{tokens:,} tokens"))
+    rows = min(target.loss_rows or tokens, tokens)
+    terms.append(("loss", rows * m.vocab_size * loss_bytes_per_logit(target) + tokens * m.hidden_size * (a + 4),
+                  ("whole" if rows == tokens else f"{rows:,}-row chunks") + ": logits and their gradient, the fp32 "
+                  "log-softmax (eager) or one fp32 temporary (compiled); the final norm's output"))
+    if target.kind == "cuda":
+        terms.append(("CUDA context", CUDA_CONTEXT, "context, cuBLAS workspace, kernels"))
+    return Estimate(terms)
+
+
+def loss_bytes_per_logit(target: Target) -> int:
+    """Eager: the logits' fp32 copy's log-softmax (kept), its gradient and the logits' gradient, 16-bit and fp32;
+    compiled, Inductor fuses the softmax: the logits and their gradient plus one fp32 temporary (within 5% of the
+    H200's measured peaks, tests/test_sizing.py)."""
+    return 2 * target.amp_bytes + (4 if target.compiled else 8)
+
+
+def optimizer_bytes(cfg: Config, trained: int) -> float:
+    """AdamW keeps two fp32 moments per weight; Muon one fp32 momentum per hidden matrix weight, AdamW the rest
+    (embeddings, head, norms: muon_optimizer's split). Adapters: AdamW (fine_tuning.py's choice)."""
+    t, m = cfg.train, cfg.model
+    if t.lora_rank or t.optimizer != "muon":
+        return 8 * trained
+    hidden = m.num_hidden_layers * sum(i * o for i, o in block_matrices(m).values())
+    return 4 * hidden + 8 * (trained - hidden)
+
+
+def _optimizer_why(cfg: Config) -> str:
+    muon = cfg.train.optimizer == "muon" and not cfg.train.lora_rank
+    return "Muon: one fp32 momentum per hidden matrix weight, AdamW's two for the rest" if muon else \
+        "AdamW: two fp32 moments per trained weight"
+
+
+def fits(cfg: Config, target: Target, memory: int, base: str = "") -> bool:
+    return estimate(cfg, target, base).total <= FIT_FRACTION * memory
+
+
+def suggest(cfg: Config, target: Target, memory: int) -> tuple[str, Config] | None:
+    """The first change, in this order, that the estimate says fits memory: a smaller micro-batch with more
+    accumulation (the same tokens a step), gradient checkpointing, LoRA on an int8 base (rank 16 where none was
+    asked), a shorter context; None when none does. (the flags, the config they give)."""
+    t, m = cfg.train, cfg.model
+    for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:
+        changed = replace(cfg, train=replace(t, micro_batch_size=micro,
+                                             grad_accum_steps=max(1, t.grad_accum_steps) * t.micro_batch_size // micro))
+        if fits(changed, target, memory):
+            return f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}", changed
+    smallest = replace(t, micro_batch_size=1, grad_accum_steps=max(1, t.grad_accum_steps) * t.micro_batch_size)
+    flags = f"--micro_batch_size 1 --grad_accum_steps {smallest.grad_accum_steps} " if t.micro_batch_size > 1 else ""
+    cfg = replace(cfg, train=smallest)
+    if not m.gradient_checkpointing:
+        cfg = replace(cfg, model=replace(m, gradient_checkpointing=True))
+        flags += "--gradient_checkpointing true"
+        if fits(cfg, target, memory):
+            return flags, cfg
+    rank = f"--lora_rank {cfg.train.lora_rank or 16} " if not t.lora_rank else ""
+    lora = replace(cfg, train=replace(cfg.train, lora_rank=t.lora_rank or 16, optimizer="adamw"))
+    for base in ("int8", "nf4") if target.amp_bytes == 2 else ("int8",):
+        if fits(lora, target, memory, base):
+            return f"{flags} {rank}--lora_base {base}".replace("  ", " ").strip(), \
+                replace(lora, train=replace(lora.train, lora_base=base)) if base != "nf4" else lora
+    context = m.max_seq_len // 2
+    while context >= 128:
+        shorter = replace(cfg, model=replace(cfg.model, max_seq_len=context))
+        if fits(shorter, target, memory):
+            return f"{flags} --max_seq_len {context}".strip(), shorter
+        context //= 2
+    return None
