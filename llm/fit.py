@@ -17,7 +17,8 @@ from config import LORA_TARGETS, Config, ModelConfig
 # those scales per 256 blocks (QLoRA's double quantization, Dettmers et al. 2023).
 BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
 CUDA_CONTEXT = 1 << 30  # the CUDA context, cuBLAS/cuDNN workspaces and kernels: 0.5-1 GiB on an H100 beside torch's
-FIT_FRACTION = 0.9  # of the GPU's memory an estimate may fill: the caching allocator's fragmentation takes the rest
+MIN_CONTEXT = 256  # the shortest context a refusal suggests: shorter windows hold too little of a chat to learn from
+FIT_FRACTION = 0.8  # of the GPU's memory an estimate may fill: the caching allocator's slack takes the rest
 
 
 @dataclass
@@ -81,10 +82,10 @@ def layer_activation_bytes(m: ModelConfig, target: Target, lora_rank: int = 0, t
     if target.compiled:  # matmul inputs, the attention's inputs and output; norms and SiLU recomputed
         attention = r * d + a * d + a * (q + 2 * kv) + a * q + lse
         mlp = r * d + a * d + 3 * a * f  # gate and up for SiLU's backward, their product for down_proj
-    else:  # eager: every op keeps its own inputs
+    else:  # eager: every op keeps its own inputs, and each norm its input and output beside the matmul's copy
         qk_norm = a * (q + kv) if m.qk_norm else 0  # QK-norm's inputs
-        attention = r * d + a * d + a * (q + 2 * kv) + qk_norm + 2 * a * q + lse  # SDPA's output and o_proj's copy
-        mlp = r * d + a * d + 4 * a * f  # gate (SiLU), silu(gate) and up (the product), the product (down_proj)
+        attention = 2 * r * d + a * d + a * (q + 2 * kv) + qk_norm + 2 * a * q + lse  # SDPA's output, o_proj's copy
+        mlp = 2 * r * d + a * d + 4 * a * f  # gate (SiLU), silu(gate) and up (the product), the product (down_proj)
     adapters = a * lora_rank * len(targets)  # each adapter keeps its A output for B
     return attention + mlp + adapters
 
@@ -142,10 +143,10 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
 
 
 def loss_bytes_per_logit(target: Target) -> int:
-    """Eager: the logits' fp32 copy's log-softmax (kept), its gradient and the logits' gradient, 16-bit and fp32;
+    """Eager: the fp32 log-softmax (kept), its gradient, the fp32 logits' gradient and theirs in the logits' dtype;
     compiled, Inductor fuses the softmax: the logits and their gradient plus one fp32 temporary (within 5% of the
     H200's measured peaks, tests/test_sizing.py)."""
-    return 2 * target.amp_bytes + (4 if target.compiled else 8)
+    return 2 * target.amp_bytes + 4 if target.compiled else 12 + target.amp_bytes
 
 
 def optimizer_bytes(cfg: Config, trained: int) -> float:
@@ -168,34 +169,40 @@ def fits(cfg: Config, target: Target, memory: int, base: str = "") -> bool:
     return estimate(cfg, target, base).total <= FIT_FRACTION * memory
 
 
-def suggest(cfg: Config, target: Target, memory: int) -> tuple[str, Config] | None:
-    """The first change, in this order, that the estimate says fits memory: a smaller micro-batch with more
-    accumulation (the same tokens a step), gradient checkpointing, LoRA on an int8 base (rank 16 where none was
-    asked), a shorter context; None when none does. (the flags, the config they give)."""
+def suggest(cfg: Config, target: Target, memory: int, bases=("int8",)) -> tuple[str, Config, str]:
+    """The first change that the estimate says fits memory, each step adding to the one before: a smaller
+    micro-batch with more accumulation (the same tokens a step), gradient checkpointing, LoRA (rank 16 where none
+    was asked) on each base of `bases` in turn, a context halved down to MIN_CONTEXT; (flags, config, base), flags empty
+    when none fits (the config then the least of them). For nf4 the config keeps its lora_base (the estimate is told the base)."""
     t, m = cfg.train, cfg.model
+    accum = max(1, t.grad_accum_steps)
     for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:
-        changed = replace(cfg, train=replace(t, micro_batch_size=micro,
-                                             grad_accum_steps=max(1, t.grad_accum_steps) * t.micro_batch_size // micro))
+        changed = replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum * t.micro_batch_size // micro))
         if fits(changed, target, memory):
-            return f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}", changed
-    smallest = replace(t, micro_batch_size=1, grad_accum_steps=max(1, t.grad_accum_steps) * t.micro_batch_size)
-    flags = f"--micro_batch_size 1 --grad_accum_steps {smallest.grad_accum_steps} " if t.micro_batch_size > 1 else ""
-    cfg = replace(cfg, train=smallest)
+            return f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}", changed, ""
+    flags = []
+    if t.micro_batch_size > 1:
+        cfg = replace(cfg, train=replace(t, micro_batch_size=1, grad_accum_steps=accum * t.micro_batch_size))
+        flags.append(f"--micro_batch_size 1 --grad_accum_steps {cfg.train.grad_accum_steps}")
+    candidates = []
     if not m.gradient_checkpointing:
         cfg = replace(cfg, model=replace(m, gradient_checkpointing=True))
-        flags += "--gradient_checkpointing true"
-        if fits(cfg, target, memory):
-            return flags, cfg
-    rank = f"--lora_rank {cfg.train.lora_rank or 16} " if not t.lora_rank else ""
-    lora = replace(cfg, train=replace(cfg.train, lora_rank=t.lora_rank or 16, optimizer="adamw"))
-    for base in ("int8", "nf4") if target.amp_bytes == 2 else ("int8",):
-        if fits(lora, target, memory, base):
-            return f"{flags} {rank}--lora_base {base}".replace("  ", " ").strip(), \
-                replace(lora, train=replace(lora.train, lora_base=base)) if base != "nf4" else lora
-    context = m.max_seq_len // 2
-    while context >= 128:
-        shorter = replace(cfg, model=replace(cfg.model, max_seq_len=context))
-        if fits(shorter, target, memory):
-            return f"{flags} --max_seq_len {context}".strip(), shorter
+        flags.append("--gradient_checkpointing true")
+        candidates.append((list(flags), cfg, ""))
+    if not t.lora_rank:
+        flags.append("--lora_rank 16")
+        cfg = replace(cfg, train=replace(cfg.train, lora_rank=16, optimizer="adamw"))
+    for base in bases:
+        lora = cfg if base == "nf4" else replace(cfg, train=replace(cfg.train, lora_base=base))
+        candidates.append(([*flags, f"--lora_base {base}"], lora, base))
+    for flags, changed, base in candidates:
+        if fits(changed, target, memory, base):
+            return " ".join(flags), changed, base
+    flags, shorter, base = candidates[-1]
+    context = shorter.model.max_seq_len // 2
+    while context >= MIN_CONTEXT:
+        shorter = replace(shorter, model=replace(shorter.model, max_seq_len=context))
+        if fits(shorter, target, memory, base):
+            return " ".join([*flags, f"--max_seq_len {context}"]), shorter, base
         context //= 2
-    return None
+    return "", shorter, base  # the least this version can ask for: what a card would need for it

@@ -15,6 +15,7 @@ import fnmatch
 import os
 import re
 
+from config import ModelConfig
 from llm import hf_datasets
 from llm.errors import CheckpointError, RunFailure
 from llm.hf_datasets import Repo, offline
@@ -49,6 +50,28 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
         raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors weights (model.safetensors "
                               "or its shards), the only weights read; use a model published with them")
     return folder
+
+
+def hub_shape(name: str, max_seq_len: int = 0) -> ModelConfig:
+    """The shape of hf:ORG/NAME from its config.json alone (a few KB; fetched unless offline or cached): what the
+    trainer's fit check estimates before any weight comes."""
+    repo = Repo(_repo_id(name), "model", name)
+    hub, errors = _hub(name)
+    commit = hf_datasets.cached_commit(repo, "main")
+    try:
+        listed = None if offline(hub.constants) else hf_datasets.listing(hub, repo, "main", _wanted)
+    except (errors.HfHubHTTPError, *hf_datasets.unreachable()) as e:
+        if not commit or not os.path.isfile(hf_datasets.snapshot_path(repo, commit, HF_CONFIG)):
+            raise _failure(repo, e, errors) from None
+        listed = None
+    if listed is not None:
+        names, commit = listed
+        if HF_CONFIG not in names:
+            raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
+        _get(hub, repo, commit, HF_CONFIG)
+    if not commit or not os.path.isfile(hf_datasets.snapshot_path(repo, commit, HF_CONFIG)):
+        return model_config_from_hf(_cached(repo, True), max_seq_len)  # the error line saying how to fetch it
+    return model_config_from_hf(hf_datasets.snapshot_path(repo, commit), max_seq_len)
 
 
 def _hub(name: str):

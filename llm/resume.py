@@ -195,11 +195,15 @@ def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")
-    # Only the weights' shape is taken: context length (when set) and memory settings stay this run's.
-    model = replace(found.config, max_seq_len=cfg.model.max_seq_len or found.config.max_seq_len,
-                    gradient_checkpointing=cfg.model.gradient_checkpointing)
     data = replace(cfg.data, tokenizer=cfg.data.tokenizer or found.tokenizer_path)  # tokenized as the model was
-    return replace(cfg, model=model, data=data), found
+    return replace(with_shape(cfg, found.config), data=data), found
+
+
+def with_shape(cfg: Config, shape) -> Config:
+    """cfg with the model shape of --init_from: only the weights' shape is taken; context length (when set) and
+    memory settings stay this run's."""
+    return replace(cfg, model=replace(shape, max_seq_len=cfg.model.max_seq_len or shape.max_seq_len,
+                                      gradient_checkpointing=cfg.model.gradient_checkpointing))
 
 
 def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -> dict | None:

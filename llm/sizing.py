@@ -24,7 +24,7 @@ import torch
 
 from config import AUTO, PRESETS, Config, ModelConfig
 from llm.errors import ConfigError
-from llm.fit import Target, adapter_parameters, count_parameters, estimate  # noqa: F401 (others import them here)
+from llm.fit import FIT_FRACTION, Target, adapter_parameters, count_parameters, estimate  # noqa: F401 (others import them here)
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 # A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to
@@ -43,7 +43,7 @@ TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C 
 # tokens per parameter in its budget) is never chosen.
 MAX_OVER_OPTIMAL = 3.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
-MEMORY_FRACTION = 0.8  # of the GPU's memory; the rest is for the allocator's slack and CUDA's own use
+MEMORY_FRACTION = FIT_FRACTION  # of the GPU's memory (fit.py)
 PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
@@ -300,6 +300,10 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
     if wanted:
         size, why = choose_size(cfg, machine, corpus_bytes, world_size)
         filled = _filled(cfg, size)
+        if machine.kind == "cuda" and not cfg.model.automatic():  # a shape given (--init_from): the micro-batch
+            t = cfg.train  # and accumulation its memory holds (fill_batch), not those of the preset's own shape
+            filled = replace(filled, train=replace(filled.train, micro_batch_size=t.micro_batch_size,
+                                                   grad_accum_steps=t.grad_accum_steps))
         section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
         values = ", ".join(f"{k}={getattr(getattr(filled, section[k]), k)}" for k in wanted)
         notes.append(f"automatic: {values} (the {size} preset: {why})")

@@ -4,12 +4,15 @@ run length from the tokenized corpus), the checkpoint it continues and the data 
 settle() once; everything it refuses is refused here, before a model exists.
 """
 
+import math
 import sys
+import typing
 from dataclasses import dataclass, replace
 
+import psutil
 import torch
 
-from config import Config
+from config import Config, TrainConfig
 from llm import hf_datasets
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
@@ -18,11 +21,13 @@ from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
 from llm.fine_tuning import fill_fine_tuning
+from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
+from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import run_facts
 from llm.preparation import prepare_once, short_of_target
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
-                        lora_start, resume_point, saved_config)
-from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch
+                        lora_start, resume_point, saved_config, with_shape)
+from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
 from llm.token_cache import PreparedData
 from modern_llm import Transformer
 
@@ -89,6 +94,41 @@ def corpus_size(cfg: Config, device: torch.device) -> int | None:
     return corpus_bytes(cfg.data)
 
 
+def fit_check(cfg: Config, device: torch.device) -> list[str]:
+    """The run's peak memory by the estimate (fit.py) beside the device's, as a report line; a run it says cannot
+    fit the GPU (or clearly exceeds a CPU's RAM) is refused in one line naming the first change that fits. An
+    automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits."""
+    t, where = cfg.train, machine(device)
+    if not t.micro_batch_size:
+        cfg = replace(cfg, train=replace(t, micro_batch_size=1))
+    amp = 4 if pick_precision(t.precision, device) is None else 2
+    target = Target(device.type, amp, compiled=t.compile != "off", loss_rows=loss_chunk_rows(cfg, where))
+    memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
+    room = FIT_FRACTION * memory if device.type == "cuda" else memory
+    need = estimate(cfg, target).total
+    m = cfg.model
+    held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"  # lora.base_dtype's choice
+    run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank
+           else "training every weight") + f" of {count_parameters(m) / 1e9:.2f}B parameters, {cfg.train.micro_batch_size}" \
+        f" x {m.max_seq_len:,} tokens a forward{', checkpointed' if m.gradient_checkpointing else ''}"
+    line = f"memory: about {need / 2**30:.1f} GiB at the step's peak by the estimate ({run}), beside {memory / 2**30:.1f} " \
+        f"GiB on {where.name}"
+    if need <= room:
+        return [line]
+    nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # nf4 when config has it
+    flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("int8", "nf4") if nf4 else ("int8",))
+    what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
+        f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
+    if flags:
+        fix = f"pass {flags} (about {estimate(least, target, base).total / 2**30:.1f} GiB)"
+    else:
+        card = estimate(least, target, base).total / FIT_FRACTION
+        fix = f"nothing this version offers fits it (the least, {least.train.lora_rank}-rank LoRA on an {base} base " \
+              f"at {least.model.max_seq_len} tokens, needs {card * FIT_FRACTION / 2**30:.1f} GiB); use a GPU of " \
+              f"{math.ceil(card / 1e9)} GB or more, or a smaller model"
+    raise ConfigError(f"{what}; {fix}")
+
+
 @dataclass
 class Settled:
     """settle()'s result: the run's final config and what it starts from."""
@@ -114,6 +154,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
         fill_run_length   max_steps, max_minutes, eval_batches        the tokenized corpus
     Refuses what cannot run before the model is built."""
     init = None
+    if is_hub_name(cfg.train.init_from):  # refused before any weight downloads: its config.json is enough
+        fit_check(with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len)), device)
     if cfg.train.init_from:
         cfg, init = apply_init_from(cfg)
     ckpt, saved, notes = resume_point(cfg)
@@ -130,6 +172,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     notes += lines
     size = corpus_size(cfg, device)
     cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
+    lines += fit_check(cfg, device)  # before the data and the compile
     ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
     arriving = trains_while_arriving(cfg, ranks)
     data = prepare_once(cfg, ranks, background=arriving)

@@ -1,0 +1,170 @@
+"""Tests of fit.py and the trainer's fit check: a run that cannot fit its GPU is refused in one line, before any
+weight downloads and before any compile, with a change that the estimate says fits; the estimate's terms move the
+way the memory does; and on a CPU the estimate stays within 15% of the peak a training step really reaches."""
+
+import json
+import os
+from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the stand-in Hub below is the only one reached
+
+import pytest
+import torch
+from hub_stand_in import Hub
+from test_hf_datasets import point_at
+
+import gpu_training_optimized as trainer
+from config import Config, ModelConfig, TrainConfig
+from llm import device as device_mod
+from llm import fit, startup
+from llm.cli import parse_config
+from llm.hf_families import model_config_from_hf
+from llm.resume import with_shape
+from llm.sizing import Machine, fill_automatic
+
+GB = 10**9
+# Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader uses.
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "tie_word_embeddings": False, "initializer_range": 0.02, "hidden_act": "silu", "torch_dtype": "bfloat16",
+            "bos_token_id": 128000, "eos_token_id": 128001}
+CARD = Machine("cuda", "NVIDIA GeForce RTX 3060 (a stand-in, 12 GB)", 12 * GB)
+
+
+def smollm2_135m(context: int) -> ModelConfig:
+    """SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M's config.json)."""
+    return ModelConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, intermediate_size=1536, max_seq_len=context, tie_word_embeddings=True,
+                       qk_norm=False)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The trainer sees a 12 GB CUDA device: its name and memory, bf16; nothing runs on it."""
+    monkeypatch.setattr(trainer, "pick_device", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(startup, "machine", lambda device: CARD)
+    monkeypatch.setattr(device_mod, "cuda_has_native_bf16", lambda: True)
+
+
+def test_full_fine_tuning_of_an_8b_model_on_12_gb_is_refused_before_any_weight_downloads(tmp_path, monkeypatch,
+                                                                                         capsys, fake_cuda):
+    """Every weight of Llama-3.1-8B needs about 16 bytes a parameter before any activation: a 12 GB card ran out of
+    memory mid-run, after 16 GB of downloads and a compile. Now: one line, exit 2, only config.json fetched, and a
+    change whose estimate fits the card."""
+    repo = "meta-llama/Llama-3.1-8B"
+    hub = Hub({repo: {"config.json": json.dumps(LLAMA_8B).encode(), "tokenizer.json": b"{}",
+                      "model.safetensors": b"never asked for"}})
+    point_at(monkeypatch, tmp_path / "hf_home", hub.url)
+    argv = ["--init_from", f"hf:{repo}", "--max_seq_len", "2048", "--micro_batch_size", "4", "--grad_accum_steps", "4",
+            "--run_dir", str(tmp_path / "run")]
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            trainer.run(argv)
+    finally:
+        hub.stop()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: hf:{repo}: "), err
+    assert "training every weight of 8.03B parameters" in err and "8.9 GiB a run may fill of NVIDIA" in err, err
+    downloads = [p for method, p, _ in hub.requests if method == "GET" and "/resolve/" in p]
+    assert [p.rsplit("/", 1)[1] for p in downloads] == ["config.json"]  # no weights, no tokenizer
+    assert not (tmp_path / "run").exists()
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA_8B))
+    shape = model_config_from_hf(str(tmp_path / "llama"), 2048)
+    target = fit.Target("cuda", 2, compiled=True)
+    if "pass " in err:  # the suggested flags, applied to the same command, fit by the estimate
+        flags = err.split("pass ", 1)[1].split(" (about")[0].split()
+        cfg = parse_config(argv + flags)[0]
+        cfg = replace(cfg, model=replace(shape, max_seq_len=cfg.model.max_seq_len,
+                                         gradient_checkpointing=cfg.model.gradient_checkpointing))
+        base = cfg.train.lora_base if cfg.train.lora_base != "auto" else "bf16"
+        assert fit.fits(cfg, target, CARD.memory, base)
+    else:  # this version has no base that small: the card it names fits the least it can ask for
+        gb = int(err.split("use a GPU of ", 1)[1].split(" GB")[0])
+        assert "LoRA on an int8 base at 256 tokens" in err.replace("16-rank ", "") and gb > 12
+        least = Config(model=replace(shape, max_seq_len=256, gradient_checkpointing=True),
+                       train=TrainConfig(init_from="x", lora_rank=16, lora_base="int8", micro_batch_size=1))
+        assert fit.fits(least, target, gb * GB) and not fit.fits(least, target, 12 * GB)
+
+
+def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
+    """The start report says what the estimate expects of the card, so a user sees the margin before a step."""
+    cfg = Config(model=smollm2_135m(2048), train=TrainConfig(init_from="x", lora_rank=16, micro_batch_size=4))
+    (line,) = startup.fit_check(cfg, torch.device("cuda"))
+    assert line.startswith("memory: about ") and "LoRA rank 16 on a bf16 base of 0.13B parameters, 4 x 2,048" in line
+    assert line.endswith(f"beside 11.2 GiB on {CARD.name}")
+
+
+def test_an_automatic_micro_batch_of_a_fine_tune_is_the_largest_that_fits():
+    """Left automatic, a fine-tune's micro-batch is sized as a run from scratch is: as many sequences as fit."""
+    shape = with_shape(Config(model=ModelConfig(max_seq_len=2048)), smollm2_135m(2048)).model
+    cfg = Config(model=replace(shape, max_seq_len=2048), train=TrainConfig(init_from="x", max_steps=10))
+    cfg, _ = fill_automatic(cfg, CARD, corpus_bytes=10**6)
+    micro, target = cfg.train.micro_batch_size, fit.Target("cuda", 2, compiled=True)
+    assert micro >= 1 and fit.fits(cfg, target, CARD.memory)
+    assert not fit.fits(replace(cfg, train=replace(cfg.train, micro_batch_size=2 * micro)), target, CARD.memory)
+
+
+def test_each_setting_moves_the_estimate_the_way_memory_moves():
+    """The terms a refusal weighs: a smaller base format, checkpointing, a chunked loss and a shorter context each
+    lower the estimate, and LoRA on any base costs less than training every weight."""
+    cfg = Config(model=smollm2_135m(2048), train=TrainConfig(init_from="x", micro_batch_size=4))
+    target = fit.Target("cuda", 2, compiled=True)
+    full = fit.estimate(cfg, target).total
+    lora = replace(cfg, train=replace(cfg.train, lora_rank=16))
+    by_base = [fit.estimate(lora, target, base).total for base in ("fp32", "bf16", "int8", "nf4")]
+    assert by_base == sorted(by_base, reverse=True) and by_base[0] < full
+    checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
+    assert fit.estimate(checkpointed, target).total < full
+    assert fit.estimate(cfg, replace(target, loss_rows=512)).total < full
+    assert fit.estimate(replace(cfg, model=replace(cfg.model, max_seq_len=512)), target).total < full
+    # nf4 as torchao stores it: 4 bits, an int8 scale per 64 weights, an fp32 scale per 256 of those
+    assert fit.BASE_BYTES["nf4"] == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+
+
+def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
+    """The most bytes of live tensors during one eager training step (after a first one made the optimizer's state),
+    as torch's profiler records each allocation and free on the CPU."""
+    from modern_llm import Transformer
+    from llm.lora import add_adapters
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    model.init_weights()
+    if cfg.train.lora_rank:
+        model = add_adapters(model, cfg.train, amp)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len))
+
+    def step():
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp is not None):
+            _, loss = model(x, labels=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients held, as under accumulation
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        step()
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max(sum(row) for row in sizes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [256, 1024])
+@pytest.mark.parametrize("lora", [0, 16])
+def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora):
+    """SmolLM2-135M's shape, training every weight or LoRA adapters, at two contexts: a fit check that is far off
+    either refuses runs that fit or lets through runs that die mid-step."""
+    from llm.device import cpu_has_native_bf16
+    amp = torch.bfloat16 if cpu_has_native_bf16() else None
+    cfg = Config(model=smollm2_135m(context), train=TrainConfig(init_from="x", lora_rank=lora, micro_batch_size=1,
+                                                                optimizer="adamw"))
+    estimate = fit.estimate(cfg, fit.Target("cpu", 2 if amp else 4)).total
+    assert estimate == pytest.approx(measured_peak(cfg, amp), rel=0.15)
+
