@@ -168,3 +168,14 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context
     estimate = fit.estimate(cfg, fit.Target("cpu", 2 if amp else 4)).total
     assert estimate == pytest.approx(measured_peak(cfg, amp), rel=0.15)
 
+
+
+def test_the_docs_table_is_the_one_the_estimate_computes():
+    """docs/fine-tuning.md's what-fits tables are tools/what_fits.py's output: a change to the estimate that leaves
+    them stale fails here (rerun the tool and paste its tables)."""
+    import what_fits
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fine-tuning.md"),
+              encoding="utf-8") as f:
+        page = f.read()
+    for table in what_fits.tables().split("\n\n"):
+        assert table in page

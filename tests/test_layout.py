@@ -25,7 +25,7 @@ SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_prepare",
          "compare_optimizers",
          "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
-         "hub_stand_in", "roofline"]  # in tools/
+         "hub_stand_in", "roofline", "what_fits"]  # in tools/
 # A tool may build on another only where declared here.
 TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation", "gpu_report"},
               "gpu_first_run": {"gpu_generation", "hub_stand_in"},
