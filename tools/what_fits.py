@@ -117,8 +117,12 @@ def tables() -> str:
     return "\n\n".join("\n".join(lines) for lines in [*map(fits_table, CONTEXTS), anchors_table()])
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    return argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+
+
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    parse_args(argv)
     print(tables())
 
 
