@@ -172,12 +172,14 @@ def fits(cfg: Config, target: Target, memory: int, base: str = "") -> bool:
 def suggest(cfg: Config, target: Target, memory: int, bases=("int8",)) -> tuple[str, Config, str]:
     """The first change that the estimate says fits memory, each step adding to the one before: a smaller
     micro-batch with more accumulation (the same tokens a step), gradient checkpointing, LoRA (rank 16 where none
-    was asked) on each base of `bases` in turn, a context halved down to MIN_CONTEXT; (flags, config, base), flags empty
-    when none fits (the config then the least of them). For nf4 the config keeps its lora_base (the estimate is told the base)."""
+    was asked; a fine-tune only) on each base of `bases` in turn, a context halved down to MIN_CONTEXT. Returns
+    (flags, config, base); flags empty when none fits, the config then the least of them. For nf4 the config
+    keeps its lora_base (config.py may not take nf4 yet) and the estimate is told the base."""
     t, m = cfg.train, cfg.model
     accum = max(1, t.grad_accum_steps)
     for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:
-        changed = replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum * t.micro_batch_size // micro))
+        changed = replace(cfg, train=replace(t, micro_batch_size=micro,
+                                             grad_accum_steps=accum * t.micro_batch_size // micro))
         if fits(changed, target, memory):
             return f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}", changed, ""
     flags = []
@@ -189,12 +191,13 @@ def suggest(cfg: Config, target: Target, memory: int, bases=("int8",)) -> tuple[
         cfg = replace(cfg, model=replace(m, gradient_checkpointing=True))
         flags.append("--gradient_checkpointing true")
         candidates.append((list(flags), cfg, ""))
-    if not t.lora_rank:
+    if not t.lora_rank and t.init_from:
         flags.append("--lora_rank 16")
         cfg = replace(cfg, train=replace(cfg.train, lora_rank=16, optimizer="adamw"))
-    for base in bases:
+    for base in bases if cfg.train.lora_rank else ():
         lora = cfg if base == "nf4" else replace(cfg, train=replace(cfg.train, lora_base=base))
         candidates.append(([*flags, f"--lora_base {base}"], lora, base))
+    candidates = candidates or [(flags, cfg, "")]  # already checkpointed, from scratch: the context is left
     for flags, changed, base in candidates:
         if fits(changed, target, memory, base):
             return " ".join(flags), changed, base

@@ -94,10 +94,11 @@ def corpus_size(cfg: Config, device: torch.device) -> int | None:
     return corpus_bytes(cfg.data)
 
 
-def fit_check(cfg: Config, device: torch.device) -> list[str]:
+def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[str]:
     """The run's peak memory by the estimate (fit.py) beside the device's, as a report line; a run it says cannot
     fit the GPU (or clearly exceeds a CPU's RAM) is refused in one line naming the first change that fits. An
-    automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits."""
+    automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits. Under FSDP over
+    several GPUs each holds a share of the weights and state, which the estimate does not divide: never refused."""
     t, where = cfg.train, machine(device)
     if not t.micro_batch_size:
         cfg = replace(cfg, train=replace(t, micro_batch_size=1))
@@ -106,26 +107,27 @@ def fit_check(cfg: Config, device: torch.device) -> list[str]:
     memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
     room = FIT_FRACTION * memory if device.type == "cuda" else memory
     need = estimate(cfg, target).total
-    m = cfg.model
+    m, micro = cfg.model, cfg.train.micro_batch_size
     held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"  # lora.base_dtype's choice
-    run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank
-           else "training every weight") + f" of {count_parameters(m) / 1e9:.2f}B parameters, {cfg.train.micro_batch_size}" \
-        f" x {m.max_seq_len:,} tokens a forward{', checkpointed' if m.gradient_checkpointing else ''}"
-    line = f"memory: about {need / 2**30:.1f} GiB at the step's peak by the estimate ({run}), beside {memory / 2**30:.1f} " \
-        f"GiB on {where.name}"
-    if need <= room:
-        return [line]
-    nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # nf4 when config has it
+    run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank else "training every weight") + \
+        f" of {count_parameters(m) / 1e9:.2f}B parameters, {micro} x {m.max_seq_len:,} tokens a forward" + \
+        (", checkpointed" if m.gradient_checkpointing else "")
+    line = f"memory: about {need / 2**30:.1f} GiB at the step's peak by the estimate ({run}), beside " \
+        f"{memory / 2**30:.1f} GiB on {where.name}"
+    if need <= room or (t.data_parallel == "fsdp" and world_size > 1):
+        return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else "")]
+    nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # once config has it
     flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("int8", "nf4") if nf4 else ("int8",))
     what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
+    least_gib = estimate(least, target, base).total / 2**30
     if flags:
-        fix = f"pass {flags} (about {estimate(least, target, base).total / 2**30:.1f} GiB)"
+        fix = f"pass {flags} (about {least_gib:.1f} GiB)"
     else:
-        card = estimate(least, target, base).total / FIT_FRACTION
-        fix = f"nothing this version offers fits it (the least, {least.train.lora_rank}-rank LoRA on an {base} base " \
-              f"at {least.model.max_seq_len} tokens, needs {card * FIT_FRACTION / 2**30:.1f} GiB); use a GPU of " \
-              f"{math.ceil(card / 1e9)} GB or more, or a smaller model"
+        lora = f"{least.train.lora_rank}-rank LoRA on an {base} base, " if least.train.lora_rank else ""
+        fix = f"nothing this version offers fits it (the least, {lora}checkpointed, one sequence of " \
+              f"{least.model.max_seq_len} tokens, needs {least_gib:.1f} GiB); use a GPU of " \
+              f"{math.ceil(least_gib * 2**30 / FIT_FRACTION / 1e9)} GB or more, or a smaller model"
     raise ConfigError(f"{what}; {fix}")
 
 
@@ -155,7 +157,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     Refuses what cannot run before the model is built."""
     init = None
     if is_hub_name(cfg.train.init_from):  # refused before any weight downloads: its config.json is enough
-        fit_check(with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len)), device)
+        fit_check(with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len)), device, ranks.world_size)
     if cfg.train.init_from:
         cfg, init = apply_init_from(cfg)
     ckpt, saved, notes = resume_point(cfg)
@@ -172,7 +174,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     notes += lines
     size = corpus_size(cfg, device)
     cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
-    lines += fit_check(cfg, device)  # before the data and the compile
+    lines += fit_check(cfg, device, ranks.world_size)  # before the data and the compile
     ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
     arriving = trains_while_arriving(cfg, ranks)
     data = prepare_once(cfg, ranks, background=arriving)

@@ -86,7 +86,7 @@ def test_full_fine_tuning_of_an_8b_model_on_12_gb_is_refused_before_any_weight_d
         assert fit.fits(cfg, target, CARD.memory, base)
     else:  # this version has no base that small: the card it names fits the least it can ask for
         gb = int(err.split("use a GPU of ", 1)[1].split(" GB")[0])
-        assert "LoRA on an int8 base at 256 tokens" in err.replace("16-rank ", "") and gb > 12
+        assert "16-rank LoRA on an int8 base, checkpointed, one sequence of 256 tokens" in err and gb > 12
         least = Config(model=replace(shape, max_seq_len=256, gradient_checkpointing=True),
                        train=TrainConfig(init_from="x", lora_rank=16, lora_base="int8", micro_batch_size=1))
         assert fit.fits(least, target, gb * GB) and not fit.fits(least, target, 12 * GB)
