@@ -117,14 +117,16 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     if need <= room or (t.data_parallel == "fsdp" and world_size > 1):
         return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else "")]
     nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # once config has it
-    flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("int8", "nf4") if nf4 else ("int8",))
+    flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("auto", "int8", "nf4") if nf4 else ("auto", "int8"))
     what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
     least_gib = estimate(least, target, base).total / 2**30
     if flags:
         fix = f"pass {flags} (about {least_gib:.1f} GiB)"
     else:
-        lora = f"{least.train.lora_rank}-rank LoRA on an {base} base, " if least.train.lora_rank else ""
+        base = base or held  # the default base
+        lora = f"{least.train.lora_rank}-rank LoRA on {'an' if base[0] in 'fin' else 'a'} {base} base, " \
+            if least.train.lora_rank else ""
         fix = f"nothing this version offers fits it (the least, {lora}checkpointed, one sequence of " \
               f"{least.model.max_seq_len} tokens, needs {least_gib:.1f} GiB); use a GPU of " \
               f"{math.ceil(least_gib * 2**30 / FIT_FRACTION / 1e9)} GB or more, or a smaller model"

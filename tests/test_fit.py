@@ -20,7 +20,7 @@ from llm import fit, startup
 from llm.cli import parse_config
 from llm.hf_families import model_config_from_hf
 from llm.resume import with_shape
-from llm.sizing import Machine, fill_automatic
+from llm.sizing import Machine, fill_automatic, loss_chunk_rows
 
 GB = 10**9
 # Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader uses.
@@ -86,10 +86,12 @@ def test_full_fine_tuning_of_an_8b_model_on_12_gb_is_refused_before_any_weight_d
         assert fit.fits(cfg, target, CARD.memory, base)
     else:  # this version has no base that small: the card it names fits the least it can ask for
         gb = int(err.split("use a GPU of ", 1)[1].split(" GB")[0])
-        assert "16-rank LoRA on an int8 base, checkpointed, one sequence of 256 tokens" in err and gb > 12
+        assert "16-rank LoRA on " in err and "base, checkpointed, one sequence of 256 tokens" in err and gb > 12
+        base = err.split("-rank LoRA on ", 1)[1].split(" base")[0].split()[-1]
         least = Config(model=replace(shape, max_seq_len=256, gradient_checkpointing=True),
-                       train=TrainConfig(init_from="x", lora_rank=16, lora_base="int8", micro_batch_size=1))
-        assert fit.fits(least, target, gb * GB) and not fit.fits(least, target, 12 * GB)
+                       train=TrainConfig(init_from="x", lora_rank=16, micro_batch_size=1))
+        target = replace(target, loss_rows=loss_chunk_rows(least, CARD))
+        assert fit.fits(least, target, gb * GB, base) and not fit.fits(least, target, 12 * GB, base)
 
 
 def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
@@ -117,7 +119,8 @@ def test_each_setting_moves_the_estimate_the_way_memory_moves():
     target = fit.Target("cuda", 2, compiled=True)
     full = fit.estimate(cfg, target).total
     lora = replace(cfg, train=replace(cfg.train, lora_rank=16))
-    by_base = [fit.estimate(lora, target, base).total for base in ("fp32", "bf16", "int8", "nf4")]
+    # fp32 keeps a 16-bit copy for autocast, int8 a dequantised one (torchao, measured below): 6 and 3 bytes a weight
+    by_base = [fit.estimate(lora, target, base).total for base in ("fp32", "int8", "bf16", "nf4")]
     assert by_base == sorted(by_base, reverse=True) and by_base[0] < full
     checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
     assert fit.estimate(checkpointed, target).total < full
@@ -157,14 +160,15 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("context", [256, 1024])
-@pytest.mark.parametrize("lora", [0, 16])
-def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora):
-    """SmolLM2-135M's shape, training every weight or LoRA adapters, at two contexts: a fit check that is far off
-    either refuses runs that fit or lets through runs that die mid-step."""
+@pytest.mark.parametrize("lora,base", [(0, "auto"), (16, "auto"), (16, "int8")])
+def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora, base):
+    """SmolLM2-135M's shape, training every weight or LoRA adapters on the default base (bf16 where the CPU computes
+    bf16) or on int8, at two contexts: a fit check that is far off either refuses runs that fit or lets through
+    runs that die mid-step."""
     from llm.device import cpu_has_native_bf16
     amp = torch.bfloat16 if cpu_has_native_bf16() else None
     cfg = Config(model=smollm2_135m(context), train=TrainConfig(init_from="x", lora_rank=lora, micro_batch_size=1,
-                                                                optimizer="adamw"))
+                                                                optimizer="adamw", lora_base=base))
     estimate = fit.estimate(cfg, fit.Target("cpu", 2 if amp else 4)).total
     assert estimate == pytest.approx(measured_peak(cfg, amp), rel=0.15)
 
