@@ -38,8 +38,9 @@ class Estimate:
     def total(self) -> int:
         return int(sum(b for _, b, _ in self.terms))
 
-    def lines(self) -> list[str]:
-        return [f"  {name:<22} {b / 2**30:7.2f} GiB  {why}" for name, b, why in self.terms]
+    def summary(self) -> str:
+        """The terms in GiB, for the start report: where the memory goes."""
+        return ", ".join(f"{name} {b / 2**30:.2f}" for name, b, _ in self.terms) + " GiB"
 
 
 def count_parameters(m: ModelConfig) -> int:
@@ -117,7 +118,7 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
         if base == "fp32" and a < 4:
             terms.append(("autocast copies", a * held, "16-bit copies of the frozen matrices, kept for the inputs' "
                                                        "gradients"))
-        if base == "int8":  # measured on a CPU: 0.68x the peak without this term, 0.9x with it
+        if base == "int8":  # measured on a CPU: 0.68x the peak without this term, 0.87x with it
             terms.append(("dequantised copies", a * held, "torchao's int8 linear keeps each matrix dequantised for "
                                                           "its input's gradient"))
         if base == "nf4":  # torchao's linear_nf4 keeps the NF4 weight and dequantises again in backward

@@ -106,7 +106,8 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     target = Target(device.type, amp, compiled=t.compile != "off", loss_rows=loss_chunk_rows(cfg, where))
     memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
     room = FIT_FRACTION * memory if device.type == "cuda" else memory
-    need = estimate(cfg, target).total
+    terms = estimate(cfg, target)
+    need = terms.total
     m, micro = cfg.model, cfg.train.micro_batch_size
     held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"  # lora.base_dtype's choice
     run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank else "training every weight") + \
@@ -115,7 +116,8 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     line = f"memory: about {need / 2**30:.1f} GiB at the step's peak by the estimate ({run}), beside " \
         f"{memory / 2**30:.1f} GiB on {where.name}"
     if need <= room or (t.data_parallel == "fsdp" and world_size > 1):
-        return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else "")]
+        return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else ""),
+                f"memory: {terms.summary()}"]
     nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # once config has it
     flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("auto", "int8", "nf4") if nf4 else ("auto", "int8"))
     what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
