@@ -24,7 +24,8 @@ import torch
 
 from config import AUTO, PRESETS, Config, ModelConfig
 from llm.errors import ConfigError
-from llm.fit import FIT_FRACTION, Target, adapter_parameters, count_parameters, estimate  # noqa: F401 (others import them here)
+# count_parameters and adapter_parameters live in fit.py; other modules import them from here too
+from llm.fit import FIT_FRACTION, Target, adapter_parameters, count_parameters, estimate  # noqa: F401
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 # A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to

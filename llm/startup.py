@@ -111,7 +111,7 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     m, micro = cfg.model, cfg.train.micro_batch_size
     held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"  # lora.base_dtype's choice
     run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank else "training every weight") + \
-        f" of {count_parameters(m) / 1e9:.2f}B parameters, {micro} x {m.max_seq_len:,} tokens a forward" + \
+        f" of {_size(count_parameters(m))} parameters, {micro} x {m.max_seq_len:,} tokens a forward" + \
         (", checkpointed" if m.gradient_checkpointing else "")
     line = f"memory: about {need / 2**30:.1f} GiB at the step's peak by the estimate ({run}), beside " \
         f"{memory / 2**30:.1f} GiB on {where.name}"
@@ -133,6 +133,10 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
               f"{least.model.max_seq_len} tokens, needs {least_gib:.1f} GiB); use a GPU of " \
               f"{math.ceil(least_gib * 2**30 / FIT_FRACTION / 1e9)} GB or more, or a smaller model"
     raise ConfigError(f"{what}; {fix}")
+
+
+def _size(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
 
 
 @dataclass

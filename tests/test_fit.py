@@ -101,7 +101,7 @@ def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
     cfg = Config(model=smollm2_135m(2048), train=TrainConfig(init_from="x", lora_rank=16, micro_batch_size=4))
     line, terms = startup.fit_check(cfg, torch.device("cuda"))
     assert terms.startswith("memory: base (bf16) 0.") and "activations " in terms and "CUDA context 1.00" in terms
-    assert line.startswith("memory: about ") and "LoRA rank 16 on a bf16 base of 0.13B parameters, 4 x 2,048" in line
+    assert line.startswith("memory: about ") and "LoRA rank 16 on a bf16 base of 135M parameters, 4 x 2,048" in line
     assert line.endswith(f"beside 11.2 GiB on {CARD.name}")
 
 

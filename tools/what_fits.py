@@ -73,7 +73,8 @@ def cell(model: ModelConfig, mode: str, context: int) -> str:
 
 
 def fits_table(context: int) -> list[str]:
-    lines = [f"| {context:,} tokens | parameters | " + " | ".join(MODES) + " |", "| --- | ---: |" + " --- |" * len(MODES)]
+    lines = [f"| {context:,} tokens | parameters | " + " | ".join(MODES) + " |",
+             "| --- | ---: |" + " --- |" * len(MODES)]
     for name, model in MODELS.items():
         lines.append(f"| {name} | {count_parameters(model) / 1e9:.2f}B | " +
                      " | ".join(cell(model, mode, context) for mode in MODES) + " |")
