@@ -24,8 +24,7 @@ import torch
 
 from config import AUTO, PRESETS, Config, ModelConfig
 from llm.errors import ConfigError
-# count_parameters and adapter_parameters live in fit.py; other modules import them from here too
-from llm.fit import FIT_FRACTION, Target, adapter_parameters, count_parameters, estimate  # noqa: F401
+from llm.fit import FIT_FRACTION, Target, count_parameters, estimate  # count_parameters: others import it from here
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 # A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to
