@@ -198,3 +198,27 @@ def test_the_docs_table_is_the_one_the_estimate_computes():
         page = f.read()
     for table in what_fits.tables().split("\n\n"):
         assert table in page
+
+
+def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkeypatch):
+    """On a CPU the estimate is printed beside the RAM and only a run over all of it is refused: training every weight
+    of a 1.5B model (16 bytes a weight, 25 GB) on a machine of 16 GiB swapped for an hour before it died."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))
+    monkeypatch.setattr(startup, "pick_precision", lambda precision, device: None)  # fp32, whatever this CPU has
+    qwen = ModelConfig(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True, qkv_bias=True,
+                       qk_norm=False, max_seq_len=1024)
+    cfg = Config(model=qwen, train=TrainConfig(init_from="hf:Qwen/Qwen2.5-1.5B", micro_batch_size=2, compile="off"))
+    with pytest.raises(startup.ConfigError) as refused:
+        startup.fit_check(cfg, torch.device("cpu"))
+    line = str(refused.value)
+    assert line.startswith("hf:Qwen/Qwen2.5-1.5B: training every weight of 1.54B parameters") and "pass " in line
+    flags = line.split("pass ", 1)[1].split(" (about")[0]
+    assert "--lora_rank 16" in flags
+    changed = replace(cfg, model=replace(qwen, gradient_checkpointing="--gradient_checkpointing true" in flags),
+                      train=replace(cfg.train, lora_rank=16, micro_batch_size=1))
+    assert fit.estimate(changed, fit.Target("cpu", 4)).total <= 16 * 2**30
+    small = replace(cfg, model=replace(qwen, max_seq_len=256), train=replace(cfg.train, lora_rank=16))
+    assert startup.fit_check(small, torch.device("cpu"))[0].endswith("beside 16.0 GiB on " + startup.machine(
+        torch.device("cpu")).name)
