@@ -5,6 +5,8 @@ what an uninterrupted one would have read, and W ranks with A micro-steps read w
 micro-steps reads.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from tokenizers import Tokenizer
@@ -27,7 +29,7 @@ def check_window(split: str, tokens: int, seq_len: int):
 def check_windows(data: PreparedData, mode: str, seq_len: int):
     """Both splits hold a training window, and so does each weighted source, where windows are random slices
     (packed ones, by --packing `mode`, fit any example; they read the corpus as a whole, so refuse weights)."""
-    if packing.packs(mode, data.meta):
+    if packing.packs(mode, data.meta) or data.meta.get("has_pairs"):
         if data.weights:
             raise DataError("source weights apply to random windows, and these windows are packed whole examples "
                             "(--packing auto with chats, or documents); pass --packing off or give no weights")
@@ -49,7 +51,8 @@ def first_epoch_windows(parts: list, seq_len: int) -> list[int]:
 def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
     """The batch loader of a split for the run's --packing."""
-    kind = PackedBatches if packing.packs(packing_mode, data.meta) else Batches
+    kind = PairBatches if data.meta.get("has_pairs") else \
+        PackedBatches if packing.packs(packing_mode, data.meta) else Batches
     return kind(data, split, batch_size, seq_len, seed, rank, device, world_size, accum)
 
 
@@ -261,3 +264,44 @@ class PackedBatches(Batches):
         rows = [packing.window(self.plan, w, self.tokens, self.masks, self.pad)
                 for w in self.window_ids(step, micro_step)]
         return self.to_device(*(torch.from_numpy(np.stack(parts)) for parts in zip(*rows)))
+
+
+class PairBatch(NamedTuple):
+    """A micro-batch of whole preference pairs: inputs, labels (-100 outside the replies), positions and reply slots
+    (2 * pair + side, -1 outside the replies), each (B, T) on the device; the pairs' ids in their split (P,) on the
+    device, and P."""
+    x: torch.Tensor
+    y: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+    pair_ids: torch.Tensor
+    pairs: int
+
+
+class PairBatches(PackedBatches):
+    """Windows of whole preference pairs (packing.pair_plan), read as PackedBatches reads windows of examples:
+    training each window once per epoch in an order drawn from (seed, epoch), evaluation in file order. Pairs are
+    always packed, whatever --packing says: a pair is whole or not trained."""
+
+    def __init__(self, data: PreparedData, split: str, *args, **kwargs):
+        Batches.__init__(self, data, split, *args, **kwargs)
+        self.arrival = False
+        self.plan = packing.pair_plan(self.tokens, self.masks, data.meta["eot_id"], self.seq_len,
+                                      self.seed if split == "train" else None)
+        if not self.plan.windows:
+            raise DataError(f"the {split} split holds no preference pair that fits a window of {self.seq_len} tokens "
+                            f"({self.plan.dropped} do not); raise --max_seq_len, add pairs or raise --val_fraction")
+        self.pad = data.meta["eot_id"]
+
+    def get(self, step: int, micro_step: int) -> PairBatch:
+        return self.of_windows(self.window_ids(step, micro_step))
+
+    def of_windows(self, windows) -> PairBatch:
+        """The micro-batch of these windows, its pairs numbered across its rows."""
+        rows = [packing.pair_window(self.plan, w, self.tokens, self.masks, self.pad) for w in windows]
+        x, y, pos, slot = (np.stack(parts) for parts in list(zip(*rows))[:4])
+        before = np.cumsum([0] + [len(r[4]) for r in rows[:-1]])
+        slot = np.where(slot >= 0, slot + 2 * before[:, None], -1)
+        ids = np.concatenate([r[4] for r in rows])
+        tensors = self.to_device(*(torch.from_numpy(a) for a in (x, y, pos, slot, ids)))
+        return PairBatch(*tensors, pairs=len(ids))

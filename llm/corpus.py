@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from config import DEFAULT_TEXT_FIELDS, DataConfig
 from llm import hf_datasets, readers
 from llm.chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
+from llm.pairs import PAIR_FIELDS, PAIR_SHAPE, as_messages, is_pair, pair_document
 from llm.errors import DataError
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
@@ -182,7 +183,7 @@ def corpus_bytes(cfg: DataConfig) -> int:
 def file_bytes(path: str, cfg: DataConfig) -> int:
     """About how many bytes of text one file holds (readers.text_bytes), without reading its data."""
     st = os.stat(path)
-    return _text_bytes(path, st.st_size, st.st_mtime_ns, _text_fields(cfg) + SHAPE_FIELDS)
+    return _text_bytes(path, st.st_size, st.st_mtime_ns, _text_fields(cfg) + SHAPE_FIELDS + PAIR_FIELDS)
 
 
 @functools.lru_cache(maxsize=2**16)
@@ -254,7 +255,11 @@ def _parse_line(line: str, text_fields, system_prompt: str):
 
 
 def _document(obj: dict, text_fields, system_prompt: str):
-    """An object's (a JSONL line's, a table row's) chat messages, or its text; DataError says why neither."""
+    """An object's (a JSONL line's, a table row's) preference pair, chat messages, or text; DataError says why
+    none."""
+    pair = pair_document(obj, system_prompt)
+    if pair is not None:
+        return pair
     messages = chat_messages(obj, system_prompt)
     if messages is not None:
         return messages
@@ -264,7 +269,18 @@ def _document(obj: dict, text_fields, system_prompt: str):
     if wrong := next((name for name in text_fields if name in obj), None):
         raise DataError(f"{wrong} holds {type(obj[wrong]).__name__}, not text; pass --text_field NAME for "
                         "the field that holds it")
-    raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: {SHAPES})")
+    raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: {SHAPES}) or "
+                    f"preference pair ({PAIR_SHAPE})")
+
+
+def _one_kind(doc, first: bool | None) -> bool:
+    """Whether the file's documents are preference pairs, as its first one says; DataError for a document of the
+    other kind (pairs train by preference, anything else by next-token loss: one source holds one kind)."""
+    pair = is_pair(doc)
+    if first is not None and pair != first:
+        raise DataError(f"a {'preference row (chosen, rejected)' if pair else 'row without chosen and rejected'} "
+                        f"among {'plain rows' if pair else 'preference rows'}: a source holds pairs or none")
+    return pair
 
 
 def _text_fields(cfg: DataConfig) -> tuple:
@@ -280,7 +296,7 @@ def _bad(stats: ReadStats, where: str, row: bool = False):
 
 def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
     """Yield (0, document, bytes read) per non-empty line; bad lines are counted and left out."""
-    text_fields = _text_fields(cfg)
+    text_fields, kind = _text_fields(cfg), None
     stats.files += 1
     with readers.open_stream(path) as f:
         for number, raw in enumerate(readers.lines(f), 1):
@@ -294,6 +310,7 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
                 continue
             try:
                 doc = _parse_line(_decode(raw, path, stats), text_fields, cfg.system_prompt)
+                kind = _one_kind(doc, kind)
             except DataError as e:
                 _bad(stats, f"{path} line {number}: {e}")
                 continue
@@ -305,20 +322,21 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
 def _table_documents(path: str, cfg: DataConfig, stats: ReadStats):
     """Yield (0, document, its text's bytes) per row of a parquet or Arrow file, row group by row group; bad rows
     and empty row groups are counted and left out."""
-    text_fields = _text_fields(cfg)
+    text_fields, kind = _text_fields(cfg), None
     stats.files += 1
-    for label, first, rows in readers.table_chunks(path, text_fields + SHAPE_FIELDS):
+    for label, first, rows in readers.table_chunks(path, text_fields + SHAPE_FIELDS + PAIR_FIELDS):
         if not rows:
             _bad(stats, f"{path} {label}: it holds no rows", row=True)
         for number, row in enumerate(rows, first):
             try:
                 doc = _document(row, text_fields, cfg.system_prompt)
+                kind = _one_kind(doc, kind)
             except DataError as e:
                 _bad(stats, f"{path} {label} row {number}: {e}", row=True)
                 continue
             stats.chats += not isinstance(doc, str)
             if doc:
-                size = doc if isinstance(doc, str) else "".join(m["content"] for m in doc)
+                size = doc if isinstance(doc, str) else "".join(m["content"] for m in as_messages(doc))
                 yield 0, doc, len(size.encode("utf-8"))
 
 

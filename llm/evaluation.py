@@ -27,6 +27,7 @@ from llm.engine import generate_text
 from llm import tasks as benchmarks
 from llm.errors import ConfigError, DataError
 from llm.scoring import TaskScore, chance, score_items
+from llm.pairs import as_messages
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
 GPU_TASK_ITEMS = 500  # items of each benchmark task a GPU run scores at a full evaluation when left automatic
@@ -148,7 +149,7 @@ def file_pieces(files: list[str]):
     cfg, found = DataConfig(sources=files), False
     for number, _, doc in documents(source_files(cfg), cfg, ReadStats()):
         found = True
-        yield number, doc if isinstance(doc, str) else chat_text(doc)
+        yield number, doc if isinstance(doc, str) else chat_text(as_messages(doc))
     if not found:
         raise DataError(f"no text found in {', '.join(files)}, pass files that hold text")
 

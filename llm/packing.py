@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llm.errors import DataError
+
 SCAN_CHUNK = 2**24  # tokens per pass of the boundary scan: bounds the memory a memmap maps at once
 
 
@@ -133,3 +135,76 @@ def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.
         at += n
     pos[at:] = np.arange(plan.seq_len - at)  # padding: one more example, of ignored labels, attending to itself
     return x, y, pos
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+@dataclass
+class PairPlan:
+    """Windows of whole preference pairs, both sequences of a pair in one window (prompt + chosen, then prompt +
+    rejected, positions restarting at each): window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's
+    sequences start at start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold
+    length[p] inputs each (labels run one further, onto the end-of-text token)."""
+    start: np.ndarray  # (pairs, 2) int64
+    length: np.ndarray  # (pairs, 2) int64
+    pair_ids: np.ndarray  # (packed pairs,) int64, in window order
+    first: np.ndarray  # (windows + 1,) int64
+    seq_len: int
+    pairs: int  # pairs in the split (ids 0..pairs - 1, in file order)
+    cut: int  # pairs whose prompt was cut from the left to fit a window
+    dropped: int  # pairs whose replies alone do not fit a window: left out
+
+    @property
+    def windows(self) -> int:
+        return len(self.first) - 1
+
+
+def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPlan:
+    """The pairs of a split (examples 2k and 2k + 1 ending at end-of-text tokens; a reply starts at the first
+    learned token), each cut to fit one window: a prompt too long loses tokens from its left, the same number in
+    both sequences (at least one stays, to predict the reply's first token). Shuffled by seed (None: file order),
+    best-fit into windows of seq_len inputs."""
+    ends = boundaries(tokens, eot)
+    if len(ends) % 2:
+        raise DataError(f"a cache of preference pairs holds {len(ends)} sequences, not two per pair; delete the "
+                        "token cache folder and it is rebuilt")
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    learned = np.flatnonzero(np.asarray(masks[:]) != 0) if len(ends) else np.zeros(0, np.int64)
+    reply = learned[np.minimum(np.searchsorted(learned, starts), len(learned) - 1)] if len(learned) else ends
+    prompt = np.minimum(reply - starts, ends - starts).reshape(-1, 2).min(1)  # tokens before the reply (shared)
+    length = (ends - starts).reshape(-1, 2)
+    over = length.sum(1) - seq_len
+    cut = np.where(over > 0, (over + 1) // 2, 0)
+    fits = cut <= prompt - 1
+    cut = np.where(fits, cut, 0)
+    start, length = starts.reshape(-1, 2) + cut[:, None], length - cut[:, None]
+    kept = np.flatnonzero(fits)
+    order = kept if seed is None else kept[np.random.default_rng([seed, 5]).permutation(len(kept))]
+    totals = length.sum(1)
+    windows = best_fit(totals, seq_len, order)
+    pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
+    first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
+    return PairPlan(start, length, pair_ids, first, seq_len, pairs=len(length), cut=int((cut > 0).sum()),
+                    dropped=int((~fits).sum()))
+
+
+def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, ...]:
+    """Inputs, labels (-100 outside the replies), positions and reply slots (2 * pair's place in the window + side,
+    -1 outside the replies) of window w, each (seq_len,), and the ids of its pairs."""
+    x = np.full(plan.seq_len, pad, np.int64)
+    y = np.full(plan.seq_len, -100, np.int64)
+    pos = np.zeros(plan.seq_len, np.int64)
+    slot = np.full(plan.seq_len, -1, np.int64)
+    ids = plan.pair_ids[plan.first[w]:plan.first[w + 1]]
+    at = 0
+    for j, p in enumerate(ids.tolist()):
+        for side in (0, 1):
+            s, n = int(plan.start[p, side]), int(plan.length[p, side])
+            span = np.asarray(tokens[s:s + n + 1], np.int64)
+            learned = np.asarray(masks[s + 1:s + n + 1]) != 0
+            x[at:at + n], pos[at:at + n] = span[:-1], np.arange(n)
+            y[at:at + n] = np.where(learned, span[1:], -100)
+            slot[at:at + n] = np.where(learned, 2 * j + side, -1)
+            at += n
+    pos[at:] = np.arange(plan.seq_len - at)
+    return x, y, pos, slot, ids

@@ -28,6 +28,7 @@ from llm.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_byte
 from llm.distributed import Ranks
 from llm.errors import ConfigError, DataError
 from llm.batches import check_windows
+from llm.pairs import as_messages, is_pair, pair_segments
 from llm.tiktoken_bpe import Encoder, encoder_for
 from llm.token_cache import PreparedData
 from llm.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
@@ -70,7 +71,7 @@ def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
         for part, doc_id, piece, doc, _, is_val in docs:
             if split is not None and is_val != (split == "val"):
                 continue
-            text = doc if isinstance(doc, str) else chat_text(doc)
+            text = doc if isinstance(doc, str) else chat_text(as_messages(doc))
             if last == (part, doc_id, piece - 1):
                 texts[-1] += text  # the next piece of the same file: the cache joins them too
             else:
@@ -99,7 +100,8 @@ def _tokenizer_sample(cfg: DataConfig, found):
                 break  # under max_source_mb the shard is read on: where the budget ends names the next shards
             if taken < want and not is_val:
                 taken += nbytes  # a conversation trains as its template text without the special tokens
-                yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n" for m in doc)
+                yield doc if isinstance(doc, str) else "".join(f"{m['role']}\n{m['content']}\n"
+                                                               for m in as_messages(doc))
 
 
 def _make_tokenizer(cfg: DataConfig, found, vocab_size: int, log) -> Tokenizer:
@@ -180,20 +182,22 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encode
     need: about the bytes the rest of the cache takes, for the message of a full disk."""
     with atomic.folder(folder, f"writing the token cache part {folder}", need) as tmp, ThreadPoolExecutor(1) as pool:
         writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
-        batch, size, chats, running = [], 0, False, None
+        batch, size, chats, running, kinds = [], 0, False, None, {"pairs": 0, "others": 0}
         for _, doc_id, piece, doc, nbytes, is_val in itertools.chain(items, [(None,) * 6]):  # None: the end
             if doc_id is not None:
                 batch.append(("val" if is_val else "train", doc_id, piece, doc, nbytes))
                 chats |= not isinstance(doc, str)
+                kinds["pairs" if is_pair(doc) else "others"] += 1
                 size += nbytes
                 if size < ENCODE_BATCH_BYTES:
                     continue
             if running:
                 _land(running[0], running[1].result(), writers, bar)
-            segments = [d if isinstance(d, str) else chat_segments(d) for _, _, _, d, _ in batch]
+            segments = [d if isinstance(d, str) else pair_segments(d) if is_pair(d) else chat_segments(d)
+                        for _, _, _, d, _ in batch]
             running, batch, size = (batch, pool.submit(encode_segments, tok, segments, encoder)), [], 0
         _land(running[0], running[1].result(), writers, bar)
-        record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files]}
+        record = {"has_masks": chats, "files": [tc.file_identity(p) for p, _ in files], **kinds}
         for split, writer in writers.items():
             writer.close(keep_masks=chats)
             record.update(writer.counts(split))
@@ -298,7 +302,10 @@ def _apply_caps(parts: list, caps: list, weighted: bool):
 def _totals(meta: dict, parts: list, found, weights, arrival: bool = False) -> dict:
     """meta.json's fields with the parts' sums (the validation split's from its parts), and the mixture per
     source."""
-    out = dict(meta, has_masks=any(p["has_masks"] for p in parts))
+    out = dict(meta, has_masks=any(p["has_masks"] for p in parts), has_pairs=any(p.get("pairs") for p in parts))
+    if out["has_pairs"] and any(p.get("others", 1) for p in parts):
+        raise DataError("the sources hold preference pairs (chosen, rejected) and other documents: pairs train by "
+                        "preference, the others by next-token loss; train on each in a run of its own")
     for key in tc.PART_FIELDS:
         out[key] = sum(p[key] for p in (tc.val_parts(parts, arrival) if key.startswith("val") else parts))
     out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])

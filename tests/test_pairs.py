@@ -1,0 +1,150 @@
+"""Preference data: rows of chosen and rejected replies read in each accepted shape, tokenized with the prompt's
+ids shared and no shift at the prompt-reply boundary, packed several pairs per window, and every bad row refused
+in one line."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from config import DataConfig
+from llm import packing
+from llm.batches import PairBatches
+from llm.errors import DataError
+from llm.pairs import pair_document
+from llm.preparation import prepare
+from llm.tokenizer import chat_prompt_ids, encode_segments
+
+
+def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """Pairs whose chosen reply gives the right sum and the rejected one a wrong sum, in TRL's conversational form."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        a, b = (int(v) for v in rng.integers(0, 50, 2))
+        wrong = a + b + int(rng.choice([-3, -2, -1, 1, 2, 3]))
+        prompt = [{"role": "user", "content": f"What is {a} plus {b}?"}]
+        rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+                     "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}]})
+    return rows
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def prepared(tmp_path, rows, seq_len=128):
+    src = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    return prepare(DataConfig(sources=[src], cache_dir=str(tmp_path / "cache"), val_fraction=0.1), 320, seq_len,
+                   log=lambda *a: None)
+
+
+@pytest.mark.parametrize("row,want", [
+    ({"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."}, (["user"], "Hello!", "Go away.")),
+    ({"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+      "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go away."}],
+      "prompt": "Hi"}, (["user"], "Hello!", "Go away.")),  # ultrafeedback_binarized: the user turn in both
+    ({"prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}],
+      "chosen": [{"role": "assistant", "content": "Hello!"}],
+      "rejected": [{"role": "assistant", "content": "Go away."}]}, (["system", "user"], "Hello!", "Go away.")),
+])
+def test_each_shape_reads_as_one_prompt_and_two_replies(row, want):
+    """Strings with a prompt, TRL's conversational rows, and rows whose replies repeat the prompt's turns (the
+    Hub's ultrafeedback_binarized) must give the same pair, the prompt never doubled."""
+    doc = pair_document(row)
+    assert [m["role"] for m in doc["prompt"]] == want[0]
+    assert doc["chosen"] == [{"role": "assistant", "content": want[1]}]
+    assert doc["rejected"] == [{"role": "assistant", "content": want[2]}]
+
+
+@pytest.mark.parametrize("row,words", [
+    ({"prompt": "Hi", "chosen": "Hello!"}, "has no rejected"),
+    ({"prompt": "Hi", "chosen": "Hello!", "rejected": "Hello!"}, "the same reply"),
+    ({"prompt": "Hi", "chosen": "  ", "rejected": "No."}, "the chosen reply is empty"),
+    ({"chosen": "Hello!", "rejected": "No."}, "needs a prompt"),
+    ({"prompt": "Hi", "chosen": "Hello!", "rejected": [{"role": "assistant", "content": "No."}]}, "must both be strings"),
+])
+def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
+    """A row without rejected, identical or empty replies, or no prompt: the preparation must stop with one line
+    naming the file, the line and what is wrong (skip_bad_lines leaves such rows out instead)."""
+    rows = arithmetic_pairs(5) + [row]
+    with pytest.raises(DataError) as e:
+        prepared(tmp_path, rows)
+    message = str(e.value)
+    assert words in message and "pairs.jsonl line 6" in message and "--skip_bad_lines" in message
+
+
+def test_preference_rows_mixed_with_plain_rows_are_refused(tmp_path, capsys):
+    """Pairs train by preference and chats by next-token loss: one source holding both must be refused by the
+    trainer in one error line, exit 2, before anything trains."""
+    import gpu_training_optimized as trainer
+    rows = arithmetic_pairs(5) + [{"messages": [{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": "Hello"}]}]
+    src = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        trainer.run(["--preset", "tiny", "--sources", src, "--cache_dir", str(tmp_path / "cache"),
+                     "--run_dir", str(tmp_path / "run"), "--max_steps", "1", "--compile", "off"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ")
+    assert "among preference rows" in err[0] and "mixed.jsonl line 6" in err[0]
+
+
+def test_replies_follow_the_prompt_ids_with_no_shift_at_the_boundary(tmp_path):
+    """trl#2054: tokenizing prompt + reply as one text can merge tokens across the boundary, so the reply's
+    log-probability is taken over other tokens than the model generates after the prompt. In the cache each
+    sequence must be exactly the prompt's own ids (what the generator feeds to reply) followed by the reply's ids
+    encoded alone, and chosen and rejected must share the prompt's ids."""
+    rows = arithmetic_pairs(40)
+    data = prepared(tmp_path, rows)
+    tok = Tokenizer.from_file(data.tokenizer_path)
+    loader = PairBatches(data, "train", 1, 128, 0)
+    texts = {json.dumps(r["prompt"]): r for r in rows}
+    checked = 0
+    for p in range(loader.plan.pairs):
+        seqs = [loader.tokens[int(s):int(s + n)].tolist() for s, n in zip(loader.plan.start[p], loader.plan.length[p])]
+        prompt_text = tok.decode(seqs[0], skip_special_tokens=False).split("<|im_start|>assistant")[0]
+        row = next(r for r in texts.values() if prompt_text.endswith(r["prompt"][0]["content"] + "<|im_end|>\n"))
+        prompt = chat_prompt_ids(tok, row["prompt"])
+        for seq, side in zip(seqs, ("chosen", "rejected")):
+            reply = encode_segments(tok, [[(row[side][0]["content"], True, False), ("<|im_end|>", True, True),
+                                           ("\n", False, False)]])[0][0]
+            assert seq == prompt + reply
+        checked += 1
+    assert checked == loader.plan.pairs > 20
+
+
+def test_pairs_pack_several_per_window_and_slots_mark_only_replies(tmp_path):
+    """Packed, not padded: windows hold several whole pairs, positions restart at each sequence, and the slots
+    mark exactly the learned reply tokens, chosen (even) beside rejected (odd) of the same pair."""
+    data = prepared(tmp_path, arithmetic_pairs(60))
+    loader = PairBatches(data, "train", 2, 128, 0)
+    batch = loader.get(0, 0)
+    assert batch.pairs >= 4  # 2 windows of 128 tokens hold several pairs of about 30 tokens
+    assert torch.equal(batch.slot >= 0, batch.y != -100)
+    starts = (batch.pos == 0).sum().item()
+    assert starts >= 2 * batch.pairs  # two sequences per pair (and the padding's own start)
+    for i in range(batch.pairs):  # each pair's two replies: chosen and rejected both present
+        assert (batch.slot == 2 * i).any() and (batch.slot == 2 * i + 1).any()
+    assert len(set(batch.pair_ids.tolist())) == batch.pairs
+
+
+def test_a_prompt_longer_than_the_window_is_cut_from_the_left_and_counted(tmp_path):
+    """A pair that does not fit must lose prompt tokens from its left, the same in both sequences, keep its replies
+    whole, and be counted; a pair whose replies alone overflow is left out and counted."""
+    long = "word " * 60
+    rows = arithmetic_pairs(10) + [{"prompt": long + "What is 1 plus 1?", "chosen": "2.", "rejected": "3."}] * 1
+    rows += [{"prompt": "Hi", "chosen": "yes " * 80, "rejected": "no " * 80}]
+    data = prepared(tmp_path, rows, seq_len=64)
+    plans = [packing.pair_plan(data.stream(s), data.stream(s, masks=True), data.meta["eot_id"], 64, None)
+             for s in ("train", "val")]
+    assert sum(p.cut for p in plans) == 1 and sum(p.dropped for p in plans) == 1
+    for plan, split in zip(plans, ("train", "val")):
+        assert (plan.length[plan.pair_ids].sum(1) <= 64).all()
+        masks = data.stream(split, masks=True)
+        for p in plan.pair_ids.tolist():  # a sequence starts in its prompt: only prompt tokens were cut
+            for (s, n) in zip(plan.start[p], plan.length[p]):
+                assert masks[int(s):int(s) + 1][0] == 0 and masks[int(s):int(s + n + 1)].sum() > 0
