@@ -244,6 +244,13 @@ class TrainConfig:
     lora_base: Literal["auto", "fp32", "bf16", "int8"] = arg("auto", "how the frozen base weights are held; int8: "
                                                              "torchao weight-only, half of bf16; auto: bf16 under "
                                                              "bf16 compute, else fp32")
+    objective: Literal["auto", "lm", "dpo", "simpo"] = arg("auto", "what the run optimises: lm, next-token loss; dpo "
+                                                           "or simpo (reference-free), preference on pairs of a "
+                                                           "chosen and a rejected reply; auto: dpo for pairs, else lm")
+    beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its paper's)")
+    simpo_gamma: float = arg(1.375, "simpo's target margin between the replies' mean log-probabilities (its paper's)")
+    nll_weight: float = arg(1.0, "weight of the chosen replies' NLL added to a preference loss (RPO), which keeps "
+                                 "their probability from falling with the rejected ones'; 0: off")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
@@ -265,6 +272,8 @@ class TrainConfig:
                  f"must be at most {MAX_MINUTES:,} (a year); for a run without a time limit set max_steps or epochs")
         _require(not (self.epochs and self.max_steps), "epochs", self.epochs,
                  f"set epochs or max_steps (here {self.max_steps}), not both")
+        for name in ("beta", "simpo_gamma", "nll_weight"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0: no adapters)")
         _require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "must be >= 0 (0: twice the rank)")
         _require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")

@@ -29,15 +29,15 @@ import torch
 from config import Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
-from llm import distributed, report_card
+from llm import distributed, preference, report_card
 from llm.distributed import Ranks
 from llm.arrival import stopped_by
 from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
 from llm.corpus import is_bundled
-from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, machine,
-                        make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
+from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, keep_grads,
+                        machine, make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
 from llm.errors import CompileError, ConfigError, RunFailure, error_contract
 from llm.evaluation import GPU_TASK_ITEMS, Probe, evaluate
 from llm.lora import adapter_state, add_adapters
@@ -75,6 +75,7 @@ class Built:
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
     evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
     average: WeightAverage | None = None  # of the trained weights, which the run ends on
+    objective: preference.Objective | None = None  # a preference run's loss; else the model's own next-token loss
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
@@ -115,16 +116,6 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     return b
 
 
-def keep_grads(opt):
-    """Give every parameter a .grad buffer of its own, which backward then adds into. A CUDA graph's outputs
-    live in its memory pool and the next replay overwrites them, so with graphs on, a gradient must never be
-    such an output (as it is when backward finds .grad None and keeps what it computed)."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-
-
 @dataclass
 class Session:
     """What evaluations, checkpoints and log lines read besides the model side (Built): the settled config, the
@@ -147,18 +138,18 @@ class Session:
 def train_step(b: Built, batches, step: int, t, ranks: Ranks):
     """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok)."""
     loss_sum = torch.zeros((), device=batches.device)
-    x, y, pos = batches.get(step, 0)
+    batch = batches.get(step, 0)
     for micro in range(t.grad_accum_steps):
         last_micro = micro == t.grad_accum_steps - 1
         if b.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new replay may reuse the previous outputs' memory
         ranks.set_grad_sync(b.model, last_micro)  # DDP all-reduces once, on the last micro-batch
         with b.amp:
-            _, loss = b.compiled(x, labels=y, positions=pos)
-            loss = loss / t.grad_accum_steps
+            loss = (b.objective(b.compiled, batch) if b.objective else
+                    b.compiled(batch[0], labels=batch[1], positions=batch[2])[1]) / t.grad_accum_steps
         loss_sum += loss.detach()  # read the graph output into a plain tensor before the next replay
         if not last_micro:
-            x, y, pos = batches.get(step, micro + 1)  # fetch while the GPU still works on this forward
+            batch = batches.get(step, micro + 1)  # fetch while the GPU still works on this forward
         (b.scaler.scale(loss) if b.scaler else loss).backward()
     params = [p for g in b.opt.param_groups for p in g["params"]]
     if b.scaler:
@@ -194,7 +185,7 @@ def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
     if b.evaluator is b.raw_model:
         return
     try:
-        evaluate(b.evaluator, b.amp, val_batches, 1, ranks)  # compiles its graph
+        evaluate(b.evaluator, b.amp, val_batches, 1, ranks, objective=b.objective)  # compiles its graph
     except Exception as e:
         if not is_compile_failure(e):
             raise
@@ -233,7 +224,7 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
     def val_loss_now():
         nonlocal n
         loss, n = evaluate(b.evaluator, b.amp, session.val_batches, n, session.ranks,
-                           deadlines.pop() if deadlines else math.inf)
+                           deadlines.pop() if deadlines else math.inf, b.objective)
         return loss
     chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
     if n < planned and session.monitor:
@@ -246,11 +237,14 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
         (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if full else \
             ((float("nan"), 0), [])
         scores = probe.scores(b.raw_model) if full else []
+    pairs = b.objective.kept(val_loss) if b.objective else {}  # the rewards of the evaluation whose weights stay
     if session.monitor:
         r = session.monitor.eval_record(step, val_loss, session.data.meta["val_bytes_per_token"], code_ok=code_ok,
                                         code_samples=code_n, **{f"acc_{s.task}": s.acc for s in scores},
-                                        **({"scored_items": scores[0].items} if scores else {}))
-        code = f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else ""
+                                        **({"scored_items": scores[0].items} if scores else {}),
+                                        **pairs)
+        code = (f", {b.objective.line(pairs)}" if pairs else "") + \
+            (f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else "")
         tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
         session.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"
                           + code + tasks)
@@ -304,11 +298,12 @@ def log_window(session: Session, b: Built, step: int, tokens: int, window: LossW
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
                                  "use --precision fp32, then --resume")
     mean_loss = session.ranks.mean(window.mean()).item()
+    pairs = b.objective.take(session.ranks) if b.objective else {}  # a preference run's rewards
     if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
         step_s = session.clock.step_s if session.clock.measured else None  # the first step compiles: no speed
         r = session.monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
-                                         compiled=b.compiled is not b.model)
+                                         compiled=b.compiled is not b.model, extra=pairs)
         session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
@@ -369,6 +364,7 @@ def main(argv=None) -> int:
     settled = settle(cfg, ranks, device)  # the final config, the data, and the checkpoint a --resume continues
     cfg, t, batches = settled.cfg, settled.cfg.train, settled.batches
     b = build(cfg, device, ranks, init_state=settled.init_state)
+    b.objective = preference.objective_for(settled, b, ranks.print)  # before a checkpoint loads: the reference
     start = load_into(settled.ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler, average=b.average,
                       run_dir=t.run_dir)  # step 0, or where the checkpoint left off
     clock = RunClock(t, launch, ranks, start.step, params=sum(p.numel() for p in b.raw_model.parameters()),
@@ -431,6 +427,7 @@ def main(argv=None) -> int:
                       bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
                       interrupted=stopping and not last_step, launcher=ranks.launcher(),
                       base=t.init_from if t.lora_rank else "")
+              + (b.objective.summary() if b.objective else "")
               + "\n" + clock.eval_report() + write_report_card(session, last_ckpt)
               + "".join(f"\n{line}" for line in [trained_short(cfg, settled.data)] if line))
     ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)

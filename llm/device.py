@@ -155,6 +155,16 @@ def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
     return mode in CUDA_GRAPH_MODES and device.type == "cuda"
 
 
+def keep_grads(opt):
+    """Give every parameter a .grad buffer of its own, which backward then adds into. A CUDA graph's outputs
+    live in its memory pool and the next replay overwrites them, so with graphs on, a gradient must never be
+    such an output (as it is when backward finds .grad None and keeps what it computed)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
 def compile_model(model: torch.nn.Module, mode: str, amp_dtype: torch.dtype | None = None):
     """torch.compile with fixed shapes (auto: the default mode), or the model itself when compiling is off.
     amp_dtype: the autocast dtype the compiled model runs under."""

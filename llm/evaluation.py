@@ -216,10 +216,14 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
 
 @torch.no_grad()
-def evaluate(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf) -> tuple[float, int]:
+def evaluate(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf,
+             objective=None) -> tuple[float, int]:
     """Mean validation loss over n fixed micro-batches (averaged over ranks), and the batches it read: fewer once
-    time.monotonic() passes `until` (one process only: under FSDP2 every rank must run every forward). Takes the
-    uncompiled model: a compiled one would compile again for inference (no gradients, other guards) in the run."""
+    time.monotonic() passes `until` (one process only: under FSDP2 every rank must run every forward); a preference
+    run's objective computes its own. Takes the uncompiled model: a compiled one would compile again for inference
+    (no gradients, other guards) in the run."""
+    if objective is not None:
+        return objective.evaluate(model, amp, val_batches, n, ranks, until)
     model.eval()
     total, read = torch.zeros((), device=val_batches.device), 0
     while read < n and (read == 0 or time.monotonic() < until):

@@ -10,6 +10,7 @@ Only automatic fields are filled; the start report says with what and why.
 from dataclasses import replace
 
 from config import AUTO, Config
+from llm.errors import ConfigError
 
 # Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py (docs/fine-tuning.md):
 # the chats' style learned while general answers and general text's bits per byte hold. AdamW kept them best, for
@@ -54,3 +55,36 @@ def _recorded_rates(train: dict | None) -> dict | None:
     if not all(isinstance(v, (int, float)) and 0 < v < 1 for v in rates.values()):
         return None
     return {"optimizer": train["optimizer"], **rates}
+
+
+# Preference tuning moves a chat model less than chat fine-tuning does: TRL's defaults are 1e-6 for DPO against 2e-5
+# for SFT, so the automatic rates above are scaled by their ratio for a run on preference pairs.
+PREFERENCE_RATE_SCALE = 1e-6 / 2e-5
+PREFERENCE_BETA = {"dpo": 0.1, "simpo": 2.5}  # TRL's DPO default; SimPO's paper (with gamma 1.375)
+
+
+def fill_preference(cfg: Config, pairs: bool, automatic: set) -> tuple[Config, list[str]]:
+    """cfg with the objective the data asks for (auto: dpo on preference pairs, lm on anything else), its beta,
+    and for pairs the rates in `automatic` (the fields fill_fine_tuning filled) scaled by PREFERENCE_RATE_SCALE;
+    refuses an objective the data cannot train and pairs without a model to start from."""
+    t = cfg.train
+    objective = t.objective if t.objective != "auto" else "dpo" if pairs else "lm"
+    if pairs and objective == "lm":
+        raise ConfigError("--objective lm trains by next-token loss, and these sources hold preference pairs (chosen, "
+                          "rejected); pass --objective dpo or simpo, or sources of text or chats")
+    if not pairs:
+        if objective != "lm":
+            raise ConfigError(f"--objective {objective} trains on preference pairs (rows with chosen and rejected), "
+                              "and these sources hold none; pass such sources, or --objective lm")
+        return replace(cfg, train=replace(t, objective="lm")), []
+    if not t.init_from:
+        raise ConfigError("preference pairs tune a model you have (a chat model, fine-tuned here or downloaded): pass "
+                          "--init_from with it")
+    beta = t.beta or PREFERENCE_BETA[objective]
+    rates = {k: getattr(t, k) * PREFERENCE_RATE_SCALE for k in ("learning_rate", "muon_lr") if k in automatic}
+    values = ", ".join(f"{k}={v:g}" for k, v in rates.items())
+    line = (f"preference: the sources hold pairs of a chosen and a rejected reply, trained by {objective} (beta "
+            f"{beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, NLL weight {t.nll_weight:g})"
+            + (f"; automatic: {values} (the fine-tuning rates x {PREFERENCE_RATE_SCALE:g}, as TRL's DPO and SFT "
+               "defaults differ)" if rates else ""))
+    return replace(cfg, train=replace(t, objective=objective, beta=beta, **rates)), [line]

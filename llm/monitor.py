@@ -87,12 +87,12 @@ class Monitor:
                                                 dir=run_dir, mode="offline", config=config or {})
 
     def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float,
-                     step_s: float | None, compiled: bool = False) -> dict:
+                     step_s: float | None, compiled: bool = False, extra: dict | None = None) -> dict:
         """Throughput from the seconds of a step (the run clock's, None for the first step, which compiles), plus
         memory; appended to metrics.jsonl.
 
         lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...});
-        compiled: whether the step ran compiled.
+        compiled: whether the step ran compiled; extra: other figures of the steps (a preference run's rewards).
         """
         timed = bool(step_s)
         tok_s = self.tokens_per_step / step_s if timed else None
@@ -101,7 +101,7 @@ class Monitor:
                   "steps_per_s": 1 / step_s if timed else None,
                   "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
                   "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
-                  "vram_gb": None, "vram_total_gb": None, "time": time.time()}
+                  "vram_gb": None, "vram_total_gb": None, **(extra or {}), "time": time.time()}
         if self.device.type == "cuda":
             record["vram_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             record["vram_total_gb"] = torch.cuda.get_device_properties(self.device).total_memory / 2**30
@@ -357,7 +357,9 @@ def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_pe
 def format_postfix(r: dict) -> dict:
     """The progress bar's fields, plain text."""
     timed = r["tokens_per_s"] is not None
-    post = {"loss": f"{r['loss']:.3f}", "lr": f"{r['lr_scale']:.3f}x",
+    post = {"loss": f"{r['loss']:.3f}", **({"acc": f"{100 * r['reward_accuracy']:.0f}%", "margin":
+                                              f"{r['reward_margin']:.2f}"} if "reward_accuracy" in r else {}),
+            "lr": f"{r['lr_scale']:.3f}x",
             "tok/s": f"{r['tokens_per_s']:,.0f}" if timed else "n/a",
             "step/s": f"{r['steps_per_s']:.2f}" if timed else "n/a",
             "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"}

@@ -15,10 +15,19 @@ TRL's "sft" loss type, CPO's cpo_alpha): only the margin is optimised otherwise,
 probability can fall with the rejected one's (trl#800).
 """
 
+import math
+import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from llm import lora as lora_io
+from llm.errors import ConfigError
+from llm.token_cache import digest
 
 OBJECTIVES = ("dpo", "simpo")
 # The device vector of sums a batch's pairs add up to (reduced to means by metrics()).
@@ -83,3 +92,155 @@ def metrics(stats: torch.Tensor, prefix: str = "") -> dict:
     out = {name: got[name] / pairs for name in STATS[:5]}
     out["chosen_logp"] = got["chosen_logp"] / max(got["chosen_tokens"], 1.0)
     return {prefix + k: v for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- the run's objective
+
+class Objective:
+    """A preference run's loss, called where a language-modelling run calls its model's own: objective(model,
+    batch) -> loss, batch a batches.PairBatch. ref: per split, the reference's summed log-probabilities of each
+    pair's replies ((pairs, 2) on the device; dpo only). Training's STATS sums stay on the device until the log
+    line takes them; each evaluation's metrics are kept by its loss (the run's end evaluates twice, keeps one)."""
+
+    def __init__(self, s: Settings, ref: dict | None, device):
+        self.s, self.ref = s, ref
+        self.window = torch.zeros(len(STATS), device=device)
+        self.evaluated: dict[float, dict] = {}
+        self.last_val: dict = {}  # the metrics of the evaluation kept last
+
+    def compute(self, model, batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, _ = model(batch.x, positions=batch.pos)
+        logps, counts = reply_logps(token_logps(logits, batch.y), batch.slot, batch.pairs)
+        ref = self.ref[split][batch.pair_ids] if self.ref is not None else None
+        return pair_loss(self.s, logps, counts, ref)
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        loss, stats = self.compute(model, batch, "train")
+        self.window += stats
+        return loss
+
+    def take(self, ranks) -> dict:
+        """The training metrics since the last call, over every rank (a host read: the log line's), zeroed."""
+        out = metrics(ranks.mean(self.window))
+        self.window.zero_()
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model, amp, val_batches, n: int, ranks, until: float = math.inf) -> tuple[float, int]:
+        """The mean loss over n fixed validation micro-batches (averaged over ranks), fewer once time.monotonic()
+        passes `until` (as evaluation.evaluate), and the batches read; its metrics kept by the loss."""
+        model.eval()
+        total, stats, read = torch.zeros((), device=self.window.device), torch.zeros_like(self.window), 0
+        while read < n and (read == 0 or time.monotonic() < until):
+            with amp:
+                loss, got = self.compute(model, val_batches.get(0, read), "val")
+            total, stats, read = total + loss.float(), stats + got, read + 1
+            if until < math.inf:
+                total.item()  # the clock is read after the batch is done, not when it is queued
+        model.train()
+        loss = ranks.mean(total / read).item()  # sync point: once per evaluation
+        self.evaluated[loss] = metrics(ranks.mean(stats), "val_")
+        return loss, read
+
+    def kept(self, loss: float) -> dict:
+        """The metrics of the evaluation that gave this loss (of the two at a run's end, the one whose weights the
+        run keeps); the others are dropped."""
+        self.last_val = self.evaluated.pop(loss, {})
+        self.evaluated.clear()
+        return self.last_val
+
+    def summary(self) -> str:
+        """The summary's line: the rewards of the evaluation kept last ("" before any)."""
+        return f"\npreference, validation pairs: {self.line(self.last_val)}" if self.last_val else ""
+
+    def line(self, metrics_: dict) -> str:
+        """Rewards and accuracy as the bar and the summary print them."""
+        p = "val_" if "val_reward_accuracy" in metrics_ else ""
+        return (f"reward accuracy {100 * metrics_[p + 'reward_accuracy']:.1f}%, margin "
+                f"{metrics_[p + 'reward_margin']:.3f} (chosen {metrics_[p + 'reward_chosen']:.3f}, rejected "
+                f"{metrics_[p + 'reward_rejected']:.3f}), chosen log-prob {metrics_[p + 'chosen_logp']:.3f} per token")
+
+
+@contextmanager
+def adapters_off(model, lora: bool):
+    """The base model of a LoRA run, its adapters disabled for the duration (no copy); else model as it is."""
+    layers = []
+    if lora:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)  # trainable again, as PEFT's set_adapter leaves them
+
+
+@torch.no_grad()
+def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
+    """(pairs, 2) float32: each pair's replies' summed log-probabilities under the model the run starts from (a
+    LoRA run's base, adapters off), one pass over the split's windows in file order."""
+    out = np.full((loader.plan.pairs, 2), np.nan, np.float32)
+    was_training = model.training
+    model.eval()
+    with adapters_off(model, lora):
+        for first in range(0, loader.plan.windows, loader.batch_size):
+            batch = loader.of_windows(range(first, min(first + loader.batch_size, loader.plan.windows)))
+            with amp:
+                logits, _ = model(batch.x, positions=batch.pos)
+            logps, _ = reply_logps(token_logps(logits, batch.y), batch.slot, batch.pairs)
+            out[batch.pair_ids.cpu().numpy()] = logps.cpu().numpy()
+    model.train(was_training)
+    return out
+
+
+def stored_reference(folder: str, key: str, compute, may_compute: bool, what: str) -> np.ndarray:
+    """The reference log-probabilities stored under folder (beside the token cache) by key, computed and written
+    (under a temporary name, then renamed) when absent; a run that can no longer compute them says so."""
+    path = os.path.join(folder, "reference", key + ".npy")
+    if os.path.isfile(path):
+        return np.load(path)
+    if not may_compute:
+        raise ConfigError(f"the reference log-probabilities of {what} are missing ({path}; the token cache was "
+                          "deleted?) and the weights the run started from are no longer in it; start the run again")
+    values = compute()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, values)
+    os.replace(tmp, path)
+    return values
+
+
+def objective_for(settled, b, log) -> Objective | None:
+    """A preference run's Objective (None for a language-modelling run), given what the run starts from (startup's
+    Settled) and its model (the trainer's Built), before a checkpoint's weights load: its dpo reference
+    log-probabilities read from beside the token cache or computed there once, before the first step, from the
+    model the run starts from (full fine-tuning: the --init_from weights, no second model kept; LoRA: the base,
+    adapters off); the line saying what the pairs are and where the reference came from."""
+    cfg, data, model, amp, amp_dtype = settled.cfg, settled.data, b.raw_model, b.amp, b.amp_dtype
+    loaders, resumed = {"train": settled.batches, "val": settled.val_batches}, settled.ckpt is not None
+    t = cfg.train
+    if t.objective not in OBJECTIVES:
+        return None
+    plans = {split: loader.plan for split, loader in loaders.items()}
+    line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
+            f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "
+            f"to fit the window, {sum(p.dropped for p in plans.values())} pairs left out (their replies alone overflow "
+            f"it)")
+    ref, device = None, loaders["train"].device
+    if t.objective == "dpo":
+        start, ref = time.perf_counter(), {}
+        held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
+        base = lora_io.fingerprint(settled.init_path)
+        for split, loader in loaders.items():
+            key = digest(base, held, str(amp_dtype), split, loader.seq_len, loader.plan.pairs)
+            values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
+                                      bool(t.lora_rank) or not resumed, f"the {split} pairs")
+            ref[split] = torch.from_numpy(values).to(device)
+        source = "the base, adapters off" if t.lora_rank else "the --init_from weights"
+        line += (f"; the reference's log-probabilities ({source}) ready in {time.perf_counter() - start:.1f}s, "
+                 f"stored in {os.path.join(data.path, 'reference')}")
+    log(line)
+    return Objective(Settings(t.objective, t.beta, t.simpo_gamma, t.nll_weight), ref, device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from config import Config, TrainConfig
+from config import AUTO, Config, TrainConfig
 from llm import hf_datasets
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
@@ -20,7 +20,7 @@ from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_b
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
-from llm.fine_tuning import fill_fine_tuning
+from llm.fine_tuning import fill_fine_tuning, fill_preference
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import run_facts
@@ -150,6 +150,7 @@ class Settled:
     batches: Batches  # the training split's loader
     val_batches: Batches
     lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
+    init_path: str = ""  # the --init_from checkpoint, folder or file read (a preference run's reference)
 
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
@@ -161,6 +162,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
         default_corpus    sources: FineWeb-Edu on a GPU               no --sources
         fill_automatic    preset shape and rates, batch, max_tokens   this machine, the corpus size
         fit_micro_batch   micro-batch and accumulation                --auto_micro_batch, on CUDA
+        fill_preference   objective, beta; rates x 1/20 for pairs      the tokenized corpus
         fill_run_length   max_steps, max_minutes, eval_batches        the tokenized corpus
     Refuses what cannot run before the model is built."""
     init = None
@@ -176,6 +178,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
         cfg, lines = carry_settings(cfg, saved)
         notes += lines
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
+    automatic = {k for k in ("learning_rate", "muon_lr") if getattr(cfg.train, k) == AUTO}  # preference scales them
     cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     notes += lines
     cfg, lines = default_corpus(cfg, device, saved)
@@ -187,6 +190,9 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     arriving = trains_while_arriving(cfg, ranks)
     data = prepare_once(cfg, ranks, background=arriving)
     if not arriving and (line := short_of_target(cfg.data, data.meta)):  # else the preparing thread says it
+        ranks.print(line)
+    cfg, lines = fill_preference(cfg, bool(data.meta.get("has_pairs")), automatic)
+    for line in lines:
         ranks.print(line)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
         probe = new_model(cfg, device)
@@ -210,4 +216,4 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     # A LoRA run always starts from its base: a resume then loads the adapters into it.
     init_state = init.state if init and (lora_meta or not ckpt) else None
     return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
-                   val_batches=batches[1], lora_meta=lora_meta)
+                   val_batches=batches[1], lora_meta=lora_meta, init_path=init.path if init else "")
