@@ -107,3 +107,53 @@ def test_a_resumed_preference_run_repeats_the_uninterrupted_losses(chat_run, tmp
     assert trainer.main(dpo_argv(chat_run, broken, *common, "--resume")) == 0
     resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(broken), "train")]
     assert len(resumed) == 16 and resumed == reference
+
+
+# TRL renders a conversation's last assistant turn with the newline after <|im_end|>, and learns it as part of the
+# reply; a reply here ends at <|im_end|>, where generation stops. The exported template, that newline left out after
+# a last assistant turn (and only there), gives TRL the same completion tokens.
+TRL_TEMPLATE = ("{%- for message in messages -%}"
+                "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' -}}"
+                "{%- if not (loop.last and message['role'] == 'assistant') -%}{{- '\\n' -}}{%- endif -%}"
+                "{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+@pytest.mark.slow
+def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run, tmp_path, capsys):
+    """TRL's DPOTrainer (loss types sigmoid + sft, beta 0.1, weights 1 and 1) on our chat run exported to Hugging
+    Face, every training pair in its one batch, must log the first-step loss ours logs for the same pairs in one
+    micro-batch, within 1e-5: the prompt rendered and tokenized alike, the reply tokens alike, the model alike."""
+    pytest.importorskip("trl")
+    import export_hf
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from llm.pairs import pair_document
+    from llm.token_cache import is_val
+    pairs = repeat_task(tmp_path / "pairs.jsonl", 40, pairs=True, seed=7)
+    assert export_hf.main([chat_run["run"], str(tmp_path / "hf")]) == 0
+    common = ["--init_from", chat_run["run"], "--sources", pairs, "--cache_dir", str(tmp_path / "cache"),
+              "--max_seq_len", "128", "--val_fraction", "0.1", "--compile", "off", "--precision", "fp32",
+              "--log_interval", "1", "--max_steps", "1", "--eval_batches", "1", "--weight_average", "0"]
+    capsys.readouterr()
+    assert trainer.main(common + ["--run_dir", str(tmp_path / "probe"), "--micro_batch_size", "1"]) == 0
+    windows = int(capsys.readouterr().out.split(" train pairs in ")[1].split()[0])
+    assert trainer.main(common + ["--run_dir", str(tmp_path / "ours"), "--micro_batch_size", str(windows)]) == 0
+    ours = read_metrics(str(tmp_path / "ours"), "train")[0]
+
+    rows = [json.loads(line) for line in open(pairs, encoding="utf-8")]
+    held = [is_val(pair_document(r), 1234, 0.1) for r in rows]  # the cache's split (its last document, if none)
+    train_rows = [r for r, v in zip(rows, held) if not v] if any(held) else rows[:-1]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    tok.chat_template = TRL_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype="float32")
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(train_rows), max_steps=1,
+                     logging_steps=1, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
+                     report_to="none", use_cpu=True, save_strategy="no", max_length=None, bf16=False)
+    trl_run = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows), processing_class=tok)
+    trl_run.train()
+    first = trl_run.state.log_history[0]
+    assert abs(ours["loss"] - first["loss"]) < 1e-5
+    assert ours["reward_accuracy"] == first["rewards/accuracies"] and abs(ours["reward_margin"]) < 1e-5
