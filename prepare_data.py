@@ -25,7 +25,7 @@ from llm.cli import parse_config
 from llm.corpus import corpus_bytes
 from llm.device import machine, pick_device
 from llm.errors import ConfigError, error_contract
-from llm.packing import packs, plan
+from llm.packing import packs, pair_plan, plan
 from llm.preparation import prepare, source_table
 from llm.sizing import fill_automatic
 from llm.token_cache import PreparedData
@@ -52,7 +52,13 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
     taught = total if masks is None else \
         sum(int(masks[i:i + tc.ID_CHUNK].sum()) for i in range(0, total, tc.ID_CHUNK))
     print(f"learned: {taught / max(1, total):.1%} of the train split's {total:,} tokens ({taught:,})")
-    if packs(packing, data.meta):
+    if data.meta.get("has_pairs"):
+        p = pair_plan(tokens, masks, data.meta["eot_id"], seq_len, seed=0)
+        held = int(p.length[p.pair_ids].sum())
+        print(f"packing: {p.pairs:,} preference pairs (two examples each) in {p.windows:,} windows of {seq_len} "
+              f"tokens, {held / max(1, p.windows * seq_len):.1%} of positions filled; {p.cut:,} prompts cut from the "
+              f"left to fit a window, {p.dropped:,} pairs left out (their replies alone overflow it)")
+    elif packs(packing, data.meta):
         p = plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), seq_len, seed=0)
         print(f"packing: {p.examples:,} examples in {p.windows:,} windows of {seq_len} tokens, {p.fill_rate:.1%} "
               f"of positions filled; {p.cut:,} examples longer than a window were cut at a turn start")

@@ -6,6 +6,9 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -107,6 +110,32 @@ def test_a_resumed_preference_run_repeats_the_uninterrupted_losses(chat_run, tmp
     assert trainer.main(dpo_argv(chat_run, broken, *common, "--resume")) == 0
     resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(broken), "train")]
     assert len(resumed) == 16 and resumed == reference
+
+
+
+@pytest.mark.slow
+def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_run, tmp_path):
+    """kill -9 (no chance to save) once a checkpoint is written: --resume from it must log the losses and rewards
+    of an uninterrupted run, bit for bit, the reference read back from beside the token cache."""
+    common = ("--max_steps", 24, "--eval_interval", 8, "--save_interval", 4, "--eval_batches", 2)
+    full = tmp_path / "full"
+    assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
+    reference = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(full), "train")]
+    killed = tmp_path / "killed"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "gpu_training_optimized.py"),
+                             *dpo_argv(chat_run, killed, *common)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=root)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (killed / "checkpoints" / "LATEST").exists():
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    step = int(ckpt_io.latest_checkpoint(str(killed)).rsplit("_", 1)[1])
+    assert 4 <= step < 24  # killed mid-run, after a checkpoint
+    assert trainer.main(dpo_argv(chat_run, killed, *common, "--resume")) == 0
+    resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(killed), "train")]
+    assert len(resumed) == 24 and resumed == reference
 
 
 # TRL renders a conversation's last assistant turn with the newline after <|im_end|>, and learns it as part of the
