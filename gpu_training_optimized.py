@@ -246,8 +246,8 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
         code = (f", {b.objective.line(pairs)}" if pairs else "") + \
             (f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else "")
         tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
-        session.bar.write(f"step {step}: val loss {val_loss:.4f}, ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"
-                          + code + tasks)
+        per_token = "" if pairs else f", ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"  # a pair loss has neither
+        session.bar.write(f"step {step}: val loss {val_loss:.4f}{per_token}" + code + tasks)
         session.monitor.samples_record(step, samples)
         for sample in samples:
             session.bar.write(f"  {sample['prompt'] + sample['text']!r}")

@@ -78,6 +78,20 @@ def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
     assert words in message and "pairs.jsonl line 6" in message and "--skip_bad_lines" in message
 
 
+def test_a_parquet_source_of_conversational_pairs_reads_as_the_same_jsonl_does(tmp_path):
+    """TRL's conversational pairs in parquet (lists of message structs, as the Hub's preference splits store them)
+    must tokenize to the very tokens of the same rows in JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = arithmetic_pairs(30)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    table = prepare(DataConfig(sources=[str(tmp_path / "pairs.parquet")], cache_dir=str(tmp_path / "cache_pq"),
+                               val_fraction=0.1, tokenizer=prepared(tmp_path, rows).tokenizer_path), 320, 128,
+                    log=lambda *a: None)
+    lines = prepared(tmp_path, rows)
+    assert table.meta["has_pairs"] and table.stream("train")[:].tolist() == lines.stream("train")[:].tolist()
+
+
 def test_preference_rows_mixed_with_plain_rows_are_refused(tmp_path, capsys):
     """Pairs train by preference and chats by next-token loss: one source holding both must be refused by the
     trainer in one error line, exit 2, before anything trains."""
