@@ -22,7 +22,8 @@ CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "fine_tuning",
 PEERS = {"device", "distributed", "monitor"}
 # Run by users, on the core, imported by nothing.
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
-TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_prepare",
+TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference",
+         "bench_prepare",
          "compare_optimizers",
          "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
          "hub_stand_in", "roofline", "what_fits"]  # in tools/
