@@ -162,3 +162,35 @@ def test_a_prompt_longer_than_the_window_is_cut_from_the_left_and_counted(tmp_pa
         for p in plan.pair_ids.tolist():  # a sequence starts in its prompt: only prompt tokens were cut
             for (s, n) in zip(plan.start[p], plan.length[p]):
                 assert masks[int(s):int(s) + 1][0] == 0 and masks[int(s):int(s + n + 1)].sum() > 0
+
+
+@pytest.mark.parametrize("objective,pairs,init_from,words", [
+    ("lm", True, "runs/chat", "--objective lm trains by next-token loss"),
+    ("dpo", False, "runs/chat", "--objective dpo trains on preference pairs"),
+    ("auto", True, "", "pass --init_from"),
+])
+def test_an_objective_the_data_cannot_train_is_refused(objective, pairs, init_from, words):
+    """Pairs trained by next-token loss, a preference objective on text, or pairs without a model to tune: each a
+    ConfigError (one line, exit 2) before a model is built."""
+    from config import Config, TrainConfig
+    from llm.errors import ConfigError
+    from llm.fine_tuning import fill_preference
+    cfg = Config(train=TrainConfig(objective=objective, init_from=init_from))
+    with pytest.raises(ConfigError, match=words):
+        fill_preference(cfg, pairs, set())
+
+
+def test_preference_defaults_scale_only_the_automatic_rates():
+    """dpo for pairs at beta 0.1 (simpo 2.5), and the rates fill_fine_tuning filled scaled by 1/20 (TRL's DPO and
+    SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched."""
+    from config import Config, TrainConfig
+    from llm.fine_tuning import fill_preference
+    cfg = Config(train=TrainConfig(init_from="runs/chat", learning_rate=2e-5, muon_lr=0.002))
+    filled, lines = fill_preference(cfg, True, {"learning_rate"})
+    t = filled.train
+    assert (t.objective, t.beta, t.muon_lr) == ("dpo", 0.1, 0.002) and t.learning_rate == pytest.approx(1e-6)
+    assert "trained by dpo" in lines[0]
+    simpo = fill_preference(Config(train=TrainConfig(init_from="x", objective="simpo")), True, set())[0].train
+    assert simpo.beta == 2.5
+    plain, lines = fill_preference(cfg, False, {"learning_rate"})
+    assert plain.train.objective == "lm" and plain.train.learning_rate == 2e-5 and not lines
