@@ -235,7 +235,7 @@ def objective_for(settled, b, log) -> Objective | None:
         held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
         base = lora_io.fingerprint(settled.init_path)
         for split, loader in loaders.items():
-            key = digest(base, held, str(amp_dtype), split, loader.seq_len, loader.plan.pairs)
+            key = digest(base, held, str(amp_dtype), data.fingerprint, split, loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
                                       bool(t.lora_rank) or not resumed, f"the {split} pairs")
             ref[split] = torch.from_numpy(values).to(device)
