@@ -64,7 +64,7 @@ def test_dpo_learns_the_preference_on_held_out_pairs(chat_run, tmp_path, capsys)
     NLL term's job, trl#800); the start report says the data trains by preference; metrics.jsonl, the bar's
     evaluation lines and the summary carry the rewards."""
     run = tmp_path / "dpo"
-    assert trainer.main(dpo_argv(chat_run, run, "--max_steps", 12, "--eval_interval", 1, "--eval_batches", 16)) == 0
+    assert trainer.main(dpo_argv(chat_run, run, "--max_steps", 8, "--eval_interval", 1, "--eval_batches", 16)) == 0
     out = capsys.readouterr().out
     assert "preference: the sources hold pairs of a chosen and a rejected reply, trained by dpo (beta 0.1" in out
     assert "preference, validation pairs: reward accuracy" in out
@@ -80,13 +80,12 @@ def test_dpo_learns_the_preference_on_held_out_pairs(chat_run, tmp_path, capsys)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["lora", "simpo"])
-def test_a_resumed_preference_run_repeats_the_uninterrupted_losses(chat_run, tmp_path, variant):
+def test_a_resumed_lora_simpo_run_repeats_the_uninterrupted_losses(chat_run, tmp_path):
     """8 steps, an interruption (as SIGTERM), --resume for 8 more: the losses and rewards of 16 steps in one run,
-    bit for bit: LoRA, whose reference is its base with the adapters off, and SimPO, which has none (a full
-    fine-tune's resume, on the reference stored beside the token cache, is the kill -9 test's)."""
-    extra = {"lora": ("--lora_rank", 4), "simpo": ("--objective", "simpo")}[variant]
-    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8, "--eval_batches", 2, *extra)
+    bit for bit, for LoRA adapters trained by SimPO (a full fine-tune's DPO resume, on the reference stored beside
+    the token cache, is the kill -9 test's; a LoRA run's DPO reference is its base, adapters off, as at the start)."""
+    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8, "--eval_batches", 2, "--lora_rank", 4,
+              "--objective", "simpo")
     full = tmp_path / "full"
     assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
     reference = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(full), "train")]
@@ -117,7 +116,7 @@ def test_a_resumed_preference_run_repeats_the_uninterrupted_losses(chat_run, tmp
 def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_run, tmp_path):
     """kill -9 (no chance to save) once a checkpoint is written: --resume from it must log the losses and rewards
     of an uninterrupted run, bit for bit, the reference read back from beside the token cache."""
-    common = ("--max_steps", 24, "--eval_interval", 8, "--save_interval", 4, "--eval_batches", 2)
+    common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 4, "--eval_batches", 2)
     full = tmp_path / "full"
     assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
     reference = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(full), "train")]
@@ -132,10 +131,10 @@ def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_r
     proc.kill()
     proc.wait()
     step = int(ckpt_io.latest_checkpoint(str(killed)).rsplit("_", 1)[1])
-    assert 4 <= step < 24  # killed mid-run, after a checkpoint
+    assert 4 <= step < 16  # killed mid-run, after a checkpoint
     assert trainer.main(dpo_argv(chat_run, killed, *common, "--resume")) == 0
     resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(killed), "train")]
-    assert len(resumed) == 24 and resumed == reference
+    assert len(resumed) == 16 and resumed == reference
 
 
 # TRL renders a conversation's last assistant turn with the newline after <|im_end|>, and learns it as part of the
