@@ -13,6 +13,8 @@ which this tool already does as a step of its own.
 Both add nll_weight times the chosen replies' mean negative log-likelihood per token (RPO, Pang et al., 2024;
 TRL's "sft" loss type, CPO's cpo_alpha): only the margin is optimised otherwise, and the chosen reply's own
 probability can fall with the rejected one's (trl#800).
+The trainer calls an Objective where it would call the model's own loss; dpo's reference log-probabilities are
+computed once, before the first step, and stored beside the token cache (objective_for).
 """
 
 import math
@@ -116,7 +118,7 @@ class Objective:
 
     def __call__(self, model, batch) -> torch.Tensor:
         loss, stats = self.compute(model, batch, "train")
-        self.window += stats
+        self.window += torch.nan_to_num(stats)  # a skipped (non-finite) step leaves the log line's figures alone
         return loss
 
     def take(self, ranks) -> dict:
