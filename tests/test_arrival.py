@@ -85,10 +85,13 @@ def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path,
 
 
 @pytest.mark.slow  # a 15-second budget run
-def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, argv_for, capsys):
+def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, argv_for, capsys, monkeypatch):
     """A step waiting for a file that does not come waited past the run's time budget, as long as the file took
     (and the wait counted as step time). The wait is budget now: the run ends on its budget with its checkpoint."""
+    from huggingface_hub import constants
     hub.stall = (NAMES[1], 0)  # the second file is held until the test ends
+    # A slow file, not a dead Hub: past this read timeout the download fails, and the run would end on that instead.
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 120)
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     started = time.monotonic()
     assert trainer.main(argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_minutes", 0.25)) == 0
