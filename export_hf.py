@@ -26,6 +26,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import default_run_dir
+from llm import trainer_state
 from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, resolve_checkpoint, save_checkpoint
 from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
@@ -79,9 +80,8 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
     if not tokenizer or not os.path.isfile(tokenizer):
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
     # No optimizer state: the trainer starts it fresh (--init_from), so this is a start, not a resume.
-    trainer_state = {"step": 0, "tokens": 0, "best_val_loss": float("inf"), "imported_from": path}
     return save_checkpoint(run_dir, 0, model.state, model_config=model.config, tokenizer_path=tokenizer,
-                           trainer_state=trainer_state, keep=1)
+                           trainer_state=trainer_state.imported(path), keep=1)
 
 
 def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str:

@@ -12,7 +12,6 @@ import time
 
 PROCESS_START = time.monotonic()  # run as a script, a time budget counts from here: the imports below are in it
 
-import itertools
 import json
 import math
 import os
@@ -28,7 +27,6 @@ import torch
 
 from config import Config
 from llm import atomic
-from llm import checkpoint as ckpt_io
 from llm import distributed, preference, report_card
 from llm.distributed import Ranks
 from llm.arrival import stopped_by
@@ -36,20 +34,21 @@ from llm.averaging import WeightAverage
 from llm.batches import Batches
 from llm.cli import parse_config
 from llm.corpus import is_bundled
-from llm.device import (autocast, compile_model, float8_training, is_compile_failure, keep_freed_memory, keep_grads,
-                        machine, make_deterministic, pick_device, pick_precision, precision_label, uses_cuda_graphs)
-from llm.errors import CompileError, ConfigError, RunFailure, error_contract
+from llm.device import (autocast, compile_model, eager_or_stop, falls_back, float8_training, is_compile_failure,
+                        keep_freed_memory, keep_grads, machine, make_deterministic, pick_device, pick_precision,
+                        precision_label, uses_cuda_graphs)
+from llm.errors import ConfigError, RunFailure, error_contract
 from llm.evaluation import GPU_TASK_ITEMS, Probe, evaluate
-from llm.lora import adapter_state, add_adapters
-from llm.model_card import CORPUS_FACTS
+from llm.lora import add_adapters
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
 from llm.preparation import short_of_target
-from llm.resume import StartPoint, load_into
+from llm.resume import load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
 from llm.sizing import loss_chunk_rows, matmul_attention
-from llm.startup import new_model, settle
+from llm.startup import Plan, new_model, settle
 from llm.token_cache import PreparedData
+from llm.trainer_state import Record, TrainingState
 from modern_llm import Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
 
@@ -63,19 +62,43 @@ def set_lr(opt, multiplier: float):
 
 @dataclass
 class Built:
-    """What build() returns: the model three ways, its optimizer, and how a step runs on this device."""
-    raw_model: torch.nn.Module  # uncompiled and unwrapped: checkpoints, evaluation on other shapes, sampling
-    model: torch.nn.Module  # DDP- or FSDP2-wrapped under torchrun, else raw_model: gradient-sync control
+    """What build() returns: the training state (the model uncompiled, its optimizer, scaler and average, the
+    counters) and how a step runs on this device: the model wrapped and compiled, autocast, the objective."""
+    state: TrainingState
+    model: torch.nn.Module  # DDP- or FSDP2-wrapped under torchrun, else the raw model: gradient-sync control
     compiled: torch.nn.Module  # what the step calls
-    opt: MuonAdamW
-    scaler: torch.amp.GradScaler | None  # fp16 only
     amp_dtype: torch.dtype | None
     amp: object  # the autocast context of amp_dtype
     cudagraphs: bool  # the compile mode captures CUDA graphs
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
     evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
-    average: WeightAverage | None = None  # of the trained weights, which the run ends on
     objective: preference.Objective | None = None  # a preference run's loss; else the model's own next-token loss
+
+    @property
+    def raw_model(self) -> torch.nn.Module:  # uncompiled and unwrapped: checkpoints, other shapes, sampling
+        return self.state.model
+
+    @property
+    def opt(self) -> MuonAdamW:
+        return self.state.opt
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:  # fp16 only
+        return self.state.scaler
+
+    @property
+    def average(self) -> WeightAverage:  # of the trained weights, which the run ends on
+        return self.state.average
+
+    def evaluate_eagerly(self):
+        """After a compiler failure in evaluation's own graph: evaluation runs the model as it is."""
+        self.evaluator = self.state.model
+
+    def run_eagerly(self):
+        """After a compiler failure: the step runs the model as it is, and the optimizer uncompiled."""
+        self.opt.zero_grad(set_to_none=not self.persistent_grads)
+        self.compiled, self.cudagraphs = self.model, False
+        self.opt.use_compile(False)
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
@@ -106,13 +129,20 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     cudagraphs = uses_cuda_graphs(t.compile, device)
-    b = Built(raw_model=raw_model, model=model, compiled=compile_model(model, t.compile, amp_dtype), opt=opt,
-              scaler=scaler, amp_dtype=amp_dtype, amp=amp, cudagraphs=cudagraphs, persistent_grads=cudagraphs)
+    if cudagraphs:
+        keep_grads(opt)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before timing.
-    b.evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
-    b.average = WeightAverage(raw_model, t.weight_average)
-    if b.persistent_grads:
-        keep_grads(b.opt)
+    evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
+    return Built(state=TrainingState(raw_model, opt, scaler, WeightAverage(raw_model, t.weight_average)),
+                 model=model, compiled=compile_model(model, t.compile, amp_dtype), amp_dtype=amp_dtype, amp=amp,
+                 cudagraphs=cudagraphs, persistent_grads=cudagraphs, evaluator=evaluator)
+
+
+def build_run(plan: Plan) -> Built:
+    """build() for the plan, its objective, and the state a --resume continues (a new run's at step 0)."""
+    b = build(plan.cfg, plan.device, plan.ranks, init_state=plan.init_state)
+    b.objective = preference.objective_for(plan, b, plan.ranks.print)  # before a checkpoint loads: the reference
+    load_into(b.state, plan.ckpt, plan.saved, plan.cfg.train.run_dir)
     return b
 
 
@@ -129,8 +159,7 @@ class Session:
     bar: object
     probe: Probe
     tokens_per_step: int  # over every rank
-    lora_meta: dict | None  # a LoRA run's adapter_config.json
-    command: str = ""  # how this session was started, as a user would type it (for the model card)
+    record: Record  # what its checkpoints record of it
 
 
 # ----------------------------------------------------------------------------- one step, eval
@@ -172,10 +201,8 @@ def first_train_step(b: Built, batches, step: int, t, ranks: Ranks):
     except Exception as e:
         if b.compiled is b.model or not is_compile_failure(e):
             raise
-        ranks.print(eager_or_stop(e, t, b, "training"))
-        b.opt.zero_grad(set_to_none=not b.persistent_grads)
-        b.compiled, b.cudagraphs = b.model, False
-        b.opt.use_compile(False)
+        ranks.print(eager_or_stop(e, t, b.state.model, "training"))
+        b.run_eagerly()
         return train_step(b, batches, step, t, ranks)
 
 
@@ -189,24 +216,8 @@ def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
     except Exception as e:
         if not is_compile_failure(e):
             raise
-        ranks.print(eager_or_stop(e, t, b, "evaluating"))
-        b.evaluator = b.raw_model
-
-
-def eager_or_stop(e: Exception, t, b: Built, doing: str) -> str:
-    """The one rule for a compiler failure: a warning, where compile_fallback allows going on eagerly, or a
-    CompileError that stops the run saying how to go on."""
-    error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
-    if not falls_back(t, next(b.raw_model.parameters()).device):
-        raise CompileError(f"torch.compile failed ({error}) while {doing}; pass --compile off to run eagerly (much "
-                           "slower), or --compile_fallback true to do so whenever compiling fails") from e
-    return f"warning: torch.compile failed ({error}); {doing} eagerly"
-
-
-def falls_back(t, device: torch.device) -> bool:
-    """Whether a compile failure becomes an eager run: asked for, or by default off CUDA (where compiling buys
-    less, and a machine without a C compiler should still train); on CUDA eager is a fraction of the speed."""
-    return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")
+        ranks.print(eager_or_stop(e, t, b.state.model, "evaluating"))
+        b.evaluate_eagerly()
 
 
 def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = False, batches: int = 0,
@@ -256,33 +267,10 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
 
 # ----------------------------------------------------------------------------- checkpoints, logging, the run
 
-def save(session: Session, b: Built, step: int, tokens: int, best_val: float,
-         val_loss: float | None = None) -> str | None:
-    """Write a checkpoint (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are gathered to it),
-    refusing NaN or Inf. Every rank calls it. val_loss: the evaluation at this step, if there was one."""
-    cfg, ranks = session.cfg, session.ranks
-    weights = distributed.full_state(b.raw_model.state_dict(), keep=ranks.is_main)
-    opt_state = distributed.full_state(b.opt.state_dict(), keep=ranks.is_main)
-    average = b.average.state_dict(keep=ranks.is_main)  # every rank: a gather under FSDP2
-    if not ranks.is_main:
-        return None
-    state = adapter_state(b.raw_model) if session.lora_meta else ckpt_io.weights_state_dict(b.raw_model, weights)
-    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")
-    trainer_state = {"step": step, "tokens": tokens, "best_val_loss": best_val, "optimizer": opt_state,
-                     "weight_average": average,
-                     "scaler": b.scaler.state_dict() if b.scaler else {}, "data_fingerprint": session.data.fingerprint,
-                     "data_files": [list(f) for f in session.data.files],  # to say what changed, if a resume is refused
-                     "corpus": {k: v for k, v in session.data.meta.items() if k in CORPUS_FACTS},  # the model card's
-                     "world_size": ranks.world_size, "rng_torch": torch.get_rng_state(),  # CUDA's: dropout's
-                     "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                     "config": json.dumps(cfg.to_dict()), **session.clock.state(), "command": session.command,
-                     "device": device_report(next(b.raw_model.parameters()).device),
-                     "precision": precision_label(cfg.train.precision, b.amp_dtype, b.raw_model)}
-    return ckpt_io.save_checkpoint(cfg.train.run_dir, step, state, model_config=cfg.model,
-                                   tokenizer_path=session.data.tokenizer_path, trainer_state=trainer_state,
-                                   keep=cfg.train.keep_checkpoints, val_loss=val_loss, lora_meta=session.lora_meta)
+def save(session: Session, b: Built, step: int, val_loss: float | None = None) -> str | None:
+    """Write a checkpoint of the training state at this step (TrainingState.save: rank 0 writes, NaN refused).
+    Every rank calls it. val_loss: the evaluation at this step, if there was one."""
+    return b.state.save(session.cfg, session.ranks, session.data, session.record, session.clock.timer.state(), val_loss)
 
 
 def write_run_config(cfg: Config):
@@ -290,9 +278,9 @@ def write_run_config(cfg: Config):
     atomic.write_text(os.path.join(cfg.train.run_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
 
 
-def log_window(session: Session, b: Built, step: int, tokens: int, window: LossWindow, grad_norm, lr_scale: float):
+def log_window(session: Session, b: Built, window: LossWindow, grad_norm, lr_scale: float):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
-    worst = int(window.worst.item())  # sync point: the only per-window host reads of device values
+    step, worst = b.state.step, int(window.worst.item())  # sync point: the only per-window host reads of device values
     if worst >= session.cfg.train.max_bad_steps:
         raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
@@ -301,36 +289,37 @@ def log_window(session: Session, b: Built, step: int, tokens: int, window: LossW
     pairs = b.objective.take(session.ranks) if b.objective else {}  # a preference run's rewards
     if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
-        step_s = session.clock.step_s if session.clock.measured else None  # the first step compiles: no speed
-        r = session.monitor.train_record(step, tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
+        step_s = session.clock.timer.step_s if session.clock.timer.measured else None  # the first step compiles: no speed
+        r = session.monitor.train_record(step, b.state.tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
                                          compiled=b.compiled is not b.model, extra=pairs)
         session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
 # ----------------------------------------------------------------------------- main
 
-def open_session(settled, b: Built, clock: RunClock, ranks: Ranks, device: torch.device, start: StartPoint,
-                 argv) -> Session:
-    """config.json, the start report, the monitor and the progress bar of this session."""
-    cfg, t = settled.cfg, settled.cfg.train
+def open_session(plan: Plan, b: Built, launch: float, argv) -> Session:
+    """The clock, config.json, the start report, the monitor and the progress bar of this session."""
+    cfg, t, ranks, device, start = plan.cfg, plan.cfg.train, plan.ranks, plan.device, b.state.step
+    clock = RunClock(t, launch, ranks, start, params=sum(p.numel() for p in b.raw_model.parameters()),
+                     **b.state.clock)
     if ranks.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * ranks.world_size
     monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tokens_per_step, tensorboard=t.tensorboard,
                       wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
-                      resume_step=start.step if settled.ckpt else None) if ranks.is_main else None
-    probe = Probe(b.raw_model.config, settled.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
+                      resume_step=start if plan.ckpt else None) if ranks.is_main else None
+    probe = Probe(b.raw_model.config, plan.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
                   tasks=t.eval_tasks,
                   task_items=t.eval_task_items or (GPU_TASK_ITEMS if device.type == "cuda" else 0))
-    ranks.print((f"resumed from {settled.ckpt} at step {start.step}\n" if settled.ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision_label(t.precision, b.amp_dtype, b.raw_model), ranks=ranks,
-        tokens_per_step=tokens_per_step, compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
+    precision = precision_label(t.precision, b.amp_dtype, b.raw_model)
+    ranks.print((f"resumed from {plan.ckpt} at step {start}\n" if plan.ckpt else "") + start_report(
+        cfg, device, b.raw_model, b.opt, precision=precision, ranks=ranks, tokens_per_step=tokens_per_step,
+        compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
     args = sys.argv[1:] if argv is None else argv
-    return Session(cfg=cfg, ranks=ranks, data=settled.data, val_batches=settled.val_batches, clock=clock,
-                   monitor=monitor, tokens_per_step=tokens_per_step,
-                   bar=progress_bar(clock, start.step, enabled=ranks.is_main),
-                   probe=probe, lora_meta=settled.lora_meta,
-                   command=f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}")
+    command = f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"
+    return Session(cfg=cfg, ranks=ranks, data=plan.data, val_batches=plan.val_batches, clock=clock, monitor=monitor,
+                   tokens_per_step=tokens_per_step, bar=progress_bar(clock, start, enabled=ranks.is_main),
+                   probe=probe, record=Record(command, device_report(device), precision, plan.lora_meta))
 
 
 def write_report_card(session: Session, ckpt: str | None) -> str:
@@ -348,90 +337,96 @@ def write_report_card(session: Session, ckpt: str | None) -> str:
 
 def trained_short(cfg: Config, data: PreparedData) -> str:
     """The summary's line where the run had fewer tokens than its target: a corpus still arriving counts once in."""
-    arrived = getattr(data, "complete", True) and getattr(data, "error", None) is None
-    return short_of_target(cfg.data, data.meta) if arrived else ""
+    return short_of_target(cfg.data, data.meta) if data.arrived else ""
 
 
-@distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
-def main(argv=None) -> int:
-    launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
+def finish(plan: Plan, b: Built, session: Session, first: int, ckpt: str | None, data_lost: bool,
+           interrupted: bool):
+    """After the loop: the end of a run that never stepped or lost its data, else the summary (rank 0)."""
+    t, clock, state = plan.cfg.train, session.clock, b.state
+    if state.step == first and not plan.ckpt and not data_lost:
+        raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
+                          f"({clock.timer.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
+    if session.monitor:
+        session.monitor.close()
+    if data_lost:  # the corpus stopped arriving (the Hub, the disk): the work up to here is saved
+        raise stopped_by(plan.batches.failure, state.step, ckpt)
+    if plan.ranks.is_main:
+        print(summary(step=state.step, tokens=state.tokens, seconds=clock.timer.spent_s(), best_val=state.best_val,
+                      bytes_per_token=plan.data.meta["val_bytes_per_token"], ckpt=ckpt, device=plan.device,
+                      interrupted=interrupted, launcher=plan.ranks.launcher(), base=t.init_from if t.lora_rank else "")
+              + (b.objective.summary() if b.objective else "")
+              + "\n" + clock.evals.report() + write_report_card(session, ckpt)
+              + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data)] if line))
+    plan.ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
+    plan.ranks.cleanup()
+
+
+def make_plan(argv) -> Plan:
+    """The run settled once, before any model exists: flags parsed, processes joined, device picked, data read."""
     cfg, _ = parse_config(argv)
     ranks = distributed.setup()
     device = pick_device(cfg.train.device if not ranks.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
                          ranks.local_rank)
     if cfg.train.deterministic:
         make_deterministic()
-    settled = settle(cfg, ranks, device)  # the final config, the data, and the checkpoint a --resume continues
-    cfg, t, batches = settled.cfg, settled.cfg.train, settled.batches
-    b = build(cfg, device, ranks, init_state=settled.init_state)
-    b.objective = preference.objective_for(settled, b, ranks.print)  # before a checkpoint loads: the reference
-    start = load_into(settled.ckpt, settled.saved, model=b.raw_model, opt=b.opt, scaler=b.scaler, average=b.average,
-                      run_dir=t.run_dir)  # step 0, or where the checkpoint left off
-    clock = RunClock(t, launch, ranks, start.step, params=sum(p.numel() for p in b.raw_model.parameters()),
-                     **start.clock)
-    session = open_session(settled, b, clock, ranks, device, start, argv)
-    warm_evaluator(b, settled.val_batches, t, ranks)
-    tokens, best_val, last_ckpt = start.tokens, start.best_val, None
-    stop, window = StopFlag(), LossWindow(device)
-    profiler = StepProfiler(t.run_dir, device, first=start.step + 2) if t.profile and ranks.is_main else None
+    return settle(cfg, ranks, device)
 
-    clock.sync(start.step)
-    for step in itertools.count(start.step):
+
+@distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
+def main(argv=None) -> int:
+    launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
+    plan = make_plan(argv)  # the final config, processes, device, data, and the checkpoint a --resume continues
+    cfg, t, ranks, batches = plan.cfg, plan.cfg.train, plan.ranks, plan.batches
+    b = build_run(plan)
+    state, first = b.state, b.state.step
+    session = open_session(plan, b, launch, argv)
+    clock, timer, evals = session.clock, session.clock.timer, session.clock.evals  # run length, timer, evaluations
+    stop, window, last_ckpt = StopFlag(), LossWindow(plan.device), None
+    warm_evaluator(b, plan.val_batches, t, ranks)
+    profiler = StepProfiler(t.run_dir, plan.device, first=first + 2) if t.profile and ranks.is_main else None
+
+    timer.sync(first)
+    while True:
+        step = state.step
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other
         # A download that failed ends the run here, at the next step, not at the step that would need its part.
         data_lost = not last_step and batches.failure is not None
         if not (last_step or data_lost) and not batches.in_hand(step):  # still arriving: a wait is budget, not a step
-            with clock.pause("wait", step):
+            with timer.pause("wait", step):
                 data_lost = not batches.ready(step, give_up=lambda: stop.requested or clock.out_of_time())
             last_step = clock.finished(step)  # the wait spent budget, perhaps all of it
         stopping = ranks.stop_vote(stop.requested or data_lost)  # every rank stops at the same step, whichever asked
-        if step > start.step:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
+        if step > first:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
             val_loss = None
-            if last_step or clock.eval_due(step):
-                with clock.pause("eval", step):
+            if last_step or evals.due(step):
+                with timer.pause("eval", step):
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
-                    val_loss = evaluation(session, b, step, full=clock.full_eval(step, last_step), last=last_step,
+                    val_loss = evaluation(session, b, step, full=evals.full(step, last_step), last=last_step,
                                           batches=n, until=until)
-                clock.mark_evaluated(step)
-                best_val = min(best_val, val_loss)
-            if last_step or stopping or clock.save_due(step):
-                with clock.pause("save", step):
-                    last_ckpt = save(session, b, step, tokens, best_val, val_loss) or last_ckpt
-        if last_step or (stopping and step > start.step):
+                evals.mark(step)
+                state.best_val = min(state.best_val, val_loss)
+            if last_step or stopping or evals.save_due(step):
+                with timer.pause("save", step):
+                    last_ckpt = save(session, b, step, val_loss) or last_ckpt
+        if last_step or (stopping and step > first):
             break
 
         lr_scale = lr_multiplier(clock.progress(step), t)
         set_lr(b.opt, lr_scale)
-        loss, grad_norm, ok = (first_train_step if step == start.step else train_step)(b, batches, step, t, ranks)
+        loss, grad_norm, ok = (first_train_step if step == first else train_step)(b, batches, step, t, ranks)
         b.average.update(step, clock.progress(step))
         window.add(loss, ok)
-        tokens += session.tokens_per_step
+        state.advance(session.tokens_per_step)
         if profiler:
             profiler.step(step + 1)  # the steps after the first two, which compile
         if clock.log_due(step + 1):
-            clock.sync(step + 1)
-            log_window(session, b, step + 1, tokens, window, grad_norm, lr_scale)
-        advance_bar(session.bar, clock, step + 1, tokens / cfg.model.max_seq_len / batches.epoch_sequences
+            timer.sync(step + 1)
+            log_window(session, b, window, grad_norm, lr_scale)
+        advance_bar(session.bar, clock, step + 1, state.tokens / cfg.model.max_seq_len / batches.epoch_sequences
                     if t.epochs else None)
     session.bar.close()
-
-    if step == start.step and not settled.ckpt and not data_lost:
-        raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
-                          f"({clock.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
-    if session.monitor:
-        session.monitor.close()
-    if data_lost:  # the corpus stopped arriving (the Hub, the disk): the work up to here is saved above
-        raise stopped_by(batches.failure, step, last_ckpt)
-    if ranks.is_main:
-        print(summary(step=step, tokens=tokens, seconds=clock.spent_s(), best_val=best_val,
-                      bytes_per_token=settled.data.meta["val_bytes_per_token"], ckpt=last_ckpt, device=device,
-                      interrupted=stopping and not last_step, launcher=ranks.launcher(),
-                      base=t.init_from if t.lora_rank else "")
-              + (b.objective.summary() if b.objective else "")
-              + "\n" + clock.eval_report() + write_report_card(session, last_ckpt)
-              + "".join(f"\n{line}" for line in [trained_short(cfg, settled.data)] if line))
-    ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
-    ranks.cleanup()
+    finish(plan, b, session, first, last_ckpt, data_lost, interrupted=stopping and not last_step)
     # An unfinished run exits 130 or 143, so `train && export` stops; under torchrun rank 0 alone says it, since a
     # rank's failing exit makes torchrun end the others, which would cut rank 0's last writes.
     return stop.exit_status() if stopping and not last_step and ranks.is_main else 0

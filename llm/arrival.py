@@ -56,6 +56,10 @@ class ArrivingData(PreparedData):
     error: BaseException | None = None  # what stopped the preparation, raised to the reader
     changed: threading.Condition = field(default_factory=threading.Condition)
 
+    @property
+    def arrived(self) -> bool:
+        return self.complete and self.error is None
+
     def publish(self, parts: list, meta: dict):
         with self.changed:
             self.parts, self.meta = parts, meta

@@ -13,7 +13,7 @@ import os
 import psutil
 import torch
 
-from llm.errors import ConfigError
+from llm.errors import CompileError, ConfigError
 from llm.sizing import Machine
 
 # Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
@@ -225,3 +225,19 @@ def synchronize(device: torch.device):
     """Wait for the device's queued work (CUDA runs asynchronously; CPU work is already done)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def eager_or_stop(e: Exception, t, model: torch.nn.Module, doing: str) -> str:
+    """The one rule for a compiler failure: a warning, where compile_fallback allows going on eagerly, or a
+    CompileError that stops the run saying how to go on."""
+    error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
+    if not falls_back(t, next(model.parameters()).device):
+        raise CompileError(f"torch.compile failed ({error}) while {doing}; pass --compile off to run eagerly (much "
+                           "slower), or --compile_fallback true to do so whenever compiling fails") from e
+    return f"warning: torch.compile failed ({error}); {doing} eagerly"
+
+
+def falls_back(t, device: torch.device) -> bool:
+    """Whether a compile failure becomes an eager run: asked for, or by default off CUDA (where compiling buys
+    less, and a machine without a C compiler should still train); on CUDA eager is a fraction of the speed."""
+    return t.compile_fallback == "true" or (t.compile_fallback == "auto" and device.type != "cuda")

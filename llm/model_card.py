@@ -12,15 +12,15 @@ import re
 
 from config import ModelConfig
 from llm import atomic
-from llm.checkpoint import STEP_FOLDER, load_trainer_state
+from llm.checkpoint import STEP_FOLDER
 from llm.errors import CheckpointError
 from llm.hf_families import family
 from llm.hf_format import CARD_MARK
 from llm.monitor import read_metrics
 from llm.sizing import count_parameters
+from llm.trainer_state import recorded
 
 NOT_RECORDED = "not recorded"
-CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # saved by the trainer
 
 
 def _quiet(read, *args):
@@ -65,18 +65,13 @@ def run_facts(ckpt: str) -> dict:
     """What the run folder records about the checkpoint at `ckpt`; every key may be missing."""
     run = run_folder(ckpt)
     step = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt)))
-    state = _dict(_quiet(load_trainer_state, ckpt, True))
-    facts = {"name": export_name(ckpt), "step": int(step.group(1)) if step else None,
-             "tokens": _count(state.get("tokens")), "spent_s": _real(state.get("spent_s")),
-             "world_size": _count(state.get("world_size")),
-             **{k: state[k] for k in ("device", "precision", "command", "imported_from")
-                if isinstance(state.get(k), str)}}
+    facts = {"name": export_name(ckpt), "step": int(step.group(1)) if step else None, "tokens": None,
+             "spent_s": None, "world_size": None, **recorded(ckpt)}
     if run:
         facts["config"] = _dict(_quiet(atomic.read_json, os.path.join(run, "config.json"), "a run config", ""))
         evals = [r for r in read_metrics(run, "eval") if facts["step"] is None or r["step"] <= facts["step"]]
         if evals:
             facts["eval"] = evals[-1]  # the exported step's evaluation, else the last one before it
-    facts["corpus"] = _dict(state.get("corpus"))  # recorded at save: a path in the file is never followed
     return facts
 
 

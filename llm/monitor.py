@@ -315,7 +315,7 @@ def progress_bar(clock, start: int, enabled: bool):
 
 def _budget_seconds(clock, total: int) -> int:
     """The budget's seconds spent, at most its total: a step (the first, compiling) may end past the budget."""
-    return min(round(clock.spent_s()), total)
+    return min(round(clock.timer.spent_s()), total)
 
 
 def advance_bar(bar, clock, step: int, epoch: float | None = None):

@@ -9,22 +9,19 @@ and optimizer, and a LoRA run's base.
     --init_from hf:ORG/NAME  the same from the Hugging Face Hub (hf_hub.py)
 """
 
-import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
-
-import torch
+from dataclasses import asdict, fields, replace
 
 from config import AUTO, Config
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import lora
+from llm import trainer_state
 from llm.errors import CheckpointError, ConfigError
 from llm.gguf_reader import is_gguf
 
 
-def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
+def resume_point(cfg: Config) -> tuple[str | None, trainer_state.Saved | None, list[str]]:
     """The checkpoint to resume, its trainer state (read once) and report lines; (None, None, []) for a new
     run. Refuses a missing checkpoint, imported weights, and an earlier checkpoint of a run that went on."""
     t, notes = cfg.train, []
@@ -46,7 +43,7 @@ def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
                               f"({os.path.basename(later[-1])}) of a run that went on past it; resume into a new "
                               f"folder: --run_dir NEW --resume {ckpt}")
     state = _trainer_state(ckpt, t.run_dir)
-    if "optimizer" not in state:
+    if state.optimizer is None:
         raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
     return ckpt, state, notes
 
@@ -64,10 +61,10 @@ def _resumable(path: str) -> str:
     return ckpt
 
 
-def _trainer_state(ckpt: str, run_dir: str) -> dict:
+def _trainer_state(ckpt: str, run_dir: str) -> trainer_state.Saved:
     """trainer_state.pt, with a hint naming the checkpoint before it when this one is damaged."""
     try:
-        return ckpt_io.load_trainer_state(ckpt)
+        return trainer_state.read(ckpt)
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
 
@@ -78,23 +75,10 @@ def _earlier_hint(ckpt: str, run_dir: str) -> str:
     return f"; resume from the one before with --resume {earlier[-1]}" if earlier else ""
 
 
-def saved_config(state: dict) -> dict:
-    """The config a checkpoint's run used, as trainer_state.pt keeps it (JSON text): {section: {field: value}}."""
-    try:
-        values = json.loads(state.get("config", "{}"))
-    except (ValueError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"the checkpoint's trainer_state.pt holds a config that is not readable JSON "
-                              f"({type(e).__name__}), use an earlier checkpoint") from None
-    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
-        raise CheckpointError("the checkpoint's trainer_state.pt holds a config that is not {section: {field: "
-                              "value}}, use an earlier checkpoint")
-    return values
-
-
-def carry_settings(cfg: Config, state: dict) -> tuple[Config, list[str]]:
+def carry_settings(cfg: Config, state: trainer_state.Saved) -> tuple[Config, list[str]]:
     """cfg with its automatic fields set to the values the checkpoint's run used, so a run resumes as it was
     sized wherever it resumes (values given now stay), and a report line."""
-    saved, sections, taken = saved_config(state), {}, []
+    saved, sections, taken = state.config, {}, []
     for section in ("model", "train"):
         ours, theirs = getattr(cfg, section), saved.get(section, {})
         values = {k: theirs[k] for k in ours.automatic() if theirs.get(k, AUTO) != AUTO
@@ -127,18 +111,18 @@ def check_same_shape(cfg: Config, ckpt: str):
                           "use the run's own settings or a new --run_dir")
 
 
-def check_same_data(cfg: Config, state: dict, data):
+def check_same_data(cfg: Config, state: trainer_state.Saved, data):
     """Refuse to resume on other data: its tokenizer and tokens would not be the checkpoint's. Says what changed:
     the data settings, or the source files added, removed or changed since."""
-    saved = state.get("data_fingerprint", "")
+    saved = state.data_fingerprint
     if not saved or saved == data.fingerprint:
         return
-    theirs = saved_config(state).get("data", {})
+    theirs = state.config.get("data", {})
     differ = [f"{f.name}: checkpoint {theirs[f.name]!r} vs now {getattr(cfg.data, f.name)!r}"
               for f in fields(cfg.data) if f.name != "cache_dir" and f.name in theirs
               and theirs[f.name] != getattr(cfg.data, f.name)]
-    if not differ and "data_files" in state:
-        differ = _file_changes({f[0]: list(f) for f in state["data_files"]}, {f[0]: list(f) for f in data.files})
+    if not differ and state.data_files is not None:
+        differ = _file_changes({f[0]: list(f) for f in state.data_files}, {f[0]: list(f) for f in data.files})
     what = "; ".join(differ) if differ else "the checkpoint read a token cache of an earlier format"
     raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; resume "
                       f"with the run's data, or train on the new data with --init_from CHECKPOINT")
@@ -154,38 +138,16 @@ def _file_changes(before: dict, now: dict) -> list[str]:
         ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
-@dataclass
-class StartPoint:
-    """Where a session starts: step 0 of a new run, or a resumed checkpoint's counters."""
-    step: int = 0
-    tokens: int = 0
-    best_val: float = math.inf
-    clock: dict = field(default_factory=dict)  # the time budget's state (RunClock.state()), spent so far
-
-
-def load_into(ckpt: str | None, state: dict | None, *, model, opt, scaler, average, run_dir: str) -> StartPoint:
-    """A resumed run's weights, optimizer, loss scaler, weight average and RNG state from its checkpoint, and
-    where it goes on; a new run's StartPoint() when ckpt is None."""
-    if ckpt is None:
-        return StartPoint()
-    try:
-        ckpt_io.load_weights(ckpt, model)  # read on the CPU, then copied into the device's parameters
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
-    try:
-        opt.load_state_dict(state["optimizer"])  # the rates and settings given now win over the checkpoint's
-    except ValueError as e:  # its state has other parts: trained with another --optimizer
-        theirs = saved_config(state).get("train", {}).get("optimizer", "another optimizer")
-        raise ConfigError(f"{ckpt} was trained with --optimizer {theirs} ({e}); resume with --optimizer {theirs}, "
-                          "or start a new run from its weights with --init_from") from None
-    if scaler and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    average.load_state_dict(state.get("weight_average"))
-    torch.set_rng_state(state["rng_torch"])
-    if state.get("rng_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng_cuda"])
-    clock = {k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state}
-    return StartPoint(state["step"], state["tokens"], state["best_val_loss"], clock)
+def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: trainer_state.Saved | None,
+              run_dir: str) -> trainer_state.TrainingState:
+    """state as the checkpoint --resume continues left it (a new run's as it is, at step 0), a damaged
+    checkpoint's line naming the one before it."""
+    if ckpt is not None:
+        try:
+            state.load(ckpt, saved)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
+    return state
 
 
 def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:

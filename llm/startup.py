@@ -26,9 +26,10 @@ from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import run_facts
 from llm.preparation import prepare_once, short_of_target
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
-                        lora_start, resume_point, saved_config, with_shape)
+                        lora_start, resume_point, with_shape)
 from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
 from llm.token_cache import PreparedData
+from llm.trainer_state import Saved
 from modern_llm import Transformer
 
 
@@ -54,14 +55,14 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
             f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens"]
 
 
-def default_corpus(cfg: Config, device: torch.device, saved: dict | None = None) -> tuple[Config, list[str]]:
+def default_corpus(cfg: Config, device: torch.device, saved: Saved | None = None) -> tuple[Config, list[str]]:
     """cfg reading the GPU default corpus where no --sources are given on CUDA and the Hub or the cache has it, with
     a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read instead. saved: a
     resumed run's trainer state, whose corpus it goes on with (the Hub is not asked)."""
     if device.type != "cuda" or cfg.data.sources:
         return cfg, []
     if saved is not None:
-        had = saved_config(saved).get("data", {}).get("sources") == [GPU_CORPUS]
+        had = saved.config.get("data", {}).get("sources") == [GPU_CORPUS]
         return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS] if had else [])), []
     problem = hf_datasets.unavailable(GPU_CORPUS)
     if problem:
@@ -139,12 +140,15 @@ def _size(parameters: int) -> str:
     return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
 
 
-@dataclass
-class Settled:
-    """settle()'s result: the run's final config and what it starts from."""
+@dataclass(frozen=True)
+class Plan:
+    """settle()'s result, which nothing changes after: the run's final config (its run length included), the
+    processes and device it runs on, the data it reads, and what it starts from."""
     cfg: Config
+    ranks: Ranks
+    device: torch.device
     ckpt: str | None  # the checkpoint --resume continues, or None for a new run
-    saved: dict | None  # its trainer state
+    saved: Saved | None  # its trainer state
     init_state: dict | None  # --init_from's weights, for a new run
     data: PreparedData
     batches: Batches  # the training split's loader
@@ -153,7 +157,7 @@ class Settled:
     init_path: str = ""  # the --init_from checkpoint, folder or file read (a preference run's reference)
 
 
-def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
+def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     """Every value the run will use, in one pass; each filler returns a new config and the lines saying what it
     set, and fills only what is still automatic (a value given in config.py or by a flag stays):
         apply_init_from   model shape, tokenizer                      --init_from
@@ -207,13 +211,13 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Settled:
     for line in lines:
         ranks.print(line)
     t = cfg.train
-    if ckpt and t.max_steps and saved["step"] >= t.max_steps:
-        raise ConfigError(f"--resume: the run is already at step {saved['step']} and max_steps={t.max_steps} "
+    if ckpt and t.max_steps and saved.step >= t.max_steps:
+        raise ConfigError(f"--resume: the run is already at step {saved.step} and max_steps={t.max_steps} "
                           "leaves nothing to train, raise --max_steps")
     if ckpt:
         check_same_shape(cfg, ckpt)
         check_same_data(cfg, saved, data)
     # A LoRA run always starts from its base: a resume then loads the adapters into it.
     init_state = init.state if init and (lora_meta or not ckpt) else None
-    return Settled(cfg=cfg, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
+    return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
                    val_batches=batches[1], lora_meta=lora_meta, init_path=init.path if init else "")

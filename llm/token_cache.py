@@ -275,6 +275,11 @@ class PreparedData:
     def tokenizer_path(self) -> str:
         return os.path.join(self.path, TOKENIZER_FILE)
 
+    @property
+    def arrived(self) -> bool:
+        """Whether every part is in: always, but for a corpus still arriving (arrival.ArrivingData)."""
+        return True
+
     def stream(self, split: str, masks: bool = False) -> TokenStream:
         """A split's tokens (or its masks: 1 where learned) across the parts, as one array."""
         parts = list(self.parts)  # one look: arrival.py appends parts while a run reads them

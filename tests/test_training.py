@@ -164,16 +164,16 @@ def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, ste
     now = [0.0]
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock, at = RunClock(t, 0.0, OneProcess()), []
-    clock.sync(0)
+    clock.timer.sync(0)
     for step in range(steps):
-        if step > 0 and [clock.eval_due(step) for _ in range(asks)][-1]:
+        if step > 0 and [clock.evals.due(step) for _ in range(asks)][-1]:
             at.append(step)
-            with clock.pause("eval", step):
+            with clock.timer.pause("eval", step):
                 now[0] += eval_s
-            clock.mark_evaluated(step)
+            clock.evals.mark(step)
         now[0] += step_s
         if clock.log_due(step + 1):
-            clock.sync(step + 1)
+            clock.timer.sync(step + 1)
     return at
 
 
@@ -198,19 +198,19 @@ def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock = RunClock(TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1), 0.0, OneProcess())
-    clock.sync(0)
+    clock.timer.sync(0)
     for step in range(1, 21):
         now[0] += 0.1
         if step % 10 == 0:
-            clock.sync(step)
-    with clock.pause("wait", 20):
+            clock.timer.sync(step)
+    with clock.timer.pause("wait", 20):
         now[0] += 20.0
     assert not clock.out_of_time() and not clock.finished(20)
     for step in range(21, 31):
         now[0] += 0.1
-    clock.sync(30)
-    assert clock.step_s == pytest.approx(0.1) and "wait" not in clock.state()["overhead_s"]
-    assert clock.synced_remaining == pytest.approx(60 - 23 - clock.reserve_s())
+    clock.timer.sync(30)
+    assert clock.timer.step_s == pytest.approx(0.1) and "wait" not in clock.timer.state()["overhead_s"]
+    assert clock.timer.synced_spent == pytest.approx(23) and not clock.finished(30)  # 20 s of waiting, 3 s of steps
     now[0] = 60 - clock.reserve_s() + 0.01  # a second wait, past the budget's end
     assert clock.out_of_time()
 
@@ -223,20 +223,20 @@ def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eva
     now = [setup_s]
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock, at, step = RunClock(t, 0.0, OneProcess()), [], 0
-    clock.sync(0)
+    clock.timer.sync(0)
     while not [clock.finished(step) for _ in range(asks)][-1]:
-        if step > 0 and [clock.eval_due(step) for _ in range(asks)][-1]:
+        if step > 0 and [clock.evals.due(step) for _ in range(asks)][-1]:
             at.append(step)
-            with clock.pause("eval", step):
+            with clock.timer.pause("eval", step):
                 now[0] += eval_s
-            clock.mark_evaluated(step)
-            assert clock.save_due(step)  # automatic checkpoints come with the evaluations
-            with clock.pause("save", step):
+            clock.evals.mark(step)
+            assert clock.evals.save_due(step)  # automatic checkpoints come with the evaluations
+            with clock.timer.pause("save", step):
                 now[0] += save_s
         now[0] += step_s
         step += 1
         if clock.log_due(step):
-            clock.sync(step)
+            clock.timer.sync(step)
     return at, step
 
 
@@ -261,17 +261,17 @@ def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_it
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=0.3, eval_interval=0, eval_batches=20, grad_accum_steps=1, log_interval=10)
     clock, step = RunClock(t, 0.0, OneProcess()), 0
-    clock.sync(0)
+    clock.timer.sync(0)
     while not clock.finished(step):
         now[0] += 0.47 if step < 10 else 3.9
         step += 1
         if clock.log_due(step):
-            clock.sync(step)
+            clock.timer.sync(step)
     assert now[0] <= 18 + 3.9 and step > 10  # within the budget plus one (slow) step
-    assert clock.final_eval() == (20, 18 - clock.save_guess_s)  # one process reads batches until the time is up
+    assert clock.final_eval() == (20, 18 - clock.timer.save_guess_s)  # one process reads batches until the time is up
     forward_s = 2 * 3.9 / 3  # ranks read alike: as many as the speed the clock last measured says fit
     batches = clock.final_batches(passes=2)
-    assert 1 <= batches < 20 and batches * forward_s <= max(18 - now[0] - clock.save_guess_s, forward_s)
+    assert 1 <= batches < 20 and batches * forward_s <= max(18 - now[0] - clock.timer.save_guess_s, forward_s)
     assert RunClock(replace(t, max_minutes=0, max_steps=5), 0.0, OneProcess()).final_eval() == (20, math.inf)
 
 
@@ -302,7 +302,7 @@ def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
 
 
 def test_asking_what_is_due_changes_nothing(monkeypatch):
-    """RunClock.eval_due once moved its own record of the sixths evaluated when asked, so asking twice could give
+    """The clock's eval_due (now EvalPolicy.due) once moved its own record of the sixths evaluated when asked, so asking twice could give
     two answers. Asked three times a step, the clock must evaluate and end where it does asked once."""
     t = TrainConfig(max_steps=600, eval_interval=0, eval_batches=2, grad_accum_steps=1)
     assert simulated_run(monkeypatch, t, 0.5, 0.5, 600, asks=3) == simulated_run(monkeypatch, t, 0.5, 0.5, 600)
@@ -708,7 +708,7 @@ def test_loss_scaling_skips_overflowing_steps_on_the_device_and_matches_unscaled
     for scale in (None, 2.0**10, 2.0**127):  # none, a fine scale, one that overflows fp32 gradients
         b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         start = [p.detach().clone() for p in b.raw_model.parameters()]
-        b.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+        b.state.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
         trainer.set_lr(b.opt, 1.0)
         _, _, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], 4), 0, t, distributed.setup())
         weights[scale] = (bool(ok), start, [p.detach().clone() for p in b.raw_model.parameters()], b.scaler)
