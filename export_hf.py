@@ -26,12 +26,13 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import default_run_dir
-from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, resolve_checkpoint, save_checkpoint
+from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint, save_checkpoint
 from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
+from llm.loading import read_model
 from llm.lora import check_adapter_target, check_base, write_peft_folder
 from llm.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
 from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer

@@ -22,6 +22,9 @@ from llm import checkpoint as ckpt_io
 from llm import lora
 from llm.errors import CheckpointError, ConfigError
 from llm.gguf_reader import is_gguf
+from llm.hf_format import is_hf_folder
+from llm.hf_hub import is_hub_name
+from llm.loading import ModelFiles, read_model
 
 
 def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
@@ -54,7 +57,7 @@ def resume_point(cfg: Config) -> tuple[str | None, dict | None, list[str]]:
 def _resumable(path: str) -> str:
     """The checkpoint --resume FOLDER names: a run folder's newest, or a step_N folder itself; a Hugging Face
     folder or a copied checkpoint renamed otherwise holds no step to continue from, so it is refused."""
-    hf = ckpt_io.is_hf_folder(path) or ckpt_io.is_hub_name(path) or is_gguf(path)
+    hf = is_hf_folder(path) or is_hub_name(path) or is_gguf(path)
     ckpt = path if hf else ckpt_io.resolve_checkpoint(path)
     if hf or not ckpt_io.STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))):
         what = ("a GGUF file" if is_gguf(path) else "a Hugging Face model") if hf else \
@@ -188,10 +191,10 @@ def load_into(ckpt: str | None, state: dict | None, *, model, opt, scaler, avera
     return StartPoint(state["step"], state["tokens"], state["best_val_loss"], clock)
 
 
-def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:
+def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
     """--init_from: cfg with the model shape and tokenizer of a checkpoint, run or Hugging Face folder, and what
     was read there (its weights too)."""
-    found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
+    found = read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")
@@ -206,7 +209,7 @@ def with_shape(cfg: Config, shape) -> Config:
                                       gradient_checkpointing=cfg.model.gradient_checkpointing))
 
 
-def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -> dict | None:
+def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict | None:
     """A LoRA run's adapter_config.json (its settings, its base and the base's fingerprint), None for a run of
     whole weights. LoRA needs a base (--init_from); a resume needs the base its checkpoint was trained on, and a
     checkpoint of adapters cannot continue as a run of whole weights or the other way round."""

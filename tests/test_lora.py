@@ -12,7 +12,7 @@ import export_hf
 import gpu_training_optimized as trainer
 from config import TrainConfig
 from conftest import write_greetings
-from llm.checkpoint import read_model
+from llm.loading import read_model
 from llm.lora import adapter_state, add_adapters, merged
 from llm.monitor import stored_bytes
 from modern_llm import Transformer
