@@ -66,7 +66,11 @@ def read_model(name: str, max_seq_len: int = 0, best: bool = False, base: str = 
     """The model `name` names, of any kind (Kind), read by its kind's reader and checked name by name and shape by
     shape; CheckpointError with one line for every failure. max_seq_len, when given, replaces the saved context
     length; best picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run adapts."""
-    source = detect(name, max_seq_len, best, base)
+    return read(detect(name, max_seq_len, best, base))
+
+
+def read(source: Source) -> ModelFiles:
+    """The model of a source detect() recognised, read by its kind's reader; NaN or Inf weights refused."""
     found = READERS[source.kind](source)
     broken = [k for k, v in found.state.items() if not torch.isfinite(v).all()]
     if broken:
