@@ -1,5 +1,5 @@
-"""Tests of checkpoint.py: atomic writes, LATEST, read_model over every kind of folder, one-line refusals
-of broken files, and loading without unpickling."""
+"""Tests of checkpoint.py: atomic writes, LATEST, read_model (loading.py) over every kind of folder, one-line
+refusals of broken files, and loading without unpickling."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import gpu_training_optimized as trainer
 from conftest import CODE
 from llm import checkpoint as ckpt_io
 from llm.errors import CheckpointError
-from llm.loading import read_model
+from llm.loading import Kind, Source, detect, read_model
 from modern_llm import Transformer
 
 
@@ -33,6 +33,20 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
         assert theirs.get_vocab() == ours.get_vocab()
         assert theirs.encode(CODE).ids == ours.encode(CODE).ids
     assert read_model(tiny_checkpoint, max_seq_len=32).config.max_seq_len == 32
+
+
+def test_detect_recognises_each_kind_once_and_resolves_a_run_to_its_checkpoint(tiny_checkpoint, tmp_path):
+    """Each kind has its own reader, so a name taken for the wrong kind is read by the wrong one: a run folder
+    comes back as its newest checkpoint, an export as a Hugging Face folder, a Hub name with nothing fetched."""
+    run = os.path.dirname(os.path.dirname(tiny_checkpoint))
+    export_hf.export(tiny_checkpoint, str(tmp_path / "hf"))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # recognised by its name; its reader checks the contents
+    assert detect(run) == detect(tiny_checkpoint) == Source(Kind.RUN, tiny_checkpoint)
+    assert detect(str(tmp_path / "hf"), max_seq_len=32) == Source(Kind.HF, str(tmp_path / "hf"), 32)
+    assert detect("hf:Org/Name").kind is Kind.HUB  # nothing is fetched to recognise it
+    assert detect(str(tmp_path / "model.gguf")).kind is Kind.GGUF
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        detect(str(tmp_path / "nothing"))
 
 
 @pytest.mark.parametrize("damage,words", [
