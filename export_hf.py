@@ -27,12 +27,13 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 
 from config import default_run_dir
 from llm import trainer_state
-from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, read_model, resolve_checkpoint, save_checkpoint
+from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint, save_checkpoint
 from llm.errors import CheckpointError, ConfigError, error_contract
 from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.gguf_reader import is_gguf
 from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
 from llm.hf_hub import is_hub_name
+from llm.loading import Kind, detect, read, read_model
 from llm.lora import check_adapter_target, check_base, write_peft_folder
 from llm.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
 from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
@@ -43,11 +44,12 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     """Export a checkpoint (or a run folder's newest) to out, atomically, as a Hugging Face folder or, with gguf
     (f16 or q8_0), a GGUF file; both with a model card. A LoRA run's checkpoint is merged into base. Returns the
     checkpoint folder read."""
-    if is_hf_folder(checkpoint) or is_hub_name(checkpoint) or is_gguf(checkpoint):
-        what = "a GGUF file" if is_gguf(checkpoint) else "already a Hugging Face model"
+    source = detect(checkpoint, base=base)
+    if source.kind not in (Kind.RUN, Kind.LORA):
+        what = "a GGUF file" if source.kind is Kind.GGUF else "already a Hugging Face model"
         raise CheckpointError(f"{checkpoint} is {what}, export a checkpoint or run folder (import it first with "
                               f"export_hf.py --import {checkpoint} RUN_DIR)")
-    model = read_model(checkpoint, base=base)
+    model = read(source)
     if model.tokenizer_path is None:
         raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
     if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):

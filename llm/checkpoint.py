@@ -6,8 +6,8 @@
 
 A checkpoint is written to a hidden temporary folder, its manifest last, flushed, renamed into place,
 and only then does LATEST move, so a crash at any moment leaves the previous checkpoint usable (and a
-lost LATEST is found again by scanning for complete folders). read_model() opens
-a checkpoint, a run folder (its newest checkpoint) or a Hugging Face folder, never unpickling anything.
+lost LATEST is found again by scanning for complete folders). read_checkpoint() reads a checkpoint's weights
+(loading.py recognises a run among the other kinds of model), never unpickling anything.
 """
 
 import contextlib
@@ -17,7 +17,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 from safetensors import SafetensorError
@@ -27,10 +27,7 @@ from config import ModelConfig
 from llm import atomic, lora
 from llm.distributed import shard_as
 from llm.errors import CheckpointError, ConfigError
-from llm.gguf_reader import is_gguf, read_gguf
-from llm.hf_format import (check_context, check_declared_size, check_weights, expected_shapes, is_hf_folder,
-                           load_hf_folder, stored_shapes)
-from llm.hf_hub import is_hub_name, resolve
+from llm.hf_format import check_context, check_declared_size, check_weights, expected_shapes, stored_shapes
 from llm.tokenizer import TOKENIZER_FILE as TOKENIZER
 from modern_llm import is_stored
 
@@ -282,47 +279,22 @@ def load_weights(ckpt: str, model: torch.nn.Module):
                               f"unexpected {sorted(unexpected)}")
 
 
-@dataclass
-class ModelFiles:
-    """What read_model() found: the shape, the weights (CPU, our names, a tied head stored once), the tokenizer."""
-    config: ModelConfig
-    state: dict
-    tokenizer_path: str | None
-    path: str  # the checkpoint or Hugging Face folder, or the GGUF file, read
-
-
-def read_model(path: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
-    """The model of a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face folder, a Hub
-    model named hf:ORG/NAME (hf_hub.py) or a GGUF file (gguf_reader.py), checked name by name and shape by shape;
-    CheckpointError with one line for every failure. max_seq_len, when given, replaces the saved context length
-    (it sizes the RoPE tables, no weight); best picks a run folder's best checkpoint instead of its newest; base:
-    the model a LoRA run's checkpoint adapts (its adapters are merged into it)."""
-    if is_hub_name(path):
-        path = resolve(path, max_seq_len)
-    if is_hf_folder(path):
-        found = ModelFiles(*load_hf_folder(path, max_seq_len), path)
-    elif is_gguf(path):
-        found = ModelFiles(*read_gguf(path, max_seq_len), path)
-    elif lora.read_meta(ckpt := resolve_checkpoint(path, best)):
-        found = _read_lora(ckpt, max_seq_len, base)
-    else:
-        cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
-        if max_seq_len:
-            cfg = replace(cfg, max_seq_len=max_seq_len)
-        check_context(cfg, "--max_seq_len" if max_seq_len else f"{os.path.join(ckpt, MODEL_CONFIG)}: max_seq_len")
-        # From the header: an absurd config is refused before anything is built or loaded.
-        stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
-        check_declared_size(cfg, stored, ckpt)
-        kept = {k: v for k, v in stored.items() if is_stored(k, cfg)}
-        check_weights(kept, expected_shapes(cfg), weights)
-        state = {k: v for k, v in _read_weights(ckpt).items() if k in kept}
-        tokenizer = os.path.join(ckpt, TOKENIZER)
-        found = ModelFiles(cfg, state, tokenizer if os.path.isfile(tokenizer) else None, ckpt)
-    broken = [k for k, v in found.state.items() if not torch.isfinite(v).all()]
-    if broken:
-        raise CheckpointError(f"{found.path}: the weights {', '.join(broken[:3])} hold NaN or Inf (the run diverged "
-                              "before it was saved); use an earlier checkpoint")
-    return found
+def read_checkpoint(ckpt: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str | None]:
+    """(ModelConfig, state dict, tokenizer.json path or None) of a checkpoint of whole weights, checked name by name
+    and shape by shape from the header before a weight is read; max_seq_len, when given, replaces the saved context
+    length (it sizes the RoPE tables, no weight). loading.py reads a run through this."""
+    cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
+    if max_seq_len:
+        cfg = replace(cfg, max_seq_len=max_seq_len)
+    check_context(cfg, "--max_seq_len" if max_seq_len else f"{os.path.join(ckpt, MODEL_CONFIG)}: max_seq_len")
+    # From the header: an absurd config is refused before anything is built or loaded.
+    stored = stored_shapes([weights], f"use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
+    check_declared_size(cfg, stored, ckpt)
+    kept = {k: v for k, v in stored.items() if is_stored(k, cfg)}
+    check_weights(kept, expected_shapes(cfg), weights)
+    state = {k: v for k, v in _read_weights(ckpt).items() if k in kept}
+    tokenizer = os.path.join(ckpt, TOKENIZER)
+    return cfg, state, tokenizer if os.path.isfile(tokenizer) else None
 
 
 def read_adapters(path: str, best: bool = False) -> tuple[dict, dict]:
@@ -331,33 +303,12 @@ def read_adapters(path: str, best: bool = False) -> tuple[dict, dict]:
     meta = lora.read_meta(ckpt)
     if meta is None:
         raise ConfigError(f"{ckpt} holds whole weights, not LoRA adapters; export it without --adapter_only")
-    return meta, _read_weights(ckpt, lora.ADAPTERS)
+    return meta, adapter_weights(ckpt)
 
 
-def _read_lora(ckpt: str, max_seq_len: int, base: str) -> ModelFiles:
-    """A LoRA checkpoint's adapters merged into the base named by the user (never a path read from a file)."""
-    meta = lora.read_meta(ckpt)
-    if not base:
-        raise ConfigError(f"{ckpt} holds LoRA adapters trained on {meta['base']}; pass --base with that model "
-                          "(a checkpoint, run or Hugging Face folder) to merge them into it; to train on from them, "
-                          "export the merged model (export_hf.py RUN OUT --base BASE) and --init_from OUT")
-    found = read_model(base, max_seq_len)
-    lora.check_base(meta, found.path, ckpt, "--base")
-    adapters = _read_weights(ckpt, lora.ADAPTERS)
-    shapes = {k: tuple(v.shape) for k, v in found.state.items()}
-    pairs = {name.rsplit(".lora_", 1)[0] for name in adapters}
-    if set(adapters) != {f"{module}.lora_{kind}.weight" for module in pairs for kind in "AB"}:
-        raise CheckpointError(f"{os.path.join(ckpt, lora.ADAPTERS)} does not hold pairs of lora_A and lora_B "
-                              "weights; the checkpoint is damaged")
-    for name, tensor in adapters.items():
-        module, kind = name.rsplit(".lora_", 1)
-        rows, cols = shapes.get(module + ".weight", (0, 0))
-        if tuple(tensor.shape) != ((meta["rank"], cols) if kind.startswith("A") else (rows, meta["rank"])):
-            raise CheckpointError(f"{os.path.join(ckpt, lora.ADAPTERS)}: {name} of shape {tuple(tensor.shape)} does "
-                                  f"not fit {found.path}; the checkpoint is damaged")
-    tokenizer = os.path.join(ckpt, TOKENIZER)
-    return ModelFiles(found.config, lora.merged(found.state, adapters, meta),
-                      tokenizer if os.path.isfile(tokenizer) else found.tokenizer_path, ckpt)
+def adapter_weights(ckpt: str) -> dict:
+    """The adapters of a LoRA run's checkpoint folder (adapters.safetensors), on the CPU."""
+    return _read_weights(ckpt, lora.ADAPTERS)
 
 
 def load_trainer_state(ckpt: str, mmap: bool = False) -> dict:

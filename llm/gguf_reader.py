@@ -1,6 +1,6 @@
 """Reading a GGUF file (the format of llama.cpp, Ollama and LM Studio) as our model.
 
-read_gguf() gives what a Hugging Face folder gives (checkpoint.read_model() calls it for a .gguf): the shape from
+read_gguf() gives what a Hugging Face folder gives (loading.py reads a .gguf through it): the shape from
 the file's metadata, every tensor dequantized to fp32 by the gguf package (f32, f16, bf16, q8_0, q4_0, q4_1, the
 k-quants and whatever else it reads), in our names, and the byte-level BPE tokenizer rebuilt from the metadata as
 a tokenizer.json in a temporary folder of this process (which a later process removes, should this one be

@@ -2,8 +2,8 @@
 
 One owner for the weights both ways: parameter names and shapes, the size checks, the folder writer and the
 folder reader; hf_families.py owns config.json and the support check that refuses what our model cannot
-compute. checkpoint.read_model() opens Hugging Face folders through load_hf_folder(); export_hf.py is the command
-line; the benchmarks build their transformers twins with hf_twin(), so every path agrees on every field."""
+compute. loading.py reads a Hugging Face folder (or a Hub model's) through load_hf_folder(); export_hf.py is the
+command line; the benchmarks build their transformers twins with hf_twin(), so every path agrees on every field."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""A model made ready to generate: read from any model folder (checkpoint.read_model), its weights in the inference
+"""A model made ready to generate: read by its kind's reader (loading.read_model), its weights in the inference
 dtype, optionally int8, and on a CPU whose decode step compiles, linear layers that read each weight in one pass.
 
 The model and the engine stay plain: what changes for inference is swapped in here, where the model is prepared,
@@ -6,17 +6,27 @@ as gpt-fast's quantize step swaps its layers. text_generator.py, serve.py and th
 load_for_inference().
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config import LoadConfig, default_run_dir
-from llm.checkpoint import read_model
+from config import LoadConfig, ModelConfig, default_run_dir
 from llm.device import inference_dtype, pick_device
 from llm.decode_compile import use_compile
 from llm.errors import CheckpointError, ConfigError
+from llm.loading import read_model
 from llm.tokenizer import load_tokenizer
 from modern_llm import Transformer
+
+
+class Loaded(NamedTuple):
+    """A model ready to generate, whatever kind it was read from; unpacks as (model, tokenizer, config, path)."""
+    model: Transformer
+    tokenizer: object  # transformers' PreTrainedTokenizerFast (load_tokenizer), imported only where it is built
+    config: ModelConfig
+    path: str  # the checkpoint or Hugging Face folder, or the GGUF file, read
 
 
 class RowProductLinear(nn.Linear):
@@ -84,8 +94,8 @@ def for_inference(model: Transformer, device: torch.device, quantize: str = "non
     return model
 
 
-def load_for_inference(load: LoadConfig | str = "", device=None, **options):
-    """(model, tokenizer, model_config, folder read) from a checkpoint, run or exported Hugging Face folder.
+def load_for_inference(load: LoadConfig | str = "", device=None, **options) -> Loaded:
+    """The model a checkpoint, run, LoRA run, Hugging Face folder, hf:ORG/NAME or GGUF file holds, ready to generate.
 
     load: a LoadConfig, or its checkpoint with its other fields as keywords; device, when given (a name or a
     torch.device), replaces its device. A checkpoint "" means the default run folder, whose newest checkpoint (best:
@@ -94,18 +104,17 @@ def load_for_inference(load: LoadConfig | str = "", device=None, **options):
     CheckpointError.
     """
     load = load if isinstance(load, LoadConfig) else LoadConfig(checkpoint=load, **options)
-    device = device if isinstance(device, torch.device) else pick_device(device or load.device)
     found = read_model(load.checkpoint or default_run_dir(), load.max_seq_len, load.best, load.base)
+    device = device if isinstance(device, torch.device) else pick_device(device or load.device)
     if found.tokenizer_path is None:
         raise CheckpointError(f"{found.path} has no tokenizer.json, copy the model's tokenizer.json into it")
-    cfg = found.config
-    with torch.device("meta"):  # no random weights drawn only to be overwritten: they come from the checkpoint
-        model = Transformer(cfg)
-    model.materialize(device).load_stored(found.state)  # read_model checked every tensor
-    tokenizer = load_tokenizer(found.tokenizer_path)
+    tokenizer, cfg = load_tokenizer(found.tokenizer_path), found.config
     ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
-    if ids > cfg.vocab_size:
+    if ids > cfg.vocab_size:  # checked before a model is built for it
         raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
                               f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
                               "model; put the tokenizer.json the model was trained with beside it")
-    return for_inference(model, device, load.quantize, load.compile), tokenizer, cfg, found.path
+    with torch.device("meta"):  # no random weights drawn only to be overwritten: they come from the checkpoint
+        model = Transformer(cfg)
+    model.materialize(device).load_stored(found.state)  # read_model checked every tensor
+    return Loaded(for_inference(model, device, load.quantize, load.compile), tokenizer, cfg, found.path)

@@ -19,6 +19,9 @@ from llm import lora
 from llm import trainer_state
 from llm.errors import CheckpointError, ConfigError
 from llm.gguf_reader import is_gguf
+from llm.hf_format import is_hf_folder
+from llm.hf_hub import is_hub_name
+from llm.loading import ModelFiles, read_model
 
 
 def resume_point(cfg: Config) -> tuple[str | None, trainer_state.Saved | None, list[str]]:
@@ -51,7 +54,7 @@ def resume_point(cfg: Config) -> tuple[str | None, trainer_state.Saved | None, l
 def _resumable(path: str) -> str:
     """The checkpoint --resume FOLDER names: a run folder's newest, or a step_N folder itself; a Hugging Face
     folder or a copied checkpoint renamed otherwise holds no step to continue from, so it is refused."""
-    hf = ckpt_io.is_hf_folder(path) or ckpt_io.is_hub_name(path) or is_gguf(path)
+    hf = is_hf_folder(path) or is_hub_name(path) or is_gguf(path)
     ckpt = path if hf else ckpt_io.resolve_checkpoint(path)
     if hf or not ckpt_io.STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))):
         what = ("a GGUF file" if is_gguf(path) else "a Hugging Face model") if hf else \
@@ -150,10 +153,10 @@ def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: train
     return state
 
 
-def apply_init_from(cfg: Config) -> tuple[Config, ckpt_io.ModelFiles]:
+def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
     """--init_from: cfg with the model shape and tokenizer of a checkpoint, run or Hugging Face folder, and what
     was read there (its weights too)."""
-    found = ckpt_io.read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
+    found = read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")
@@ -168,7 +171,7 @@ def with_shape(cfg: Config, shape) -> Config:
                                       gradient_checkpointing=cfg.model.gradient_checkpointing))
 
 
-def lora_start(cfg: Config, ckpt: str | None, init: ckpt_io.ModelFiles | None) -> dict | None:
+def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict | None:
     """A LoRA run's adapter_config.json (its settings, its base and the base's fingerprint), None for a run of
     whole weights. LoRA needs a base (--init_from); a resume needs the base its checkpoint was trained on, and a
     checkpoint of adapters cannot continue as a run of whole weights or the other way round."""

@@ -1,5 +1,5 @@
-"""Tests of checkpoint.py: atomic writes, LATEST, read_model over every kind of folder, one-line refusals
-of broken files, and loading without unpickling."""
+"""Tests of checkpoint.py: atomic writes, LATEST, read_model (loading.py) over every kind of folder, one-line
+refusals of broken files, and loading without unpickling."""
 
 import json
 import os
@@ -14,6 +14,7 @@ import gpu_training_optimized as trainer
 from conftest import CODE
 from llm import checkpoint as ckpt_io
 from llm.errors import CheckpointError
+from llm.loading import Kind, Source, detect, read_model
 from modern_llm import Transformer
 
 
@@ -21,7 +22,7 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
     """The same weights, shape and tokenizer must come back whichever folder names the model."""
     run = os.path.dirname(os.path.dirname(tiny_checkpoint))
     export_hf.export(tiny_checkpoint, str(tmp_path / "hf"))
-    found = [ckpt_io.read_model(p) for p in (tiny_checkpoint, run, str(tmp_path / "hf"))]
+    found = [read_model(p) for p in (tiny_checkpoint, run, str(tmp_path / "hf"))]
     assert [f.path for f in found] == [tiny_checkpoint, tiny_checkpoint, str(tmp_path / "hf")]
     for f in found[1:]:
         assert f.config == found[0].config
@@ -31,7 +32,21 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
         theirs, ours = (Tokenizer.from_file(x.tokenizer_path) for x in (f, found[0]))
         assert theirs.get_vocab() == ours.get_vocab()
         assert theirs.encode(CODE).ids == ours.encode(CODE).ids
-    assert ckpt_io.read_model(tiny_checkpoint, max_seq_len=32).config.max_seq_len == 32
+    assert read_model(tiny_checkpoint, max_seq_len=32).config.max_seq_len == 32
+
+
+def test_detect_recognises_each_kind_once_and_resolves_a_run_to_its_checkpoint(tiny_checkpoint, tmp_path):
+    """Each kind has its own reader, so a name taken for the wrong kind is read by the wrong one: a run folder
+    comes back as its newest checkpoint, an export as a Hugging Face folder, a Hub name with nothing fetched."""
+    run = os.path.dirname(os.path.dirname(tiny_checkpoint))
+    export_hf.export(tiny_checkpoint, str(tmp_path / "hf"))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # recognised by its name; its reader checks the contents
+    assert detect(run) == detect(tiny_checkpoint) == Source(Kind.RUN, tiny_checkpoint)
+    assert detect(str(tmp_path / "hf"), max_seq_len=32) == Source(Kind.HF, str(tmp_path / "hf"), 32)
+    assert detect("hf:Org/Name").kind is Kind.HUB  # nothing is fetched to recognise it
+    assert detect(str(tmp_path / "model.gguf")).kind is Kind.GGUF
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        detect(str(tmp_path / "nothing"))
 
 
 @pytest.mark.parametrize("damage,words", [
@@ -66,7 +81,7 @@ def test_broken_checkpoints_are_refused_naming_the_file(tiny_checkpoint, tmp_pat
         with open(config, "w") as f:
             json.dump({**values, "hidden_size": 128, "head_dim": 0, "intermediate_size": 0}, f)
     with pytest.raises(CheckpointError) as e:
-        ckpt_io.read_model(str(run))
+        read_model(str(run))
     message = str(e.value)
     assert "\n" not in message and all(w in message for w in words), message
 
@@ -87,7 +102,7 @@ def test_corrupt_init_from_is_one_error_line_and_exit_2(tiny_checkpoint, tmp_pat
 def test_save_is_atomic_latest_moves_last_and_pruning_keeps_the_newest(tiny_checkpoint, tmp_path):
     """LATEST must always name a complete folder; leftovers of an interrupted write are cleared; only the newest
     `keep` checkpoints stay."""
-    found = ckpt_io.read_model(tiny_checkpoint)
+    found = read_model(tiny_checkpoint)
     run = str(tmp_path / "run")
     os.makedirs(os.path.join(run, "checkpoints", ".tmp_step_000001"))  # an interrupted earlier write
     for step in (1, 2, 3):

@@ -20,6 +20,7 @@ from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import startup
 from llm.inference import load_for_inference
+from llm.loading import read_model
 from llm.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ def test_a_run_folder_with_only_an_incomplete_checkpoint_is_refused_by_name(tmp_
     run.mkdir(parents=True)
     (run / "model.safetensors").write_bytes(b"")
     with pytest.raises(ckpt_io.CheckpointError, match="holds no complete checkpoint .*step_000002 is incomplete"):
-        ckpt_io.read_model(str(tmp_path / "run"))
+        read_model(str(tmp_path / "run"))
 
 
 # ----------------------------------------------------------------------------- full and read-only disks
@@ -87,7 +88,7 @@ def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint(corpus, trained, tm
     assert "it needs about" in err and "are free in" in err and "is intact" in err
     assert not [d for d in os.listdir(run / "checkpoints") if d.startswith(".")]  # no partial folder
     assert ckpt_io.latest_checkpoint(str(run)) == str(run / "checkpoints" / f"step_{at_step + 2:06d}")
-    ckpt_io.read_model(str(run))  # the previous checkpoint still loads
+    read_model(str(run))  # the previous checkpoint still loads
 
 
 @pytest.mark.parametrize("fault,code,words", [

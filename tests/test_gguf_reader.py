@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 import text_generator
 from conftest import CODE, one_error_line, write_greetings
-from llm.checkpoint import read_model
+from llm.loading import read_model
 from llm.errors import CheckpointError
 from llm.gguf_reader import read_gguf
 from llm.tokenizer import train_tokenizer

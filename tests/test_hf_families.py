@@ -19,6 +19,7 @@ from conftest import edit_json, read_json
 from llm import checkpoint as ckpt_io
 from llm.cli import parse_config
 from llm.errors import ConfigError
+from llm.loading import read_model
 from modern_llm import Transformer
 from muon_optimizer import split_parameters
 
@@ -85,7 +86,7 @@ def max_diff(ours: Transformer, theirs, seed: int = 0, length: int = SEQ) -> flo
 
 
 def load_ours(ckpt: str) -> Transformer:
-    found = ckpt_io.read_model(ckpt)
+    found = read_model(ckpt)
     model = Transformer(found.config)
     model.load_stored(found.state)
     return model.eval()

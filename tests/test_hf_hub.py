@@ -27,6 +27,7 @@ from llm import checkpoint as ckpt_io
 from llm import hf_hub
 from llm.errors import CheckpointError
 from llm.inference import load_for_inference
+from llm.loading import read_model
 from llm.resume import apply_init_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +79,7 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
 
     # The shape and tokenizer of the cached model; its weights come through read_model too.
     cfg, _ = apply_init_from(Config(train=TrainConfig(init_from=f"hf:{REPO}")))
-    assert cfg.model == ours.config and cfg.data.tokenizer == os.path.join(ckpt_io.read_model(f"hf:{REPO}").path,
+    assert cfg.model == ours.config and cfg.data.tokenizer == os.path.join(read_model(f"hf:{REPO}").path,
                                                                             "tokenizer.json")
 
     model, _, config, path = load_for_inference(f"hf:{REPO}", "cpu")

@@ -23,6 +23,7 @@ from conftest import one_error_line
 from llm import atomic
 from llm import checkpoint as ckpt_io
 from llm import token_cache as tc
+from llm.loading import read_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +79,7 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_di
         else:
             assert "step_000001 is intact" in line
             assert ckpt_io.latest_checkpoint(str(run)) == str(run / "checkpoints" / "step_000001")
-            assert ckpt_io.read_model(str(run)).path.endswith("step_000001")
+            assert read_model(str(run)).path.endswith("step_000001")
 
 
 # The corpus fixture's token cache: a 22 kB tokenizer.json, then one part of 89 kB of tokens.

@@ -17,7 +17,7 @@ CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "fine_tuning",
         "arrival", "batches", "preparation",
         "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "gguf_format", "gguf_reader",
-        "checkpoint", "trainer_state", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
+        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
         "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 # Run by users, on the core, imported by nothing.

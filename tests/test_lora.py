@@ -12,7 +12,7 @@ import export_hf
 import gpu_training_optimized as trainer
 from config import TrainConfig
 from conftest import write_greetings
-from llm.checkpoint import read_model
+from llm.loading import Kind, Source, detect, read_model
 from llm.lora import adapter_state, add_adapters, merged
 from llm.monitor import stored_bytes
 from modern_llm import Transformer
@@ -82,6 +82,7 @@ def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_fol
     ckpt = sorted((lora_run / "checkpoints").glob("step_*"))[-1]
     assert (ckpt / "adapters.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     from_step, from_run = (read_model(str(p), base=str(qwen3_folder)) for p in (ckpt, lora_run))  # as printed
+    assert detect(str(lora_run)) == Source(Kind.LORA, str(ckpt))  # a LoRA run is known by its checkpoint's files
     assert from_step.path == from_run.path
     assert all(torch.equal(from_step.state[k], v) for k, v in from_run.state.items())
     assert os.path.getsize(ckpt / "adapters.safetensors") < 0.2 * os.path.getsize(qwen3_folder / "model.safetensors")

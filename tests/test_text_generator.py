@@ -17,7 +17,8 @@ import torch
 import text_generator as tg
 from config import LoadConfig, SampleConfig
 from conftest import save_model
-from llm.checkpoint import read_model, save_checkpoint
+from llm.checkpoint import save_checkpoint
+from llm.loading import read_model
 from llm.engine import generate_text
 from llm.errors import ConfigError
 from llm.inference import load_for_inference

@@ -22,6 +22,7 @@ from conftest import write_greetings
 from llm import checkpoint as ckpt_io
 from llm import distributed, startup
 from llm.errors import ConfigError
+from llm.loading import read_model
 from llm.monitor import read_metrics as read_all
 from llm.schedule import RunClock, lr_multiplier
 from llm.sizing import EVAL_SHARE
@@ -552,8 +553,8 @@ def test_the_best_checkpoint_survives_pruning(corpus, tmp_path, monkeypatch, arg
     assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 2, "--keep_checkpoints", 1)) == 0
     assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(str(run))] == ["step_000004", "step_000012"]
     assert ckpt_io.best_checkpoint(str(run)).endswith("step_000004")
-    assert ckpt_io.read_model(str(run), best=True).path == ckpt_io.best_checkpoint(str(run))
-    assert ckpt_io.read_model(str(run)).path.endswith("step_000012")
+    assert read_model(str(run), best=True).path == ckpt_io.best_checkpoint(str(run))
+    assert read_model(str(run)).path.endswith("step_000012")
 
 
 def test_one_step_runs_and_warmup_fits_any_length(corpus, tmp_path, argv_for):

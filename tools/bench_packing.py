@@ -28,7 +28,7 @@ import torch
 import gpu_training_optimized as trainer
 from config import DataConfig
 from llm.batches import Batches, PackedBatches
-from llm.checkpoint import read_model
+from llm.loading import read_model
 from llm.errors import error_contract
 from llm.preparation import prepare
 from modern_llm import Transformer

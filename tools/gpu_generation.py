@@ -16,7 +16,7 @@ import time
 import bench
 import torch
 
-from llm.checkpoint import read_model
+from llm.loading import read_model
 from llm.device import pick_device
 from llm.hf_format import hf_twin
 from llm.inference import for_inference
