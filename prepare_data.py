@@ -85,7 +85,8 @@ def parse_args(argv=None):
     def show(parser):
         parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
                             "examples with their learned tokens marked, and the share of tokens learned")
-    cfg, extras = parse_config(argv, show)
+    cfg, extras = parse_config(argv, show, "Prepare the token cache a training run reads: the data, tokenizer and "
+                               "sizing settings below are the trainer's own.", shown=CACHE_FLAGS)
     if extras.show < 0:
         raise ConfigError(f"--show {extras.show} is invalid, pass a number of examples >= 0")
     return cfg, extras

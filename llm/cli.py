@@ -129,13 +129,14 @@ def _boolean(text: str) -> bool:
     return value
 
 
-def add_fields(parser: argparse.ArgumentParser, section):
+def add_fields(parser: argparse.ArgumentParser, section, shown: set[str] | None = None):
     """One flag per field of the dataclass `section`, named as the field (or with dashes) and parsed to its
     annotated type: bool takes true/false (bare: true), a Literal its values (or their aliases), a list its values
-    (none: empty). A positional field is a word without a name instead."""
+    (none: empty). A positional field is a word without a name instead. shown: the fields --help lists (all)."""
     for f in fields(section):
         default = f.default_factory() if f.default is MISSING else f.default
-        kind, options = f.type, {"help": f.metadata.get("help"), "default": default}
+        listed = shown is None or f.name in shown
+        kind, options = f.type, {"help": f.metadata.get("help") if listed else argparse.SUPPRESS, "default": default}
         if kind is bool:
             options.update(type=_boolean, nargs="?", const=True, metavar="true|false")
         elif get_origin(kind) is Literal:
@@ -154,18 +155,18 @@ def add_fields(parser: argparse.ArgumentParser, section):
         parser.add_argument(f"--{f.name}", *dashed, **options)
 
 
-def parse_sections(types, defaults, argv, description: str, extra=None):
+def parse_sections(types, defaults, argv, description: str, extra=None, shown: set[str] | None = None):
     """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
 
     `extra` adds script-specific arguments; it is called with the parser and its values come back as a
-    Namespace. Raises ConfigError for unknown names and bad values.
+    Namespace. shown: the fields --help lists, where not all. Raises ConfigError for unknown names and bad values.
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default="")
     known, rest = pre.parse_known_args(argv)
     parser = Parser(description=description)
     for section in types:
-        add_fields(parser, section)
+        add_fields(parser, section, shown)
     parser.add_argument("--config", default="", help="JSON or YAML file of field values, applied before "
                                                      "the command line")
     if extra:
@@ -187,8 +188,10 @@ def parse_sections(types, defaults, argv, description: str, extra=None):
     return sections, argparse.Namespace(**values)
 
 
-def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
-    """The training command line: --preset NAME, --config FILE, then any field of any section."""
+def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/SwiGLU transformer. Every field "
+                 "below can be set as --name value.", shown: set[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The training command line: --preset NAME, --config FILE, then any field of any section; shown: the fields
+    --help lists, where a script reads only some (prepare_data.py)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="auto")
@@ -208,9 +211,8 @@ def parse_config(argv=None, extra=None) -> tuple[Config, argparse.Namespace]:
         base = PRESETS[known.preset]()
     except ConfigError as e:
         raise _naming_config_py(e, types) from None
-    (model, data, train), extras = parse_sections(
-        types, (base.model, base.data, base.train), argv,
-        "Train a GQA/RoPE/SwiGLU transformer. Every field below can be set as --name value.", add_preset)
+    (model, data, train), extras = parse_sections(types, (base.model, base.data, base.train), argv, description,
+                                                  add_preset, shown)
     return Config(model=model, data=data, train=train), extras
 
 

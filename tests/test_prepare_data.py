@@ -533,3 +533,17 @@ def test_command_line_prepares_and_reports_errors_in_one_line(tmp_path):
                                   capture_output=True, text=True, timeout=120)  # was taken and ignored
     assert trainer_flag.returncode == 2 and trainer_flag.stderr.count("\n") == 1, trainer_flag.stderr
     assert trainer_flag.stderr.startswith("error: --learning-rate is the trainer's setting")
+
+
+def test_help_lists_the_data_settings_and_not_the_trainers(capsys):
+    """prepare_data.py --help once listed every trainer setting (learning rates, LoRA, the server's), none of which
+    it reads and each of which it refuses on its command line: --help lists what it takes, and only that."""
+    import prepare_data
+    from config import TrainConfig
+    with pytest.raises(SystemExit):
+        prepare_data.parse_args(["--help"])
+    text = capsys.readouterr().out
+    listed = set(re.findall(r"^  --(\w+)", text, re.M))
+    assert {"sources", "vocab_size", "max_seq_len", "cache_dir", "show"} <= listed
+    trainer_only = {f.name for f in fields(TrainConfig)} - prepare_data.CACHE_FLAGS
+    assert not listed & trainer_only, listed & trainer_only
