@@ -38,7 +38,7 @@ from llm.device import (autocast, compile_model, eager_or_stop, falls_back, floa
                         keep_freed_memory, keep_grads, machine, make_deterministic, pick_device, pick_precision,
                         precision_label, uses_cuda_graphs)
 from llm.errors import ConfigError, RunFailure, error_contract
-from llm.evaluation import GPU_TASK_ITEMS, Probe, evaluate
+from llm.evaluation import GPU_TASK_ITEMS, Probe, validation_loss
 from llm.lora import add_adapters
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
@@ -71,7 +71,7 @@ class Built:
     amp: object  # the autocast context of amp_dtype
     cudagraphs: bool  # the compile mode captures CUDA graphs
     persistent_grads: bool = False  # .grad in fixed buffers zeroed in place, never None (under CUDA graphs)
-    evaluator: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
+    eval_model: torch.nn.Module | None = None  # what evaluation calls: raw_model, or its own compiled graph (fp8)
     objective: preference.Objective | None = None  # a preference run's loss; else the model's own next-token loss
 
     @property
@@ -92,7 +92,7 @@ class Built:
 
     def evaluate_eagerly(self):
         """After a compiler failure in evaluation's own graph: evaluation runs the model as it is."""
-        self.evaluator = self.state.model
+        self.eval_model = self.state.model
 
     def run_eagerly(self):
         """After a compiler failure: the step runs the model as it is, and the optimizer uncompiled."""
@@ -132,10 +132,10 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     if cudagraphs:
         keep_grads(opt)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before timing.
-    evaluator = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
+    eval_model = compile_model(raw_model, "default") if t.precision == "fp8" and t.compile != "off" else raw_model
     return Built(state=TrainingState(raw_model, opt, scaler, WeightAverage(raw_model, t.weight_average)),
                  model=model, compiled=compile_model(model, t.compile, amp_dtype), amp_dtype=amp_dtype, amp=amp,
-                 cudagraphs=cudagraphs, persistent_grads=cudagraphs, evaluator=evaluator)
+                 cudagraphs=cudagraphs, persistent_grads=cudagraphs, eval_model=eval_model)
 
 
 def build_run(plan: Plan) -> Built:
@@ -206,13 +206,13 @@ def first_train_step(b: Built, batches, step: int, t, ranks: Ranks):
         return train_step(b, batches, step, t, ranks)
 
 
-def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
+def warm_eval_model(b: Built, val_batches, t, ranks: Ranks):
     """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler failure
     if allowed."""
-    if b.evaluator is b.raw_model:
+    if b.eval_model is b.raw_model:
         return
     try:
-        evaluate(b.evaluator, b.amp, val_batches, 1, ranks, objective=b.objective)  # compiles its graph
+        validation_loss(b.eval_model, b.amp, val_batches, 1, ranks, objective=b.objective)  # compiles its graph
     except Exception as e:
         if not is_compile_failure(e):
             raise
@@ -220,8 +220,8 @@ def warm_evaluator(b: Built, val_batches, t, ranks: Ranks):
         b.evaluate_eagerly()
 
 
-def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = False, batches: int = 0,
-               until: float = math.inf) -> float:
+def evaluate_and_log(session: Session, b: Built, step: int, full: bool, last: bool = False, batches: int = 0,
+                     until: float = math.inf) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
     leaves in the better of the weight average and the last step's weights. batches and until: the final one's
@@ -234,7 +234,7 @@ def evaluation(session: Session, b: Built, step: int, full: bool, last: bool = F
 
     def val_loss_now():
         nonlocal n
-        loss, n = evaluate(b.evaluator, b.amp, session.val_batches, n, session.ranks,
+        loss, n = validation_loss(b.eval_model, b.amp, session.val_batches, n, session.ranks,
                            deadlines.pop() if deadlines else math.inf, b.objective)
         return loss
     chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     session = open_session(plan, b, launch, argv)
     clock, timer, evals = session.clock, session.clock.timer, session.clock.evals  # run length, timer, evaluations
     stop, window, last_ckpt = StopFlag(), LossWindow(plan.device), None
-    warm_evaluator(b, plan.val_batches, t, ranks)
+    warm_eval_model(b, plan.val_batches, t, ranks)
     profiler = StepProfiler(t.run_dir, plan.device, first=first + 2) if t.profile and ranks.is_main else None
 
     timer.sync(first)
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
             if last_step or evals.due(step):
                 with timer.pause("eval", step):
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
-                    val_loss = evaluation(session, b, step, full=evals.full(step, last_step), last=last_step,
+                    val_loss = evaluate_and_log(session, b, step, full=evals.full(step, last_step), last=last_step,
                                           batches=n, until=until)
                 evals.mark(step)
                 state.best_val = min(state.best_val, val_loss)

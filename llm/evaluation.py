@@ -6,7 +6,7 @@
   body (fixed, seeded sampling), the body ends at the first line that dedents back to the signature, and
   the share that `ast.parse` accepts is the metric. A body needs one statement besides the docstring.
 - sample_texts(): continuations of a few fixed prompts, to read what the model writes.
-The trainer runs evaluate() and, through a Probe, the last two at every evaluation; `text_generator.py
+The trainer runs validation_loss() and, through a Probe, the last two at every evaluation; `text_generator.py
 --eval` runs the first two on any files.
 """
 
@@ -217,7 +217,7 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
 
 @torch.no_grad()
-def evaluate(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf,
+def validation_loss(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf,
              objective=None) -> tuple[float, int]:
     """Mean validation loss over n fixed micro-batches (averaged over ranks), and the batches it read: fewer once
     time.monotonic() passes `until` (one process only: under FSDP2 every rank must run every forward); a preference

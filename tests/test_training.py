@@ -279,7 +279,7 @@ def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_it
 def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
     """The final evaluation of a budgeted run stops reading batches once its time is up (at least one), and says
     how many it read: the mean is over those, as a naive loop over them computes it."""
-    from llm.evaluation import evaluate
+    from llm.evaluation import validation_loss
     losses = [3.0, 1.0, 2.0, 6.0]
 
     class Model(torch.nn.Module):
@@ -297,9 +297,9 @@ def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
         def mean(self, t):
             return t
     model, amp = Model(), contextlib.nullcontext()
-    assert evaluate(model, amp, Val(), 4, Ranks()) == (pytest.approx(3.0), 4)
-    assert evaluate(model, amp, Val(), 4, Ranks(), until=time.monotonic() + 0.08) == (pytest.approx(2.0), 2)
-    assert evaluate(model, amp, Val(), 4, Ranks(), until=time.monotonic() - 1) == (pytest.approx(3.0), 1)
+    assert validation_loss(model, amp, Val(), 4, Ranks()) == (pytest.approx(3.0), 4)
+    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() + 0.08) == (pytest.approx(2.0), 2)
+    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() - 1) == (pytest.approx(3.0), 1)
 
 
 def test_asking_what_is_due_changes_nothing(monkeypatch):
@@ -740,12 +740,12 @@ def test_a_deterministic_run_trains_and_repeats_itself(corpus, tmp_path, argv_fo
 def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_path, monkeypatch, argv_for):
     """Tokens/s and MFU once counted the evaluation and checkpoint time in the window after them, so the bar
     dipped after each. An evaluation made to take 1.5 s must not show in the next step's rate."""
-    original = trainer.evaluation
+    original = trainer.evaluate_and_log
 
     def slow(*args, **kwargs):
         time.sleep(1.5)
         return original(*args, **kwargs)
-    monkeypatch.setattr(trainer, "evaluation", slow)
+    monkeypatch.setattr(trainer, "evaluate_and_log", slow)
     assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 6, "--eval_interval", 3)) == 0
     after = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 4)
     # With the evaluation counted the rate is below 1 / 1.5 s; a step of the tiny model takes tens of ms, and stays

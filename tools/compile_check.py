@@ -160,7 +160,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
     batches = bench.FixedBatches(cfg, device, packed)
     evaluates = lambda: evaluation_forward(b, batches)  # noqa: E731  FP8's own graph, warmed before the loop
-    if b.evaluator is not b.raw_model:
+    if b.eval_model is not b.raw_model:
         evaluates()
     ROOFLINE.watch_optimizer(b.opt)
     train_step(b, batches, 0, cfg.train, ranks)
@@ -184,12 +184,12 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
 
 
 def evaluation_forward(b, batches):
-    """What evaluate() runs, without its host read (a fake tensor has no value): one forward, eval mode."""
+    """What validation_loss() runs, without its host read (a fake tensor has no value): one forward, eval mode."""
     import torch
-    b.evaluator.eval()
+    b.eval_model.eval()
     with torch.no_grad(), b.amp:
-        b.evaluator(batches.x, labels=batches.y, positions=batches.pos)
-    b.evaluator.train()
+        b.eval_model(batches.x, labels=batches.y, positions=batches.pos)
+    b.eval_model.train()
 
 
 def run_generation() -> dict:
