@@ -2,8 +2,12 @@
 folder both give the logits our merge gives), resumed exactly, and refused in one line where they cannot work."""
 
 import json
+import math
 import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ from config import TrainConfig
 from conftest import write_greetings
 from llm.checkpoint import read_model
 from llm.lora import adapter_state, add_adapters, merged
-from llm.monitor import stored_bytes
+from llm.monitor import read_metrics, stored_bytes
 from modern_llm import Transformer
 
 
@@ -44,9 +48,9 @@ def lora_run(qwen3_folder, tmp_path_factory):
     return train_lora(qwen3_folder, tmp_path_factory.mktemp("lora"))
 
 
-def train_lora(base, folder):
+def train_lora(base, folder, *extra):
     chats = write_greetings(folder / "chats.jsonl", 200)
-    assert trainer.main(lora_argv(base, chats, folder / "run", "--max_steps", 12)) == 0
+    assert trainer.main(lora_argv(base, chats, folder / "run", "--max_steps", 12, *extra)) == 0
     return folder / "run"
 
 
@@ -76,6 +80,61 @@ def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_ru
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     with torch.no_grad():
         assert (exported(ids).logits - ours).abs().max() < 1e-4
+
+
+def test_nf4_adapters_load_in_peft_over_torchaos_dequantised_base_and_export_merged(qwen3_folder, tmp_path):
+    """A run on an nf4 base trained its adapters over the dequantised weights, so its model is W' + B @ A: PEFT's
+    forward of the adapter folder on transformers' base with each targeted matrix replaced by torchao's own
+    dequantisation of it must give our merged logits, and so must transformers on the merged export; on the
+    file's weights PEFT must not (else the merge ignored the quantisation)."""
+    from peft import PeftModel
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+    run = train_lora(qwen3_folder, tmp_path, "--lora_base", "nf4")
+    assert json.loads((ckpt := sorted((run / "checkpoints").glob("step_*"))[-1] / "adapter_config.json")
+                      .read_text())["base_format"] == "nf4", ckpt
+    found = read_model(str(run), base=str(qwen3_folder))
+    ids = torch.randint(0, found.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = our_logits(found, ids)
+    assert export_hf.main([str(run), str(tmp_path / "adapter"), "--adapter_only", "--base", str(qwen3_folder)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    with torch.no_grad():
+        assert (PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(ids).logits - ours).abs().max() > 1e-3
+    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                blocks = module.weight.numel() // 64  # at most 256 in these small matrices: one factor for them all
+                module.weight.copy_(to_nf4(module.weight, 64, blocks).get_original_weight())
+        assert (PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(ids).logits - ours).abs().max() < 1e-4
+    assert export_hf.main([str(run), str(tmp_path / "merged"), "--base", str(qwen3_folder)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (exported(ids).logits - ours).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_an_nf4_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(qwen3_folder, tmp_path):
+    """kill -9 once a checkpoint is written: the base is quantised again from the same weights at --resume, and the
+    losses must be those of a run never interrupted, bit for bit."""
+    chats = write_greetings(tmp_path / "chats.jsonl", 200)
+    common = ("--max_steps", 16, "--save_interval", 4, "--eval_interval", 8, "--lora_base", "nf4")
+    assert trainer.main(lora_argv(qwen3_folder, chats, tmp_path / "full", *common)) == 0
+    reference = [r["loss"] for r in read_metrics(str(tmp_path / "full"), "train")]
+    killed, root = tmp_path / "killed", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "gpu_training_optimized.py"),
+                             *lora_argv(qwen3_folder, chats, killed, *common)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=root)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (killed / "checkpoints" / "LATEST").exists():
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    step = int((killed / "checkpoints" / "LATEST").read_text().strip().rsplit("_", 1)[1])
+    assert 4 <= step < 16  # killed mid-run, after a checkpoint
+    assert trainer.main(lora_argv(qwen3_folder, chats, killed, *common, "--resume")) == 0
+    resumed = [r["loss"] for r in read_metrics(str(killed), "train")]
+    assert len(resumed) == 16 and resumed == reference and all(math.isfinite(x) for x in resumed)
 
 
 def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_folder, tiny_checkpoint, capsys):
