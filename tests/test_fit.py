@@ -180,8 +180,8 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
 @pytest.mark.parametrize("lora,base", [(0, "auto"), (16, "auto"), (16, "int8"), (16, "nf4")])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora, base):
     """SmolLM2-135M's shape (from the GGUF the tests use, where installed), training every weight or LoRA adapters
-    on the default base (bf16 where the CPU computes bf16), on int8 or on nf4, at two contexts: a fit check that is far off
-    either refuses runs that fit or lets through runs that die mid-step."""
+    on the default base (bf16 where the CPU computes bf16), on int8 or on nf4, at two contexts: a fit check that is
+    far off either refuses runs that fit or lets through runs that die mid-step."""
     from llm.device import cpu_has_native_bf16
     amp = torch.bfloat16 if cpu_has_native_bf16() else None
     model = replace(gguf_shape() or smollm2_135m(context), max_seq_len=context)
