@@ -7,7 +7,7 @@ memory estimate for a larger model on a GPU.
 Each variant runs in a process of its own (its peak resident memory is its own), through the trainer's build()
 and train_step() on a fixed batch, eager; variants alternate over the rounds, and the table gives each one's
 median and range. Full fine-tuning trains every weight with Muon + AdamW; LoRA (rank 16, every block matrix)
-trains adapters on a base held in bf16 or in int8 (torchao).
+trains adapters on a base held in bf16, in int8 or in nf4 (torchao). --variants picks some of them.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 VARIANTS = {"full": {}, "lora-bf16": {"lora_rank": 16, "lora_base": "bf16"},
-            "lora-int8": {"lora_rank": 16, "lora_base": "int8"}}
+            "lora-int8": {"lora_rank": 16, "lora_base": "int8"}, "lora-nf4": {"lora_rank": 16, "lora_base": "nf4"}}
 
 
 def qwen25_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, seq: int, micro: int):
@@ -105,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--estimate", action="store_true")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -117,9 +118,9 @@ def main(argv=None) -> int:
     if args.estimate:
         estimate()
         return 0
-    results = {name: [] for name in VARIANTS}
+    results = {name: [] for name in args.variants}
     for r in range(args.rounds):
-        for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):  # ABBA: drift hits both orders
+        for name in (args.variants if r % 2 == 0 else args.variants[::-1]):  # ABBA: drift hits both orders
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
                                    str(args.steps)], capture_output=True, text=True)
             if done.returncode:
