@@ -241,9 +241,10 @@ class TrainConfig:
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
     lora_targets: list[str] = arg([], "linear layers of the blocks that get adapters; empty: q_proj k_proj v_proj "
                                       "o_proj gate_proj up_proj down_proj")
-    lora_base: Literal["auto", "fp32", "bf16", "int8"] = arg("auto", "how the frozen base weights are held; int8: "
-                                                             "torchao weight-only, half of bf16; auto: bf16 under "
-                                                             "bf16 compute, else fp32")
+    lora_base: Literal["auto", "fp32", "bf16", "int8", "nf4"] = arg("auto", "how the frozen base weights are held; "
+                                                                    "int8: torchao weight-only, half of bf16; nf4: "
+                                                                    "torchao's 4-bit NormalFloat (QLoRA), a quarter; "
+                                                                    "auto: bf16 under bf16 compute, else fp32")
     objective: Literal["auto", "lm", "dpo", "simpo"] = arg("auto", "what the run optimises: lm, next-token loss; dpo "
                                                            "or simpo (reference-free), preference on pairs of a "
                                                            "chosen and a rejected reply; auto: dpo for pairs, else lm")

@@ -114,8 +114,11 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
         rows = L * sum(o for name, (i, o) in sides.items() if name in targets)
         scales = 4 * rows if base == "int8" else 0  # an fp32 scale per output row
         trained = adapter_parameters(cfg)
-        terms.append((f"base ({base})", BASE_BYTES[base] * held + scales + 4 * (P - held),
-                      "frozen targeted matrices in the base format; embeddings, head and norms in fp32"))
+        embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        e = 2 if base != "fp32" and a == 2 else 4  # lora.hold_embeddings_in_bf16 under bf16 compute
+        terms.append((f"base ({base})", BASE_BYTES[base] * held + scales + e * embed + 4 * (P - held - embed),
+                      "frozen targeted matrices in the base format; embeddings and head in "
+                      f"{'bf16' if e == 2 else 'fp32'}, norms in fp32"))
         if base == "fp32" and a < 4:
             terms.append(("autocast copies", a * held, "16-bit copies of the frozen matrices, kept for the inputs' "
                                                        "gradients"))
@@ -179,8 +182,7 @@ def suggest(cfg: Config, target: Target, memory: int, bases=("auto", "int8")) ->
     micro-batch with more accumulation (the same tokens a step), gradient checkpointing, LoRA (rank 16 where none
     was asked; a fine-tune only) on each base of `bases` in turn (auto: the default), then the least of these with
     a context halved down to MIN_CONTEXT. Returns
-    (flags, config, base); flags empty when none fits, the config then the least of them. For nf4 the config
-    keeps its lora_base (config.py may not take nf4 yet) and the estimate is told the base."""
+    (flags, config, base); flags empty when none fits, the config then the least of them."""
     t, m = cfg.train, cfg.model
     accum = max(1, t.grad_accum_steps)
     for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:
@@ -201,7 +203,7 @@ def suggest(cfg: Config, target: Target, memory: int, bases=("auto", "int8")) ->
         flags.append("--lora_rank 16")
         cfg = replace(cfg, train=replace(cfg.train, lora_rank=16, optimizer="adamw"))
     for base in bases if cfg.train.lora_rank else ():
-        lora = cfg if base in ("nf4", "auto") else replace(cfg, train=replace(cfg.train, lora_base=base))
+        lora = cfg if base == "auto" else replace(cfg, train=replace(cfg.train, lora_base=base))
         candidates.append(([*flags, f"--lora_base {base}"] if base != "auto" else list(flags), lora,
                            base if base != "auto" else ""))
     candidates = candidates or [(flags, cfg, "")]  # already checkpointed, from scratch: the context is left

@@ -1,14 +1,16 @@
-"""LoRA: low-rank adapters trained on a frozen base model, the base held in fp32, bf16 or int8 weights.
+"""LoRA: low-rank adapters trained on a frozen base model, the base held in fp32, bf16, int8 or nf4 weights.
 
 PEFT injects the adapters into our own modules (each targeted nn.Linear becomes base + B @ A * alpha / rank, B
-starting at zero, so training starts from the base exactly); torchao holds an int8 base. A LoRA run's checkpoints
-hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and its fingerprint;
-readers merge the adapters into the base the user names (--base), and a resume refuses another base.
-export_hf.py writes the merged model, or with --adapter_only a PEFT folder for transformers + peft.
+starting at zero, so training starts from the base exactly); torchao holds an int8 or an nf4 (QLoRA's 4-bit) base.
+A LoRA run's checkpoints hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and
+its fingerprint; readers merge the adapters into the base the user names (--base), an nf4 base quantised again from
+it and dequantised, and a resume refuses another base. export_hf.py writes the merged model, or with --adapter_only
+a PEFT folder for transformers + peft.
 """
 
 import hashlib
 import json
+import math
 import os
 import warnings
 
@@ -48,23 +50,55 @@ def check_lora(model: nn.Module, t):
                           f"--lora_rank {side} or less")
 
 
+NF4_BLOCK = 64  # weights per absmax scale: QLoRA's and torchao's block (Dettmers et al. 2023)
+NF4_SCALER_BLOCK = 256  # scales per fp32 factor of their int8 quantisation (torchao's default), or a divisor of it
+
+
+def nf4_blocks(name: str, weight: torch.Tensor) -> tuple[int, int]:
+    """(block, scaler block) of a matrix held in nf4: a scale per 64 weights and an fp32 factor per 256 scales, or
+    per the largest divisor of 256 that divides the count of scales (SmolLM2-135M's k_proj holds 1,728 blocks);
+    ConfigError when the weights do not split into blocks of 64."""
+    if weight.numel() % NF4_BLOCK:
+        raise ConfigError(f"--lora_base nf4 quantises blocks of {NF4_BLOCK} weights and {name} holds "
+                          f"{'x'.join(map(str, weight.shape))} = {weight.numel():,}, not a multiple of {NF4_BLOCK}; "
+                          "pass --lora_base int8 or bf16, or leave that layer out of --lora_targets")
+    return NF4_BLOCK, math.gcd(weight.numel() // NF4_BLOCK, NF4_SCALER_BLOCK)
+
+
+def to_nf4(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4Tensor of weight, quantised from fp32 (the same source weights give the same codes, so a resume
+    and a merge find the base the run trained on); it dequantises to fp32, cast to the compute dtype by autocast."""
+    from torchao.quantization import to_nf4 as quantise
+    return quantise(weight.detach().float().contiguous(), *nf4_blocks(name, weight))
+
+
+def nf4_round_trip(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """weight as an nf4 base holds it: quantised, then dequantised (fp32)."""
+    return to_nf4(name, weight).get_original_weight()
+
+
 def base_dtype(t, amp_dtype) -> str:
     """How the frozen base is held: as asked, or bf16 where the run computes in bf16, else fp32."""
     if t.lora_base == "auto":
         return "bf16" if amp_dtype == torch.bfloat16 else "fp32"
     if t.lora_base == "bf16" and amp_dtype != torch.bfloat16:
-        raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, or --lora_base fp32 or int8")
+        raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, or --lora_base fp32, int8 "
+                          "or nf4")
     return t.lora_base
 
 
 def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
-    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32)."""
+    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32).
+    Under bf16 compute on a 16-bit or quantised base, the frozen embedding table and head are held in bf16 too."""
     quiet_library_notices()  # PEFT imports torchao, which announces its enums
     from peft import LoraConfig, inject_adapter_in_model
     check_lora(model, t)
     model.requires_grad_(False)
     held = base_dtype(t, amp_dtype)
     layers = block_linears(model, targets(t))
+    if held == "nf4":  # every shape checked before anything changes
+        for name, layer in layers.items():
+            nf4_blocks(name, layer.weight)
     if held == "int8":  # before the injection, which then wraps the quantized layers
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: name in layers)
@@ -77,7 +111,22 @@ def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
             p.data = p.data.float()  # fp32 master weights, whatever the base is held in
         elif held == "bf16" and name.removesuffix(".base_layer.weight") in layers:
             p.data = p.data.to(torch.bfloat16)
+    if held == "nf4":
+        for name in layers:
+            layer = model.get_submodule(name).base_layer
+            layer.weight = nn.Parameter(to_nf4(name, layer.weight), requires_grad=False)
+    if held != "fp32" and amp_dtype == torch.bfloat16:
+        hold_embeddings_in_bf16(model)
     return model
+
+
+def hold_embeddings_in_bf16(model: nn.Module):
+    """The frozen embedding table and head (one tensor when tied) in bf16: half the bytes, and autocast keeps no
+    16-bit copy of the head. The table's rows come out in fp32, as the fp32 table's did, so the residual stream
+    keeps the dtype the trainer chose for it."""
+    for layer in (model.embed_tokens, model.lm_head):
+        layer.weight.data = layer.weight.data.to(torch.bfloat16)  # a tied head is the same Parameter
+    model.embed_tokens.register_forward_hook(lambda module, args, out: out.float())
 
 
 def alpha(t) -> float:
@@ -102,13 +151,16 @@ def load_adapters(model: nn.Module, state: dict, where: str):
 
 
 def merged(base: dict, adapters: dict, meta: dict) -> dict:
-    """The base's weights with every adapter added in (W + B @ A * alpha / rank), in fp32."""
+    """The base's weights with every adapter added in (W + B @ A * alpha / rank), in fp32; W as the run held it
+    for an nf4 base (quantised again from the base, then dequantised), the file's weights for the others."""
     out, scale = dict(base), meta["alpha"] / meta["rank"]
     for name in adapters:
         if name.endswith(".lora_A.weight"):
             module = name[:-len(".lora_A.weight")]
             a, b = adapters[name].double(), adapters[module + ".lora_B.weight"].double()
-            out[module + ".weight"] = (base[module + ".weight"].double() + scale * b @ a).float()
+            w = base[module + ".weight"]
+            w = nf4_round_trip(module, w) if meta.get("base_format") == "nf4" else w
+            out[module + ".weight"] = (w.double() + scale * b @ a).float()
     return out
 
 
@@ -133,7 +185,7 @@ def meta_of(t, base_path: str) -> dict:
     """adapter_config.json of a run's checkpoints: its LoRA settings and the base they adapt."""
     named = t.init_from if t.init_from.startswith("hf:") else os.path.abspath(base_path)  # a Hub model by its name
     return {"rank": t.lora_rank, "alpha": alpha(t), "dropout": t.lora_dropout, "targets": targets(t),
-            "base": named, "base_fingerprint": fingerprint(base_path)}
+            "base": named, "base_fingerprint": fingerprint(base_path), "base_format": t.lora_base}
 
 
 def read_meta(ckpt: str) -> dict | None:

@@ -2,8 +2,12 @@
 folder both give the logits our merge gives), resumed exactly, and refused in one line where they cannot work."""
 
 import json
+import math
 import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ from config import TrainConfig
 from conftest import write_greetings
 from llm.loading import Kind, Source, detect, read_model
 from llm.lora import adapter_state, add_adapters, merged
-from llm.monitor import stored_bytes
+from llm.monitor import read_metrics, stored_bytes
 from modern_llm import Transformer
 
 
@@ -44,9 +48,9 @@ def lora_run(qwen3_folder, tmp_path_factory):
     return train_lora(qwen3_folder, tmp_path_factory.mktemp("lora"))
 
 
-def train_lora(base, folder):
+def train_lora(base, folder, *extra):
     chats = write_greetings(folder / "chats.jsonl", 200)
-    assert trainer.main(lora_argv(base, chats, folder / "run", "--max_steps", 12)) == 0
+    assert trainer.main(lora_argv(base, chats, folder / "run", "--max_steps", 12, *extra)) == 0
     return folder / "run"
 
 
@@ -76,6 +80,61 @@ def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_ru
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     with torch.no_grad():
         assert (exported(ids).logits - ours).abs().max() < 1e-4
+
+
+def test_nf4_adapters_load_in_peft_over_torchaos_dequantised_base_and_export_merged(qwen3_folder, tmp_path):
+    """A run on an nf4 base trained its adapters over the dequantised weights, so its model is W' + B @ A: PEFT's
+    forward of the adapter folder on transformers' base with each targeted matrix replaced by torchao's own
+    dequantisation of it must give our merged logits, and so must transformers on the merged export; on the
+    file's weights PEFT must not (else the merge ignored the quantisation)."""
+    from peft import PeftModel
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+    run = train_lora(qwen3_folder, tmp_path, "--lora_base", "nf4")
+    assert json.loads((ckpt := sorted((run / "checkpoints").glob("step_*"))[-1] / "adapter_config.json")
+                      .read_text())["base_format"] == "nf4", ckpt
+    found = read_model(str(run), base=str(qwen3_folder))
+    ids = torch.randint(0, found.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = our_logits(found, ids)
+    assert export_hf.main([str(run), str(tmp_path / "adapter"), "--adapter_only", "--base", str(qwen3_folder)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    with torch.no_grad():
+        assert (PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(ids).logits - ours).abs().max() > 1e-3
+    base = AutoModelForCausalLM.from_pretrained(str(qwen3_folder)).eval()
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                blocks = module.weight.numel() // 64  # at most 256 in these small matrices: one factor for them all
+                module.weight.copy_(to_nf4(module.weight, 64, blocks).get_original_weight())
+        assert (PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(ids).logits - ours).abs().max() < 1e-4
+    assert export_hf.main([str(run), str(tmp_path / "merged"), "--base", str(qwen3_folder)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (exported(ids).logits - ours).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_an_nf4_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(qwen3_folder, tmp_path):
+    """kill -9 once a checkpoint is written: the base is quantised again from the same weights at --resume, and the
+    losses must be those of a run never interrupted, bit for bit."""
+    chats = write_greetings(tmp_path / "chats.jsonl", 200)
+    common = ("--max_steps", 16, "--save_interval", 4, "--eval_interval", 8, "--lora_base", "nf4")
+    assert trainer.main(lora_argv(qwen3_folder, chats, tmp_path / "full", *common)) == 0
+    reference = [r["loss"] for r in read_metrics(str(tmp_path / "full"), "train")]
+    killed, root = tmp_path / "killed", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "gpu_training_optimized.py"),
+                             *lora_argv(qwen3_folder, chats, killed, *common)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=root)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (killed / "checkpoints" / "LATEST").exists():
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    step = int((killed / "checkpoints" / "LATEST").read_text().strip().rsplit("_", 1)[1])
+    assert 4 <= step < 16  # killed mid-run, after a checkpoint
+    assert trainer.main(lora_argv(qwen3_folder, chats, killed, *common, "--resume")) == 0
+    resumed = [r["loss"] for r in read_metrics(str(killed), "train")]
+    assert len(resumed) == 16 and resumed == reference and all(math.isfinite(x) for x in resumed)
 
 
 def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_folder, tiny_checkpoint, capsys):
@@ -124,6 +183,79 @@ def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):
     loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
     assert torch.isfinite(loss) and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_nf4_base_computes_torchaos_dequantised_weights_and_merges_into_them(tiny_config):
+    """An nf4 base (a quarter of bf16's bytes) must compute x @ W'.T with W' torchao's own dequantisation of W (its
+    to_nf4 and get_original_weight, in float64 here), the adapters beside it; and the merge must add the adapters
+    to that W', not to the file's W, or an export would not be the model that trained."""
+    from torchao.quantization import to_nf4
+    cfg = tiny_config(vocab_size=64, hidden_size=128, intermediate_size=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    add_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0, lora_base="nf4"), torch.float32)
+    held = sum(stored_bytes(p) for n, p in model.named_parameters() if ".base_layer." in n)
+    bf16 = sum(2 * v.numel() for k, v in base.items() if k.startswith("layers.") and v.dim() == 2)
+    assert 0.25 < held / bf16 < 0.27  # 4 bits a weight and the scales
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    layer, x = model.layers[1].mlp.up_proj, torch.randn(2, 5, 128)
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    w = base["layers.1.mlp.up_proj.weight"]
+    dequantised = to_nf4(w).get_original_weight().double()  # torchao's defaults: 512 blocks of 64, 2 factors
+    want = x.double() @ dequantised.T + 5.0 / 3 * x.double() @ a.T @ b.T
+    assert (layer(x).double() - want).abs().max() < 1e-5
+    assert (dequantised - w.double()).abs().max() > 1e-3  # 4 bits: far from the file's weights
+
+    ids = torch.randint(0, 64, (2, 12))
+    injected = model(ids)[0].double()
+    state = merged(base, adapter_state(model), {"rank": 3, "alpha": 5.0, "base_format": "nf4"})
+    assert torch.equal(state["layers.1.mlp.up_proj.weight"].double(), (dequantised + 5.0 / 3 * b @ a).float().double())
+    ref = Transformer(cfg).double()
+    ref.load_stored({k: v.double() for k, v in state.items()})
+    assert (ref(ids)[0] - injected).abs().max() < 1e-4
+    loss = model(ids, labels=ids)[1]
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_nf4_refuses_a_matrix_that_does_not_split_into_blocks_of_64(tiny_config):
+    """torchao asserts deep inside its quantiser (a traceback) on a weight count that is not a multiple of its
+    block: the run says which layer and what to pass instead, before any layer is changed."""
+    from llm.errors import ConfigError
+    model = Transformer(tiny_config(vocab_size=64, hidden_size=36, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=18, intermediate_size=64))
+    with pytest.raises(ConfigError, match=r"--lora_base nf4 quantises blocks of 64 weights and layers\.0\.attn\."
+                                          r"q_proj holds 36x36 = 1,296, not a multiple of 64; pass --lora_base int8"):
+        add_adapters(model, TrainConfig(lora_rank=2, lora_base="nf4"), torch.float32)
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("base", ["bf16", "int8", "nf4", "fp32"])
+def test_frozen_embeddings_and_head_are_held_in_bf16_under_bf16_compute(base, tiny_config):
+    """Under LoRA the embedding table and head are frozen: on a bf16, int8 or nf4 base under bf16 compute they are
+    held in bf16 (half their bytes; Llama-3.1-8B's two take 2 GB in bf16), a tied head still the table itself, and
+    the model must compute what it computes with those two rounded to bf16 and held in fp32 (the residual stream
+    stays fp32 on a CPU). On an fp32 base they stay fp32."""
+    cfg = tiny_config(vocab_size=64, tie_word_embeddings=base != "int8")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    rounded = {k: v.to(torch.bfloat16).float() if k.split(".")[0] in ("embed_tokens", "lm_head") else v.clone()
+               for k, v in model.state_dict().items()}
+    ref = Transformer(cfg)
+    ref.load_stored(rounded if base != "fp32" else model.state_dict())
+    add_adapters(model, TrainConfig(lora_rank=2, lora_base=base), torch.bfloat16)
+    want = torch.float32 if base == "fp32" else torch.bfloat16
+    assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == want
+    assert (model.lm_head.weight is model.embed_tokens.weight) == cfg.tie_word_embeddings
+    assert model.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.float32
+    if base in ("bf16", "fp32"):  # the same matrices as the reference's: equal up to the order of additions
+        ids = torch.randint(0, 64, (2, 12))
+        with torch.autocast("cpu", torch.bfloat16):
+            assert (model(ids)[0].float() - ref(ids)[0].float()).abs().max() < 2e-2
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,5 +1,6 @@
-"""LoRA against full fine-tuning: training tokens/s and peak memory, measured on this machine, and sizing.py's
-memory estimate for a larger model on a GPU.
+"""LoRA against full fine-tuning: training tokens/s and peak memory (the live tensors of a step, by torch's
+profiler, and the resident size), measured on this machine, and sizing.py's memory estimate for a larger model on
+a GPU.
 
     python tools/bench_lora.py                 # a Qwen2.5-shaped model of about 100M parameters, random weights
     python tools/bench_lora.py --estimate      # sizing.py's estimate for Qwen2.5-1.5B's shape (no measurement)
@@ -7,7 +8,7 @@ memory estimate for a larger model on a GPU.
 Each variant runs in a process of its own (its peak resident memory is its own), through the trainer's build()
 and train_step() on a fixed batch, eager; variants alternate over the rounds, and the table gives each one's
 median and range. Full fine-tuning trains every weight with Muon + AdamW; LoRA (rank 16, every block matrix)
-trains adapters on a base held in bf16 or in int8 (torchao).
+trains adapters on a base held in bf16, in int8 or in nf4 (torchao). --variants picks some of them.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 VARIANTS = {"full": {}, "lora-bf16": {"lora_rank": 16, "lora_base": "bf16"},
-            "lora-int8": {"lora_rank": 16, "lora_base": "int8"}}
+            "lora-int8": {"lora_rank": 16, "lora_base": "int8"}, "lora-nf4": {"lora_rank": 16, "lora_base": "nf4"}}
 
 
 def qwen25_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, seq: int, micro: int):
@@ -60,10 +61,25 @@ def measure(variant: str, steps: int) -> dict:
         loss, _, _ = train_step(b, batches, step, cfg.train, ranks)
     seconds = time.perf_counter() - start
     trained = sum(p.numel() for p in b.raw_model.parameters() if p.requires_grad)
+    resident = sampler.stop()
     return {"tokens_per_s": steps * cfg.train.micro_batch_size * cfg.model.max_seq_len / seconds,
-            "training_gib": sampler.stop() / 2**30, "process_peak_gib": resource.getrusage(
+            "training_gib": resident / 2**30, "process_peak_gib": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 2**20, "trained": trained,
+            "live_peak_gib": live_peak(lambda: train_step(b, batches, 2 + steps, cfg.train, ranks)) / 2**30,
             "parameters": b.raw_model.num_parameters(), "loss": loss.item()}
+
+
+def live_peak(step) -> int:
+    """The most bytes of live tensors during one call of step, as torch's profiler records each allocation and
+    free on the CPU: the step's own memory, where the resident size also keeps what start-up freed (the fp32 model a
+    base was made from, a quantiser's temporaries), since the trainer keeps freed memory in the process."""
+    import torch
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        step()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max(sum(row) for row in sizes)
 
 
 class RssPeak:
@@ -105,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--estimate", action="store_true")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -117,9 +134,9 @@ def main(argv=None) -> int:
     if args.estimate:
         estimate()
         return 0
-    results = {name: [] for name in VARIANTS}
+    results = {name: [] for name in args.variants}
     for r in range(args.rounds):
-        for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):  # ABBA: drift hits both orders
+        for name in (args.variants if r % 2 == 0 else args.variants[::-1]):  # ABBA: drift hits both orders
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
                                    str(args.steps)], capture_output=True, text=True)
             if done.returncode:
@@ -127,14 +144,15 @@ def main(argv=None) -> int:
                 return 1
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r}: {name} {results[name][-1]}", flush=True)
-    print("| variant | trained parameters | tokens/s (median, range) | resident while training GiB | process peak GiB"
-          " |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| variant | trained parameters | tokens/s (median, range) | live tensors at the step's peak GiB (range) | "
+          "resident while training GiB (range) | process peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
-        speed = [row["tokens_per_s"] for row in rows]
+        speed, live, rss = ([row[k] for row in rows] for k in ("tokens_per_s", "live_peak_gib", "training_gib"))
         print(f"| {name} | {rows[0]['trained'] / 1e6:.1f}M of {rows[0]['parameters'] / 1e6:.0f}M | "
               f"{statistics.median(speed):,.0f} ({min(speed):,.0f}-{max(speed):,.0f}) | "
-              f"{statistics.median(row['training_gib'] for row in rows):.2f} | "
+              f"{statistics.median(live):.3f} ({min(live):.3f}-{max(live):.3f}) | "
+              f"{statistics.median(rss):.2f} ({min(rss):.2f}-{max(rss):.2f}) | "
               f"{statistics.median(row['process_peak_gib'] for row in rows):.2f} |")
     return 0
 

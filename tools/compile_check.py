@@ -135,11 +135,13 @@ def check_config(precision: str, compile_mode: str, preset: str = "large", layer
 
 
 def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None = None,
-                 deterministic: bool = False, packed: bool = False, lora_rank: int = 0, whole: str = "") -> dict:
+                 deterministic: bool = False, packed: bool = False, lora_rank: int = 0, whole: str = "",
+                 lora_base: str = "auto") -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
     in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
     packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters of
-    that rank on a frozen bf16 base; whole: that preset at its full depth, one micro-step (a calibration row)."""
+    that rank on a frozen base held as lora_base (auto: bf16); whole: that preset at its full depth, one micro-step
+    (a calibration row)."""
     import bench
     import torch
 
@@ -149,7 +151,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from llm.sizing import fill_automatic, training_bytes_estimate
     cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
     device, ranks = pick_device("cuda"), distributed.setup()
-    cfg.train = replace(cfg.train, lora_rank=lora_rank)
+    cfg.train = replace(cfg.train, lora_rank=lora_rank, lora_base=lora_base)
     if lora_rank:
         skip_moves_in_place()
     cfg, _ = fill_automatic(cfg, machine(device), corpus_bytes=None)
@@ -258,6 +260,7 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-deterministic": (lambda: run_training("bf16", "default", deterministic=True), "h100"),
     "train-packed": (lambda: run_training("bf16", "default", packed=True), "h100"),
     "train-lora": (lambda: run_training("bf16", "default", packed=True, lora_rank=16), "h100"),
+    "train-lora-nf4": (lambda: run_training("bf16", "default", packed=True, lora_rank=16, lora_base="nf4"), "h100"),
     "generate": (run_generation, "h100"),
     "calibrate-large-h200": (lambda: run_training("bf16", "default", whole="large"), "h200"),
     "calibrate-small-h200": (lambda: run_training("bf16", "default", whole="small"), "h200"),
