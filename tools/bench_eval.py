@@ -46,6 +46,20 @@ def their_predictions(lm, items) -> tuple[list[int], list[list[float]]]:
     return picks, per_item
 
 
+def tokens_run(tokenizer, items, max_len: int) -> tuple[int, int]:
+    """(the positions evaluate.py runs through the model, those lm-eval's `hf` backend runs), padding aside: here each
+    item's shared prefix once and each choice's own tokens after it; there every request whole but its last token.
+    On a CPU bound by its matmuls their ratio is the most a shared prefix can gain over a batched lm-eval."""
+    from llm.scoring import encode_item
+    prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+    ours = theirs = 0
+    for item in items:
+        e = encode_item(tokenizer, item, max_len, prefix)
+        ours += e.shared + sum(len(s) - e.shared - 1 for s in e.sequences)
+        theirs += sum(len(s) - 1 for s in e.sequences)
+    return ours, theirs
+
+
 def compare(model_path: str, names: list[str], limit: int, batch_size: int) -> list[dict]:
     from llm import tasks
     from llm.inference import load_for_inference
@@ -61,13 +75,15 @@ def compare(model_path: str, names: list[str], limit: int, batch_size: int) -> l
         start = time.perf_counter()
         picks, lls = their_predictions(lm, items)
         theirs_s = time.perf_counter() - start
+        here, there = tokens_run(tokenizer, items, model.config.max_seq_len)
         differ = [i for i, (a, b) in enumerate(zip(ours.predictions, picks)) if a != b]
         untied = [i for i in differ if abs(lls[i][ours.predictions[i]] - lls[i][picks[i]]) > TIE]
         rows.append({"task": name, "items": len(items), "agree": 1 - len(differ) / len(items),
                      "differ": len(differ), "differ_untied": len(untied), "acc": ours.acc,
                      "acc_lm_eval": sum(p == it.gold for p, it in zip(picks, items)) / len(items),
                      "seconds": round(ours_s, 1), "seconds_lm_eval": round(theirs_s, 1),
-                     "speedup": round(theirs_s / ours_s, 2)})
+                     "speedup": round(theirs_s / ours_s, 2), "tokens": here, "tokens_lm_eval": there,
+                     "token_ratio": round(there / here, 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -85,11 +101,11 @@ def main():
     args = parse_args(sys.argv[1:])
     rows = compare(args.model, args.tasks, args.limit, args.batch_size)
     print(f"\n{'task':<14} {'items':>6} {'agree':>7} {'differ':>6} {'untied':>6} {'acc':>6} {'lm-eval':>7} "
-          f"{'s':>7} {'s lm-eval':>9} {'speedup':>7}")
+          f"{'s':>7} {'s lm-eval':>9} {'speedup':>7} {'tokens':>7}")
     for r in rows:
         print(f"{r['task']:<14} {r['items']:>6} {100 * r['agree']:>6.2f}% {r['differ']:>6} {r['differ_untied']:>6} "
               f"{100 * r['acc']:>6.1f} {100 * r['acc_lm_eval']:>7.1f} {r['seconds']:>7.1f} {r['seconds_lm_eval']:>9.1f}"
-              f" {r['speedup']:>6.2f}x")
+              f" {r['speedup']:>6.2f}x {r['token_ratio']:>6.2f}x")
 
 
 if __name__ == "__main__":
