@@ -223,6 +223,7 @@ def objective_for(settled, b, log) -> Objective | None:
     t = cfg.train
     if t.objective not in OBJECTIVES:
         return None
+    model.ragged = b.compiled is b.model  # eager: pairs on rows of their own, the head at the replies' rows only
     plans = {split: loader.plan for split, loader in loaders.items()}
     line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
             f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "
@@ -242,5 +243,4 @@ def objective_for(settled, b, log) -> Objective | None:
         line += (f"; the reference's log-probabilities ({source}) ready in {time.perf_counter() - start:.1f}s, "
                  f"stored in {os.path.join(data.path, 'reference')}")
     log(line)
-    model.ragged = b.compiled is b.model  # eager: pairs on rows of their own, the head at the replies' rows only
     return Objective(Settings(t.objective, t.beta, t.simpo_gamma, t.nll_weight), ref, device)
