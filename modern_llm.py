@@ -167,6 +167,17 @@ def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def example_attention(q, k, v, at) -> torch.Tensor:
+    """packed_attention without its (T, T) mask: each example of the (B, H, T, hd) queries moved to a row of its own
+    (at: example_rows), attended causally there and moved back; the work is each example's length squared."""
+    (B, H, T, hd), (example, col, n, longest) = q.shape, at
+    def unpack(t):  # (B, h, T, hd) -> (n, h, longest, hd), zeros after an example's end (its queries never see them)
+        t = t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
+        return t.new_zeros(n, longest, *t.shape[1:]).index_put((example, col), t).transpose(1, 2)
+    y = F.scaled_dot_product_attention(unpack(q), unpack(k), unpack(v), is_causal=True, enable_gqa=H != k.shape[1])
+    return y.transpose(1, 2)[example, col].view(B, T, H, hd).transpose(1, 2)
+
+
 def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
     """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values into it
     at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's later and unfilled
@@ -245,6 +256,7 @@ class Transformer(nn.Module):
         self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
         self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
         self.stream_dtype = None  # the residual stream's dtype under autocast, None for the embedding's (the trainer)
+        self.ragged = False  # eager only: shapes read from each batch (example_attention, labelled_only; preference)
         self.tie_weights()
         if self.rope_cos.device.type != "meta":
             self.compute_rope()
@@ -312,11 +324,12 @@ class Transformer(nn.Module):
         self.matmul_softmax = on
 
     def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
-                last_only: bool = False, positions=None):
+                last_only: bool = False, positions=None, reduction: str = "mean"):
         """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when the loss is computed
         loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
 
-        labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32.
+        labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32, or
+        with reduction "none" each label's, (B, T), never from the whole logits (chunked_cross_entropy; logits None).
         With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
         input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
         last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
@@ -339,8 +352,9 @@ class Transformer(nn.Module):
             last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
         x = self.norm(x)
-        if labels is not None and 0 < self.loss_chunk_rows < labels.numel():
-            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, self.loss_chunk_rows)
+        if labels is not None and (reduction == "none" or 0 < self.loss_chunk_rows < labels.numel()):
+            rows = self.loss_chunk_rows or TOKEN_CHUNK_ROWS
+            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, rows, reduction, self.ragged)
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
@@ -355,7 +369,8 @@ class Transformer(nn.Module):
             attend = partial(causal_attention, gqa=gqa, matmul_softmax=self.matmul_softmax)
             return self.rope_cos[:T], self.rope_sin[:T], [attend] * n
         if kv_cache is None:
-            attends = [partial(packed_attention, mask=example_mask(positions))] * n
+            attends = [partial(example_attention, at=example_rows(positions)) if self.ragged
+                       else partial(packed_attention, mask=example_mask(positions))] * n
         else:
             positions = kv_cache.pos[:, None] + torch.arange(T, device=kv_cache.pos.device)  # (B, T)
             positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read
@@ -403,6 +418,14 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
     return (same & (idx[None, :] <= idx[:, None]))[:, None]
 
 
+def example_rows(positions: torch.Tensor) -> tuple:
+    """Each token's example and place in it, (B * T,) each, then the examples' number and longest (a host read)."""
+    first = (positions == 0) | (torch.arange(positions.shape[1], device=positions.device) == 0)  # a row starts one
+    at = torch.arange(first.numel(), device=positions.device)
+    example, col = first.view(-1).cumsum(0) - 1, at - torch.where(first.view(-1), at, 0).cummax(0).values
+    return example, col, *(torch.stack([example[-1], col.max()]) + 1).tolist()  # host sync: once a forward
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean fp32 cross-entropy over labels != -100; 0 (not NaN) when every label is masked."""
     flat = labels.reshape(-1)
@@ -410,16 +433,28 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (flat != -100).sum().clamp(min=1)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+TOKEN_CHUNK_ROWS = 1024  # per-token losses' rows a chunk when loss_chunk_rows is 0: a 49k vocabulary's logits at 200 MB
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
+                          reduction: str = "mean", labelled_only: bool = False) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: `rows` rows at a time, each
-    chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a model)."""
+    chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a model).
+    reduction "none": each label's, (B, T), 0 at -100; with labelled_only only the labelled rows meet the head (no
+    matmul for a prompt; their number is a host read, so not for torch.compile, whose shapes stay static)."""
     h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if torch.is_autocast_enabled(h.device.type):  # cast the head once, not once per chunk and again in backward
         weight = weight.to(torch.get_autocast_dtype(h.device.type))
-    total = sum(checkpoint(_chunk_loss_sum, h[i:i + rows], weight, flat[i:i + rows], use_reentrant=False)
-                for i in range(0, h.shape[0], rows))
-    return total / (flat != -100).sum().clamp(min=1)
+    if reduction == "mean":
+        total = sum(checkpoint(_chunk_loss, h[i:i + rows], weight, flat[i:i + rows], "sum", use_reentrant=False)
+                    for i in range(0, h.shape[0], rows))
+        return total / (flat != -100).sum().clamp(min=1)
+    at = (flat != -100).nonzero().squeeze(1) if labelled_only else None  # a host sync
+    h, flat = (h, flat) if at is None else (h[at], flat[at])  # (labelled rows, d), (labelled rows,)
+    nll = torch.cat([checkpoint(_chunk_loss, h[i:i + rows], weight, flat[i:i + rows], "none", use_reentrant=False)
+                     for i in range(0, h.shape[0], rows)] or [h.new_zeros(0, dtype=torch.float32)])
+    return (nll if at is None else nll.new_zeros(labels.numel()).index_copy(0, at, nll)).view(labels.shape)
 
 
-def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(h, weight).float(), labels, ignore_index=-100, reduction="sum")
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), labels, ignore_index=-100, reduction=reduction)

@@ -46,11 +46,10 @@ class Settings:
     nll_weight: float = 1.0
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits and (B, T) labels -> (B, T) fp32 log-probability of each label, 0 where it is -100."""
-    flat = labels.reshape(-1)
-    lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="none")
-    return lp.view(labels.shape)
+def token_logps(model, batch) -> torch.Tensor:
+    """(B, T) fp32 log-probability of each label of a PairBatch under the model, 0 where it is -100: the model's
+    per-token losses (reduction "none"), taken a chunk of the replies' rows at a time, never the whole logits."""
+    return -model(batch.x, labels=batch.y, positions=batch.pos, reduction="none")[1]
 
 
 def reply_logps(token_lp: torch.Tensor, slot: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +110,7 @@ class Objective:
         self.last_val: dict = {}  # the metrics of the evaluation kept last
 
     def compute(self, model, batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, _ = model(batch.x, positions=batch.pos)
-        logps, counts = reply_logps(token_logps(logits, batch.y), batch.slot, batch.pairs)
+        logps, counts = reply_logps(token_logps(model, batch), batch.slot, batch.pairs)
         ref = self.ref[split][batch.pair_ids] if self.ref is not None else None
         return pair_loss(self.s, logps, counts, ref)
 
@@ -190,8 +188,7 @@ def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
         for first in range(0, loader.plan.windows, loader.batch_size):
             batch = loader.of_windows(range(first, min(first + loader.batch_size, loader.plan.windows)))
             with amp:
-                logits, _ = model(batch.x, positions=batch.pos)
-            logps, _ = reply_logps(token_logps(logits, batch.y), batch.slot, batch.pairs)
+                logps, _ = reply_logps(token_logps(model, batch), batch.slot, batch.pairs)
             out[batch.pair_ids.cpu().numpy()] = logps.cpu().numpy()
     model.train(was_training)
     return out
@@ -226,6 +223,7 @@ def objective_for(settled, b, log) -> Objective | None:
     t = cfg.train
     if t.objective not in OBJECTIVES:
         return None
+    model.ragged = b.compiled is b.model  # eager: pairs on rows of their own, the head at the replies' rows only
     plans = {split: loader.plan for split, loader in loaders.items()}
     line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
             f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "

@@ -3,6 +3,7 @@
 import math
 import os
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -517,3 +518,70 @@ def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bi
     torch.testing.assert_close(steps[1][1], steps[0][1], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(steps[1][1][:, 0], want[:, 8], rtol=1e-12, atol=1e-12)
     assert matmuls(for_inference(model_of(cfg), torch.device("cpu"), compile="off")) == 4  # what generation runs
+
+
+def naive_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log_softmax(logits) at each label, float64, gathered from the whole logits; 0 where the label is -100."""
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return -lp.masked_fill(labels == -100, 0.0)
+
+
+@pytest.mark.parametrize("rows", [0, 7])  # the default chunk (one here), and chunks of 7 rows that split rows
+@pytest.mark.parametrize("ragged", [False, True])  # every row through the head (compiled), or labelled rows only
+def test_per_token_losses_equal_a_naive_float64_gather_with_their_gradients(tiny, rows, ragged):
+    """reduction="none" gives each label's loss chunk by chunk, every row or (ragged) only the labelled ones, the
+    packed examples then on rows of their own: against log_softmax over the whole logits and a gather, in float64,
+    with -100 rows (a whole masked row among them), packed positions and gradients (the model in float64, the
+    losses in fp32); a row scattered to the wrong place, a chunk dropped at a boundary or a mask ignored changes
+    values or gradients."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (3, 20), generator=g)
+    labels = ids.roll(-1, 1)
+    labels[0, :7], labels[1, 3:12], labels[2] = -100, -100, -100
+    labels[2, 15] = 5  # one labelled token in a row of masks
+    pos = torch.cat([torch.arange(8), torch.arange(12)]).expand(3, 20)
+    weights = torch.rand(3, 20, generator=g, dtype=torch.float64)  # each token's loss weighed differently
+    got = []
+    for per_token in (True, False):
+        m = model_of(tiny()).double().train()
+        m.loss_chunk_rows, m.ragged = rows, ragged and per_token
+        if per_token:
+            logits, nll = m(ids, labels=labels, positions=pos, reduction="none")
+            assert logits is None and nll.shape == labels.shape
+        else:
+            m.loss_chunk_rows = 0
+            nll = naive_token_nll(m(ids, positions=pos)[0], labels)
+        (weights * nll).sum().backward()
+        got.append((nll.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (nll, grads), (naive, naive_grads) = got
+    assert (nll[labels == -100] == 0).all() and (nll[labels != -100] > 0).all()
+    torch.testing.assert_close(nll, naive.float(), rtol=1e-6, atol=1e-6)  # the losses are fp32, as the mean's
+    for name in grads:
+        torch.testing.assert_close(grads[name], naive_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
+    """example_attention (eager) moves each packed example to a row of its own; the masked attention (compiled) is
+    its reference here, in float64 with gradients, rows of different example lengths and a row that does not start
+    at position 0: a token moved to another example's row, or a padded key seen, changes the result."""
+    from modern_llm import example_attention, example_mask, example_rows, packed_attention
+    g = torch.Generator().manual_seed(0)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],
+                                                                                     [24])])
+    pos[2] += 4  # a row that continues an example: its own example all the same
+    q = torch.randn(3, 4, 24, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(3, 2, 24, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    mask = example_mask(pos)
+    mask[2] = torch.ones(24, 24, dtype=torch.bool).tril()  # the mask reads a row's start as one example too
+    w = torch.randn(3, 4, 24, 8, dtype=torch.float64, generator=g)
+    results = []
+    for attend in (partial(example_attention, at=example_rows(pos)), partial(packed_attention, mask=mask)):
+        y = attend(q, k, v)
+        (y * w).sum().backward()
+        results.append((y.detach(), [t.grad.clone() for t in (q, k, v)]))
+        for t in (q, k, v):
+            t.grad = None
+    (y, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

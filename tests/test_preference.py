@@ -105,18 +105,27 @@ def test_simpo_loss_and_rewards_equal_trls_cpo_trainer(beta, gamma, nll_weight):
 
 
 def test_packed_reply_sums_equal_a_naive_gather():
-    """Pairs packed into rows (several per row, slots scattered): the summed log-probabilities per reply must equal
-    the naive float64 gather's within 1e-5, and tokens outside replies (slot -1) must count nowhere."""
+    """Pairs packed into rows (several per row, slots scattered), their log-probabilities the model's per-token
+    losses: the summed log-probabilities per reply must equal a naive float64 gather from the model's whole logits
+    within 1e-5, and tokens outside replies (slot -1) must count nowhere."""
+    from config import ModelConfig
+    from modern_llm import Transformer
     g = torch.Generator().manual_seed(5)
     B, T, V, pairs = 2, 20, 13, 3
-    logits, labels = torch.randn(B, T, V, generator=g) * 3, torch.randint(0, V, (B, T), generator=g)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, max_seq_len=T))
+    x, labels = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     slot = torch.full((B, T), -1)
     slot[0, 2:6], slot[0, 8:11], slot[0, 13:15] = 0, 1, 2  # pair 0 both sides and pair 1's chosen in row 0
     slot[1, 1:7], slot[1, 9:16] = 3, 4  # pair 1's rejected, pair 2's chosen
     slot[1, 17:19] = 5
     labels[slot < 0] = -100
-    got, counts = preference.reply_logps(preference.token_logps(logits, labels), slot, pairs)
-    naive = naive_logps(logits, labels)
+    pos = torch.stack([torch.cat([torch.arange(8), torch.arange(12)]), torch.cat([torch.arange(9), torch.arange(11)])])
+    batch = types.SimpleNamespace(x=x, y=labels, pos=pos)
+    got, counts = preference.reply_logps(preference.token_logps(model, batch), slot, pairs)
+    with torch.no_grad():
+        naive = naive_logps(model(x, positions=pos)[0], labels)
     want = torch.stack([naive[slot == i].sum() for i in range(2 * pairs)]).view(pairs, 2)
     assert torch.allclose(got.double(), want, atol=1e-5)
     assert counts.view(-1).tolist() == [(slot == i).sum().item() for i in range(2 * pairs)]

@@ -185,3 +185,34 @@ def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run,
     first = trl_run.state.log_history[0]
     assert abs(ours["loss"] - first["loss"]) < 1e-5
     assert ours["reward_accuracy"] == first["rewards/accuracies"] and abs(ours["reward_margin"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_dpo_under_torchrun_logs_the_rewards_of_one_process_on_the_same_pairs(tmp_path):
+    """Two ranks on gloo (torchrun), 2 windows of pairs each, must log at the first step the pair loss, rewards,
+    accuracy and chosen log-prob of one process reading the same 4 windows (the reference's stored log-probs read
+    by both), and train to the end: a rank logging its own means, rewards summed over ranks but pairs not, or a
+    rank reading another rank's reference rows would differ."""
+    pairs, start = repeat_task(tmp_path / "pairs.jsonl", 240, pairs=True, seed=1), tmp_path / "start"
+    assert trainer.main(["--preset", "tiny", *TINY, "--max_seq_len", "64", "--sources", repeat_task(
+        tmp_path / "chats.jsonl", 300, pairs=False, seed=0), "--cache_dir", str(tmp_path / "cache"), "--run_dir",
+        str(start), "--max_steps", "1", "--compile", "off", "--eval_batches", "1"]) == 0  # a model to tune
+
+    def argv(run, micro):
+        return ["--init_from", str(start), "--max_seq_len", "128", "--sources", pairs, "--cache_dir",
+                str(tmp_path / "cache"), "--run_dir", str(tmp_path / run), "--micro_batch_size", str(micro),
+                "--grad_accum_steps", "1", "--max_steps", "3", "--compile", "off", "--precision", "fp32",
+                "--log_interval", "1", "--eval_batches", "1", "--val_fraction", "0.1", "--objective", "dpo"]
+    assert trainer.main(argv("one", 4)) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           "gpu_training_optimized.py", *argv("two", 2)], cwd=root, capture_output=True, text=True,
+                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    one, two = read_metrics(str(tmp_path / "one"), "train"), read_metrics(str(tmp_path / "two"), "train")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
+    for key in ("pair_loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "chosen_logp"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-6), key
+    assert two[0]["reward_accuracy"] not in (0.0, 1.0) or two[0]["reward_margin"] != 0  # the figures say something

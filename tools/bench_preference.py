@@ -5,12 +5,14 @@ machine, the same model, pairs, LoRA rank and pairs per step.
     python tools/bench_preference.py --steps 8 --rounds 2
 
 Both run DPO with the NLL term (TRL's loss types sigmoid + sft, beta 0.1, weights 1 and 1), LoRA rank 16 on every
-block matrix, AdamW, bf16 autocast, gradient checkpointing (TRL's default), eager, on 400 generated pairs (prompts of about 40 tokens, replies of about
-150). TRL pads each pair to its batch's longest sequence and runs its reference (the adapters disabled) at every
-step; here pairs are packed whole into windows and the reference's log-probabilities are computed once, before
-the first step (that pass is timed apart), --seq_len tokens a window. Tokens/s counts the pairs' own tokens (no padding) per second of the
-steps after two warm-up steps (the reference pass apart); the memory is each process's lifetime peak (ru_maxrss). Each variant runs in a
-process of its own, the variants alternating over the rounds.
+block matrix, AdamW, bf16 autocast, gradient checkpointing (TRL's default), eager, on 400 generated pairs (prompts
+of about 40 tokens, replies of about 150). TRL pads each pair to its batch's longest sequence and runs its
+reference (the adapters disabled) at every step; here pairs are packed whole into windows of --seq_len tokens,
+each sequence attended on a row of its own (no window-wide mask), the log-probabilities taken from the model's
+per-token losses at the replies' rows only (never the whole logits), and the reference's computed once, before
+the first step (that pass is timed apart). Tokens/s counts the pairs' own tokens (no padding) per second of the
+steps after two warm-up steps (the reference pass apart); the memory is each process's lifetime peak (ru_maxrss).
+Each variant runs in a process of its own, the variants alternating over the rounds (ABBA).
 """
 
 import argparse
@@ -158,14 +160,18 @@ def main(argv=None) -> int:
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             ready = re.search(r"log-probabilities \(.*?\) ready in ([0-9.]+)s", done.stdout)
             results[name][-1]["reference_s"] = float(ready.group(1)) if ready else None
+            results[name][-1]["load"] = os.getloadavg()[0]  # the machine's 1-minute load as the run ended
             print(f"round {r}: {name} {results[name][-1]}", flush=True)
-    print("| variant | pairs a step | tokens/s (median, range) | process peak GiB | reference pass s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| variant | pairs a step | tokens/s (median, range) | process peak GiB (median, range) | reference pass s |"
+          " load |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
-        speed = [row["tokens_per_s"] for row in rows]
+        speed, peak = [row["tokens_per_s"] for row in rows], [row["peak_gib"] for row in rows]
         print(f"| {name} | {rows[0]['pairs_per_step']:.1f} | {statistics.median(speed):,.0f} "
-              f"({min(speed):,.0f}-{max(speed):,.0f}) | {statistics.median(r['peak_gib'] for r in rows):.2f} | "
-              f"{statistics.median(r['reference_s'] for r in rows) if rows[0]['reference_s'] else 'each step'} |")
+              f"({min(speed):,.0f}-{max(speed):,.0f}) | {statistics.median(peak):.2f} "
+              f"({min(peak):.2f}-{max(peak):.2f}) | "
+              f"{statistics.median(r['reference_s'] for r in rows) if rows[0]['reference_s'] else 'each step'} | "
+              f"{min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f} |")
     return 0
 
 

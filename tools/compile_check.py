@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 import weakref
 from dataclasses import replace
 
@@ -161,6 +162,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     b = build(cfg, device, ranks)
     b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
     batches = bench.FixedBatches(cfg, device, packed)
+    if packed == "pairs":  # preference pairs, trained by dpo through the same train_step
+        b.objective, batches = dpo_pairs(b, batches)
     evaluates = lambda: evaluation_forward(b, batches)  # noqa: E731  FP8's own graph, warmed before the loop
     if b.eval_model is not b.raw_model:
         evaluates()
@@ -183,6 +186,24 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
             "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
             "weight_casts_gib": memory.cast_bytes / 2**30,
             "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device), "loss_scaling": b.scaler is not None}
+
+
+def dpo_pairs(b, batches):
+    """A dpo Objective (its NLL term, stored reference log-probabilities) and FixedBatches' packed examples read
+    as pairs, as batches.PairBatch serves them: a row's first two examples one pair's chosen and rejected replies,
+    its third outside any reply (its labels -100), each row one pair."""
+    import torch
+
+    from llm.batches import PairBatch
+    from llm.preference import Objective, Settings
+    x, y, pos = batches.get(0, 0)
+    example = (pos == 0).cumsum(1) - 1  # (B, T): which example of its row
+    rows = torch.arange(x.shape[0], device=x.device)
+    slot = torch.where(example < 2, 2 * rows[:, None] + example, -1)
+    pairs = PairBatch(x, y.masked_fill(slot < 0, -100), pos, slot, rows, pairs=x.shape[0])
+    ref = {split: torch.zeros(x.shape[0], 2, device=x.device) for split in ("train", "val")}
+    served = types.SimpleNamespace(x=pairs.x, y=pairs.y, pos=pos, device=batches.device, get=lambda *_: pairs)
+    return Objective(Settings("dpo"), ref, x.device), served
 
 
 def evaluation_forward(b, batches):
@@ -266,6 +287,7 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "calibrate-small-h200": (lambda: run_training("bf16", "default", whole="small"), "h200"),
     "train-chunked-loss-rtx4090": (lambda: run_training("bf16", "default", loss_chunk_rows=2048), "rtx4090"),
     "train-default-a100": (lambda: run_training("bf16", "default"), "a100"),
+    "train-dpo": (lambda: run_training("bf16", "default", packed="pairs"), "h100"),
 }
 
 
