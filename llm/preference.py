@@ -212,14 +212,14 @@ def stored_reference(folder: str, key: str, compute, may_compute: bool, what: st
     return values
 
 
-def objective_for(settled, b, log) -> Objective | None:
+def objective_for(plan, b, log) -> Objective | None:
     """A preference run's Objective (None for a language-modelling run), given what the run starts from (startup's
-    Settled) and its model (the trainer's Built), before a checkpoint's weights load: its dpo reference
+    Plan) and its model (the trainer's Built), before a checkpoint's weights load: its dpo reference
     log-probabilities read from beside the token cache or computed there once, before the first step, from the
     model the run starts from (full fine-tuning: the --init_from weights, no second model kept; LoRA: the base,
     adapters off); the line saying what the pairs are and where the reference came from."""
-    cfg, data, model, amp, amp_dtype = settled.cfg, settled.data, b.raw_model, b.amp, b.amp_dtype
-    loaders, resumed = {"train": settled.batches, "val": settled.val_batches}, settled.ckpt is not None
+    cfg, data, model, amp, amp_dtype = plan.cfg, plan.data, b.raw_model, b.amp, b.amp_dtype
+    loaders, resumed = {"train": plan.batches, "val": plan.val_batches}, plan.ckpt is not None
     t = cfg.train
     if t.objective not in OBJECTIVES:
         return None
@@ -233,7 +233,7 @@ def objective_for(settled, b, log) -> Objective | None:
     if t.objective == "dpo":
         start, ref = time.perf_counter(), {}
         held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
-        base = lora_io.fingerprint(settled.init_path)
+        base = lora_io.fingerprint(plan.init_path)
         for split, loader in loaders.items():
             key = digest(base, held, str(amp_dtype), data.fingerprint, split, loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
