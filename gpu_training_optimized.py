@@ -267,8 +267,8 @@ def evaluate_and_log(session: Session, b: Built, step: int, full: bool, last: bo
 
 # ----------------------------------------------------------------------------- checkpoints, logging, the run
 
-def save(session: Session, b: Built, step: int, val_loss: float | None = None) -> str | None:
-    """Write a checkpoint of the training state at this step (TrainingState.save: rank 0 writes, NaN refused).
+def save(session: Session, b: Built, val_loss: float | None = None) -> str | None:
+    """Write a checkpoint of the training state at its step (TrainingState.save: rank 0 writes, NaN refused).
     Every rank calls it. val_loss: the evaluation at this step, if there was one."""
     return b.state.save(session.cfg, session.ranks, session.data, session.record, session.clock.timer.state(), val_loss)
 
@@ -403,12 +403,12 @@ def main(argv=None) -> int:
                 with timer.pause("eval", step):
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
                     val_loss = evaluate_and_log(session, b, step, full=evals.full(step, last_step), last=last_step,
-                                          batches=n, until=until)
+                                                batches=n, until=until)
                 evals.mark(step)
                 state.best_val = min(state.best_val, val_loss)
             if last_step or stopping or evals.save_due(step):
                 with timer.pause("save", step):
-                    last_ckpt = save(session, b, step, val_loss) or last_ckpt
+                    last_ckpt = save(session, b, val_loss) or last_ckpt
         if last_step or (stopping and step > first):
             break
 

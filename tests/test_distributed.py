@@ -102,7 +102,7 @@ def counted_spread(self, *args):
 muon_optimizer.Muon._orthogonalize_spread = counted_spread
 
 save = trainer.save
-def hashed_save(cfg, b, step, *args):  # every rank calls save; rank 0 alone writes
+def hashed_save(session, b, *args):  # every rank calls save; rank 0 alone writes
     tensors = list(b.raw_model.state_dict().values())
     def walk(v):
         if torch.is_tensor(v):
@@ -111,8 +111,8 @@ def hashed_save(cfg, b, step, *args):  # every rank calls save; rank 0 alone wri
             for k in sorted(v, key=str):
                 walk(v[k])
     walk(b.opt.state_dict())
-    log["hashes"][str(step)] = digest(tensors)
-    return save(cfg, b, step, *args)
+    log["hashes"][str(b.state.step)] = digest(tensors)
+    return save(session, b, *args)
 trainer.save = hashed_save
 
 train_step = trainer.train_step
