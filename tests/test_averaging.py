@@ -176,7 +176,7 @@ def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weight
 
     monkeypatch.setattr(WeightAverage, "update", recording)
     monkeypatch.setattr(trainer, "build", keeping)
-    monkeypatch.setattr(trainer, "evaluate", judge)
+    monkeypatch.setattr(trainer, "validation_loss", judge)
     monkeypatch.setattr(averaging, "HORIZON", 1.0)  # an 8-step run keeps the beta asked for
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 8, "--weight_average", beta)) == 0

@@ -548,7 +548,7 @@ def test_the_best_checkpoint_survives_pruning(corpus, tmp_path, monkeypatch, arg
     """keep_checkpoints prunes old checkpoints but never the one of lowest validation loss, which BEST names and
     --best loads; scripted validation losses make step 4 the best of six evaluations."""
     losses = iter([3.0, 2.0, 2.5, 2.7, 2.9, 3.1, 3.1])  # the last two: the final weights, raw and averaged
-    monkeypatch.setattr(trainer, "evaluate", lambda *args: (next(losses), args[3]))  # and the batches read
+    monkeypatch.setattr(trainer, "validation_loss", lambda *args: (next(losses), args[3]))  # and the batches read
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 2, "--keep_checkpoints", 1)) == 0
     assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(str(run))] == ["step_000004", "step_000012"]
