@@ -39,7 +39,11 @@ class Saved:
 
 def read(ckpt: str) -> Saved:
     """The checkpoint's trainer_state.pt, its config parsed (a damaged one refused in one line)."""
-    state = ckpt_io.load_trainer_state(ckpt)
+    return parse(ckpt_io.load_trainer_state(ckpt))
+
+
+def parse(state: dict) -> Saved:
+    """A trainer_state.pt's dict as Saved; keys a run of an earlier version did not write are left empty."""
     return Saved(step=state["step"], tokens=state["tokens"], best_val=state["best_val_loss"],
                  optimizer=state.get("optimizer"), scaler=state.get("scaler") or {},
                  weight_average=state.get("weight_average"), rng_torch=state.get("rng_torch"),

@@ -29,7 +29,7 @@ from hub_stand_in import COMMIT, Hub, git_blob_id
 import gpu_training_optimized as trainer
 import prepare_data
 from config import DataConfig
-from llm import corpus, hf_datasets
+from llm import corpus, hf_datasets, trainer_state
 from llm.errors import DataError, RunFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -474,7 +474,8 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
     cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"))
     assert cfg.data.sources == [] and len(notes) == 1 and "training on the bundled one instead" in notes[0], notes
     for had in ([corpus.GPU_CORPUS], []):  # a resumed run goes on with its own corpus, the Hub unasked
-        state = {"config": json.dumps({"data": {"sources": had}})}
+        state = trainer_state.parse({"step": 1, "tokens": 1, "best_val_loss": 1.0,
+                                     "config": json.dumps({"data": {"sources": had}})})
         cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"), state)
         assert cfg.data.sources == had and notes == []
     assert startup.default_corpus(PRESETS["auto"](), torch.device("cpu")) == (PRESETS["auto"](), [])

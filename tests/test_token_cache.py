@@ -150,12 +150,13 @@ def test_resume_refuses_a_corpus_that_changed_and_names_the_change(tmp_path, mon
     tokens under the same schedule."""
     from config import Config
     from llm.resume import check_same_data
+    from llm.trainer_state import parse
     monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)
     src = write_texts(tmp_path / "src", ["a.jsonl", "b.jsonl"])
     cfg = config(tmp_path, [src])
     data = prepare(cfg)
-    state = {"data_fingerprint": data.fingerprint, "data_files": [list(f) for f in data.files],
-             "config": json.dumps(Config(data=cfg).to_dict())}
+    state = parse({"step": 3, "tokens": 30, "best_val_loss": 1.0, "data_fingerprint": data.fingerprint,
+                   "data_files": [list(f) for f in data.files], "config": json.dumps(Config(data=cfg).to_dict())})
     check_same_data(Config(data=cfg), state, prepare(cfg))  # unchanged: resumes
     write_texts(src, ["c.jsonl"], seed=3)
     with pytest.raises(Exception, match=r"added .*c\.jsonl"):
