@@ -194,6 +194,8 @@ def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict |
         lora.check_base(saved, init.path, ckpt, "--init_from")
         changed = [f"--lora_{k} {' '.join(saved[k]) if k == 'targets' else saved[k]}"
                    for k in ("rank", "alpha", "dropout", "targets") if saved[k] != meta[k]]
+        if saved.get("base_format", meta["base_format"]) != meta["base_format"]:  # recorded since nf4 came
+            changed.append(f"--lora_base {saved['base_format']}")  # adapters fitted to another rounding of the base
         if changed:
             raise ConfigError(f"{ckpt} was trained with other LoRA settings; resume with {' '.join(changed)}")
     return meta

@@ -280,6 +280,10 @@ def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, qwen3_folde
     argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
                      "--lora_alpha", 3)
     assert "was trained with other LoRA settings; resume with --lora_alpha 8.0" in exit_line(trainer.run, argv, capsys)
+    # Adapters fitted to one rounding of the base do not fit another: a resume on another --lora_base is refused.
+    argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
+                     "--lora_base", "nf4")
+    assert re.search(r"other LoRA settings; resume with --lora_base \w+", exit_line(trainer.run, argv, capsys))
 
 
 def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run, qwen3_folder, tiny_checkpoint,
