@@ -45,7 +45,7 @@ from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_
 from llm.preparation import short_of_target
 from llm.resume import load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
-from llm.sizing import loss_chunk_rows, matmul_attention
+from llm.sizing import flops_per_token, loss_chunk_rows, matmul_attention
 from llm.startup import Plan, new_model, settle
 from llm.token_cache import PreparedData
 from llm.trainer_state import Record, TrainingState
@@ -305,7 +305,7 @@ def open_session(plan: Plan, b: Built, launch: float, argv) -> Session:
     if ranks.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * ranks.world_size
-    monitor = Monitor(t.run_dir, device, b.raw_model.flops_per_token(), tokens_per_step, tensorboard=t.tensorboard,
+    monitor = Monitor(t.run_dir, device, flops_per_token(cfg.model), tokens_per_step, tensorboard=t.tensorboard,
                       wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
                       resume_step=start if plan.ckpt else None) if ranks.is_main else None
     probe = Probe(b.raw_model.config, plan.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,

@@ -394,20 +394,6 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6 * (matmul weights) + 12 * n_layer * n_head * head_dim * seq_len.
-
-        The first term is forward (2) plus backward (4) FLOPs per weight of every matmul, the LM head
-        included and the embedding lookup not; the second is attention's QK^T and AV products over the
-        full context (PaLM paper, appendix B), which is how MFU is usually reported.
-        """
-        cfg = self.config
-        T = seq_len or cfg.max_seq_len
-        head = self.lm_head.weight.numel() if cfg.tie_word_embeddings else 0  # else already counted
-        matmul_weights = self.num_parameters(exclude_embeddings=True) + head
-        attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
-        return 6 * matmul_weights + attention
-
 
 def example_mask(positions: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) attention mask of packed examples: causal, and block-diagonal by example, each example

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from config import LORA_TARGETS
 from llm import atomic
-from llm.sizing import activation_bytes, gpu_peak_flops
+from llm.sizing import activation_bytes, flops_per_token, gpu_peak_flops
 
 METRICS_FILE, SAMPLES_FILE = "metrics.jsonl", "samples.jsonl"
 
@@ -270,7 +270,7 @@ def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks
         f"{' (eager if compiling fails)' if compile_fallback and t.compile != 'off' else ''} | "
         f"world size: {ranks.world_size}" + (f" ({t.data_parallel})" if ranks.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
-        f"{model.flops_per_token() / 1e6:.1f} MFLOP per token",
+        f"{flops_per_token(cfg.model) / 1e6:.1f} MFLOP per token",
         f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
         f"{ranks.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
         *([trainable_report(cfg, model)] if t.lora_rank else []),

@@ -24,7 +24,7 @@ import torch
 
 from config import AUTO, PRESETS, Config, ModelConfig
 from llm.errors import ConfigError
-from llm.fit import FIT_FRACTION, Target, count_parameters, estimate  # count_parameters: others import it from here
+from llm.fit import FIT_FRACTION, Target, block_matrices, count_parameters, estimate  # count_parameters: others import it from here
 
 CPU_SIZE, CPU_MINUTES = "tiny", 10.0
 # A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to
@@ -86,12 +86,12 @@ def gpu_peak_flops(name: str) -> float | None:
 
 
 def flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token as modern_llm.Transformer.flops_per_token counts them (and MFU with them), from the
-    config: 6 per matmul weight, the head's included and the embedding lookup not, plus attention's 12 * layers *
-    heads * head_dim * context."""
-    lookup = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # a tied table is the head's matmul
+    """Training FLOPs per token, the one count MFU and the budget's plan use: forward (2) and backward (4) per weight
+    of every matmul, the head's included and the embedding lookup, norms and biases not, plus attention's QK^T and
+    AV over the full context, 12 * layers * heads * head_dim * context (PaLM's appendix B)."""
+    matmul = m.num_hidden_layers * sum(i * o for i, o in block_matrices(m).values()) + m.vocab_size * m.hidden_size
     attention = 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * m.max_seq_len
-    return 6 * (count_parameters(m) - lookup) + attention
+    return 6 * matmul + attention
 
 
 def budget_minutes(t, machine: Machine) -> float:

@@ -37,7 +37,7 @@ from llm.errors import error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops
 from llm.preparation import prepare
-from llm.sizing import fill_automatic
+from llm.sizing import fill_automatic, flops_per_token
 
 
 class FixedBatches:
@@ -232,7 +232,7 @@ def main(argv=None):
     for note in notes:
         print(note)
     ours = new_model(cfg, device)
-    flops, params = ours.flops_per_token(), ours.num_parameters()
+    flops, params = flops_per_token(cfg.model), ours.num_parameters()
     amp_dtype = pick_precision(cfg.train.precision, device)
     precision = PRECISION_NAMES[amp_dtype]
     peak = peak_flops(device)

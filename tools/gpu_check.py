@@ -57,7 +57,7 @@ from llm.distributed import setup
 from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops, read_metrics
-from llm.sizing import fill_automatic, training_bytes_estimate
+from llm.sizing import fill_automatic, flops_per_token, training_bytes_estimate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
@@ -91,7 +91,7 @@ def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, 
     for name in names:
         cfg = preset(name, args.dry_run, compile=compile_mode, precision="bf16" if device.type == "cuda" else "auto")
         ours = new_model(cfg, device)
-        flops, peak = ours.flops_per_token(), peak_flops(device)
+        flops, peak = flops_per_token(cfg.model), peak_flops(device)
         runs = [bench.measure("ours", cfg, device, ours, steps, warmup, share=True)]
         del ours
         bench.release(device)
@@ -227,7 +227,7 @@ def fp8(args) -> dict:
     model = new_model(cfg, device)
     row = bench.measure("ours", cfg, device, model, steps, warmup)
     peak = peak_flops(device)
-    row["mfu"] = row["tokens_per_s"] * model.flops_per_token() / peak if peak else None
+    row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg.model) / peak if peak else None
     row["fp8_layers"] = fp8_layers(model)  # the trainer's build converted those whose shape pays
     del model
     bench.release(device)
