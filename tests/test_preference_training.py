@@ -215,4 +215,8 @@ def test_dpo_under_torchrun_logs_the_rewards_of_one_process_on_the_same_pairs(tm
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     for key in ("pair_loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "chosen_logp"):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-6), key
-    assert two[0]["reward_accuracy"] not in (0.0, 1.0) or two[0]["reward_margin"] != 0  # the figures say something
+    # At step 1 the policy is the reference (rewards 0 on both sides unless a rank read another's reference rows);
+    # by step 3 it has moved, and the ranks' rewards, from gradients averaged in another order, still match.
+    assert one[0]["chosen_logp"] != 0 and one[2]["reward_margin"] != 0
+    for key in ("reward_chosen", "reward_rejected", "reward_margin", "chosen_logp"):
+        assert two[2][key] == pytest.approx(one[2][key], rel=1e-2, abs=1e-5), key
