@@ -130,3 +130,13 @@ def test_trainer_state_is_read_without_unpickling_code(tiny_checkpoint, tmp_path
     torch.save({"step": 1, "evil": Payload()}, ckpt / "trainer_state.pt")
     with pytest.raises(CheckpointError, match="trainer_state.pt"):
         ckpt_io.load_trainer_state(str(ckpt))
+
+
+def test_a_trainer_state_without_its_counters_is_refused_in_one_line():
+    """trainer_state.pt's reader once indexed its counters blindly: a damaged or hand-written state without them
+    ended a resume in a KeyError traceback instead of the checkpoint error line."""
+    from llm.errors import CheckpointError
+    from llm.trainer_state import parse
+    with pytest.raises(CheckpointError, match="lacks step, best_val_loss"):
+        parse({"tokens": 3, "optimizer": {}})
+    assert parse({"step": 2, "tokens": 3, "best_val_loss": 1.5}).step == 2
