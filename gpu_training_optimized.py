@@ -295,6 +295,12 @@ def log_window(session: Session, b: Built, window: LossWindow, grad_norm, lr_sca
         session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
+def say(session: Session, line: str | None):
+    """A line under the progress bar (rank 0), where there is one."""
+    if line and session.monitor:
+        session.bar.write(line)
+
+
 # ----------------------------------------------------------------------------- main
 
 def open_session(plan: Plan, b: Built, launch: float, argv) -> Session:
@@ -386,7 +392,7 @@ def main(argv=None) -> int:
     warm_eval_model(b, plan.val_batches, t, ranks)
     profiler = StepProfiler(t.run_dir, plan.device, first=first + 2) if t.profile and ranks.is_main else None
 
-    timer.sync(first)
+    say(session, clock.sync(first))
     while True:
         step = state.step
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other
@@ -404,7 +410,7 @@ def main(argv=None) -> int:
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
                     val_loss = evaluate_and_log(session, b, step, full=evals.full(step, last_step), last=last_step,
                                                 batches=n, until=until)
-                evals.mark(step)
+                say(session, clock.evaluated(step))  # the policy marks it; the run's length is measured again
                 state.best_val = min(state.best_val, val_loss)
             if last_step or stopping or evals.save_due(step):
                 with timer.pause("save", step):
@@ -421,7 +427,7 @@ def main(argv=None) -> int:
         if profiler:
             profiler.step(step + 1)  # the steps after the first two, which compile
         if clock.log_due(step + 1):
-            timer.sync(step + 1)
+            say(session, clock.sync(step + 1))
             log_window(session, b, window, grad_norm, lr_scale)
         advance_bar(session.bar, clock, step + 1, state.tokens / cfg.model.max_seq_len / batches.epoch_sequences
                     if t.epochs else None)

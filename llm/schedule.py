@@ -4,7 +4,9 @@ A run is measured in steps (max_steps) or in time (max_minutes, from launch to t
 checkpoint, data preparation and compile included). Either way the schedule sees progress, the fraction
 of the run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps
 are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
-for the final evaluation and checkpoint; a resumed run carries on with what its earlier sessions left.
+for the final evaluation and checkpoint: set when a speed is first measured (again after the first log window)
+and at each evaluation only, and printed when it changes. A resumed run carries on with what its earlier
+sessions left.
 StepTimer is the run's one timer; when evaluations fall is evaluation.EvalPolicy's to say. Ctrl-C or SIGTERM asks
 the loop to stop after its step (StopFlag).
 """
@@ -67,7 +69,7 @@ class StepTimer:
         self.launch, self.session_start = launch - spent_s, launch
         self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
         self.measured = False  # whether the last sync measured step_s (not the first, compiling step)
-        self.pace_s = step_s  # the same smoothed over windows: what the schedule's progress reads
+        self.pace_s = step_s  # the same smoothed over windows: what the run's length reads
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         # What every rank agreed on at the last sync: the seconds spent, on evaluations too, one evaluation's and
@@ -118,7 +120,7 @@ class StepTimer:
             self.ranks.maximum([self.step_s, self.spent_s(), self.eval_spent_s, self.eval_s(), self.save_s()])
         self.synced_step = step
         # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
-        # the rate dipped. The schedule reads a smoothed pace; finishing still reads the last window's speed.
+        # the rate dipped. The run's length reads a smoothed pace; finishing still reads the last window's speed.
         self.pace_s = self.step_s if not self.pace_s else PACE_WEIGHT * self.step_s + (1 - PACE_WEIGHT) * self.pace_s
 
     def since_sync(self, step: int) -> float:
@@ -142,6 +144,37 @@ class RunClock:
         self.budget_s = t.max_minutes * 60
         self.timer = StepTimer(t, launch, ranks, start, spent_s, step_s, overhead_s, params)
         self.evals = EvalPolicy(t, self)
+        # The run's steps: max_steps, or under a budget what it holds at the measured pace, set by plan_length() when a
+        # speed is first measured and after each evaluation only, so the schedule's progress moves evenly between.
+        self.length = None if self.by_time else t.max_steps
+        self._first_window = True  # the session's first measured windows are one step each: a rough speed
+
+    def sync(self, step: int) -> str | None:
+        """The timer's sync (a collective); under a budget the run's length set once a speed is measured, and set
+        again at the end of the first whole log window. Returns plan_length()'s line, or None."""
+        self.timer.sync(step)
+        if self.length is not None and not (self._first_window and step - self.start > 2 and self.timer.measured):
+            return None
+        self._first_window = self.length is None
+        return self.plan_length()
+
+    def evaluated(self, step: int) -> str | None:
+        """An evaluation ran before this step: the policy marks it, and the run's length is measured again (its line
+        where it changed, or None)."""
+        self.evals.mark(step)
+        return self.plan_length()
+
+    def plan_length(self) -> str | None:
+        """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and the ones
+        the rest of the budget holds at the smoothed pace. Returns a line saying it where it changed, else None."""
+        if not self.by_time or not self.timer.pace_s:
+            return None
+        done = self.timer.synced_step
+        length = max(done + 1, round(done + self.remaining_s() / self.timer.pace_s))
+        was, self.length = self.length, length
+        if length == was:
+            return None
+        return f"run length: {length:,} steps at {self.timer.pace_s:.3g} s a step" + (f" (was {was:,})" if was else "")
 
     def reserve_s(self, eval_s: float | None = None) -> float:
         """Room kept for the final evaluation (eval_s, by default the longest seen or an estimate; under a budget at
@@ -159,14 +192,11 @@ class RunClock:
         return self.budget_s - self.timer.spent_s() - self.timer.save_s()
 
     def progress(self, step: int) -> float:
-        """The fraction of the run done when this step (0-based) ends: in steps, of max_steps or, under a time
-        budget, of the steps the budget holds at the measured speed (0 until a step is measured)."""
-        if not self.by_time:
-            return min(1.0, (step + 1) / self.t.max_steps)
-        if not self.timer.pace_s:
+        """The fraction of the run done when this step (0-based) ends: of its length (max_steps or, under a time
+        budget, the steps plan_length() last set: 0 until a step is measured)."""
+        if not self.length:
             return 0.0
-        total = self.timer.synced_step + self.remaining_s() / self.timer.pace_s
-        return min(1.0, (step + 1) / max(total, step + 1))
+        return min(1.0, (step + 1) / max(self.length, step + 1))
 
     def out_of_time(self) -> bool:
         """Whether the budget is spent now, but for the room kept for the final evaluation and checkpoint: a wait for

@@ -165,16 +165,16 @@ def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, ste
     now = [0.0]
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock, at = RunClock(t, 0.0, OneProcess()), []
-    clock.timer.sync(0)
+    clock.sync(0)
     for step in range(steps):
         if step > 0 and [clock.evals.due(step) for _ in range(asks)][-1]:
             at.append(step)
             with clock.timer.pause("eval", step):
                 now[0] += eval_s
-            clock.evals.mark(step)
+            clock.evaluated(step)
         now[0] += step_s
         if clock.log_due(step + 1):
-            clock.timer.sync(step + 1)
+            clock.sync(step + 1)
     return at
 
 
@@ -224,20 +224,20 @@ def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eva
     now = [setup_s]
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     clock, at, step = RunClock(t, 0.0, OneProcess()), [], 0
-    clock.timer.sync(0)
+    clock.sync(0)
     while not [clock.finished(step) for _ in range(asks)][-1]:
         if step > 0 and [clock.evals.due(step) for _ in range(asks)][-1]:
             at.append(step)
             with clock.timer.pause("eval", step):
                 now[0] += eval_s
-            clock.evals.mark(step)
+            clock.evaluated(step)
             assert clock.evals.save_due(step)  # automatic checkpoints come with the evaluations
             with clock.timer.pause("save", step):
                 now[0] += save_s
         now[0] += step_s
         step += 1
         if clock.log_due(step):
-            clock.timer.sync(step)
+            clock.sync(step)
     return at, step
 
 
@@ -262,18 +262,45 @@ def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_it
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=0.3, eval_interval=0, eval_batches=20, grad_accum_steps=1, log_interval=10)
     clock, step = RunClock(t, 0.0, OneProcess()), 0
-    clock.timer.sync(0)
+    clock.sync(0)
     while not clock.finished(step):
         now[0] += 0.47 if step < 10 else 3.9
         step += 1
         if clock.log_due(step):
-            clock.timer.sync(step)
+            clock.sync(step)
     assert now[0] <= 18 + 3.9 and step > 10  # within the budget plus one (slow) step
     assert clock.final_eval() == (20, 18 - clock.timer.save_guess_s)  # one process reads batches until the time is up
     forward_s = 2 * 3.9 / 3  # ranks read alike: as many as the speed the clock last measured says fit
     batches = clock.final_batches(passes=2)
     assert 1 <= batches < 20 and batches * forward_s <= max(18 - now[0] - clock.timer.save_guess_s, forward_s)
     assert RunClock(replace(t, max_minutes=0, max_steps=5), 0.0, OneProcess()).final_eval() == (20, math.inf)
+
+
+def test_a_budgets_run_length_is_set_once_measured_and_moves_only_at_evaluations(monkeypatch):
+    """Under a budget the run's length is the steps it holds at the measured pace: set at the first measured step,
+    again at the end of the first log window, then only at evaluations, with a line where it changes. Between,
+    progress is the step over that fixed count, whatever the pace does (nanochat prints its length before its loop;
+    a length refreshed at every log step moved the schedule's progress with each hiccup of the machine)."""
+    now = [2.0]  # setup
+    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    t = TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1, log_interval=10)
+    clock = RunClock(t, 0.0, OneProcess())
+    lines = {0: clock.sync(0)}
+    assert lines[0] is None and clock.length is None and clock.progress(5) == 0.0  # no speed yet
+    for step in range(1, 41):
+        now[0] += 0.1 if step <= 20 else 0.2  # the machine slows to half its speed after step 20
+        if clock.log_due(step):
+            lines[step] = clock.sync(step)
+            if step == 2:
+                first = clock.length
+    assert lines[1] is None and lines[2] == f"run length: {first:,} steps at 0.1 s a step"
+    assert 520 < first < 58 / 0.1 + 2  # about 58 s left at 0.1 s a step, less the room for the final ones
+    settled = clock.length  # set again at step 10, the first log window's end (the same speed: a step or two apart)
+    assert abs(settled - first) <= 2 and lines[20] is None and lines[30] is None and lines[40] is None
+    assert clock.progress(39) == 40 / settled  # the slower steps since changed nothing
+    line = clock.evaluated(40)  # 8 s spent; 52 s left at a pace between 0.125 and 0.2 s a step
+    assert 40 + 50 / 0.2 < clock.length < 40 + 52 / 0.125 and line.endswith(f"(was {settled:,})")
+    assert RunClock(replace(t, max_minutes=0, max_steps=30), 0.0, OneProcess()).length == 30
 
 
 def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
