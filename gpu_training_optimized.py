@@ -49,7 +49,7 @@ from llm.sizing import flops_per_token, loss_chunk_rows, matmul_attention
 from llm.startup import Plan, new_model, settle
 from llm.token_cache import PreparedData
 from llm.trainer_state import Record, TrainingState
-from modern_llm import Transformer
+from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
 
 
@@ -119,10 +119,10 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     if t.lora_rank:
         raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
     if isinstance(raw_model, Transformer):
-        raw_model.loss_chunk_rows = loss_chunk_rows(cfg, machine(device))
-        raw_model.use_matmul_attention(matmul_attention(cfg, machine(device)))
         # A bf16 residual stream saves a GPU's bandwidth; on a CPU it saves no time and learned a little less.
-        raw_model.stream_dtype = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
+        stream = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
+        raw_model.execution = Execution(loss_chunk_rows(cfg, machine(device)), matmul_attention(cfg, machine(device)),
+                                        stream)
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     model = ranks.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)

@@ -8,6 +8,7 @@ Only torch; no optimizer, device or file logic lives here.
 """
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -16,6 +17,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
+
+# ----------------------------------------------------------------------------- how the trainer runs it
+
+@dataclass(frozen=True)
+class Execution:
+    """How a training run executes the model, not what the model is: the trainer sets one (Transformer.execution)
+    from the machine and the config; generation, scoring and export keep these defaults."""
+    loss_chunk_rows: int = 0  # rows per chunk of the loss, 0 for the logits whole (sizing.loss_chunk_rows)
+    matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
+    stream_dtype: torch.dtype | None = None  # the residual stream's dtype under autocast, None for the embedding's
+    ragged: bool = False  # eager only: shapes read from each batch (example_attention, labelled-only loss rows)
+
 
 # ----------------------------------------------------------------------------- rotary embeddings
 
@@ -253,10 +266,7 @@ class Transformer(nn.Module):
         table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
-        self.loss_chunk_rows = 0  # rows per chunk of the loss, 0 for the logits whole (the trainer sets it)
-        self.matmul_softmax = False  # causal attention written out, not SDPA's kernel (the trainer sets it)
-        self.stream_dtype = None  # the residual stream's dtype under autocast, None for the embedding's (the trainer)
-        self.ragged = False  # eager only: shapes read from each batch (example_attention, labelled_only; preference)
+        self.execution = Execution()  # the trainer replaces it, whole
         self.tie_weights()
         if self.rope_cos.device.type != "meta":
             self.compute_rope()
@@ -319,14 +329,10 @@ class Transformer(nn.Module):
             block.attn.fuse_projections()
             block.mlp.fuse_projections()
 
-    def use_matmul_attention(self, on: bool):
-        """Causal attention written out as matmuls and a softmax (on) or SDPA's kernel (off): causal_attention."""
-        self.matmul_softmax = on
-
     def forward(self, input_ids, labels=None, kv_cache: KVCache | None = None, input_lengths=None,
                 last_only: bool = False, positions=None, reduction: str = "mean"):
         """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when the loss is computed
-        loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
+        execution.loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
 
         labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32, or
         with reduction "none" each label's, (B, T), never from the whole logits (chunked_cross_entropy; logits None).
@@ -337,9 +343,10 @@ class Transformer(nn.Module):
         attends only to the tokens before it in its own example.
         """
         B, T = input_ids.shape
+        run = self.execution
         x = self.embed_tokens(input_ids)
-        if self.stream_dtype is not None:
-            x = x.to(self.stream_dtype)  # bf16 under a GPU's autocast: half the bytes of each add, norm and gradient
+        if run.stream_dtype is not None:
+            x = x.to(run.stream_dtype)  # bf16 under a GPU's autocast: half the bytes of each add, norm and gradient
         cos, sin, attends = self.attention_plan(T, kv_cache, positions)
         for block, attend in zip(self.layers, attends):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:
@@ -352,9 +359,9 @@ class Transformer(nn.Module):
             last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
         x = self.norm(x)
-        if labels is not None and (reduction == "none" or 0 < self.loss_chunk_rows < labels.numel()):
-            rows = self.loss_chunk_rows or TOKEN_CHUNK_ROWS
-            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, rows, reduction, self.ragged)
+        if labels is not None and (reduction == "none" or 0 < run.loss_chunk_rows < labels.numel()):
+            rows = run.loss_chunk_rows or TOKEN_CHUNK_ROWS
+            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, rows, reduction, run.ragged)
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
@@ -366,10 +373,10 @@ class Transformer(nn.Module):
         n = self.config.num_hidden_layers
         if kv_cache is None and positions is None:
             gqa = self.config.num_attention_heads != self.config.num_key_value_heads
-            attend = partial(causal_attention, gqa=gqa, matmul_softmax=self.matmul_softmax)
+            attend = partial(causal_attention, gqa=gqa, matmul_softmax=self.execution.matmul_softmax)
             return self.rope_cos[:T], self.rope_sin[:T], [attend] * n
         if kv_cache is None:
-            attends = [partial(example_attention, at=example_rows(positions)) if self.ragged
+            attends = [partial(example_attention, at=example_rows(positions)) if self.execution.ragged
                        else partial(packed_attention, mask=example_mask(positions))] * n
         else:
             positions = kv_cache.pos[:, None] + torch.arange(T, device=kv_cache.pos.device)  # (B, T)

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -223,7 +223,8 @@ def objective_for(plan, b, log) -> Objective | None:
     t = cfg.train
     if t.objective not in OBJECTIVES:
         return None
-    model.ragged = b.compiled is b.model  # eager: pairs on rows of their own, the head at the replies' rows only
+    # Eager: pairs on rows of their own, the head at the replies' rows only.
+    model.execution = replace(model.execution, ragged=b.compiled is b.model)
     plans = {split: loader.plan for split, loader in loaders.items()}
     line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
             f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "

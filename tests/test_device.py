@@ -141,13 +141,13 @@ def test_a_compiled_bf16_step_on_a_cpu_has_the_gradients_of_float64():
     at its first steps. compile_model narrows the CPU's vectors for 16-bit compiles; the compiled step's
     gradients must be float64's to within bf16's rounding, on whatever processor runs the tests."""
     from config import ModelConfig
-    from modern_llm import Transformer
+    from modern_llm import Execution, Transformer
     cfg = ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, max_seq_len=64)
     torch.manual_seed(0)
     model, reference = Transformer(cfg), Transformer(cfg).double()
     reference.load_state_dict(model.state_dict())
-    model.use_matmul_attention(True)  # as the trainer runs a compiled CPU step of windows this short
+    model.execution = Execution(matmul_softmax=True)  # as the trainer runs a compiled CPU step of windows this short
     ids = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1))
     x, y = ids[:, :-1], ids[:, 1:]
     with torch.autocast("cpu", torch.bfloat16):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from llm.inference import RowProductLinear, load_for_inference
 from llm.sizing import count_parameters
 from llm.startup import new_model
-from modern_llm import Transformer, apply_rope, causal_attention, cross_entropy, is_stored, rope_tables
+from modern_llm import Execution, Transformer, apply_rope, causal_attention, cross_entropy, is_stored, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_attention_matches_float64_reference(heads, kv_heads, qk_norm, matmul_so
     """SDPA with grouped heads, and attention written out as the compiled CPU step runs it, must equal plain
     multi-head attention (MHA, GQA, MQA; with and without QK-norm)."""
     m = model_of(tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, qk_norm=qk_norm))
-    m.use_matmul_attention(matmul_softmax)
+    m.execution = Execution(matmul_softmax=matmul_softmax)
     ids = torch.randint(0, 97, (2, 16))
     ours, _ = m(ids)
     ref = naive_attention_logits(m, ids)
@@ -211,7 +211,7 @@ def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
 def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     """The embedding's float32 output made every residual add and norm float32 under autocast: twice the bytes of
     each of those kernels and their gradients (the compile check's roofline for `small` on an H200: forward and
-    backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With stream_dtype set (the trainer sets it on
+    backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With Execution.stream_dtype set (the trainer sets it on
     a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets its float32 gradient;
     unset (a CPU run, where it saved no time and learned a little less) the stream stays float32."""
     from gpu_training_optimized import build
@@ -224,7 +224,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
 
     def stream(dtype):
         seen.clear()
-        model.stream_dtype = dtype
+        model.execution = Execution(stream_dtype=dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(ids, labels=ids)
         loss.backward()
@@ -235,7 +235,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     assert stream(None) == {(torch.float32, torch.float32)}
     cfg = config.PRESETS["tiny"]()
     cfg.train.precision = "bf16"
-    assert build(cfg, torch.device("cpu"), setup()).raw_model.stream_dtype is None
+    assert build(cfg, torch.device("cpu"), setup()).raw_model.execution.stream_dtype is None
 
 
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
@@ -420,7 +420,7 @@ def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny):
     results = []
     for rows in (0, 7):  # whole, then chunks of 7 rows (the last one shorter)
         m = model_of(tiny()).train()
-        m.loss_chunk_rows = rows
+        m.execution = Execution(loss_chunk_rows=rows)
         logits, loss = m(ids, labels=labels)
         loss.backward()
         results.append((logits, loss, {n: p.grad.clone() for n, p in m.named_parameters()}))
@@ -472,7 +472,7 @@ def test_chunked_loss_casts_the_head_once_under_autocast(tiny_config):
     results = []
     for rows in (0, 16):
         model = Transformer(cfg)
-        model.loss_chunk_rows = rows
+        model.execution = Execution(loss_chunk_rows=rows)
         with Casts():
             Casts.n = 0
             with torch.autocast("cpu", dtype=torch.bfloat16):  # backward outside it, as in the trainer's step
@@ -535,12 +535,12 @@ def test_per_token_losses_equal_a_naive_float64_gather_with_their_gradients(tiny
     got = []
     for per_token in (True, False):
         m = model_of(tiny()).double().train()
-        m.loss_chunk_rows, m.ragged = rows, ragged and per_token
+        m.execution = Execution(loss_chunk_rows=rows, ragged=ragged and per_token)
         if per_token:
             logits, nll = m(ids, labels=labels, positions=pos, reduction="none")
             assert logits is None and nll.shape == labels.shape
         else:
-            m.loss_chunk_rows = 0
+            m.execution = Execution()
             nll = naive_token_nll(m(ids, positions=pos)[0], labels)
         (weights * nll).sum().backward()
         got.append((nll.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))

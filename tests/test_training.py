@@ -116,7 +116,7 @@ def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
         t = TrainConfig(micro_batch_size=2, optimizer="adamw", learning_rate=1e-3, muon_lr=0.02, compile=compile_mode,
                         precision="fp32")
         b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
-        assert b.raw_model.matmul_softmax == written
+        assert b.raw_model.execution.matmul_softmax == written
 
 
 def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkeypatch, argv_for):

@@ -160,7 +160,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
         make_deterministic()
     memory = DeviceMemory()
     b = build(cfg, device, ranks)
-    b.raw_model.loss_chunk_rows = b.raw_model.loss_chunk_rows if loss_chunk_rows is None else loss_chunk_rows
+    if loss_chunk_rows is not None:
+        b.raw_model.execution = replace(b.raw_model.execution, loss_chunk_rows=loss_chunk_rows)
     batches = bench.FixedBatches(cfg, device, packed)
     if packed == "pairs":  # preference pairs, trained by dpo through the same train_step
         b.objective, batches = dpo_pairs(b, batches)
@@ -183,7 +184,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.max_seq_len
     return {**ROOFLINE.step(tokens), "peak_gib": memory.peak / 2**30,
             "estimate_gib": training_bytes_estimate(cfg) / 2**30,
-            "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.loss_chunk_rows,
+            "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.execution.loss_chunk_rows,
             "weight_casts_gib": memory.cast_bytes / 2**30,
             "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device), "loss_scaling": b.scaler is not None}
 
