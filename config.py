@@ -1,6 +1,6 @@
 """Every setting of the project, as typed dataclasses with defaults, help text and validation.
 
-Edit the defaults here: what is written here is what runs. Fields at 0 are automatic (sizing.py fills them
+Edit the defaults here: what is written here is what runs. Fields at 0 are automatic (autofill.py fills them
 for the machine and corpus). Any field can also be given on the command line of any script (cli.py):
     python gpu_training_optimized.py --preset small --learning_rate 1e-3 --max_steps 2000
     python gpu_training_optimized.py --config my_run.yaml --micro_batch_size 8
@@ -44,14 +44,14 @@ def _require_choices(cfg):
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
-AUTO = 0  # the value of a size or rate that sizing.py chooses for the device and corpus (printed at start)
+AUTO = 0  # the value of a size or rate that autofill.py chooses for the device and corpus (printed at start)
 MAX_MINUTES = 525_600  # a year: a budget past it no run reaches, and its warmup would hold the learning rate near 0
 
 
 @dataclass
 class ModelConfig:
     """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy.
-    Fields at 0 are automatic: sizing.py fills them for the device and corpus, and never touches the others."""
+    Fields at 0 are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
     vocab_size: int = arg(AUTO, "tokens in the vocabulary (the tokenizer is trained to this size); 0: automatic")
     hidden_size: int = arg(AUTO, "width of the residual stream; 0: automatic")
     num_hidden_layers: int = arg(AUTO, "number of transformer blocks; 0: automatic")
@@ -110,7 +110,7 @@ class ModelConfig:
                      self.rope_original_max_position_embeddings, "must be a positive integer")
 
     def automatic(self) -> list[str]:
-        """The fields still left for sizing.py to choose."""
+        """The fields still left for autofill.py to choose."""
         return [name for name in MODEL_SIZED if getattr(self, name) == AUTO]
 
 
@@ -161,7 +161,7 @@ CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune
 @dataclass
 class TrainConfig:
     """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices.
-    Fields at 0 are automatic: sizing.py fills them for the device and corpus, and never touches the others."""
+    Fields at 0 are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
     run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
     seed: int = arg(1337, "seed of weights and batch order")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
@@ -290,7 +290,7 @@ class TrainConfig:
                  "must be in (0, 1 - warmup_ratio]")
 
     def automatic(self) -> list[str]:
-        """The fields still left for sizing.py to choose."""
+        """The fields still left for autofill.py to choose."""
         return [name for name in TRAIN_SIZED if getattr(self, name) == AUTO]
 
 
@@ -400,7 +400,7 @@ def _preset(model: dict, train: dict) -> Config:
 
 
 def preset_auto() -> Config:
-    """config.py as written; sizing.py fills its automatic fields for the device and corpus at start."""
+    """config.py as written; autofill.py fills its automatic fields for the device and corpus at start."""
     return Config()
 
 
@@ -415,7 +415,7 @@ def preset_tiny() -> Config:
 # The GPU presets take 0.25-0.4M tokens per optimizer step (batch_tokens), through accumulation, as Muon runs are
 # tuned for (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets' rates, tuned
 # at 32-64k tokens per step, scaled by the square root of the larger batch. Their micro-batch is left automatic:
-# sizing.py fills the GPU's memory with it (up to 65,536 tokens a forward), and accumulation keeps batch_tokens. On
+# autofill.py fills the GPU's memory with it (up to 65,536 tokens a forward), and accumulation keeps batch_tokens. On
 # an H200, 64 x 1,024 tokens ran small's step 1.10x faster than 16 x 1,024 (docs/gpu_report.md).
 
 def preset_small() -> Config:

@@ -1,4 +1,4 @@
-"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/sizing.py): on a CPU
+"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/autofill.py): on a CPU
 the tiny preset for ten minutes on the bundled corpus (the standard library's sources), on a GPU the preset an
 hour's compute suits, into runs/default; then `python text_generator.py` samples from it.
 
@@ -45,8 +45,9 @@ from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_
 from llm.preparation import short_of_target
 from llm.resume import load_into
 from llm.schedule import RunClock, StopFlag, lr_multiplier
-from llm.sizing import flops_per_token, loss_chunk_rows, matmul_attention
+from llm.sizing import flops_per_token
 from llm.startup import Plan, new_model, settle
+from llm.step_settings import loss_chunk_rows, matmul_attention
 from llm.token_cache import PreparedData
 from llm.trainer_state import Record, TrainingState
 from modern_llm import Execution, Transformer

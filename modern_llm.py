@@ -161,7 +161,7 @@ class Attention(nn.Module):
 def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
     """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel, or
     written out as two matmuls and a softmax, which Inductor compiles on a CPU to about twice the speed of the
-    CPU's flash kernel (forward and backward) for short rows (sizing.matmul_attention decides)."""
+    CPU's flash kernel (forward and backward) for short rows (step_settings.matmul_attention decides)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     (B, H, T, hd), Hkv = q.shape, k.shape[1]

@@ -308,7 +308,7 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
         raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
     if not (cfg.learning_rate > 0 and cfg.muon_lr > 0):
         raise ValueError(f"learning_rate={cfg.learning_rate} and muon_lr={cfg.muon_lr} must be positive: fill the "
-                         "automatic ones (sizing.fill_automatic) before building the optimizer")
+                         "automatic ones (autofill.fill_automatic) before building the optimizer")
     groups = split_parameters(model, use_muon=cfg.optimizer != "adamw")
     parts = {}
     if groups["muon"]:

@@ -21,13 +21,13 @@ from tokenizers import Tokenizer
 
 from config import DataConfig
 from llm import token_cache as tc
+from llm.autofill import fill_automatic
 from llm.cli import parse_config
 from llm.corpus import corpus_bytes
 from llm.device import machine, pick_device
 from llm.errors import ConfigError, error_contract
 from llm.packing import packs, pair_plan, plan
 from llm.preparation import prepare, source_table
-from llm.sizing import fill_automatic
 from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START, marked_text
 

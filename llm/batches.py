@@ -1,8 +1,8 @@
 """The micro-batches a run reads from the token cache: windows of the token stream, or windows of whole examples
-packed by packing.py (chat and instruction data by default). Either way training reads each window once per epoch,
-in a seeded order, and a micro-batch is a pure function of (seed, step, micro_step, rank), so a resumed run reads
-what an uninterrupted one would have read, and W ranks with A micro-steps read what one process with W * A
-micro-steps reads.
+packed by packing.py (chat and instruction data by default). Which windows a micro-batch holds is window_order.py's
+to say, a pure function of (seed, step, micro_step, rank); here the split's tokens are held (read again as the
+parts of a corpus read in arrival order come in), a step waits for a part not yet written, and the windows are
+read into tensors on the device.
 """
 
 from typing import NamedTuple
@@ -17,6 +17,7 @@ from llm.arrival import ArrivingData
 from llm.errors import DataError
 from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START
+from llm.window_order import WindowOrder, first_epoch_windows, tiled_windows
 
 
 def check_window(split: str, tokens: int, seq_len: int):
@@ -42,12 +43,6 @@ def check_windows(data: PreparedData, mode: str, seq_len: int):
                             f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
 
 
-def first_epoch_windows(parts: list, seq_len: int) -> list[int]:
-    """Windows of seq_len + 1 tokens each part's train tokens hold, tiled from its start: a corpus read in arrival
-    order reads these in its first epoch."""
-    return [max(0, (p["train_tokens"] - 1) // seq_len) for p in parts]
-
-
 def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
                 rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
     """The batch loader of a split for the run's --packing."""
@@ -65,12 +60,9 @@ def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, dev
 
 
 class Batches:
-    """Windows of seq_len + 1 tokens of one split. Training tiles the split with windows that start at a seeded
-    offset each epoch and reads them in a seeded order, so an epoch sees every token once (random windows would
-    leave a third of the split unread after one epoch's worth); a weighted mixture draws random windows of each
-    source by its weight. A corpus read in arrival order tiles its first epoch part by part, in the order the
-    parts were written, each part's windows in a seeded order, waiting for a part not yet written (arrival.py).
-    Evaluation reads consecutive windows, the same each time."""
+    """Windows of seq_len + 1 tokens of one split: the split's tokens, read again as a corpus read in arrival order
+    gains parts, a read waiting for a part not yet written (arrival.py); which windows each micro-batch holds is
+    self.order's to say (window_order.py: tiled epochs, a mixture's draws, arrival order, or consecutive windows)."""
 
     def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
                  rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
@@ -79,10 +71,9 @@ class Batches:
         if seed < 0 or rank < 0:
             raise DataError(f"seed={seed} and rank={rank} must be >= 0")
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
-        self.seed, self.rank, self.world_size, self.accum = seed, rank, world_size, accum
+        self.order = WindowOrder(seed, batch_size, seq_len, rank, world_size, accum)
         self.device = torch.device(device)
         self.data, self.arrival = data, data.arrival and split == "train"
-        self._orders, self._part_orders = {}, {}  # epoch -> the order of its windows; part -> of its windows
         self._load()
         self.check()
 
@@ -111,16 +102,12 @@ class Batches:
 
     def in_hand(self, step: int) -> bool:
         """Whether ready(step) returns at once: the corpus is complete and loaded, or holds this step's windows."""
-        return self._holds(self._step_end(step))
+        return self._holds(self.order.step_end(step))
 
     def ready(self, step: int, give_up=lambda: False) -> bool:
         """Wait until every window of this step is in, where the corpus is still arriving, or give_up() (the run
         was asked to stop); False if its preparation failed first (the run then saves and stops)."""
-        return self._arrived(self._step_end(step), give_up)
-
-    def _step_end(self, step: int) -> int:
-        """The step's last training window, counted over the run."""
-        return (step + 1) * self.accum * self.world_size * self.batch_size - 1
+        return self._arrived(self.order.step_end(step), give_up)
 
     def _holds(self, sequence: int) -> bool:
         """Whether the run's sequence-th training window is readable now, with no wait."""
@@ -141,72 +128,21 @@ class Batches:
     @property
     def epoch_sequences(self) -> int:
         """Windows in one pass over the split: all that fit beside a shift of up to one window (at least one)."""
-        return max(1, (self.length - 1) // self.seq_len - 1)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The order of the windows in one epoch of training, drawn from (seed, epoch)."""
-        if epoch not in self._orders:  # kept: this epoch's and the one before (a batch may straddle the two)
-            self._orders = {e: order for e, order in self._orders.items() if e == epoch - 1}
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch, 2]).permutation(self.epoch_sequences)
-        return self._orders[epoch]
-
-    def sequence_numbers(self, step: int, micro_step: int) -> np.ndarray:
-        """Which of the run's training windows this micro-batch holds: the n-th of the sequence of epochs, (B,)."""
-        # Slot micro_step * world + rank: W ranks x A micro-steps read what one process with W * A micro-steps
-        # reads, so a run resumes on another GPU count with the same batches.
-        slot = micro_step * self.world_size + self.rank
-        return (step * self.accum * self.world_size + slot) * self.batch_size + np.arange(self.batch_size)
-
-    def epoch_shift(self, epoch: int) -> int:
-        """Where this epoch's first window starts: seeded, so window edges fall elsewhere each epoch."""
-        slack = self.length - 1 - self.epoch_sequences * self.seq_len  # tokens the tiling leaves over
-        return int(np.random.default_rng([self.seed, epoch, 3]).integers(0, slack + 1))
-
-    def part_order(self, part: int) -> np.ndarray:
-        """The order of one part's windows in the first epoch of a corpus read in arrival order."""
-        if part not in self._part_orders:  # kept: this part's and the one before
-            self._part_orders = {p: order for p, order in self._part_orders.items() if p == part - 1}
-            count = int(self.part_windows[part + 1] - self.part_windows[part])
-            self._part_orders[part] = np.random.default_rng([self.seed, part, 4]).permutation(count)
-        return self._part_orders[part]
-
-    def _tiled(self, numbers: np.ndarray, first_epoch: int = 0) -> np.ndarray:
-        """Starts of these sequence numbers of the whole split's tiling, counted from epoch first_epoch."""
-        epochs, within = np.divmod(numbers, self.epoch_sequences)
-        epochs += first_epoch
-        shifts = {e: self.epoch_shift(e) for e in set(epochs.tolist())}  # a batch spans one epoch or two
-        return np.array([shifts[e] + self.epoch_order(e)[i] * self.seq_len
-                         for e, i in zip(epochs.tolist(), within.tolist())], dtype=np.int64)
-
-    def _arrival_starts(self, numbers: np.ndarray) -> np.ndarray:
-        """Starts of these sequence numbers when the first epoch reads the parts in arrival order; the epochs after
-        it tile the whole split as any corpus does."""
-        if not self._arrived(int(numbers.max())):
-            raise self.failure
-        first = int(self.part_windows[-1])  # the first epoch's windows: final once a window past them is asked for
-        later, out = numbers >= first, np.zeros(len(numbers), np.int64)
-        if later.any():
-            out[later] = self._tiled(numbers[later] - first, first_epoch=1)
-        for row in np.flatnonzero(~later).tolist():
-            n = int(numbers[row])
-            part = int(np.searchsorted(self.part_windows, n, side="right")) - 1
-            out[row] = self.part_starts[part] + self.part_order(part)[n - self.part_windows[part]] * self.seq_len
-        return out
+        return tiled_windows(self.length, self.seq_len)
 
     def starts(self, step: int, micro_step: int) -> np.ndarray:
         """First token of each window in this micro-batch, shape (B,)."""
-        span = self.length - self.seq_len  # a window of seq_len + 1 tokens starts before this
-        if self.split == "train":
-            if self.arrival:
-                return self._arrival_starts(self.sequence_numbers(step, micro_step))
-            if len(self.weights) == 1:
-                return self._tiled(self.sequence_numbers(step, micro_step))
-            rng = np.random.default_rng([self.seed, step, micro_step * self.world_size + self.rank, 0])
-            first, last = self.ranges[rng.choice(len(self.weights), size=self.batch_size, p=self.weights)].T
-            return rng.integers(first, last - self.seq_len)
-        # Evaluation tiles the split with consecutive windows, ranks interleaved, the same at every eval.
-        first = (micro_step * self.world_size + self.rank) * self.batch_size
-        return np.arange(first, first + self.batch_size) * self.seq_len % span
+        order = self.order
+        if self.split != "train":
+            return order.evaluation_starts(micro_step, self.length)
+        if self.arrival:
+            numbers = order.sequence_numbers(step, micro_step)
+            if not self._arrived(int(numbers.max())):  # waits, then loads the parts that came
+                raise self.failure
+            return order.arrival_starts(numbers, self.part_starts, self.part_windows, self.length)
+        if len(self.weights) == 1:
+            return order.tiled_starts(order.sequence_numbers(step, micro_step), self.length)
+        return order.mixture_starts(step, micro_step, self.ranges, self.weights)
 
     def _windows(self, stream, starts) -> np.ndarray:
         return np.stack([stream[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
@@ -239,7 +175,7 @@ class PackedBatches(Batches):
         self.arrival = False  # packed windows are drawn from the plan, which covers the whole split
         tok = Tokenizer.from_file(data.tokenizer_path)
         self.plan = packing.plan(self.tokens, data.meta["eot_id"], tok.token_to_id(IM_START), self.seq_len,
-                                 self.seed if split == "train" else None)
+                                 self.order.seed if split == "train" else None)
         if not self.plan.windows:
             raise DataError(f"the {split} split holds no example to pack; add data or raise --val_fraction")
         self.pad = data.meta["eot_id"]
@@ -253,11 +189,9 @@ class PackedBatches(Batches):
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
         """The windows of this micro-batch, (B,)."""
-        if self.split == "train":  # the run's n-th sequence is window n of the sequence of epochs
-            n = self.sequence_numbers(step, micro_step)
-            return np.array([self.epoch_order(int(i // self.plan.windows))[i % self.plan.windows] for i in n])
-        slot = micro_step * self.world_size + self.rank
-        return (slot * self.batch_size + np.arange(self.batch_size)) % self.plan.windows
+        if self.split == "train":
+            return self.order.packed_ids(step, micro_step, self.plan.windows)
+        return self.order.evaluation_ids(micro_step, self.plan.windows)
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, labels (-100: not learned, or padding) and positions, each (B, T) int64 on the device."""
@@ -287,7 +221,7 @@ class PairBatches(PackedBatches):
         Batches.__init__(self, data, split, *args, **kwargs)
         self.arrival = False
         self.plan = packing.pair_plan(self.tokens, self.masks, data.meta["eot_id"], self.seq_len,
-                                      self.seed if split == "train" else None)
+                                      self.order.seed if split == "train" else None)
         if not self.plan.windows:
             raise DataError(f"the {split} split holds no preference pair that fits a window of {self.seq_len} tokens "
                             f"({self.plan.dropped} do not); raise --max_seq_len, add pairs or raise --val_fraction")

@@ -28,9 +28,11 @@ from llm import tasks as benchmarks
 from llm.errors import ConfigError, DataError
 from llm.scoring import TaskScore, chance, score_items
 from llm.pairs import as_messages
-from llm.sizing import AUTO_EVALS, EVAL_SHARE
 from llm.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
+EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
+AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
+EVAL_SHARE = 0.05  # automatic evaluations (val loss, code metric, samples) take at most this share of the time
 GPU_TASK_ITEMS = 500  # items of each benchmark task a GPU run scores at a full evaluation when left automatic
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager (the training model is never set to compile generation): a few dozen tokens during training do not pay

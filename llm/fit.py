@@ -4,7 +4,7 @@ chunking, before any weight or data is downloaded and before any compile.
 
     estimate(cfg, Target("cuda", 2)).total     bytes at the step's peak, each term in .terms with why
 The peak is during backward: weights, their autocast copies, gradients and optimizer state (held from the first
-step on) beside the activations kept for backward and the loss's logits. sizing.py sizes the micro-batch with it;
+step on) beside the activations kept for backward and the loss's logits. autofill.py sizes the micro-batch with it;
 startup.py refuses a run it says cannot fit, naming a change that does (suggest).
 """
 
@@ -27,7 +27,7 @@ class Target:
     kind: str  # "cuda", "cpu" or "mps"
     amp_bytes: int  # bytes of an autocast activation: 2 under bf16/fp16, 4 in fp32
     compiled: bool = False  # Inductor keeps the matmuls' inputs and recomputes pointwise ops in backward
-    loss_rows: int = 0  # rows per chunk of the loss (sizing.loss_chunk_rows), 0 for the logits whole
+    loss_rows: int = 0  # rows per chunk of the loss (step_settings.loss_chunk_rows), 0 for the logits whole
 
 
 @dataclass

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from llm import atomic, readers
 from llm.errors import CheckpointError, DataError, RunFailure
+from llm.sizing import BYTES_PER_TOKEN
 
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
@@ -89,7 +90,6 @@ def offline(constants) -> bool:
 
 def target_bytes(tokens: int, max_mb: float = 0.0) -> float:
     """The text to fetch for a target of `tokens` (0: all) and at most max_mb MB of text (0: no limit)."""
-    from llm.sizing import BYTES_PER_TOKEN  # here: sizing brings torch, which reading a corpus does without
     wanted = tokens * BYTES_PER_TOKEN * FETCH_MARGIN if tokens else math.inf
     return min(wanted, max_mb * 1e6) if max_mb else wanted
 

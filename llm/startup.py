@@ -14,6 +14,7 @@ import torch
 
 from config import AUTO, Config, TrainConfig
 from llm import hf_datasets
+from llm.autofill import fill_automatic, fill_run_length, fit_micro_batch
 from llm.batches import Batches, run_loaders
 from llm.cli import describe
 from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_bundled, source_files
@@ -27,7 +28,8 @@ from llm.model_card import run_facts
 from llm.preparation import prepare_once, short_of_target
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point, with_shape)
-from llm.sizing import BYTES_PER_TOKEN, fill_automatic, fill_run_length, fit_micro_batch, loss_chunk_rows
+from llm.sizing import BYTES_PER_TOKEN
+from llm.step_settings import loss_chunk_rows
 from llm.token_cache import PreparedData
 from llm.trainer_state import Saved
 from modern_llm import Transformer

@@ -104,7 +104,8 @@ def test_saved_run_config_round_trips(tmp_path):
 def test_a_run_in_epochs_config_json_loads_back(tmp_path):
     """A run in epochs writes the max_steps its epochs gave into config.json; passed back with --config, that
     file was refused ("set epochs or max_steps, not both"). The epochs decide again."""
-    from llm.sizing import Machine, fill_run_length
+    from llm.autofill import fill_run_length
+    from llm.sizing import Machine
     cfg, _ = parse_config(["--preset", "tiny", "--epochs", "2"])
     run, _ = fill_run_length(cfg, Machine("cpu", "cpu"), train_tokens=100_000)
     assert run.train.max_steps == math.ceil(2 * 100_000 / 256 / 16) and cfg.train.max_steps == 0

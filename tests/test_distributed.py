@@ -161,12 +161,13 @@ class AsIfWorld(Batches):
     def starts(self, step, micro_step):
         if self.split != "train":
             return super().starts(step, micro_step)
-        saved = self.rank, self.world_size, self.accum
-        self.rank, self.world_size, self.accum = micro_step % self.WORLD, self.WORLD, self.accum // self.WORLD
+        order = self.order
+        saved = order.rank, order.world_size, order.accum
+        order.rank, order.world_size, order.accum = micro_step % self.WORLD, self.WORLD, order.accum // self.WORLD
         try:
             return super().starts(step, micro_step // self.WORLD)
         finally:
-            self.rank, self.world_size, self.accum = saved
+            order.rank, order.world_size, order.accum = saved
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,12 @@ import gpu_training_optimized as trainer
 from config import Config, ModelConfig, TrainConfig
 from llm import device as device_mod
 from llm import fit, startup
+from llm.autofill import fill_automatic
 from llm.cli import parse_config
 from llm.hf_families import model_config_from_hf
 from llm.resume import with_shape
-from llm.sizing import Machine, fill_automatic, loss_chunk_rows
+from llm.sizing import Machine
+from llm.step_settings import loss_chunk_rows
 
 GB = 10**9
 # Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader uses.

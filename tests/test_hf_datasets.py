@@ -448,14 +448,14 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
     import torch
 
     from config import PRESETS
-    from llm import sizing, startup
+    from llm import autofill, sizing, startup
     server = Hub({"HuggingFaceFW/fineweb-edu": {"sample/10BT/000_00000.parquet": files["data/part-0.parquet"],
                                                 "README.md": files["README.md"]}})
     point_at(monkeypatch, tmp_path / "hf_home", server.url)
     try:
         cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"))
         assert cfg.data.sources == [corpus.GPU_CORPUS] and "FineWeb-Edu" in notes[0]
-        cfg, sized = sizing.fill_automatic(cfg, sizing.Machine("cuda", gpu, gib * 2**30), None)
+        cfg, sized = autofill.fill_automatic(cfg, sizing.Machine("cuda", gpu, gib * 2**30), None)
         report = "\n".join(notes + sized)
         assert f"the {preset} preset" in report and "budget: 60 min" in report, report
         assert cfg.train.micro_batch_size * cfg.model.max_seq_len >= 32_768

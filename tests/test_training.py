@@ -22,10 +22,10 @@ from conftest import write_greetings
 from llm import checkpoint as ckpt_io
 from llm import distributed, startup
 from llm.errors import ConfigError
+from llm.evaluation import EVAL_SHARE
 from llm.loading import read_model
 from llm.monitor import read_metrics as read_all
 from llm.schedule import RunClock, lr_multiplier
-from llm.sizing import EVAL_SHARE
 from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +109,7 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
 
 
 def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
-    """build() gives the model what sizing.matmul_attention says: written-out attention in a compiled CPU step of
+    """build() gives the model what step_settings.matmul_attention says: written-out attention in a compiled CPU step of
     short rows (twice as fast there as the CPU's flash kernel), SDPA's kernel eagerly."""
     model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
     for compile_mode, written in (("default", True), ("off", False)):

@@ -31,13 +31,14 @@ from config import DataConfig
 from gpu_training_optimized import build, train_step
 from llm.startup import new_model
 from llm import distributed
+from llm.autofill import fill_automatic
 from llm.cli import parse_config
 from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
 from llm.errors import error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops
 from llm.preparation import prepare
-from llm.sizing import fill_automatic, flops_per_token
+from llm.sizing import flops_per_token
 
 
 class FixedBatches:

@@ -149,7 +149,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from gpu_training_optimized import build, train_step
     from llm import distributed
     from llm.device import machine, make_deterministic, pick_device
-    from llm.sizing import fill_automatic, training_bytes_estimate
+    from llm.autofill import fill_automatic
+    from llm.sizing import training_bytes_estimate
     cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
     device, ranks = pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank, lora_base=lora_base)

@@ -52,12 +52,13 @@ from gpu_report import overhead_words, write_report
 from config import PRESETS, Config
 from gpu_training_optimized import build, train_step
 from llm.startup import new_model
+from llm.autofill import fill_automatic
 from llm.device import fp8_layers, has_fp8, machine, pick_device
 from llm.distributed import setup
 from llm.errors import ConfigError, error_contract
 from llm.hf_format import hf_twin
 from llm.monitor import device_report, peak_flops, read_metrics
-from llm.sizing import fill_automatic, flops_per_token, training_bytes_estimate
+from llm.sizing import flops_per_token, training_bytes_estimate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")

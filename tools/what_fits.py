@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import Config, ModelConfig, TrainConfig  # noqa: E402
 from llm.fit import Target, count_parameters, estimate  # noqa: E402
-from llm.sizing import MEMORY_FRACTION, Machine, loss_chunk_rows  # noqa: E402
+from llm.sizing import MEMORY_FRACTION, Machine  # noqa: E402
+from llm.step_settings import loss_chunk_rows  # noqa: E402
 
 GB = 10**9
 CARDS = (12, 24, 48, 80)

@@ -1,0 +1,50 @@
+"""Tests of step_settings.py: the loss chunked only where memory needs it, attention written out only where that is
+faster."""
+
+from dataclasses import replace
+
+import pytest
+
+from config import preset_tiny
+from llm import sizing, step_settings
+from llm.sizing import Machine
+
+CPU = Machine("cpu", "cpu, 2 threads")
+GIB = 2**30
+
+
+@pytest.mark.parametrize("preset,memory_gib,chunked", [
+    ("large", 80, False),  # an H100: 12,288 rows x 32k logits fit beside the rest of the step
+    ("large", 16, True),  # a 16 GB card: they would not
+    ("tiny", 0, False),  # a CPU: tiny's logits are 200 MB
+    ("small", 0, True),  # a CPU: small's 16k rows x 32k are 6 GB
+])
+def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(preset, memory_gib, chunked):
+    """Chunking recomputes the head's matmul in backward; it ran on every GPU preset, in chunks of 2,097 rows,
+    which Inductor pads (and times) on every chunk. Now: whole logits when they fit, else multiples of 128."""
+    from config import PRESETS
+    cfg = PRESETS[preset]()
+    micro = {"large": 32, "small": 16}.get(preset, cfg.train.micro_batch_size)  # the micro-batches presets once had
+    cfg.train = replace(cfg.train, micro_batch_size=micro, grad_accum_steps=0)
+    machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
+    rows = step_settings.loss_chunk_rows(cfg, machine)
+    whole = cfg.train.micro_batch_size * cfg.model.max_seq_len
+    assert (rows > 0) == chunked
+    if chunked:
+        assert rows % 128 == 0 and 128 <= rows < whole
+        room = step_settings.CPU_LOGITS_BYTES if not memory_gib else \
+            0.8 * memory_gib * GIB - (sizing.training_bytes_estimate(cfg) - whole * cfg.model.vocab_size * 6)
+        assert rows * cfg.model.vocab_size * step_settings.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)
+
+
+@pytest.mark.parametrize("device,compile_mode,seq_len,written", [
+    ("cpu", "default", 256, True),  # the default CPU run: twice as fast as the CPU's flash kernel
+    ("cpu", "default", 512, False),  # slower than the kernel from 512 positions
+    ("cpu", "off", 256, False),  # eager, the kernel is faster
+    ("cuda", "default", 256, False),  # GPUs keep SDPA's flash and cuDNN kernels
+])
+def test_attention_is_written_out_only_in_a_compiled_cpu_step_of_short_rows(device, compile_mode, seq_len, written):
+    cfg = preset_tiny()
+    cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
+    machine = Machine("cuda", "GPU", 80 * GIB) if device == "cuda" else CPU
+    assert step_settings.matmul_attention(cfg, machine) is written
