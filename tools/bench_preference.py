@@ -3,6 +3,7 @@ machine, the same model, pairs, LoRA rank and pairs per step.
 
     python tools/bench_preference.py                      # a Qwen2-shaped model of about 25M parameters, random
     python tools/bench_preference.py --steps 8 --rounds 2
+    python tools/bench_preference.py --variants ours ours-one-window trl trl-two-pairs --rounds 1 --steps 4
 
 Both run DPO with the NLL term (TRL's loss types sigmoid + sft, beta 0.1, weights 1 and 1), LoRA rank 16 on every
 block matrix, AdamW, bf16 autocast, gradient checkpointing (TRL's default), eager, on 400 generated pairs (prompts
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
@@ -63,8 +65,9 @@ def setup(folder: str) -> str:
     return pairs
 
 
-def ours(folder: str, steps: int, seq: int) -> dict:
-    """This project's trainer: LoRA DPO on windows of packed pairs, as many windows a step as hold BATCH_PAIRS."""
+def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
+    """This project's trainer: LoRA DPO on windows of packed pairs, as many windows a step as hold BATCH_PAIRS, in
+    one forward, or with one_window one window a forward, accumulated over the step's windows."""
     import gpu_training_optimized as trainer
     from config import DataConfig
     from llm.batches import PairBatches
@@ -76,23 +79,25 @@ def ours(folder: str, steps: int, seq: int) -> dict:
                               tokenizer=os.path.join(model_dir, "tokenizer.json")), 1024, seq, log=lambda *a: None)
     plan = PairBatches(data, "train", 1, seq, 1337).plan
     tokens_per_window = plan.length[plan.pair_ids].sum() / plan.windows
-    micro = max(1, round(BATCH_PAIRS * plan.windows / len(plan.pair_ids)))  # windows holding about BATCH_PAIRS
+    windows = max(1, round(BATCH_PAIRS * plan.windows / len(plan.pair_ids)))  # windows holding about BATCH_PAIRS
+    micro, accum = (1, windows) if one_window else (windows, 1)
     start = time.perf_counter()
     assert trainer.main(["--init_from", model_dir, "--sources", os.path.join(folder, "pairs.jsonl"), "--cache_dir",
                          cache, "--run_dir", run, "--lora_rank", str(RANK), "--max_seq_len",
-                         str(seq), "--micro_batch_size", str(micro), "--max_steps", str(steps + 2), "--compile", "off",
+                         str(seq), "--micro_batch_size", str(micro), "--grad_accum_steps", str(accum), "--max_steps", str(steps + 2), "--compile", "off",
                          "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1", "--eval_batches",
                          "1", "--weight_average", "0", "--precision", "bf16",
                          "--gradient_checkpointing", "true"]) == 0
     wall = time.perf_counter() - start
     step_s = [1 / r["steps_per_s"] for r in read_metrics(run, "train")[2:]]
-    return {"tokens_per_s": micro * tokens_per_window / statistics.median(step_s),
-            "pairs_per_step": micro * len(plan.pair_ids) / plan.windows, "wall_s": wall,
+    return {"tokens_per_s": windows * tokens_per_window / statistics.median(step_s),
+            "pairs_per_step": windows * len(plan.pair_ids) / plan.windows, "wall_s": wall,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def trl(folder: str, steps: int, seq: int) -> dict:
-    """TRL's DPOTrainer with a PEFT LoRA config on the same model and pairs, BATCH_PAIRS pairs a step."""
+def trl(folder: str, steps: int, seq: int, per_forward: int = BATCH_PAIRS) -> dict:
+    """TRL's DPOTrainer with a PEFT LoRA config on the same model and pairs, BATCH_PAIRS pairs a step, per_forward
+    of them a forward (gradient accumulation over the rest)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -112,8 +117,8 @@ def trl(folder: str, steps: int, seq: int) -> dict:
                 tokens.append(logs["num_tokens"])
 
     start = time.perf_counter()
-    args = DPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"), per_device_train_batch_size=BATCH_PAIRS,
-                     max_steps=steps + 2, logging_steps=1, beta=0.1, loss_type=["sigmoid", "sft"],
+    args = DPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"), per_device_train_batch_size=per_forward,
+                     gradient_accumulation_steps=BATCH_PAIRS // per_forward, max_steps=steps + 2, logging_steps=1, beta=0.1, loss_type=["sigmoid", "sft"],
                      loss_weights=[1.0, 1.0], report_to="none", use_cpu=True, save_strategy="no", max_length=None,
                      bf16=True, learning_rate=1e-5, dataloader_num_workers=0, gradient_checkpointing=True)
     run = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), args=args,
@@ -128,7 +133,9 @@ def trl(folder: str, steps: int, seq: int) -> dict:
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-VARIANTS = {"ours": ours, "trl": trl}
+# Each side as it runs the step's 8 pairs by default (one forward), and each one a smaller forward at a time.
+VARIANTS = {"ours": ours, "trl": trl, "ours-one-window": partial(ours, one_window=True),
+            "trl-two-pairs": partial(trl, per_forward=2)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="timed steps of each run, after two warm-up steps")
     p.add_argument("--seq_len", type=int, default=1024, help="our windows' length (a pair is about 380 tokens)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["ours", "trl"],
+                   help="what to run, alternating (ABBA) over the rounds")
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -149,9 +158,9 @@ def main(argv=None) -> int:
         return 0
     folder = tempfile.mkdtemp(prefix="bench_preference_")
     setup(folder)
-    results = {name: [] for name in VARIANTS}
+    results = {name: [] for name in args.variants}
     for r in range(args.rounds):
-        for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):  # ABBA: drift hits both orders
+        for name in (args.variants if r % 2 == 0 else reversed(args.variants)):  # ABBA: drift hits both orders
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
                                    str(args.steps), "--seq_len", str(args.seq_len), "--folder", folder], capture_output=True, text=True)
             if done.returncode:
