@@ -141,16 +141,14 @@ def _file_changes(before: dict, now: dict) -> list[str]:
         ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
-def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: trainer_state.Saved | None,
-              run_dir: str) -> trainer_state.TrainingState:
-    """state as the checkpoint --resume continues left it (a new run's as it is, at step 0), a damaged
-    checkpoint's line naming the one before it."""
+def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: trainer_state.Saved | None, run_dir: str):
+    """Set state, in place, as the checkpoint --resume continues left it (a new run's stays at step 0); a damaged
+    checkpoint's line names the one before it."""
     if ckpt is not None:
         try:
             state.load(ckpt, saved)
         except CheckpointError as e:
             raise CheckpointError(f"{e}{_earlier_hint(ckpt, run_dir)}") from None
-    return state
 
 
 def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
