@@ -5,14 +5,18 @@ import json
 import os
 import random
 import re
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The measurement tools live in tools/ and import each other by name, as when run as scripts.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 # ----------------------------------------------------------------------------- test dependencies
@@ -345,3 +349,39 @@ def app(tiny_checkpoint):
     server = serve.Server(*serve.parse_args([str(tiny_checkpoint), "--device", "cpu", "--compile", "off"]))
     with TestClient(serve.app_for(server)) as client:
         yield server, client
+
+
+# ----------------------------------------------------------------------------- interrupted runs
+
+def stopped_after(trainer, steps: int, argv: list) -> int:
+    """trainer.main(argv) asked to stop by a SIGTERM to this process after `steps` training steps, as a scheduler
+    stops a job; its exit status (the signal handlers put back after)."""
+    original, calls = trainer.train_step, {"n": 0}
+
+    def stop_after(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    trainer.train_step = stop_after
+    try:
+        return trainer.main(argv)
+    finally:
+        trainer.train_step = original
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def killed_after_a_checkpoint(argv: list, run) -> int:
+    """The trainer run as a process with argv, killed with kill -9 (no chance to save) once run holds a checkpoint;
+    the step of its latest one."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *map(str, argv)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    latest, deadline = os.path.join(run, "checkpoints", "LATEST"), time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(latest):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    with open(latest, encoding="utf-8") as f:
+        return int(f.read().strip().rsplit("_", 1)[1])

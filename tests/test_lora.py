@@ -5,9 +5,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ import torch
 import export_hf
 import gpu_training_optimized as trainer
 from config import TrainConfig
-from conftest import write_greetings
+from conftest import killed_after_a_checkpoint, write_greetings
 from llm.loading import Kind, Source, detect, read_model
 from llm.lora import adapter_state, add_adapters, merged
 from llm.monitor import read_metrics, stored_bytes
@@ -121,16 +118,8 @@ def test_an_nf4_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(qwen3
     common = ("--max_steps", 16, "--save_interval", 4, "--eval_interval", 8, "--lora_base", "nf4")
     assert trainer.main(lora_argv(qwen3_folder, chats, tmp_path / "full", *common)) == 0
     reference = [r["loss"] for r in read_metrics(str(tmp_path / "full"), "train")]
-    killed, root = tmp_path / "killed", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "gpu_training_optimized.py"),
-                             *lora_argv(qwen3_folder, chats, killed, *common)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=root)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (killed / "checkpoints" / "LATEST").exists():
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    step = int((killed / "checkpoints" / "LATEST").read_text().strip().rsplit("_", 1)[1])
+    killed = tmp_path / "killed"
+    step = killed_after_a_checkpoint(lora_argv(qwen3_folder, chats, killed, *common), killed)
     assert 4 <= step < 16  # killed mid-run, after a checkpoint
     assert trainer.main(lora_argv(qwen3_folder, chats, killed, *common, "--resume")) == 0
     resumed = [r["loss"] for r in read_metrics(str(killed), "train")]

@@ -5,14 +5,13 @@ of an uninterrupted one."""
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import gpu_training_optimized as trainer
+from conftest import killed_after_a_checkpoint, stopped_after
 from llm import checkpoint as ckpt_io
 from llm.monitor import read_metrics
 
@@ -90,21 +89,7 @@ def test_a_resumed_lora_simpo_run_repeats_the_uninterrupted_losses(chat_run, tmp
     assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
     reference = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(full), "train")]
     broken = tmp_path / "broken"
-    original, calls = trainer.train_step, {"n": 0}
-
-    def stop_after_eight(*args, **kwargs):
-        out = original(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == 8:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-    trainer.train_step = stop_after_eight
-    try:
-        trainer.main(dpo_argv(chat_run, broken, *common))
-    finally:
-        trainer.train_step = original
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    stopped_after(trainer, 8, dpo_argv(chat_run, broken, *common))
     assert ckpt_io.latest_checkpoint(str(broken)).endswith("step_000008")
     assert trainer.main(dpo_argv(chat_run, broken, *common, "--resume")) == 0
     resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(broken), "train")]
@@ -121,16 +106,7 @@ def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_r
     assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
     reference = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(full), "train")]
     killed = tmp_path / "killed"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "gpu_training_optimized.py"),
-                             *dpo_argv(chat_run, killed, *common)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=root)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (killed / "checkpoints" / "LATEST").exists():
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    step = int(ckpt_io.latest_checkpoint(str(killed)).rsplit("_", 1)[1])
+    step = killed_after_a_checkpoint(dpo_argv(chat_run, killed, *common), killed)
     assert 4 <= step < 16  # killed mid-run, after a checkpoint
     assert trainer.main(dpo_argv(chat_run, killed, *common, "--resume")) == 0
     resumed = [(r["loss"], r["reward_margin"]) for r in read_metrics(str(killed), "train")]

@@ -18,7 +18,7 @@ import torch
 
 import gpu_training_optimized as trainer
 from config import Config, TrainConfig
-from conftest import write_greetings
+from conftest import stopped_after, write_greetings
 from llm import checkpoint as ckpt_io
 from llm import distributed, startup
 from llm.errors import ConfigError
@@ -364,22 +364,7 @@ def test_resume_gives_bit_identical_losses(data, request, tmp_path, argv_for):
     reference = [r["loss"] for r in read_metrics(full)]
     # Interrupt a fresh run after step 8 by asking it to stop, as SIGTERM would.
     broken = tmp_path / "broken"
-    original = trainer.train_step
-    calls = {"n": 0}
-
-    def stop_after_eight(*args, **kwargs):
-        out = original(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == 8:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-    trainer.train_step = stop_after_eight
-    try:
-        assert trainer.main(argv_for(corpus, broken, *common)) == 143  # saved, but unfinished: `&& export` stops
-    finally:
-        trainer.train_step = original
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert stopped_after(trainer, 8, argv_for(corpus, broken, *common)) == 143  # saved, unfinished: `&& export` stops
     assert ckpt_io.latest_checkpoint(str(broken)).endswith("step_000008")
     trainer.main(argv_for(corpus, broken, *common, "--resume"))
     resumed = [r["loss"] for r in read_metrics(broken)]
