@@ -42,7 +42,7 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
 
 
-def setup(folder: str) -> str:
+def setup(folder: str, pairs: int = PAIRS) -> str:
     """The pairs (JSONL) and a random Qwen2 model with a ChatML tokenizer trained on them, saved as a download."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -51,7 +51,7 @@ def setup(folder: str) -> str:
     rng = random.Random(0)
     rows = [{"prompt": [{"role": "user", "content": sentence(rng, 30)}],
              "chosen": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}],
-             "rejected": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}]} for _ in range(PAIRS)]
+             "rejected": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}]} for _ in range(pairs)]
     pairs = os.path.join(folder, "pairs.jsonl")
     with open(pairs, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -144,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="timed steps of each run, after two warm-up steps")
     p.add_argument("--seq_len", type=int, default=1024, help="our windows' length (a pair is about 380 tokens)")
+    p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (the reference pass reads them all)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["ours", "trl"],
                    help="what to run, alternating (ABBA) over the rounds")
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         print(json.dumps(VARIANTS[args.child](args.folder, args.steps, args.seq_len)))
         return 0
     folder = tempfile.mkdtemp(prefix="bench_preference_")
-    setup(folder)
+    setup(folder, args.pairs)
     results = {name: [] for name in args.variants}
     for r in range(args.rounds):
         for name in (args.variants if r % 2 == 0 else reversed(args.variants)):  # ABBA: drift hits both orders
