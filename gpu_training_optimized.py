@@ -141,10 +141,11 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
 
 def build_run(plan: Plan) -> Built:
     """build() for the plan, its objective, and the state a --resume continues (a new run's at step 0)."""
-    b = build(plan.cfg, plan.device, plan.ranks, init_state=plan.init_state)
-    b.objective = preference.objective_for(plan, b, plan.ranks.print)  # before a checkpoint loads: the reference
-    load_into(b.state, plan.ckpt, plan.saved, plan.cfg.train.run_dir)
-    return b
+    built = build(plan.cfg, plan.device, plan.ranks, init_state=plan.init_state)
+    # Before a checkpoint loads, so that a reference pass reads the weights the run started from.
+    built.objective = preference.objective_for(plan, built, plan.ranks.print)
+    load_into(built.state, plan.ckpt, plan.saved, plan.cfg.train.run_dir)
+    return built
 
 
 @dataclass
@@ -165,63 +166,63 @@ class Session:
 
 # ----------------------------------------------------------------------------- one step, eval
 
-def train_step(b: Built, batches, step: int, t, ranks: Ranks):
+def train_step(built: Built, batches, step: int, t, ranks: Ranks):
     """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok)."""
     loss_sum = torch.zeros((), device=batches.device)
     batch = batches.get(step, 0)
     for micro in range(t.grad_accum_steps):
         last_micro = micro == t.grad_accum_steps - 1
-        if b.cudagraphs:
+        if built.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new replay may reuse the previous outputs' memory
-        ranks.set_grad_sync(b.model, last_micro)  # DDP all-reduces once, on the last micro-batch
-        with b.amp:
-            loss = (b.objective(b.compiled, batch) if b.objective else
-                    b.compiled(batch[0], labels=batch[1], positions=batch[2])[1]) / t.grad_accum_steps
+        ranks.set_grad_sync(built.model, last_micro)  # DDP all-reduces once, on the last micro-batch
+        with built.amp:
+            loss = (built.objective(built.compiled, batch) if built.objective else
+                    built.compiled(batch[0], labels=batch[1], positions=batch[2])[1]) / t.grad_accum_steps
         loss_sum += loss.detach()  # read the graph output into a plain tensor before the next replay
         if not last_micro:
             batch = batches.get(step, micro + 1)  # fetch while the GPU still works on this forward
-        (b.scaler.scale(loss) if b.scaler else loss).backward()
-    params = [p for g in b.opt.param_groups for p in g["params"]]
-    if b.scaler:
-        b.scaler.unscale_(b.opt)
+        (built.scaler.scale(loss) if built.scaler else loss).backward()
+    params = [p for g in built.opt.param_groups for p in g["params"]]
+    if built.scaler:
+        built.scaler.unscale_(built.opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))  # inf: measure only
     if isinstance(grad_norm, distributed.DTensor):  # FSDP2: each rank's share of the squares, summed
         grad_norm = grad_norm.full_tensor()
     ok = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
-    b.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync (GradScaler.step would read it)
-    if b.scaler:
-        b.scaler.update()  # lowers the scale after the non-finite gradients unscale_ found, raises it after many fine
-    b.opt.zero_grad(set_to_none=not b.persistent_grads)
+    built.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync (GradScaler.step would read it)
+    if built.scaler:
+        built.scaler.update()  # lowers the scale after non-finite gradients unscale_ found, raises it after many fine
+    built.opt.zero_grad(set_to_none=not built.persistent_grads)
     return loss_sum, grad_norm, ok
 
 
-def first_train_step(b: Built, batches, step: int, t, ranks: Ranks):
+def first_train_step(built: Built, batches, step: int, t, ranks: Ranks):
     """train_step, which compiles; after a compiler failure (no C compiler, say), eager from here on if allowed."""
     try:
-        return train_step(b, batches, step, t, ranks)
+        return train_step(built, batches, step, t, ranks)
     except Exception as e:
-        if b.compiled is b.model or not is_compile_failure(e):
+        if built.compiled is built.model or not is_compile_failure(e):
             raise
-        ranks.print(eager_or_stop(e, t, b.state.model, "training"))
-        b.run_eagerly()
-        return train_step(b, batches, step, t, ranks)
+        ranks.print(eager_or_stop(e, t, built.state.model, "training"))
+        built.run_eagerly()
+        return train_step(built, batches, step, t, ranks)
 
 
-def warm_eval_model(b: Built, val_batches, t, ranks: Ranks):
+def warm_eval_model(built: Built, val_batches, t, ranks: Ranks):
     """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler failure
     if allowed."""
-    if b.eval_model is b.raw_model:
+    if built.eval_model is built.raw_model:
         return
     try:
-        validation_loss(b.eval_model, b.amp, val_batches, 1, ranks, objective=b.objective)  # compiles its graph
+        validation_loss(built.eval_model, built.amp, val_batches, 1, ranks, objective=built.objective)  # compiles it
     except Exception as e:
         if not is_compile_failure(e):
             raise
-        ranks.print(eager_or_stop(e, t, b.state.model, "evaluating"))
-        b.evaluate_eagerly()
+        ranks.print(eager_or_stop(e, t, built.state.model, "evaluating"))
+        built.evaluate_eagerly()
 
 
-def evaluate_and_log(session: Session, b: Built, step: int, full: bool, last: bool = False, batches: int = 0,
+def evaluate_and_log(session: Session, built: Built, step: int, full: bool, last: bool = False, batches: int = 0,
                      until: float = math.inf) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
     FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
@@ -235,27 +236,27 @@ def evaluate_and_log(session: Session, b: Built, step: int, full: bool, last: bo
 
     def val_loss_now():
         nonlocal n
-        loss, n = validation_loss(b.eval_model, b.amp, session.val_batches, n, session.ranks,
-                           deadlines.pop() if deadlines else math.inf, b.objective)
+        loss, n = validation_loss(built.eval_model, built.amp, session.val_batches, n, session.ranks,
+                           deadlines.pop() if deadlines else math.inf, built.objective)
         return loss
-    chosen = b.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
+    chosen = built.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
     if n < planned and session.monitor:
         session.bar.write(f"final evaluation on {n} of {planned} batches: the time budget left holds no more")
     if chosen and session.monitor:
         session.bar.write(chosen[1])
     val_loss = chosen[0] if chosen else val_loss_now()
     probe = session.probe
-    with b.amp:
-        (code_ok, code_n), samples = (probe.code(b.raw_model), probe.samples(b.raw_model)) if full else \
+    with built.amp:
+        (code_ok, code_n), samples = (probe.code(built.raw_model), probe.samples(built.raw_model)) if full else \
             ((float("nan"), 0), [])
-        scores = probe.scores(b.raw_model) if full else []
-    pairs = b.objective.kept(val_loss) if b.objective else {}  # the rewards of the evaluation whose weights stay
+        scores = probe.scores(built.raw_model) if full else []
+    pairs = built.objective.kept(val_loss) if built.objective else {}  # the rewards of the weights that stay
     if session.monitor:
         r = session.monitor.eval_record(step, val_loss, session.data.meta["val_bytes_per_token"], code_ok=code_ok,
                                         code_samples=code_n, **{f"acc_{s.task}": s.acc for s in scores},
                                         **({"scored_items": scores[0].items} if scores else {}),
                                         **pairs)
-        code = (f", {b.objective.line(pairs)}" if pairs else "") + \
+        code = (f", {built.objective.line(pairs)}" if pairs else "") + \
             (f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else "")
         tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
         per_token = "" if pairs else f", ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"  # a pair loss has neither
@@ -268,10 +269,11 @@ def evaluate_and_log(session: Session, b: Built, step: int, full: bool, last: bo
 
 # ----------------------------------------------------------------------------- checkpoints, logging, the run
 
-def save(session: Session, b: Built, val_loss: float | None = None) -> str | None:
+def save(session: Session, built: Built, val_loss: float | None = None) -> str | None:
     """Write a checkpoint of the training state at its step (TrainingState.save: rank 0 writes, NaN refused).
     Every rank calls it. val_loss: the evaluation at this step, if there was one."""
-    return b.state.save(session.cfg, session.ranks, session.data, session.record, session.clock.timer.state(), val_loss)
+    return built.state.save(session.cfg, session.ranks, session.data, session.record, session.clock.timer.state(),
+                            val_loss)
 
 
 def write_run_config(cfg: Config):
@@ -279,20 +281,20 @@ def write_run_config(cfg: Config):
     atomic.write_text(os.path.join(cfg.train.run_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
 
 
-def log_window(session: Session, b: Built, window: LossWindow, grad_norm, lr_scale: float):
+def log_window(session: Session, built: Built, window: LossWindow, grad_norm, lr_scale: float):
     """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
-    step, worst = b.state.step, int(window.worst.item())  # sync point: the only per-window host reads of device values
+    step, worst = built.state.step, int(window.worst.item())  # sync point: the window's only host reads of the device
     if worst >= session.cfg.train.max_bad_steps:
         raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
                                  "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
                                  "use --precision fp32, then --resume")
     mean_loss = session.ranks.mean(window.mean()).item()
-    pairs = b.objective.take(session.ranks) if b.objective else {}  # a preference run's rewards
+    pairs = built.objective.take(session.ranks) if built.objective else {}  # a preference run's rewards
     if session.monitor:
-        lrs = {f"lr_{name}": lr for name, lr in b.opt.lrs().items()}
+        lrs = {f"lr_{name}": lr for name, lr in built.opt.lrs().items()}
         step_s = session.clock.timer.step_s if session.clock.timer.measured else None  # the first step compiles: no speed
-        r = session.monitor.train_record(step, b.state.tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
-                                         compiled=b.compiled is not b.model, extra=pairs)
+        r = session.monitor.train_record(step, built.state.tokens, mean_loss, lr_scale, lrs, grad_norm.item(), step_s,
+                                         compiled=built.compiled is not built.model, extra=pairs)
         session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
@@ -304,23 +306,23 @@ def say(session: Session, line: str | None):
 
 # ----------------------------------------------------------------------------- main
 
-def open_session(plan: Plan, b: Built, launch: float, argv) -> Session:
+def open_session(plan: Plan, built: Built, launch: float, argv) -> Session:
     """The clock, config.json, the start report, the monitor and the progress bar of this session."""
-    cfg, t, ranks, device, start = plan.cfg, plan.cfg.train, plan.ranks, plan.device, b.state.step
-    clock = RunClock(t, launch, ranks, start, params=sum(p.numel() for p in b.raw_model.parameters()),
-                     **b.state.clock)
+    cfg, t, ranks, device, start = plan.cfg, plan.cfg.train, plan.ranks, plan.device, built.state.step
+    clock = RunClock(t, launch, ranks, start, params=sum(p.numel() for p in built.raw_model.parameters()),
+                     **built.state.clock)
     if ranks.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
     tokens_per_step = t.micro_batch_size * cfg.model.max_seq_len * t.grad_accum_steps * ranks.world_size
     monitor = Monitor(t.run_dir, device, flops_per_token(cfg.model), tokens_per_step, tensorboard=t.tensorboard,
                       wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
                       resume_step=start if plan.ckpt else None) if ranks.is_main else None
-    probe = Probe(b.raw_model.config, plan.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
+    probe = Probe(built.raw_model.config, plan.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
                   tasks=t.eval_tasks,
                   task_items=t.eval_task_items or (GPU_TASK_ITEMS if device.type == "cuda" else 0))
-    precision = precision_label(t.precision, b.amp_dtype, b.raw_model)
+    precision = precision_label(t.precision, built.amp_dtype, built.raw_model)
     ranks.print((f"resumed from {plan.ckpt} at step {start}\n" if plan.ckpt else "") + start_report(
-        cfg, device, b.raw_model, b.opt, precision=precision, ranks=ranks, tokens_per_step=tokens_per_step,
+        cfg, device, built.raw_model, built.opt, precision=precision, ranks=ranks, tokens_per_step=tokens_per_step,
         compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
     args = sys.argv[1:] if argv is None else argv
     command = f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"
@@ -347,10 +349,10 @@ def trained_short(cfg: Config, data: PreparedData) -> str:
     return short_of_target(cfg.data, data.meta) if data.arrived else ""
 
 
-def finish(plan: Plan, b: Built, session: Session, first: int, ckpt: str | None, data_lost: bool,
+def finish(plan: Plan, built: Built, session: Session, first: int, ckpt: str | None, data_lost: bool,
            interrupted: bool):
     """After the loop: the end of a run that never stepped or lost its data, else the summary (rank 0)."""
-    t, clock, state = plan.cfg.train, session.clock, b.state
+    t, clock, state = plan.cfg.train, session.clock, built.state
     if state.step == first and not plan.ckpt and not data_lost:
         raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
                           f"({clock.timer.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
@@ -362,7 +364,7 @@ def finish(plan: Plan, b: Built, session: Session, first: int, ckpt: str | None,
         print(summary(step=state.step, tokens=state.tokens, seconds=clock.timer.spent_s(), best_val=state.best_val,
                       bytes_per_token=plan.data.meta["val_bytes_per_token"], ckpt=ckpt, device=plan.device,
                       interrupted=interrupted, launcher=plan.ranks.launcher(), base=t.init_from if t.lora_rank else "")
-              + (b.objective.summary() if b.objective else "")
+              + (built.objective.summary() if built.objective else "")
               + "\n" + clock.evals.report() + write_report_card(session, ckpt)
               + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data)] if line))
     plan.ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
@@ -385,12 +387,12 @@ def main(argv=None) -> int:
     launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
     plan = make_plan(argv)  # the final config, processes, device, data, and the checkpoint a --resume continues
     cfg, t, ranks, batches = plan.cfg, plan.cfg.train, plan.ranks, plan.batches
-    b = build_run(plan)
-    state, first = b.state, b.state.step
-    session = open_session(plan, b, launch, argv)
+    built = build_run(plan)
+    state, first = built.state, built.state.step
+    session = open_session(plan, built, launch, argv)
     clock, timer, evals = session.clock, session.clock.timer, session.clock.evals  # run length, timer, evaluations
     stop, window, last_ckpt = StopFlag(), LossWindow(plan.device), None
-    warm_eval_model(b, plan.val_batches, t, ranks)
+    warm_eval_model(built, plan.val_batches, t, ranks)
     profiler = StepProfiler(t.run_dir, plan.device, first=first + 2) if t.profile and ranks.is_main else None
 
     say(session, clock.sync(first))
@@ -409,31 +411,31 @@ def main(argv=None) -> int:
             if last_step or evals.due(step):
                 with timer.pause("eval", step):
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
-                    val_loss = evaluate_and_log(session, b, step, full=evals.full(step, last_step), last=last_step,
+                    val_loss = evaluate_and_log(session, built, step, full=evals.full(step, last_step), last=last_step,
                                                 batches=n, until=until)
                 say(session, clock.evaluated(step))  # the policy marks it; the run's length is measured again
                 state.best_val = min(state.best_val, val_loss)
             if last_step or stopping or evals.save_due(step):
                 with timer.pause("save", step):
-                    last_ckpt = save(session, b, val_loss) or last_ckpt
+                    last_ckpt = save(session, built, val_loss) or last_ckpt
         if last_step or (stopping and step > first):
             break
 
         lr_scale = lr_multiplier(clock.progress(step), t)
-        set_lr(b.opt, lr_scale)
-        loss, grad_norm, ok = (first_train_step if step == first else train_step)(b, batches, step, t, ranks)
-        b.average.update(step, clock.progress(step))
+        set_lr(built.opt, lr_scale)
+        loss, grad_norm, ok = (first_train_step if step == first else train_step)(built, batches, step, t, ranks)
+        built.average.update(step, clock.progress(step))
         window.add(loss, ok)
         state.advance(session.tokens_per_step)
         if profiler:
             profiler.step(step + 1)  # the steps after the first two, which compile
         if clock.log_due(step + 1):
             say(session, clock.sync(step + 1))
-            log_window(session, b, window, grad_norm, lr_scale)
+            log_window(session, built, window, grad_norm, lr_scale)
         advance_bar(session.bar, clock, step + 1, state.tokens / cfg.model.max_seq_len / batches.epoch_sequences
                     if t.epochs else None)
     session.bar.close()
-    finish(plan, b, session, first, last_ckpt, data_lost, interrupted=stopping and not last_step)
+    finish(plan, built, session, first, last_ckpt, data_lost, interrupted=stopping and not last_step)
     # An unfinished run exits 130 or 143, so `train && export` stops; under torchrun rank 0 alone says it, since a
     # rank's failing exit makes torchrun end the others, which would cut rank 0's last writes.
     return stop.exit_status() if stopping and not last_step and ranks.is_main else 0
