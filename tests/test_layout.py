@@ -25,13 +25,13 @@ SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference",
          "bench_prepare",
          "compare_optimizers",
-         "finetune_check", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation", "gpu_report",
-         "hub_stand_in", "roofline", "what_fits"]  # in tools/
+         "finetune_check", "nf4_gap", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
+         "gpu_report", "hub_stand_in", "roofline", "what_fits"]  # in tools/
 # A tool may build on another only where declared here.
 TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation", "gpu_report"},
               "gpu_first_run": {"gpu_generation", "hub_stand_in"},
               "gpu_generation": {"bench", "bench_generate"}, "compile_check": {"bench", "fake_gpu", "roofline"},
-              "bench_lora": {"bench"}}
+              "bench_lora": {"bench"}, "nf4_gap": {"finetune_check"}}
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
 # What a user runs, edits or reads first stays at the root; every other module lives in the package folder.
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
