@@ -413,7 +413,7 @@ def main(argv=None) -> int:
                     n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
                     val_loss = evaluate_and_log(session, built, step, full=evals.full(step, last_step), last=last_step,
                                                 batches=n, until=until)
-                say(session, clock.evaluated(step))  # the policy marks it; the run's length is measured again
+                say(session, clock.evaluated(step, last_step))  # marked; the run's length is measured again
                 state.best_val = min(state.best_val, val_loss)
             if last_step or stopping or evals.save_due(step):
                 with timer.pause("save", step):

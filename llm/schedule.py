@@ -158,11 +158,11 @@ class RunClock:
         self._first_window = self.length is None
         return self.plan_length()
 
-    def evaluated(self, step: int) -> str | None:
-        """An evaluation ran before this step: the policy marks it, and the run's length is measured again (its line
-        where it changed, or None)."""
+    def evaluated(self, step: int, last: bool = False) -> str | None:
+        """An evaluation ran before this step: the policy marks it, and but for the final one the run's length is
+        measured again (its line where it changed, or None)."""
         self.evals.mark(step)
-        return self.plan_length()
+        return None if last else self.plan_length()
 
     def plan_length(self) -> str | None:
         """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and the ones

@@ -300,6 +300,10 @@ def test_a_budgets_run_length_is_set_once_measured_and_moves_only_at_evaluations
     assert clock.progress(39) == 40 / settled  # the slower steps since changed nothing
     line = clock.evaluated(40)  # 8 s spent; 52 s left at a pace between 0.125 and 0.2 s a step
     assert 40 + 50 / 0.2 < clock.length < 40 + 52 / 0.125 and line.endswith(f"(was {settled:,})")
+    length = clock.length
+    with clock.timer.pause("eval", 41):  # the final evaluation: 5 s, which would take about 30 steps off the length
+        now[0] += 5.0
+    assert clock.evaluated(41, last=True) is None and clock.length == length  # the run is over: nothing to say
     assert RunClock(replace(t, max_minutes=0, max_steps=30), 0.0, OneProcess()).length == 30
 
 
