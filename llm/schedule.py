@@ -153,9 +153,10 @@ class RunClock:
         """The timer's sync (a collective); under a budget the run's length set once a speed is measured, and set
         again at the end of the first whole log window. Returns plan_length()'s line, or None."""
         self.timer.sync(step)
-        if self.length is not None and not (self._first_window and step - self.start > 2 and self.timer.measured):
+        window_ends = self._first_window and step - self.start > 2 and self.timer.measured
+        if self.length is not None and not window_ends:
             return None
-        self._first_window = self.length is None
+        self._first_window = self.length is None  # set for the first time, or again at the first window's end
         return self.plan_length()
 
     def evaluated(self, step: int, last: bool = False) -> str | None:
