@@ -85,6 +85,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.max_len = max_len
         self.next_mask = torch.zeros(batch_size, 1, 1, max_len, device=device, dtype=dtype)
+        self.span = None  # set by an eager caller that knows no row reaches past it: attention reads that far only
         self.reset()
 
     def reset(self):
@@ -196,6 +197,8 @@ def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tenso
     at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's later and unfilled
     places."""
     k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
+    if cache.span is not None:  # the places past it are unfilled (masked): skip them rather than mask them
+        k, v, mask = k[:, :, :cache.span], v[:, :, :cache.span], mask[..., :cache.span]
     gqa = q.shape[1] != k.shape[1]
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from config import SampleConfig
-from llm.decode import Slot, State, batch_bucket, bucket, eager_slot
+from llm.decode import Slot, State, batch_bucket, bucket, decode_step, eager_slot, prefill_step
 from llm.decode_compile import compile_limits, compiled_slot, compiles, compiling
 from llm.errors import ConfigError
 from llm.sampling import TextStream, candidates, exp_noise
@@ -149,6 +149,8 @@ def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> 
                 if not outputs.active:
                     break
             _noise(state, generators, real)
+            if not slot.compiled:  # no row has reached past width + step: attention reads that far
+                cache.span = min(width + step, cache.max_len)
             slot.decode(model, cache, state, ranked)
             if step == 1 and slot.compiled:
                 # Its guards passed (or it compiled) once; the other steps repeat the same arguments exactly.
@@ -266,3 +268,94 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
             n = len(s) - 1
             out.append((chosen[i][:n], top_ids[i][:n] if top else [[]] * n, top_lp[i][:n] if top else [[]] * n))
     return out
+
+
+# ----------------------------------------------------------------------------- many prompts through a few rows
+
+def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
+                 on_done=None) -> list[list[int]]:
+    """Continue each prompt (token ids) once, eagerly and without stop strings; return each one's new ids, in
+    order. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
+    the tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
+    eos_ids, after max_new_tokens or at the context's end, as in generate(). on_done(i, ids) hears each prompt
+    as its reply ends, in the order they end."""
+    ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
+    for p in prompts:
+        check_prompt(len(p), ctx)
+    if len(eos_ids) > 4:
+        raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
+    limits = [min(settings.max_new_tokens, ctx - len(p)) for p in prompts]
+    B, max_len = min(rows, len(prompts)), min(ctx, max(len(p) + n for p, n in zip(prompts, limits)))
+    check_memory(model, B, max_len)
+    out, waiting = [[] for _ in prompts], list(reversed(range(len(prompts))))  # waiting: next prompt last
+    prompt_of, reach = [None] * B, [0] * B  # each row's prompt (None: ended, none left) and cache position
+
+    def take(r: int, tokens: list[int]):
+        """Row r's new tokens, up to its reply's end, where the row lets its prompt go."""
+        i = prompt_of[r]
+        for token in tokens:
+            if token in eos_ids:
+                break
+            out[i].append(token)
+            if len(out[i]) >= limits[i]:
+                break
+        else:
+            return
+        prompt_of[r] = None
+        if on_done:
+            on_done(i, out[i])
+
+    def refill():
+        """Free rows take the waiting prompts (a reply may end at its first token: its row is free again)."""
+        while waiting and None in prompt_of:
+            free = [r for r in range(B) if prompt_of[r] is None][:len(waiting)]
+            starting = [waiting.pop() for _ in free]
+            firsts = _join(model, slot, free, [prompts[i] for i in starting], [limits[i] for i in starting],
+                           settings, eos_ids, ranked)
+            for r, i, token in zip(free, starting, firsts):
+                prompt_of[r], reach[r] = i, len(prompts[i])
+                take(r, [token])
+
+    with torch.no_grad():
+        slot = eager_slot(model, B, max_len)
+        slot.state.eos.copy_(torch.tensor((list(eos_ids) + [-1] * 4)[:4]))
+        slot.state.done.fill_(True)  # until a prompt joins
+        generators = _generators([(None, settings)] * B, device)
+        ranked = candidates([settings.temperature] * B, [settings.top_k] * B, model.config.vocab_size)
+        chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
+        refill()
+        while any(i is not None for i in prompt_of):
+            for j in range(CHUNK):
+                _noise(slot.state, generators, B)
+                slot.cache.span = min(max_len, 1 + max(reach[r] for r in range(B) if prompt_of[r] is not None))
+                decode_step(model, slot.cache, slot.state, ranked)
+                reach[:] = [x + 1 for x in reach]
+                chunk[:, j] = slot.state.tokens[:, 0]
+            block = chunk.tolist()
+            for r in range(B):
+                if prompt_of[r] is not None:
+                    take(r, block[r])
+            refill()
+    return out
+
+
+def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: list[int], settings: SampleConfig,
+          eos_ids, ranked: int) -> list[int]:
+    """Prefill prompts into rows `free` of a running slot, through a slot of their own whose cache and state
+    are then copied into those rows; each prompt's first new token."""
+    width, vocab = max(map(len, prompts)), model.config.vocab_size
+    padded = torch.tensor([p + p[-1:] * (width - len(p)) for p in prompts], device=slot.state.tokens.device)
+    lengths = torch.tensor([len(p) for p in prompts], device=padded.device)
+    new, rows = eager_slot(model, len(prompts), width), torch.tensor(free, device=padded.device)
+    _fill(new.state, [(p, settings) for p in prompts], limits, padded, eos_ids, vocab)
+    _noise(new.state, _generators([(None, settings)] * len(prompts), padded.device), len(prompts))
+    prefill_step(model, padded, lengths, new.cache, new.state, ranked)
+    for name, value in vars(new.state).items():
+        if name != "eos":
+            getattr(slot.state, name)[rows] = value
+    for layer in range(len(new.cache.k)):
+        slot.cache.k[layer][rows, :, :width] = new.cache.k[layer]
+        slot.cache.v[layer][rows, :, :width] = new.cache.v[layer]
+    slot.cache.pos[rows] = new.cache.pos
+    slot.cache.advance(0)  # the mask of the next step, from the new positions
+    return new.state.tokens[:, 0].tolist()

@@ -70,6 +70,34 @@ def test_batch_of_different_lengths_equals_one_by_one(tiny_loaded):
     assert batched == [engine.generate(model, [p], GREEDY)[0] for p in prompts]
 
 
+def naive_greedy(model, prompt: list[int], n: int, eos: set) -> list[int]:
+    """Greedy by a full forward over the whole sequence for every token: no cache, no batch."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < n:
+            token = int(model(torch.tensor([ids]))[0][0, -1].argmax())
+            if token in eos:
+                break
+            ids.append(token)
+    return ids[len(prompt):]
+
+
+def test_rows_that_take_the_next_prompt_write_what_one_prompt_alone_writes(tiny_loaded):
+    """generate_all through 3 rows: prompts join rows others left (refilled mid-run, at different positions),
+    yet each reply equals a full forward's greedy reply; with a repetition penalty, generate() one by one."""
+    model, tok = tiny_loaded
+    texts = ("import os", "def fibonacci(n):\n    if", "x", "class Stack:", "for name in", "return n", "while True:")
+    prompts = [ids_of(tok, t) for t in texts]
+    eos = engine.generate(model, prompts[:1], GREEDY)[0][4]  # some replies end early, freeing their row
+    ended = []
+    replies = engine.generate_all(model, prompts, GREEDY, [eos], rows=3, on_done=lambda i, ids: ended.append(i))
+    assert replies == [naive_greedy(model, p, GREEDY.max_new_tokens, {eos}) for p in prompts]
+    assert sorted(ended) == list(range(len(prompts))) and any(len(r) < GREEDY.max_new_tokens for r in replies)
+    penalised = replace(GREEDY, repetition_penalty=1.5, max_new_tokens=20)
+    assert engine.generate_all(model, prompts, penalised, rows=2) == \
+        [engine.generate(model, [p], penalised)[0] for p in prompts]
+
+
 def test_seed_and_counts(tiny_loaded):
     """Same seed, same samples; max_new_tokens and num_return_sequences are respected exactly."""
     model, tok = tiny_loaded

@@ -106,8 +106,13 @@ def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypa
     assert same_number(last_number("The answer is 1,234"), "1234") and not same_number(last_number("none"), "5")
     model, tok = tiny_loaded
     replies = iter([" so 7 + 5 = 12", " I think 40", " no idea"])
-    monkeypatch.setattr(scoring, "generate", lambda model, prompts, settings, eos: [
-        tok.encode(next(replies), add_special_tokens=False) for _ in prompts])
+
+    def written(model, prompts, settings, eos, rows, on_done):  # answered last to first, as rows may end
+        out = [tok.encode(next(replies), add_special_tokens=False) for _ in prompts]
+        for i in reversed(range(len(out))):
+            on_done(i, out[i])
+        return out
+    monkeypatch.setattr(scoring, "generate_all", written)
     items = [Item((("q", ""),), (), 0, answer=a) for a in ("12", "41", "3")]
     result = score_items(model, tok, items, TaskScore("gsm8k_chat", "test", norm=False))
     assert (result.items, result.correct) == (3, 1) and result.predictions[0].strip() == "so 7 + 5 = 12"
