@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
+from llm.packed_attention import example_attention, example_mask, example_rows, packed_attention
 
 # ----------------------------------------------------------------------------- how the trainer runs it
 
@@ -174,24 +175,6 @@ def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.
     return (weights @ v).view(B, H, T, hd)
 
 
-def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The keys and
-    values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def example_attention(q, k, v, at) -> torch.Tensor:
-    """packed_attention without its (T, T) mask: each example of the (B, H, T, hd) queries moved to a row of its own
-    (at: example_rows), attended causally there and moved back; the work is each example's length squared."""
-    (B, H, T, hd), (example, col, n, longest) = q.shape, at
-    def unpack(t):  # (B, h, T, hd) -> (n, h, longest, hd), zeros after an example's end (its queries never see them)
-        t = t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
-        return t.new_zeros(n, longest, *t.shape[1:]).index_put((example, col), t).transpose(1, 2)
-    y = F.scaled_dot_product_attention(unpack(q), unpack(k), unpack(v), is_causal=True, enable_gqa=H != k.shape[1])
-    return y.transpose(1, 2)[example, col].view(B, T, H, hd).transpose(1, 2)
-
-
 def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
     """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values into it
     at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's later and unfilled
@@ -343,7 +326,8 @@ class Transformer(nn.Module):
         input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
         last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
         positions (B, T), without kv_cache: several examples packed in a row, each starting at position 0; a token
-        attends only to the tokens before it in its own example.
+        attends only to the tokens before it in its own example (or, in a branch that starts past 0, to its
+        sequence's first tokens too: llm/packed_attention.py).
         """
         B, T = input_ids.shape
         run = self.execution
@@ -403,23 +387,6 @@ class Transformer(nn.Module):
         """Unique parameters; without the embedding table when asked (a tied head counts as embedding)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
-
-
-def example_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) attention mask of packed examples: causal, and block-diagonal by example, each example
-    starting where its position is 0."""
-    example = (positions == 0).cumsum(dim=1)  # (B, T): which example of the row each token belongs to
-    same = example[:, :, None] == example[:, None, :]
-    idx = torch.arange(positions.shape[1], device=positions.device)
-    return (same & (idx[None, :] <= idx[:, None]))[:, None]
-
-
-def example_rows(positions: torch.Tensor) -> tuple:
-    """Each token's example and place in it, (B * T,) each, then the examples' number and longest (a host read)."""
-    first = (positions == 0) | (torch.arange(positions.shape[1], device=positions.device) == 0)  # a row starts one
-    at = torch.arange(first.numel(), device=positions.device)
-    example, col = first.view(-1).cumsum(0) - 1, at - torch.where(first.view(-1), at, 0).cummax(0).values
-    return example, col, *(torch.stack([example[-1], col.max()]) + 1).tolist()  # host sync: once a forward
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

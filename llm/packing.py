@@ -141,18 +141,25 @@ def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.
 
 @dataclass
 class PairPlan:
-    """Windows of whole preference pairs, both sequences of a pair in one window (prompt + chosen, then prompt +
-    rejected, positions restarting at each): window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's
-    sequences start at start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold
-    length[p] inputs each (labels run one further, onto the end-of-text token)."""
+    """Windows of whole preference pairs: a pair's prompt and chosen reply, then its rejected reply branching off
+    the prompt (the prompt's last token again, at its position, then the reply: packed_attention.py), so the
+    prompt runs once for both; window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's sequences start at
+    start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold length[p] inputs each
+    (labels run one further, onto the end-of-text token), the first shared[p] of them the prompt both begin with."""
     start: np.ndarray  # (pairs, 2) int64
     length: np.ndarray  # (pairs, 2) int64
+    shared: np.ndarray  # (pairs,) int64
     pair_ids: np.ndarray  # (packed pairs,) int64, in window order
     first: np.ndarray  # (windows + 1,) int64
     seq_len: int
     pairs: int  # pairs in the split (ids 0..pairs - 1, in file order)
     cut: int  # pairs whose prompt was cut from the left to fit a window
     dropped: int  # pairs whose replies alone do not fit a window: left out
+
+    def sizes(self) -> np.ndarray:
+        """(pairs,) the positions each pair fills in a window: both sequences, less the prompt but its last token
+        once."""
+        return self.length.sum(1) - self.shared + 1
 
     @property
     def windows(self) -> int:
@@ -173,19 +180,18 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
     reply = learned[np.minimum(np.searchsorted(learned, starts), len(learned) - 1)] if len(learned) else ends
     prompt = np.minimum(reply - starts, ends - starts).reshape(-1, 2).min(1)  # tokens before the reply (shared)
     length = (ends - starts).reshape(-1, 2)
-    over = length.sum(1) - seq_len
-    cut = np.where(over > 0, (over + 1) // 2, 0)
+    cut = np.maximum(length.sum(1) - prompt + 1 - seq_len, 0)  # a token cut shortens both sequences, one window place
     fits = cut <= prompt - 1
     cut = np.where(fits, cut, 0)
     start, length = starts.reshape(-1, 2) + cut[:, None], length - cut[:, None]
     kept = np.flatnonzero(fits)
     order = kept if seed is None else kept[np.random.default_rng([seed, 5]).permutation(len(kept))]
-    totals = length.sum(1)
-    windows = best_fit(totals, seq_len, order)
-    pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
-    first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
-    return PairPlan(start, length, pair_ids, first, seq_len, pairs=len(length), cut=int((cut > 0).sum()),
-                    dropped=int((~fits).sum()))
+    plan = PairPlan(start, length, prompt - cut, np.zeros(0, np.int64), np.zeros(1, np.int64), seq_len,
+                    pairs=len(length), cut=int((cut > 0).sum()), dropped=int((~fits).sum()))
+    windows = best_fit(plan.sizes(), seq_len, order)
+    plan.pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
+    plan.first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
+    return plan
 
 
 def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, ...]:
@@ -200,11 +206,12 @@ def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.nda
     for j, p in enumerate(ids.tolist()):
         for side in (0, 1):
             s, n = int(plan.start[p, side]), int(plan.length[p, side])
-            span = np.asarray(tokens[s:s + n + 1], np.int64)
-            learned = np.asarray(masks[s + 1:s + n + 1]) != 0
-            x[at:at + n], pos[at:at + n] = span[:-1], np.arange(n)
-            y[at:at + n] = np.where(learned, span[1:], -100)
-            slot[at:at + n] = np.where(learned, 2 * j + side, -1)
-            at += n
+            skip = 0 if side == 0 else int(plan.shared[p]) - 1  # the rejected reply branches off the prompt's end
+            span = np.asarray(tokens[s + skip:s + n + 1], np.int64)
+            learned = np.asarray(masks[s + skip + 1:s + n + 1]) != 0
+            x[at:at + n - skip], pos[at:at + n - skip] = span[:-1], np.arange(skip, n)
+            y[at:at + n - skip] = np.where(learned, span[1:], -100)
+            slot[at:at + n - skip] = np.where(learned, 2 * j + side, -1)
+            at += n - skip
     pos[at:] = np.arange(plan.seq_len - at)
     return x, y, pos, slot, ids

@@ -15,7 +15,7 @@ CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "step_settings", "
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "window_order", "batches", "preparation",
-        "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
+        "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "gguf_format", "gguf_reader",
         "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
         "gpu_training_optimized"]

@@ -555,7 +555,7 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     """example_attention (eager) moves each packed example to a row of its own; the masked attention (compiled) is
     its reference here, in float64 with gradients, rows of different example lengths and a row that does not start
     at position 0: a token moved to another example's row, or a padded key seen, changes the result."""
-    from modern_llm import example_attention, example_mask, example_rows, packed_attention
+    from llm.packed_attention import example_attention, example_mask, example_rows, packed_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],
                                                                                      [24])])

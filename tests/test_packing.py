@@ -165,6 +165,42 @@ def test_packed_attention_equals_each_example_run_alone():
     assert (plain[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_branch_runs_as_its_whole_sequence_alone(ragged):
+    """A preference pair's layout: a prompt and its chosen reply, then the rejected reply branching off the prompt
+    (its last token again, at its position), then a plain example. Each branch token's logits, and every weight's
+    gradient, equal the model's on prompt + chosen and prompt + rejected run apart (float64; gradients to RoPE's
+    fp32), under the mask and
+    on rows of their own; seeing the chosen reply from the rejected one, or losing the prompt, changes them."""
+    from dataclasses import replace
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(cfg).double()
+    model.execution = replace(model.execution, ragged=ragged)
+    prompt, chosen, rejected, other = (torch.randint(0, 64, (n,)) for n in (6, 7, 4, 5))
+    x = torch.cat([prompt, chosen, prompt[-1:], rejected, other])[None]
+    pos = torch.cat([torch.arange(13), torch.arange(5, 10), torch.arange(5)])[None]
+    w = torch.randn(1, 23, 64, dtype=torch.float64)
+    packed = model(x, positions=pos)[0]
+    (packed * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    apart = [model(torch.cat(parts)[None])[0] for parts in ((prompt, chosen), (prompt, rejected), (other,))]
+    (apart[0] * w[:, :13]).sum().backward()
+    (apart[1][:, 5:] * w[:, 13:18]).sum().backward()  # the prompt's last token's, on the branch
+    (apart[2] * w[:, 18:]).sum().backward()
+    assert (packed[:, :13] - apart[0]).abs().max() < 1e-10
+    assert (packed[:, 13:18] - apart[1][:, 5:]).abs().max() < 1e-10 and (packed[:, 18:] - apart[2]).abs().max() < 1e-10
+    for n, p in model.named_parameters():
+        # RoPE rotates in fp32: the prompt's key gradients from both replies meet before its rounding, apart after
+        assert (grads[n] - p.grad).abs().max() < 1e-7 * p.grad.abs().max(), n
+    flat = torch.cat([torch.arange(13), torch.arange(13, 18), torch.arange(5)])[None]  # no branch: sees the chosen
+    assert (model(x, positions=flat)[0][:, 13:18] - apart[1][:, 5:]).abs().max() > 1e-3
+    alone = torch.cat([torch.arange(13), torch.arange(5), torch.arange(5)])[None]  # a sequence of its own: no prompt
+    assert (model(x, positions=alone)[0][:, 13:18] - apart[1][:, 5:]).abs().max() > 1e-3
+
+
 @pytest.mark.slow
 def test_compiled_packed_loss_equals_eager(chat_data):
     data, _ = chat_data

@@ -132,15 +132,24 @@ def test_replies_follow_the_prompt_ids_with_no_shift_at_the_boundary(tmp_path):
 
 
 def test_pairs_pack_several_per_window_and_slots_mark_only_replies(tmp_path):
-    """Packed, not padded: windows hold several whole pairs, positions restart at each sequence, and the slots
-    mark exactly the learned reply tokens, chosen (even) beside rejected (odd) of the same pair."""
+    """Packed, not padded: windows hold several whole pairs, each its prompt and chosen reply from position 0, then
+    its rejected reply branching off the prompt's last token; read back, the two are the cached sequences. The
+    slots mark exactly the learned reply tokens, chosen (even) beside rejected (odd) of the same pair."""
     data = prepared(tmp_path, arithmetic_pairs(60))
     loader = PairBatches(data, "train", 2, 128, 0)
     batch = loader.get(0, 0)
     assert batch.pairs >= 4  # 2 windows of 128 tokens hold several pairs of about 30 tokens
     assert torch.equal(batch.slot >= 0, batch.y != -100)
-    starts = (batch.pos == 0).sum().item()
-    assert starts >= 2 * batch.pairs  # two sequences per pair (and the padding's own start)
+    pairs = iter(batch.pair_ids.tolist())
+    for x, pos in zip(batch.x.tolist(), batch.pos.tolist()):
+        cuts = [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1] + [len(pos)]
+        segments = [(x[a:b], pos[a]) for a, b in zip([0] + cuts, cuts)]
+        for (trunk, at), (branch, at_branch) in zip(segments[0::2], segments[1::2]):  # the padding's last, alone
+            p, seq = next(pairs), lambda side: loader.tokens[int(loader.plan.start[p][side]):][  # noqa: E731
+                :int(loader.plan.length[p][side])].tolist()
+            assert at == 0 and 0 < at_branch < len(trunk)
+            assert trunk == seq(0) and trunk[:at_branch] + branch == seq(1)
+    assert next(pairs, None) is None
     for i in range(batch.pairs):  # each pair's two replies: chosen and rejected both present
         assert (batch.slot == 2 * i).any() and (batch.slot == 2 * i + 1).any()
     assert len(set(batch.pair_ids.tolist())) == batch.pairs
@@ -157,7 +166,7 @@ def test_a_prompt_longer_than_the_window_is_cut_from_the_left_and_counted(tmp_pa
              for s in ("train", "val")]
     assert sum(p.cut for p in plans) == 1 and sum(p.dropped for p in plans) == 1
     for plan, split in zip(plans, ("train", "val")):
-        assert (plan.length[plan.pair_ids].sum(1) <= 64).all()
+        assert (plan.sizes()[plan.pair_ids] <= 64).all()
         masks = data.stream(split, masks=True)
         for p in plan.pair_ids.tolist():  # a sequence starts in its prompt: only prompt tokens were cut
             for (s, n) in zip(plan.start[p], plan.length[p]):

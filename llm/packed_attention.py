@@ -1,0 +1,85 @@
+"""Attention over windows that pack several examples, told apart by their positions alone.
+
+A window's tokens form segments, each a run of consecutive positions. A segment starting at position 0 begins a
+sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of the
+sequence before it in the row, which it attends to as if they stood in front of it, and attends to nothing
+else of that sequence. A preference pair packs so (packing.pair_window): its prompt and chosen reply, then its
+rejected reply branching off the prompt, so the prompt runs once for both replies. Plain packed examples are
+segments that all start at 0.
+
+Two ways to run it, equal in result: packed_attention under a (T, T) mask (example_mask; a compiled step's fixed
+shapes), and example_attention, each segment moved to a row of its own with its branch point's keys and values
+in front (example_rows; eager, the work each segment's length squared rather than the window's).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The keys and
+    values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def example_attention(q, k, v, at) -> torch.Tensor:
+    """packed_attention without its (T, T) mask: each segment of the (B, H, T, hd) queries moved to a row of its
+    own (at: example_rows), a branch's keys and values behind its sequence's first ones, attended causally there
+    and moved back."""
+    (B, H, T, hd), (segment, col, shared, n, longest) = q.shape, at
+
+    def unpack(t, prefix: bool):  # (B, h, T, hd) -> (n, h, longest, hd), zeros past a row's end (never attended)
+        t = t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
+        rows = t.new_zeros(n, longest, *t.shape[1:]).index_put((segment, col), t)
+        if prefix:  # a branch's row starts with the keys and values of the tokens it continues
+            rows = rows.index_put(shared[:2], t[shared[2]])
+        return rows.transpose(1, 2)
+    y = F.scaled_dot_product_attention(unpack(q, False), unpack(k, True), unpack(v, True), is_causal=True,
+                                       enable_gqa=H != k.shape[1])
+    return y.transpose(1, 2)[segment, col].view(B, T, H, hd).transpose(1, 2)
+
+
+def _segments(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For (B, T) positions: whether each token starts a segment, the position its segment starts at, and its
+    sequence's number in the row (0 before a row's first position 0: a row may open inside a sequence)."""
+    at = torch.arange(positions.shape[1], device=positions.device)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    begun = torch.where(starts, at, 0).cummax(dim=1).values  # where each token's segment begins in the row
+    return starts, positions - (at - begun), (positions == 0).cumsum(dim=1)
+
+
+def example_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) attention mask of packed examples: causal within each segment, a branch also seeing the first
+    tokens of its sequence (its segment's starting position of them)."""
+    starts, begins_at, sequence = _segments(positions)
+    segment = starts.cumsum(dim=1)
+    at = torch.arange(positions.shape[1], device=positions.device)
+    same_sequence = (sequence[:, :, None] == sequence[:, None, :]) & (sequence[:, :, None] > 0)
+    own = segment[:, :, None] == segment[:, None, :]
+    continued = same_sequence & (begins_at[:, None, :] == 0) & (positions[:, None, :] < begins_at[:, :, None])
+    return ((own | continued) & (at[None, :] <= at[:, None]))[:, None]
+
+
+def example_rows(positions: torch.Tensor) -> tuple:
+    """Where example_attention moves each token: its segment (a row) and place there, (B * T,) each; the
+    (rows, places, tokens) of the keys a branch's row starts with; then the rows' number and longest (one host
+    read a forward)."""
+    B, T = positions.shape
+    positions = positions.contiguous()  # an expanded batch's positions, say
+    starts, begins_at, sequence = _segments(positions)
+    flat = torch.arange(B * T, device=positions.device).view(B, T)
+    first = torch.where(positions == 0, flat, 0).cummax(dim=1).values.view(-1)  # each token's sequence's first
+    segment = starts.view(-1).cumsum(0) - 1
+    trunk = torch.bincount(segment)[segment[first]]  # its sequence's first segment's length
+    branch = (sequence.view(-1) > 0) & (begins_at.view(-1) > 0)
+    prefix = torch.where(branch, torch.minimum(begins_at.view(-1), trunk), 0)  # the tokens a branch continues
+    col = positions.view(-1) - begins_at.view(-1) + prefix
+    opens = starts.view(-1).nonzero()[:, 0]  # each segment's first token
+    counts = prefix[opens]
+    place = torch.arange(int(counts.sum()), device=positions.device) - torch.repeat_interleave(
+        counts.cumsum(0) - counts, counts)  # 0, 1, ... within each branch's copied tokens
+    shared = (torch.repeat_interleave(segment[opens], counts), place,
+              torch.repeat_interleave(first[opens], counts) + place)
+    return segment, col, shared, *(torch.stack([segment[-1], col.max()]) + 1).tolist()
