@@ -4,6 +4,8 @@
     python tools/finetune_check.py                          # the automatic settings, LoRA and full, on it
     python tools/finetune_check.py --base path/to/model --steps 150 \\
         --variants "lora-adamw=--lora_rank 16 --optimizer adamw --learning_rate 2e-4" "full=--learning_rate 2e-5"
+    python tools/finetune_check.py --variants \\
+        "dpo-lora=--lora_rank 16 --sources runs/finetune_check/style_pairs.jsonl"   # preference tuning on pairs
 
 Each variant is `gpu_training_optimized.py --init_from BASE` on the same chats, for the same steps, in its own
 process and run folder under --out (a finished one is reused). The chats teach a style the base does not have:
@@ -71,6 +73,17 @@ def write_chats(path: str, n: int, seed: int = 0):
                     + "\n")
 
 
+def write_pairs(path: str, n: int, seed: int = 2):
+    """n preference pairs of the chats' questions: the reply in the style chosen, the same reply plain rejected
+    (train on them with a variant's flags: --sources runs/finetune_check/style_pairs.jsonl)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            q, a = chat(rng, NAMES[:-4], WORDS[:-4])
+            plain = a.removeprefix(OPEN).removesuffix(CLOSE).strip()
+            f.write(json.dumps({"prompt": q, "chosen": a, "rejected": plain}) + "\n")
+
+
 def held_out(n: int = 12) -> list[str]:
     rng = random.Random(1)
     return [chat(rng, NAMES[-4:], WORDS[-4:])[0] for _ in range(n)]
@@ -123,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="NAME=TRAINER FLAGS, each one run")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps of every variant")
     p.add_argument("--chats", type=int, default=600, help="chats in the training set")
+    p.add_argument("--pairs", type=int, default=300, help="preference pairs written to OUT/style_pairs.jsonl "
+                                                           "(chosen in the style, rejected plain), for variants "
+                                                           "that train on them")
     p.add_argument("--seq_len", type=int, default=128, help="the training window")
     p.add_argument("--micro_batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -148,6 +164,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     chats = os.path.join(args.out, "chats.jsonl")
     write_chats(chats, args.chats)
+    write_pairs(os.path.join(args.out, "style_pairs.jsonl"), args.pairs)
     texts = [open(f, encoding="utf-8").read() for f in sorted(glob.glob(os.path.join(HERE, "docs", "*.md")))]
     texts = ["\n".join(texts)[:12_000]]
     started = time.time()
