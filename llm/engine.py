@@ -282,6 +282,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
     ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
     for p in prompts:
         check_prompt(len(p), ctx)
+    if not prompts:
+        return []
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     limits = [min(settings.max_new_tokens, ctx - len(p)) for p in prompts]

@@ -93,6 +93,7 @@ def test_rows_that_take_the_next_prompt_write_what_one_prompt_alone_writes(tiny_
     replies = engine.generate_all(model, prompts, GREEDY, [eos], rows=3, on_done=lambda i, ids: ended.append(i))
     assert replies == [naive_greedy(model, p, GREEDY.max_new_tokens, {eos}) for p in prompts]
     assert sorted(ended) == list(range(len(prompts))) and any(len(r) < GREEDY.max_new_tokens for r in replies)
+    assert engine.generate_all(model, [], GREEDY) == []
     penalised = replace(GREEDY, repetition_penalty=1.5, max_new_tokens=20)
     assert engine.generate_all(model, prompts, penalised, rows=2) == \
         [engine.generate(model, [p], penalised)[0] for p in prompts]
