@@ -51,8 +51,8 @@ def _segments(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def example_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) attention mask of packed examples: causal within each segment, a branch also seeing the first
-    tokens of its sequence (its segment's starting position of them)."""
+    """(B, 1, T, T) attention mask of packed examples: causal within each segment, a branch that starts at position
+    s also seeing the first s tokens of its sequence."""
     starts, begins_at, sequence = _segments(positions)
     segment = starts.cumsum(dim=1)
     at = torch.arange(positions.shape[1], device=positions.device)
@@ -64,8 +64,8 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
 
 def example_rows(positions: torch.Tensor) -> tuple:
     """Where example_attention moves each token: its segment (a row) and place there, (B * T,) each; the
-    (rows, places, tokens) of the keys a branch's row starts with; then the rows' number and longest (one host
-    read a forward)."""
+    (rows, places, tokens) of the keys a branch's row starts with; then the rows' number and longest (read on the
+    host, once a forward)."""
     B, T = positions.shape
     positions = positions.contiguous()  # an expanded batch's positions, say
     starts, begins_at, sequence = _segments(positions)
