@@ -157,13 +157,17 @@ class PairPlan:
     dropped: int  # pairs whose replies alone do not fit a window: left out
 
     def sizes(self) -> np.ndarray:
-        """(pairs,) the positions each pair fills in a window: both sequences, less the prompt but its last token
-        once."""
-        return self.length.sum(1) - self.shared + 1
+        return pair_sizes(self.length, self.shared)
 
     @property
     def windows(self) -> int:
         return len(self.first) - 1
+
+
+def pair_sizes(length: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """(pairs,) the positions each pair fills in a window: both sequences, less their shared prompt but its last
+    token once."""
+    return length.sum(1) - shared + 1
 
 
 def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPlan:
@@ -186,12 +190,12 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
     start, length = starts.reshape(-1, 2) + cut[:, None], length - cut[:, None]
     kept = np.flatnonzero(fits)
     order = kept if seed is None else kept[np.random.default_rng([seed, 5]).permutation(len(kept))]
-    plan = PairPlan(start, length, prompt - cut, np.zeros(0, np.int64), np.zeros(1, np.int64), seq_len,
-                    pairs=len(length), cut=int((cut > 0).sum()), dropped=int((~fits).sum()))
-    windows = best_fit(plan.sizes(), seq_len, order)
-    plan.pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
-    plan.first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
-    return plan
+    shared = prompt - cut
+    windows = best_fit(pair_sizes(length, shared), seq_len, order)
+    pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
+    first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
+    return PairPlan(start, length, shared, pair_ids, first, seq_len, pairs=len(length), cut=int((cut > 0).sum()),
+                    dropped=int((~fits).sum()))
 
 
 def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, ...]:
