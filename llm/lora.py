@@ -1,7 +1,9 @@
 """LoRA: low-rank adapters trained on a frozen base model, the base held in fp32, bf16, int8 or nf4 weights.
 
-PEFT injects the adapters into our own modules (each targeted nn.Linear becomes base + B @ A * alpha / rank, B
-starting at zero, so training starts from the base exactly); torchao holds an int8 or an nf4 (QLoRA's 4-bit) base.
+Each targeted nn.Linear becomes a LoraLinear: base + B @ A * alpha / rank, B starting at zero, so training starts
+from the base exactly; torchao holds an int8 or an nf4 (QLoRA's 4-bit) base. The layer is ours rather than PEFT's
+injection: importing PEFT brings in transformers' model stack, about 180 MB a process, for three lines of forward.
+PEFT reads what the runs write (tests/test_lora.py holds the two to the same logits).
 A LoRA run's checkpoints hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and
 its fingerprint; readers merge the adapters into the base the user names (--base), an nf4 base quantised again from
 it and dequantised, and a resume refuses another base. export_hf.py writes the merged model, or with --adapter_only
@@ -12,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import warnings
 
 import torch
 import torch.nn as nn
@@ -87,11 +88,36 @@ def base_dtype(t, amp_dtype) -> str:
     return t.lora_base
 
 
+class LoraLinear(nn.Module):
+    """A frozen linear layer (base_layer) plus a trainable low-rank update: y = base(x) + B(A(dropout(x))) * scaling.
+    A draws as nn.Linear does (PEFT's default), B starts at zero. `enabled` False runs the base alone (a
+    preference run's reference)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base_layer, self.scaling, self.enabled = base, alpha / rank, True
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        amp = torch.is_autocast_enabled(x.device.type)
+        x = x.to(torch.get_autocast_dtype(x.device.type)) if amp else x  # cast once, not for the base and A apart
+        y = self.base_layer(x)
+        if not self.enabled:
+            return y
+        update = self.lora_B(self.lora_A(self.lora_dropout(x if amp else x.to(self.lora_A.weight.dtype))))
+        return torch.add(y, update, alpha=self.scaling)
+
+
+def adapter_layers(model: nn.Module) -> list[LoraLinear]:
+    return [m for m in model.modules() if isinstance(m, LoraLinear)]
+
+
 def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
-    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and inject trainable adapters (fp32).
+    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and add trainable adapters (fp32).
     Under bf16 compute on a 16-bit or quantised base, the frozen embedding table and head are held in bf16 too."""
-    quiet_library_notices()  # PEFT imports torchao, which announces its enums
-    from peft import LoraConfig, inject_adapter_in_model
     check_lora(model, t)
     model.requires_grad_(False)
     held = base_dtype(t, amp_dtype)
@@ -99,13 +125,16 @@ def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
     if held == "nf4":  # every shape checked before anything changes
         for name, layer in layers.items():
             nf4_blocks(name, layer.weight)
-    if held == "int8":  # before the injection, which then wraps the quantized layers
+    if held in ("int8", "nf4"):
+        quiet_library_notices()  # torchao announces its enums as it imports
+    if held == "int8":  # before the adapters, which then wrap the quantized layers
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: name in layers)
-    config = LoraConfig(r=t.lora_rank, lora_alpha=alpha(t), lora_dropout=t.lora_dropout, target_modules=targets(t))
-    with warnings.catch_warnings(), torch.device(model.embed_tokens.weight.device):  # adapters made where they live
-        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")  # we merge from the base's file
-        inject_adapter_in_model(config, model)
+        layers = {name: model.get_submodule(name) for name in layers}
+    with torch.device(model.embed_tokens.weight.device):  # adapters made where they live
+        for name, layer in layers.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, LoraLinear(layer, t.lora_rank, alpha(t), t.lora_dropout))
     for name, p in model.named_parameters():
         if ".lora_" in name:
             p.data = p.data.float()  # fp32 master weights, whatever the base is held in
@@ -135,13 +164,13 @@ def alpha(t) -> float:
 
 def adapter_state(model: nn.Module) -> dict:
     """The adapters' tensors under our names (layers.0.attn.q_proj.lora_A.weight), contiguous, on the CPU."""
-    return {k.replace(".default.", "."): v.detach().float().contiguous().cpu()
+    return {k: v.detach().float().contiguous().cpu()
             for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
 
 
 def load_adapters(model: nn.Module, state: dict, where: str):
     """Copy saved adapters into an injected model; CheckpointError when they do not fit it."""
-    own = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    own = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
     if set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
         raise CheckpointError(f"{where} does not fit this run's adapters (other --lora_rank or --lora_targets, or "
                               "another base shape); resume with the run's LoRA settings")

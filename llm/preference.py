@@ -164,17 +164,14 @@ class Objective:
 @contextmanager
 def adapters_off(model, lora: bool):
     """The base model of a LoRA run, its adapters disabled for the duration (no copy); else model as it is."""
-    layers = []
-    if lora:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    layers = lora_io.adapter_layers(model) if lora else []
     for m in layers:
-        m.enable_adapters(False)
+        m.enabled = False
     try:
         yield model
     finally:
         for m in layers:
-            m.enable_adapters(True)  # trainable again, as PEFT's set_adapter leaves them
+            m.enabled = True
 
 
 @torch.no_grad()

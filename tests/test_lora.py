@@ -141,7 +141,7 @@ def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_fol
 
 
 def test_merging_equals_the_injected_adapters_in_float64(tiny_config):
-    """The merge against the model with PEFT's adapters injected, computing base and adapters separately."""
+    """The merge against the model with its adapters added, computing base and adapters separately."""
     cfg = tiny_config(vocab_size=64)
     torch.manual_seed(0)
     model = Transformer(cfg).double()
@@ -192,7 +192,7 @@ def test_nf4_base_computes_torchaos_dequantised_weights_and_merges_into_them(tin
             if "lora_" in name:
                 p.normal_(0, 0.3)
     layer, x = model.layers[1].mlp.up_proj, torch.randn(2, 5, 128)
-    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    a, b = layer.lora_A.weight.double(), layer.lora_B.weight.double()
     w = base["layers.1.mlp.up_proj.weight"]
     dequantised = to_nf4(w).get_original_weight().double()  # torchao's defaults: 512 blocks of 64, 2 factors
     want = x.double() @ dequantised.T + 5.0 / 3 * x.double() @ a.T @ b.T
