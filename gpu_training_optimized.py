@@ -18,7 +18,7 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -36,7 +36,7 @@ from llm.cli import parse_config
 from llm.corpus import is_bundled
 from llm.device import (autocast, compile_model, eager_or_stop, falls_back, float8_training, is_compile_failure,
                         keep_freed_memory, keep_grads, machine, make_deterministic, pick_device, pick_precision,
-                        precision_label, uses_cuda_graphs)
+                        precision_label, release_freed_memory, uses_cuda_graphs)
 from llm.errors import ConfigError, RunFailure, error_contract
 from llm.evaluation import GPU_TASK_ITEMS, Probe, validation_loss
 from llm.lora import add_adapters
@@ -44,7 +44,7 @@ from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_
                          start_report, summary)
 from llm.preparation import short_of_target
 from llm.resume import load_into
-from llm.schedule import RunClock, StopFlag, lr_multiplier
+from llm.schedule import RunClock, StopFlag, lr_multiplier, set_lr
 from llm.sizing import flops_per_token
 from llm.startup import Plan, new_model, settle
 from llm.step_settings import loss_chunk_rows, matmul_attention
@@ -52,11 +52,6 @@ from llm.token_cache import PreparedData
 from llm.trainer_state import Record, TrainingState
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
-
-
-def set_lr(opt, multiplier: float):
-    for group in opt.param_groups:
-        group["lr"] = group["initial_lr"] * multiplier
 
 
 # ----------------------------------------------------------------------------- build
@@ -139,13 +134,14 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
                  cudagraphs=cudagraphs, persistent_grads=cudagraphs, eval_model=eval_model)
 
 
-def build_run(plan: Plan) -> Built:
-    """build() for the plan, its objective, and the state a --resume continues (a new run's at step 0)."""
+def build_run(plan: Plan) -> tuple[Built, Plan]:
+    """build() for the plan, its objective, and the state a --resume continues (a new run's at step 0); and the plan
+    without --init_from's weights, which the model holds now (their read copy goes with the caller's old plan)."""
     built = build(plan.cfg, plan.device, plan.ranks, init_state=plan.init_state)
     # Before a checkpoint loads, so that a reference pass reads the weights the run started from.
     built.objective = preference.objective_for(plan, built, plan.ranks.print)
     load_into(built.state, plan.ckpt, plan.saved, plan.cfg.train.run_dir)
-    return built
+    return built, replace(plan, init_state=None)
 
 
 @dataclass
@@ -387,7 +383,8 @@ def main(argv=None) -> int:
     launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
     plan = make_plan(argv)  # the final config, processes, device, data, and the checkpoint a --resume continues
     cfg, t, ranks, batches = plan.cfg, plan.cfg.train, plan.ranks, plan.batches
-    built = build_run(plan)
+    built, plan = build_run(plan)
+    release_freed_memory()  # what setup freed on the host (the weights' read copy, a reference pass) leaves it
     state, first = built.state, built.state.step
     session = open_session(plan, built, launch, argv)
     clock, timer, evals = session.clock, session.clock.timer, session.clock.evals  # run length, timer, evaluations

@@ -216,6 +216,17 @@ def keep_freed_memory():
     libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)  # and the heap's free top kept, not handed back
 
 
+def release_freed_memory():
+    """Hand the kernel the host heap's free pages (glibc's malloc_trim; elsewhere nothing), once setup is done: what
+    reading the weights and a reference pass freed would otherwise stay in the process's memory all run (glibc
+    keeps freed blocks in the middle of the heap, and on a CPU keep_freed_memory keeps the rest)."""
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (ValueError, OSError, AttributeError):
+        pass
+
+
 def is_compile_failure(e: BaseException) -> bool:
     """Errors raised by the compiler stack itself (no C compiler, unsupported backend), not by our code."""
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))

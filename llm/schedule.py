@@ -36,6 +36,12 @@ FINAL_EVAL_SHARE = 0.1
 CHECKPOINT_BYTES_PER_PARAM, DISK_BYTES_PER_S, CHECKPOINT_FIXED_S = 16, 200e6, 0.5
 
 
+def set_lr(opt, multiplier: float):
+    """Every parameter group's rate at multiplier times its peak (initial_lr)."""
+    for group in opt.param_groups:
+        group["lr"] = group["initial_lr"] * multiplier
+
+
 def lr_multiplier(progress: float, t) -> float:
     """Linear warmup over warmup_ratio of the run, then cosine (or cosine with restarts) to min_lr_ratio,
     constant, or wsd: the peak held until the last decay_ratio of the run, which decays linearly to

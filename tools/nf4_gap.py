@@ -70,7 +70,7 @@ def run(argv: list[str], every: int) -> dict:
     from llm.schedule import lr_multiplier
     started, torch_threads = time.time(), torch.get_num_threads()
     plan = trainer.make_plan(argv)
-    built, t, found = trainer.build_run(plan), plan.cfg.train, {}
+    (built, plan), t, found = trainer.build_run(plan), plan.cfg.train, {}
     for step in range(t.max_steps + 1):
         if step % every == 0 or step == t.max_steps:
             found[step], _ = validation_loss(built.raw_model, built.amp, plan.val_batches, t.eval_batches, plan.ranks)
