@@ -140,6 +140,20 @@ def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_fol
                                           capsys)
 
 
+def test_the_run_lets_go_of_the_bases_read_copy_once_the_model_holds_it(qwen3_folder, tmp_path):
+    """--init_from's weights are read in fp32 and copied into the model (a LoRA base then held in bf16): the read copy
+    must not stay referenced for the run, 4 bytes a parameter of host memory (2 GiB for SmolLM2-360M)."""
+    import gc
+    import weakref
+    chats = write_greetings(tmp_path / "chats.jsonl", 40)
+    plan = trainer.make_plan(lora_argv(qwen3_folder, chats, tmp_path / "run", "--max_steps", 1))
+    read = [weakref.ref(v) for v in plan.init_state.values()]
+    built, plan = trainer.build_run(plan)
+    gc.collect()
+    assert built.raw_model.layers[0].attn.q_proj.lora_A.weight.requires_grad  # the model is built, adapters on
+    assert plan.init_state is None and not [r for r in read if r() is not None]
+
+
 def test_merging_equals_the_injected_adapters_in_float64(tiny_config):
     """The merge against the model with its adapters added, computing base and adapters separately."""
     cfg = tiny_config(vocab_size=64)
