@@ -54,9 +54,13 @@ def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size
 def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, device) -> tuple:
     """A training run's loaders for this rank: (its training split's, its validation split's)."""
     t = cfg.train
-    return tuple(batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
-                             seq_len=cfg.model.max_seq_len, seed=t.seed, rank=rank, device=device,
-                             world_size=world_size, accum=t.grad_accum_steps) for split in ("train", "val"))
+    loaders = tuple(batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
+                                seq_len=cfg.model.max_seq_len, seed=t.seed, rank=rank, device=device,
+                                world_size=world_size, accum=t.grad_accum_steps) for split in ("train", "val"))
+    for loader in loaders:
+        if isinstance(loader, PairBatches):
+            loader.trim = t.compile == "off"  # windows lose their padding where the step runs eagerly
+    return loaders
 
 
 class Batches:
@@ -215,7 +219,9 @@ class PairBatch(NamedTuple):
 class PairBatches(PackedBatches):
     """Windows of whole preference pairs (packing.pair_plan), read as PackedBatches reads windows of examples:
     training each window once per epoch in an order drawn from (seed, epoch), evaluation in file order. Pairs are
-    always packed, whatever --packing says: a pair is whole or not trained."""
+    always packed, whatever --packing says: a pair is whole or not trained. trim: each micro-batch cut after its
+    windows' last filled position (an eager step's shapes may change; a compiled step keeps them)."""
+    trim = False
 
     def __init__(self, data: PreparedData, split: str, *args, **kwargs):
         Batches.__init__(self, data, split, *args, **kwargs)
@@ -233,7 +239,9 @@ class PairBatches(PackedBatches):
     def of_windows(self, windows) -> PairBatch:
         """The micro-batch of these windows, its pairs numbered across its rows."""
         rows = [packing.pair_window(self.plan, w, self.tokens, self.masks, self.pad) for w in windows]
-        x, y, pos, slot = (np.stack(parts) for parts in list(zip(*rows))[:4])
+        filled = max(self.plan.sizes()[self.plan.pair_ids[self.plan.first[w]:self.plan.first[w + 1]]].sum()
+                     for w in windows) if self.trim else self.seq_len
+        x, y, pos, slot = (np.stack(parts)[:, :filled] for parts in list(zip(*rows))[:4])
         before = np.cumsum([0] + [len(r[4]) for r in rows[:-1]])
         slot = np.where(slot >= 0, slot + 2 * before[:, None], -1)
         ids = np.concatenate([r[4] for r in rows])

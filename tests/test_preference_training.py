@@ -63,7 +63,7 @@ def test_dpo_learns_the_preference_on_held_out_pairs(chat_run, tmp_path, capsys)
     NLL term's job, trl#800); the start report says the data trains by preference; metrics.jsonl, the bar's
     evaluation lines and the summary carry the rewards."""
     run = tmp_path / "dpo"
-    assert trainer.main(dpo_argv(chat_run, run, "--max_steps", 8, "--eval_interval", 1, "--eval_batches", 16)) == 0
+    assert trainer.main(dpo_argv(chat_run, run, "--max_steps", 14, "--eval_interval", 1, "--eval_batches", 16)) == 0
     out = capsys.readouterr().out
     assert "preference: the sources hold pairs of a chosen and a rejected reply, trained by dpo (beta 0.1" in out
     assert "preference, validation pairs: reward accuracy" in out
