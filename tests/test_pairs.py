@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from config import DataConfig
 from llm import packing
-from llm.batches import PairBatches
+from llm.batches import TRIM_STEP, PairBatches
 from llm.errors import DataError
 from llm.pairs import pair_document
 from llm.preparation import prepare
@@ -206,25 +206,26 @@ def test_preference_defaults_scale_only_the_automatic_rates():
 
 
 def test_an_eager_runs_windows_lose_only_their_padding(tmp_path, tiny_config):
-    """trim (the eager step's loader) cuts a micro-batch after its windows' last filled position: what it cuts is
-    padding alone (no label, no slot), the rest is the uncut batch's, and a float64 model gives every reply token
-    the log-probability it gives in the full windows."""
+    """trim (the eager step's loader) cuts a micro-batch after its windows' last filled position, rounded up to
+    TRIM_STEP: what it cuts is padding alone (no label, no slot), the rest is the uncut batch's, and a float64 model
+    gives every reply token the log-probability it gives in the full windows."""
     from llm.preference import token_logps
     from modern_llm import Transformer
-    data = prepared(tmp_path, arithmetic_pairs(60))
-    full, cut = PairBatches(data, "train", 2, 128, 0), PairBatches(data, "train", 2, 128, 0)
+    data = prepared(tmp_path, arithmetic_pairs(40), seq_len=512)  # three windows, the last about a third full
+    full, cut = PairBatches(data, "train", 2, 512, 0), PairBatches(data, "train", 2, 512, 0)
     cut.trim = True
     plan = full.plan
     fills = [plan.sizes()[plan.pair_ids[plan.first[w]:plan.first[w + 1]]].sum() for w in range(plan.windows)]
-    windows = np.argsort(fills)[:2]  # the two least filled: the cut follows the fuller of them
-    a, b = full.of_windows(windows), cut.of_windows(windows)
-    filled = b.x.shape[1]
-    assert filled == max(fills[w] for w in windows)
-    assert filled < 128 and all(torch.equal(u[:, :filled], v) for u, v in zip(a[:4], b[:4]))
-    assert (a.y[:, filled:] == -100).all() and (a.slot[:, filled:] == -1).all()
-    assert ((a.pos[:, filled] == 0) & (a.pos[:, filled - 1] > 0)).any()  # a sequence ends at the cut, the padding after
+    emptiest, fuller = np.argsort(fills)[:2]
+    assert cut.of_windows([emptiest, fuller]).x.shape[1] == min(512, -(-fills[fuller] // TRIM_STEP) * TRIM_STEP)
+    a, b = full.of_windows([emptiest]), cut.of_windows([emptiest])
+    filled, last = b.x.shape[1], fills[emptiest]
+    assert filled == -(-last // TRIM_STEP) * TRIM_STEP < 512
+    assert all(torch.equal(u[:, :filled], v) for u, v in zip(a[:4], b[:4]))
+    assert (a.y[:, last:] == -100).all() and (a.slot[:, last:] == -1).all()
+    assert ((a.pos[:, last] == 0) & (a.pos[:, last - 1] > 0)).any()  # a sequence ends there, the padding after it
     torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab_size=data.meta["vocab_size"], max_seq_len=128)).double()
+    model = Transformer(tiny_config(vocab_size=data.meta["vocab_size"], max_seq_len=512)).double()
     with torch.no_grad():
         want, got = token_logps(model, a)[:, :filled], token_logps(model, b)
     assert (want != 0).any() and (got - want).abs().max() < 1e-9

@@ -9,10 +9,10 @@ Both run DPO with the NLL term (TRL's loss types sigmoid + sft, beta 0.1, weight
 block matrix, AdamW, bf16 autocast, gradient checkpointing (TRL's default), eager, on 400 generated pairs (prompts
 of about 40 tokens, replies of about 150). TRL pads each pair to its batch's longest sequence and runs its
 reference (the adapters disabled) at every step; here pairs are packed whole into windows of --seq_len tokens,
-the prompt once, the rejected reply branching off it (packed_attention.py), each stretch attended on a row of its
-own (no window-wide mask), the log-probabilities taken from the model's per-token losses at the replies' rows
-only (never the whole logits), and the reference's computed once, before the first step (that pass is timed
-apart). Tokens/s counts the pairs' own tokens (no padding) per second of the
+the prompt once, the rejected reply branching off it (packed_attention.py), each window cut after its last filled
+position (rounded up to 64; the step is eager), each stretch attended on a row of its own (no window-wide mask),
+the log-probabilities taken from the model's per-token losses at the replies' rows only (never the whole logits),
+and the reference's computed once, before the first step (that pass is timed apart). Tokens/s counts the pairs' own tokens (no padding) per second of the
 steps after two warm-up steps (the reference pass apart); the memory is each process's lifetime peak (ru_maxrss).
 Each variant runs in a process of its own, the variants alternating over the rounds (ABBA).
 """
