@@ -238,6 +238,7 @@ class PairBatches(PackedBatches):
             raise DataError(f"the {split} split holds no preference pair that fits a window of {self.seq_len} tokens "
                             f"({self.plan.dropped} do not); raise --max_seq_len, add pairs or raise --val_fraction")
         self.pad = data.meta["eot_id"]
+        self.fills = np.add.reduceat(self.plan.sizes()[self.plan.pair_ids], self.plan.first[:-1])  # filled, a window
 
     def get(self, step: int, micro_step: int) -> PairBatch:
         return self.of_windows(self.window_ids(step, micro_step))
@@ -245,9 +246,8 @@ class PairBatches(PackedBatches):
     def of_windows(self, windows) -> PairBatch:
         """The micro-batch of these windows, its pairs numbered across its rows."""
         rows = [packing.pair_window(self.plan, w, self.tokens, self.masks, self.pad) for w in windows]
-        filled = max(self.plan.sizes()[self.plan.pair_ids[self.plan.first[w]:self.plan.first[w + 1]]].sum()
-                     for w in windows) if self.trim else self.seq_len
-        filled = min(self.seq_len, -(-filled // TRIM_STEP) * TRIM_STEP)
+        filled = min(self.seq_len, -(-max(self.fills[w] for w in windows) // TRIM_STEP) * TRIM_STEP) if self.trim \
+            else self.seq_len
         x, y, pos, slot = (np.stack(parts)[:, :filled] for parts in list(zip(*rows))[:4])
         before = np.cumsum([0] + [len(r[4]) for r in rows[:-1]])
         slot = np.where(slot >= 0, slot + 2 * before[:, None], -1)
