@@ -3,7 +3,8 @@
 Each targeted nn.Linear becomes a LoraLinear: base + B @ A * alpha / rank, B starting at zero, so training starts
 from the base exactly; torchao holds an int8 or an nf4 (QLoRA's 4-bit) base. The layer is ours rather than PEFT's
 injection: importing PEFT brings in transformers' model stack (180 MB resident as an import alone, 61 MB of the
-preference bench's peak) for three lines of forward. PEFT reads what the runs write (tests/test_lora.py holds the two to the same logits).
+preference bench's peak) for three lines of forward. PEFT reads what the runs write (tests/test_lora.py holds the
+two to the same logits).
 A LoRA run's checkpoints hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and
 its fingerprint; readers merge the adapters into the base the user names (--base), an nf4 base quantised again from
 it and dequantised, and a resume refuses another base. export_hf.py writes the merged model, or with --adapter_only
