@@ -196,6 +196,15 @@ def narrow_cpu_vectors():
         inductor_config.cpp.simdlen = 256  # AVX2's width; every AVX-512 processor has AVX2
 
 
+def _glibc():
+    """The process's C library when it is glibc, else None (musl, macOS, Windows: their allocators differ)."""
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")  # raises where the C library is not glibc
+        return ctypes.CDLL("libc.so.6")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory():
     """Keep the memory a training step frees for the next step, for the whole process (glibc's malloc only).
 
@@ -206,10 +215,8 @@ def keep_freed_memory():
     2-core Xeon (tools/bench.py, alternating runs). The process's memory stays at its peak, which each step
     reaches anyway.
     """
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")  # raises where the C library is not glibc (musl, macOS, Windows)
-        libc = ctypes.CDLL("libc.so.6")
-    except (ValueError, OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers, from glibc's malloc.h
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # blocks up to 1 GiB from the heap, not mapped and unmapped each time
@@ -220,11 +227,9 @@ def release_freed_memory():
     """Hand the kernel the host heap's free pages (glibc's malloc_trim; elsewhere nothing), once setup is done: what
     reading the weights and a reference pass freed would otherwise stay in the process's memory all run (glibc
     keeps freed blocks in the middle of the heap, and on a CPU keep_freed_memory keeps the rest)."""
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (ValueError, OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def is_compile_failure(e: BaseException) -> bool:
