@@ -252,7 +252,7 @@ class Transformer(nn.Module):
         table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
-        self.execution = Execution()  # the trainer replaces it, whole
+        self.execution = Execution()  # the step's runner (llm/runner.py) replaces it, whole
         self.tie_weights()
         if self.rope_cos.device.type != "meta":
             self.compute_rope()

@@ -54,13 +54,9 @@ def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size
 def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, device) -> tuple:
     """A training run's loaders for this rank: (its training split's, its validation split's)."""
     t = cfg.train
-    loaders = tuple(batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
-                                seq_len=cfg.model.max_seq_len, seed=t.seed, rank=rank, device=device,
-                                world_size=world_size, accum=t.grad_accum_steps) for split in ("train", "val"))
-    for loader in loaders:
-        if isinstance(loader, PairBatches):
-            loader.trim = t.compile == "off"  # windows lose their padding where the step runs eagerly
-    return loaders
+    return tuple(batches_for(data, split, packing_mode=cfg.data.packing, batch_size=t.micro_batch_size,
+                             seq_len=cfg.model.max_seq_len, seed=t.seed, rank=rank, device=device,
+                             world_size=world_size, accum=t.grad_accum_steps) for split in ("train", "val"))
 
 
 class Batches:
@@ -226,7 +222,7 @@ class PairBatches(PackedBatches):
     training each window once per epoch in an order drawn from (seed, epoch), evaluation in file order. Pairs are
     always packed, whatever --packing says: a pair is whole or not trained. trim: each micro-batch cut after its
     windows' last filled position, rounded up to TRIM_STEP (an eager step's shapes may change; a compiled step's
-    stay)."""
+    stay); the step's Runner sets it (runner.start), as it alone knows which."""
     trim = False
 
     def __init__(self, data: PreparedData, split: str, *args, **kwargs):

@@ -220,25 +220,33 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
 @torch.no_grad()
 def validation_loss(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf,
-             objective=None) -> tuple[float, int]:
-    """Mean validation loss over n fixed micro-batches (averaged over ranks), and the batches it read: fewer once
-    time.monotonic() passes `until` (one process only: under FSDP2 every rank must run every forward); a preference
-    run's objective computes its own. Takes the uncompiled model: a compiled one would compile again for inference
-    (no gradients, other guards) in the run."""
-    if objective is not None:
-        return objective.evaluate(model, amp, val_batches, n, ranks, until)
+                    batch_loss=None) -> tuple[float, int, torch.Tensor | None]:
+    """Mean validation loss over n fixed micro-batches (averaged over ranks), the batches it read (fewer once
+    time.monotonic() passes `until`; one process only: under FSDP2 every rank must run every forward), and the sum
+    of the batches' statistics over ranks (None for next-token loss). batch_loss(model, batch) -> (loss, a vector
+    of statistics or None): an objective's own (preference's), else the model's next-token loss. Takes the
+    uncompiled model: a compiled one would compile again for inference (no gradients, other guards) in the run."""
+    batch_loss = batch_loss or next_token_loss
     model.eval()
-    total, read = torch.zeros((), device=val_batches.device), 0
+    total, stats, read = torch.zeros((), device=val_batches.device), None, 0
     while read < n and (read == 0 or time.monotonic() < until):
-        x, y, pos = val_batches.get(0, read)
         with amp:
-            _, loss = model(x, labels=y, positions=pos)
+            loss, got = batch_loss(model, val_batches.get(0, read))
         total += loss.float()
+        if got is not None:
+            stats = got if stats is None else stats + got
         read += 1
         if until < math.inf:
             total.item()  # the clock is read after the batch is done, not when it is queued
     model.train()
-    return ranks.mean(total / read).item(), read  # sync point: once per evaluation
+    loss = ranks.mean(total / read).item()  # sync point: once per evaluation
+    return loss, read, ranks.mean(stats) if stats is not None else None
+
+
+def next_token_loss(model, batch) -> tuple[torch.Tensor, None]:
+    """A batch's mean next-token loss under the model, with no statistics beside it."""
+    x, y, positions = batch
+    return model(x, labels=y, positions=positions)[1], None
 
 
 class Probe:

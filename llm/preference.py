@@ -21,7 +21,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from llm import lora as lora_io
 from llm.errors import ConfigError
+from llm.evaluation import validation_loss
 from llm.token_cache import digest
 
 OBJECTIVES = ("dpo", "simpo")
@@ -127,19 +128,11 @@ class Objective:
 
     @torch.no_grad()
     def evaluate(self, model, amp, val_batches, n: int, ranks, until: float = math.inf) -> tuple[float, int]:
-        """The mean loss over n fixed validation micro-batches (averaged over ranks), fewer once time.monotonic()
-        passes `until` (as evaluation.evaluate), and the batches read; its metrics kept by the loss."""
-        model.eval()
-        total, stats, read = torch.zeros((), device=self.window.device), torch.zeros_like(self.window), 0
-        while read < n and (read == 0 or time.monotonic() < until):
-            with amp:
-                loss, got = self.compute(model, val_batches.get(0, read), "val")
-            total, stats, read = total + loss.float(), stats + got, read + 1
-            if until < math.inf:
-                total.item()  # the clock is read after the batch is done, not when it is queued
-        model.train()
-        loss = ranks.mean(total / read).item()  # sync point: once per evaluation
-        self.evaluated[loss] = metrics(ranks.mean(stats), "val_")
+        """The mean loss over n fixed validation micro-batches and the batches read (evaluation.validation_loss's
+        loop, its pairs' metrics kept by the loss)."""
+        loss, read, stats = validation_loss(model, amp, val_batches, n, ranks, until,
+                                            lambda m, batch: self.compute(m, batch, "val"))
+        self.evaluated[loss] = metrics(stats, "val_")
         return loss, read
 
     def kept(self, loss: float) -> dict:
@@ -209,19 +202,16 @@ def stored_reference(folder: str, key: str, compute, may_compute: bool, what: st
     return values
 
 
-def objective_for(plan, b, log) -> Objective | None:
-    """A preference run's Objective (None for a language-modelling run), given what the run starts from (startup's
-    Plan) and its model (the trainer's Built), before a checkpoint's weights load: its dpo reference
-    log-probabilities read from beside the token cache or computed there once, before the first step, from the
-    model the run starts from (full fine-tuning: the --init_from weights, no second model kept; LoRA: the base,
-    adapters off); the line saying what the pairs are and where the reference came from."""
-    cfg, data, model, amp, amp_dtype = plan.cfg, plan.data, b.raw_model, b.amp, b.amp_dtype
-    loaders, resumed = {"train": plan.batches, "val": plan.val_batches}, plan.ckpt is not None
-    t = cfg.train
+def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str, resumed: bool,
+                  log) -> Objective | None:
+    """A preference run's Objective (None for a language-modelling run), before a checkpoint's weights load: t the
+    run's TrainConfig, data its PreparedData, loaders its {"train", "val"} PairBatches, model the raw model (its
+    execution already set for the step) under amp, init_path the --init_from weights it starts from. Its dpo
+    reference log-probabilities are read from beside the token cache or computed there once, before the first step,
+    from the model the run starts from (full fine-tuning: the --init_from weights, no second model kept; LoRA: the
+    base, adapters off). log gets the line saying what the pairs are and where the reference came from."""
     if t.objective not in OBJECTIVES:
         return None
-    # Eager: pairs on rows of their own, the head at the replies' rows only.
-    model.execution = replace(model.execution, ragged=b.compiled is b.model)
     plans = {split: loader.plan for split, loader in loaders.items()}
     line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
             f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "
@@ -231,7 +221,7 @@ def objective_for(plan, b, log) -> Objective | None:
     if t.objective == "dpo":
         start, ref = time.perf_counter(), {}
         held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
-        base = lora_io.fingerprint(plan.init_path)
+        base = lora_io.fingerprint(init_path)
         for split, loader in loaders.items():
             key = digest(base, held, str(amp_dtype), data.fingerprint, split, loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),

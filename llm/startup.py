@@ -158,6 +158,12 @@ class Plan:
     lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
     init_path: str = ""  # the --init_from checkpoint, folder or file read (a preference run's reference)
 
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens one optimizer step reads, over every rank."""
+        t = self.cfg.train
+        return t.micro_batch_size * self.cfg.model.max_seq_len * t.grad_accum_steps * self.ranks.world_size
+
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     """Every value the run will use, in one pass; each filler returns a new config and the lines saying what it

@@ -12,6 +12,7 @@ from torch import nn
 import gpu_training_optimized as trainer
 from llm import checkpoint as ckpt_io
 from llm import averaging
+from llm import runner as step_runner
 from llm.averaging import HORIZON, START, WeightAverage
 from llm.errors import CheckpointError
 from modern_llm import is_stored
@@ -156,7 +157,7 @@ def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weight
         return update(self, step, progress)
 
     trainer_model = []
-    build = trainer.build
+    build = step_runner.build
 
     def keeping(*args, **kwargs):
         b = build(*args, **kwargs)
@@ -172,11 +173,11 @@ def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weight
                                                  for n, p in params.items())
         judged.append(is_average)
         loss = (1.0 if better == "weight average" else 3.0) if is_average else 2.0
-        return loss, args[3]  # and the batches read: all asked for
+        return loss, args[3], None  # and the batches read: all asked for
 
     monkeypatch.setattr(WeightAverage, "update", recording)
-    monkeypatch.setattr(trainer, "build", keeping)
-    monkeypatch.setattr(trainer, "validation_loss", judge)
+    monkeypatch.setattr(step_runner, "build", keeping)
+    monkeypatch.setattr(step_runner, "validation_loss", judge)
     monkeypatch.setattr(averaging, "HORIZON", 1.0)  # an 8-step run keeps the beta asked for
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 8, "--weight_average", beta)) == 0

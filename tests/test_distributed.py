@@ -102,7 +102,7 @@ def counted_spread(self, *args):
 muon_optimizer.Muon._orthogonalize_spread = counted_spread
 
 save = trainer.save
-def hashed_save(session, b, *args):  # every rank calls save; rank 0 alone writes
+def hashed_save(plan, b, *args):  # every rank calls save; rank 0 alone writes
     tensors = list(b.raw_model.state_dict().values())
     def walk(v):
         if torch.is_tensor(v):
@@ -112,7 +112,7 @@ def hashed_save(session, b, *args):  # every rank calls save; rank 0 alone write
                 walk(v[k])
     walk(b.opt.state_dict())
     log["hashes"][str(b.state.step)] = digest(tensors)
-    return save(session, b, *args)
+    return save(plan, b, *args)
 trainer.save = hashed_save
 
 train_step = trainer.train_step

@@ -4,6 +4,7 @@ a screenful of screens."""
 
 import ast
 import os
+import re
 import subprocess
 
 import pytest
@@ -16,8 +17,10 @@ CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "step_settings", "
         "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "window_order", "batches", "preparation",
         "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
-        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "gguf_format", "gguf_reader",
-        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup", "openai_api", "worker",
+        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference",
+        "gguf_format", "gguf_reader",
+        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup",
+        "runner", "openai_api", "worker",
         "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
 # Run by users, on the core, imported by nothing.
@@ -37,7 +40,8 @@ MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
            "serve", "export_hf", "evaluate"]
 PACKAGE = "llm"
-ROOT_SHARED = {"config", "modern_llm"}  # the only root files the package imports: the settings and the network
+# The root files the package may import: the settings, the network, and its optimizer (the step's runner builds it).
+ROOT_SHARED = {"config", "modern_llm", "muon_optimizer"}
 
 
 def path(module: str) -> str:
@@ -90,7 +94,7 @@ def test_the_root_shows_what_a_user_runs_or_edits():
 @pytest.mark.parametrize("module", sorted(set(CORE) - set(AT_ROOT)))
 def test_the_package_imports_from_the_root_only_the_settings_and_the_network(module):
     """The package once reached up into the scripts (batches imported prepare_data, the server the REPL's loader):
-    a module the scripts import builds on config.py and modern_llm.py alone of the root's files."""
+    a module the scripts import builds on config.py, modern_llm.py and muon_optimizer.py alone of the root's files."""
     assert project_imports(module) & set(AT_ROOT) <= ROOT_SHARED
 
 
@@ -108,6 +112,18 @@ def test_core_imports_flow_one_way(module):
 @pytest.mark.parametrize("module", SCRIPTS + TOOLS)
 def test_tools_sit_on_the_core_only(module):
     assert not project_imports(module) & set(SCRIPTS + TOOLS) - {module} - TOOL_BASES.get(module, set())
+
+
+def test_the_step_runner_alone_sets_how_the_step_runs():
+    """Eager or compiled once had four owners, by two tests: the trainer, a fallback, preference.py setting the
+    model's ragged rows after the build, batches.py trimming pair windows by the config. The runner decides it once
+    (llm/runner.py); no other module of the core writes the model's execution settings or the loaders' trim."""
+    writes = re.compile(r"\.(execution|trim)\s*=[^=]")
+    for module in CORE + SCRIPTS:
+        if module in ("runner", "modern_llm"):  # the model's own default, and the one owner
+            continue
+        with open(path(module), encoding="utf-8") as f:
+            assert not writes.search(f.read()), f"{module} sets the model's execution or a loader's trim"
 
 
 def test_weights_and_metrics_have_one_reader():

@@ -11,6 +11,7 @@ import torch
 
 import export_hf
 import gpu_training_optimized as trainer
+from llm.runner import start as runner_for
 from config import TrainConfig
 from conftest import killed_after_a_checkpoint, write_greetings
 from llm.loading import Kind, Source, detect, read_model
@@ -148,7 +149,7 @@ def test_the_run_lets_go_of_the_bases_read_copy_once_the_model_holds_it(qwen3_fo
     chats = write_greetings(tmp_path / "chats.jsonl", 40)
     plan = trainer.make_plan(lora_argv(qwen3_folder, chats, tmp_path / "run", "--max_steps", 1))
     read = [weakref.ref(v) for v in plan.init_state.values()]
-    built, plan = trainer.build_run(plan)
+    built, plan = runner_for(plan)
     gc.collect()
     assert built.raw_model.layers[0].attn.q_proj.lora_A.weight.requires_grad  # the model is built, adapters on
     assert plan.init_state is None and not [r for r in read if r() is not None]

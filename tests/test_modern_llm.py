@@ -214,7 +214,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With Execution.stream_dtype set (the trainer sets it on
     a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets its float32 gradient;
     unset (a CPU run, where it saved no time and learned a little less) the stream stays float32."""
-    from gpu_training_optimized import build
+    from llm.runner import build
     from llm.distributed import setup
     torch.manual_seed(0)
     model, ids = Transformer(tiny_config(vocab_size=64)), torch.randint(0, 64, (2, 16))

@@ -25,6 +25,9 @@ from llm.errors import ConfigError
 from llm.evaluation import EVAL_SHARE
 from llm.loading import read_model
 from llm.monitor import read_metrics as read_all
+from llm import runner as step_runner
+from llm.device import keep_grads
+from llm.runner import build
 from llm.schedule import RunClock, lr_multiplier
 from modern_llm import Transformer
 
@@ -97,7 +100,7 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
     for micro, accum in ((8, 1), (2, 4)):
         t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", learning_rate=3e-3,
                         muon_lr=0.02, compile="off", precision="fp32", muon_precision="fp32")
-        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         trainer.set_lr(b.opt, 1.0)
         loss, norm, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
                                             distributed.setup())
@@ -115,7 +118,7 @@ def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
     for compile_mode, written in (("default", True), ("off", False)):
         t = TrainConfig(micro_batch_size=2, optimizer="adamw", learning_rate=1e-3, muon_lr=0.02, compile=compile_mode,
                         precision="fp32")
-        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         assert b.raw_model.execution.matmul_softmax == written
 
 
@@ -328,9 +331,10 @@ def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
         def mean(self, t):
             return t
     model, amp = Model(), contextlib.nullcontext()
-    assert validation_loss(model, amp, Val(), 4, Ranks()) == (pytest.approx(3.0), 4)
-    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() + 0.08) == (pytest.approx(2.0), 2)
-    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() - 1) == (pytest.approx(3.0), 1)
+    assert validation_loss(model, amp, Val(), 4, Ranks()) == (pytest.approx(3.0), 4, None)
+    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() + 0.08) == \
+        (pytest.approx(2.0), 2, None)
+    assert validation_loss(model, amp, Val(), 4, Ranks(), until=time.monotonic() - 1) == (pytest.approx(3.0), 1, None)
 
 
 def test_asking_what_is_due_changes_nothing(monkeypatch):
@@ -564,7 +568,7 @@ def test_the_best_checkpoint_survives_pruning(corpus, tmp_path, monkeypatch, arg
     """keep_checkpoints prunes old checkpoints but never the one of lowest validation loss, which BEST names and
     --best loads; scripted validation losses make step 4 the best of six evaluations."""
     losses = iter([3.0, 2.0, 2.5, 2.7, 2.9, 3.1, 3.1])  # the last two: the final weights, raw and averaged
-    monkeypatch.setattr(trainer, "validation_loss", lambda *args: (next(losses), args[3]))  # and the batches read
+    monkeypatch.setattr(step_runner, "validation_loss", lambda *args: (next(losses), args[3], None))  # batches read
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 12, "--eval_interval", 2, "--keep_checkpoints", 1)) == 0
     assert [os.path.basename(c) for c in ckpt_io.list_checkpoints(str(run))] == ["step_000004", "step_000012"]
@@ -631,9 +635,9 @@ def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
     t = TrainConfig(micro_batch_size=4, grad_accum_steps=2, learning_rate=3e-3, muon_lr=0.02, compile="off",
                     precision="fp32")
     cfg = Config(model=tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16), train=t)
-    usual, kept = (trainer.build(cfg, torch.device("cpu"), distributed.setup()) for _ in range(2))
+    usual, kept = (build(cfg, torch.device("cpu"), distributed.setup()) for _ in range(2))
     kept.persistent_grads = True
-    trainer.keep_grads(kept.opt)
+    keep_grads(kept.opt)
     seen = {}
     for p in kept.raw_model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(id(p), set()).add(p.grad.data_ptr()))
@@ -723,7 +727,7 @@ def test_loss_scaling_skips_overflowing_steps_on_the_device_and_matches_unscaled
                     learning_rate=3e-3, muon_lr=0.02)
     weights = {}
     for scale in (None, 2.0**10, 2.0**127):  # none, a fine scale, one that overflows fp32 gradients
-        b = trainer.build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
         start = [p.detach().clone() for p in b.raw_model.parameters()]
         b.state.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
         trainer.set_lr(b.opt, 1.0)

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from config import DataConfig
-from gpu_training_optimized import build, train_step
+from gpu_training_optimized import train_step
+from llm.runner import build
 from llm.startup import new_model
 from llm import distributed
 from llm.autofill import fill_automatic

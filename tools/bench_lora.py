@@ -46,7 +46,8 @@ def measure(variant: str, steps: int) -> dict:
     import bench
     import torch
 
-    from gpu_training_optimized import build, train_step
+    from gpu_training_optimized import train_step
+    from llm.runner import build
     from llm import distributed
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])

@@ -146,7 +146,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     import bench
     import torch
 
-    from gpu_training_optimized import build, train_step
+    from gpu_training_optimized import train_step
+    from llm.runner import build
     from llm import distributed
     from llm.device import machine, make_deterministic, pick_device
     from llm.autofill import fill_automatic

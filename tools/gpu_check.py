@@ -50,7 +50,8 @@ import torch
 from gpu_report import overhead_words, write_report
 
 from config import PRESETS, Config
-from gpu_training_optimized import build, train_step
+from gpu_training_optimized import train_step
+from llm.runner import build
 from llm.startup import new_model
 from llm.autofill import fill_automatic
 from llm.device import fp8_layers, has_fp8, machine, pick_device

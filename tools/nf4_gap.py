@@ -66,14 +66,15 @@ def run(argv: list[str], every: int) -> dict:
     import torch
 
     import gpu_training_optimized as trainer
-    from llm.evaluation import validation_loss
+    from llm.runner import start as runner_for
     from llm.schedule import lr_multiplier
     started, torch_threads = time.time(), torch.get_num_threads()
     plan = trainer.make_plan(argv)
-    (built, plan), t, found = trainer.build_run(plan), plan.cfg.train, {}
+    (built, plan), t, found = runner_for(plan), plan.cfg.train, {}
     for step in range(t.max_steps + 1):
         if step % every == 0 or step == t.max_steps:
-            found[step], _ = validation_loss(built.raw_model, built.amp, plan.val_batches, t.eval_batches, plan.ranks)
+            found[step], _ = built.objective.evaluate(built.raw_model, built.amp, plan.val_batches, t.eval_batches,
+                                                      plan.ranks, float("inf"))
             print(f"step {step}: val loss {found[step]:.4f}, {time.time() - started:.0f} s", flush=True)
         if step == t.max_steps:
             break
