@@ -17,7 +17,7 @@ CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "step_settings", "
         "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache",
         "arrival", "window_order", "batches", "preparation",
         "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
-        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference",
+        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards",
         "gguf_format", "gguf_reader",
         "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup",
         "runner", "openai_api", "worker",
