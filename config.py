@@ -8,39 +8,10 @@ for the machine and corpus). Any field can also be given on the command line of 
 """
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Literal, get_args, get_origin
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
-from llm.errors import ConfigError
-
-
-def arg(default, help: str, const=None, positional: bool = False, aliases: dict | None = None):
-    """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
-    given bare (`--resume`), meaning that value; positional, it is given without its name (`text_generator.py
-    runs/mine`); aliases: older words the command line still takes for some of its values."""
-    metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {}),
-                **({"positional": True} if positional else {}), **({"aliases": aliases} if aliases else {})}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _require(ok: bool, name: str, value, rule: str):
-    if not ok:
-        error = ConfigError(f"{name}={value!r} is invalid: {rule}")
-        error.field, error.value = name, value
-        raise error
-
-
-def _require_choices(cfg):
-    """Every Literal-typed field holds one of its values (the command line checks too; code may not), and every
-    float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken)."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if get_origin(f.type) is Literal:
-            _require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
-        elif f.type is float:
-            _require(math.isfinite(value), f.name, value, "must be a finite number")
+from llm.fields import arg, require as _require, require_choices as _require_choices
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
@@ -245,13 +216,36 @@ class TrainConfig:
                                                                     "int8: torchao weight-only, half of bf16; nf4: "
                                                                     "torchao's 4-bit NormalFloat (QLoRA), a quarter; "
                                                                     "auto: bf16 under bf16 compute, else fp32")
-    objective: Literal["auto", "lm", "dpo", "simpo"] = arg("auto", "what the run optimises: lm, next-token loss; dpo "
-                                                           "or simpo (reference-free), preference on pairs of a "
-                                                           "chosen and a rejected reply; auto: dpo for pairs, else lm")
-    beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its paper's)")
+    objective: Literal["auto", "lm", "dpo", "simpo", "grpo"] = arg(
+        "auto", "what the run optimises: lm, next-token loss; dpo or simpo (reference-free), preference on pairs of a "
+                "chosen and a rejected reply; grpo, reinforcement learning: replies sampled to prompts, scored by "
+                "--reward; auto: dpo for pairs, else lm")
+    beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its paper's); "
+                            "grpo: the weight of the KL term to the base (a LoRA run's), 0 (automatic): off")
     simpo_gamma: float = arg(1.375, "simpo's target margin between the replies' mean log-probabilities (its paper's)")
     nll_weight: float = arg(1.0, "weight of the chosen replies' NLL added to a preference loss (RPO), which keeps "
                                  "their probability from falling with the rejected ones'; 0: off")
+    # GRPO (--objective grpo): each prompt's num_generations replies sampled from the model being trained
+    reward: list[str] = arg([], "grpo: reward functions, summed: gsm8k, regex:PATTERN, or FILE.py:NAME, a function "
+                                "of your file with TRL's signature (give --reward once per function)", repeat=True)
+    reward_weights: list[float] = arg([], "grpo: one weight per --reward, in order; empty: 1 each")
+    num_generations: int = arg(8, "grpo: replies sampled per prompt, the group its advantages compare within")
+    prompts_per_step: int = arg(4, "grpo: prompts per optimizer step, num_generations replies each")
+    max_completion_length: int = arg(256, "grpo: tokens a sampled reply has at most")
+    rollout_temperature: float = arg(1.0, "grpo: sampling temperature of the replies")
+    rollout_top_k: int = arg(0, "grpo: sample among the k most likely tokens; 0: all")
+    rollout_top_p: float = arg(1.0, "grpo: sample among the tokens whose probability reaches p; 1: all")
+    scale_rewards: Literal["none", "group", "batch"] = arg("none", "grpo: divide advantages by the rewards' std "
+                                                           "over the group (GRPO's paper) or the batch; none: r - "
+                                                           "the group's mean (Dr. GRPO, nanochat)")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = arg("dapo", "grpo: the loss normalised over the step's reply "
+                                                        "tokens (dapo), per reply then over replies (grpo), or "
+                                                        "over replies x max_completion_length (dr_grpo)")
+    num_iterations: int = arg(1, "grpo: optimizer steps per batch of sampled replies; 1: on-policy; more: PPO's "
+                                 "clipped ratio to the policy that sampled them")
+    epsilon: float = arg(0.2, "grpo: the ratio is clipped below at 1 - epsilon")
+    epsilon_high: float = arg(0.28, "grpo: ... and above at 1 + epsilon_high (DAPO's clip-higher)")
+    mask_truncated: bool = arg(False, "grpo: replies cut at max_completion_length teach nothing (DAPO)")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
     profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
@@ -273,8 +267,12 @@ class TrainConfig:
                  f"must be at most {MAX_MINUTES:,} (a year); for a run without a time limit set max_steps or epochs")
         _require(not (self.epochs and self.max_steps), "epochs", self.epochs,
                  f"set epochs or max_steps (here {self.max_steps}), not both")
-        for name in ("beta", "simpo_gamma", "nll_weight"):
+        for name in ("beta", "simpo_gamma", "nll_weight", "rollout_temperature", "epsilon_high", "rollout_top_k"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        for name in ("num_generations", "prompts_per_step", "max_completion_length", "num_iterations"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
+        _require(0 <= self.epsilon < 1, "epsilon", self.epsilon, "must be in [0, 1)")
+        _require(0 < self.rollout_top_p <= 1, "rollout_top_p", self.rollout_top_p, "must be in (0, 1]")
         _require(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0: no adapters)")
         _require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "must be >= 0 (0: twice the rank)")
         _require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")

@@ -38,6 +38,7 @@ from llm.evaluation import GPU_TASK_ITEMS, Probe
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          start_report, summary)
 from llm.preparation import short_of_target
+from llm.rewards import RewardError
 from llm.schedule import RunClock, StopFlag, lr_multiplier, set_lr
 from llm.sizing import flops_per_token
 from llm.runner import Runner, start as runner_for
@@ -175,8 +176,12 @@ def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, ste
     t, state = plan.cfg.train, runner.state
     lr_scale = lr_multiplier(clock.progress(step), t)
     set_lr(runner.opt, lr_scale)
-    loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
-                                                                               plan.ranks)
+    try:
+        loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
+                                                                                   plan.ranks)
+    except RewardError:  # a user's reward function failed before the step changed anything: keep the work so far
+        save(plan, runner, session, clock)
+        raise
     runner.average.update(step, clock.progress(step))
     session.window.add(loss, ok)
     state.advance(plan.tokens_per_step)

@@ -142,6 +142,8 @@ def add_fields(parser: argparse.ArgumentParser, section, shown: set[str] | None 
         elif get_origin(kind) is Literal:
             aliases = f.metadata.get("aliases", {})  # checked against the choices after the alias is replaced
             options.update(choices=get_args(kind), **({"type": lambda w, a=aliases: a.get(w, w)} if aliases else {}))
+        elif get_origin(kind) is list and f.metadata.get("repeat"):
+            options.update(type=get_args(kind)[0], nargs="+", action="extend")  # each --flag adds its values
         elif get_origin(kind) is list:
             options.update(type=get_args(kind)[0], nargs="*")
         else:

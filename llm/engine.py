@@ -273,12 +273,13 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
 # ----------------------------------------------------------------------------- many prompts through a few rows
 
 def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
-                 on_done=None) -> list[list[int]]:
+                 on_done=None, keep_end: bool = False) -> list[list[int]]:
     """Continue each prompt (token ids) once, eagerly and without stop strings; return each one's new ids, in
     order. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
     the tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
-    eos_ids, after max_new_tokens or at the context's end, as in generate(). on_done(i, ids) hears each prompt
-    as its reply ends, in the order they end."""
+    eos_ids, after max_new_tokens or at the context's end, as in generate(); keep_end: the end id it ended at
+    closes its new ids (what a model trained on its replies learns to stop with). on_done(i, ids) hears each
+    prompt as its reply ends, in the order they end."""
     ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
     for p in prompts:
         check_prompt(len(p), ctx)
@@ -297,6 +298,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         i = prompt_of[r]
         for token in tokens:
             if token in eos_ids:
+                out[i] += [token] if keep_end else []
                 break
             out[i].append(token)
             if len(out[i]) >= limits[i]:

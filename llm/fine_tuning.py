@@ -7,6 +7,7 @@ not the presets' (those train from scratch, and on a pretrained model they undo 
 Only automatic fields are filled; the start report says with what and why.
 """
 
+import math
 from dataclasses import replace
 
 from config import AUTO, Config
@@ -88,3 +89,60 @@ def fill_preference(cfg: Config, pairs: bool, automatic: set) -> tuple[Config, l
             + (f"; automatic: {values} (the fine-tuning rates x {PREFERENCE_RATE_SCALE:g}, as TRL's DPO and SFT "
                "defaults differ)" if rates else ""))
     return replace(cfg, train=replace(t, objective=objective, beta=beta, **rates)), [line]
+
+
+GRPO_EVAL_PROMPTS = 32  # held-out prompts an automatic evaluation replies to (greedy): a reward mean to 1/32
+# RL moves a chat model as little as preference tuning: TRL's GRPO default is 1e-6 too, against SFT's 2e-5.
+GRPO_RATE_SCALE = 1e-6 / 2e-5
+
+
+def check_grpo(cfg: Config):
+    """Refuse, before any prompt is read, what GRPO cannot run."""
+    t = cfg.train
+    if not t.init_from:
+        raise ConfigError("--objective grpo samples replies from a model that can already answer: pass --init_from "
+                          "(a chat run of yours, a Hugging Face folder, hf:ORG/NAME or a .gguf)")
+    if t.num_generations < 2:
+        raise ConfigError(f"num_generations={t.num_generations}: GRPO compares each reply with the others to its "
+                          "prompt, so it needs at least 2 (8 is usual)")
+    if t.beta and not t.lora_rank:
+        raise ConfigError(f"--beta {t.beta:g} (a KL term to the reference) needs a LoRA run (--lora_rank), whose "
+                          "base with the adapters off is the reference; a full fine-tune keeps no second model: "
+                          "pass --beta 0, or --lora_rank 16")
+    if cfg.model.max_seq_len - t.max_completion_length < 8:
+        raise ConfigError(f"max_completion_length={t.max_completion_length} leaves no room for a prompt in "
+                          f"max_seq_len={cfg.model.max_seq_len}; lower it")
+
+
+def fill_grpo(cfg: Config, train_prompts: int, held_out: int, automatic: set,
+              world_size: int = 1) -> tuple[Config, list[str]]:
+    """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the step's
+    prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget is given),
+    evaluation size, and the rates in `automatic` (those fill_fine_tuning filled) scaled by GRPO_RATE_SCALE; and
+    the lines saying so. Refuses a batch that does not split into micro-batches."""
+    t = cfg.train
+    replies = t.prompts_per_step * t.num_generations
+    micro = t.micro_batch_size or t.num_generations
+    if replies % micro:
+        raise ConfigError(f"micro_batch_size={micro} does not divide the step's {replies} replies (prompts_per_step "
+                          f"x num_generations); pass a divisor of {replies}")
+    accum = t.grad_accum_steps or replies // micro
+    if micro * accum != replies:
+        raise ConfigError(f"micro_batch_size x grad_accum_steps = {micro * accum}, not the step's {replies} replies "
+                          "(prompts_per_step x num_generations); leave grad_accum_steps at 0 (automatic)")
+    per_pass = max(1, -(-train_prompts // (t.prompts_per_step * world_size))) * t.num_iterations
+    steps = t.max_steps or (0 if t.max_minutes else math.ceil((t.epochs or 1) * per_pass))
+    rates = {k: getattr(t, k) * GRPO_RATE_SCALE for k in ("learning_rate", "muon_lr") if k in automatic}
+    filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, max_steps=steps, epochs=0.0,
+                     batch_tokens=micro * cfg.model.max_seq_len * accum * world_size,
+                     eval_batches=t.eval_batches or min(held_out, GRPO_EVAL_PROMPTS), **rates)
+    length = f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)" if steps else \
+        f"a {t.max_minutes:g}-minute budget"
+    return replace(cfg, train=filled), [
+        f"grpo: {t.prompts_per_step} prompts x {t.num_generations} replies a step ({micro} a forward x {accum}), "
+        f"{length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group mean"
+        f"{'' if t.scale_rewards == 'none' else ' over the ' + t.scale_rewards + ' std'}, beta {t.beta:g}, "
+        f"{t.num_iterations} optimizer step(s) a sampling; evaluations: greedy replies to "
+        f"{filled.eval_batches} held-out prompts"] + ([
+        f"automatic: {', '.join(f'{k}={v:g}' for k, v in rates.items())} (the fine-tuning rates x "
+        f"{GRPO_RATE_SCALE:g}, as TRL's GRPO and SFT defaults differ)"] if rates else [])

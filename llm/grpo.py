@@ -43,7 +43,7 @@ def reward_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(values).all(dim=1), torch.nan, total)
 
 
-def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     """The sample standard deviation (n - 1) of the values that are not NaN; NaN where fewer than two are."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
@@ -59,9 +59,9 @@ def advantages(rewards: torch.Tensor, group: int, scale: str = "none") -> tuple[
     judged it) stays out of the mean and gets 0."""
     grouped = rewards.view(-1, group)
     mean = torch.nanmean(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
-    group_std = _nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1) if group > 1 \
+    group_std = nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1) if group > 1 \
         else torch.zeros_like(rewards)
-    std = _nanstd(rewards).expand_as(rewards) if scale == "batch" else group_std
+    std = nanstd(rewards).expand_as(rewards) if scale == "batch" else group_std
     out = rewards - mean
     if scale != "none":
         out = out / (std + STD_FLOOR)

@@ -109,12 +109,13 @@ class Monitor:
         self._write(record)
         return record
 
-    def eval_record(self, step: int, val_loss: float, bytes_per_token: float, **extra) -> dict:
+    def eval_record(self, step: int, val_loss: float, bytes_per_token: float | None, **extra) -> dict:
         """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token), and any other figures
         of the evaluation (the code metric: code_ok, code_samples)."""
+        per_token = bytes_per_token is not None  # None: a loss that is no text's (GRPO's negated reward)
         record = {"kind": "eval", "step": step, "val_loss": val_loss,
-                  "val_ppl": math.exp(min(val_loss, 700.0)),  # 700: exp overflows past ~709
-                  "val_bpb": val_loss / math.log(2) / bytes_per_token,
+                  "val_ppl": math.exp(min(val_loss, 700.0)) if per_token else None,  # 700: exp overflows past ~709
+                  "val_bpb": val_loss / math.log(2) / bytes_per_token if per_token else None,
                   **{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in extra.items()},
                   "time": time.time()}
         self.eval_points.append((step, val_loss))
@@ -336,12 +337,12 @@ def mean_score(record: dict) -> float | None:
     return 100 * sum(scores) / len(scores) if scores else None
 
 
-def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float, ckpt: str | None,
+def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float | None, ckpt: str | None,
             device: torch.device, interrupted: bool, launcher: str = "python", base: str = "") -> str:
     """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on.
     best_val: inf when no evaluation ran. base: the model a LoRA run's adapters join."""
-    evaluated = (f"best val loss {best_val:.4f} ({best_val / math.log(2) / bytes_per_token:.4f} bits per byte)"
-                 if math.isfinite(best_val) else "no evaluation yet")
+    bits = f" ({best_val / math.log(2) / bytes_per_token:.4f} bits per byte)" if bytes_per_token else ""
+    evaluated = f"best val loss {best_val:.4f}{bits}" if math.isfinite(best_val) else "no evaluation yet"
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
     lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
              f"{evaluated}, peak memory {peak}"]

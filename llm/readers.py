@@ -144,12 +144,12 @@ class _ZstdFrames(io.RawIOBase):
 
 def table_chunks(path: str, columns):
     """Yield (label, first row, rows) through a parquet file's row groups or an Arrow file's record batches, rows
-    as dicts of the columns named in columns that the table has, None values left out (as a JSONL line would
-    leave out the key). A parquet row group of no rows comes as (label, 0, [])."""
+    as dicts of the columns named in columns that the table has (None: every column), None values left out (as
+    a JSONL line would leave out the key). A parquet row group of no rows comes as (label, 0, [])."""
     pa = _module("pyarrow", path)
     try:
         with (_parquet_groups if path.endswith(".parquet") else _arrow_batches)(path, pa) as (schema, groups):
-            names = [c for c in schema.names if c in columns]
+            names = list(schema.names) if columns is None else [c for c in schema.names if c in columns]
             if not names:
                 raise DataError(f"{path} has no column a document can come from (it has {', '.join(schema.names)}"
                                 f"; looked for {', '.join(columns)}), pass --text_field NAME")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from config import Config
-from llm import preference
+from llm import preference, rl
 from llm.averaging import WeightAverage
 from llm.batches import PairBatches
 from llm.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure, keep_freed_memory,
@@ -23,8 +23,10 @@ from llm.errors import ConfigError
 from llm.evaluation import next_token_loss, validation_loss
 from llm.lora import add_adapters
 from llm.resume import load_into
+from llm.rollouts import Rollouts
 from llm.startup import Plan, new_model
 from llm.step_settings import loss_chunk_rows, matmul_attention
+from llm.tokenizer import load_tokenizer
 from llm.trainer_state import TrainingState
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -166,18 +168,39 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
 
 
 def start(plan: Plan) -> tuple[Runner, Plan]:
-    """The plan's Runner: build() for it, its objective and the loaders' trim, and the state a --resume continues
-    (a new run's at step 0); and the plan without --init_from's weights, which the model holds now (their read
-    copy goes with the caller's old plan)."""
+    """The plan's Runner: build() for it, its objective and loaders (the pair loaders' trim; a GRPO run's Rollouts,
+    which sample from the model just built), and the state a --resume continues (a new run's at step 0); and the
+    plan without --init_from's weights, which the model holds now (their read copy goes with the caller's old plan),
+    with its training loader as the step reads it."""
     cfg, t = plan.cfg, plan.cfg.train
     runner = build(cfg, plan.device, plan.ranks, init_state=plan.init_state)
-    loaders = {"train": plan.batches, "val": plan.val_batches}
+    if t.objective == "grpo":
+        runner.objective, batches = rl_objective(plan, runner)
+    else:
+        runner.objective, batches = token_objective(plan, runner), plan.batches
+    load_into(runner.state, plan.ckpt, plan.saved, t.run_dir)
+    return runner, replace(plan, init_state=None, batches=batches)
+
+
+def token_objective(plan: Plan, runner: Runner):
+    """The objective of a run on the token cache: a preference loss on pairs (its loaders trimmed where the step
+    is eager; dpo's reference computed before a checkpoint loads, from the weights the run starts from), else
+    NextToken."""
+    t, loaders = plan.cfg.train, {"train": plan.batches, "val": plan.val_batches}
     for loader in loaders.values():
         if isinstance(loader, PairBatches):
             loader.trim = runner.eager  # an eager step's shapes may change: pair windows lose their padding
-    # Before a checkpoint loads, so that a reference pass reads the weights the run started from.
     objective = preference.objective_for(t, plan.data, loaders, runner.raw_model, runner.amp, runner.amp_dtype,
                                          plan.init_path, plan.ckpt is not None, plan.ranks.print)
-    runner.objective = objective or runner.objective
-    load_into(runner.state, plan.ckpt, plan.saved, t.run_dir)
-    return runner, replace(plan, init_state=None)
+    return objective or NextToken()
+
+
+def rl_objective(plan: Plan, runner: Runner):
+    """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained."""
+    t, rewards = plan.cfg.train, plan.rewards
+    prompts = plan.batches.prompts
+    longest = max(len(p.ids) for p in prompts)
+    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, load_tokenizer(plan.data.tokenizer_path), *rewards, t,
+                        min(plan.cfg.model.max_seq_len, longest + t.max_completion_length), plan.device,
+                        bool(t.lora_rank), plan.ranks.rank, plan.ranks.world_size)
+    return rl.Objective(rollouts, t.grad_accum_steps), rollouts

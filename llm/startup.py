@@ -5,6 +5,7 @@ settle() once; everything it refuses is refused here, before a model exists.
 """
 
 import math
+import shlex
 import sys
 import typing
 from dataclasses import dataclass, replace
@@ -15,19 +16,21 @@ import torch
 from config import AUTO, Config, TrainConfig
 from llm import hf_datasets
 from llm.autofill import fill_automatic, fill_run_length, fit_micro_batch
-from llm.batches import Batches, run_loaders
+from llm.batches import run_loaders
 from llm.cli import describe
 from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_bundled, source_files
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
-from llm.fine_tuning import fill_fine_tuning, fill_preference
+from llm.fine_tuning import check_grpo, fill_fine_tuning, fill_grpo, fill_preference
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import run_facts
 from llm.preparation import prepare_once, short_of_target
+from llm.prompts import PromptSplit, read as read_prompts
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point, with_shape)
+from llm.rewards import load_all
 from llm.sizing import BYTES_PER_TOKEN
 from llm.step_settings import loss_chunk_rows
 from llm.token_cache import PreparedData
@@ -153,10 +156,11 @@ class Plan:
     saved: Saved | None  # its trainer state
     init_state: dict | None  # --init_from's weights, for a new run
     data: PreparedData
-    batches: Batches  # the training split's loader
-    val_batches: Batches
+    batches: object  # the training split's loader: Batches, or a GRPO run's PromptSplit
+    val_batches: object
     lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
     init_path: str = ""  # the --init_from checkpoint, folder or file read (a preference run's reference)
+    rewards: tuple | None = None  # a GRPO run's reward functions and their weights (rewards.load_all)
 
     @property
     def tokens_per_step(self) -> int:
@@ -176,6 +180,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
         fit_micro_batch   micro-batch and accumulation                --auto_micro_batch, on CUDA
         fill_preference   objective, beta; rates x 1/20 for pairs      the tokenized corpus
         fill_run_length   max_steps, max_minutes, eval_batches        the tokenized corpus
+    A GRPO run reads prompts, not a token cache, from fill_fine_tuning on (settle_prompts).
     Refuses what cannot run before the model is built."""
     init = None
     if is_hub_name(cfg.train.init_from):  # refused before any weight downloads: its config.json is enough
@@ -193,6 +198,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     automatic = {k for k in ("learning_rate", "muon_lr") if getattr(cfg.train, k) == AUTO}  # preference scales them
     cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     notes += lines
+    if cfg.train.objective == "grpo":  # prompts and rewards, not a token cache
+        return settle_prompts(cfg, ranks, device, (ckpt, saved, init, lora_meta), notes, automatic)
     cfg, lines = default_corpus(cfg, device, saved)
     notes += lines
     size = corpus_size(cfg, device)
@@ -218,6 +225,34 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
                                  None if arriving else batches[0].epoch_sequences)
     for line in lines:
         ranks.print(line)
+    return planned(cfg, ranks, device, (ckpt, saved, init, lora_meta), data, batches)
+
+
+def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, notes: list[str],
+                   automatic: set) -> Plan:
+    """settle() for a GRPO run, from the fine-tuning rates on: its reward functions loaded (the user's files, before
+    any model), its prompts read whole, its batch, length and rates (those in `automatic`) filled, the memory
+    checked."""
+    ckpt, saved = start[:2]
+    if ckpt and not cfg.train.reward:  # never taken from the run folder: a reward is code, named by its user
+        had = " ".join(f"--reward {shlex.quote(str(r))}" for r in saved.config.get("train", {}).get("reward") or [])
+        raise ConfigError(f"a resumed GRPO run names its reward functions again (code is never read from a run "
+                          f"folder): pass {had or '--reward ...'}")
+    check_grpo(cfg)
+    rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
+    data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
+    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), automatic, ranks.world_size)
+    lines += fit_check(cfg, device, ranks.world_size)
+    ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
+    loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))
+    return planned(cfg, ranks, device, start, data, loaders, rewards)
+
+
+def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data, loaders: tuple,
+            rewards: tuple | None = None) -> Plan:
+    """The Plan, once a resume is checked to fit it. start: (the checkpoint --resume continues, its trainer state,
+    what --init_from read, the LoRA run's adapter config)."""
+    ckpt, saved, init, lora_meta = start
     t = cfg.train
     if ckpt and t.max_steps and saved.step >= t.max_steps:
         raise ConfigError(f"--resume: the run is already at step {saved.step} and max_steps={t.max_steps} "
@@ -227,5 +262,6 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
         check_same_data(cfg, saved, data)
     # A LoRA run always starts from its base: a resume then loads the adapters into it.
     init_state = init.state if init and (lora_meta or not ckpt) else None
-    return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data, batches=batches[0],
-                   val_batches=batches[1], lora_meta=lora_meta, init_path=init.path if init else "")
+    return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
+                batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta, init_path=init.path if init else "",
+                rewards=rewards)

@@ -12,12 +12,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core in import order: a module may import only the ones before it. The three of the second line
 # share a rank: none of them imports another.
-CORE = ["errors", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
+CORE = ["errors", "fields", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
         "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache", "prompts",
         "arrival", "window_order", "batches", "preparation",
         "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
-        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards",
+        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards", "rollouts", "rl",
         "gguf_format", "gguf_reader",
         "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup",
         "runner", "openai_api", "worker",

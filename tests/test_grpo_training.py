@@ -1,0 +1,176 @@
+"""GRPO through the trainer as a user runs it: a tiny chat run whose answers are right half the time learns to
+answer right from a reward alone; a resumed run samples and trains as an uninterrupted one, bit for bit; LoRA
+samples with its adapters on and measures its KL to the base; bad prompts, flags and rewards each get one line."""
+
+import json
+import os
+import random
+
+import pytest
+
+import gpu_training_optimized as trainer
+from config import SampleConfig
+from llm import checkpoint as ckpt_io
+from llm.engine import generate_all
+from llm.errors import ConfigError, DataError
+from llm.inference import load_for_inference
+from llm.monitor import read_metrics
+from llm.rewards import gsm8k
+from llm.tokenizer import chat_prompt_ids, stop_ids
+
+
+def sums(rng, n):
+    return [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def half_right(tmp_path_factory):
+    """A tiny chat run on sums whose answers are right half the time (else 1 to 3 too high), and prompts of new
+    sums with their answers: {"chat": run folder, "prompts": JSONL, "base": folder}."""
+    base, rng = tmp_path_factory.mktemp("grpo"), random.Random(0)
+    with open(base / "chats.jsonl", "w") as f:
+        for a, b in sums(rng, 600):
+            said = a + b if rng.random() < 0.5 else a + b + rng.choice([1, 2, 3])
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                             {"role": "assistant", "content": str(said)}]}) + "\n")
+    with open(base / "prompts.jsonl", "w") as f:
+        for a, b in sums(rng, 400):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                                "answer": str(a + b)}) + "\n")
+    chat = base / "chat"
+    assert trainer.main(["--preset", "tiny", "--sources", str(base / "chats.jsonl"), "--cache_dir",
+                         str(base / "cache"), "--run_dir", str(chat), "--max_steps", "80", "--compile", "off"]) == 0
+    return {"chat": str(chat), "prompts": str(base / "prompts.jsonl"), "base": base}
+
+
+def grpo_argv(data, run, *extra):
+    return ["--init_from", data["chat"], "--objective", "grpo", "--sources", data["prompts"], "--reward", "gsm8k",
+            "--run_dir", str(run), "--compile", "off", "--max_completion_length", "8", "--log_interval", "1",
+            *map(str, extra)]
+
+
+def right_share(model_path) -> float:
+    """The share of right answers among 8 replies sampled at temperature 1 to each of 100 sums none was trained
+    on, read by gsm8k's reward (itself held to worked answers in test_rewards.py)."""
+    model, tok, *_ = load_for_inference(model_path, "cpu")
+    asked = sums(random.Random(99), 100)
+    ids = [chat_prompt_ids(tok, [{"role": "user", "content": f"What is {a} plus {b}?"}]) for a, b in asked]
+    settings = SampleConfig(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, seed=5)
+    replies = generate_all(model, [i for i in ids for _ in range(8)], settings, stop_ids(tok))
+    got = gsm8k(None, tok.batch_decode(replies, skip_special_tokens=True),
+                answer=[str(a + b) for a, b in asked for _ in range(8)])
+    return sum(got) / len(got)
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_share_of_right_sampled_replies(half_right, tmp_path):
+    """The reward alone (gsm8k: the last number against the answer) must teach what the chats taught half the time:
+    a sign error in the advantages, a loss that ignores them or replies sampled from other weights would not."""
+    before = right_share(half_right["chat"])
+    run = tmp_path / "rl"
+    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 60)) == 0
+    after = right_share(str(run))
+    assert 0.3 < before < 0.7 and after >= before + 0.15, (before, after)
+    logged = read_metrics(run, "train")
+    assert {"reward", "reward/gsm8k", "zero_std_share", "completion_len", "generate_s", "reward_s"} <= set(logged[0])
+
+
+def test_a_resumed_grpo_run_samples_and_trains_as_an_uninterrupted_one(half_right, tmp_path):
+    """4 steps, against 2 steps, a resume, and 2 more: every logged loss and reward equal to the bit. The
+    replies of a step are drawn from (seed, step) and the step's weights, so a resume samples the same."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert trainer.main(grpo_argv(half_right, whole, "--max_steps", 4)) == 0
+    assert trainer.main(grpo_argv(half_right, part, "--max_steps", 4, "--save_interval", 2)) == 0
+    ckpt = os.path.join(part, "checkpoints", "step_000002")
+    resumed = tmp_path / "resumed"
+    assert trainer.main(grpo_argv(half_right, resumed, "--max_steps", 4, "--resume", ckpt)) == 0
+    key = lambda r: (r["step"], r["loss"], r["reward"], r["completion_len"])  # noqa: E731
+    assert [key(r) for r in read_metrics(whole, "train")][2:] == [key(r) for r in read_metrics(resumed, "train")]
+
+
+def test_a_resumed_grpo_run_names_its_rewards_again(half_right, tmp_path):
+    run = tmp_path / "run"
+    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 1)) == 0
+    argv = [w for w in grpo_argv(half_right, run, "--max_steps", 2, "--resume") if w not in ("--reward", "gsm8k")]
+    with pytest.raises(ConfigError, match="pass --reward gsm8k"):
+        trainer.main(argv)
+
+
+def test_lora_grpo_samples_with_its_adapters_and_measures_its_kl_to_the_base(half_right, tmp_path):
+    """A LoRA run's reference is its base with the adapters off: the KL starts at 0 (the adapters' B is 0) and
+    is logged; its checkpoints hold the adapters alone."""
+    run = tmp_path / "lora"
+    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 3, "--lora_rank", 4, "--beta", 0.04,
+                                  "--learning_rate", 1e-2)) == 0
+    logged = read_metrics(run, "train")
+    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logged[-1]["kl"] > 0
+    assert os.path.isfile(os.path.join(ckpt_io.latest_checkpoint(str(run)), "adapter_config.json"))
+
+
+def test_a_reward_that_fails_saves_the_run_and_exits_1(half_right, tmp_path, capsys):
+    """A reward function of the user's that raises at its third call: one line naming it, exit 1, and the two
+    steps before it saved."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("calls = []\n\ndef flaky(completions, **kw):\n    calls.append(1)\n"
+                    "    if len(calls) == 3:\n        raise KeyError('no such column')\n"
+                    "    return [0.0 for _ in completions]\n")
+    run = tmp_path / "run"
+    argv = grpo_argv(half_right, run, "--max_steps", 4) + ["--reward", f"{mine}:flaky"]
+    with pytest.raises(SystemExit) as exited:
+        trainer.run(argv)
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: reward {mine}:flaky raised KeyError") and "Traceback" not in "".join(err)
+    assert ckpt_io.latest_checkpoint(str(run)).endswith("step_000002")
+
+
+def test_bad_grpo_settings_are_refused_before_a_model_is_built(half_right, tmp_path):
+    with pytest.raises(ConfigError, match="needs a LoRA run"):
+        trainer.main(grpo_argv(half_right, tmp_path / "a", "--beta", 0.1))
+    with pytest.raises(ConfigError, match="at least 2"):
+        trainer.main(grpo_argv(half_right, tmp_path / "b", "--num_generations", 1))
+    argv = grpo_argv(half_right, tmp_path / "c")
+    del argv[:2]  # no --init_from
+    with pytest.raises(ConfigError, match="pass --init_from"):
+        trainer.main(argv)
+
+
+def test_bad_prompt_rows_are_left_out_one_line_each(half_right, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    good = [json.dumps({"prompt": "What is 1 plus 2?", "answer": "3"})] * 3
+    prompts.write_text("\n".join(good + ["{not json", json.dumps({"question": "x"}),
+                                         json.dumps({"prompt": [{"role": "assistant", "content": "hi"}]})]) + "\n")
+    argv = grpo_argv(half_right, tmp_path / "run", "--max_steps", 1)
+    argv[argv.index("--sources") + 1] = str(prompts)
+    assert trainer.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"left out: {prompts} line 4: not JSON" in out and f"{prompts} line 5: no `prompt`" in out
+    assert f"{prompts} line 6: the prompt's last message is the assistant's" in out
+    prompts.write_text(json.dumps({"question": "x"}) + "\n")
+    argv = grpo_argv(half_right, tmp_path / "run2")
+    argv[argv.index("--sources") + 1] = str(prompts)
+    with pytest.raises(DataError, match="0 usable prompts"):
+        trainer.main(argv)
+
+
+def test_prompts_read_from_parquet_keep_their_columns_for_the_rewards(half_right, tmp_path):
+    """A parquet file of TRL's standard form (text prompts) and an extra column: each prompt encoded as it is, its
+    column kept for the rewards, the held-out share drawn the same way every time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from config import Config, DataConfig
+    from llm.prompts import read
+    from llm.tokenizer import load_tokenizer
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"{i} plus 1 is" for i in range(50)], "answer": [str(i + 1) for i in range(50)]}),
+                   path)
+    tokenizer = os.path.join(ckpt_io.latest_checkpoint(half_right["chat"]), "tokenizer.json")
+    cfg = Config(data=DataConfig(sources=[str(path)], tokenizer=tokenizer, val_fraction=0.1))
+    data, again = read(cfg, 64), read(cfg, 64)
+    assert (len(data.train), len(data.val)) == (45, 5)
+    assert [p.prompt for p in data.val] == [p.prompt for p in again.val]
+    tok = load_tokenizer(tokenizer)
+    for p in data.train:
+        assert p.ids == tok.encode(p.prompt, add_special_tokens=False)
+        assert p.columns == {"answer": str(int(p.prompt.split()[0]) + 1)}
