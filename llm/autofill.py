@@ -26,8 +26,9 @@ import torch
 from config import AUTO, PRESETS, Config
 from llm.errors import ConfigError
 from llm.evaluation import AUTO_EVALS, EVAL_SHARE, EVAL_TOKENS
-from llm.sizing import (BYTES_PER_TOKEN, CPU_MINUTES, GPU_MINUTES, MEMORY_FRACTION, Machine, budget_minutes,
-                        count_parameters, optimal_parameters, plan_report, token_target, training_bytes_estimate)
+from llm.sizing import (BYTES_PER_TOKEN, CPU_MINUTES, FORWARDS_PER_STEP, GPU_MINUTES, MEMORY_FRACTION, Machine,
+                        budget_minutes, count_parameters, optimal_parameters, plan_report, token_target,
+                        training_bytes_estimate)
 
 CPU_SIZE = "tiny"  # the preset whose values fill a run's automatic fields off CUDA
 # A compile from an empty cache took 20-60 s on the 2-core CPU here; at the speedups measured (1.5-2x) it pays back
@@ -214,9 +215,9 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         notes.append(f"automatic: no step limit, the {minutes:g}-minute budget ends the run")
     if eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
         run_tokens = steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size
-        # A forward is about a third of a step: AUTO_EVALS evaluations of these tokens take EVAL_SHARE of a run in
-        # steps (a 10-step smoke run reads one micro-batch); under a time budget the clock spaces them out.
-        tokens = min(EVAL_TOKENS, 3 * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
+        # AUTO_EVALS evaluations of these tokens, a forward each (a step costs FORWARDS_PER_STEP), take EVAL_SHARE of
+        # a run in steps (a 10-step smoke run reads one micro-batch); under a time budget the clock spaces them out.
+        tokens = min(EVAL_TOKENS, FORWARDS_PER_STEP * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
         eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
     train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
     if t.epochs:  # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both

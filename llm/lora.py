@@ -226,14 +226,21 @@ def read_meta(ckpt: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-        assert isinstance(meta, dict) and int(meta["rank"]) > 0 and float(meta["alpha"]) > 0
-        assert 0 <= float(meta["dropout"]) < 1 and isinstance(meta["targets"], list) and meta["targets"]
-        assert all(isinstance(t, str) for t in meta["targets"])
-        assert isinstance(meta["base_fingerprint"], str) and isinstance(meta["base"], str)
+        if not _plausible_meta(meta):
+            raise ValueError("fields out of range")  # checked without assert: `python -O` strips those
         return meta
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path} is damaged (it should hold rank, alpha, dropout, targets, base and "
                               "base_fingerprint); use another checkpoint") from None
+
+
+def _plausible_meta(meta) -> bool:
+    """An adapter config's fields of the types and ranges a run writes."""
+    targets = meta.get("targets") if isinstance(meta, dict) else None
+    return isinstance(meta, dict) and int(meta["rank"]) > 0 and float(meta["alpha"]) > 0 and \
+        0 <= float(meta["dropout"]) < 1 and isinstance(targets, list) and bool(targets) and \
+        all(isinstance(t, str) for t in targets) and isinstance(meta["base_fingerprint"], str) and \
+        isinstance(meta["base"], str)
 
 
 def check_base(meta: dict, base_folder: str, where: str, flag: str):

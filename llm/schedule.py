@@ -20,6 +20,7 @@ import time
 
 from llm.distributed import Ranks
 from llm.evaluation import CODE_SETTINGS, SAMPLE_SETTINGS, EvalPolicy
+from llm.sizing import FORWARDS_PER_STEP
 
 PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
 # What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
@@ -103,8 +104,8 @@ class StepTimer:
 
     def eval_s(self) -> float:
         """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a forward
-        is about a third of a step) and the decode steps of the code metric and the samples."""
-        forwards = self.t.eval_batches * self.step_s / self.t.grad_accum_steps / 3
+        is 1 / FORWARDS_PER_STEP of a step) and the decode steps of the code metric and the samples."""
+        forwards = self.t.eval_batches * self.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return self.overhead_s["eval"] or forwards + PROBE_DECODE_STEPS * DECODE_STEP_S
 
     def save_s(self) -> float:
@@ -233,10 +234,10 @@ class RunClock:
     def final_batches(self, passes: int) -> int:
         """The final evaluation's batches: eval_batches, or under a budget as many as the time left holds (at least
         one). passes: forward passes over each batch (two where the weight average is compared with the last
-        weights); a forward is about a third of a step."""
+        weights); a forward is 1 / FORWARDS_PER_STEP of a step."""
         if not self.by_time or not self.timer.step_s:
             return self.t.eval_batches
-        forward_s = passes * self.timer.step_s / self.t.grad_accum_steps / 3
+        forward_s = passes * self.timer.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return max(1, min(self.t.eval_batches, int(0.8 * self.left_s() / forward_s)))
 
     def log_due(self, done: int) -> bool:

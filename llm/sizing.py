@@ -19,6 +19,9 @@ CPU_MINUTES = 10.0  # the time budget of a CPU run left automatic
 GPU_MINUTES = 60.0
 MEASURED_MFU = 0.40  # of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
 FALLBACK_TFLOPS = 100.0  # a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
+# A training step costs about this many forward passes: the backward costs about twice the forward (a step's FLOPs
+# are 6 per parameter and token, the forward's 2). Evaluations are planned from it.
+FORWARDS_PER_STEP = 3
 TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C = 6 N D with D = 20 N
 MEMORY_FRACTION = FIT_FRACTION  # of the GPU's memory (fit.py)
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose

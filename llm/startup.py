@@ -7,13 +7,12 @@ settle() once; everything it refuses is refused here, before a model exists.
 import math
 import shlex
 import sys
-import typing
 from dataclasses import dataclass, replace
 
 import psutil
 import torch
 
-from config import AUTO, Config, TrainConfig
+from config import AUTO, Config
 from llm import hf_datasets
 from llm.autofill import fill_automatic, fill_run_length, fit_micro_batch
 from llm.batches import run_loaders
@@ -124,8 +123,8 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     if need <= room or (t.data_parallel == "fsdp" and world_size > 1):
         return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else ""),
                 f"memory: {terms.summary()}"]
-    nf4 = "nf4" in typing.get_args(typing.get_type_hints(TrainConfig)["lora_base"]) and amp == 2  # once config has it
-    flags, least, base = suggest(cfg, target, room / FIT_FRACTION, ("auto", "int8", "nf4") if nf4 else ("auto", "int8"))
+    bases = ("auto", "int8", "nf4") if amp == 2 else ("auto", "int8")  # nf4 computes under bf16 only
+    flags, least, base = suggest(cfg, target, room / FIT_FRACTION, bases)
     what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
     least_gib = estimate(least, target, base).total / 2**30

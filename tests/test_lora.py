@@ -383,3 +383,17 @@ def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tm
         assert {k: train[k] for k in want} == want, name
         recorded = "the peak rates the --init_from run trained at" in capsys.readouterr().out
         assert recorded == (name != "again"), name
+
+
+def test_a_damaged_adapter_config_is_refused_under_python_dash_o_too(tmp_path):
+    """read_meta once validated with assert, which `python -O` strips: a rank of 0 then loaded as adapters."""
+    import json
+    import subprocess
+    import sys
+    meta = {"rank": 0, "alpha": 8, "dropout": 0.0, "targets": ["q_proj"], "base": "b", "base_fingerprint": "f"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(meta))
+    code = ("from llm.lora import read_meta\nfrom llm.errors import CheckpointError\n"
+            f"try:\n    read_meta({str(tmp_path)!r})\nexcept CheckpointError as e:\n    print('refused:', e)\n")
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.startswith("refused:") and "is damaged" in done.stdout, done.stdout + done.stderr
