@@ -25,7 +25,7 @@ from llm import lm_eval_tasks, report_card, tasks
 from llm.cli import parse_sections
 from llm.errors import ConfigError, error_contract
 from llm.inference import load_for_inference
-from llm.model_card import export_name, run_folder
+from llm.model_card import export_name, run_folder, trained_to_chat
 from llm.scoring import TaskScore, chance, score_items
 from llm.tokenizer import can_chat
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     chosen = [tasks.get(name, evals.data_dir) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
     model, tokenizer, _, loaded = load_for_inference(load)
-    if not evals.tasks and can_chat(tokenizer):  # a model that chats is asked in its template too
+    if not evals.tasks and can_chat(tokenizer) and trained_to_chat(loaded):  # asked in its template too
         chosen += [tasks.get(name, evals.data_dir) for name in tasks.CHAT_SUITE]
     device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)

@@ -187,6 +187,7 @@ HELP = f"""commands (in chat mode, start them with /):
 
 
 COMMANDS = ("sample", "greedy", "batch", "chat", "reset", "plain", "settings", "set", "help", "quit", "exit")
+LEAVE = ("quit", "exit")  # leave the REPL in chat mode too, typed alone (/quit as well)
 
 
 class Repl:
@@ -227,6 +228,8 @@ class Repl:
         word, _, rest = line.strip().partition(" ")
         if not word:
             return None
+        if self.chatting and line.strip() in LEAVE:  # a message of one such word is meant as the command
+            return "quit"
         if self.chatting and not word.startswith("/"):
             return self.chat_turn(line.strip())
         name = word.removeprefix("/")
@@ -278,7 +281,8 @@ class Repl:
             raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
                              "conversations")
         self.chatting, self.messages = True, []
-        print("chat mode: type a message; /reset clears the dialogue, /plain returns to plain text")
+        print("chat mode: type a message; /reset clears the dialogue, /plain returns to plain text, quit (or Ctrl-D) "
+              "leaves")
 
     def cmd_reset(self, _=""):
         self.messages = []

@@ -93,6 +93,12 @@ def _metadata(reader, path: str) -> dict:
         raise CheckpointError(f"{path}: its metadata cannot be read ({type(e).__name__}: {str(e)[:160]})") from None
 
 
+def chat_template(path: str) -> str:
+    """The chat template a GGUF file carries ("" where none)."""
+    template = _metadata(_open(path), path).get("tokenizer.chat_template")
+    return template if isinstance(template, str) else ""
+
+
 def _check_layout(reader, path: str):
     """Each tensor's bytes (from its type and shape) must fill its space, from its offset to the next tensor's (or
     the file's end), padded to the alignment, as llama.cpp lays them out: tensors that overlap (every offset 0) or

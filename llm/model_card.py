@@ -12,10 +12,10 @@ import re
 
 from config import ModelConfig
 from llm import atomic
-from llm.checkpoint import STEP_FOLDER
+from llm.checkpoint import STEP_FOLDER, resolve_checkpoint
 from llm.errors import CheckpointError
 from llm.hf_families import family
-from llm.hf_format import CARD_MARK
+from llm.hf_format import CARD_MARK, is_hf_folder
 from llm.monitor import read_metrics
 from llm.sizing import count_parameters
 from llm.trainer_state import recorded
@@ -84,6 +84,30 @@ def trained_for_chat(ckpt: str) -> bool | None:
     if facts.get("imported_from") or train.get("init_from") or not isinstance(has_masks, bool):
         return None
     return has_masks
+
+
+PREFERENCE_OR_REWARD = ("dpo", "simpo", "grpo")  # objectives that tune a model already trained to chat
+
+
+def trained_to_chat(path: str, depth: int = 0) -> bool:
+    """Whether a model was trained to chat, as evaluate.py chooses its chat suite: a run of ours on conversations
+    (its corpus's chat masks) or on pairs or rewards, or fine-tuned on other text from a model that was; a model
+    from elsewhere whose files carry a chat template of their own. Chat tokens alone in a tokenizer are not enough
+    (every tokenizer trained here has them)."""
+    if os.path.isfile(path):  # a GGUF file
+        from llm.gguf_reader import chat_template  # the gguf package, only where a GGUF is read
+        return bool(chat_template(path))
+    if is_hf_folder(path):
+        return os.path.isfile(os.path.join(path, "chat_template.jinja")) or bool(_dict(_quiet(
+            atomic.read_json, os.path.join(path, "tokenizer_config.json"), "a tokenizer config", "")).get("chat_template"))
+    path = _quiet(resolve_checkpoint, path) or path  # a run folder: its newest checkpoint
+    own = trained_for_chat(path)
+    facts = run_facts(path)
+    train = _dict(_dict(facts.get("config")).get("train"))
+    if own or train.get("objective") in PREFERENCE_OR_REWARD:
+        return True
+    base = train.get("init_from")
+    return isinstance(base, str) and os.path.exists(base) and depth < 8 and trained_to_chat(base, depth + 1)
 
 
 def _number(n) -> str:

