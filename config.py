@@ -17,6 +17,7 @@ from llm.fields import arg, require as _require, require_choices as _require_cho
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
 AUTO = 0  # the value of a size or rate that autofill.py chooses for the device and corpus (printed at start)
 MAX_MINUTES = 525_600  # a year: a budget past it no run reaches, and its warmup would hold the learning rate near 0
+MAX_BETA = 1000.0  # a preference or KL scale past this saturates every sigmoid: a typo, not a setting
 
 
 @dataclass
@@ -269,6 +270,7 @@ class TrainConfig:
                  f"set epochs or max_steps (here {self.max_steps}), not both")
         for name in ("beta", "simpo_gamma", "nll_weight", "rollout_temperature", "epsilon_high", "rollout_top_k"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        _require(self.beta <= MAX_BETA, "beta", self.beta, f"must be at most {MAX_BETA:g} (0.1 is DPO's usual)")
         for name in ("num_generations", "prompts_per_step", "max_completion_length", "num_iterations"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
         _require(0 <= self.epsilon < 1, "epsilon", self.epsilon, "must be in [0, 1)")
@@ -301,6 +303,7 @@ def default_run_dir() -> str:
     return TrainConfig.__dataclass_fields__["run_dir"].default
 
 
+MAX_ITEMS = 10**9  # a task's items at most (MMLU's are 14,042): a larger --limit is a typo
 MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a request
 GENERATOR_COMPILE_WORDS = {"true": "reduce-overhead", "false": "off"}  # --compile's words before training's
 
@@ -375,7 +378,8 @@ class EvalConfig:
                             "the installed wheel's")
 
     def __post_init__(self):
-        _require(self.limit >= 0, "limit", self.limit, "pass 0 (every item) or a positive number of items")
+        _require(0 <= self.limit <= MAX_ITEMS, "limit", self.limit,
+                 f"pass 0 (every item) or a number of items up to {MAX_ITEMS:,}")
 
 
 @dataclass

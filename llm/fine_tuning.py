@@ -91,6 +91,20 @@ def fill_preference(cfg: Config, pairs: bool, automatic: set) -> tuple[Config, l
     return replace(cfg, train=replace(t, objective=objective, beta=beta, **rates)), [line]
 
 
+def check_used(cfg: Config):
+    """Refuse a flag that would do nothing in this run (once silently ignored), saying what it is for."""
+    t = cfg.train
+    if t.lora_base != "auto" and not t.lora_rank:
+        raise ConfigError(f"--lora_base {t.lora_base} holds the frozen base of a LoRA run, and without --lora_rank "
+                          "every weight trains; pass --lora_rank 16 (say), or leave --lora_base out")
+    if t.beta and t.objective == "lm":
+        raise ConfigError(f"--beta {t.beta:g} scales a preference or GRPO loss, and this run trains by next-token "
+                          "loss; leave --beta out, or pass --objective dpo, simpo or grpo")
+    if t.objective != "grpo" and (t.reward or t.reward_weights):
+        raise ConfigError(f"--reward and --reward_weights are for --objective grpo, and this run trains by "
+                          f"{t.objective}; pass --objective grpo with prompts, or leave them out")
+
+
 GRPO_EVAL_PROMPTS = 32  # held-out prompts an automatic evaluation replies to (greedy): a reward mean to 1/32
 # RL moves a chat model as little as preference tuning: TRL's GRPO default is 1e-6 too, against SFT's 2e-5.
 GRPO_RATE_SCALE = 1e-6 / 2e-5

@@ -21,7 +21,7 @@ from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_b
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
-from llm.fine_tuning import check_grpo, fill_fine_tuning, fill_grpo, fill_preference
+from llm.fine_tuning import check_grpo, check_used, fill_fine_tuning, fill_grpo, fill_preference
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import run_facts
@@ -197,6 +197,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     automatic = {k for k in ("learning_rate", "muon_lr") if getattr(cfg.train, k) == AUTO}  # preference scales them
     cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     notes += lines
+    if cfg.train.objective == "auto" and cfg.train.reward:  # rewards given: the run learns from them
+        cfg = replace(cfg, train=replace(cfg.train, objective="grpo"))
     if cfg.train.objective == "grpo":  # prompts and rewards, not a token cache
         return settle_prompts(cfg, ranks, device, (ckpt, saved, init, lora_meta), notes, automatic)
     cfg, lines = default_corpus(cfg, device, saved)
@@ -210,6 +212,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     if not arriving and (line := short_of_target(cfg.data, data.meta)):  # else the preparing thread says it
         ranks.print(line)
     cfg, lines = fill_preference(cfg, bool(data.meta.get("has_pairs")), automatic)
+    check_used(cfg)
     for line in lines:
         ranks.print(line)
     if cfg.train.auto_micro_batch:  # before the run length: automatic eval batches count micro-batches
@@ -238,6 +241,7 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
         raise ConfigError(f"a resumed GRPO run names its reward functions again (code is never read from a run "
                           f"folder): pass {had or '--reward ...'}")
     check_grpo(cfg)
+    check_used(cfg)
     rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
     data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
     cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), automatic, ranks.world_size)

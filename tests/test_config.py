@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -149,3 +150,16 @@ def test_a_time_budget_past_a_year_is_one_line_from_the_trainer(minutes, capsys)
         trainer.run(["--preset", "tiny", "--max_minutes", minutes, "--run_dir", "/nonexistent/run"])
     assert "max_minutes=" in one_error_line(capsys, 2, e)
     assert TrainConfig(max_minutes=config.MAX_MINUTES).max_minutes == 525_600  # a year is still a budget
+
+
+@pytest.mark.parametrize("section, name, value, rule", [
+    ("EvalConfig", "limit", 2**63, "up to 1,000,000,000"),
+    ("TrainConfig", "beta", 1e308, "at most 1000"),
+])
+def test_numbers_past_any_sense_are_refused_in_one_line(section, name, value, rule):
+    """evaluate.py --limit 9223372036854775808 once ended in OverflowError deep in the task reader, and --beta
+    1e308 trained a DPO run to NaN gradients that it blamed on the learning rate."""
+    import config
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={value!r} is invalid")) as e:
+        getattr(config, section)(**{name: value})
+    assert rule in str(e.value)

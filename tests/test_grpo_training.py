@@ -174,3 +174,20 @@ def test_prompts_read_from_parquet_keep_their_columns_for_the_rewards(half_right
     for p in data.train:
         assert p.ids == tok.encode(p.prompt, add_special_tokens=False)
         assert p.columns == {"answer": str(int(p.prompt.split()[0]) + 1)}
+
+
+def test_flags_that_would_do_nothing_are_refused_and_rewards_alone_choose_grpo(half_right, tmp_path, capsys):
+    """--lora_base nf4 without --lora_rank once ran a full fine-tune, --beta on a next-token run and --reward
+    without --objective grpo were ignored without a word. Now each is refused in one line; --reward with the
+    objective left automatic trains by GRPO."""
+    chats = str(half_right["base"] / "chats.jsonl")
+    lm = ["--init_from", half_right["chat"], "--sources", chats, "--cache_dir", str(half_right["base"] / "cache"),
+          "--run_dir", str(tmp_path / "lm"), "--max_steps", "1", "--compile", "off"]
+    for extra, said in ((["--lora_base", "nf4"], "--lora_base nf4 holds the frozen base of a LoRA run"),
+                        (["--beta", "0.5"], "--beta 0.5 scales a preference or GRPO loss"),
+                        (["--objective", "lm", "--reward", "gsm8k"], "--reward and --reward_weights are for")):
+        with pytest.raises(ConfigError, match=said):
+            trainer.main(lm + extra)
+    argv = [w for w in grpo_argv(half_right, tmp_path / "auto", "--max_steps", 1) if w not in ("--objective", "grpo")]
+    assert trainer.main(argv) == 0
+    assert "grpo: 4 prompts x 8 replies a step" in capsys.readouterr().out
