@@ -48,10 +48,15 @@ def _umask() -> int:
 
 def write_text(path: str, text: str):
     """Replace a small text file atomically (a pointer such as LATEST)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str, data: bytes):
+    """Replace a file atomically: written beside it under a temporary name, flushed, then renamed over it."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

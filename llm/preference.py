@@ -17,6 +17,8 @@ The trainer calls an Objective where it would call the model's own loss; dpo's r
 computed once, before the first step, and stored beside the token cache (objective_for).
 """
 
+import hashlib
+import io
 import math
 import os
 import time
@@ -27,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llm import atomic
 from llm import lora as lora_io
-from llm.errors import ConfigError
 from llm.evaluation import validation_loss
 from llm.token_cache import digest
 
@@ -184,26 +186,51 @@ def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
     return out
 
 
-def stored_reference(folder: str, key: str, compute, may_compute: bool, what: str) -> np.ndarray:
-    """The reference log-probabilities stored under folder (beside the token cache) by key, computed and written
-    (under a temporary name, then renamed) when absent; a run that can no longer compute them says so."""
+def stored_reference(folder: str, key: str, compute, what: str, pairs: int, log) -> np.ndarray:
+    """The reference log-probabilities stored under folder (beside the token cache) by key: (pairs, 2) float32,
+    finite, and the bytes whose sha256 was recorded beside them when written. Computed and written (under
+    temporary names, then renamed; the values before their record) where absent, and again, saying so through
+    log, where what is read back is not what was written (a damaged or edited file is never used)."""
     path = os.path.join(folder, "reference", key + ".npy")
     if os.path.isfile(path):
-        return np.load(path)
-    if not may_compute:
-        raise ConfigError(f"the reference log-probabilities of {what} are missing ({path}; the token cache was "
-                          "deleted?) and the weights the run started from are no longer in it; start the run again")
+        values, problem = read_reference(path, pairs)
+        if problem is None:
+            return values
+        log(f"the stored reference log-probabilities of {what} ({path}) {problem}: computing them again")
     values = compute()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, values)
-    os.replace(tmp, path)
+    atomic.write_bytes(path, _npy_bytes(values))
+    atomic.write_text(path + ".sha256", hashlib.sha256(_npy_bytes(values)).hexdigest())
     return values
 
 
-def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str, resumed: bool,
-                  log) -> Objective | None:
+def read_reference(path: str, pairs: int) -> tuple[np.ndarray | None, str | None]:
+    """A stored reference file's values and None, or None and what is wrong with it: a file unreadable as a plain
+    array (never unpickled), of another shape or dtype, not finite, or whose bytes are not those recorded."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        with open(path + ".sha256", encoding="utf-8") as f:
+            recorded = f.read().strip()
+        values = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        return None, f"cannot be read ({type(e).__name__})"
+    if values.dtype != np.float32 or values.shape != (pairs, 2):
+        return None, f"hold {values.dtype} {values.shape}, not float32 ({pairs}, 2)"
+    if not np.isfinite(values).all():
+        return None, "hold NaN or Inf"
+    if hashlib.sha256(raw).hexdigest() != recorded:
+        return None, "are not the values recorded when they were written"
+    return values, None
+
+
+def _npy_bytes(values: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, values, allow_pickle=False)
+    return out.getvalue()
+
+
+def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str, log) -> Objective | None:
     """A preference run's Objective (None for a language-modelling run), before a checkpoint's weights load: t the
     run's TrainConfig, data its PreparedData, loaders its {"train", "val"} PairBatches, model the raw model (its
     execution already set for the step) under amp, init_path the --init_from weights it starts from. Its dpo
@@ -225,7 +252,7 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
         for split, loader in loaders.items():
             key = digest(base, held, str(amp_dtype), data.fingerprint, split, loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
-                                      bool(t.lora_rank) or not resumed, f"the {split} pairs")
+                                      f"the {split} pairs", loader.plan.pairs, log)
             ref[split] = torch.from_numpy(values).to(device)
         source = "the base, adapters off" if t.lora_rank else "the --init_from weights"
         line += (f"; the reference's log-probabilities ({source}) ready in {time.perf_counter() - start:.1f}s, "

@@ -191,7 +191,7 @@ def token_objective(plan: Plan, runner: Runner):
         if isinstance(loader, PairBatches):
             loader.trim = runner.eager  # an eager step's shapes may change: pair windows lose their padding
     objective = preference.objective_for(t, plan.data, loaders, runner.raw_model, runner.amp, runner.amp_dtype,
-                                         plan.init_path, plan.ckpt is not None, plan.ranks.print)
+                                         plan.init_path, plan.ranks.print)
     return objective or NextToken()
 
 

@@ -129,3 +129,44 @@ def test_packed_reply_sums_equal_a_naive_gather():
     want = torch.stack([naive[slot == i].sum() for i in range(2 * pairs)]).view(pairs, 2)
     assert torch.allclose(got.double(), want, atol=1e-5)
     assert counts.view(-1).tolist() == [(slot == i).sum().item() for i in range(2 * pairs)]
+
+
+def test_the_stored_reference_is_checked_on_the_way_back_in_and_computed_again_where_it_is_not_what_was_written(
+        tmp_path):
+    """The DPO reference once came back from np.load unchecked: another shape raised IndexError, random bytes or an
+    object array ValueError, and values scaled by 0.5 (same shape and dtype) trained silently on a wrong reference.
+    Each is now found (shape, dtype, finite values, the sha256 recorded when written), said in one line and computed
+    again; an object array is never unpickled."""
+    import hashlib
+
+    import numpy as np
+
+    from llm.preference import stored_reference
+    truth = np.arange(10, dtype=np.float32).reshape(5, 2) - 20
+    calls, said = [], []
+
+    def compute():
+        calls.append(1)
+        return truth.copy()
+    path = tmp_path / "reference" / "k.npy"
+    got = stored_reference(str(tmp_path), "k", compute, "the train pairs", 5, said.append)
+    assert (got == truth).all() and len(calls) == 1 and not said
+    assert (path.parent / "k.npy.sha256").read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (stored_reference(str(tmp_path), "k", compute, "the train pairs", 5, said.append) == truth).all()
+    assert len(calls) == 1  # read back, not computed
+
+    class Payload:  # what unpickling an object array would run
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+    damages = {"another shape": np.zeros((3, 2), np.float32), "halved": truth * 0.5,
+               "NaN": np.full((5, 2), np.nan, np.float32), "strings": np.array([["a", "b"]] * 5),
+               "an object array": np.array([Payload()] * 10, dtype=object).reshape(5, 2)}
+    for name, values in damages.items():
+        with open(path, "wb") as f:
+            np.save(f, values, allow_pickle=True)
+        got = stored_reference(str(tmp_path), "k", compute, "the train pairs", 5, said.append)
+        assert (got == truth).all() and said[-1].startswith("the stored reference log-probabilities of the train "
+                                                           f"pairs ({path})"), name
+    path.write_bytes(b"\x93NUMPY random bytes")
+    assert (stored_reference(str(tmp_path), "k", compute, "the train pairs", 5, said.append) == truth).all()
+    assert len(calls) == 1 + len(damages) + 1 and not (tmp_path / "ran").exists()

@@ -200,3 +200,24 @@ def test_dpo_under_torchrun_logs_the_rewards_of_one_process_on_the_same_pairs(tm
     assert one[0]["chosen_logp"] != 0 and one[2]["reward_margin"] != 0
     for key in ("reward_chosen", "reward_rejected", "reward_margin", "chosen_logp"):
         assert two[2][key] == pytest.approx(one[2][key], rel=1e-2, abs=1e-5), key
+
+
+def test_a_resumed_dpo_run_whose_stored_reference_went_computes_it_again(chat_run, tmp_path, capsys):
+    """The token cache's reference folder deleted between sessions once ended a resume with "start the run again",
+    while the --init_from run was still there: the resumed run now computes it again from those weights, and its
+    losses are the uninterrupted run's to the bit."""
+    import shutil
+    cache = tmp_path / "cache"
+    common = ("--max_steps", 4, "--eval_interval", 4, "--save_interval", 2, "--eval_batches", 1, "--cache_dir", cache)
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
+    assert stopped_after(trainer, 2, dpo_argv(chat_run, part, *common)) == 143  # SIGTERM: saved at step 2
+    folders = [os.path.join(root, "reference") for root, dirs, _ in os.walk(cache) if "reference" in dirs]
+    assert folders
+    for folder in folders:
+        shutil.rmtree(folder)
+    capsys.readouterr()
+    assert trainer.main(dpo_argv(chat_run, part, *common, "--resume")) == 0
+    assert "ready in" in capsys.readouterr().out  # computed, not read
+    key = lambda r: (r["step"], r["loss"], r["reward_margin"])  # noqa: E731
+    assert [key(r) for r in read_metrics(str(part), "train")] == [key(r) for r in read_metrics(str(full), "train")]
