@@ -173,15 +173,19 @@ def evaluate_and_save(plan: Plan, runner: Runner, session: Session, clock: RunCl
 
 def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, step: int, first: int):
     """One training step at the schedule's rate, then the weight average and the counters; the log line where due."""
-    t, state = plan.cfg.train, runner.state
+    t, state, started = plan.cfg.train, runner.state, time.perf_counter()
     lr_scale = lr_multiplier(clock.progress(step), t)
     set_lr(runner.opt, lr_scale)
+    if step == first and not runner.eager:  # the bar would sit at its first step without a word
+        say(session, "compiling the step: from an empty cache it takes 20-60 s on a CPU, minutes for a large model")
     try:
         loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
                                                                                    plan.ranks)
     except RewardError:  # a user's reward function failed before the step changed anything: keep the work so far
         save(plan, runner, session, clock)
         raise
+    if step == first and not runner.eager:
+        say(session, f"the first step, compiled, took {time.perf_counter() - started:.0f} s")
     runner.average.update(step, clock.progress(step))
     session.window.add(loss, ok)
     state.advance(plan.tokens_per_step)

@@ -42,6 +42,10 @@ GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
 PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
+# An automatic batch leaves a fine-tune in epochs at least this many optimizer steps, in smaller steps where the data
+# is small (300 short chats at --epochs 3 once made 7 steps at 16 windows a step, and learned nothing).
+FINE_TUNE_STEPS = 100
+FEW_STEPS = 30  # a run of fewer optimizer steps is said, before it starts, to be unlikely to learn anything
 MICRO_TOKENS = 65_536  # the most tokens an automatic micro-batch holds on CUDA: past it a step gains little
 MIN_MICRO_TOKENS = 8_192  # a GPU preset is chosen only if a micro-batch of this many tokens fits beside it
 CPU_MICRO = 16  # the most sequences an automatic micro-batch holds off CUDA (tiny's, measured on 2 cores)
@@ -182,13 +186,48 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
     return cfg, notes
 
 
+def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automatic: set) -> tuple[Config, list[str]]:
+    """cfg with a smaller automatic batch where a fine-tune in epochs (--init_from, --epochs) would take fewer than
+    FINE_TUNE_STEPS optimizer steps: as many windows a step as leave it that many (one at least), and the line
+    saying so; else cfg as it is. automatic: the batch fields left automatic before sizing filled them."""
+    t = cfg.train
+    if not (t.init_from and t.epochs and t.max_steps == AUTO and {"batch_tokens", "grad_accum_steps"} <= automatic):
+        return cfg, []
+    sequences = t.epochs * epoch_sequences / world_size  # per rank, over the run
+    per_step = t.micro_batch_size * t.grad_accum_steps
+    if sequences / per_step >= FINE_TUNE_STEPS:
+        return cfg, []
+    wanted = max(1, int(sequences // FINE_TUNE_STEPS))
+    micro = 1 << (min(wanted, t.micro_batch_size).bit_length() - 1) if "micro_batch_size" in automatic else \
+        t.micro_batch_size
+    accum = max(1, wanted // micro)
+    seq = cfg.model.max_seq_len
+    filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, batch_tokens=micro * seq * accum * world_size)
+    return replace(cfg, train=filled), [
+        f"automatic: micro_batch_size={micro}, grad_accum_steps={accum} ({micro * accum * world_size} windows a step: "
+        f"{t.epochs:g} passes over {epoch_sequences:,.0f} windows would be {sequences / per_step:.0f} steps at "
+        f"{per_step * world_size} a step, too few to learn; a fine-tune takes at least {FINE_TUNE_STEPS} where the "
+        "data has the windows)"]
+
+
+def few_steps_warning(cfg: Config) -> list[str]:
+    """A line where the run has too few optimizer steps to learn anything, saying what to change."""
+    t = cfg.train
+    if not t.max_steps or t.max_steps >= FEW_STEPS:
+        return []
+    return [f"warning: {t.max_steps} optimizer steps are too few to teach a model much (a fine-tune of {FINE_TUNE_STEPS}"
+            f" steps learned what one of 7 did not); raise --epochs or --max_steps, or lower --batch_tokens"]
+
+
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
-                    epoch_sequences: float | None = None) -> tuple[Config, list[str]]:
+                    epoch_sequences: float | None = None, automatic: set = frozenset()) -> tuple[Config, list[str]]:
     """cfg with max_steps, max_minutes and eval_batches filled where automatic, once the corpus is tokenized, and
-    report lines. epoch_sequences: training windows in one pass over the split (packed windows), if not
-    train_tokens / context."""
-    t, notes = cfg.train, []
+    report lines (a fine-tune's batch made smaller where its epochs would be too few steps: fine_tune_batch).
+    epoch_sequences: training windows in one pass over the split (packed windows), if not train_tokens / context;
+    automatic: the fields left automatic before sizing filled them."""
     epoch_sequences = epoch_sequences or train_tokens / cfg.model.max_seq_len
+    cfg, notes = fine_tune_batch(cfg, epoch_sequences, world_size, automatic)
+    t = cfg.train
     per_step = t.micro_batch_size * t.grad_accum_steps * world_size  # sequences
     steps, minutes, eval_batches = t.max_steps, t.max_minutes, t.eval_batches
     if t.epochs and steps == AUTO:
@@ -222,7 +261,8 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
     train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
     if t.epochs:  # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
         train.max_steps = steps
-    return replace(cfg, train=train), notes
+    cfg = replace(cfg, train=train)
+    return cfg, notes + few_steps_warning(cfg)
 
 
 def fit_micro_batch(raw_model, cfg: Config, amp, ranks) -> Config:

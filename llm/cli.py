@@ -10,7 +10,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, fields
 from typing import Literal, get_args, get_origin
 
 from config import PRESETS, Config, DataConfig, ModelConfig, TrainConfig
@@ -219,9 +219,12 @@ def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/Swi
 
 
 def describe(cfg) -> str:
-    """A compact one-line-per-section summary of a config's values."""
+    """The settings this run changes from config.py's defaults, a line per section (every value goes to the run's
+    config.json); a section left as written says so."""
     parts = []
-    for name, section in ((n, getattr(cfg, n)) for n in ("model", "data", "train")):
-        items = " ".join(f"{k}={v}" for k, v in asdict(section).items())
-        parts.append(f"{name}: {items}")
+    for name in ("model", "data", "train"):
+        section = getattr(cfg, name)
+        changed = [f"{f.name}={getattr(section, f.name)}" for f in fields(section)
+                   if getattr(section, f.name) != (f.default_factory() if f.default is MISSING else f.default)]
+        parts.append(f"{name}: {' '.join(changed) if changed else 'as config.py writes it'}")
     return "\n".join(parts)

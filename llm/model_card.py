@@ -6,12 +6,14 @@ model_card() reads what the checkpoint's run folder holds: config.json (data sou
 record reads "not recorded": a card never stops an export.
 """
 
+import json
 import math
 import os
 import re
 
 from config import ModelConfig
 from llm import atomic
+from llm import markdown as md
 from llm.checkpoint import STEP_FOLDER, resolve_checkpoint
 from llm.errors import CheckpointError
 from llm.hf_families import family
@@ -119,7 +121,7 @@ def _data_rows(facts: dict) -> list[tuple[str, str]]:
     if not isinstance(sources, list):
         text = NOT_RECORDED
     else:
-        text = ", ".join(f"`{s}`" for s in sources) or "the Python standard library's own sources"
+        text = ", ".join(md.code(md.shared_name(s)) for s in sources) or "the Python standard library's own sources"
     rows = [("data", text)]
     corpus = _dict(facts.get("corpus"))
     counts = [_count(corpus.get(k)) for k in ("train_tokens", "val_tokens", "train_documents", "val_documents")]
@@ -134,16 +136,15 @@ def _training_rows(facts: dict) -> list[tuple[str, str]]:
     train = _dict(_dict(facts.get("config")).get("train"))
     tokens, steps, seconds = facts.get("tokens"), facts.get("step"), facts.get("spent_s")
     if facts.get("imported_from"):
-        return [("origin", f"imported from `{facts['imported_from']}`, not trained here")]
+        return [("origin", f"imported from {md.code(md.shared_name(facts['imported_from']))}, not trained here")]
     ranks = facts.get("world_size") or 1
     return [("tokens seen", f"{tokens:,} over {steps:,} steps" if tokens is not None and steps is not None
              else NOT_RECORDED),
             ("training time", f"{seconds / 60:.1f} min, data preparation and compilation included"
              if seconds is not None else NOT_RECORDED),
-            ("device", f"{facts['device']}" + (f", {ranks} processes" if ranks > 1 else "") if facts.get("device")
+            ("device", md.text(facts["device"]) + (f", {ranks} processes" if ranks > 1 else "") if facts.get("device")
              else NOT_RECORDED),
-            ("precision", str(facts.get("precision") or train.get("precision", NOT_RECORDED))),
-            ("command", f"`{facts['command']}`" if facts.get("command") else NOT_RECORDED)]
+            ("precision", md.text(facts.get("precision") or train.get("precision", NOT_RECORDED)))]
 
 
 def _eval_rows(facts: dict) -> list[tuple[str, str]]:
@@ -169,8 +170,9 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
 def _origin(facts: dict) -> str:
     start = _dict(_dict(facts.get("config")).get("train")).get("init_from")
     if facts.get("imported_from"):
-        return f"imported from `{facts['imported_from']}`"
-    return f"trained with modern-llm from the weights of `{start}`" if start else "trained from scratch with modern-llm"
+        return f"imported from {md.code(md.shared_name(facts['imported_from']))}"
+    return f"trained with modern-llm from the weights of {md.code(md.shared_name(start))}" if start else \
+        "trained from scratch with modern-llm"
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -208,9 +210,9 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
              ("heads", f"{cfg.num_attention_heads} query, {cfg.num_key_value_heads} key/value, {cfg.head_dim} wide"),
              ("context", f"{cfg.max_seq_len:,} tokens"), ("vocabulary", f"{cfg.vocab_size:,} tokens"),
              ("embeddings", "tied to the output head" if cfg.tie_word_embeddings else "separate from the output head")]
-    parts = [CARD_MARK, f"# {facts['name']}", "",
+    parts = [CARD_MARK, f"# {md.text(facts['name'])}", "",
              f"A {_number(params)}-parameter language model {_origin(facts)}, exported "
-             + ("as a Hugging Face transformers folder." if kind == "hf" else f"as the GGUF file `{file}`."), "",
+             + ("as a Hugging Face transformers folder." if kind == "hf" else f"as the GGUF file {md.code(os.path.basename(file))}."), "",
              "## Model", "", _table(model), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
              "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
              _how_to_load(kind, file, facts["name"], chat, cfg), ""]
@@ -222,14 +224,16 @@ def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
     names it), the adapters' settings, the run's numbers and how to load it. PEFT's own cards start with this
     YAML header, which the Hub reads."""
     facts, base = run_facts(ckpt), base_name.removeprefix("hf:")
-    lora = [("base model", f"`{base}`"), ("rank", str(meta["rank"])), ("alpha", f"{meta['alpha']:g}"),
-            ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(f"`{t}`" for t in meta["targets"]))]
+    lora = [("base model", md.code(md.shared_name(base))), ("rank", str(meta["rank"])), ("alpha", f"{meta['alpha']:g}"),
+            ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(md.code(t) for t in meta["targets"]))]
     use = ["PEFT: `AutoPeftModelForCausalLM.from_pretrained(\".\")` loads the base named above with these "
            "adapters; or `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), \".\")`.",
            "This project: `python text_generator.py RUN --base BASE` on the run's checkpoint, or merged into one "
            "model with `python export_hf.py RUN OUT --base BASE`."]
-    parts = ["---", f"base_model: {base}", "library_name: peft", "---", CARD_MARK, f"# {facts['name']}", "",
-             f"LoRA adapters {_origin(facts)}, for `{base}`, exported as a PEFT adapter folder.", "",
+    parts = ["---", f"base_model: {json.dumps(md.shared_name(base))}", "library_name: peft", "---", CARD_MARK,
+             f"# {md.text(facts['name'])}", "",
+             f"LoRA adapters {_origin(facts)}, for {md.code(md.shared_name(base))}, exported as a PEFT adapter folder.",
+             "",
              "## Adapters", "", _table(lora), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
              "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
              "\n".join(f"- {line}" for line in use), ""]

@@ -9,6 +9,7 @@ import json
 import os
 
 from llm import atomic
+from llm import markdown as md
 from llm.model_card import run_facts
 from llm.scoring import TaskScore
 
@@ -70,16 +71,16 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     """report.md: what the model is, what it was trained on and for how long, then the scores with chance and
     the reference models beside them (full splits only: a --limit scores other items)."""
     facts = run_facts(model) if os.path.isdir(model) else {}
-    lines = [f"# Report card: {facts.get('name') or os.path.basename(os.path.normpath(model))}", "",
-             f"- model: `{model}`"]
+    lines = [f"# Report card: {md.text(facts.get('name') or os.path.basename(os.path.normpath(model)))}", "",
+             f"- model: {md.code(model)}"]
     if facts.get("step") is not None:
         lines.append(f"- step {facts['step']:,}" + (f", {facts['tokens']:,} tokens" if facts.get("tokens") else ""))
     if facts.get("spent_s"):
-        where = facts.get("device", "a device not recorded")
+        where = md.text(facts.get("device", "a device not recorded"))
         lines.append(f"- training time: {facts['spent_s'] / 60:.1f} min on {where}")
     sources = facts.get("config", {}).get("data", {}).get("sources") if isinstance(facts.get("config"), dict) else None
     if isinstance(sources, list):
-        lines.append("- data: " + (", ".join(f"`{s}`" for s in sources) or "the Python standard library's sources"))
+        lines.append("- data: " + (", ".join(md.code(s) for s in sources) or "the Python standard library's sources"))
     if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
         lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, step {facts['eval']['step']:,})")
     lines += [f"- scored on: {device}, zero-shot, lm-eval's prompts and metrics"

@@ -194,7 +194,9 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
         cfg, lines = carry_settings(cfg, saved)
         notes += lines
     base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
-    automatic = {k for k in ("learning_rate", "muon_lr") if getattr(cfg.train, k) == AUTO}  # preference scales them
+    # What sizing fills: preference and GRPO scale the rates, a short fine-tune takes smaller batches.
+    automatic = {k for k in ("learning_rate", "muon_lr", "batch_tokens", "grad_accum_steps", "micro_batch_size")
+                 if getattr(cfg.train, k) == AUTO}
     cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
     notes += lines
     if cfg.train.objective == "auto" and cfg.train.reward:  # rewards given: the run learns from them
@@ -223,8 +225,11 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
     # A corpus still arriving is planned at its token target: what the run reads of it is known only when it is in.
     train_tokens = cfg.data.max_tokens if arriving else data.meta["train_tokens"]
+    sized = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
     cfg, lines = fill_run_length(cfg, machine(device), train_tokens, ranks.world_size,
-                                 None if arriving else batches[0].epoch_sequences)
+                                 None if arriving else batches[0].epoch_sequences, automatic)
+    if (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) != sized:  # a short fine-tune's smaller batch
+        batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
     for line in lines:
         ranks.print(line)
     return planned(cfg, ranks, device, (ckpt, saved, init, lora_meta), data, batches)

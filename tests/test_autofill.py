@@ -182,3 +182,22 @@ def test_a_budget_too_short_for_a_compile_to_pay_back_trains_eagerly_unless_comp
     assert filled(autofill.COMPILE_PAYS_MINUTES)[0].train.compile == "auto"
     assert filled(0)[0].train.compile == "auto"  # a run in steps
     assert filled(0.3, "default")[0].train.compile == "default"  # what a user writes is what runs
+
+
+def test_a_short_fine_tune_takes_smaller_batches_so_that_it_has_steps_to_learn_in():
+    """300 short chats (33 windows) at --epochs 3 once ran 7 steps of 16 windows and learned nothing. With the
+    batch left automatic the run now has one window a step, 99 steps, said in a line; a batch written by hand
+    stays (and gets a warning), and a large corpus keeps its batch."""
+    automatic = {"batch_tokens", "grad_accum_steps", "micro_batch_size"}
+    cfg = replace(preset_tiny(), train=replace(preset_tiny().train, init_from="runs/base", epochs=3.0))
+    cfg, _ = autofill.fill_automatic(cfg, CPU, corpus_bytes=30_000)
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (16, 1)
+    small, notes = autofill.fill_run_length(cfg, CPU, train_tokens=0, epoch_sequences=33, automatic=automatic)
+    t = small.train
+    assert (t.micro_batch_size, t.grad_accum_steps, t.max_steps) == (1, 1, 99)
+    assert t.batch_tokens == cfg.model.max_seq_len and "too few to learn" in notes[0]
+    kept, notes = autofill.fill_run_length(cfg, CPU, train_tokens=0, epoch_sequences=33, automatic=set())
+    assert (kept.train.micro_batch_size, kept.train.max_steps) == (16, 7)
+    assert notes[-1].startswith("warning: 7 optimizer steps are too few")
+    large, notes = autofill.fill_run_length(cfg, CPU, train_tokens=0, epoch_sequences=3300, automatic=automatic)
+    assert (large.train.micro_batch_size, large.train.max_steps) == (16, 619) and not any("warning" in n for n in notes)

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core in import order: a module may import only the ones before it. The three of the second line
 # share a rank: none of them imports another.
-CORE = ["errors", "fields", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
+CORE = ["errors", "markdown", "fields", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hf_datasets", "corpus", "packing", "token_cache", "prompts",
         "arrival", "window_order", "batches", "preparation",

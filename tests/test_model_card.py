@@ -56,11 +56,11 @@ def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
         assert r["width"] == "64 (SwiGLU 256)" and r["heads"] == "4 query, 2 key/value, 16 wide"
         assert r["context"] == "64 tokens" and r["vocabulary"] == "512 tokens"
         assert r["architecture"].startswith("Qwen3 (QK-norm)")
-        assert r["data"] == f"`{corpus['src']}`"
+        assert r["data"] == f"`{os.path.basename(corpus['src'])}`"  # a local path by its name alone
         assert r["tokens seen"] == f"{3 * 4 * 64:,} over 3 steps" == f"{state['tokens']:,} over 3 steps"
         assert r["training time"].startswith(f"{state['spent_s'] / 60:.1f} min")
         assert r["device"].startswith("cpu, ") and r["precision"] in ("fp32", "bf16 autocast")
-        assert r["command"] == f"`python gpu_training_optimized.py {' '.join(argv)}`"
+        assert "command" not in r and str(tmp_path) not in card and corpus["src"] not in card  # nothing local
         assert r["validation loss"] == f"{evaluation['val_loss']:.4f} (step 3)"
         assert r["bits per byte"].startswith(f"{evaluation['val_bpb']:.4f} (step 3)")
         assert r["benchmarks"] == f"copa {100 * evaluation['acc_copa']:.1f}% (accuracy; the first 4 items of each, " \
@@ -86,7 +86,7 @@ def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_check
     (run / "config.json").write_text(json.dumps({"data": ["not", "a", "section"], "train": 3}))  # edited by hand
     assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
     r = rows(card_of(tmp_path / "hf"))
-    for name in ("data", "tokens seen", "training time", "device", "precision", "command"):
+    for name in ("data", "tokens seen", "training time", "device", "precision"):
         assert r[name] == "not recorded", name
     assert r["validation loss"] == "2.0000 (step 10)" and r["bits per byte"].startswith("1.0000 (step 10)")
     assert r["code metric"].startswith("4 of 16 documented functions")
@@ -113,3 +113,26 @@ def test_only_a_model_that_chats_is_exported_with_a_chat_template(run, chat_corp
         modelfile = open(gg / "Modelfile", encoding="utf-8").read()
         assert ('TEMPLATE """{{ .Prompt }}"""' in modelfile) != chat and ("<|im_start|>" in modelfile) == chat
         assert ("apply_chat_template" in card_of(hf)) == chat
+
+
+def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_checkpoint, tmp_path):
+    """A run folder named with an <img onerror> tag, a backtick and a `|` once put raw HTML into the card's heading
+    and broke its tables; the card meant for upload carried absolute local paths. The heading now escapes the name,
+    no row holds an unescaped `|`, and the card holds no path of this machine."""
+    import evaluate
+    from llm import markdown as md
+    hostile = "run<img src=x onerror=alert(1)>`a|b"
+    run = tmp_path / hostile
+    shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
+    (run / "config.json").write_text(json.dumps({"data": {"sources": [str(tmp_path / "my `data|x.jsonl")]},
+                                                 "train": {"init_from": str(tmp_path / "base")}}))
+    assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
+    card = card_of(tmp_path / "hf")
+    assert "<img" not in card and card.splitlines()[1] == f"# {md.text(hostile)}"
+    table = [line for line in card.splitlines() if line.startswith("| ")]
+    assert all(line.replace("\\|", "").count("|") == 3 for line in table), table  # two cells each, no more
+    assert str(tmp_path) not in card and "data\\|x.jsonl" in card
+    assert evaluate.main([str(run), "--tasks", "copa", "--limit", "2", "--report", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    outside_code = re.sub(r"(`+).+?\1", "", report)  # inside a code span a tag is text
+    assert "<img" not in outside_code and report.splitlines()[0] == f"# Report card: {md.text(hostile)}"
