@@ -30,7 +30,7 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
     if not t.init_from:
         return cfg, []
     kind = "lora" if t.lora_rank else "full"
-    recorded = _recorded_rates(base_train)
+    recorded = _recorded_rates(base_train, bool(t.lora_rank))
     if recorded:
         optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # adapters: AdamW won on both bases
         rates = {k: recorded[k] for k in ("learning_rate", "muon_lr")}
@@ -48,9 +48,13 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
         f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; {why})"]
 
 
-def _recorded_rates(train: dict | None) -> dict | None:
-    """The optimizer and peak rates a run of ours recorded, if it trained from scratch and they read as such."""
-    if not isinstance(train, dict) or train.get("init_from") or train.get("optimizer") not in ("muon", "adamw"):
+def _recorded_rates(train: dict | None, lora: bool) -> dict | None:
+    """The optimizer and peak rates a run of ours recorded, where they read as such: from scratch, or a fine-tune
+    (so a chat run's preference or GRPO stage follows the rates it trained at), of the same kind as this one (LoRA
+    or every weight: their rates differ tenfold)."""
+    if not isinstance(train, dict) or train.get("optimizer") not in ("muon", "adamw"):
+        return None
+    if train.get("init_from") and bool(train.get("lora_rank")) != lora:
         return None
     rates = {k: train.get(k) for k in ("learning_rate", "muon_lr")}
     if not all(isinstance(v, (int, float)) and 0 < v < 1 for v in rates.values()):

@@ -112,6 +112,17 @@ def trained_to_chat(path: str, depth: int = 0) -> bool:
     return isinstance(base, str) and os.path.exists(base) and depth < 8 and trained_to_chat(base, depth + 1)
 
 
+def next_token_train(path: str, depth: int = 0) -> dict | None:
+    """The train settings of the run behind path, or where it tuned by preference or reward, of the run it started
+    from: the rates of a run that trained by next-token loss (a preference or GRPO run's are scaled down)."""
+    train = _dict(_dict(run_facts(_quiet(resolve_checkpoint, path) or path).get("config")).get("train"))
+    base = train.get("init_from")
+    if train.get("objective") in PREFERENCE_OR_REWARD:
+        return next_token_train(base, depth + 1) if isinstance(base, str) and os.path.exists(base) and depth < 8 \
+            else None
+    return train or None
+
+
 def _number(n) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 

@@ -24,7 +24,7 @@ from llm.errors import ConfigError
 from llm.fine_tuning import check_grpo, check_used, fill_fine_tuning, fill_grpo, fill_preference
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
-from llm.model_card import run_facts
+from llm.model_card import next_token_train
 from llm.preparation import prepare_once, short_of_target
 from llm.prompts import PromptSplit, read as read_prompts
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
@@ -193,7 +193,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     if saved:
         cfg, lines = carry_settings(cfg, saved)
         notes += lines
-    base_train = run_facts(init.path).get("config", {}).get("train") if init else None  # a run of ours: its rates
+    base_train = next_token_train(init.path) if init else None  # a run of ours: the rates it trained at
     # What sizing fills: preference and GRPO scale the rates, a short fine-tune takes smaller batches.
     automatic = {k for k in ("learning_rate", "muon_lr", "batch_tokens", "grad_accum_steps", "micro_batch_size")
                  if getattr(cfg.train, k) == AUTO}

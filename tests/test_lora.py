@@ -366,7 +366,9 @@ def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path
 def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tmp_path, capsys):
     """SmolLM2's fine-tuning rates left a 2.4M-parameter run of ours where it was (a chat loss of 5.7 where its own
     rates reached 0.14): a base that is a run of ours is fine-tuned with the optimizer and peak rates its config.json
-    recorded (adapters with AdamW at its AdamW rate); a base that was itself fine-tuned gives no such record."""
+    recorded (adapters with AdamW at its AdamW rate). A base that was itself fine-tuned once gave SmolLM2's rates
+    (a DPO stage after a chat stage then trained at 1e-6 and learned nothing): it now gives the rates it trained at,
+    where it is of the same kind (LoRA rates are not every weight's)."""
     from llm.fine_tuning import FINE_TUNING_RATES
     base = tmp_path / "base"
     assert trainer.main(argv_for(corpus, base, "--max_steps", 1, "--learning_rate", 0.003, "--muon_lr", 0.02)) == 0
@@ -377,12 +379,14 @@ def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tm
     for name, start, extra, want in (
             ("full", base, [], {"optimizer": "muon", "learning_rate": 0.003, "muon_lr": 0.02}),
             ("lora", base, ["--lora_rank", "4"], {"optimizer": "adamw", "learning_rate": 0.003}),
-            ("again", tmp_path / "full", [], {"optimizer": "adamw", **FINE_TUNING_RATES["full"]})):
+            ("again", tmp_path / "full", [], {"optimizer": "muon", "learning_rate": 0.003, "muon_lr": 0.02}),
+            ("lora_of_full", tmp_path / "full", ["--lora_rank", "4"], {"optimizer": "adamw",
+                                                                       **FINE_TUNING_RATES["lora"]})):
         assert trainer.main(["--init_from", str(start), "--run_dir", str(tmp_path / name), *common, *extra]) == 0
         train = json.loads((tmp_path / name / "config.json").read_text())["train"]
         assert {k: train[k] for k in want} == want, name
         recorded = "the peak rates the --init_from run trained at" in capsys.readouterr().out
-        assert recorded == (name != "again"), name
+        assert recorded == (name != "lora_of_full"), name
 
 
 def test_a_damaged_adapter_config_is_refused_under_python_dash_o_too(tmp_path):

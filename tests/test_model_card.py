@@ -136,3 +136,19 @@ def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_che
     report = (tmp_path / "report" / "report.md").read_text()
     outside_code = re.sub(r"(`+).+?\1", "", report)  # inside a code span a tag is text
     assert "<img" not in outside_code and report.splitlines()[0] == f"# Report card: {md.text(hostile)}"
+
+
+def test_the_rates_a_stage_follows_are_those_of_the_next_token_run_behind_it(tiny_checkpoint, tmp_path):
+    """A DPO or GRPO run's recorded rates are scaled down: a stage after it follows, through its --init_from, the
+    rates of the chat or pretraining run it started from."""
+    from llm.model_card import next_token_train
+    runs = {}
+    for name, train in (("chat", {"objective": "lm", "learning_rate": 0.004}),
+                        ("dpo", {"objective": "dpo", "learning_rate": 0.0002}),
+                        ("grpo", {"objective": "grpo", "learning_rate": 0.00001})):
+        runs[name] = tmp_path / name
+        shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), runs[name])
+        base = {"dpo": runs.get("chat"), "grpo": runs.get("dpo")}.get(name)
+        (runs[name] / "config.json").write_text(json.dumps({"train": {**train, "init_from": str(base or "")}}))
+    assert next_token_train(str(runs["chat"]))["learning_rate"] == 0.004
+    assert next_token_train(str(runs["grpo"]))["learning_rate"] == 0.004  # through dpo, to the chat run
