@@ -304,7 +304,7 @@ def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run,
         theirs = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
     assert (theirs - our_logits(found, ids)).abs().max() < 1e-4
     card = open(out / "README.md", encoding="utf-8").read()
-    assert card.startswith(f"---\nbase_model: {qwen3_folder}\nlibrary_name: peft\n---\n")
+    assert card.startswith(f"---\nbase_model: \"{os.path.basename(qwen3_folder)}\"\nlibrary_name: peft\n---\n")
     assert "| rank | 4 |" in card and "AutoPeftModelForCausalLM" in card
 
     capsys.readouterr()  # transformers' loading bars
