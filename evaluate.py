@@ -8,7 +8,8 @@ for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's
     python evaluate.py hf:HuggingFaceTB/SmolLM2-135M            # any model text_generator.py loads
     python evaluate.py runs/mine --tasks lambada_openai         # any lm-eval task, where lm-eval is installed
 Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
-report.json, the report card, to the run folder (or --report). Ctrl-C prints the table of what was scored.
+report.json, the report card, to the run folder (or --report), both checked writable before any scoring. Ctrl-C
+or SIGTERM prints the table of what was scored and writes it, marked stopped (exit 130 or 143).
 """
 
 import os
@@ -23,7 +24,8 @@ from tqdm import tqdm
 from config import EvalConfig, LoadConfig
 from llm import lm_eval_tasks, report_card, tasks
 from llm.cli import parse_sections
-from llm.errors import ConfigError, error_contract
+from llm import atomic
+from llm.errors import ConfigError, error_contract, raise_terminated
 from llm.inference import load_for_inference
 from llm.model_card import export_name, run_folder, trained_to_chat
 from llm.scoring import TaskScore, chance, score_items
@@ -56,12 +58,16 @@ def main(argv=None) -> int:
                           "installed (pip install lm-eval) any of its tasks runs too")
     chosen = [tasks.get(name, evals.data_dir) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
+    check_outputs(evals)  # before the model loads: a long evaluation's scores are never lost to a bad path
     model, tokenizer, _, loaded = load_for_inference(load)
+    folder = report_folder(evals, loaded)
+    atomic.writable_folder(folder, "--report")
     if not evals.tasks and can_chat(tokenizer) and trained_to_chat(loaded):  # asked in its template too
         chosen += [tasks.get(name, evals.data_dir) for name in tasks.CHAT_SUITE]
     device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}
+    signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
     try:
         for task in chosen:
             items = task.items(evals.limit)
@@ -75,15 +81,32 @@ def main(argv=None) -> int:
             scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit)
     except KeyboardInterrupt:
         print("\nstopped; the scores so far:\n" + report_card.table(scores, chances), flush=True)
+        write_outputs(evals, folder, loaded, scores, chances, device)
         raise
     print(report_card.table(scores, chances))
+    write_outputs(evals, folder, loaded, scores, chances, device)
+    return 0
+
+
+def check_outputs(evals: EvalConfig):
+    """--json names a file that can be written (its folder writable; an existing file is said to be replaced)."""
+    if not evals.json:
+        return
+    if os.path.isdir(evals.json):
+        raise ConfigError(f"--json {evals.json} is a folder; name a file")
+    atomic.writable_folder(os.path.dirname(os.path.abspath(evals.json)), "--json's folder")
+    if os.path.exists(evals.json):
+        print(f"--json {evals.json} exists: the scores replace it", file=sys.stderr)
+
+
+def write_outputs(evals: EvalConfig, folder: str, loaded: str, scores: list, chances: dict, device: str):
+    """The JSON (--json) and the report card of the scores, however the evaluation ended (a task stopped midway is
+    marked so in both)."""
     data = report_card.as_json(scores, loaded, evals.limit, chances)
     if evals.json:
         report_card.write_json(evals.json, data)
-    folder = report_folder(evals, loaded)
     report_card.write_report(folder, report_card.report(loaded, scores, evals.limit, chances, device), data)
     print(f"report card: {os.path.join(folder, report_card.REPORT)}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,15 @@ class CheckpointError(InputError):
     """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, where a script turns it into an interruption (evaluate.py: the scores so far, then exit 143)."""
+
+
+def raise_terminated(signum, frame):
+    """A SIGTERM handler: the script stops as at Ctrl-C, with SIGTERM's status."""
+    raise Terminated()
+
+
 class RunFailure(RuntimeError):
     """A runtime failure we understand (out of memory, a non-finite loss): exit 1."""
 
@@ -56,6 +65,8 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
     if isinstance(e, OSError):  # reads of user input are mapped where they happen; what remains is the system's
         where = f" ({e.filename})" if e.filename else ""
         return 1, f"{e.strerror or e}{where}; check the path, its permissions and the free disk space"
+    if isinstance(e, Terminated):
+        return 143, None  # SIGTERM: 128 + 15, as a shell shows it
     if isinstance(e, KeyboardInterrupt):
         return 130, None  # Ctrl-C: the user knows; no traceback
     raise e

@@ -32,7 +32,8 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     chances = chances or {}
     lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'acc_norm':>8} {'chance':>6} {'seconds':>8}"]
     for s in scores:
-        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(s.acc):>6} {_pct(s.acc_norm):>8} "
+        acc, norm = (s.acc, s.acc_norm) if s.items else (None, None)  # a task stopped before its first item
+        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_pct(norm):>8} "
                      f"{_pct(chances.get(s.task)):>6} {s.seconds:>8.1f}" + ("  (stopped)" if s.partial else ""))
     done = [s for s in scores if s.items]
     if len(done) > 1:

