@@ -50,8 +50,28 @@ class Task:
             where = os.path.join(data_root(self.root), folder)
             rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else \
                 read_rows(os.path.join(where, self.split), limit)
-            found += [self.item(row, folder) for row in (rows[:limit] if limit else rows)]
+            here = where if folder.startswith(GENERATED) else os.path.join(where, self.split)
+            found += [self.checked_item(row, folder, f"{here} row {i}") for i, row in
+                      enumerate(rows[:limit] if limit else rows)]
         return found
+
+    def checked_item(self, row, folder: str, where: str) -> Item:
+        """The row's Item, or one DataError naming the file, the row and what of it the task cannot read (a copy
+        under --data_dir with other columns, an answer key not among the labels, no choices)."""
+        try:
+            item = self.item(row, folder)
+        except KeyError as e:
+            raise DataError(f"{where}: no field {e.args[0]!r}, which {self.name} reads; {FIX_DATA}") from None
+        except (ValueError, TypeError, IndexError, AttributeError) as e:
+            raise DataError(f"{where}: a field {self.name} cannot read ({type(e).__name__}: {str(e)[:120]}); "
+                            f"{FIX_DATA}") from None
+        if not self.generated and not (item.choices and 0 <= item.gold < len(item.choices)):
+            raise DataError(f"{where}: {len(item.choices)} choices and the answer {item.gold}, which {self.name} "
+                            f"cannot score; {FIX_DATA}")
+        return item
+
+
+FIX_DATA = f"reinstall the evaluation data ({INSTALL}), or mend the copy --data_dir names"
 
 
 def data_root(root: str = "") -> str:

@@ -92,3 +92,29 @@ def test_gsm8k_holds_each_test_question_and_its_answer():
     items = tasks.get("gsm8k_chat").items()
     assert len(items) == 1319 and items[0].answer == "18" and "Janet" in items[0].requests[0][0]
     assert all(i.answer and not i.choices for i in items)
+
+
+@pytest.mark.parametrize("damage, said", [
+    ({"question": None}, "no field 'question'"),
+    ({"answerKey": "Z"}, "a field arc_easy cannot read (ValueError"),
+    ({"choices": {"text": [], "label": []}}, "a field arc_easy cannot read"),
+])
+def test_a_valid_arrow_file_with_the_wrong_rows_is_refused_naming_its_row(tmp_path, damage, said):
+    """A copy under --data_dir whose ARC-Easy rows lack a column, name an answer key among no labels, or have no
+    choices once ended in KeyError or ValueError from the task's reader; now one DataError names the file, the row
+    and what is wrong."""
+    import pyarrow as pa
+
+    from llm.errors import DataError
+    rows = tasks.read_rows(os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation"), 3)
+    rows[1] = {k: v for k, v in {**rows[1], **damage}.items() if v is not None}
+    if "question" in damage:
+        rows = [{k: v for k, v in r.items() if k != "question"} for r in rows]
+    folder = tmp_path / "ai2_arc" / "ARC-Easy" / "validation"
+    folder.mkdir(parents=True)
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(DataError, match="row [01]: ") as e:
+        tasks.get("arc_easy", str(tmp_path)).items(3)
+    assert said in str(e.value) and str(folder) in str(e.value) and "--data_dir" in str(e.value)
