@@ -251,7 +251,23 @@ def _parse_line(line: str, text_fields, system_prompt: str):
         raise DataError(f"not valid JSON ({e.msg})") from None
     except RecursionError:
         raise DataError("nested too deeply to read as JSON") from None
+    if "\\u" in line and has_lone_surrogate(obj):  # only an escape can make one: a cheap test first
+        raise DataError("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no tokenizer "
+                        "encodes; remove it, or fix what wrote the file")
     return _document(obj if isinstance(obj, dict) else {}, text_fields, system_prompt)
+
+
+def has_lone_surrogate(value) -> bool:
+    """Whether any string in a JSON value holds a lone surrogate (json.loads keeps "\\ud800" as one)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(has_lone_surrogate(v) for v in value)
 
 
 def _document(obj: dict, text_fields, system_prompt: str):

@@ -47,6 +47,9 @@ def pair_document(obj: dict, system_prompt: str = "") -> dict | None:
         raise DataError(f"chosen and rejected must both be strings or both lists of messages, not "
                         f"{type(chosen).__name__} and {type(rejected).__name__}")
     for name, reply in (("chosen", chosen), ("rejected", rejected)):
+        if reply and not any(m["role"] == "assistant" for m in reply):
+            raise DataError(f"the {name} reply holds no assistant turn (it has {', '.join(m['role'] for m in reply)}):"
+                            " give the replies as assistant messages")
         if not reply or not any(m["role"] == "assistant" and m["content"].strip() for m in reply):
             raise DataError(f"the {name} reply is empty: a pair needs two replies to compare")
         if reply[0]["role"] != "assistant":

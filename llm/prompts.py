@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from llm import readers
-from llm.corpus import source_files
+from llm.corpus import has_lone_surrogate, source_files
 from llm.errors import DataError
 from llm.token_cache import digest
 from llm.tokenizer import IM_START, check_messages, chat_prompt_ids, encode_batch, load_tokenizer
@@ -89,6 +89,9 @@ def prompt_of(row) -> object:
         raise row
     if not isinstance(row, dict) or "prompt" not in row:
         raise DataError("no `prompt` (a row is an object with a prompt, as text or as a list of messages)")
+    if has_lone_surrogate(row["prompt"]):
+        raise DataError("the prompt holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no tokenizer "
+                        "encodes; remove it")
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():

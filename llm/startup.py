@@ -128,6 +128,10 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
     least_gib = estimate(least, target, base).total / 2**30
+    if least_gib > IMPLAUSIBLE_GIB:
+        raise ConfigError(f"{what}; even its least form needs {least_gib / 2**20:,.0f} TiB, more than any machine "
+                          f"holds: the model's shape ({_size(count_parameters(m))} parameters) is implausible, check "
+                          "its config (hidden_size, num_hidden_layers, vocab_size)")
     if flags:
         fix = f"pass {flags} (about {least_gib:.1f} GiB)"
     else:
@@ -138,6 +142,9 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
               f"{least.model.max_seq_len} tokens, needs {least_gib:.1f} GiB); use a GPU of " \
               f"{math.ceil(least_gib * 2**30 / FIT_FRACTION / 1e9)} GB or more, or a smaller model"
     raise ConfigError(f"{what}; {fix}")
+
+
+IMPLAUSIBLE_GIB = 2**20  # a PiB: past this the config is a typo, not a model a bigger GPU would hold
 
 
 def _size(parameters: int) -> str:

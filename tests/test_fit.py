@@ -228,3 +228,16 @@ def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkey
     small = replace(cfg, model=replace(qwen, max_seq_len=256), train=replace(cfg.train, lora_rank=16))
     assert startup.fit_check(small, torch.device("cpu"))[0].endswith("beside 16.0 GiB on " + startup.machine(
         torch.device("cpu")).name)
+
+
+def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypatch):
+    """A config of 10^12 hidden units was refused naming "a GPU of 50952148476305616 GB": the shape is the typo."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))
+    huge = ModelConfig(vocab_size=1000, hidden_size=10**12, num_hidden_layers=2, num_attention_heads=1,
+                       num_key_value_heads=1, head_dim=64, intermediate_size=128, max_seq_len=256)
+    cfg = Config(model=huge, train=TrainConfig(init_from="x", micro_batch_size=1, compile="off"))
+    with pytest.raises(startup.ConfigError) as refused:
+        startup.fit_check(cfg, torch.device("cpu"))
+    line = str(refused.value)
+    assert "implausible, check its config" in line and "GPU of" not in line

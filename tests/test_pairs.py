@@ -67,6 +67,9 @@ def test_each_shape_reads_as_one_prompt_and_two_replies(row, want):
     ({"prompt": "Hi", "chosen": "  ", "rejected": "No."}, "the chosen reply is empty"),
     ({"chosen": "Hello!", "rejected": "No."}, "needs a prompt"),
     ({"prompt": "Hi", "chosen": "Hello!", "rejected": [{"role": "assistant", "content": "No."}]}, "must both be strings"),
+    ({"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "user", "content": "Hello!"}],
+      "rejected": [{"role": "user", "content": "No."}]}, "the chosen reply holds no assistant turn (it has user)"),
+    ({"prompt": "Hi \ud800", "chosen": "Hello!", "rejected": "No."}, "a lone surrogate"),
 ])
 def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
     """A row without rejected, identical or empty replies, or no prompt: the preparation must stop with one line
