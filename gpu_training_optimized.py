@@ -140,8 +140,8 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
         per_token = "" if pairs else f", ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"  # a pair loss has neither
         session.bar.write(f"step {step}: val loss {val_loss:.4f}{per_token}" + code + tasks)
         session.monitor.samples_record(step, samples)
-        for sample in samples:
-            session.bar.write(f"  {sample['prompt'] + sample['text']!r}")
+        for sample in samples:  # the prompt, then what the model wrote after it
+            session.bar.write(f"  {sample['prompt']!r} -> {sample['text']!r}")
     return val_loss
 
 

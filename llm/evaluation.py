@@ -395,4 +395,5 @@ class EvalPolicy:
         timer = self.clock.timer
         share = timer.eval_spent_s / max(time.monotonic() - timer.session_start, 1e-9)
         return (f"evaluation: {timer.evals} in {timer.eval_spent_s:.1f} s, {100 * share:.1f}% of this session's time"
-                + ("" if self.t.eval_interval else f" (automatic ones keep to {100 * EVAL_SHARE:.0f}%)"))
+                + ("" if self.t.eval_interval else f" (automatic ones are spaced for {100 * EVAL_SHARE:.0f}% of a run; "
+                                                   "the final one, and a short run's, may take more)"))
