@@ -27,19 +27,26 @@ def _pct(value) -> str:
     return "" if value is None else f"{100 * value:.1f}"
 
 
+def _err(value) -> str:
+    return "" if value is None else f"±{100 * value:.1f}"
+
+
 def table(scores: list[TaskScore], chances: dict | None = None) -> str:
-    """Task, split, items, acc, acc_norm (where lm-eval reports it), chance, seconds; then the mean of acc."""
+    """Task, split, items, acc and acc_norm (where lm-eval reports it) each with its standard error, chance,
+    seconds; then the mean of acc."""
     chances = chances or {}
-    lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'acc_norm':>8} {'chance':>6} {'seconds':>8}"]
+    lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'':<5} {'acc_norm':>8} {'':<5} {'chance':>6} "
+             f"{'seconds':>8}"]
     for s in scores:
         acc, norm = (s.acc, s.acc_norm) if s.items else (None, None)  # a task stopped before its first item
-        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_pct(norm):>8} "
+        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_err(s.acc_stderr):<5} "
+                     f"{_pct(norm):>8} {_err(s.acc_norm_stderr):<5} "
                      f"{_pct(chances.get(s.task)):>6} {s.seconds:>8.1f}" + ("  (stopped)" if s.partial else ""))
     done = [s for s in scores if s.items]
     if len(done) > 1:
         mean = sum(s.acc for s in done) / len(done)
         base = [chances[s.task] for s in done if chances.get(s.task) is not None]
-        lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':>8} "
+        lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':<5} {'':>8} {'':<5} "
                      f"{_pct(sum(base) / len(base)) if len(base) == len(done) else '':>6} "
                      f"{sum(s.seconds for s in done):>8.1f}")
     cut = sum(s.cut for s in scores)
@@ -51,7 +58,8 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
 def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> dict:
     """What a script reads: each task's acc, acc_norm, items, split, shots, seconds and chance."""
     return {"model": model, "limit": limit,
-            "tasks": {s.task: {"acc": s.acc, "acc_norm": s.acc_norm, "items": s.items, "split": s.split, "shots": 0,
+            "tasks": {s.task: {"acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
+                               "acc_norm_stderr": s.acc_norm_stderr, "items": s.items, "split": s.split, "shots": 0,
                                "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,
                                "partial": s.partial} for s in scores}}
 

@@ -9,6 +9,7 @@ cache whose rows are then copied to each choice, and the choices' own tokens run
 in batches of similar length, longest first (an out-of-memory shows at once).
 """
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -191,6 +192,20 @@ class TaskScore:
     @property
     def acc_norm(self) -> float | None:
         return self.correct_norm / max(self.items, 1) if self.norm else None
+
+    @property
+    def acc_stderr(self) -> float | None:
+        return mean_stderr(self.acc, self.items)
+
+    @property
+    def acc_norm_stderr(self) -> float | None:
+        return mean_stderr(self.acc_norm, self.items) if self.norm else None
+
+
+def mean_stderr(p: float, n: int) -> float | None:
+    """The standard error of a mean of n right-or-wrong scores whose mean is p, as lm-eval computes it (the sample
+    standard deviation, over n - 1, divided by sqrt(n)): sqrt(p (1 - p) / (n - 1)); None for fewer than 2."""
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else None
 
 
 def chance(items: list[Item]) -> float | None:

@@ -101,6 +101,7 @@ def test_a_stopped_evaluation_prints_and_writes_the_scores_so_far(tiny_checkpoin
     assert "(stopped)" in (tmp_path / "report.md").read_text()
     written = json.loads(out_json.read_text())["tasks"]
     assert written["copa"]["items"] == 3 and written["piqa"]["partial"]
+    assert written["copa"]["acc_stderr"] is not None  # each score carries its standard error
 
 
 def test_unwritable_outputs_are_refused_before_any_scoring(tiny_checkpoint, tmp_path, capsys, monkeypatch):

@@ -116,3 +116,17 @@ def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypa
     items = [Item((("q", ""),), (), 0, answer=a) for a in ("12", "41", "3")]
     result = score_items(model, tok, items, TaskScore("gsm8k_chat", "test", norm=False))
     assert (result.items, result.correct) == (3, 1) and result.predictions[0].strip() == "so 7 + 5 = 12"
+
+
+def test_standard_errors_are_lm_evals():
+    """Each score's standard error, as lm-eval's mean_stderr computes it over the items' 0/1 outcomes (the sample
+    standard deviation over sqrt(n)): Winogrande's 49.0 on 300 items reads 49.0 ± 2.9."""
+    from lm_eval.api.metrics import mean_stderr
+
+    from llm.scoring import TaskScore
+    for items, right in ((300, 147), (2, 1), (57, 0), (1000, 731)):
+        outcomes = [1.0] * right + [0.0] * (items - right)
+        score = TaskScore("t", "validation", items, float(right), float(right), True)
+        assert score.acc_stderr == pytest.approx(mean_stderr(outcomes), abs=1e-12)
+        assert score.acc_norm_stderr == pytest.approx(mean_stderr(outcomes), abs=1e-12)
+    assert TaskScore("t", "validation", 1, 1.0).acc_stderr is None  # one item: no spread to measure
