@@ -191,3 +191,79 @@ def test_flags_that_would_do_nothing_are_refused_and_rewards_alone_choose_grpo(h
     argv = [w for w in grpo_argv(half_right, tmp_path / "auto", "--max_steps", 1) if w not in ("--objective", "grpo")]
     assert trainer.main(argv) == 0
     assert "grpo: 4 prompts x 8 replies a step" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tmp_path, monkeypatch):
+    """TRL 1.16's GRPOTrainer (dapo, no std scaling, beta 0, fp32, one step) on our chat run exported to Hugging
+    Face, its replies given by rollout_func, must log the first step's loss and gradient norm ours logs for the same
+    replies to the same prompts with the same reward: the model, the advantages, the masks and the normaliser alike.
+    The replies are fixed ids of several lengths, none ending at an end id, so neither side cuts them."""
+    pytest.importorskip("trl")
+    import export_hf
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from config import Config, DataConfig
+    from llm import rollouts
+    from llm.prompts import read as read_prompts
+    from llm.tokenizer import load_tokenizer
+    G, P = 4, 2
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
+            for a, b in ((3, 4), (5, 2))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))  # 6 rows: 2 to train on after the hold-out
+    tok_path = os.path.join(ckpt_io.latest_checkpoint(half_right["chat"]), "tokenizer.json")
+    tok = load_tokenizer(tok_path)
+    digits = {str(d): tok.encode(str(d), add_special_tokens=False) for d in range(20)}
+    filler = tok.encode(" and so", add_special_tokens=False)
+
+    def fixed(prompt_ids: list[int], k: int) -> list[int]:
+        """Reply k to a prompt (both prompts' answer is 7): 7, 8 or 9, then k pieces of filler (at most 16 tokens,
+        max_completion_length), so lengths differ and the token-level loss is not 0."""
+        return (digits[str(7 + k % 3)] + filler * k)[:16]
+
+    def ours_generate(model, prompt_list, *args, **kwargs):  # engine.generate_all's place: the fixed replies
+        seen, out = {}, []
+        for ids in prompt_list:
+            k = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
+            out.append(fixed(ids, k))
+        return out
+    monkeypatch.setattr(rollouts, "generate_all", ours_generate)
+    ours = tmp_path / "ours"
+    argv = ["--init_from", half_right["chat"], "--objective", "grpo", "--sources", str(prompts), "--reward", "gsm8k",
+            "--run_dir", str(ours), "--compile", "off", "--precision", "fp32", "--max_completion_length", "16",
+            "--num_generations", str(G), "--prompts_per_step", str(P), "--max_steps", "1", "--log_interval", "1",
+            "--val_fraction", "0.3", "--micro_batch_size", str(G * P), "--weight_average", "0"]
+    assert trainer.main(argv) == 0
+    first = read_metrics(ours, "train")[0]
+    assert export_hf.main([half_right["chat"], str(tmp_path / "hf")]) == 0
+
+    # The rows our run trained on, with the prompt ids it fed the model: TRL gets the same through rollout_func.
+    train_rows = read_prompts(Config(data=DataConfig(sources=[str(prompts)], tokenizer=tok_path, val_fraction=0.3)),
+                              200).train
+
+    def rollout_func(prompt_list, trainer_):
+        seen, prompt_ids, completion_ids = {}, [], []
+        for p in prompt_list:
+            ids = next(r.ids for r in train_rows if r.prompt == p)
+            k = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
+            prompt_ids.append(ids)
+            completion_ids.append(fixed(ids, k))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[0.0] * len(c) for c in completion_ids]}
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype="float32")
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=G * P, num_generations=G,
+                      max_completion_length=16, max_steps=1, logging_steps=1, beta=0.0, loss_type="dapo",
+                      scale_rewards="none", report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                      learning_rate=1e-6)
+    trl_run = GRPOTrainer(model=model, reward_funcs=[gsm8k], args=args, processing_class=hf_tok,
+                          train_dataset=Dataset.from_list([{"prompt": r.prompt, "answer": r.columns["answer"]}
+                                                           for r in train_rows]), rollout_func=rollout_func)
+    trl_run.train()
+    theirs = trl_run.state.log_history[0]
+    assert abs(first["loss"] - theirs["loss"]) < 1e-5 and abs(first["loss"]) > 1e-3, (first["loss"], theirs["loss"])
+    assert first["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4), (first["grad_norm"], theirs)
+    assert first["reward"] == pytest.approx(theirs["reward"], abs=1e-9) and first["grad_norm"] > 0
