@@ -25,7 +25,7 @@ CORE = ["errors", "markdown", "fields", "config", "cli", "atomic", "fit", "sizin
 PEERS = {"device", "distributed", "monitor"}
 # Run by users, on the core, imported by nothing.
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
-TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference",
+TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference", "bench_grpo",
          "bench_prepare",
          "compare_optimizers",
          "finetune_check", "nf4_gap", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",

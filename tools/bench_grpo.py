@@ -1,0 +1,177 @@
+"""GRPO here beside TRL's GRPOTrainer (its default generation: transformers' generate, no vLLM) with PEFT:
+replies trained per second and peak resident memory on this machine, the same model, prompts, replies per prompt,
+reply length, LoRA rank and prompts per step.
+
+    python tools/bench_grpo.py                         # a Qwen2-shaped model of about 6M parameters, random
+    python tools/bench_grpo.py --steps 4 --rounds 2 --max_new_tokens 64
+
+Both sample num_generations replies to each of the step's prompts at temperature 1 from the model being trained
+(LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score them with the gsm8k reward (llm/rewards.py,
+passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model rarely ends a reply
+early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's replies over the median
+seconds of the steps after two warm-up steps; the memory is each process's lifetime peak (ru_maxrss). Each variant
+runs in a process of its own, on one thread, the variants alternating over the rounds (ABBA). Where each side's
+step time goes: ours logs its sampling and rewarding seconds (the rest is training); TRL's profiling is printed
+as it logs it.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
+SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+RANK, PROMPTS, PER_STEP, GROUP = 16, 200, 4, 8
+
+
+def setup(folder: str) -> str:
+    """Arithmetic prompts with their answers (JSONL) and a random Qwen2 model with a ChatML tokenizer, saved as a
+    download."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llm.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    rng = random.Random(0)
+    rows = []
+    for _ in range(PROMPTS):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"prompt": [{"role": "user", "content": f"Tom has {a} apples and buys {b} more. How many now?"}],
+                     "answer": str(a + b)})
+    prompts = os.path.join(folder, "prompts.jsonl")
+    with open(prompts, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    tok = train_tokenizer((r["prompt"][0]["content"] + " " + r["answer"] for r in rows), "bpe", 512)
+    model_dir = os.path.join(folder, "model")
+    os.makedirs(model_dir)
+    save_tokenizer(tok, os.path.join(model_dir, "tokenizer.json"))
+    load_tokenizer(model_dir).save_pretrained(model_dir)  # eos, pad and the chat template, for TRL
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), **SHAPE)).save_pretrained(model_dir)
+    return prompts
+
+
+def ours(folder: str, steps: int, new_tokens: int) -> dict:
+    """This project's trainer: --objective grpo with LoRA, PER_STEP prompts x GROUP replies a step."""
+    import gpu_training_optimized as trainer
+    from llm.monitor import read_metrics
+    run = os.path.join(folder, f"ours-{time.time_ns()}")
+    start = time.perf_counter()
+    assert trainer.main(["--init_from", os.path.join(folder, "model"), "--objective", "grpo", "--sources",
+                         os.path.join(folder, "prompts.jsonl"), "--reward", "gsm8k", "--run_dir", run, "--lora_rank",
+                         str(RANK), "--max_seq_len", "512", "--num_generations", str(GROUP), "--prompts_per_step",
+                         str(PER_STEP), "--max_completion_length", str(new_tokens), "--max_steps", str(steps + 2),
+                         "--compile", "off", "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1",
+                         "--eval_batches", "1", "--weight_average", "0", "--precision", "bf16"]) == 0
+    logged = read_metrics(run, "train")[2:]
+    step_s = statistics.median(1 / r["steps_per_s"] for r in logged)
+    generate_s = statistics.median(r["generate_s"] for r in logged)
+    reward_s = statistics.median(r["reward_s"] for r in logged)
+    return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, "generate_s": generate_s,
+            "reward_s": reward_s, "train_s": step_s - generate_s - reward_s,
+            "reply_len": statistics.mean(r["completion_len"] for r in logged), "wall_s": time.perf_counter() - start,
+            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def trl(folder: str, steps: int, new_tokens: int) -> dict:
+    """TRL's GRPOTrainer with a PEFT LoRA config on the same model, prompts and reward, PER_STEP x GROUP replies a
+    step in one generation batch and one forward."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from config import LORA_TARGETS
+    from llm.rewards import gsm8k
+    model_dir = os.path.join(folder, "model")
+    rows = [json.loads(line) for line in open(os.path.join(folder, "prompts.jsonl"), encoding="utf-8")]
+    times, logs = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs_=None, **kwargs):
+            logs.append(kwargs.get("logs") or logs_ or {})
+
+    start = time.perf_counter()
+    args = GRPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"),
+                      per_device_train_batch_size=PER_STEP * GROUP, num_generations=GROUP,
+                      max_completion_length=new_tokens, max_steps=steps + 2, logging_steps=1, beta=0.0,
+                      loss_type="dapo", scale_rewards="none", temperature=1.0, report_to="none", use_cpu=True,
+                      save_strategy="no", bf16=True, learning_rate=1e-5, dataloader_num_workers=0)
+    run = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), reward_funcs=[gsm8k],
+                      args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=AutoTokenizer.from_pretrained(model_dir),
+                      peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LORA_TARGETS),
+                                             task_type="CAUSAL_LM"), callbacks=[Clock()])
+    run.train()
+    step_s = statistics.median(b - a for a, b in zip(times[1:], times[2:]))  # the steps after two warm-up steps
+    lengths = [r["completions/mean_length"] for r in run.state.log_history if "completions/mean_length" in r]
+    return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, "reply_len": statistics.mean(lengths[2:]),
+            "wall_s": time.perf_counter() - start,
+            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+VARIANTS = {"ours": ours, "trl": trl}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (the documentation's commands are checked against it)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps of each run, after two warm-up steps")
+    p.add_argument("--max_new_tokens", type=int, default=64, help="the longest reply (both sides)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["ours", "trl"],
+                   help="what to run, alternating (ABBA) over the rounds")
+    p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        import torch
+        torch.set_num_threads(1)  # one thread each: the other core stays quiet for the one being timed
+        print(json.dumps(VARIANTS[args.child](args.folder, args.steps, args.max_new_tokens)))
+        return 0
+    folder = tempfile.mkdtemp(prefix="bench_grpo_")
+    setup(folder)
+    results = {name: [] for name in args.variants}
+    for r in range(args.rounds):
+        for name in (args.variants if r % 2 == 0 else reversed(args.variants)):  # ABBA: drift hits both orders
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
+                                   str(args.steps), "--max_new_tokens", str(args.max_new_tokens), "--folder", folder],
+                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode:
+                print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
+                return 1
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            results[name][-1]["load"] = os.getloadavg()[0]  # the machine's 1-minute load as the run ended
+            print(f"round {r}: {name} {results[name][-1]}", flush=True)
+    print("| variant | replies a step | reply tokens | replies/s (median, range) | step s: sampling, rewards, "
+          "training | process peak GiB (median, range) | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, rows in results.items():
+        speed, peak = [row["replies_per_s"] for row in rows], [row["peak_gib"] for row in rows]
+        split = ", ".join(f"{statistics.median(row[k] for row in rows):.2f}" for k in ("generate_s", "reward_s",
+                                                                                       "train_s")) \
+            if "generate_s" in rows[0] else f"{statistics.median(row['step_s'] for row in rows):.2f} in all"
+        print(f"| {name} | {PER_STEP * GROUP} | {statistics.mean(r['reply_len'] for r in rows):.1f} | "
+              f"{statistics.median(speed):.2f} ({min(speed):.2f}-{max(speed):.2f}) | {split} | "
+              f"{statistics.median(peak):.2f} ({min(peak):.2f}-{max(peak):.2f}) | "
+              f"{min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
