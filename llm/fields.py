@@ -1,6 +1,7 @@
-"""How config.py declares a setting and checks it: arg() makes a dataclass field that carries its help text (what
-`--help` prints beside the default), require() refuses a value in one line naming the field, the value and the rule.
-config.py holds the settings themselves, which users edit; this is the machinery they are written with.
+"""How config.py declares a setting and checks it: arg() makes a dataclass field that carries its help text
+(what `--help` prints beside the default), require() refuses a value in one line naming the field, the value
+and the rule. config.py holds the settings themselves, which users edit; this is the machinery they are
+written with.
 """
 
 import math
@@ -14,8 +15,8 @@ def arg(default, help: str, const=None, positional: bool = False, aliases: dict 
         repeat: bool = False):
     """A dataclass field whose help text `--help` prints next to its default. With const, the flag may also be
     given bare (`--resume`), meaning that value; positional, it is given without its name (`text_generator.py
-    runs/mine`); aliases: older words the command line still takes for some of its values; repeat (a list): each
-    time the flag is given adds its values (`--reward a.py:f --reward gsm8k`)."""
+    runs/mine`); aliases: older words the command line still takes for some of its values; repeat (a list):
+    each time the flag is given adds its values (`--reward a.py:f --reward gsm8k`)."""
     metadata = {"help": help, **({"nargs": "?", "const": const} if const is not None else {}),
                 **({"positional": True} if positional else {}), **({"aliases": aliases} if aliases else {}),
                 **({"repeat": True} if repeat else {})}
@@ -32,8 +33,8 @@ def require(ok: bool, name: str, value, rule: str):
 
 
 def require_choices(cfg):
-    """Every Literal-typed field holds one of its values (the command line checks too; code may not), and every
-    float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken)."""
+    """Every Literal-typed field holds one of its values (the command line checks too; code may not), and
+    every float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken)."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if get_origin(f.type) is Literal:

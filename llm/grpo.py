@@ -1,10 +1,11 @@
-"""GRPO's arithmetic: group-relative advantages from rewards, and the clipped policy loss over completion tokens.
+"""GRPO's arithmetic: group-relative advantages from rewards, and the clipped policy loss over completion
+tokens.
 
 A step samples G completions of each prompt. Each completion's reward r is the weighted sum of the reward
 functions' values (reward_rows); its advantage is r minus its group's mean (Shao et al., 2024), divided by the
-group's standard deviation only under scale_rewards "group" ("batch": the whole batch's), as Dr. GRPO (Liu et al.,
-2025) and nanochat leave it out by default. With log pi the policy's per-token log-probabilities, log old those the
-completions were sampled with and log ref the reference's:
+group's standard deviation only under scale_rewards "group" ("batch": the whole batch's), as Dr. GRPO (Liu et
+al., 2025) and nanochat leave it out by default. With log pi the policy's per-token log-probabilities, log old
+those the completions were sampled with and log ref the reference's:
     ratio = exp(log pi - log old), the PPO ratio (1 on-policy, where only its gradient counts)
     loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL_t
     KL_t = exp(log ref - log pi) - (log ref - log pi) - 1    (Schulman's k3 estimator, >= 0)
@@ -12,8 +13,8 @@ summed over the completions' tokens and normalised (loss_type) as TRL 1.16's GRP
     dapo      over all the step's completion tokens (token-level, Yu et al., 2025): long replies weigh by length
     grpo      each completion's mean over its tokens, then the mean over completions (the paper's)
     dr_grpo   over completions x max_completion_length, a constant (Dr. GRPO): no length bias
-A reward function may return None for a completion it does not judge (TRL's convention): it then adds nothing, and
-a completion no function judges has advantage 0.
+A reward function may return None for a completion it does not judge (TRL's convention): it then adds nothing,
+and a completion no function judges has advantage 0.
 """
 
 import math
@@ -37,8 +38,8 @@ class Settings:
 
 
 def reward_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(N,) total reward of each completion from (N, F) values of F functions (NaN: not judged) and (F,) weights:
-    the weighted sum of the values given, NaN where none is."""
+    """(N,) total reward of each completion from (N, F) values of F functions (NaN: not judged) and (F,)
+    weights: the weighted sum of the values given, NaN where none is."""
     total = torch.nansum(values * weights, dim=1)
     return torch.where(torch.isnan(values).all(dim=1), torch.nan, total)
 
@@ -53,10 +54,10 @@ def nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
 
 
 def advantages(rewards: torch.Tensor, group: int, scale: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) advantages of N = prompts x group completions, each prompt's group consecutive, and (N,) whether each
-    one's group had rewards of zero spread (it teaches nothing): r - its group's mean, divided by the group's (or
-    the batch's) standard deviation plus STD_FLOOR under scale "group" ("batch"). A NaN reward (no function
-    judged it) stays out of the mean and gets 0."""
+    """(N,) advantages of N = prompts x group completions, each prompt's group consecutive, and (N,) whether
+    each one's group had rewards of zero spread (it teaches nothing): r - its group's mean, divided by the
+    group's (or the batch's) standard deviation plus STD_FLOOR under scale "group" ("batch"). A NaN reward (no
+    function judged it) stays out of the mean and gets 0."""
     grouped = rewards.view(-1, group)
     mean = torch.nanmean(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     group_std = nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1) if group > 1 \
@@ -71,9 +72,9 @@ def advantages(rewards: torch.Tensor, group: int, scale: str = "none") -> tuple[
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                  adv: torch.Tensor, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) per-token loss of B completions, and (B, T) whether each token's ratio was clipped. logps (B, T):
-    the policy's log-probabilities of the completion tokens (with gradient); old_logps: the sampling policy's
-    (None: on-policy, logps detached); ref_logps: the reference's (beta > 0 only); adv (B,)."""
+    """(B, T) per-token loss of B completions, and (B, T) whether each token's ratio was clipped. logps (B,
+    T): the policy's log-probabilities of the completion tokens (with gradient); old_logps: the sampling
+    policy's (None: on-policy, logps detached); ref_logps: the reference's (beta > 0 only); adv (B,)."""
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)
     clipped_ratio = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
@@ -93,8 +94,8 @@ def kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float, completions: float) -> torch.Tensor:
     """One micro-batch's share of the step's loss: loss (B, T) per token, mask (B, T) 1 at completion tokens;
-    tokens and completions: the whole step's counts (every micro-batch and rank), so that the micro-batches' shares
-    add up to the step's loss as loss_type defines it."""
+    tokens and completions: the whole step's counts (every micro-batch and rank), so that the micro-batches'
+    shares add up to the step's loss as loss_type defines it."""
     masked = loss * mask
     if s.loss_type == "dapo":
         return masked.sum() / max(tokens, 1.0)

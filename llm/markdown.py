@@ -1,6 +1,6 @@
 """Names that reach Markdown (report.md, an export's README.md) as text, never as markup: a run or source name
-can hold `<img onerror=...>`, a backtick or a `|`, which would otherwise become HTML, end a code span or break a
-table. And a file meant for upload names a local file by its name alone, never by the path it has here.
+can hold `<img onerror=...>`, a backtick or a `|`, which would otherwise become HTML, end a code span or break
+a table. And a file meant for upload names a local file by its name alone, never by the path it has here.
 """
 
 import html

@@ -1,12 +1,12 @@
-"""The prompts of a GRPO run: rows of JSONL, parquet or Arrow files (--sources, hf:// included) with a `prompt`,
-as text or as a list of {"role", "content"} messages (TRL's standard and conversational forms). Every other
-column of a row goes to the reward functions, as TRL passes them.
+"""The prompts of a GRPO run: rows of JSONL, parquet or Arrow files (--sources, hf:// included) with a
+`prompt`, as text or as a list of {"role", "content"} messages (TRL's standard and conversational forms).
+Every other column of a row goes to the reward functions, as TRL passes them.
 
 A conversational prompt is rendered through the chat template up to the assistant's turn; a text prompt is
 encoded as it is. Rows are read once, at start; a bad row is left out with one line naming its file and line,
-and a prompt too long to leave room for a reply is left out and counted. A fixed share of the rows (val_fraction)
-is held out, on which evaluations score greedy replies. PromptData offers the trainer what a token cache's
-PreparedData does (the tokenizer, a fingerprint of the files, their list, the held-out texts).
+and a prompt too long to leave room for a reply is left out and counted. A fixed share of the rows
+(val_fraction) is held out, on which evaluations score greedy replies. PromptData offers the trainer what a
+token cache's PreparedData does (the tokenizer, a fingerprint of the files, their list, the held-out texts).
 """
 
 import json
@@ -104,8 +104,8 @@ def prompt_of(row) -> object:
 
 
 def read(cfg, room: int) -> PromptData:
-    """The prompts of cfg.data's sources, encoded with cfg.data.tokenizer (the --init_from model's), split; room:
-    the tokens a prompt may have (the context less the longest reply)."""
+    """The prompts of cfg.data's sources, encoded with cfg.data.tokenizer (the --init_from model's), split;
+    room: the tokens a prompt may have (the context less the longest reply)."""
     tok = load_tokenizer(cfg.data.tokenizer)
     chat = IM_START in tok.get_vocab()
     found, bad, lines, files = [], [], [], []

@@ -1,17 +1,18 @@
-"""The reward functions of a GRPO run, with TRL's signature: reward(prompts, completions, **columns) -> list of
-floats, one per completion. They come only from the command line (--reward): a built-in by name, or
-FILE.py:NAME, a function in the user's own file, which is run as the user's code. Never from data, a checkpoint,
-a run folder's config or the Hub: a resumed run is given its --reward flags again.
+"""The reward functions of a GRPO run, with TRL's signature: reward(prompts, completions, **columns) -> list
+of floats, one per completion. They come only from the command line (--reward): a built-in by name, or
+FILE.py:NAME, a function in the user's own file, which is run as the user's code. Never from data, a
+checkpoint, a run folder's config or the Hub: a resumed run is given its --reward flags again.
 
     gsm8k         1.0 where the completion's last number equals the row's `answer` (its text after "####" where
                   it has one, as GSM8K's answers do), as evaluate.py's GSM8K reads replies; else 0.0
     regex:PATTERN 1.0 where PATTERN is found in the completion (re.search, "." matching newlines; anchor it
                   with ^ and $ for the whole completion), else 0.0
 
-Each function is called with prompts, completions (text, or [{"role": "assistant", "content": ...}] for prompts
-given as messages, as TRL passes them), completion_ids, and every other column of the prompts' rows, as keyword
-arguments. None for a completion means "not judged by this function" (TRL's convention). An exception, a wrong
-count, or a value that is not a finite number or None stops the run in one line naming the function and the row.
+Each function is called with prompts, completions (text, or [{"role": "assistant", "content": ...}] for
+prompts given as messages, as TRL passes them), completion_ids, and every other column of the prompts' rows,
+as keyword arguments. None for a completion means "not judged by this function" (TRL's convention). An
+exception, a wrong count, or a value that is not a finite number or None stops the run in one line naming the
+function and the row.
 """
 
 import importlib.util

@@ -1,9 +1,9 @@
 """A GRPO run's objective, called where a language-modelling run calls its model's own loss (runner.Runner):
 objective(model, batch) -> loss, batch a rollouts.RolloutBatch. Its metrics are the samplings' (rewards, reply
-lengths, the share of groups that teach nothing, where the step's seconds go) and the loss's own (the KL to the
-reference where beta > 0, the share of clipped tokens where num_iterations > 1). An evaluation scores greedy
-replies to the held-out prompts: its "loss" is their mean reward, negated, so that the best checkpoint is the one
-of the highest reward.
+lengths, the share of groups that teach nothing, where the step's seconds go) and the loss's own (the KL to
+the reference where beta > 0, the share of clipped tokens where num_iterations > 1). An evaluation scores
+greedy replies to the held-out prompts: its "loss" is their mean reward, negated, so that the best checkpoint
+is the one of the highest reward.
 """
 
 import math

@@ -1,12 +1,12 @@
-"""The batches a GRPO step trains on: replies sampled from the model being trained, by the project's own engine
-(engine.generate_all: continuous batching, a finished row takes the next prompt), scored by the reward functions,
-and laid out as fixed-shape micro-batches of prompt + reply with each reply's advantage.
+"""The batches a GRPO step trains on: replies sampled from the model being trained, by the project's own
+engine (engine.generate_all: continuous batching, a finished row takes the next prompt), scored by the reward
+functions, and laid out as fixed-shape micro-batches of prompt + reply with each reply's advantage.
 
-Rollouts is the run's training loader: get(step, 0) samples the step's replies (every num_iterations steps; the
-steps between train again on the same ones), get(step, m) hands out micro-batch m. Which prompts a step reads is
-a pure function of (seed, step, rank), and the sampling seed is one of (seed, step): a resumed run samples what an
-uninterrupted one would have. A LoRA run samples with its adapters on (nothing merged or copied); its reference,
-for the KL term, is the same model with them off.
+Rollouts is the run's training loader: get(step, 0) samples the step's replies (every num_iterations steps;
+the steps between train again on the same ones), get(step, m) hands out micro-batch m. Which prompts a step
+reads is a pure function of (seed, step, rank), and the sampling seed is one of (seed, step): a resumed run
+samples what an uninterrupted one would have. A LoRA run samples with its adapters on (nothing merged or
+copied); its reference, for the KL term, is the same model with them off.
 """
 
 import time
@@ -27,9 +27,10 @@ ROWS = 64  # replies decoded together at most
 
 
 class RolloutBatch(NamedTuple):
-    """One micro-batch of replies: inputs and labels (B, T) (-100 outside the replies), the replies' tokens that
-    count (B, T) float, their advantages (B,), the sampling policy's and the reference's log-probabilities (B, T)
-    where used (else None), and the step's reply tokens and replies on this rank (the loss's normalisers)."""
+    """One micro-batch of replies: inputs and labels (B, T) (-100 outside the replies), the replies' tokens
+    that count (B, T) float, their advantages (B,), the sampling policy's and the reference's
+    log-probabilities (B, T) where used (else None), and the step's reply tokens and replies on this rank (the
+    loss's normalisers)."""
     x: torch.Tensor
     y: torch.Tensor
     mask: torch.Tensor
@@ -53,10 +54,10 @@ def sample_settings(t, step: int) -> SampleConfig:
 
 
 class Rollouts:
-    """A GRPO run's training batches (see the module's docstring). prompts: the train split's Prompt rows; model:
-    the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards, weights: the
-    loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a micro-batch's
-    rows."""
+    """A GRPO run's training batches (see the module's docstring). prompts: the train split's Prompt rows;
+    model: the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards,
+    weights: the loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a
+    micro-batch's rows."""
 
     def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t, seq_len: int,
                  device, lora: bool, rank: int = 0, world_size: int = 1):
@@ -130,8 +131,8 @@ class Rollouts:
         return batches
 
     def score(self, chosen: list, replies: list[list[int]], G: int) -> tuple[torch.Tensor, dict]:
-        """(N, F) values of the F reward functions for the N replies, G to each prompt in order (NaN: not judged),
-        and each function's mean and std."""
+        """(N, F) values of the F reward functions for the N replies, G to each prompt in order (NaN: not
+        judged), and each function's mean and std."""
         texts = self.tok.batch_decode([r[:-1] if r and r[-1] in self.ends else r for r in replies],
                                       skip_special_tokens=True)
         prompts = [p.prompt for p in chosen for _ in range(G)]
@@ -149,8 +150,8 @@ class Rollouts:
 
     def lay_out(self, rows: list[tuple[list[int], list[int]]], ended: list[bool],
                 adv: torch.Tensor) -> list[RolloutBatch]:
-        """The replies as micro-batches of fixed shape (micro, seq_len), in order, with their advantages and, where
-        the loss needs them, the sampling policy's and the reference's log-probabilities."""
+        """The replies as micro-batches of fixed shape (micro, seq_len), in order, with their advantages and,
+        where the loss needs them, the sampling policy's and the reference's log-probabilities."""
         n, T = len(rows), self.seq_len
         x = torch.full((n, T), PAD_ID, dtype=torch.long)
         y = torch.full((n, T), -100, dtype=torch.long)
@@ -172,8 +173,8 @@ class Rollouts:
         return batches
 
     def logps(self, x: torch.Tensor, y: torch.Tensor, adapters: bool = True) -> torch.Tensor:
-        """The model's per-token log-probabilities of the labels now: the sampling policy's (adapters on), or the
-        reference's (a LoRA run's base, adapters off)."""
+        """The model's per-token log-probabilities of the labels now: the sampling policy's (adapters on), or
+        the reference's (a LoRA run's base, adapters off)."""
         layers = [] if adapters else adapter_layers(self.model)
         for m in layers:
             m.enabled = False

@@ -1,11 +1,11 @@
-"""How a training step runs, decided once where the step is built: the model wrapped (DDP, FSDP2) and compiled or
-eager, its execution settings (loss chunks, written-out attention, the stream's dtype, ragged rows), the loaders'
-trim, autocast and the objective (next-token, or a preference loss). The trainer asks the Runner; no other module
-writes the model's execution settings or the loaders' after it is made.
+"""How a training step runs, decided once where the step is built: the model wrapped (DDP, FSDP2) and compiled
+or eager, its execution settings (loss chunks, written-out attention, the stream's dtype, ragged rows), the
+loaders' trim, autocast and the objective (next-token, or a preference loss). The trainer asks the Runner; no
+other module writes the model's execution settings or the loaders' after it is made.
 
-Eager or compiled is one test, `t.compile == "off"`, taken here (Runner.eager). A compiler failure at the first step
-makes the step eager from then on (fall_back); the settings chosen for the compiled step stay, as they are valid
-for both.
+Eager or compiled is one test, `t.compile == "off"`, taken here (Runner.eager). A compiler failure at the
+first step makes the step eager from then on (fall_back); the settings chosen for the compiled step stay, as
+they are valid for both.
 """
 
 from dataclasses import dataclass, replace
@@ -33,8 +33,8 @@ from muon_optimizer import MuonAdamW, build_optimizer
 
 
 class NextToken:
-    """Language modelling's objective: the model's own mean next-token loss over the batch's labels. It has the
-    interface every objective has (preference.Objective's), with no metrics of its own."""
+    """Language modelling's objective: the model's own mean next-token loss over the batch's labels. It has
+    the interface every objective has (preference.Objective's), with no metrics of its own."""
 
     def __call__(self, model, batch) -> torch.Tensor:
         return next_token_loss(model, batch)[0]
@@ -63,8 +63,8 @@ def compiles(t) -> bool:
 
 @dataclass
 class Runner:
-    """The training state (the model uncompiled, its optimizer, scaler and average, the counters) and how a step
-    runs on this device: the model wrapped and compiled, autocast, the objective."""
+    """The training state (the model uncompiled, its optimizer, scaler and average, the counters) and how a
+    step runs on this device: the model wrapped and compiled, autocast, the objective."""
     state: TrainingState
     model: torch.nn.Module  # DDP- or FSDP2-wrapped under torchrun, else the raw model: gradient-sync control
     compiled: torch.nn.Module  # what the step calls: the model compiled, or as it is where eager
@@ -108,8 +108,8 @@ class Runner:
         self.opt.use_compile(False)
 
     def warm_evaluation(self, val_batches, t, ranks: Ranks):
-        """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler failure
-        if allowed."""
+        """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler
+        failure if allowed."""
         if self.eval_model is self.raw_model:
             return
         try:
@@ -126,16 +126,17 @@ def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool) -> Exec
     where = machine(device)
     # A bf16 residual stream saves a GPU's bandwidth; on a CPU it saves no time and learned a little less.
     stream = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
-    # Eager preference steps put each pair's branches on rows of their own and run the head at the replies only.
+    # Eager preference steps put each pair's branches on rows of their own and run the head at the replies
+    # only.
     ragged = eager and cfg.train.objective in preference.OBJECTIVES
     return Execution(loss_chunk_rows(cfg, where), matmul_attention(cfg, where), stream, ragged)
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
           init_state: dict | None = None) -> Runner:
-    """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device, with the next-token objective.
-    raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds weights to start
-    from."""
+    """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device, with the next-token
+    objective. raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds
+    weights to start from."""
     t = cfg.train
     amp_dtype = pick_precision(t.precision, device)
     if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
@@ -159,7 +160,8 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     cudagraphs = uses_cuda_graphs(t.compile, device)
     if cudagraphs:
         keep_grads(opt)
-    # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before timing.
+    # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before
+    # timing.
     eval_model = compile_model(raw_model, "default") if t.precision == "fp8" and not eager else raw_model
     state = TrainingState(raw_model, opt, scaler, WeightAverage(raw_model, t.weight_average))
     return Runner(state=state, model=model, compiled=model if eager else compile_model(model, t.compile, amp_dtype),
@@ -168,10 +170,10 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
 
 
 def start(plan: Plan) -> tuple[Runner, Plan]:
-    """The plan's Runner: build() for it, its objective and loaders (the pair loaders' trim; a GRPO run's Rollouts,
-    which sample from the model just built), and the state a --resume continues (a new run's at step 0); and the
-    plan without --init_from's weights, which the model holds now (their read copy goes with the caller's old plan),
-    with its training loader as the step reads it."""
+    """The plan's Runner: build() for it, its objective and loaders (the pair loaders' trim; a GRPO run's
+    Rollouts, which sample from the model just built), and the state a --resume continues (a new run's at step
+    0); and the plan without --init_from's weights, which the model holds now (their read copy goes with the
+    caller's old plan), with its training loader as the step reads it."""
     cfg, t = plan.cfg, plan.cfg.train
     runner = build(cfg, plan.device, plan.ranks, init_state=plan.init_state)
     if t.objective == "grpo":
@@ -183,9 +185,9 @@ def start(plan: Plan) -> tuple[Runner, Plan]:
 
 
 def token_objective(plan: Plan, runner: Runner):
-    """The objective of a run on the token cache: a preference loss on pairs (its loaders trimmed where the step
-    is eager; dpo's reference computed before a checkpoint loads, from the weights the run starts from), else
-    NextToken."""
+    """The objective of a run on the token cache: a preference loss on pairs (its loaders trimmed where the
+    step is eager; dpo's reference computed before a checkpoint loads, from the weights the run starts from),
+    else NextToken."""
     t, loaders = plan.cfg.train, {"train": plan.batches, "val": plan.val_batches}
     for loader in loaders.values():
         if isinstance(loader, PairBatches):

@@ -1,6 +1,7 @@
-"""GRPO's arithmetic held to independent references: advantages to a naive float64 loop over the groups, the loss
-and its gradient to TRL 1.16's GRPOTrainer._compute_loss itself (a test-only dependency), for each normalisation,
-with and without the KL term, on-policy and on a second iteration (old log-probabilities that differ)."""
+"""GRPO's arithmetic held to independent references: advantages to a naive float64 loop over the groups, the
+loss and its gradient to TRL 1.16's GRPOTrainer._compute_loss itself (a test-only dependency), for each
+normalisation, with and without the KL term, on-policy and on a second iteration (old log-probabilities that
+differ)."""
 
 import collections
 import math
@@ -84,9 +85,9 @@ def trl_loss(logps, old, ref, adv, mask, loss_type, beta, accum, tokens_in_batch
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("iteration", [1, 2])
 def test_the_loss_and_its_gradient_equal_trls_grpo_trainer(loss_type, beta, iteration):
-    """Over two micro-batches of completions of different lengths: the summed loss and the gradient it gives the
-    per-token log-probabilities equal TRL's to 1e-5. On iteration 2 the old log-probabilities differ, so the
-    ratio is off 1 and some tokens are clipped; a wrong clip side, KL sign or normaliser would show."""
+    """Over two micro-batches of completions of different lengths: the summed loss and the gradient it gives
+    the per-token log-probabilities equal TRL's to 1e-5. On iteration 2 the old log-probabilities differ, so
+    the ratio is off 1 and some tokens are clipped; a wrong clip side, KL sign or normaliser would show."""
     g = torch.Generator().manual_seed(1 + iteration)
     B, T, accum, max_len = 8, 7, 2, 7
     mask = torch.zeros(B, T)

@@ -1,6 +1,7 @@
 """GRPO through the trainer as a user runs it: a tiny chat run whose answers are right half the time learns to
 answer right from a reward alone; a resumed run samples and trains as an uninterrupted one, bit for bit; LoRA
-samples with its adapters on and measures its KL to the base; bad prompts, flags and rewards each get one line."""
+samples with its adapters on and measures its KL to the base; bad prompts, flags and rewards each get one
+line."""
 
 import json
 import os
@@ -25,8 +26,8 @@ def sums(rng, n):
 
 @pytest.fixture(scope="module")
 def half_right(tmp_path_factory):
-    """A tiny chat run on sums whose answers are right half the time (else 1 to 3 too high), and prompts of new
-    sums with their answers: {"chat": run folder, "prompts": JSONL, "base": folder}."""
+    """A tiny chat run on sums whose answers are right half the time (else 1 to 3 too high), and prompts of
+    new sums with their answers: {"chat": run folder, "prompts": JSONL, "base": folder}."""
     base, rng = tmp_path_factory.mktemp("grpo"), random.Random(0)
     with open(base / "chats.jsonl", "w") as f:
         for a, b in sums(rng, 600):
@@ -50,8 +51,8 @@ def grpo_argv(data, run, *extra):
 
 
 def right_share(model_path) -> float:
-    """The share of right answers among 8 replies sampled at temperature 1 to each of 100 sums none was trained
-    on, read by gsm8k's reward (itself held to worked answers in test_rewards.py)."""
+    """The share of right answers among 8 replies sampled at temperature 1 to each of 100 sums none was
+    trained on, read by gsm8k's reward (itself held to worked answers in test_rewards.py)."""
     model, tok, *_ = load_for_inference(model_path, "cpu")
     asked = sums(random.Random(99), 100)
     ids = [chat_prompt_ids(tok, [{"role": "user", "content": f"What is {a} plus {b}?"}]) for a, b in asked]
@@ -64,8 +65,9 @@ def right_share(model_path) -> float:
 
 @pytest.mark.slow
 def test_grpo_raises_the_share_of_right_sampled_replies(half_right, tmp_path):
-    """The reward alone (gsm8k: the last number against the answer) must teach what the chats taught half the time:
-    a sign error in the advantages, a loss that ignores them or replies sampled from other weights would not."""
+    """The reward alone (gsm8k: the last number against the answer) must teach what the chats taught half the
+    time: a sign error in the advantages, a loss that ignores them or replies sampled from other weights would
+    not."""
     before = right_share(half_right["chat"])
     run = tmp_path / "rl"
     assert trainer.main(grpo_argv(half_right, run, "--max_steps", 60)) == 0
@@ -154,8 +156,8 @@ def test_bad_prompt_rows_are_left_out_one_line_each(half_right, tmp_path, capsys
 
 
 def test_prompts_read_from_parquet_keep_their_columns_for_the_rewards(half_right, tmp_path):
-    """A parquet file of TRL's standard form (text prompts) and an extra column: each prompt encoded as it is, its
-    column kept for the rewards, the held-out share drawn the same way every time."""
+    """A parquet file of TRL's standard form (text prompts) and an extra column: each prompt encoded as it is,
+    its column kept for the rewards, the held-out share drawn the same way every time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -195,10 +197,11 @@ def test_flags_that_would_do_nothing_are_refused_and_rewards_alone_choose_grpo(h
 
 @pytest.mark.slow
 def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tmp_path, monkeypatch):
-    """TRL 1.16's GRPOTrainer (dapo, no std scaling, beta 0, fp32, one step) on our chat run exported to Hugging
-    Face, its replies given by rollout_func, must log the first step's loss and gradient norm ours logs for the same
-    replies to the same prompts with the same reward: the model, the advantages, the masks and the normaliser alike.
-    The replies are fixed ids of several lengths, none ending at an end id, so neither side cuts them."""
+    """TRL 1.16's GRPOTrainer (dapo, no std scaling, beta 0, fp32, one step) on our chat run exported to
+    Hugging Face, its replies given by rollout_func, must log the first step's loss and gradient norm ours
+    logs for the same replies to the same prompts with the same reward: the model, the advantages, the masks
+    and the normaliser alike. The replies are fixed ids of several lengths, none ending at an end id, so
+    neither side cuts them."""
     pytest.importorskip("trl")
     import export_hf
     from datasets import Dataset
@@ -220,8 +223,8 @@ def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tm
     filler = tok.encode(" and so", add_special_tokens=False)
 
     def fixed(prompt_ids: list[int], k: int) -> list[int]:
-        """Reply k to a prompt (both prompts' answer is 7): 7, 8 or 9, then k pieces of filler (at most 16 tokens,
-        max_completion_length), so lengths differ and the token-level loss is not 0."""
+        """Reply k to a prompt (both prompts' answer is 7): 7, 8 or 9, then k pieces of filler (at most 16
+        tokens, max_completion_length), so lengths differ and the token-level loss is not 0."""
         return (digits[str(7 + k % 3)] + filler * k)[:16]
 
     def ours_generate(model, prompt_list, *args, **kwargs):  # engine.generate_all's place: the fixed replies
@@ -240,7 +243,8 @@ def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tm
     first = read_metrics(ours, "train")[0]
     assert export_hf.main([half_right["chat"], str(tmp_path / "hf")]) == 0
 
-    # The rows our run trained on, with the prompt ids it fed the model: TRL gets the same through rollout_func.
+    # The rows our run trained on, with the prompt ids it fed the model: TRL gets the same through
+    # rollout_func.
     train_rows = read_prompts(Config(data=DataConfig(sources=[str(prompts)], tokenizer=tok_path, val_fraction=0.3)),
                               200).train
 

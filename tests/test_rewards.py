@@ -1,5 +1,6 @@
-"""GRPO's reward functions: the built-ins against hand-worked answers, TRL's own reward functions run unchanged
-through --reward FILE.py:NAME, and every way a user's function can fail said in one line naming it."""
+"""GRPO's reward functions: the built-ins against hand-worked answers, TRL's own reward functions run
+unchanged through --reward FILE.py:NAME, and every way a user's function can fail said in one line naming it.
+"""
 
 import math
 
@@ -33,8 +34,8 @@ def test_a_regex_reward_finds_its_pattern_across_lines():
 
 
 def test_trls_own_reward_functions_run_unchanged_from_a_users_file(tmp_path):
-    """A reward written for TRL runs here as it is: TRL's think_format_reward and a length reward in the style of
-    TRL's docs, called with conversational completions and extra columns they ignore through **kwargs."""
+    """A reward written for TRL runs here as it is: TRL's think_format_reward and a length reward in the style
+    of TRL's docs, called with conversational completions and extra columns they ignore through **kwargs."""
     from trl.rewards import think_format_reward
     f = tmp_path / "my_rewards.py"
     f.write_text("from trl.rewards import think_format_reward\n\n"
@@ -74,8 +75,8 @@ def test_gsm8k_without_an_answer_column_names_the_column():
 
 
 def test_bad_reward_flags_are_refused_naming_the_flag(tmp_path):
-    """Exit 2 before any model is built: a file that is not there, a name it lacks, a file that fails to import,
-    an unknown built-in, a bad pattern, and weights that do not match the rewards."""
+    """Exit 2 before any model is built: a file that is not there, a name it lacks, a file that fails to
+    import, an unknown built-in, a bad pattern, and weights that do not match the rewards."""
     good = tmp_path / "r.py"
     good.write_text("def correct(completions, **kw):\n    return [1.0 for _ in completions]\n")
     broken = tmp_path / "broken.py"

@@ -1,18 +1,18 @@
 """GRPO here beside TRL's GRPOTrainer (its default generation: transformers' generate, no vLLM) with PEFT:
-replies trained per second and peak resident memory on this machine, the same model, prompts, replies per prompt,
-reply length, LoRA rank and prompts per step.
+replies trained per second and peak resident memory on this machine, the same model, prompts, replies per
+prompt, reply length, LoRA rank and prompts per step.
 
     python tools/bench_grpo.py                         # a Qwen2-shaped model of about 6M parameters, random
     python tools/bench_grpo.py --steps 4 --rounds 2 --max_new_tokens 64
 
-Both sample num_generations replies to each of the step's prompts at temperature 1 from the model being trained
-(LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score them with the gsm8k reward (llm/rewards.py,
-passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model rarely ends a reply
-early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's replies over the median
-seconds of the steps after two warm-up steps; the memory is each process's lifetime peak (ru_maxrss). Each variant
-runs in a process of its own, on one thread, the variants alternating over the rounds (ABBA). Where each side's
-step time goes: ours logs its sampling and rewarding seconds (the rest is training); TRL's profiling is printed
-as it logs it.
+Both sample num_generations replies to each of the step's prompts at temperature 1 from the model being
+trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score them with the gsm8k reward
+(llm/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model
+rarely ends a reply early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's
+replies over the median seconds of the steps after two warm-up steps; the memory is each process's lifetime
+peak (ru_maxrss). Each variant runs in a process of its own, on one thread, the variants alternating over the
+rounds (ABBA). Where each side's step time goes: ours logs its sampling and rewarding seconds (the rest is
+training); TRL's profiling is printed as it logs it.
 """
 
 import argparse
@@ -34,8 +34,8 @@ RANK, PROMPTS, PER_STEP, GROUP = 16, 200, 4, 8
 
 
 def setup(folder: str) -> str:
-    """Arithmetic prompts with their answers (JSONL) and a random Qwen2 model with a ChatML tokenizer, saved as a
-    download."""
+    """Arithmetic prompts with their answers (JSONL) and a random Qwen2 model with a ChatML tokenizer, saved
+    as a download."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -82,8 +82,8 @@ def ours(folder: str, steps: int, new_tokens: int) -> dict:
 
 
 def trl(folder: str, steps: int, new_tokens: int) -> dict:
-    """TRL's GRPOTrainer with a PEFT LoRA config on the same model, prompts and reward, PER_STEP x GROUP replies a
-    step in one generation batch and one forward."""
+    """TRL's GRPOTrainer with a PEFT LoRA config on the same model, prompts and reward, PER_STEP x GROUP
+    replies a step in one generation batch and one forward."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
