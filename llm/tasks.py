@@ -103,8 +103,8 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
                 rows += table.slice(0, limit - len(rows) if limit else None).to_pylist()  # only what is asked
             if limit and len(rows) >= limit:
                 break
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{os.path.join(split_folder, name)} is not an Arrow stream ({e}), reinstall the "
+        except (pa.ArrowInvalid, OSError) as e:  # OSError: a stream cut short ("Expected to be able to read ...")
+            raise DataError(f"{os.path.join(split_folder, name)} is not a whole Arrow stream ({e}), reinstall the "
                             f"evaluation data: {INSTALL}") from None
     return rows
 

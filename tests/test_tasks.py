@@ -118,3 +118,17 @@ def test_a_valid_arrow_file_with_the_wrong_rows_is_refused_naming_its_row(tmp_pa
     with pytest.raises(DataError, match="row [01]: ") as e:
         tasks.get("arc_easy", str(tmp_path)).items(3)
     assert said in str(e.value) and str(folder) in str(e.value) and "--data_dir" in str(e.value)
+
+
+def test_a_truncated_arrow_file_is_named(tmp_path):
+    """An Arrow stream cut short raised OSError ("Expected to be able to read ... bytes") naming no file."""
+    from llm.errors import DataError
+    source = os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation")
+    name = sorted(f for f in os.listdir(source) if f.endswith(".arrow"))[0]
+    folder = tmp_path / "ai2_arc" / "ARC-Easy" / "validation"
+    folder.mkdir(parents=True)
+    data = open(os.path.join(source, name), "rb").read()
+    (folder / name).write_bytes(data[:len(data) // 2])
+    with pytest.raises(DataError, match="is not a whole Arrow stream") as e:
+        tasks.get("arc_easy", str(tmp_path)).items()
+    assert str(folder / name) in str(e.value)
