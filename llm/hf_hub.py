@@ -5,7 +5,7 @@
     python export_hf.py --import hf:meta-llama/Llama-3.2-1B runs/llama --max_seq_len 2048
 Only a name written hf:... reaches the network, into huggingface_hub's cache (HF_HOME) in its layout: config.json
 first, checked as any folder's is (hf_families.py), and the weights and tokenizer only when it passes. The commit,
-the listed names and each file's hash come through hf_datasets.py's listing and download, which check them before
+the listed names and each file's hash come through hub_client.py's listing and download, which check them before
 they name a file (huggingface_hub's own downloads took them unchecked); refs/main is written once every file is in.
 With HF_HUB_OFFLINE=1, or with the Hub out of reach, the cache alone is read, and a model missing there is one error
 line saying how to fetch it.
@@ -16,9 +16,9 @@ import os
 import re
 
 from config import ModelConfig
-from llm import hf_datasets
+from llm import hub_client
 from llm.errors import CheckpointError, RunFailure
-from llm.hf_datasets import Repo, offline
+from llm.hub_client import Repo, offline
 from llm.hf_families import HF_CONFIG, model_config_from_hf
 from llm.hf_format import check_memory, is_hf_folder
 from llm.sizing import count_parameters
@@ -42,9 +42,9 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
     hub, errors = _hub(name)
     local = offline(hub.constants)
     try:
-        listed = None if local else hf_datasets.listing(hub, repo, "main", _wanted)
+        listed = None if local else hub_client.listing(hub, repo, "main", _wanted)
         folder = _cached(repo, local) if listed is None else _fetch(hub, repo, *listed, max_seq_len)
-    except (errors.HfHubHTTPError, *hf_datasets.unreachable()) as e:  # a whole cached copy serves, as it always did
+    except (errors.HfHubHTTPError, *hub_client.unreachable()) as e:  # a whole cached copy serves, as it always did
         folder = _cached(repo, local, _failure(repo, e, errors))
     if not is_hf_folder(folder):
         raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors weights (model.safetensors "
@@ -57,11 +57,11 @@ def hub_shape(name: str, max_seq_len: int = 0) -> ModelConfig:
     trainer's fit check estimates before any weight comes."""
     repo = Repo(_repo_id(name), "model", name)
     hub, errors = _hub(name)
-    commit = hf_datasets.cached_commit(repo, "main")
+    commit = hub_client.cached_commit(repo, "main")
     try:
-        listed = None if offline(hub.constants) else hf_datasets.listing(hub, repo, "main", _wanted)
-    except (errors.HfHubHTTPError, *hf_datasets.unreachable()) as e:
-        if not commit or not os.path.isfile(hf_datasets.snapshot_path(repo, commit, HF_CONFIG)):
+        listed = None if offline(hub.constants) else hub_client.listing(hub, repo, "main", _wanted)
+    except (errors.HfHubHTTPError, *hub_client.unreachable()) as e:
+        if not commit or not os.path.isfile(hub_client.snapshot_path(repo, commit, HF_CONFIG)):
             raise _failure(repo, e, errors) from None
         listed = None
     if listed is not None:
@@ -69,9 +69,9 @@ def hub_shape(name: str, max_seq_len: int = 0) -> ModelConfig:
         if HF_CONFIG not in names:
             raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
         _get(hub, repo, commit, HF_CONFIG)
-    if not commit or not os.path.isfile(hf_datasets.snapshot_path(repo, commit, HF_CONFIG)):
+    if not commit or not os.path.isfile(hub_client.snapshot_path(repo, commit, HF_CONFIG)):
         return model_config_from_hf(_cached(repo, True), max_seq_len)  # the error line saying how to fetch it
-    return model_config_from_hf(hf_datasets.snapshot_path(repo, commit), max_seq_len)
+    return model_config_from_hf(hub_client.snapshot_path(repo, commit), max_seq_len)
 
 
 def _hub(name: str):
@@ -111,28 +111,28 @@ def _fetch(hub, repo: Repo, names: list, commit: str, max_seq_len: int) -> str:
     refs/main names it once all are in, so that an offline run finds a whole model."""
     if HF_CONFIG not in names:
         raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
-    folder = hf_datasets.snapshot_path(repo, commit)
+    folder = hub_client.snapshot_path(repo, commit)
     _get(hub, repo, commit, HF_CONFIG)
     check_memory(count_parameters(model_config_from_hf(folder, max_seq_len)), repo.where)  # before the weights come
     for name in names:
         _get(hub, repo, commit, name)
-    hf_datasets.remember(repo, "main", commit)
+    hub_client.remember(repo, "main", commit)
     return folder
 
 
 def _get(hub, repo: Repo, commit: str, name: str):
     """One listed file into the snapshot, unless an earlier run brought it."""
-    if not os.path.exists(hf_datasets.snapshot_path(repo, commit, name)):
-        hf_datasets.download(hub, repo, name, commit)
+    if not os.path.exists(hub_client.snapshot_path(repo, commit, name)):
+        hub_client.download(hub, repo, name, commit)
 
 
 def _failure(repo: Repo, e: Exception, errors) -> Exception:
     """huggingface_hub's failure as one line: how to get in, a token refused, or what the Hub answered."""
     if isinstance(e, errors.RepositoryNotFoundError):  # gated ones too: both say how to get in
-        return CheckpointError(hf_datasets.not_shown(repo, isinstance(e, errors.GatedRepoError), "no such model",
+        return CheckpointError(hub_client.not_shown(repo, isinstance(e, errors.GatedRepoError), "no such model",
                                                      "its Hub page"))
-    if hf_datasets.refused_token(e):
-        return CheckpointError(f"{repo.where}: {hf_datasets.refused_token(e)}")
+    if hub_client.refused_token(e):
+        return CheckpointError(f"{repo.where}: {hub_client.refused_token(e)}")
     if isinstance(e, errors.HfHubHTTPError):
         return RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later")
     return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "
@@ -142,8 +142,8 @@ def _failure(repo: Repo, e: Exception, errors) -> Exception:
 def _cached(repo: Repo, by_setting: bool, failure: Exception | None = None) -> str:
     """The snapshot the cached refs/main names (checked), for a run that cannot download; else `failure`, or an
     error line saying the cache lacks it, or holds only part of it."""
-    commit = hf_datasets.cached_commit(repo, "main")
-    folder = hf_datasets.snapshot_path(repo, commit) if commit else ""
+    commit = hub_client.cached_commit(repo, "main")
+    folder = hub_client.snapshot_path(repo, commit) if commit else ""
     if folder and is_hf_folder(folder):
         return folder
     if failure:

@@ -29,7 +29,7 @@ from hub_stand_in import COMMIT, Hub, git_blob_id
 import gpu_training_optimized as trainer
 import prepare_data
 from config import DataConfig
-from llm import corpus, hf_datasets, trainer_state
+from llm import corpus, hf_datasets, hub_client, trainer_state
 from llm.errors import DataError, RunFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,7 +354,7 @@ def test_a_full_disk_is_a_runtime_failure_naming_the_room(hub, monkeypatch):
     """ENOSPC while a file comes down must say which file, how many bytes and where, not a traceback."""
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(hf_datasets, "_transfer", full)
+    monkeypatch.setattr(hub_client, "_transfer", full)
     with pytest.raises(RunFailure, match=r"the disk is full downloading data/part-0.parquet \([\d,]+ bytes\)"):
         hf_datasets.fetch(URL)
 
@@ -479,3 +479,12 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
         cfg, notes = startup.default_corpus(PRESETS["auto"](), torch.device("cuda"), state)
         assert cfg.data.sources == had and notes == []
     assert startup.default_corpus(PRESETS["auto"](), torch.device("cpu")) == (PRESETS["auto"](), [])
+
+
+def test_a_listed_file_that_answers_404_says_the_dataset_changed(hub, tmp_path, capsys):
+    """A file the Hub listed, then answered 404 for, was reported as "matches no file, check the pattern": the
+    pattern was right, the dataset changed under the run."""
+    hub.listed.append({"type": "file", "path": "data/gone.parquet", "size": 5, "oid": "0" * 40})
+    hf_datasets._fetched.clear()
+    with pytest.raises(RunFailure, match="the Hub listed data/gone.parquet but answers 404 for it"):
+        hf_datasets.fetch(f"hf://datasets/{REPO}")
