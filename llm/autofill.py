@@ -211,9 +211,10 @@ def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automa
 
 
 def few_steps_warning(cfg: Config) -> list[str]:
-    """A line where the run has too few optimizer steps to learn anything, saying what to change."""
+    """A line where a run in epochs has too few optimizer steps to learn anything, saying what to change (a step
+    count written by hand, a smoke run's --max_steps 2 say, is taken as meant)."""
     t = cfg.train
-    if not t.max_steps or t.max_steps >= FEW_STEPS:
+    if not t.epochs or not t.max_steps or t.max_steps >= FEW_STEPS:
         return []
     return [f"warning: {t.max_steps} optimizer steps are too few to teach a model much (a tiny run fine-tuned on 300 "
             "chats answered 9 of 12 prompts exactly after 6 steps, 12 of 12 after 90); raise --epochs or --max_steps, "
