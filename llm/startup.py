@@ -104,13 +104,20 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     fit the GPU (or clearly exceeds a CPU's RAM) is refused in one line naming the first change that fits. An
     automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits. Under FSDP over
     several GPUs each holds a share of the weights and state, which the estimate does not divide: never refused."""
-    t, where = cfg.train, machine(device)
+    where = machine(device)
+    amp = 4 if pick_precision(cfg.train.precision, device) is None else 2
+    memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
+    return fit_lines(cfg, where, amp, memory, world_size)
+
+
+def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) -> list[str]:
+    """fit_check's report lines for a run on `where` (a sizing.Machine: a GPU, or this machine's CPU) of `memory`
+    bytes under autocast activations of `amp` bytes, or its refusal; what tools/what_fits.py asks of a card named."""
+    t, gpu = cfg.train, where.kind == "cuda"
     if not t.micro_batch_size:
         cfg = replace(cfg, train=replace(t, micro_batch_size=1))
-    amp = 4 if pick_precision(t.precision, device) is None else 2
-    target = Target(device.type, amp, compiled=t.compile != "off", loss_rows=loss_chunk_rows(cfg, where))
-    memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
-    room = FIT_FRACTION * memory if device.type == "cuda" else memory
+    target = Target(where.kind, amp, compiled=t.compile != "off", loss_rows=loss_chunk_rows(cfg, where))
+    room = FIT_FRACTION * memory if gpu else memory
     terms = estimate(cfg, target)
     need = terms.total
     m, micro = cfg.model, cfg.train.micro_batch_size

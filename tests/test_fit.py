@@ -241,3 +241,21 @@ def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypa
         startup.fit_check(cfg, torch.device("cpu"))
     line = str(refused.value)
     assert "implausible, check its config" in line and "GPU of" not in line
+
+
+def test_what_fits_asks_of_a_folder_with_only_its_config_and_a_card_by_name(tmp_path, capsys):
+    """"Will it fit?" could not be asked from a laptop: a folder holding only config.json was refused as no
+    checkpoint, and hf: names needed the network. tools/what_fits.py now reads the shape alone, takes a card by name
+    or memory, and for a run that does not fit names the change that does, which then fits."""
+    import what_fits
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536,
+            "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+            "tie_word_embeddings": True, "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(qwen))  # no weights, no tokenizer
+    refused = what_fits.ask(str(tmp_path), "RTX 3060", ["--max_seq_len", "2048"])
+    assert refused.startswith("does not fit:") and "of RTX 3060 (12 GB)" in refused
+    flags = refused.split("pass ", 1)[1].split(" (about")[0].split()
+    assert what_fits.ask(str(tmp_path), "12GB", ["--max_seq_len", "2048", *flags]).endswith("it fits by the estimate")
+    with pytest.raises(SystemExit) as e:
+        what_fits.main(["--model", str(tmp_path), "--card", "Voodoo 2"])
+    assert e.value.code == 2 and "--card 'Voodoo 2' is not a card this knows" in capsys.readouterr().err

@@ -1,9 +1,13 @@
 """What fits on one GPU: the fit check's estimate (llm/fit.py) for the models people fine-tune, on cards of 12, 24,
 48 and 80 GB, training every weight or LoRA on a bf16, int8 or nf4 base, at two contexts; and beside it the same
 estimate for the settings the anchors (torchtune, unsloth, litgpt) published measured figures for. Prints the
-Markdown tables of docs/fine-tuning.md#what-fits.
+Markdown tables of docs/fine-tuning.md#what-fits. Or asks it of one model and card, from a laptop, downloading no
+weight: a folder holding only its config.json, a run of ours, or hf:ORG/NAME (its config.json alone, online), with
+the trainer's own flags; it prints the estimate and, where the run does not fit, the first change that does.
 
     python tools/what_fits.py
+    python tools/what_fits.py --model hf:Qwen/Qwen2.5-1.5B-Instruct --card "RTX 4090" --max_seq_len 2048
+    python tools/what_fits.py --model my_model/ --card 24GB --lora_rank 16 --lora_base nf4
 """
 
 import argparse
@@ -14,6 +18,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import Config, ModelConfig, TrainConfig  # noqa: E402
+from llm.errors import ConfigError, error_contract  # noqa: E402
 from llm.fit import Target, count_parameters, estimate  # noqa: E402
 from llm.sizing import MEMORY_FRACTION, Machine  # noqa: E402
 from llm.step_settings import loss_chunk_rows  # noqa: E402
@@ -119,14 +124,69 @@ def tables() -> str:
     return "\n\n".join("\n".join(lines) for lines in [*map(fits_table, CONTEXTS), anchors_table()])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+# Cards by the names people give them, and their memory in GB (the makers' figures).
+CARD_GB = {"rtx 3060": 12, "rtx 3080": 10, "rtx 3090": 24, "rtx 4060 ti": 16, "rtx 4070": 12, "rtx 4080": 16,
+           "rtx 4090": 24, "rtx 5090": 32, "t4": 16, "l4": 24, "a10": 24, "a10g": 24, "l40s": 48, "a6000": 48,
+           "v100": 32, "a100": 80, "a100 40gb": 40, "h100": 80, "h200": 141}
 
 
+def card_memory(card: str) -> tuple[str, int]:
+    """(its name, bytes) of a card given by name ("RTX 4090", "H100") or by memory ("24GB", "24")."""
+    key = card.strip().lower().replace("nvidia ", "").replace("geforce ", "")
+    size = key.removesuffix("gb").strip()
+    if size.replace(".", "", 1).isdigit():
+        return f"a {float(size):g} GB card", int(float(size) * GB)
+    if key not in CARD_GB:
+        raise ConfigError(f"--card {card!r} is not a card this knows; give its memory (--card 24GB) or one of "
+                          f"{', '.join(sorted(CARD_GB))}")
+    return f"{card} ({CARD_GB[key]} GB)", CARD_GB[key] * GB
+
+
+def model_shape(name: str, max_seq_len: int) -> ModelConfig:
+    """A model's shape from its config.json alone: a folder (no weights needed), a run of ours, or hf:ORG/NAME."""
+    from llm.checkpoint import load_model_config, resolve_checkpoint
+    from llm.hf_format import model_config_from_hf
+    from llm.hf_hub import hub_shape, is_hub_name
+    if is_hub_name(name):
+        return hub_shape(name, max_seq_len)
+    if not os.path.isdir(name):
+        raise ConfigError(f"--model {name} is not a folder; give a folder with its config.json, a run, or hf:ORG/NAME")
+    if os.path.isfile(os.path.join(name, "config.json")) and not os.path.isdir(os.path.join(name, "checkpoints")):
+        return model_config_from_hf(name, max_seq_len)
+    shape = load_model_config(resolve_checkpoint(name))
+    return replace(shape, max_seq_len=max_seq_len or shape.max_seq_len)
+
+
+def ask(model: str, card: str, flags: list[str]) -> str:
+    """The estimate of a run of the trainer's flags on `model` and `card`; a run that does not fit gets the line the
+    trainer would refuse it with, and the first change that fits."""
+    from llm.cli import parse_config
+    from llm.startup import fit_lines
+    cfg, _ = parse_config(["--init_from", model, *flags])
+    shape = model_shape(model, cfg.model.max_seq_len)
+    cfg = replace(cfg, model=replace(shape, gradient_checkpointing=cfg.model.gradient_checkpointing),
+                  train=replace(cfg.train, optimizer="adamw" if cfg.train.optimizer == "auto" else cfg.train.optimizer))
+    name, memory = card_memory(card)
+    try:
+        return "\n".join(fit_lines(cfg, Machine("cuda", name, memory), 2, memory)) + "\nit fits by the estimate"
+    except ConfigError as e:
+        return f"does not fit: {e}"
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The tool's own options; the rest are the trainer's flags (--lora_rank, --max_seq_len, ...)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="a folder with config.json, a run of ours, or hf:ORG/NAME")
+    p.add_argument("--card", default="24GB", help="a GPU by name (RTX 4090, H100, ...) or memory (24GB)")
+    return p.parse_known_args(argv)
+
+
+@error_contract
 def main(argv=None):
-    parse_args(argv)
-    print(tables())
+    args, flags = parse_args(argv)
+    print(ask(args.model, args.card, flags) if args.model else tables())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
