@@ -36,7 +36,7 @@ from llm.device import falls_back, make_deterministic, pick_device, precision_la
 from llm.errors import ConfigError, RunFailure, error_contract
 from llm.evaluation import GPU_TASK_ITEMS, Probe
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
-                         start_report, summary)
+                         read_metrics, start_report, stood_still, summary)
 from llm.preparation import short_of_target
 from llm.rewards import RewardError
 from llm.schedule import RunClock, StopFlag, lr_multiplier, set_lr
@@ -274,6 +274,12 @@ def trained_short(cfg: Config, data: PreparedData) -> str:
     return short_of_target(cfg.data, data.meta) if data.arrived else ""
 
 
+def learned(plan: Plan) -> str:
+    """The summary's line where the run's training loss (a GRPO run's reward) moved less than its noise."""
+    key = "reward" if plan.cfg.train.objective == "grpo" else "loss"
+    return stood_still(read_metrics(plan.cfg.train.run_dir, "train"), key)
+
+
 def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first: int, ckpt: str | None,
            data_lost: bool, interrupted: bool):
     """After the loop: the end of a run that never stepped or lost its data, else the summary (rank 0)."""
@@ -291,7 +297,7 @@ def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first:
                       interrupted=interrupted, launcher=plan.ranks.launcher(), base=t.init_from if t.lora_rank else "")
               + runner.objective.summary()
               + "\n" + clock.evals.report() + write_report_card(plan, session, ckpt)
-              + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data)] if line))
+              + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data), learned(plan)] if line))
     plan.ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
     plan.ranks.cleanup()
 

@@ -391,3 +391,22 @@ class LossWindow:
         mean = self.loss / self.ok.clamp(min=1)
         self.loss, self.ok = torch.zeros_like(self.loss), torch.zeros_like(self.ok)
         return mean
+
+
+def stood_still(records: list[dict], key: str) -> str:
+    """A line where the run's training figure `key` (its loss, or a GRPO run's reward) moved less than its own
+    noise between the first and the last quarter of its logged windows: a run that learned nothing says so at its
+    end. The noise is two standard errors of the difference of the two quarters' means."""
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    k = len(values) // 4
+    if k < 2:
+        return ""
+    first, last = values[:k], values[-k:]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
+    moved, noise = mean(last) - mean(first), 2 * math.sqrt((var(first) + var(last)) / k)
+    if abs(moved) > noise:
+        return ""
+    return (f"warning: the training {key} moved {moved:+.4f} (from {mean(first):.4f} to {mean(last):.4f}), within its "
+            f"noise ({noise:.4f}): the run may have learned nothing; raise --learning_rate, or the steps (--epochs, "
+            "--max_steps)")

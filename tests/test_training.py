@@ -804,3 +804,17 @@ def test_a_first_step_longer_than_the_budget_ends_the_run_cleanly(corpus, tmp_pa
     assert "done: 1 steps" in out
     assert ckpt_io.latest_checkpoint(str(run)).endswith("step_000001")
     assert read_metrics(run, "eval")[-1]["step"] == 1
+
+
+def test_a_run_whose_loss_stood_still_says_so_at_its_end():
+    """A fine-tune at a rate that moves nothing ended "done" with no word: its training loss, flat within its noise
+    between the first and last quarter of its log windows, now gets a warning line; a loss that fell does not."""
+    import random
+
+    from llm.monitor import stood_still
+    rng = random.Random(0)
+    flat = [{"loss": 2.0 + rng.gauss(0, 0.05)} for _ in range(40)]
+    falling = [{"loss": 2.0 - 0.02 * i + rng.gauss(0, 0.05)} for i in range(40)]
+    assert stood_still(flat, "loss").startswith("warning: the training loss moved")
+    assert stood_still(falling, "loss") == "" and stood_still(flat[:7], "loss") == ""  # too few windows to judge
+    assert stood_still([{"reward": 0.5 + 0.01 * i} for i in range(40)], "reward") == ""
