@@ -68,14 +68,17 @@ def main(argv=None) -> int:
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
+    asked = [(task, task.items(evals.limit)) for task in chosen]  # read before scoring: the count is said first
+    print(f"{sum(len(items) for _, items in asked):,} items to score", file=sys.stderr, flush=True)
     try:
-        for task in chosen:
-            items = task.items(evals.limit)
+        for task, items in asked:
             chances[task.name] = chance(items)
             with tqdm(total=len(items), desc=task.name, unit="item", file=sys.stderr, dynamic_ncols=True,
                       leave=False) as bar:
                 scores.append(TaskScore(task.name, task.split, norm=task.norm))
                 score_items(model, tokenizer, items, scores[-1], bar)
+            if len(scores) == 1 and len(asked) > 1:
+                print(pace(scores[0], asked[1:]), file=sys.stderr, flush=True)
         if theirs:
             print(f"lm-eval's tasks: {', '.join(theirs)} (its data from the Hub or its cache)", file=sys.stderr)
             scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit)
@@ -86,6 +89,16 @@ def main(argv=None) -> int:
     print(report_card.table(scores, chances))
     write_outputs(evals, folder, loaded, scores, chances, device)
     return 0
+
+
+def pace(first: TaskScore, rest: list) -> str:
+    """The time the tasks after the first will take at its pace: replies written out (GSM8K) are counted apart, as
+    each costs many forwards where a choice costs one."""
+    per_item = first.seconds / max(first.items, 1)
+    choices = sum(len(items) for task, items in rest if not task.generated)
+    written = sum(len(items) for task, items in rest if task.generated)
+    line = f"about {per_item * choices / 60:.1f} min more for {choices:,} items at {first.task}'s pace"
+    return line + (f"; {written:,} written answers besides, each many forwards" if written else "")
 
 
 def check_outputs(evals: EvalConfig):

@@ -3,6 +3,7 @@ an unknown task, missing data and a Ctrl-C each end in one clear way."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -220,3 +221,13 @@ def test_a_full_split_report_sets_references_beside_the_model(tmp_path):
     assert "| this model | 50.0 |" in full and "| chance | 24.8 |" in full
     assert "| SmolLM2-135M-Instruct (its Q4_1 GGUF) | 52.3 |" in full
     assert "SmolLM2" not in report_card.report(str(tmp_path), [score], 100, {"arc_easy": 0.2482}, "cpu float32")
+
+
+def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(tiny_checkpoint, tmp_path, capsys):
+    """`evaluate.py runs/default` scored 15 tasks for half an hour with no word of how long: the items are counted
+    first, and after the first task the time the rest will take at its pace."""
+    assert evaluate.main([tiny_checkpoint, "--tasks", "copa", "piqa", "gsm8k_chat", "--limit", "3", "--report",
+                          str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "9 items to score" in err
+    assert re.search(r"about [0-9.]+ min more for 3 items at copa's pace; 3 written answers besides", err), err
