@@ -44,6 +44,7 @@ GPU_CORPUS = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
 class ReadStats:
     """What one pass over the sources saw."""
     files: int = 0
+    empty: int = 0  # files of no bytes: nothing to read
     documents: int = 0
     bytes: int = 0
     chats: int = 0
@@ -54,6 +55,11 @@ class ReadStats:
     first_bad: str = ""
     invalid_utf8: int = 0
     first_invalid: str = ""
+
+
+def files_read(stats: ReadStats) -> str:
+    """The files a pass read, the empty ones said apart (a count that differs from the sources' says why)."""
+    return f"{stats.files} files" + (f" and {stats.empty} empty, left out" if stats.empty else "")
 
 
 def _walk(root: str, suffix=None, skipped=SKIPPED_DIRS) -> list[str]:
@@ -228,6 +234,7 @@ def _whole_chars(data: bytes) -> int:
 def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
     """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
     with readers.open_stream(path) as f:
+        piece = -1
         for piece, block in enumerate(_blocks(f)):
             if piece == 0 and b"\0" in block[:BINARY_PROBE_BYTES]:
                 if not in_folder:
@@ -240,6 +247,7 @@ def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
                 stats.files += 1
                 block = block.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not text
             yield piece, _decode(block, path, stats), len(block)
+        stats.empty += piece < 0
 
 
 def _parse_line(line: str, text_fields, system_prompt: str):

@@ -23,8 +23,8 @@ from tqdm import tqdm
 from config import Config, DataConfig
 from llm import arrival, atomic, hf_datasets
 from llm import token_cache as tc
-from llm.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, in_arrival_order, sources,
-                        split_weight)
+from llm.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, files_read, in_arrival_order,
+                        sources, split_weight)
 from llm.distributed import Ranks
 from llm.errors import ConfigError, DataError
 from llm.batches import check_windows
@@ -397,7 +397,7 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
     m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
              bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
              mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
-    log(f"data: {seen.files} files, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} parts, "
+    log(f"data: {files_read(seen)}, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} parts, "
         f"ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} tokens, "
         f"{m['val_bytes_per_token']:.2f} bytes per token")
     if len(found) > 1 or cfg.max_tokens:

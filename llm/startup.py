@@ -56,7 +56,7 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
     capped = " of them (max_source_mb)" if cfg.data.max_source_mb else ""
     return [f"corpus: the bundled one (--sources {BUNDLED}), Python {version}'s standard library without its tests: "
             f"{len(source_files(cfg.data))} files, {size / 1e6:.1f} MB{capped}, about "
-            f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens"]
+            f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens by its size (the tokenizer counts them below)"]
 
 
 def default_corpus(cfg: Config, device: torch.device, saved: Saved | None = None) -> tuple[Config, list[str]]:

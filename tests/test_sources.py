@@ -446,3 +446,17 @@ def test_the_start_report_names_the_bundled_corpus_and_its_size(tmp_path, monkey
     (line,) = bundled_report(Config(), size)
     assert "standard library without its tests: 3 files" in line and f"{size / 1e6:.1f} MB" in line
     assert bundled_report(Config(data=DataConfig(sources=[root])), size) == []  # a path given: no such line
+
+
+def test_empty_files_are_counted_apart_so_the_counts_agree(tmp_path):
+    """The start report said 734 files, the data line 731: three empty files were read as nothing and counted
+    nowhere. They are now said apart."""
+    from config import DataConfig
+    from llm.corpus import ReadStats, documents, files_read, source_files
+    (tmp_path / "a.py").write_text("print('a')\n")
+    (tmp_path / "b.py").write_text("")
+    (tmp_path / "c.py").write_text("x = 1\n")
+    cfg = DataConfig(sources=[str(tmp_path)])
+    stats = ReadStats()
+    list(documents(source_files(cfg), cfg, stats))
+    assert len(source_files(cfg)) == 3 and files_read(stats) == "2 files and 1 empty, left out"
