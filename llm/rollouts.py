@@ -60,12 +60,13 @@ class Rollouts:
     micro-batch's rows."""
 
     def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t, seq_len: int,
-                 device, lora: bool, rank: int = 0, world_size: int = 1):
+                 device, rank: int = 0, world_size: int = 1):
         self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
         self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
-        self.t, self.seq_len, self.device, self.lora = t, seq_len, torch.device(device), lora
+        self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.settings = grpo.Settings(t.loss_type, t.epsilon, t.epsilon_high, t.beta, t.max_completion_length)
+        grpo.check(self.settings)
         self.micro = t.micro_batch_size
         self.ends = stop_ids(tokenizer)
         self.made_at, self.batches = None, []

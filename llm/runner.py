@@ -204,5 +204,5 @@ def rl_objective(plan: Plan, runner: Runner):
     longest = max(len(p.ids) for p in prompts)
     rollouts = Rollouts(prompts, runner.raw_model, runner.amp, load_tokenizer(plan.data.tokenizer_path), *rewards, t,
                         min(plan.cfg.model.max_seq_len, longest + t.max_completion_length), plan.device,
-                        bool(t.lora_rank), plan.ranks.rank, plan.ranks.world_size)
+                        plan.ranks.rank, plan.ranks.world_size)
     return rl.Objective(rollouts, t.grad_accum_steps), rollouts
