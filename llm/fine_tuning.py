@@ -8,7 +8,7 @@ Only automatic fields are filled; the start report says with what and why.
 """
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from config import AUTO, Config
 from llm.errors import ConfigError
@@ -21,14 +21,30 @@ FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
                      "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
 
 
-def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, list[str]]:
+@dataclass(frozen=True)
+class ChosenRates:
+    """What fill_fine_tuning chose: said in one start-report line once the objective has scaled the rates (a
+    preference or GRPO run), so that the line gives the rates the run trains at and no other."""
+    fields: tuple  # the fields filled: optimizer, learning_rate, muon_lr
+    what: str  # which weights train
+    why: str  # where the rates come from
+
+    def lines(self, t, scaled: str = "") -> list[str]:
+        """The one line, with t's final values; muon_lr only where Muon trains (an AdamW run never reads it)."""
+        used = [k for k in self.fields if k != "muon_lr" or t.optimizer == "muon"]
+        values = ", ".join(f"{k}={getattr(t, k):g}" if k != "optimizer" else f"{k}={t.optimizer}" for k in used)
+        return [f"automatic: {values} (fine-tuning {self.what} the pretrained --init_from model; {self.why}"
+                f"{scaled})"] if used else []
+
+
+def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, ChosenRates | None]:
     """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
-    fine-tuning, and one report line saying so; a run from scratch, or values given, pass as they are.
-    base_train: the train settings a base that is a run of ours recorded (its config.json), which the rates
-    follow; else those measured on SmolLM2."""
+    fine-tuning, and what was chosen (its line waits for the objective: fill_preference, fill_grpo); a run from
+    scratch, or values given, pass as they are. base_train: the train settings a base that is a run of ours
+    recorded (its config.json), which the rates follow; else those measured on SmolLM2."""
     t = cfg.train
     if not t.init_from:
-        return cfg, []
+        return cfg, None
     kind = "lora" if t.lora_rank else "full"
     recorded = _recorded_rates(base_train, bool(t.lora_rank))
     if recorded:
@@ -41,11 +57,9 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
     chosen = {"optimizer": optimizer} if t.optimizer == "auto" else {}
     chosen |= {k: v for k, v in rates.items() if getattr(t, k) == AUTO}
     if not chosen:
-        return cfg, []
+        return cfg, None
     what = "LoRA adapters on" if t.lora_rank else "every weight of"
-    values = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items())
-    return replace(cfg, train=replace(t, **chosen)), [
-        f"automatic: {values} (fine-tuning {what} the pretrained --init_from model; {why})"]
+    return replace(cfg, train=replace(t, **chosen)), ChosenRates(tuple(chosen), what, why)
 
 
 def _recorded_rates(train: dict | None, lora: bool) -> dict | None:
@@ -68,10 +82,11 @@ PREFERENCE_RATE_SCALE = 1e-6 / 2e-5
 PREFERENCE_BETA = {"dpo": 0.1, "simpo": 2.5}  # TRL's DPO default; SimPO's paper (with gamma 1.375)
 
 
-def fill_preference(cfg: Config, pairs: bool, automatic: set) -> tuple[Config, list[str]]:
+def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tuple[Config, list[str]]:
     """cfg with the objective the data asks for (auto: dpo on preference pairs, lm on anything else), its beta,
-    and for pairs the rates in `automatic` (the fields fill_fine_tuning filled) scaled by PREFERENCE_RATE_SCALE;
-    refuses an objective the data cannot train and pairs without a model to start from."""
+    and for pairs the rates fill_fine_tuning chose scaled by PREFERENCE_RATE_SCALE; and the lines saying so (the
+    chosen rates' one line among them). Refuses an objective the data cannot train and pairs without a model to
+    start from."""
     t = cfg.train
     objective = t.objective if t.objective != "auto" else "dpo" if pairs else "lm"
     if pairs and objective == "lm":
@@ -81,18 +96,23 @@ def fill_preference(cfg: Config, pairs: bool, automatic: set) -> tuple[Config, l
         if objective != "lm":
             raise ConfigError(f"--objective {objective} trains on preference pairs (rows with chosen and rejected), "
                               "and these sources hold none; pass such sources, or --objective lm")
-        return replace(cfg, train=replace(t, objective="lm")), []
+        filled = replace(t, objective="lm")
+        return replace(cfg, train=filled), chosen.lines(filled) if chosen else []
     if not t.init_from:
         raise ConfigError("preference pairs tune a model you have (a chat model, fine-tuned here or downloaded): pass "
                           "--init_from with it")
     beta = t.beta or PREFERENCE_BETA[objective]
-    rates = {k: getattr(t, k) * PREFERENCE_RATE_SCALE for k in ("learning_rate", "muon_lr") if k in automatic}
-    values = ", ".join(f"{k}={v:g}" for k, v in rates.items())
+    filled = replace(t, objective=objective, beta=beta, **scaled_rates(t, chosen, PREFERENCE_RATE_SCALE))
     line = (f"preference: the sources hold pairs of a chosen and a rejected reply, trained by {objective} (beta "
-            f"{beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, NLL weight {t.nll_weight:g})"
-            + (f"; automatic: {values} (the fine-tuning rates x {PREFERENCE_RATE_SCALE:g}, as TRL's DPO and SFT "
-               "defaults differ)" if rates else ""))
-    return replace(cfg, train=replace(t, objective=objective, beta=beta, **rates)), [line]
+            f"{beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, NLL weight {t.nll_weight:g})")
+    scaled = f", x {PREFERENCE_RATE_SCALE:g} for preference tuning, as TRL's DPO and SFT defaults differ"
+    return replace(cfg, train=filled), [line] + (chosen.lines(filled, scaled) if chosen else [])
+
+
+def scaled_rates(t, chosen: ChosenRates | None, scale: float) -> dict:
+    """The rates fill_fine_tuning chose, times an objective's scale (rates given by the user stay as given)."""
+    fields = chosen.fields if chosen else ()
+    return {k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields}
 
 
 def check_used(cfg: Config):
@@ -112,6 +132,7 @@ def check_used(cfg: Config):
 GRPO_EVAL_PROMPTS = 32  # held-out prompts an automatic evaluation replies to (greedy): a reward mean to 1/32
 # RL moves a chat model as little as preference tuning: TRL's GRPO default is 1e-6 too, against SFT's 2e-5.
 GRPO_RATE_SCALE = 1e-6 / 2e-5
+GRPO_SCALED = f", x {GRPO_RATE_SCALE:g} for GRPO, as TRL's GRPO and SFT defaults differ"
 
 
 def check_grpo(cfg: Config):
@@ -132,12 +153,12 @@ def check_grpo(cfg: Config):
                           f"max_seq_len={cfg.model.max_seq_len}; lower it")
 
 
-def fill_grpo(cfg: Config, train_prompts: int, held_out: int, automatic: set,
+def fill_grpo(cfg: Config, train_prompts: int, held_out: int, chosen: ChosenRates | None,
               world_size: int = 1) -> tuple[Config, list[str]]:
     """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the step's
     prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget is given),
-    evaluation size, and the rates in `automatic` (those fill_fine_tuning filled) scaled by GRPO_RATE_SCALE; and
-    the lines saying so. Refuses a batch that does not split into micro-batches."""
+    evaluation size, and the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so
+    (the chosen rates' one line among them). Refuses a batch that does not split into micro-batches."""
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or t.num_generations
@@ -150,7 +171,7 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, automatic: set,
                           "(prompts_per_step x num_generations); leave grad_accum_steps at 0 (automatic)")
     per_pass = max(1, -(-train_prompts // (t.prompts_per_step * world_size))) * t.num_iterations
     steps = t.max_steps or (0 if t.max_minutes else math.ceil((t.epochs or 1) * per_pass))
-    rates = {k: getattr(t, k) * GRPO_RATE_SCALE for k in ("learning_rate", "muon_lr") if k in automatic}
+    rates = scaled_rates(t, chosen, GRPO_RATE_SCALE)
     filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, max_steps=steps, epochs=0.0,
                      batch_tokens=micro * cfg.model.max_seq_len * accum * world_size,
                      eval_batches=t.eval_batches or min(held_out, GRPO_EVAL_PROMPTS), **rates)
@@ -161,6 +182,4 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, automatic: set,
         f"{length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group mean"
         f"{'' if t.scale_rewards == 'none' else ' over the ' + t.scale_rewards + ' std'}, beta {t.beta:g}, "
         f"{t.num_iterations} optimizer step(s) a sampling; evaluations: greedy replies to "
-        f"{filled.eval_batches} held-out prompts"] + ([
-        f"automatic: {', '.join(f'{k}={v:g}' for k, v in rates.items())} (the fine-tuning rates x "
-        f"{GRPO_RATE_SCALE:g}, as TRL's GRPO and SFT defaults differ)"] if rates else [])
+        f"{filled.eval_batches} held-out prompts"] + (chosen.lines(filled, GRPO_SCALED) if chosen else [])

@@ -21,7 +21,7 @@ from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_b
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
-from llm.fine_tuning import check_grpo, check_used, fill_fine_tuning, fill_grpo, fill_preference
+from llm.fine_tuning import ChosenRates, check_grpo, check_used, fill_fine_tuning, fill_grpo, fill_preference
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import next_token_train
@@ -211,12 +211,12 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     # What sizing fills: preference and GRPO scale the rates, a short fine-tune takes smaller batches.
     automatic = {k for k in ("learning_rate", "muon_lr", "batch_tokens", "grad_accum_steps", "micro_batch_size")
                  if getattr(cfg.train, k) == AUTO}
-    cfg, lines = fill_fine_tuning(cfg, base_train)  # before the presets' rates, which are for training from scratch
-    notes += lines
+    # Before the presets' rates, which are for training from scratch; said once the objective has scaled them.
+    cfg, chosen = fill_fine_tuning(cfg, base_train)
     if cfg.train.objective == "auto" and cfg.train.reward:  # rewards given: the run learns from them
         cfg = replace(cfg, train=replace(cfg.train, objective="grpo"))
     if cfg.train.objective == "grpo":  # prompts and rewards, not a token cache
-        return settle_prompts(cfg, ranks, device, (ckpt, saved, init, lora_meta), notes, automatic)
+        return settle_prompts(cfg, ranks, device, (ckpt, saved, init, lora_meta), notes, chosen)
     cfg, lines = default_corpus(cfg, device, saved)
     notes += lines
     size = corpus_size(cfg, device)
@@ -227,7 +227,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     data = prepare_once(cfg, ranks, background=arriving)
     if not arriving and (line := short_of_target(cfg.data, data.meta)):  # else the preparing thread says it
         ranks.print(line)
-    cfg, lines = fill_preference(cfg, bool(data.meta.get("has_pairs")), automatic)
+    cfg, lines = fill_preference(cfg, bool(data.meta.get("has_pairs")), chosen)
     check_used(cfg)
     for line in lines:
         ranks.print(line)
@@ -250,10 +250,10 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
 
 
 def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, notes: list[str],
-                   automatic: set) -> Plan:
+                   chosen: ChosenRates | None) -> Plan:
     """settle() for a GRPO run, from the fine-tuning rates on: its reward functions loaded (the user's files, before
-    any model), its prompts read whole, its batch, length and rates (those in `automatic`) filled, the memory
-    checked."""
+    any model), its prompts read whole, its batch, length and rates (those fill_fine_tuning chose, which GRPO
+    scales) filled, the memory checked."""
     ckpt, saved = start[:2]
     if ckpt and not cfg.train.reward:  # never taken from the run folder: a reward is code, named by its user
         had = " ".join(f"--reward {shlex.quote(str(r))}" for r in saved.config.get("train", {}).get("reward") or [])
@@ -263,7 +263,7 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     check_used(cfg)
     rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
     data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
-    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), automatic, ranks.world_size)
+    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), chosen, ranks.world_size)
     lines += fit_check(cfg, device, ranks.world_size)
     ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
     loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))

@@ -189,23 +189,45 @@ def test_an_objective_the_data_cannot_train_is_refused(objective, pairs, init_fr
     from llm.fine_tuning import fill_preference
     cfg = Config(train=TrainConfig(objective=objective, init_from=init_from))
     with pytest.raises(ConfigError, match=words):
-        fill_preference(cfg, pairs, set())
+        fill_preference(cfg, pairs, None)
 
 
 def test_preference_defaults_scale_only_the_automatic_rates():
     """dpo for pairs at beta 0.1 (simpo 2.5), and the rates fill_fine_tuning filled scaled by 1/20 (TRL's DPO and
-    SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched."""
+    SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched. The chosen
+    rates get one "automatic" line, with the rates the run trains at (once two lines gave 2e-5, then 1e-6)."""
     from config import Config, TrainConfig
-    from llm.fine_tuning import fill_preference
-    cfg = Config(train=TrainConfig(init_from="runs/chat", learning_rate=2e-5, muon_lr=0.002))
-    filled, lines = fill_preference(cfg, True, {"learning_rate"})
+    from llm.fine_tuning import fill_fine_tuning, fill_preference
+    given = Config(train=TrainConfig(init_from="runs/chat", muon_lr=0.002))
+    cfg, chosen = fill_fine_tuning(given, {"optimizer": "adamw", "learning_rate": 2e-5, "muon_lr": 0.004})
+    assert chosen.fields == ("optimizer", "learning_rate")  # muon_lr was given
+    filled, lines = fill_preference(cfg, True, chosen)
     t = filled.train
     assert (t.objective, t.beta, t.muon_lr) == ("dpo", 0.1, 0.002) and t.learning_rate == pytest.approx(1e-6)
     assert "trained by dpo" in lines[0]
-    simpo = fill_preference(Config(train=TrainConfig(init_from="x", objective="simpo")), True, set())[0].train
+    assert [line for line in lines if "automatic" in line] == [lines[1]]
+    assert "learning_rate=1e-06" in lines[1] and "x 0.05" in lines[1] and "2e-05" not in lines[1]
+    simpo = fill_preference(Config(train=TrainConfig(init_from="x", objective="simpo")), True, None)[0].train
     assert simpo.beta == 2.5
-    plain, lines = fill_preference(cfg, False, {"learning_rate"})
-    assert plain.train.objective == "lm" and plain.train.learning_rate == 2e-5 and not lines
+    plain, lines = fill_preference(cfg, False, chosen)
+    assert plain.train.objective == "lm" and plain.train.learning_rate == 2e-5
+    assert len(lines) == 1 and "learning_rate=2e-05" in lines[0] and "muon_lr" not in lines[0]  # AdamW: no Muon rate
+
+
+def test_a_muon_fine_tune_names_both_rates_and_an_adamw_one_only_its_own():
+    """The automatic line names only the rates the run uses: Muon runs read muon_lr and learning_rate (for the
+    embeddings and norms), AdamW runs learning_rate alone."""
+    from config import Config, TrainConfig
+    from llm.fine_tuning import fill_fine_tuning
+    cfg = Config(train=TrainConfig(init_from="runs/base"))
+    muon, chosen = fill_fine_tuning(cfg, {"optimizer": "muon", "learning_rate": 0.006, "muon_lr": 0.02})
+    assert chosen.lines(muon.train) == [
+        "automatic: optimizer=muon, learning_rate=0.006, muon_lr=0.02 (fine-tuning every weight of the pretrained "
+        "--init_from model; the peak rates the --init_from run trained at)"]
+    adamw, chosen = fill_fine_tuning(cfg, None)  # a downloaded model: the SmolLM2-measured AdamW rates
+    assert chosen.lines(adamw.train) == [
+        "automatic: optimizer=adamw, learning_rate=2e-05 (fine-tuning every weight of the pretrained --init_from "
+        "model; the presets' rates are for training from scratch)"]
 
 
 def test_an_eager_runs_windows_lose_only_their_padding(tmp_path, tiny_config):
