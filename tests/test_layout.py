@@ -16,7 +16,7 @@ CORE = ["errors", "markdown", "fields", "config", "cli", "atomic", "fit", "sizin
         "device", "distributed", "monitor",
         "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hub_client", "hf_datasets", "corpus", "packing", "token_cache", "prompts",
         "arrival", "window_order", "batches", "preparation",
-        "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "scoring", "lm_eval_tasks", "evaluation", "autofill",
+        "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "autofill",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards", "rollouts", "rl",
         "gguf_format", "gguf_reader",
         "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup",
@@ -27,7 +27,7 @@ PEERS = {"device", "distributed", "monitor"}
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference", "bench_grpo",
          "bench_prepare",
-         "compare_optimizers",
+         "compare_optimizers", "diff_samples",
          "finetune_check", "nf4_gap", "compile_check", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
          "gpu_report", "hub_stand_in", "roofline", "what_fits"]  # in tools/
 # A tool may build on another only where declared here.
