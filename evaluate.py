@@ -8,6 +8,7 @@ for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's
     python evaluate.py hf:HuggingFaceTB/SmolLM2-135M            # any model text_generator.py loads
     python evaluate.py runs/mine --tasks lambada_openai         # any lm-eval task, where lm-eval is installed
     python evaluate.py runs/mine --tasks arc_easy --log_samples items.jsonl   # each item's scores, to audit
+    python evaluate.py runs/mine --tasks mmlu --num_fewshot 5   # MMLU as usually reported: 5 shots a subject
 Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
 report.json, the report card, to the run folder (or --report), and --json and --log_samples where asked, all
 checked writable before any scoring. Ctrl-C or SIGTERM prints the table of what was scored and writes it, marked
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     if unknown:  # before loading the model
         raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.SPLITS)}; with lm-eval "
                           "installed (pip install lm-eval) any of its tasks runs too")
-    chosen = [tasks.get(name, evals.data_dir) for name in names if name not in theirs]
+    chosen = [tasks.get(name, evals.data_dir, evals.num_fewshot) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
     check_outputs(evals)  # before the model loads: a long evaluation's scores are never lost to a bad path
     model, tokenizer, _, loaded = load_for_inference(load)
@@ -77,13 +78,13 @@ def main(argv=None) -> int:
             chances[task.name] = chance(items)
             with tqdm(total=len(items), desc=task.name, unit="item", file=sys.stderr, dynamic_ncols=True,
                       leave=False) as bar:
-                scores.append(TaskScore(task.name, task.split, norm=task.norm))
+                scores.append(TaskScore(task.name, task.split, norm=task.norm, shots=task.shots))
                 score_items(model, tokenizer, items, scores[-1], bar)
             if len(scores) == 1 and len(asked) > 1:
                 print(pace(scores[0], asked[1:]), file=sys.stderr, flush=True)
         if theirs:
             print(f"lm-eval's tasks: {', '.join(theirs)} (its data from the Hub or its cache)", file=sys.stderr)
-            scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit)
+            scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit, evals.num_fewshot)
     except KeyboardInterrupt:
         print("\nstopped; the scores so far:\n" + report_card.table(scores, chances), flush=True)
         write_outputs(evals, folder, loaded, scores, chances, device)

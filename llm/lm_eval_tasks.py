@@ -84,15 +84,17 @@ def project_lm(model, tokenizer):
     return ProjectLM()
 
 
-def run_lm_eval(model, tokenizer, names: list[str], limit: int = 0, include_path: str | None = None
-                ) -> list[TaskScore]:
-    """lm-eval's tasks of these names on the model: a TaskScore each (acc, and acc_norm where the task has it;
-    the split lm-eval scored). ConfigError without lm-eval."""
+def run_lm_eval(model, tokenizer, names: list[str], limit: int = 0, shots: int = 0,
+                include_path: str | None = None) -> list[TaskScore]:
+    """lm-eval's tasks of these names on the model, with `shots` solved examples (0: each task's default): a
+    TaskScore each (acc, and acc_norm where the task has it; the split lm-eval scored). ConfigError without
+    lm-eval."""
     if not lm_eval_available():
         raise ConfigError(f"{', '.join(names)}: lm-eval's tasks need lm-eval, pip install lm-eval")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     results = simple_evaluate(model=project_lm(model, tokenizer), tasks=list(names), limit=limit or None,
+                              num_fewshot=shots or None,
                               task_manager=TaskManager(include_path=include_path), log_samples=False,
                               bootstrap_iters=0)
     scores = []
@@ -104,7 +106,7 @@ def run_lm_eval(model, tokenizer, names: list[str], limit: int = 0, include_path
         items = results.get("n-samples", {}).get(name, {}).get("effective", 0)
         split = results.get("configs", {}).get(name, {}).get("test_split") or \
             results.get("configs", {}).get(name, {}).get("validation_split") or ""
-        score = TaskScore(name, split, items=items, norm=norm is not None)
+        score = TaskScore(name, split, items=items, norm=norm is not None, shots=shots)
         score.correct, score.correct_norm = (acc or 0.0) * items, (norm or 0.0) * items
         scores.append(score)
     return scores

@@ -39,7 +39,8 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
              f"{'seconds':>8}"]
     for s in scores:
         acc, norm = (s.acc, s.acc_norm) if s.items else (None, None)  # a task stopped before its first item
-        lines.append(f"{s.task:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_err(s.acc_stderr):<5} "
+        name = f"{s.task} {s.shots}-shot" if s.shots else s.task
+        lines.append(f"{name:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_err(s.acc_stderr):<5} "
                      f"{_pct(norm):>8} {_err(s.acc_norm_stderr):<5} "
                      f"{_pct(chances.get(s.task)):>6} {s.seconds:>8.1f}" + ("  (stopped)" if s.partial else ""))
     done = [s for s in scores if s.items]
@@ -59,7 +60,7 @@ def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> d
     """What a script reads: each task's acc, acc_norm, items, split, shots, seconds and chance."""
     return {"model": model, "limit": limit,
             "tasks": {s.task: {"acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
-                               "acc_norm_stderr": s.acc_norm_stderr, "items": s.items, "split": s.split, "shots": 0,
+                               "acc_norm_stderr": s.acc_norm_stderr, "items": s.items, "split": s.split, "shots": s.shots,
                                "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,
                                "partial": s.partial} for s in scores}}
 
@@ -92,10 +93,11 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
         lines.append("- data: " + (", ".join(md.code(s) for s in sources) or "the Python standard library's sources"))
     if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
         lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, step {facts['eval']['step']:,})")
-    lines += [f"- scored on: {device}, zero-shot, lm-eval's prompts and metrics"
-              + (f", the first {limit} items of each task" if limit else ", every item"), "",
-              "```", table(scores, chances), "```", ""]
-    if not limit:
+    shot = [f"{s.task} {s.shots}-shot" for s in scores if s.shots]
+    lines += [f"- scored on: {device}, {', '.join(shot + ['the rest zero-shot']) if shot else 'zero-shot'}, "
+              "lm-eval's prompts and metrics" + (f", the first {limit} items of each task" if limit else
+                                                 ", every item"), "", "```", table(scores, chances), "```", ""]
+    if not limit and not shot:  # the references were scored zero-shot on every item
         lines += _reference_rows(scores, chances)
     return "\n".join(lines) + "\n"
 

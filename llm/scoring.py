@@ -184,6 +184,7 @@ class TaskScore:
     seconds: float = 0.0
     cut: int = 0  # items whose prompt lost tokens on the left to fit the model's context
     partial: bool = False  # stopped before its last item (Ctrl-C)
+    shots: int = 0  # solved examples before each question
     predictions: list = field(default_factory=list, repr=False)  # each item's chosen index (acc)
     samples: list = field(default_factory=list, repr=False)  # each item's line for --log_samples (llm/samples.py)
 

