@@ -273,13 +273,14 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
 # ----------------------------------------------------------------------------- many prompts through a few rows
 
 def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
-                 on_done=None, keep_end: bool = False) -> list[list[int]]:
+                 on_done=None, keep_end: bool = False, until=None) -> list[list[int]]:
     """Continue each prompt (token ids) once, eagerly and without stop strings; return each one's new ids, in
     order. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
     the tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
     eos_ids, after max_new_tokens or at the context's end, as in generate(); keep_end: the end id it ended at
     closes its new ids (what a model trained on its replies learns to stop with). on_done(i, ids) hears each
-    prompt as its reply ends, in the order they end."""
+    prompt as its reply ends, in the order they end. until(i, ids), asked at each read of a reply still going,
+    ends it where it is when True (a stop string written: the caller cuts the text there)."""
     ctx, device = model.config.max_seq_len, model.embed_tokens.weight.device
     for p in prompts:
         check_prompt(len(p), ctx)
@@ -304,7 +305,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
             if len(out[i]) >= limits[i]:
                 break
         else:
-            return
+            if until is None or not until(i, out[i]):
+                return
         prompt_of[r] = None
         if on_done:
             on_done(i, out[i])

@@ -50,6 +50,9 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
         lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':<5} {'':>8} {'':<5} "
                      f"{_pct(sum(base) / len(base)) if len(base) == len(done) else '':>6} "
                      f"{sum(s.seconds for s in done):>8.1f}")
+    for s in scores:
+        if s.metrics != TaskScore.metrics:
+            lines.append(f"{s.task}: acc is lm-eval's {s.metrics[0]}, acc_norm its {s.metrics[1]}")
     cut = sum(s.cut for s in scores)
     if cut:
         lines.append(f"{cut} item(s) had prompts longer than the model's context, cut from the left as lm-eval does")
@@ -57,10 +60,12 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
 
 
 def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> dict:
-    """What a script reads: each task's acc, acc_norm, items, split, shots, seconds and chance."""
+    """What a script reads: each task's acc, acc_norm (and what they are: metrics), items, split, shots, seconds
+    and chance."""
     return {"model": model, "limit": limit,
             "tasks": {s.task: {"acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
-                               "acc_norm_stderr": s.acc_norm_stderr, "items": s.items, "split": s.split, "shots": s.shots,
+                               "acc_norm_stderr": s.acc_norm_stderr, "metrics": list(s.metrics), "items": s.items,
+                               "split": s.split, "shots": s.shots,
                                "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,
                                "partial": s.partial} for s in scores}}
 

@@ -168,8 +168,13 @@ def _add_scores(sums: list, items: list[Encoded], seqs: list, rows: list[int], f
 
 CHUNK_ITEMS = 256  # choice items scored between two looks at the clock (the progress bar, a Ctrl-C's partial table)
 GENERATE_ROWS = 64  # generated answers written together (a CPU writes 2x the tokens a second of 16)
-ANSWER_TOKENS = 512  # the longest answer written (lm-eval's max_gen_toks for GSM8K), at most half the context
+ANSWER_TOKENS = 512  # the longest chat answer written (the wheel's oe-eval requests' max_gen_toks), at most half
+LM_EVAL_TOKENS = 256  # the longest answer of a task that follows lm-eval's generate_until (its default max_gen_toks)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# lm-eval's gsm8k_cot: its strict-match and flexible-extract filters, and what exact_match ignores in both texts.
+STRICT = re.compile(r"The answer is (\-?[0-9\.\,]+).")
+FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+IGNORED = [re.compile(p) for p in (",", r"\$", r"(?s).*#### ", r"\.$")]
 
 
 @dataclass
@@ -185,6 +190,7 @@ class TaskScore:
     cut: int = 0  # items whose prompt lost tokens on the left to fit the model's context
     partial: bool = False  # stopped before its last item (Ctrl-C)
     shots: int = 0  # solved examples before each question
+    metrics: tuple = ("acc", "acc_norm")  # what acc and acc_norm hold: for gsm8k_cot, lm-eval's two extractions
     predictions: list = field(default_factory=list, repr=False)  # each item's chosen index (acc)
     samples: list = field(default_factory=list, repr=False)  # each item's line for --log_samples (llm/samples.py)
 
@@ -257,30 +263,71 @@ def _choose(model, tokenizer, chunk: list[Item], result: TaskScore, prefix: int)
 
 
 def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=None):
-    """A generated answer: greedy, until the end of the reply or ANSWER_TOKENS; right when its last number is the
-    item's answer. GENERATE_ROWS replies are written together, a finished one's row taking the next item. A
-    prompt keeps its last tokens where it would leave no room for the answer, as lm-eval cuts."""
-    ctx = model.config.max_seq_len
-    room = min(ANSWER_TOKENS, ctx // 2)
+    """A generated answer: greedy, until the end of the reply, a stop string of the item's or the task's most
+    tokens; graded as lm-eval grades it (an item with stop strings: acc the strict match, acc_norm the flexible
+    one) or, for a chat reply, right when its last number is the item's answer. GENERATE_ROWS replies are written
+    together, a finished one's row taking the next item. A prompt keeps its last tokens where it would leave no
+    room for the answer, as lm-eval cuts."""
+    ctx, lm_eval = model.config.max_seq_len, bool(items and items[0].until)
+    room = min(LM_EVAL_TOKENS if lm_eval else ANSWER_TOKENS, ctx // 2)
+    if lm_eval:
+        result.metrics = ("strict-match", "flexible-extract")
     prompts = [tokenizer.encode(item.requests[0][0], add_special_tokens=False) for item in items]
     replies, lines = {}, {}
 
     def answered(i: int, ids: list[int]):
-        replies[i] = reply = tokenizer.decode(ids, skip_special_tokens=True)
-        said = last_number(reply)
-        right = same_number(said, items[i].answer)
+        replies[i] = reply = cut_at(tokenizer.decode(ids, skip_special_tokens=True), items[i].until)
         result.items, result.cut = result.items + 1, result.cut + (len(prompts[i]) > ctx - room)
-        result.correct += right
-        lines[i] = answer_line(result.task, items[i], reply, said, right)
+        if lm_eval:
+            strict, flexible = (extract(reply, how) for how in (STRICT, FLEXIBLE))
+            right, right_norm = (same_text(x, items[i].answer) for x in (strict, flexible))
+            result.correct, result.correct_norm = result.correct + right, result.correct_norm + right_norm
+            lines[i] = answer_line(result.task, items[i], reply, strict, right) | {
+                "flexible_extract": flexible, "exact_match_flexible": float(right_norm)}
+        else:
+            said = last_number(reply)
+            right = same_number(said, items[i].answer)
+            result.correct += right
+            lines[i] = answer_line(result.task, items[i], reply, said, right)
         if bar is not None:
             bar.update(1)
+
+    def stopped(i: int, ids: list[int]) -> bool:  # a stop string written: the rest would be cut anyway
+        return bool(items[i].until) and cut_at(tokenizer.decode(ids), items[i].until) != tokenizer.decode(ids)
     settings = SampleConfig(temperature=0.0, max_new_tokens=room, top_k=0, top_p=1.0)
     try:
         generate_all(model, [p[-(ctx - room):] for p in prompts], settings, stop_ids(tokenizer), GENERATE_ROWS,
-                     answered)
+                     answered, until=stopped if lm_eval else None)
     finally:
         result.predictions += [replies[i] for i in sorted(replies)]  # each reply, in the items' order
         result.samples += [lines[i] for i in sorted(lines)]
+
+
+def cut_at(text: str, stops) -> str:
+    """The text before the first of the stop strings it holds, as lm-eval cuts a generate_until reply."""
+    for stop in stops:
+        text = text.split(stop)[0]
+    return text
+
+
+def extract(reply: str, pattern: re.Pattern) -> str:
+    """lm-eval's regex filter then take_first: strict, the first match; flexible, the last; the match's first
+    non-empty group, stripped; "[invalid]" where nothing matches."""
+    found = pattern.findall(reply)
+    if not found:
+        return "[invalid]"
+    match = found[0] if pattern is STRICT else found[-1]
+    if isinstance(match, tuple):
+        match = next((m for m in match if m), "[invalid]")
+    return match.strip()
+
+
+def same_text(said: str, answer: str) -> bool:
+    """lm-eval's exact_match for GSM8K: equal once both lose what it ignores (commas, dollar signs, a text
+    up to "#### ", a final full stop) and their case."""
+    for pattern in IGNORED:
+        said, answer = pattern.sub("", said), pattern.sub("", answer)
+    return said.lower() == answer.lower()
 
 
 def last_number(text: str) -> str | None:

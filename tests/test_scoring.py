@@ -107,7 +107,7 @@ def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypa
     model, tok = tiny_loaded
     replies = iter([" so 7 + 5 = 12", " I think 40", " no idea"])
 
-    def written(model, prompts, settings, eos, rows, on_done):  # answered last to first, as rows may end
+    def written(model, prompts, settings, eos, rows, on_done, until=None):  # answered last to first, as rows may end
         out = [tok.encode(next(replies), add_special_tokens=False) for _ in prompts]
         for i in reversed(range(len(out))):
             on_done(i, out[i])
@@ -155,3 +155,60 @@ def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
         picks, lls = bench_eval.their_predictions(lm, asked)
         assert ours.predictions == picks, folder
         assert [x["loglikelihoods"] for x in ours.samples] == [pytest.approx(row, abs=2e-3) for row in lls]
+
+
+def test_gsm8k_cot_is_graded_as_lm_eval_grades_it():
+    """A base model's GSM8K reply: cut at lm-eval's stop strings, then its strict-match and flexible-extract
+    filters (lm-eval's own RegexFilter, configured from its gsm8k_cot.yaml) and its exact_match with that task's
+    settings give the same extractions and the same right or wrong as ours, on replies that trip each rule."""
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+    config = load_yaml(TaskManager().task_index["gsm8k_cot"].yaml_path)
+    filters = {f["name"]: f["filter"][0] for f in config["filter_list"]}
+    metric = config["metric_list"][0]
+    item = tasks.get("gsm8k_cot").items(1)[0]
+    replies = [" She has 9 eggs. 9 * 2 = 18. The answer is 18.", " The answer is $18.00.", " It is 1,018 or 18",
+               " The answer is 18.\n\nQ: Tom has 3 apples", " no idea", " The answer is -18.", " 18 dollars.",
+               " The answer is 18. Then 20.", " $18", " The Answer is 18.", " 3.5 and then 18.", "Q: what"]
+    for raw in replies:
+        reply = scoring.cut_at(raw, item.until)
+        assert reply == min((raw.split(s)[0] for s in item.until), key=len)
+        for name, pattern in (("strict-match", scoring.STRICT), ("flexible-extract", scoring.FLEXIBLE)):
+            spec = filters[name]
+            theirs = RegexFilter(spec["regex_pattern"], spec.get("group_select", 0)).apply([[reply]], [{}])[0][0]
+            assert scoring.extract(reply, pattern) == theirs, (raw, name)
+            right = exact_match_hf_evaluate([theirs], [item.answer], regexes_to_ignore=metric["regexes_to_ignore"],
+                                            ignore_case=metric["ignore_case"])["exact_match"]
+            assert scoring.same_text(theirs, item.answer) == (right == 1.0), (raw, name)
+    assert scoring.same_text("18.", "18") and not scoring.same_text("18.5", "18")
+
+
+def test_a_base_models_gsm8k_stops_at_the_stop_string(tiny_loaded, monkeypatch):
+    """gsm8k_cot's replies end at lm-eval's stop strings: the engine stops a row once one is written (so a base
+    model writing its next "Q:" costs no more tokens), and the reply is the greedy text before it; acc and
+    acc_norm are the strict and flexible matches of the lines logged."""
+    from llm import engine
+    model, tok = tiny_loaded
+    items = tasks.get("gsm8k_cot").items(3)
+    written = []
+    real = engine.generate_all
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        written.extend(out)
+        return out
+    monkeypatch.setattr(scoring, "generate_all", spy)
+    stops = ("appen", "listdir", "prin")  # strings the tiny model writes early in its greedy replies here
+    items = [Item(i.requests, (), 0, answer="1", until=stops, source=i.source, doc_id=i.doc_id) for i in items]
+    result = score_items(model, tok, items, TaskScore("gsm8k_cot", "test"))
+    greedy = [real(model, [tok.encode(i.requests[0][0], add_special_tokens=False)[-(model.config.max_seq_len // 2):]],
+                   scoring.SampleConfig(temperature=0.0, max_new_tokens=min(256, model.config.max_seq_len // 2),
+                                        top_k=0, top_p=1.0))[0] for i in items]
+    for line, ids, full in zip(result.samples, written, greedy):
+        text = tok.decode(full, skip_special_tokens=True)
+        assert line["reply"] == scoring.cut_at(text, stops) and ids == full[:len(ids)]
+    assert all(len(ids) < len(full) for ids, full in zip(written, greedy))  # each row ended at its stop string
+    assert result.correct == sum(line["exact_match"] for line in result.samples)
+    assert result.correct_norm == sum(line["exact_match_flexible"] for line in result.samples)
