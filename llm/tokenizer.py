@@ -227,6 +227,15 @@ def chat_text(messages) -> str:
     return "".join(text for text, _, _ in chat_segments(messages))
 
 
+def template_prompt(tok, messages, template: str = "") -> str:
+    """The text asking for the assistant's reply to messages: in `template` (a model's own chat template, rendered
+    by transformers' apply_chat_template in its sandbox, as lm-eval's --apply_chat_template renders it), else in
+    the project's ChatML."""
+    if not template:
+        return chat_text(messages) + IM_START + "assistant\n"
+    return tok.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True, tokenize=False)
+
+
 def encode_batch(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     """The ids of each text, every core at once; text that happens to contain "<|endoftext|>" stays text: it must
     not forge a boundary or a turn."""

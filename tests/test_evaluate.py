@@ -157,7 +157,7 @@ def test_the_chat_suite_runs_for_models_trained_to_chat_only(tiny_checkpoint, ch
     import gpu_training_optimized as trainer
     from llm import tasks
     asked = []
-    monkeypatch.setattr(tasks.Task, "items", lambda self, limit=0: [])
+    monkeypatch.setattr(tasks.Task, "items", lambda self, limit=0, template=None: [])
     monkeypatch.setattr(evaluate, "score_items", lambda model, tok, items, result, bar: asked.append(result.task))
     chat, text = tmp_path / "chat", tmp_path / "text"
     assert trainer.main(argv_for(chat_corpus, chat, "--max_steps", 1)) == 0

@@ -146,6 +146,37 @@ def test_a_chat_question_is_the_template_the_chat_path_renders(tiny_loaded):
     assert [r[1] for r in item.requests] == ["A", "B", "C", "D"] and item.gold == 0 and "D. airplane" in message
 
 
+def test_chat_tasks_ask_in_the_models_own_template(tmp_path):
+    """lm-eval's --apply_chat_template renders a chat task in the model's own template: SmolLM2-Instruct's adds a
+    default system message the project's ChatML leaves out. The prompt must be transformers' own rendering of the
+    GGUF's template (a Hugging Face folder's, its default of several), and a run of ours keeps its ChatML."""
+    import json
+    from transformers import AutoTokenizer
+    from evaluate import own_chat_template
+    from llm.tokenizer import template_prompt
+    from test_scoring import smollm2
+    folder, name = os.path.split(smollm2())
+    theirs = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    template = own_chat_template(smollm2())
+    assert "You are a helpful AI assistant named SmolLM" in template
+    for task in ("arc_easy_chat", "mmlu_chat", "gsm8k_chat"):
+        plain = tasks.get(task).items(2)
+        rendered = tasks.get(task).items(2, lambda m: template_prompt(theirs, m, template))
+        for before, item in zip(plain, rendered):
+            want = theirs.apply_chat_template(list(item.messages), add_generation_prompt=True, tokenize=False)
+            assert {context for context, _ in item.requests} == {want} and want.startswith("<|im_start|>system\n")
+            assert [c for _, c in item.requests] == [c for _, c in before.requests]
+            assert before.requests[0][0] == want.split("<|im_end|>\n", 1)[1]  # ChatML: the same turns, no system
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")  # a folder of weights: only its files are read here
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}))
+    assert own_chat_template(str(hf)) == template
+    assert own_chat_template(str(tmp_path)) == ""  # not a model from elsewhere: ChatML
+
+
 def test_gsm8k_holds_each_test_question_and_its_answer():
     items = tasks.get("gsm8k_chat").items()
     assert len(items) == 1319 and items[0].answer == "18" and "Janet" in items[0].requests[0][0]
