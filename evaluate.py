@@ -132,7 +132,8 @@ def write_outputs(evals: EvalConfig, folder: str, loaded: str, scores: list, cha
     if evals.log_samples:
         atomic.write_text(evals.log_samples, samples.text([line for s in scores for line in s.samples]))
         print(f"samples: {evals.log_samples}", file=sys.stderr)
-    report_card.write_report(folder, report_card.report(loaded, scores, evals.limit, chances, device), data)
+    report_card.write_report(folder, report_card.report(loaded, scores, evals.limit, chances, device), data,
+                             scores, chances)
     print(f"report card: {os.path.join(folder, report_card.REPORT)}", file=sys.stderr)
 
 

@@ -265,7 +265,8 @@ def write_report_card(plan: Plan, session: Session, ckpt: str | None) -> str:
     items = max(s.items for s in scores)
     text = report_card.report(ckpt, scores, items, probe.chances, device)
     run_dir = plan.cfg.train.run_dir
-    report_card.write_report(run_dir, text, report_card.as_json(scores, ckpt, items, probe.chances))
+    report_card.write_report(run_dir, text, report_card.as_json(scores, ckpt, items, probe.chances), scores,
+                             probe.chances)
     return f"\n{report_card.table(scores, probe.chances)}\nreport card: {run_dir}/report.md"
 
 

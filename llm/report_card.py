@@ -8,7 +8,7 @@ evaluate.py writes it for any model, the trainer for its run; an export's model 
 import json
 import os
 
-from llm import atomic, tasks
+from llm import atomic, report_chart, tasks
 from llm import markdown as md
 from llm.model_card import run_facts
 from llm.scoring import TaskScore
@@ -126,15 +126,25 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
         lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, step {facts['eval']['step']:,})")
     shot = [f"{s.task} {s.shots}-shot" for s in scores if s.shots]
-    lines += [f"- scored on: {device}, {', '.join(shot + ['the rest zero-shot']) if shot else 'zero-shot'}, "
-              "lm-eval's prompts and metrics" + (f", the first {limit} items of each task" if limit else
-                                                 ", every item"), "", "```", table(scores, chances), "```", ""]
-    if not limit and not shot:  # the references were scored zero-shot on every item
-        lines += _reference_rows(scores, chances)
+    splits = {}
+    for score in scores:
+        splits.setdefault(score.split, []).append(score.task)
+    lines += [f"- scored on: {device}, " + (f"the first {limit} items of each task" if limit else "every item"),
+              f"- shots: {', '.join(shot + ['the rest zero-shot']) if shot else 'zero-shot'}",
+              "- splits: " + "; ".join(f"{split} ({', '.join(names)})" for split, names in splits.items()),
+              f"- prompts and metrics: lm-eval's task definitions, as of lm-eval {tasks.LM_EVAL_VERSION}", "",
+              "```", table(scores, chances), "```", ""]
+    if report_chart.available() and any(s.items for s in scores):
+        lines += [f"![each task's accuracy with its standard error, chance and the references]({report_chart.CHART})",
+                  ""]
+    if shot:
+        lines += ["The reference rows are left out: they are zero-shot scores.", ""]
+    else:
+        lines += _reference_rows(scores, chances, limit)
     return "\n".join(lines) + "\n"
 
 
-def _reference_rows(scores: list[TaskScore], chances: dict) -> list[str]:
+def _reference_rows(scores: list[TaskScore], chances: dict, limit: int) -> list[str]:
     names = [s.task for s in scores]
     head = "| model | " + " | ".join(names) + " |"
     rows = [head, "|" + "---|" * (len(names) + 1),
@@ -142,11 +152,19 @@ def _reference_rows(scores: list[TaskScore], chances: dict) -> list[str]:
             "| chance | " + " | ".join(_pct(chances.get(n)) for n in names) + " |"]
     for model, results in REFERENCES.items():
         rows.append(f"| {model} | " + " | ".join(_pct(results.get(n)) for n in names) + " |")
-    return ["Accuracy (acc, %) beside references measured by this tool on the same items:", ""] + rows + [""]
+    said = "on every item of each split, where this model had the first {limit} of each task: a difference within a " \
+        "few standard errors says little" if limit else "on the same items"
+    return [f"Accuracy (acc, %) beside references measured by this tool {said.format(limit=limit)}:", ""] + rows + [""]
 
 
-def write_report(folder: str, text: str, data: dict):
-    """report.md and report.json in folder, each replaced whole."""
+def write_report(folder: str, text: str, data: dict, scores: list | None = None, chances: dict | None = None):
+    """report.md and report.json in folder, each replaced whole, and given the scores the chart report.md shows
+    (report.png, where matplotlib is installed)."""
     _folder(folder)
+    if scores and any(s.items for s in scores) and report_chart.available():
+        title = f"{data.get('model', '')}" + (f", the first {data['limit']} items of each task" if data.get("limit")
+                                              else "")
+        atomic.write_bytes(os.path.join(folder, report_chart.CHART),
+                           report_chart.png(scores, chances or {}, REFERENCES, os.path.basename(title)))
     atomic.write_text(os.path.join(folder, REPORT), text)
     write_json(os.path.join(folder, REPORT_JSON), data)

