@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from config import SampleConfig
-from llm.decode import Slot, State, batch_bucket, bucket, decode_step, eager_slot, prefill_step
+from llm.decode import Slot, State, batch_bucket, bucket, eager_slot, prefill_step
 from llm.decode_compile import compile_limits, compiled_slot, compiles, compiling
 from llm.errors import ConfigError
 from llm.sampling import TextStream, candidates, exp_noise
@@ -274,8 +274,8 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
 
 def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
                  on_done=None, keep_end: bool = False, until=None) -> list[list[int]]:
-    """Continue each prompt (token ids) once, eagerly and without stop strings; return each one's new ids, in
-    order. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
+    """Continue each prompt (token ids) once, without stop strings; return each one's new ids, in order. The
+    decode step is compiled where the model was set to compile (use_compile: a CUDA graph on CUDA), else eager. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
     the tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
     eos_ids, after max_new_tokens or at the context's end, as in generate(); keep_end: the end id it ended at
     closes its new ids (what a model trained on its replies learns to stop with). on_done(i, ids) hears each
@@ -290,7 +290,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     limits = [min(settings.max_new_tokens, ctx - len(p)) for p in prompts]
     B, max_len = min(rows, len(prompts)), min(ctx, max(len(p) + n for p, n in zip(prompts, limits)))
-    check_memory(model, B, max_len)
+    compiled = compiles(model) and not compiling(model)  # a compiled slot holds the whole context, kept
+    check_memory(model, B, ctx if compiled else max_len)
     out, waiting = [[] for _ in prompts], list(reversed(range(len(prompts))))  # waiting: next prompt last
     prompt_of, reach = [None] * B, [0] * B  # each row's prompt (None: ended, none left) and cache position
 
@@ -322,8 +323,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
                 prompt_of[r], reach[r] = i, len(prompts[i])
                 take(r, [token])
 
-    with torch.no_grad():
-        slot = eager_slot(model, B, max_len)
+    with torch.no_grad(), compile_limits():
+        slot = compiled_slot(model, B) if compiled else eager_slot(model, B, max_len)
         slot.state.eos.copy_(torch.tensor((list(eos_ids) + [-1] * 4)[:4]))
         slot.state.done.fill_(True)  # until a prompt joins
         generators = _generators([(None, settings)] * B, device)
@@ -333,8 +334,9 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         while any(i is not None for i in prompt_of):
             for j in range(CHUNK):
                 _noise(slot.state, generators, B)
-                slot.cache.span = min(max_len, 1 + max(reach[r] for r in range(B) if prompt_of[r] is not None))
-                decode_step(model, slot.cache, slot.state, ranked)
+                if not compiled:  # attention reads no further than the longest row: eager shapes may change
+                    slot.cache.span = min(max_len, 1 + max(reach[r] for r in range(B) if prompt_of[r] is not None))
+                slot.decode(model, slot.cache, slot.state, ranked)
                 reach[:] = [x + 1 for x in reach]
                 chunk[:, j] = slot.state.tokens[:, 0]
             block = chunk.tolist()

@@ -16,6 +16,7 @@ from config import Config
 from llm import preference, rl
 from llm.averaging import WeightAverage
 from llm.batches import PairBatches
+from llm.decode_compile import use_compile
 from llm.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure, keep_freed_memory,
                         keep_grads, machine, pick_precision, uses_cuda_graphs)
 from llm.distributed import Ranks
@@ -106,6 +107,7 @@ class Runner:
         self.opt.zero_grad(set_to_none=not self.persistent_grads)
         self.compiled, self.cudagraphs, self.eager = self.model, False, True
         self.opt.use_compile(False)
+        use_compile(self.raw_model, "off")  # a GRPO run's sampling too
 
     def warm_evaluation(self, val_batches, t, ranks: Ranks):
         """Compile evaluation's own graph (FP8 runs) before the loop times anything, eager after a compiler
@@ -202,6 +204,9 @@ def rl_objective(plan: Plan, runner: Runner):
     t, rewards = plan.cfg.train, plan.rewards
     prompts = plan.batches.prompts
     longest = max(len(p.ids) for p in prompts)
+    # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA and eager
+    # on a CPU, where a compile does not pay back (decode_compile.compile_mode).
+    use_compile(runner.raw_model, "off" if runner.eager else t.compile)
     rollouts = Rollouts(prompts, runner.raw_model, runner.amp, load_tokenizer(plan.data.tokenizer_path), *rewards, t,
                         min(plan.cfg.model.max_seq_len, longest + t.max_completion_length), plan.device,
                         plan.ranks.rank, plan.ranks.world_size)

@@ -82,6 +82,22 @@ def naive_greedy(model, prompt: list[int], n: int, eos: set) -> list[int]:
     return ids[len(prompt):]
 
 
+def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
+    """GRPO samples through generate_all from a model set to compile where its step compiles (on CUDA a graph
+    of the decode step, not an eager loop): the compiled slot (the whole context, kept between calls, rows
+    refilled into it in place) writes each reply the eager one writes, greedy and seeded sampling alike, twice
+    in a row (the kept slot's last call leaves nothing behind)."""
+    model, tok = tiny_loaded
+    prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x", "class Stack:", "return n")]
+    eos = engine.generate(model, prompts[:1], GREEDY)[0][4]
+    fast = compiled(model)
+    sampled = SampleConfig(temperature=1.0, top_k=0, max_new_tokens=10, seed=7)
+    for settings in (GREEDY, sampled, GREEDY):
+        eager = engine.generate_all(model, prompts, settings, [eos], rows=2)
+        assert engine.generate_all(fast, prompts, settings, [eos], rows=2) == eager
+    assert len(decode_compile._COMPILED[fast].slots) == 1  # one compiled slot of 2 rows, reused
+
+
 def test_rows_that_take_the_next_prompt_write_what_one_prompt_alone_writes(tiny_loaded):
     """generate_all through 3 rows: prompts join rows others left (refilled mid-run, at different positions),
     yet each reply equals a full forward's greedy reply; with a repetition penalty, generate() one by one."""
