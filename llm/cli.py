@@ -15,6 +15,7 @@ from typing import Literal, get_args, get_origin
 
 from config import PRESETS, Config, DataConfig, ModelConfig, TrainConfig
 from llm.errors import ConfigError
+from llm.ranges import said
 
 MAX_CONFIG_BYTES = 2**20  # a config file is a few kB: bounds the file, and what its YAML aliases expand to
 
@@ -136,7 +137,8 @@ def add_fields(parser: argparse.ArgumentParser, section, shown: set[str] | None 
     for f in fields(section):
         default = f.default_factory() if f.default is MISSING else f.default
         listed = shown is None or f.name in shown
-        kind, options = f.type, {"help": f.metadata.get("help") if listed else argparse.SUPPRESS, "default": default}
+        help_text = " ".join(filter(None, [f.metadata.get("help"), said(f.name) if f.type in (int, float) else ""]))
+        kind, options = f.type, {"help": help_text if listed else argparse.SUPPRESS, "default": default}
         if kind is bool:
             options.update(type=_boolean, nargs="?", const=True, metavar="true|false")
         elif get_origin(kind) is Literal:

@@ -9,6 +9,7 @@ from dataclasses import field, fields
 from typing import Literal, get_args, get_origin
 
 from llm.errors import ConfigError
+from llm.ranges import outside
 
 
 def arg(default, help: str, const=None, positional: bool = False, aliases: dict | None = None,
@@ -33,11 +34,14 @@ def require(ok: bool, name: str, value, rule: str):
 
 
 def require_choices(cfg):
-    """Every Literal-typed field holds one of its values (the command line checks too; code may not), and
-    every float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken)."""
+    """Every Literal-typed field holds one of its values (the command line checks too; code may not), every
+    float field a finite number (float() reads "inf" and "nan": --lora_alpha inf was once taken), and every
+    number lies in its range (llm/ranges.py)."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if get_origin(f.type) is Literal:
             require(value in get_args(f.type), f.name, value, f"choose one of {', '.join(get_args(f.type))}")
         elif f.type is float:
             require(math.isfinite(value), f.name, value, "must be a finite number")
+        if f.type in (int, float) and (why := outside(f.name, value)):
+            require(False, f.name, value, why)

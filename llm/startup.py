@@ -136,7 +136,7 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
     least_gib = estimate(least, target, base).total / 2**30
     if least_gib > IMPLAUSIBLE_GIB:
-        raise ConfigError(f"{what}; even its least form needs {least_gib / 2**20:,.0f} TiB, more than any machine "
+        raise ConfigError(f"{what}; even its least form needs {least_gib / 2**10:,.0f} TiB, more than any machine "
                           f"holds: the model's shape ({_size(count_parameters(m))} parameters) is implausible, check "
                           "its config (hidden_size, num_hidden_layers, vocab_size)")
     if flags:
@@ -151,7 +151,7 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
     raise ConfigError(f"{what}; {fix}")
 
 
-IMPLAUSIBLE_GIB = 2**20  # a PiB: past this the config is a typo, not a model a bigger GPU would hold
+IMPLAUSIBLE_GIB = 2**17  # 128 TiB, 100x the largest open model's bf16 weights: a typo, not a model to buy for
 
 
 def _size(parameters: int) -> str:

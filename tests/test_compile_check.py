@@ -4,6 +4,7 @@ a contributor with the CPU build meets, and the pieces that need no CUDA."""
 import importlib.util
 
 import compile_check
+import compile_workloads
 import fake_gpu
 import pytest
 import roofline
@@ -33,8 +34,8 @@ def test_every_configuration_names_a_known_gpu_and_the_table_shows_failures():
 
 def test_sdpa_backend_names_come_from_the_ops_that_ran():
     ops = {"_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward", "mm"}
-    assert compile_check.sdpa_backends(ops) == "cudnn"
-    assert compile_check.sdpa_backends({"mm"}) == "none"
+    assert compile_workloads.sdpa_backends(ops) == "cudnn"
+    assert compile_workloads.sdpa_backends({"mm"}) == "none"
 
 
 @pytest.mark.slow

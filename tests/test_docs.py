@@ -21,7 +21,7 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pa
 RUN_SCRIPTS = ["gpu_training_optimized", "text_generator", "prepare_data", "serve", "export_hf"]
 TOOLS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tools", "*.py")))
 # imported by other tools, never run
-TOOL_LIBRARIES = ("fake_gpu", "roofline", "gpu_generation", "gpu_first_run", "gpu_report", "hub_stand_in")
+TOOL_LIBRARIES = ("fake_gpu", "roofline", "compile_workloads", "gpu_generation", "gpu_first_run", "gpu_report", "hub_stand_in")
 # What a newcomer looks for, each a section of README.md; a section deleted by mistake fails here.
 WORKFLOWS = ["Install", "Quick start", "Run the tests", "Train", "Chat and generate", "Data", "Fine-tune", "Serve",
              "Export", "Evaluate", "Several GPUs", "The GPU check", "Files"]

@@ -231,11 +231,15 @@ def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkey
 
 
 def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypatch):
-    """A config of 10^12 hidden units was refused naming "a GPU of 50952148476305616 GB": the shape is the typo."""
+    """A config of 10^12 hidden units was refused naming "a GPU of 50952148476305616 GB": the shape is the typo.
+    Such a width is now past its range (llm/ranges.py); a shape whose every field is in range but whose whole is
+    10^16 parameters is still called implausible."""
     from types import SimpleNamespace
     monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))
-    huge = ModelConfig(vocab_size=1000, hidden_size=10**12, num_hidden_layers=2, num_attention_heads=1,
-                       num_key_value_heads=1, head_dim=64, intermediate_size=128, max_seq_len=256)
+    with pytest.raises(startup.ConfigError, match="hidden_size=1000000000000 is invalid"):
+        ModelConfig(hidden_size=10**12)
+    huge = ModelConfig(vocab_size=2**22, hidden_size=2**17, num_hidden_layers=4096, num_attention_heads=1024,
+                       num_key_value_heads=1024, head_dim=128, intermediate_size=2**20, max_seq_len=2**16)
     cfg = Config(model=huge, train=TrainConfig(init_from="x", micro_batch_size=1, compile="off"))
     with pytest.raises(startup.ConfigError) as refused:
         startup.fit_check(cfg, torch.device("cpu"))
