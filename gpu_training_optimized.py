@@ -37,7 +37,7 @@ from llm.errors import ConfigError, RunFailure, error_contract
 from llm.evaluation import GPU_TASK_ITEMS, Probe
 from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          read_metrics, start_report, stood_still, summary)
-from llm.preparation import short_of_target
+from llm.corpus_totals import short_of_target
 from llm.rewards import RewardError
 from llm.schedule import RunClock, StopFlag, lr_multiplier, set_lr
 from llm.sizing import flops_per_token

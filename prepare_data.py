@@ -27,7 +27,8 @@ from llm.corpus import corpus_bytes
 from llm.device import machine, pick_device
 from llm.errors import ConfigError, error_contract
 from llm.packing import packs, pair_plan, plan
-from llm.preparation import prepare, source_table
+from llm.corpus_totals import source_table
+from llm.preparation import prepare
 from llm.token_cache import PreparedData
 from llm.tokenizer import IM_START, marked_text
 

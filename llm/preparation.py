@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import shutil
-import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields, replace
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from config import Config, DataConfig
 from llm import arrival, atomic, hf_datasets
+from llm import corpus_totals as totals
 from llm import token_cache as tc
 from llm.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, files_read, in_arrival_order,
                         sources, split_weight)
@@ -38,8 +38,6 @@ ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core b
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
 CACHE_FORMAT = 3  # bump when the cache's contents change for the same inputs (3: shards, split by content)
 BATCH_TIME_FIELDS = ("cache_dir", "packing", "max_tokens")  # settings that do not change the cache's contents
-SHORT_OF_TARGET = 0.98  # sources this close to the token target are not worth a line
-STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
 
 
 def _budget(cfg: DataConfig) -> float:
@@ -88,13 +86,13 @@ def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
 def _tokenizer_sample(cfg: DataConfig, found):
     """Training-split texts, about TOKENIZER_SAMPLE_BYTES: each source's share by its weight (or size), taken
     from the head of each of its shards in proportion to the shard's size."""
-    totals = [sum(file_bytes(p, cfg) for p, _ in source.files) for source in found]
-    shares = [source.weight for source in found] if found[0].weight else totals
+    sizes = [sum(file_bytes(p, cfg) for p, _ in source.files) for source in found]
+    shares = [source.weight for source in found] if found[0].weight else sizes
     shares = shares if sum(shares) > 0 else [1] * len(found)  # sizes unknown (empty files): alike
     whole = _budget(cfg) == float("inf")
     for s, files, _, _, docs in _shards(cfg, found):
         size = sum(file_bytes(p, cfg) for p, _ in files)
-        want, taken = TOKENIZER_SAMPLE_BYTES * shares[s] / sum(shares) * size / max(1, totals[s]), 0
+        want, taken = TOKENIZER_SAMPLE_BYTES * shares[s] / sum(shares) * size / max(1, sizes[s]), 0
         for _, _, _, doc, nbytes, is_val in docs:
             if taken >= want and whole:
                 break  # under max_source_mb the shard is read on: where the budget ends names the next shards
@@ -201,25 +199,12 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encode
         for split, writer in writers.items():
             writer.close(keep_masks=chats)
             record.update(writer.counts(split))
+            record.setdefault("sha256", {}).update(writer.digests())
         # Ids come from this tokenizer (below its vocabulary); the stamps let later runs skip re-reading them.
         record["written"] = {f"{s}.bin": tc.stamp(os.path.join(tmp, f"{s}.bin")) for s in writers}
         with open(os.path.join(tmp, "part.json"), "w", encoding="utf-8") as f:
             json.dump(record, f)
     return record
-
-
-def _caps(cfg: DataConfig, found) -> list:
-    """The train tokens each source may give under --max_tokens (inf: no cap); without weights, one cap for all."""
-    if not cfg.max_tokens:
-        return [float("inf")] * len(found)
-    if not found[0].weight:
-        return [cfg.max_tokens] * len(found)  # checked against every source's tokens together
-    total = sum(source.weight for source in found)
-    return [round(cfg.max_tokens * source.weight / total) for source in found]
-
-
-def _taken(parts: list, s: int, weighted: bool) -> int:
-    return sum(p["train_tokens"] for p in parts if p["source"] == s or not weighted)
 
 
 def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log, on_part=None,
@@ -230,18 +215,18 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
     os.makedirs(shards, exist_ok=True)
     atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
     tc.drop_stale(shards, log)
-    caps, weighted, seen, parts, encoder = _caps(cfg, found), bool(found[0].weight), ReadStats(), [], None
+    caps, weighted, seen, parts, encoder = totals.caps(cfg, found), bool(found[0].weight), ReadStats(), [], None
     total = None  # unknown while files arrive
     if all(isinstance(source.files, list) for source in found):
         total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
     with tqdm(total=total, unit="B", unit_scale=True, desc="preparing", disable=None if bar else True) as bar:
         for s, files, key, stats, docs in _shards(cfg, found):
-            if _taken(parts, s, weighted) >= caps[s]:
+            if totals.taken(parts, s, weighted) >= caps[s]:
                 continue
             if (done := tc.complete_shard(shards, key, meta)) is not None:
                 counts, records = done
                 stats.bytes = counts.get("bytes", 0)  # for the budget of the shards after it
-                _merge(seen, counts)
+                totals.merge(seen, counts)
                 parts += [dict(r, source=s) for r in records]
                 _advance(bar, stats.bytes, sum(r["train_tokens"] + r["val_tokens"] for r in records))
                 if on_part:
@@ -260,79 +245,18 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                         log(f"data: the token cache part {folder} is damaged ({problem}), rebuilding it")
                     encoder = encoder or encoder_for(tok, log)  # said once, when something is encoded
                     record = _write_part(folder, items, files, tok, encoder, meta, bar,
-                                         _room(total or 0, parts, np.dtype(meta["dtype"]).itemsize))
+                                         totals.room(total or 0, parts, np.dtype(meta["dtype"]).itemsize))
                 parts.append(dict(record, folder=folder, source=s))
                 if on_part:
                     on_part(parts)
                 count += 1
-                if _taken(parts, s, weighted) >= caps[s]:
+                if totals.taken(parts, s, weighted) >= caps[s]:
                     break
             else:
                 atomic.write_text(os.path.join(shards, key + ".json"), json.dumps(
                     {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
-            _merge(seen, asdict(stats))
+            totals.merge(seen, asdict(stats))
     return parts, seen
-
-
-def _room(total: int, parts: list, itemsize: int) -> int:
-    """About the bytes the rest of the token cache takes: the text not yet in a part, at the tokens per byte of the
-    parts so far (before any, one per byte: the most a byte-level tokenizer gives)."""
-    text = sum(p["train_bytes"] + p["val_bytes"] for p in parts)
-    tokens = sum(p["train_tokens"] + p["val_tokens"] for p in parts)
-    return int(max(0, total - text) * (tokens / text if text else 1) * itemsize)
-
-
-def _merge(seen: ReadStats, counts: dict):
-    """Add a shard's reading counts to the corpus's."""
-    for name in STAT_FIELDS:
-        setattr(seen, name, getattr(seen, name) + int(counts.get(name, 0)))
-    for name in ("first_binary", "first_bad", "first_invalid"):
-        setattr(seen, name, getattr(seen, name) or str(counts.get(name, "")))
-
-
-def _apply_caps(parts: list, caps: list, weighted: bool):
-    """Cut the train tokens read past each cap (the last part of a source, or of the corpus, read in part)."""
-    left = list(caps) if weighted else caps[:1] * len(caps)
-    for p in parts:
-        at = p["source"] if weighted else 0
-        p["train_tokens"] = int(min(p["train_tokens"], left[at]))
-        left[at] -= p["train_tokens"]
-
-
-def _totals(meta: dict, parts: list, found, weights, arrival: bool = False) -> dict:
-    """meta.json's fields with the parts' sums (the validation split's from its parts), and the mixture per
-    source."""
-    out = dict(meta, has_masks=any(p["has_masks"] for p in parts), has_pairs=any(p.get("pairs") for p in parts))
-    if out["has_pairs"] and any(p.get("others", 1) for p in parts):
-        raise DataError("the sources hold preference pairs (chosen, rejected) and other documents: pairs train by "
-                        "preference, the others by next-token loss; train on each in a run of its own")
-    for key in tc.PART_FIELDS:
-        out[key] = sum(p[key] for p in (tc.val_parts(parts, arrival) if key.startswith("val") else parts))
-    out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])
-    out["sources"] = []
-    for s, source in enumerate(found):
-        mine = [p for p in parts if p["source"] == s]
-        files = source.files if isinstance(source.files, list) else {f[0] for p in mine for f in p["files"]}
-        out["sources"].append({"source": source.given or sysconfig.get_paths()["stdlib"],
-                               "weight": weights[s] if weights else None, "files": len(files),
-                               "bytes": sum(p["train_bytes"] + p["val_bytes"] for p in mine),
-                               "train_tokens": sum(p["train_tokens"] for p in mine)})
-    return out
-
-
-def source_table(meta: dict) -> list[str]:
-    """Per source: files, MB, train tokens and their share of the corpus, the share of training windows drawn
-    from it (its weight; without weights, its share), and how much more often than once per pass over the
-    corpus its tokens are seen (a small source with a large weight is repeated)."""
-    width = max(len(s["source"]) for s in meta["sources"])
-    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'windows':>7}  "
-            f"{'seen':>6}"]
-    for s in meta["sources"]:
-        share = s["train_tokens"] / max(1, meta["train_tokens"])
-        windows = share if s["weight"] is None else s["weight"]
-        rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f}  {s['train_tokens']:>14,}  "
-                    f"{share:>6.1%}  {windows:>7.1%}  {windows / max(share, 1e-12):>5.2f}x")
-    return rows
 
 
 def _old_caches(cache_dir: str) -> list[str]:
@@ -389,9 +313,9 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
               log) -> PreparedData:
     """The finished cache's data: the parts cut at their caps, the totals, and the lines saying what it holds."""
     in_order = in_arrival_order(cfg)
-    _apply_caps(parts, _caps(cfg, found), bool(found[0].weight))
+    totals.apply_caps(parts, totals.caps(cfg, found), bool(found[0].weight))
     weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
-    data = PreparedData(path, _totals(meta, parts, found, weights, in_order), parts, weights, arrival=in_order,
+    data = PreparedData(path, totals.summed(meta, parts, found, weights, in_order), parts, weights, arrival=in_order,
                         commit=hf_datasets.commits.get(cfg.sources[0], "") if in_order else "")
     m = data.meta
     m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
@@ -401,38 +325,28 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
         f"ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} tokens, "
         f"{m['val_bytes_per_token']:.2f} bytes per token")
     if len(found) > 1 or cfg.max_tokens:
-        for row in source_table(m):
+        for row in totals.source_table(m):
             log(f"data: {row}")
     return data
-
-
-def short_of_target(cfg: DataConfig, meta: dict) -> str:
-    """One line where the sources hold fewer training tokens than --max_tokens asks for ("" otherwise): a Hub
-    dataset offline or out of reach gives only its cached files, and a dataset can be smaller than the target."""
-    target, have = cfg.max_tokens, meta["train_tokens"]
-    if not target or have >= SHORT_OF_TARGET * target:
-        return ""
-    return (f"data: the sources hold {have:,} training tokens, {have / target:.0%} of the --max_tokens target of "
-            f"{target:,}: the run trains on those (a Hub dataset offline or out of reach gives only its cached files)")
 
 
 def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found, seq_len: int,
                    log) -> arrival.ArrivingData:
     """The cache of a corpus read in arrival order, written by a thread while the run trains on its first parts."""
-    start, caps = time.perf_counter(), _caps(cfg, found)
+    start, caps = time.perf_counter(), totals.caps(cfg, found)
     commit = hf_datasets.commits.get(cfg.sources[0], "")
 
     def work(data: arrival.ArrivingData):
         def on_part(parts):
             capped = [dict(p) for p in parts]
-            _apply_caps(capped, caps, False)
-            data.publish(capped, _totals(meta, capped, found, None, arrival=True))
+            totals.apply_caps(capped, caps, False)
+            data.publish(capped, totals.summed(meta, capped, found, None, arrival=True))
         parts, seen = _build_parts(path, cfg, found, tok, meta, arrival.say, on_part, bar=False)
         check_read(seen, cfg, arrival.say)
         done = _prepared(cfg, path, meta, parts, seen, found, time.perf_counter() - start, arrival.say)
         data.publish(done.parts, done.meta)
         data.finish(done.meta)
-        if line := short_of_target(cfg, done.meta):
+        if line := totals.short_of_target(cfg, done.meta):
             arrival.say(line)
 
     data = arrival.start(arrival.ArrivingData(path, meta, [], arrival=True, commit=commit), work)

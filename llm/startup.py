@@ -25,7 +25,8 @@ from llm.fine_tuning import ChosenRates, check_grpo, check_used, fill_fine_tunin
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import next_token_train
-from llm.preparation import prepare_once, short_of_target
+from llm.corpus_totals import short_of_target
+from llm.preparation import prepare_once
 from llm.prompts import PromptSplit, read as read_prompts
 from llm.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
                         lora_start, resume_point, with_shape)

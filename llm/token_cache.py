@@ -116,6 +116,7 @@ class SplitWriter:
     def __init__(self, folder: str, split: str, dtype, eot: int):
         self.paths = [os.path.join(folder, f"{split}.bin"), os.path.join(folder, f"{split}_mask.bin")]
         self.files = [open(p, "wb") for p in self.paths]
+        self.sums = [hashlib.sha256(), hashlib.sha256()]  # of what is written: a later read can tell a change
         self.dtype, self.eot = dtype, eot
         self.tokens = self.documents = self.bytes = 0
         self.last = None  # (doc_id, piece, is its last token learned) of the piece written last
@@ -140,10 +141,14 @@ class SplitWriter:
         self.tokens += len(self.ids)
         # file.write, not ndarray.tofile: on a full disk tofile raises OSError('N requested and M written') without
         # its errno, which then read as a folder we may not write to (exit 2) rather than a full disk (exit 1).
-        self.files[0].write(np.fromiter(self.ids, self.dtype, len(self.ids)))
+        ids = np.fromiter(self.ids, self.dtype, len(self.ids))
+        self.files[0].write(ids)
+        self.sums[0].update(ids)
         if self.masks:
-            self.files[1].write(np.concatenate([np.ones(m, np.uint8) if isinstance(m, int) else np.array(m, np.uint8)
-                                                for m in self.masks]))
+            masks = np.concatenate([np.ones(m, np.uint8) if isinstance(m, int) else np.array(m, np.uint8)
+                                    for m in self.masks])
+            self.files[1].write(masks)
+            self.sums[1].update(masks)
         self.ids, self.masks = [], []
 
     def close(self, keep_masks: bool):
@@ -159,6 +164,10 @@ class SplitWriter:
 
     def counts(self, split: str) -> dict:
         return {f"{split}_tokens": self.tokens, f"{split}_documents": self.documents, f"{split}_bytes": self.bytes}
+
+    def digests(self) -> dict:
+        """Each file kept, by name: the short sha256 of its bytes as written (file_digest's form)."""
+        return {os.path.basename(p): h.hexdigest()[:16] for p, h in zip(self.paths, self.sums) if os.path.exists(p)}
 
 
 def read_json(path: str):
@@ -196,9 +205,22 @@ def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
                 return f"{file} is missing or not the {need:,} bytes that part.json's {split}_tokens needs"
         if part.get("written", {}).get(f"{split}.bin") == stamp(os.path.join(folder, f"{split}.bin")):
             continue  # untouched since written, by its size and time; TokenStream checks its ids at first read
+        if (changed := changed_file(folder, part, split)) is not None:
+            return f"{changed}'s bytes are not those written (their sha256 differs)"
         top = largest_id(os.path.join(folder, f"{split}.bin"), dtype) if tokens else 0
         if top >= vocab_size:
             return f"{split}.bin holds token id {top}, past the vocabulary of {vocab_size}"
+    return None
+
+
+def changed_file(folder: str, part: dict, split: str) -> str | None:
+    """The first of a split's token and mask files whose bytes differ from the sha256 part.json recorded when it
+    was written (a file touched since, by its size and time: the same size with other ids, say); None when all
+    agree, or for a part written before sums were kept."""
+    sums = part.get("sha256") if isinstance(part.get("sha256"), dict) else {}
+    for name in (f"{split}.bin", f"{split}_mask.bin"):
+        if name in sums and file_digest(os.path.join(folder, name)) != sums[name]:
+            return name
     return None
 
 

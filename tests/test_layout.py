@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # share a rank: none of them imports another.
 CORE = ["errors", "markdown", "ranges", "fields", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
         "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hub_client", "hf_datasets", "corpus", "packing", "token_cache", "prompts",
+        "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hub_client", "hf_datasets", "corpus", "packing", "token_cache", "corpus_totals", "prompts",
         "arrival", "window_order", "batches", "preparation",
         "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "autofill",
         "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards", "rollouts", "rl",

@@ -214,3 +214,26 @@ def test_a_resume_after_a_file_was_added_is_refused_naming_it(tmp_path, corpus, 
         trainer.run(argv_for(mine, run, "--max_steps", 4, "--resume"))
     err = capsys.readouterr().err
     assert e.value.code == 2 and "cannot resume on other data (added " in err and "new.py" in err, err
+
+
+def test_a_part_whose_tokens_changed_within_the_vocabulary_is_rebuilt(tmp_path, monkeypatch):
+    """A token file rewritten with other ids of the same size and within the vocabulary once trained as it was:
+    only its size and time were compared, and its largest id. part.json now keeps each file's sha256 as written;
+    a touched file whose bytes differ is rebuilt from its sources (they are at hand), one line saying so, and a
+    file merely touched (copied, its bytes the same) is kept without a word."""
+    src = write_texts(tmp_path / "src", ["a.jsonl"])
+    cfg = config(tmp_path, [src])
+    first = prepare(cfg)
+    folder = first.parts[0]["folder"]
+    path = os.path.join(folder, "train.bin")
+    written = open(path, "rb").read()
+    assert json.load(open(os.path.join(folder, "part.json")))["sha256"]["train.bin"] == tc.file_digest(path)
+    os.utime(path, ns=(1, 1))  # touched, the same bytes
+    seen = encoded_texts(monkeypatch)
+    assert prepare(cfg).parts == first.parts and not seen
+    ids = np.fromfile(path, dtype=first.meta["dtype"])
+    np.roll(ids, 1).tofile(path)  # the same ids in another order: same size, same largest id
+    said = []
+    again = preparation.prepare(cfg, VOCAB, SEQ, log=said.append)
+    assert any("train.bin's bytes are not those written" in line and "rebuilding it" in line for line in said)
+    assert seen and open(again.parts[0]["folder"] + "/train.bin", "rb").read() == written
