@@ -11,6 +11,7 @@ clears once that process is gone. read_json() is the one guarded reader of the s
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,21 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def file_digest(path: str) -> str:
+    """A short sha256 of a file's bytes: what says, later, that a file written here holds what was written."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def stamp(path: str) -> list:
+    """A file's size and modification time: when both are as written, nobody has touched it (no need to hash)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
 def write_text(path: str, text: str):

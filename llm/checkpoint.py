@@ -68,9 +68,14 @@ def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: Model
         shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER))
         with _refused_writes(tmp), open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
             torch.save(trainer_state, f)  # through a Python file, whose OSError the zip writer's error keeps
-        sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in sorted(os.listdir(tmp))}
+        files = sorted(os.listdir(tmp))
+        sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in files}
+        # What each file holds, and its size and time as written: a file touched since is hashed when read.
+        sums = {file: atomic.file_digest(os.path.join(tmp, file)) for file in files}
+        written = {file: atomic.stamp(os.path.join(tmp, file)) for file in files}
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
-            json.dump({"step": step, "val_loss": val_loss, "files": sizes}, f, indent=1)
+            json.dump({"step": step, "val_loss": val_loss, "files": sizes, "sha256": sums, "written": written}, f,
+                      indent=1)
     atomic.write_text(os.path.join(root, "LATEST"), name + "\n")
     best = best_checkpoint(run_dir)
     if val_loss is not None and (best is None or val_loss < _manifest(best).get("val_loss", math.inf)):
@@ -145,6 +150,20 @@ def incomplete(ckpt: str) -> str | None:
         if os.path.getsize(path) != size:
             return f"{name} holds {os.path.getsize(path):,} of its {size:,} bytes"
     return None
+
+
+def check_unchanged(ckpt: str, file: str):
+    """Refuse, in one line, a checkpoint file whose bytes are not those its manifest recorded when it was written
+    (hashed only where its size or time changed since); checkpoints from before sums pass."""
+    manifest, path = _manifest(ckpt), os.path.join(ckpt, file)
+    sums, written = manifest.get("sha256"), manifest.get("written")
+    if not isinstance(sums, dict) or file not in sums or not os.path.isfile(path):
+        return
+    if isinstance(written, dict) and written.get(file) == atomic.stamp(path):
+        return
+    if atomic.file_digest(path) != sums[file]:
+        raise CheckpointError(f"{path} is not the file written at step {manifest.get('step')} (its sha256 differs): "
+                              f"it changed since; use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
 
 
 def is_complete(ckpt: str) -> bool:
@@ -253,6 +272,7 @@ def _read_weights(ckpt: str, file: str = WEIGHTS) -> dict:
     """Every tensor of a checkpoint's model.safetensors (or other file), on the CPU; CheckpointError naming the
     file otherwise."""
     path = os.path.join(ckpt, file)
+    check_unchanged(ckpt, file)
     try:
         return load_file(path, device="cpu")
     except FileNotFoundError:
@@ -315,6 +335,7 @@ def load_trainer_state(ckpt: str, mmap: bool = False) -> dict:
     """Optimizer, schedule and RNG state, read onto the CPU without unpickling code; with mmap, a tensor's bytes
     are read only when used (the model card reads a few numbers beside an optimizer state of gigabytes)."""
     path = os.path.join(ckpt, TRAINER_STATE)
+    check_unchanged(ckpt, TRAINER_STATE)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from llm.atomic import file_digest, stamp
 from llm.errors import DataError
 from llm.tokenizer import TOKENIZER_FILE
 
@@ -39,16 +40,6 @@ PART_FIELDS = ("train_tokens", "val_tokens", "train_documents", "val_documents",
 def digest(*parts) -> str:
     """A short stable hash of JSON-able parts."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def file_digest(path: str) -> str:
-    """A short hash of a file's contents: what names a file that is written anew under another name (a GGUF's
-    tokenizer, rebuilt in a temporary folder by each process)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def file_identity(path: str) -> list:
@@ -178,12 +169,6 @@ def read_json(path: str):
     except (OSError, ValueError, RecursionError):  # ValueError: bad UTF-8 or JSON; RecursionError: nested 10^5 deep
         return None
     return found if isinstance(found, dict) else None
-
-
-def stamp(path: str) -> list:
-    """A token file's size and modification time: when both are as written, nobody has touched it."""
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns]
 
 
 def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:

@@ -140,3 +140,32 @@ def test_a_trainer_state_without_its_counters_is_refused_in_one_line():
     with pytest.raises(CheckpointError, match="lacks step, best_val_loss"):
         parse({"tokens": 3, "optimizer": {}})
     assert parse({"step": 2, "tokens": 3, "best_val_loss": 1.5}).step == 2
+
+
+def test_a_checkpoint_file_changed_since_it_was_written_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """A checkpoint's weights or trainer state rewritten in place (the same size, other values: a bit flipped on
+    disk, a hand edit) once loaded as they were. The manifest now keeps each file's sha256 as written: a file
+    whose size or time moved is hashed when read and refused, naming the file and what to do, where a file
+    merely touched (copied, its bytes the same) loads."""
+    ckpt = str(tmp_path / "step_000010")
+    shutil.copytree(tiny_checkpoint, ckpt)  # copytree keeps the times: nothing to hash
+    want = ckpt_io.read_checkpoint(ckpt)[1]
+    weights = os.path.join(ckpt, ckpt_io.WEIGHTS)
+    os.utime(weights, ns=(1, 1))  # touched, the same bytes: hashed, and loads
+    got = ckpt_io.read_checkpoint(ckpt)[1]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    data = bytearray(open(weights, "rb").read())
+    data[-5] ^= 0x01  # one bit of the last tensor's values: the header and the size as they were
+    open(weights, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not the file written at step 10 \(its sha256 "
+                                              r"differs\).*use an earlier checkpoint"):
+        ckpt_io.read_checkpoint(ckpt)
+    state = os.path.join(ckpt, ckpt_io.TRAINER_STATE)
+    ckpt_io.load_trainer_state(ckpt)
+    with open(state, "r+b") as f:
+        f.seek(os.path.getsize(state) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match="trainer_state.pt is not the file written"):
+        ckpt_io.load_trainer_state(ckpt)
