@@ -11,7 +11,7 @@ network or its cache); the model answers them here:
 from config import SampleConfig
 from llm.engine import generate_text, score
 from llm.errors import ConfigError
-from llm.scoring import TaskScore, encode_item
+from llm.scoring import TaskScore, encode_item, prefix_id
 from llm.tasks import Item
 
 MAX_STOPS = 4  # the engine's stop strings per request; more are cut from the reply afterwards
@@ -40,7 +40,7 @@ def project_lm(model, tokenizer):
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     ctx = model.config.max_seq_len
-    prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+    prefix = prefix_id(tokenizer)
 
     def scored(sequences: list[list[int]], starts: list[int]) -> list[tuple[float, bool]]:
         """Each sequence's tokens from `start` on: summed log-probability, and whether each is the likeliest."""

@@ -36,7 +36,13 @@ class Encoded:
     cut: bool  # some sequence lost tokens on the left to fit the context
 
 
-def encode_item(tokenizer, item: Item, max_len: int, prefix_id: int) -> Encoded:
+def prefix_id(tokenizer) -> int:
+    """lm-eval's prefix token, what a request with nothing to condition on starts from: the end-of-text token
+    (0 for a tokenizer without one)."""
+    return tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+
+
+def encode_item(tokenizer, item: Item, max_len: int, prefix: int) -> Encoded:
     """lm-eval's tokenization of each request (HFLM._encode_pair), then its cut to max_len + 1 tokens."""
     sequences, starts, cut = [], [], False
     for context, continuation in item.requests:
@@ -47,7 +53,7 @@ def encode_item(tokenizer, item: Item, max_len: int, prefix_id: int) -> Encoded:
             whole = tokenizer.encode(context + continuation, add_special_tokens=False)
             start = len(tokenizer.encode(context, add_special_tokens=False))
         else:  # nothing to condition on: lm-eval's prefix token stands in
-            whole, start = [prefix_id] + tokenizer.encode(continuation, add_special_tokens=False), 1
+            whole, start = [prefix] + tokenizer.encode(continuation, add_special_tokens=False), 1
         if len(whole) > max_len + 1:
             whole, start, cut = whole[-(max_len + 1):], max(1, start - (len(whole) - max_len - 1)), True
         sequences.append(whole)
@@ -232,7 +238,7 @@ def first_best(values) -> int:
 def score_items(model, tokenizer, items: list[Item], result: TaskScore, bar=None) -> TaskScore:
     """Score a task's items (llm.tasks.Task.items) on the model into result, as they are answered: a Ctrl-C leaves
     it holding the items scored so far, marked partial."""
-    prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+    prefix = prefix_id(tokenizer)
     start, result.partial = time.perf_counter(), True
     try:
         if items and not items[0].choices:

@@ -92,7 +92,7 @@ def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
         items = tasks.get(name).items(8 if name != "mmlu" else 1)[:16]
         ours = score_items(model, tokenizer, items, TaskScore(name, "validation"))
         picks, theirs = bench_eval.their_predictions(lm, items)
-        prefix = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        prefix = scoring.prefix_id(tokenizer)
         mine = loglikelihoods(model, [encode_item(tokenizer, i, model.config.max_seq_len, prefix) for i in items])
         for a, b in zip(mine, theirs):
             assert a == pytest.approx(b, abs=2e-3), name
