@@ -21,6 +21,7 @@ import time
 from llm.distributed import Ranks
 from llm.evaluation import CODE_SETTINGS, SAMPLE_SETTINGS, EvalPolicy
 from llm.sizing import FORWARDS_PER_STEP
+from llm.trainer_state import CLOCK_KEYS
 
 PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
 # What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
@@ -137,7 +138,7 @@ class StepTimer:
     def state(self) -> dict:
         """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
         the step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup)."""
-        return {"spent_s": self.spent_s(), "step_s": self.step_s, "overhead_s": dict(self.overhead_s)}
+        return dict(zip(CLOCK_KEYS, (self.spent_s(), self.step_s, dict(self.overhead_s))))
 
 
 class RunClock:

@@ -19,6 +19,10 @@ from llm.lora import adapter_state
 
 CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # for the model card
 
+# The time budget's figures a checkpoint keeps (schedule.StepTimer.state() gives them): seconds spent, the step's
+# seconds, each overhead's seconds.
+CLOCK_KEYS = ("spent_s", "step_s", "overhead_s")
+
 
 @dataclass
 class Saved:
@@ -54,7 +58,7 @@ def parse(state: dict) -> Saved:
                  weight_average=state.get("weight_average"), rng_torch=state.get("rng_torch"),
                  rng_cuda=state.get("rng_cuda"), config=_config(state.get("config", "{}")),
                  data_fingerprint=state.get("data_fingerprint", ""), data_files=state.get("data_files"),
-                 clock={k: state[k] for k in ("spent_s", "step_s", "overhead_s") if k in state})
+                 clock={k: state[k] for k in CLOCK_KEYS if k in state})
 
 
 def _config(text) -> dict:
@@ -159,7 +163,7 @@ class TrainingState:
             "world_size": ranks.world_size, "rng_torch": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # CUDA's: dropout's
             "config": json.dumps(cfg.to_dict()), "command": record.command, "device": record.device,
-            "precision": record.precision, **{k: clock[k] for k in ("spent_s", "step_s", "overhead_s")}}
+            "precision": record.precision, **{k: clock[k] for k in CLOCK_KEYS}}
         return ckpt_io.save_checkpoint(cfg.train.run_dir, self.step, state, model_config=cfg.model,
                                        tokenizer_path=data.tokenizer_path, trainer_state=trainer_state,
                                        keep=cfg.train.keep_checkpoints, val_loss=val_loss,
