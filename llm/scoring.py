@@ -299,7 +299,8 @@ def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=N
             bar.update(1)
 
     def stopped(i: int, ids: list[int]) -> bool:  # a stop string written: the rest would be cut anyway
-        return bool(items[i].until) and cut_at(tokenizer.decode(ids), items[i].until) != tokenizer.decode(ids)
+        text = tokenizer.decode(ids, skip_special_tokens=True)  # as answered() reads it, and lm-eval
+        return cut_at(text, items[i].until) != text
     settings = SampleConfig(temperature=0.0, max_new_tokens=room, top_k=0, top_p=1.0)
     try:
         generate_all(model, [p[-(ctx - room):] for p in prompts], settings, stop_ids(tokenizer), GENERATE_ROWS,
