@@ -271,3 +271,36 @@ def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tm
     assert abs(first["loss"] - theirs["loss"]) < 1e-5 and abs(first["loss"]) > 1e-3, (first["loss"], theirs["loss"])
     assert first["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4), (first["grad_norm"], theirs)
     assert first["reward"] == pytest.approx(theirs["reward"], abs=1e-9) and first["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_prompts_from_the_hub_train_as_local_ones(half_right, tmp_path, monkeypatch):
+    """The issue's command, `--sources "hf://datasets/ORG/NAME/main/train-*.parquet" --reward gsm8k`, against the
+    stand-in Hub on 127.0.0.1: a parquet of conversational prompts and GSM8K-style answers ending "#### N" comes
+    down once and trains two steps, the gsm8k reward reading the "####" answers; a second run reads it offline
+    from the cache and samples and scores the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hub_stand_in import Hub
+    from test_hf_datasets import point_at
+    rng = random.Random(3)
+    rows = [(a, b) for a, b in sums(rng, 60)]
+    table = pa.table({"prompt": [[{"role": "user", "content": f"What is {a} plus {b}?"}] for a, b in rows],
+                      "answer": [f"{a} and {b} make {a + b}.\n#### {a + b}" for a, b in rows]})
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    server = Hub({"tiny-org/sums": {"main/train-00000-of-00001.parquet": buffer.getvalue().to_pybytes()}})
+    try:
+        point_at(monkeypatch, tmp_path / "hf_home", server.url)
+        source = "hf://datasets/tiny-org/sums/main/train-*.parquet"
+        argv = ["--init_from", half_right["chat"], "--sources", source, "--reward", "gsm8k", "--compile", "off",
+                "--max_completion_length", "8", "--log_interval", "1", "--max_steps", "2"]
+        assert trainer.main([*argv, "--run_dir", str(tmp_path / "rl")]) == 0
+        logged = read_metrics(str(tmp_path / "rl"), "train")
+        assert len(logged) == 2 and all(0 <= r["reward"] <= 1 for r in logged)
+        point_at(monkeypatch, tmp_path / "hf_home", server.url, offline=True)
+        assert trainer.main([*argv, "--run_dir", str(tmp_path / "rl_offline")]) == 0
+        assert [r["reward"] for r in read_metrics(str(tmp_path / "rl_offline"), "train")] == \
+            [r["reward"] for r in logged]  # the same prompts, seeds and replies
+    finally:
+        server.stop()
