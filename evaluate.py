@@ -54,10 +54,10 @@ def parse_args(argv) -> tuple[LoadConfig, EvalConfig]:
 def main(argv=None) -> int:
     load, evals = parse_args(sys.argv[1:] if argv is None else argv)
     names = evals.tasks or list(tasks.BASE_SUITE)
-    theirs = [name for name in names if name not in tasks.SPLITS]  # lm-eval's, where it is installed
+    theirs = [name for name in names if name not in tasks.TASKS]  # lm-eval's, where it is installed
     unknown = sorted(set(theirs) - set(lm_eval_tasks.known(theirs)))
     if unknown:  # before loading the model
-        raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.SPLITS)}; with lm-eval "
+        raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.TASKS)}; with lm-eval "
                           "installed (pip install lm-eval) any of its tasks runs too")
     chosen = [tasks.get(name, evals.data_dir, evals.num_fewshot) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
     # Chat tasks ask in the model's own template, as lm-eval's --apply_chat_template does (a run of ours: ChatML).
     template = own_chat_template(loaded)
-    if any(task.name in tasks.CHAT_SUITE for task in chosen):
+    if any(task.chat for task in chosen):
         whose = "the model's own" if template else "the project's (ChatML)"
         print(f"chat tasks in {whose} chat template", file=sys.stderr)
     render = lambda messages: template_prompt(tokenizer, messages, template)  # noqa: E731

@@ -63,10 +63,12 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
 
 
 def headline(s: TaskScore, chance: float | None) -> tuple[str, float | None]:
-    """The task's usual headline metric (acc_norm for tasks.HEADLINE_NORM, else acc; a written answer's strict
-    match) and its value centred on chance, (x - chance) / (1 - chance), as nanochat's CORE centres its tasks:
-    0 is guessing, 1 is every item right. None before the task's first item."""
-    metric = "acc_norm" if s.task in tasks.HEADLINE_NORM and s.acc_norm is not None else s.metrics[0]
+    """The task's usual headline metric (its Task's headline column, named as the score names it: a written
+    answer's strict match is its acc; acc for lm-eval's own tasks) and its value centred on chance,
+    (x - chance) / (1 - chance), as nanochat's CORE centres its tasks: 0 is guessing, 1 is every item right. None
+    before the task's first item."""
+    known = tasks.TASKS.get(s.task)
+    metric = "acc_norm" if known and known.headline == "acc_norm" and s.acc_norm is not None else s.metrics[0]
     if not s.items:
         return metric, None
     value, c = (s.acc_norm if metric == "acc_norm" else s.acc), chance or 0.0  # written answers: nothing to guess

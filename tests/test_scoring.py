@@ -5,6 +5,7 @@ tokenization must be lm-eval's; and a real model must choose as lm-eval's `hf` b
 import copy
 import importlib.util
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
         asked = [Item(tuple(tuple(r.arguments) for r in theirs.construct_requests(
             doc, theirs.fewshot_context(doc, 5), metadata=("mmlu", 0, 1))), tuple("ABCD"), doc["answer"])
             for doc in list(theirs.test_docs())[:3]]
-        ours = score_items(model, tokenizer, tasks.Task("mmlu", (folder,), "test", False, task.item, shots=5).items(3),
+        ours = score_items(model, tokenizer, replace(task, folders=(folder,)).items(3),
                            TaskScore("mmlu", "test"))
         picks, lls = bench_eval.their_predictions(lm, asked)
         assert ours.predictions == picks, folder
