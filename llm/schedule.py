@@ -7,7 +7,7 @@ are the ones done plus the ones the rest of the budget holds at the measured spe
 for the final evaluation and checkpoint: set when a speed is first measured (again after the first log window)
 and at each evaluation only, and printed when it changes. A resumed run carries on with what its earlier
 sessions left.
-StepTimer is the run's one timer; when evaluations fall is evaluation.EvalPolicy's to say. Ctrl-C or SIGTERM asks
+StepTimer is the run's one timer; when evaluations fall is EvalPolicy's to say, from the same figures. Ctrl-C or SIGTERM asks
 the loop to stop after its step (StopFlag).
 """
 
@@ -19,7 +19,7 @@ import sys
 import time
 
 from llm.distributed import Ranks
-from llm.evaluation import CODE_SETTINGS, SAMPLE_SETTINGS, EvalPolicy
+from llm.evaluation import AUTO_EVALS, CODE_SETTINGS, EVAL_SHARE, SAMPLE_SETTINGS
 from llm.sizing import FORWARDS_PER_STEP
 from llm.trainer_state import CLOCK_KEYS
 
@@ -36,6 +36,9 @@ FINAL_EVAL_SHARE = 0.1
 # weight average) at a slow disk's 200 MB/s, and a fixed part (fsync, renames: a tiny model's whole checkpoint took
 # 1 s on a busy 2-core machine). A flat 2 s once kept a quarter of a 24-second budget unused.
 CHECKPOINT_BYTES_PER_PARAM, DISK_BYTES_PER_S, CHECKPOINT_FIXED_S = 16, 200e6, 0.5
+# An evaluation may take this much longer than the longest before it (a busy machine), the first one this much
+# longer than its estimate (how fast this machine decodes is a guess until then).
+EVAL_COST_MARGIN, FIRST_EVAL_MARGIN = 1.5, 4.0
 
 
 def set_lr(opt, multiplier: float):
@@ -266,3 +269,87 @@ class StopFlag:
         (130 Ctrl-C, 143 SIGTERM), so that `train && export` does not go on. A rank another one's signal stopped
         (stop_vote) answers as SIGTERM."""
         return 128 + (self.signum or signal.SIGTERM)
+
+
+class EvalPolicy:
+    """When the trainer evaluates (and, left automatic, saves with it). Every eval_interval steps where one is
+    given; else at each sixth of the run (AUTO_EVALS), in the first half of the sixth, as soon as an evaluation
+    there keeps evaluating within EVAL_SHARE of the time so far (a 10-step smoke run evaluates only at its end),
+    half a sixth apart from the one before and from the end (one that would fall just before the final one is left
+    to it). The final one is always run, without the code metric and samples where they would pass the share.
+    It reads the run's length and the figures its timer agreed on (schedule.RunClock), so every rank decides
+    alike; asking changes nothing: mark() records an evaluation that ran."""
+
+    def __init__(self, t, clock):
+        self.t, self.clock = t, clock
+        self._evaluated = None  # (step, sixths of the run reached, progress) at this session's last evaluation
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate before this step, besides the final one."""
+        if self.t.eval_interval:
+            return step % self.t.eval_interval == 0
+        clock = self.clock
+        if step <= clock.start + 1:  # a session's first steps: the checkpoint it resumed holds an evaluation
+            return False
+        done = clock.progress(step - 1)
+        _, evaluated_sixths, evaluated_at = self._evaluated or (None, self._sixths(clock.progress(clock.start)), 0.0)
+        # Half a sixth apart at least, the final one included: a budget's estimate of the run's length moves.
+        apart = done - evaluated_at > 0.5 / AUTO_EVALS and self._leaves_room(step, done)
+        sixths = self._sixths(done)
+        # Owed from the sixth's start until halfway through it: a late one would crowd the next.
+        owed = sixths > evaluated_sixths and AUTO_EVALS * done - sixths < 0.5
+        return owed and apart and self.affordable(step)
+
+    def mark(self, step: int):
+        """An evaluation ran before this step: the sixths reached so far are evaluated."""
+        done = self.clock.progress(step - 1)
+        self._evaluated = (step, self._sixths(done), done)
+
+    @staticmethod
+    def _sixths(progress: float) -> int:
+        return math.floor(AUTO_EVALS * progress + 1e-9)
+
+    def _leaves_room(self, step: int, done: float) -> bool:
+        """Whether half a sixth of the run follows an evaluation before this step. Under a budget the evaluation and
+        its checkpoint are paid from the steps that would follow, and the room kept for the final ones grows to
+        its measured cost: judged by the progress before them, the last one once came a step before the end."""
+        clock, timer = self.clock, self.clock.timer
+        if not clock.by_time:
+            return done < 1 - 0.5 / AUTO_EVALS
+        cost = timer.synced_eval_s * (EVAL_COST_MARGIN if timer.overhead_s["eval"] else FIRST_EVAL_MARGIN)
+        left_s = clock.budget_s - timer.synced_spent - timer.since_sync(step) - cost - timer.synced_save_s - \
+            clock.reserve_s(cost)  # the room kept for the final ones once this evaluation is measured
+        steps_after = left_s / max(timer.step_s, timer.pace_s)
+        return steps_after > 0.5 / AUTO_EVALS * (step + steps_after)
+
+    def affordable(self, step: int) -> bool:
+        """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so far."""
+        timer = self.clock.timer
+        one = timer.synced_eval_s
+        if not one:
+            return False  # neither a step nor an evaluation measured yet: nothing to judge the cost by
+        spent = timer.synced_spent + timer.since_sync(step) + one
+        return timer.synced_eval_spent + one <= EVAL_SHARE * spent
+
+    def full(self, step: int, last_step: bool) -> bool:
+        """Whether the evaluation before this step adds the code metric and samples to the val loss: always, but
+        at the end of a run where they would pass EVAL_SHARE, or, under a budget, cost time not yet measured."""
+        if self.t.eval_interval or not last_step:
+            return True
+        measured = self.clock.timer.overhead_s["eval"]  # a full evaluation's seconds, once one ran
+        return self.affordable(step) and (not self.clock.by_time or 0 < measured < self.clock.left_s())
+
+    def save_due(self, step: int) -> bool:
+        """A checkpoint before this step (besides the final one): every save_interval steps, or with each
+        evaluation when automatic."""
+        if self.t.save_interval:
+            return step % self.t.save_interval == 0
+        return self._evaluated is not None and self._evaluated[0] == step
+
+    def report(self) -> str:
+        """One line: this session's evaluations and their share of its time."""
+        timer = self.clock.timer
+        share = timer.eval_spent_s / max(time.monotonic() - timer.session_start, 1e-9)
+        return (f"evaluation: {timer.evals} in {timer.eval_spent_s:.1f} s, {100 * share:.1f}% of this session's time"
+                + ("" if self.t.eval_interval else f" (automatic ones are spaced for {100 * EVAL_SHARE:.0f}% of a run; "
+                                                   "the final one, and a short run's, may take more)"))
