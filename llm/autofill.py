@@ -26,6 +26,7 @@ import torch
 from config import AUTO, PRESETS, Config
 from llm.errors import ConfigError
 from llm.evaluation import AUTO_EVALS, EVAL_SHARE, EVAL_TOKENS
+from llm.fine_tuning import small_move_warning
 from llm.sizing import (BYTES_PER_TOKEN, CPU_MINUTES, FORWARDS_PER_STEP, GPU_MINUTES, MEMORY_FRACTION, Machine,
                         budget_minutes, count_parameters, optimal_parameters, plan_report, token_target,
                         training_bytes_estimate)
@@ -264,7 +265,7 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
     if t.epochs:  # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
         train.max_steps = steps
     cfg = replace(cfg, train=train)
-    return cfg, notes + few_steps_warning(cfg)
+    return cfg, notes + few_steps_warning(cfg) + small_move_warning(cfg)
 
 
 def fit_micro_batch(raw_model, cfg: Config, amp, ranks) -> Config:

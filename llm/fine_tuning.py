@@ -115,6 +115,27 @@ def scaled_rates(t, chosen: ChosenRates | None, scale: float) -> dict:
     return {k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields}
 
 
+# The most an Adam step moves a weight is about its learning rate, so rate x steps bounds how far a run can take a
+# weight. Below this a fine-tune changes nothing one can see: the 1e-6 x 3 steps of a DPO run that learned
+# nothing (3e-6), where runs that learned moved 1e-3 to 1e-2 (docs/fine-tuning.md).
+MIN_MOVE = 1e-4
+
+
+def small_move_warning(cfg: Config) -> list[str]:
+    """A line where a fine-tune's peak rate times its steps is too small to move a weight visibly (MIN_MOVE),
+    saying what to change; a run from scratch, or one whose length is a time budget, has none."""
+    t = cfg.train
+    if not t.init_from or not t.max_steps:
+        return []
+    name = "muon_lr" if t.optimizer == "muon" and not t.lora_rank else "learning_rate"  # the hidden matrices'
+    rate = getattr(t, name)
+    if not rate or rate * t.max_steps >= MIN_MOVE:
+        return []
+    return [f"warning: {name}={rate:g} for {t.max_steps} steps moves no weight more than about {rate * t.max_steps:.1g} "
+            f"(an Adam step is at most about its rate): too little to change a model (runs that learned here moved "
+            f"1e-3 to 1e-2); raise --{name}, --epochs or --max_steps"]
+
+
 def check_used(cfg: Config):
     """Refuse a flag that would do nothing in this run (once silently ignored), saying what it is for."""
     t = cfg.train
@@ -182,4 +203,5 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, chosen: ChosenRate
         f"{length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group mean"
         f"{'' if t.scale_rewards == 'none' else ' over the ' + t.scale_rewards + ' std'}, beta {t.beta:g}, "
         f"{t.num_iterations} optimizer step(s) a sampling; evaluations: greedy replies to "
-        f"{filled.eval_batches} held-out prompts"] + (chosen.lines(filled, GRPO_SCALED) if chosen else [])
+        f"{filled.eval_batches} held-out prompts"] + (chosen.lines(filled, GRPO_SCALED) if chosen else []) + \
+        small_move_warning(replace(cfg, train=filled))

@@ -201,3 +201,24 @@ def test_a_short_fine_tune_takes_smaller_batches_so_that_it_has_steps_to_learn_i
     assert notes[-1].startswith("warning: 7 optimizer steps are too few")
     large, notes = autofill.fill_run_length(cfg, CPU, train_tokens=0, epoch_sequences=3300, automatic=automatic)
     assert (large.train.micro_batch_size, large.train.max_steps) == (16, 619) and not any("warning" in n for n in notes)
+
+
+def test_a_fine_tune_whose_rate_times_steps_cannot_move_a_weight_is_warned_before_it_starts():
+    """A DPO run at 1e-6 for 3 steps learned nothing and said nothing (an Adam step moves a weight by about its
+    rate: 3e-6 in all). Before it starts, a fine-tune whose peak rate times its steps is below MIN_MOVE gets one
+    line naming the rate and what to change; the rate runs that learned here (2.5e-4 for 50 steps) get none, nor
+    does a run from scratch or one measured by a time budget."""
+    from llm.fine_tuning import MIN_MOVE, fill_grpo, small_move_warning
+    tiny = TrainConfig(init_from="runs/chat", optimizer="adamw", learning_rate=1e-6, max_steps=3)
+    line, = small_move_warning(Config(train=tiny))
+    assert "learning_rate=1e-06 for 3 steps" in line and "raise --learning_rate" in line
+    assert small_move_warning(Config(train=replace(tiny, learning_rate=2.5e-4, max_steps=50))) == []
+    assert small_move_warning(Config(train=replace(tiny, init_from=""))) == []
+    assert small_move_warning(Config(train=replace(tiny, max_steps=0, max_minutes=5))) == []
+    muon = replace(tiny, optimizer="muon", muon_lr=1e-6, learning_rate=0.1)  # Muon trains the matrices
+    assert "muon_lr=1e-06" in small_move_warning(Config(train=muon))[0]
+    assert small_move_warning(Config(train=replace(tiny, max_steps=math.ceil(MIN_MOVE / 1e-6)))) == []
+    grpo = Config(train=TrainConfig(init_from="x", optimizer="adamw", learning_rate=1e-6, max_steps=4,
+                                    objective="grpo", reward=["gsm8k"]))
+    assert any(line.startswith("warning: learning_rate=1e-06 for 4 steps") for line in fill_grpo(grpo, 100, 10,
+                                                                                                    None)[1])
