@@ -20,8 +20,8 @@ from urllib.parse import unquote
 
 from llm import readers
 from llm.errors import DataError, RunFailure
-from llm.hub_client import (Repo, cached_commit, download, listing, not_shown, offline, refused_token, remember,
-                            safe_relative, say_once, snapshot_path, unreachable)
+from llm.hub_client import (Repo, cached_commit, download, listing, lost, not_shown, offline, refused_token,
+                            remember, safe_relative, say_once, snapshot_path, unreachable)
 from llm.sizing import BYTES_PER_TOKEN
 
 PREFIX = "hf://datasets/"
@@ -223,7 +223,6 @@ def _failures(repo: Repo, revision: str):
             raise DataError(f"{repo.where}: {refused_token(e)}") from None
         raise RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
     except unreachable() as e:
-        raise RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the "
-                         "download resumes where it stopped") from None
+        raise lost(repo, e) from None
 
 

@@ -135,8 +135,7 @@ def _failure(repo: Repo, e: Exception, errors) -> Exception:
         return CheckpointError(f"{repo.where}: {hub_client.refused_token(e)}")
     if isinstance(e, errors.HfHubHTTPError):
         return RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later")
-    return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "
-                      "resumes where it stopped")
+    return hub_client.lost(repo, e)
 
 
 def _cached(repo: Repo, by_setting: bool, failure: Exception | None = None) -> str:

@@ -387,6 +387,18 @@ def test_a_hostile_etag_is_refused_before_it_names_a_file(hub, tmp_path, capsys,
         assert not victim.parent.exists()
 
 
+def test_an_etag_that_breaks_http_is_the_hubs_fault_not_a_lost_connection(hub, tmp_path, capsys):
+    """An ETag with a NUL in it is an answer no HTTP server sends: it once read as a dropped connection ("run
+    again, the download resumes"), which a rerun meets again. It is refused as the Hub's (exit 2, HF_ENDPOINT
+    named), and nothing is written; a connection that is really cut still says run again (the test above)."""
+    name = "data/part-0.parquet"
+    hub.etags[name] = "ab\x00cd"
+    err = one_error_line(capsys, prepare(tmp_path, URL), 2)
+    assert f"data source {URL}: the Hub's answer is not valid HTTP (illegal header line" in err, err
+    assert "HF_ENDPOINT" in err and "run again" not in err
+    assert not storage(tmp_path).exists() or not any((storage(tmp_path) / "blobs").glob("*"))
+
+
 def test_a_listed_name_outside_the_snapshot_is_refused(hub, tmp_path, capsys):
     """Once the cache held the snapshot's folder, a listing entry data/../../(...)/localsecret.txt named a local file
     that the run then read as data. A listed name must stay inside the snapshot (no `..`, root, drive, backslash,
