@@ -38,7 +38,8 @@ RANGES = {
     # generation, serving, evaluation
     "max_new_tokens": (1, 2**22), "temperature": (0, 100), "top_k": (0, 2**22), "top_p": (0, 1),
     "repetition_penalty": (1e-3, 1e6),  # 1e6: never repeat a token
-    "num_return_sequences": (1, 1024, "a batch past this is a typo, not a request"), "port": (1, 65535), "max_batch": (1, 4096),
+    "num_return_sequences": (1, 1024, "a batch past this is a typo, not a request"),
+    "port": (1, 65535), "max_batch": (1, 4096),
     "limit": (0, 10**9, "0 scores every item; MMLU, the largest task, has 14,042"),
     "num_fewshot": (0, 64, "0 is zero-shot; 25, ARC's, is the most a known leaderboard asks"),
 }
