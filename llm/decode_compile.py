@@ -36,7 +36,7 @@ def compile_mode(setting: str, device: torch.device) -> str | None:
 class Compiled:
     """A model whose generation compiles: its decode step's mode, its slots and its background compile."""
     mode: str
-    slots: dict = field(default_factory=dict)  # batch size -> Slot
+    slots: dict = field(default_factory=dict)  # (batch size, cache length) -> Slot
     background: threading.Thread | None = None
 
 
@@ -59,14 +59,17 @@ def compiles(model) -> bool:
     return model in _COMPILED
 
 
-def compiled_slot(model, batch: int) -> Slot:
-    """The compiled slot of `batch` rows, built on first use and kept: the full-context cache and state at pinned
-    addresses, the prefill compiled, and the decode step compiled in the model's mode. With a mode that captures
-    CUDA graphs the first decode calls of a generating thread capture the graph and later ones replay it."""
+def compiled_slot(model, batch: int, length: int = 0) -> Slot:
+    """The compiled slot of `batch` rows and a cache of `length` positions (0: the whole context), built on first
+    use and kept: the cache and state at pinned addresses, the prefill compiled, and the decode step compiled in
+    the model's mode. With a mode that captures CUDA graphs the first decode calls of a generating thread capture
+    the graph and later ones replay it. A length of its own is for callers whose rows never reach the context's
+    end (GRPO's replies: a prompt and at most max_completion_length), whose cache would otherwise hold it all."""
     steps, device, vocab = _COMPILED[model], model.embed_tokens.weight.device, model.config.vocab_size
-    if batch in steps.slots:
-        return steps.slots[batch]
-    cache, state = model.make_kv_cache(batch), State.empty(batch, vocab, device)
+    key = (batch, length or model.config.max_seq_len)
+    if key in steps.slots:
+        return steps.slots[key]
+    cache, state = model.make_kv_cache(batch, key[1]), State.empty(batch, vocab, device)
     prefill = torch.compile(prefill_step, dynamic=False)
     if device.type == "cuda":
         for t in (*cache.k, *cache.v, cache.pos, cache.next_mask, *vars(state).values()):
@@ -78,8 +81,8 @@ def compiled_slot(model, batch: int) -> Slot:
         torch.compiler.cudagraph_mark_step_begin()
         compiled(*args)
     decode = graph_step if uses_cuda_graphs(steps.mode, device) else compiled
-    steps.slots[batch] = Slot(cache, state, prefill, decode, compiled=True)
-    return steps.slots[batch]
+    steps.slots[key] = Slot(cache, state, prefill, decode, compiled=True)
+    return steps.slots[key]
 
 
 def compile_limits():

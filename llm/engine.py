@@ -291,8 +291,9 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
     limits = [min(settings.max_new_tokens, ctx - len(p)) for p in prompts]
     B, max_len = min(rows, len(prompts)), min(ctx, max(len(p) + n for p, n in zip(prompts, limits)))
-    compiled = compiles(model) and not compiling(model)  # a compiled slot holds the whole context, kept
-    check_memory(model, B, ctx if compiled else max_len)
+    compiled = compiles(model) and not compiling(model)
+    length = bucket(max_len, ctx)  # a compiled slot's cache: the longest row's reach, rounded to reuse its graph
+    check_memory(model, B, length if compiled else max_len)
     out, waiting = [[] for _ in prompts], list(reversed(range(len(prompts))))  # waiting: next prompt last
     prompt_of, reach = [None] * B, [0] * B  # each row's prompt (None: ended, none left) and cache position
 
@@ -325,7 +326,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
                 take(r, [token])
 
     with torch.no_grad(), compile_limits():
-        slot = compiled_slot(model, B) if compiled else eager_slot(model, B, max_len)
+        slot = compiled_slot(model, B, length) if compiled else eager_slot(model, B, max_len)
         slot.state.eos.copy_(torch.tensor((list(eos_ids) + [-1] * 4)[:4]))
         slot.state.done.fill_(True)  # until a prompt joins
         generators = _generators([(None, settings)] * B, device)

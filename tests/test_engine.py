@@ -86,7 +86,8 @@ def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
     """GRPO samples through generate_all from a model set to compile where its step compiles (on CUDA a graph
     of the decode step, not an eager loop): the compiled slot (the whole context, kept between calls, rows
     refilled into it in place) writes each reply the eager one writes, greedy and seeded sampling alike, twice
-    in a row (the kept slot's last call leaves nothing behind)."""
+    in a row (the kept slot's last call leaves nothing behind). Its cache holds the replies' reach: a 32k-context
+    model's rollouts would otherwise keep gigabytes of cache through training."""
     model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x", "class Stack:", "return n")]
     eos = engine.generate(model, prompts[:1], GREEDY)[0][4]
@@ -95,7 +96,8 @@ def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
     for settings in (GREEDY, sampled, GREEDY):
         eager = engine.generate_all(model, prompts, settings, [eos], rows=2)
         assert engine.generate_all(fast, prompts, settings, [eos], rows=2) == eager
-    assert len(decode_compile._COMPILED[fast].slots) == 1  # one compiled slot of 2 rows, reused
+    (rows, length), = decode_compile._COMPILED[fast].slots  # one compiled slot, reused
+    assert rows == 2 and length < fast.config.max_seq_len  # its cache: the replies' reach, not the whole context
 
 
 def test_rows_that_take_the_next_prompt_write_what_one_prompt_alone_writes(tiny_loaded):
@@ -232,7 +234,7 @@ def test_mixed_batch_sizes_reuse_a_few_compiled_graphs(tiny_loaded):
     graphs = counters["stats"]["unique_graphs"]
     again = [engine.generate(model, prompts[:n], settings) for n in sizes]
     assert counters["stats"]["unique_graphs"] == graphs  # the second round compiled nothing
-    assert sorted(decode_compile._COMPILED[model].slots) == [1, 2, 4, 8]
+    assert sorted(decode_compile._COMPILED[model].slots) == [(b, model.config.max_seq_len) for b in (1, 2, 4, 8)]
     for n, out, out_again in zip(sizes, first, again):
         assert out == out_again == engine.generate(eager, prompts[:n], settings)
 
@@ -317,7 +319,7 @@ def test_generation_is_eager_while_its_steps_compile_in_the_background(tiny_load
     assert got == want and not decode_compile._COMPILED[model].slots  # replied eagerly: nothing compiled yet
     release.set()
     thread.join(120)
-    assert not decode_compile.compiling(model) and thread.error is None and 1 in decode_compile._COMPILED[model].slots
+    assert not decode_compile.compiling(model) and thread.error is None and (1, model.config.max_seq_len) in decode_compile._COMPILED[model].slots
     assert engine.generate(model, prompts, GREEDY) == want  # the compiled steps now
     failing, errors = compiled(tiny_loaded[0]), []
     def broken(model, batch):

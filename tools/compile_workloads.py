@@ -211,7 +211,7 @@ def sampling_step(model, vocab: int, device):
     decode_compile.use_compile(model, "auto")
     model.eval()
     with torch.no_grad():
-        slot = decode_compile.compiled_slot(model, 8)
+        slot = decode_compile.compiled_slot(model, 8, min(512, model.config.max_seq_len))  # replies' reach
         ids = torch.zeros(8, decode.MIN_BUCKET, dtype=torch.long, device=device)
         lengths = torch.full((8,), decode.MIN_BUCKET - 3, device=device)
         ranked = candidates([1.0] * 8, [0] * 8, vocab)
