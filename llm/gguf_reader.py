@@ -161,6 +161,13 @@ def _check_blocks(reader, layers: int, where: str):
                               "damaged or not a model")
 
 
+# Our config's fields by the GGUF key (after "ARCH.") they are read from, to name a refused value as the file does.
+GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+             "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+             "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
+             "max_seq_len": "context_length"}
+
+
 def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
@@ -197,7 +204,13 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
             qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2",
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             family=family_field(arch))
-    except (ConfigError, TypeError, ValueError) as e:
+    except ConfigError as e:  # named by the file's own key where it has one: what a GGUF's user can look up
+        key = GGUF_KEYS.get(getattr(e, "field", ""))
+        if key is None:
+            raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
+        raise CheckpointError(f"{path}: {a}{key}={e.value:,} is invalid: {str(e).split(' is invalid: ', 1)[-1]}; "
+                              "the file is damaged or not a model") from None
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
 
 

@@ -154,7 +154,7 @@ def test_a_time_budget_past_a_year_is_one_line_from_the_trainer(minutes, capsys)
 
 @pytest.mark.parametrize("section, name, value, rule", [
     ("EvalConfig", "limit", 2**63, "from 0 to 1,000,000,000"),
-    ("TrainConfig", "beta", 1e308, "from 0 to 1,000"),
+    ("TrainConfig", "beta", 1e308, "from 0 to 1000"),
 ])
 def test_numbers_past_any_sense_are_refused_in_one_line(section, name, value, rule):
     """evaluate.py --limit 9223372036854775808 once ended in OverflowError deep in the task reader, and --beta
@@ -196,7 +196,7 @@ def test_help_says_each_range(capsys):
     with pytest.raises(SystemExit):
         trainer.main(["--help"])
     said = " ".join(capsys.readouterr().out.split())
-    assert "[0 to 10]" in said and "[1 to 1,024]" in said  # learning_rate, num_generations
+    assert "[0 to 10]" in said and "[1 to 1024]" in said  # learning_rate, num_generations
     with pytest.raises(SystemExit) as e:
         trainer.run(["--preset", "tiny", "--learning_rate", "30"])
     assert "learning_rate=30.0 is invalid: must be from 0 to 10" in one_error_line(capsys, 2, e)

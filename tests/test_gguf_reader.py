@@ -310,7 +310,8 @@ def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
                        capture_output=True, timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert lines[0].startswith(f"error: {path}: llama.block_count=1,000,000,000,000 but"), lines
+    assert lines[0].startswith(f"error: {path}: llama.block_count=1,000,000,000,000 is invalid: must be from 0 "
+                               "to 4096"), lines
 
 
 def test_a_sentencepiece_vocabulary_is_refused_by_name(tmp_path):
