@@ -5,16 +5,19 @@ checkpoint, data preparation and compile included). Either way the schedule sees
 of the run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps
 are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
 for the final evaluation and checkpoint: set when a speed is first measured (again after the first log window)
-and at each evaluation only, and printed when it changes. A resumed run carries on with what its earlier
+and at each evaluation, and corrected at a sync where the pace has drifted from the plan (by REPLAN_SHARE of the
+steps left), so the decay ends where the budget does; printed when it moves by NOTE_SHARE of the run. A resumed run carries on with what its earlier
 sessions left.
 StepTimer is the run's one timer; when evaluations fall is EvalPolicy's to say, from the same figures. Ctrl-C or SIGTERM asks
 the loop to stop after its step (StopFlag).
 """
 
+import collections
 import contextlib
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 
@@ -23,7 +26,11 @@ from llm.evaluation import AUTO_EVALS, CODE_SETTINGS, EVAL_SHARE, SAMPLE_SETTING
 from llm.sizing import FORWARDS_PER_STEP
 from llm.trainer_state import CLOCK_KEYS
 
-PACE_WEIGHT = 0.25  # the newest window's share of the smoothed step time
+PACE_WINDOWS = 5  # the run's length reads the median step time of the last windows: one slow window moves it not
+# Under a budget the run's length is set again at a sync where the steps the budget holds differ from it by this share
+# of the steps left: a length planned from the first windows alone once ended a 24-second run at 85% of its decay on
+# one machine and reached the floor 300 steps early on another. A change under NOTE_SHARE of the run goes unsaid.
+REPLAN_SHARE, NOTE_SHARE = 0.05, 0.05
 # What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
 # step costs: dozens of small kernels, a few milliseconds on a CPU or through a GPU's launches.
 PROBE_DECODE_STEPS, DECODE_STEP_S = CODE_SETTINGS.max_new_tokens + SAMPLE_SETTINGS.max_new_tokens, 0.01
@@ -67,8 +74,8 @@ def lr_multiplier(progress: float, t) -> float:
 
 class StepTimer:
     """The run's one timer: the seconds spent (this session's and the earlier ones'), the step time measured over
-    each window between syncs and its smoothed pace, and the longest evaluation and checkpoint. The figures every
-    rank must agree on change only in sync() and pause(), which every rank calls at the same steps."""
+    each window between syncs and the median of the last ones (the pace), and the longest evaluation and checkpoint.
+    The figures every rank must agree on change only in sync() and pause(), which every rank calls at the same steps."""
 
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None, params: int = 0):
@@ -80,7 +87,8 @@ class StepTimer:
         self.launch, self.session_start = launch - spent_s, launch
         self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
         self.measured = False  # whether the last sync measured step_s (not the first, compiling step)
-        self.pace_s = step_s  # the same smoothed over windows: what the run's length reads
+        self.recent_s = collections.deque(maxlen=PACE_WINDOWS)  # the last windows' step times, agreed over ranks
+        self.pace_s = step_s  # their median: what the run's length reads
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         # What every rank agreed on at the last sync: the seconds spent, on evaluations too, one evaluation's and
@@ -131,8 +139,10 @@ class StepTimer:
             self.ranks.maximum([self.step_s, self.spent_s(), self.eval_spent_s, self.eval_s(), self.save_s()])
         self.synced_step = step
         # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
-        # the rate dipped. The run's length reads a smoothed pace; finishing still reads the last window's speed.
-        self.pace_s = self.step_s if not self.pace_s else PACE_WEIGHT * self.step_s + (1 - PACE_WEIGHT) * self.pace_s
+        # the rate dipped. The run's length reads the median pace; finishing still reads the last window's speed.
+        if self.measured:
+            self.recent_s.append(self.step_s)
+            self.pace_s = statistics.median(self.recent_s)
 
     def since_sync(self, step: int) -> float:
         """The seconds the steps since the last sync took, at the measured step time."""
@@ -156,19 +166,20 @@ class RunClock:
         self.timer = StepTimer(t, launch, ranks, start, spent_s, step_s, overhead_s, params)
         self.evals = EvalPolicy(t, self)
         # The run's steps: max_steps, or under a budget what it holds at the measured pace, set by plan_length() when a
-        # speed is first measured and after each evaluation only, so the schedule's progress moves evenly between.
+        # speed is first measured, after each evaluation, and where the pace drifts from the plan (REPLAN_SHARE).
         self.length = None if self.by_time else t.max_steps
         self._first_window = True  # the session's first measured windows are one step each: a rough speed
 
     def sync(self, step: int) -> str | None:
-        """The timer's sync (a collective); under a budget the run's length set once a speed is measured, and set
-        again at the end of the first whole log window. Returns plan_length()'s line, or None."""
+        """The timer's sync (a collective); under a budget the run's length set once a speed is measured, again at
+        the end of the first whole log window, and corrected where the pace drifted. Returns plan_length()'s line,
+        or None."""
         self.timer.sync(step)
         window_ends = self._first_window and step - self.start > 2 and self.timer.measured
-        if self.length is not None and not window_ends:
-            return None
-        self._first_window = self.length is None  # set for the first time, or again at the first window's end
-        return self.plan_length()
+        if self.length is None or window_ends:
+            self._first_window = self.length is None  # set for the first time, or again at the first window's end
+            return self.plan_length()
+        return self.plan_length(drifted_only=True) if self.timer.measured else None
 
     def evaluated(self, step: int, last: bool = False) -> str | None:
         """An evaluation ran before this step: the policy marks it, and but for the final one the run's length is
@@ -176,15 +187,18 @@ class RunClock:
         self.evals.mark(step)
         return None if last else self.plan_length()
 
-    def plan_length(self) -> str | None:
+    def plan_length(self, drifted_only: bool = False) -> str | None:
         """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and the ones
-        the rest of the budget holds at the smoothed pace. Returns a line saying it where it changed, else None."""
+        the rest of the budget holds at the median pace (drifted_only: only where that differs from the plan by
+        REPLAN_SHARE of the steps left). Returns a line saying it where it moved by NOTE_SHARE of the run, else None."""
         if not self.by_time or not self.timer.pace_s:
             return None
         done = self.timer.synced_step
         length = max(done + 1, round(done + self.remaining_s() / self.timer.pace_s))
+        if drifted_only and abs(length - self.length) <= REPLAN_SHARE * (self.length - done):
+            return None
         was, self.length = self.length, length
-        if length == was:
+        if was and abs(length - was) < max(1, NOTE_SHARE * was):
             return None
         return f"run length: {length:,} steps at {self.timer.pace_s:.3g} s a step" + (f" (was {was:,})" if was else "")
 

@@ -51,6 +51,7 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     assert 0 < first["first_step_s"] < first["seconds"]
     assert [r["mode"] for r in parts["first_token"]["rows"]] == ["compiled, cold cache", "eager"]
     reply = parts["first_token"]["first_reply"]
+    assert "error" not in reply, reply["error"]
     assert 0 < reply["loaded_to_reply_s"] < reply["launch_to_exit_s"]
     rows = parts["quick_throughput"]["rows"]
     assert [(r["preset"], r["model"]) for r in rows] == [(p, m) for p in gpu_check.QUICK_PRESETS

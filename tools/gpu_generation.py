@@ -72,14 +72,15 @@ def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
                             text=True)
     proc.stdin.write(PROMPT + "\n")
     proc.stdin.close()
-    loaded, log = None, []
+    loaded, rated, log = None, False, []
     for line in proc.stderr:  # until the exit: the loaded line, then the reply's rate line
         log.append(line)
         if loaded is None and line.startswith("loaded "):
             loaded = time.time()
-    out = proc.stdout.read()
+        rated = rated or re.match(r"\[\d+ tokens in ", line) is not None
+    proc.stdout.read()  # the reply: a model trained for a few steps may answer with whitespace or at once with EOS
     replied = time.time()
-    if proc.wait() != 0 or loaded is None or not out.strip():
+    if proc.wait() != 0 or loaded is None or not rated:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(log)[-3000:]}")
     return time.time() - start, replied - loaded
 
