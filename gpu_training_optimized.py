@@ -244,7 +244,7 @@ def open_session(plan: Plan, runner: Runner, launch: float, argv) -> tuple[Sessi
                   task_items=t.eval_task_items or (GPU_TASK_ITEMS if device.type == "cuda" else 0))
     precision = precision_label(t.precision, runner.amp_dtype, runner.raw_model)
     ranks.print((f"resumed from {plan.ckpt} at step {start}\n" if plan.ckpt else "") + start_report(
-        cfg, device, runner.raw_model, runner.opt, precision=precision, ranks=ranks,
+        cfg, device, runner.raw_model, runner.opt, precision=precision, ranks=ranks, row=plan.row,
         tokens_per_step=plan.tokens_per_step, compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
     args = sys.argv[1:] if argv is None else argv
     command = f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"

@@ -174,12 +174,24 @@ def check_grpo(cfg: Config):
                           f"max_seq_len={cfg.model.max_seq_len}; lower it")
 
 
-def fill_grpo(cfg: Config, train_prompts: int, held_out: int, chosen: ChosenRates | None,
+def grpo_row(cfg: Config, longest_prompt: int) -> int:
+    """A GRPO micro-batch row's tokens: the longest prompt and the longest reply, within the context. The step, its
+    memory estimate and its tokens a step are of these rows, never of the model's whole context."""
+    return min(cfg.model.max_seq_len, longest_prompt + cfg.train.max_completion_length)
+
+
+def at_rows_of(cfg: Config, tokens: int) -> Config:
+    """cfg as the memory estimate sees a run whose rows are this many tokens (a GRPO run's, grpo_row)."""
+    return replace(cfg, model=replace(cfg.model, max_seq_len=tokens))
+
+
+def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: ChosenRates | None,
               world_size: int = 1) -> tuple[Config, list[str]]:
     """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the step's
     prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget is given),
     evaluation size, and the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so
-    (the chosen rates' one line among them). Refuses a batch that does not split into micro-batches."""
+    (the chosen rates' one line among them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does
+    not split into micro-batches."""
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or t.num_generations
@@ -194,7 +206,7 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, chosen: ChosenRate
     steps = t.max_steps or (0 if t.max_minutes else math.ceil((t.epochs or 1) * per_pass))
     rates = scaled_rates(t, chosen, GRPO_RATE_SCALE)
     filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, max_steps=steps, epochs=0.0,
-                     batch_tokens=micro * cfg.model.max_seq_len * accum * world_size,
+                     batch_tokens=micro * row * accum * world_size,
                      eval_batches=t.eval_batches or min(held_out, GRPO_EVAL_PROMPTS), **rates)
     length = f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)" if steps else \
         f"a {t.max_minutes:g}-minute budget"

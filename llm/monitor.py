@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import torch
@@ -258,10 +259,11 @@ def _well_formed(record) -> bool:
                                                                    for v in figures)
 
 
-def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks, tokens_per_step: int,
+def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks, row: int, tokens_per_step: int,
                  compile_fallback: bool = False) -> str:
     """The lines printed before the first step: device, model, batch and run length, optimizer, folder.
-    compile_fallback: a compile failure would become an eager run (else it stops the run)."""
+    row: a micro-batch row's tokens (Plan.row); compile_fallback: a compile failure would become an eager run (else
+    it stops the run)."""
     t = cfg.train
     n, n_body = model.num_parameters(), model.num_parameters(exclude_embeddings=True)
     length = " or ".join(([f"{t.max_steps} steps"] if t.max_steps else [])
@@ -272,9 +274,9 @@ def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks
         f"world size: {ranks.world_size}" + (f" ({t.data_parallel})" if ranks.enabled else ""),
         f"model: {n / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
         f"{flops_per_token(cfg.model) / 1e6:.1f} MFLOP per token",
-        f"batch: {t.micro_batch_size} x {cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x "
+        f"batch: {t.micro_batch_size} x {row} tokens x {t.grad_accum_steps} accumulation x "
         f"{ranks.world_size} ranks = {tokens_per_step:,} tokens per step, {length}",
-        *([trainable_report(cfg, model)] if t.lora_rank else []),
+        *([trainable_report(cfg, model, row)] if t.lora_rank else []),
         opt.describe(),
         f"run folder: {t.run_dir}",
     ])
@@ -288,9 +290,10 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.nbytes
 
 
-def trainable_report(cfg, model) -> str:
+def trainable_report(cfg, model, row: int) -> str:
     """A LoRA run's parameters and memory by part: the trained adapters with their gradients and optimizer state
-    (16 bytes each), the frozen base as it is held, and the activations (sizing.py's estimate)."""
+    (16 bytes each), the frozen base as it is held, and the activations of rows of `row` tokens (sizing.py's
+    estimate)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     n_frozen = sum(p.numel() for p in frozen)
@@ -300,7 +303,8 @@ def trainable_report(cfg, model) -> str:
             f"({trained / (trained + n_frozen):.2%}), {n_frozen / 1e6:.2f}M frozen\n"
             f"memory: frozen base {sum(stored_bytes(p) for p in frozen) / 2**20:,.1f} MiB, adapters with gradients "
             f"and optimizer state {16 * trained / 2**20:,.1f} MiB, activations about "
-            f"{activation_bytes(cfg) / 2**20:,.0f} MiB a micro-batch")
+            f"{activation_bytes(replace(cfg, model=replace(cfg.model, max_seq_len=row))) / 2**20:,.0f} MiB a "
+            "micro-batch")
 
 
 def progress_bar(clock, start: int, enabled: bool):

@@ -48,6 +48,11 @@ class PromptData:
     meta: dict = field(default_factory=dict)  # the prompts' token counts; no bytes per token: a reward is no text's
     arrived: bool = True
 
+    @property
+    def longest(self) -> int:
+        """The longest prompt a step samples from, in tokens: with the longest reply, a training row's length."""
+        return max(len(p.ids) for p in self.train)
+
     def texts(self, split: str) -> list[str]:
         """The split's prompts as the model reads them (special tokens written out): evaluations sample from them."""
         tok = load_tokenizer(self.tokenizer_path)

@@ -203,11 +203,10 @@ def rl_objective(plan: Plan, runner: Runner):
     """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained."""
     t, rewards = plan.cfg.train, plan.rewards
     prompts = plan.batches.prompts
-    longest = max(len(p.ids) for p in prompts)
     # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA and eager
     # on a CPU, where a compile does not pay back (decode_compile.compile_mode).
     use_compile(runner.raw_model, "off" if runner.eager else t.compile)
     rollouts = Rollouts(prompts, runner.raw_model, runner.amp, load_tokenizer(plan.data.tokenizer_path), *rewards, t,
-                        min(plan.cfg.model.max_seq_len, longest + t.max_completion_length), plan.device,
+                        plan.row, plan.device,
                         plan.ranks.rank, plan.ranks.world_size)
     return rl.Objective(rollouts, t.grad_accum_steps), rollouts

@@ -21,7 +21,8 @@ from llm.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_b
 from llm.device import autocast, float8_training, machine, pick_precision
 from llm.distributed import Ranks
 from llm.errors import ConfigError
-from llm.fine_tuning import ChosenRates, check_grpo, check_used, fill_fine_tuning, fill_grpo, fill_preference
+from llm.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_used, fill_fine_tuning, fill_grpo,
+                             fill_preference, grpo_row)
 from llm.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.hf_hub import hub_shape, is_hub_name
 from llm.model_card import next_token_train
@@ -177,10 +178,16 @@ class Plan:
     rewards: tuple | None = None  # a GRPO run's reward functions and their weights (rewards.load_all)
 
     @property
+    def row(self) -> int:
+        """A micro-batch row's tokens: the context, or a GRPO run's longest prompt and reply (grpo_row)."""
+        return grpo_row(self.cfg, self.data.longest) if self.cfg.train.objective == "grpo" else \
+            self.cfg.model.max_seq_len
+
+    @property
     def tokens_per_step(self) -> int:
         """The tokens one optimizer step reads, over every rank."""
         t = self.cfg.train
-        return t.micro_batch_size * self.cfg.model.max_seq_len * t.grad_accum_steps * self.ranks.world_size
+        return t.micro_batch_size * self.row * t.grad_accum_steps * self.ranks.world_size
 
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
@@ -198,7 +205,10 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     Refuses what cannot run before the model is built."""
     init = None
     if is_hub_name(cfg.train.init_from):  # refused before any weight downloads: its config.json is enough
-        fit_check(with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len)), device, ranks.world_size)
+        shaped = with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len))
+        if cfg.train.objective == "grpo":  # its rows are a prompt and a reply, at least the reply: what surely fails
+            shaped = at_rows_of(shaped, grpo_row(shaped, 1))
+        fit_check(shaped, device, ranks.world_size)
     if cfg.train.init_from:
         cfg, init = apply_init_from(cfg)
     ckpt, saved, notes = resume_point(cfg)
@@ -264,8 +274,9 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     check_used(cfg)
     rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
     data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
-    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), chosen, ranks.world_size)
-    lines += fit_check(cfg, device, ranks.world_size)
+    row = grpo_row(cfg, data.longest)
+    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), row, chosen, ranks.world_size)
+    lines += fit_check(at_rows_of(cfg, row), device, ranks.world_size)  # rows of a prompt and a reply, not the context
     ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
     loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))
     return planned(cfg, ranks, device, start, data, loaders, rewards)

@@ -137,6 +137,22 @@ def test_bad_grpo_settings_are_refused_before_a_model_is_built(half_right, tmp_p
         trainer.main(argv)
 
 
+def test_a_grpo_runs_memory_and_tokens_are_of_its_rows_not_the_context(half_right, tmp_path, capsys):
+    """A step's rows are the longest prompt and the longest reply: the memory estimate and the tokens a step are of
+    those rows. Of the context (SmolLM2's 8,192), a LoRA run of a 135M model was once estimated at 52.6 GiB on
+    this CPU and refused."""
+    run = tmp_path / "run"
+    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 1, "--max_seq_len", 8192)) == 0
+    out = capsys.readouterr().out
+    tok = load_for_inference(half_right["chat"], "cpu")[1]
+    longest = max(len(chat_prompt_ids(tok, json.loads(line)["prompt"])) for line in open(half_right["prompts"]))
+    row = longest + 8  # --max_completion_length 8
+    assert f"8 x {row} tokens a forward" in out and "8,192 tokens a forward" not in out
+    assert f"batch: 8 x {row} tokens x 4 accumulation x 1 ranks = {4 * 8 * row:,} tokens per step" in out
+    saved = json.load(open(run / "config.json"))
+    assert saved["model"]["max_seq_len"] == 8192 and saved["train"]["batch_tokens"] == 4 * 8 * row
+
+
 def test_bad_prompt_rows_are_left_out_one_line_each(half_right, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     good = [json.dumps({"prompt": "What is 1 plus 2?", "answer": "3"})] * 3
