@@ -165,10 +165,10 @@ def check_grpo(cfg: Config):
     if t.num_generations < 2:
         raise ConfigError(f"num_generations={t.num_generations}: GRPO compares each reply with the others to its "
                           "prompt, so it needs at least 2 (8 is usual)")
-    if t.beta and not t.lora_rank:
-        raise ConfigError(f"--beta {t.beta:g} (a KL term to the reference) needs a LoRA run (--lora_rank), whose "
-                          "base with the adapters off is the reference; a full fine-tune keeps no second model: "
-                          "pass --beta 0, or --lora_rank 16")
+    if t.beta and not t.lora_rank and t.data_parallel == "fsdp":
+        raise ConfigError(f"--beta {t.beta:g}: a full fine-tune's reference is its starting weights copied in whole, "
+                          "which FSDP's shards are not; pass --data_parallel ddp, --lora_rank 16 (the base is the "
+                          "reference) or --beta 0")
     if cfg.model.max_seq_len - t.max_completion_length < 8:
         raise ConfigError(f"max_completion_length={t.max_completion_length} leaves no room for a prompt in "
                           f"max_seq_len={cfg.model.max_seq_len}; lower it")

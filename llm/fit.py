@@ -147,6 +147,9 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
                   "log-softmax (eager) or one fp32 temporary (compiled); the final norm's output"))
     if target.kind == "cuda":
         terms.append(("CUDA context", CUDA_CONTEXT, "context, cuBLAS workspace, kernels"))
+    elif t.objective == "grpo" and t.beta and not t.lora_rank:  # beside a GPU these two live in host memory
+        terms.append(("reference", 8 * P, "the starting weights and the trained ones set aside while the KL "
+                                          "term's reference runs, fp32 (rollouts.StartingWeights)"))
     return Estimate(terms)
 
 

@@ -6,9 +6,11 @@ Rollouts is the run's training loader: get(step, 0) samples the step's replies (
 the steps between train again on the same ones), get(step, m) hands out micro-batch m. Which prompts a step
 reads is a pure function of (seed, step, rank), and the sampling seed is one of (seed, step): a resumed run
 samples what an uninterrupted one would have. A LoRA run samples with its adapters on (nothing merged or
-copied); its reference, for the KL term, is the same model with them off.
+copied); its reference, for the KL term, is the same model with them off (AdaptersOff). A full fine-tune's is
+the weights it started from, kept in host memory and copied in for the reference's passes (StartingWeights).
 """
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -41,6 +43,55 @@ class RolloutBatch(NamedTuple):
     completions: float
 
 
+class AdaptersOff:
+    """A LoRA run's reference: the model with its adapters off, which is its base."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @contextlib.contextmanager
+    def held(self):
+        layers = adapter_layers(self.model)
+        for m in layers:
+            m.enabled = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enabled = True
+
+
+class StartingWeights:
+    """A full fine-tune's reference: the weights the run started from, kept in host memory (pinned beside a GPU)
+    and copied into the model's own parameters for the reference's passes, the trained ones set aside in host
+    memory meanwhile. No second model sits on the device, and every parameter keeps its storage, which the
+    optimizer and a CUDA graph hold. Made before a resumed checkpoint loads: it copies the model as it is then."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())  # a tied head is the embedding's one tensor
+        pin = self.params[0].is_cuda
+        self.start = [self._host(p, pin).copy_(p.detach()) for p in self.params]
+        self.aside = [self._host(p, pin) for p in self.params]
+
+    @staticmethod
+    def _host(p: torch.Tensor, pin: bool) -> torch.Tensor:
+        return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+
+    @torch.no_grad()
+    def _copy(self, into: list, out_of: list):
+        for a, b in zip(into, out_of):
+            a.copy_(b)
+
+    @contextlib.contextmanager
+    def held(self):
+        self._copy(self.aside, self.params)
+        self._copy(self.params, self.start)
+        try:
+            yield
+        finally:
+            self._copy(self.params, self.aside)
+
+
 def token_logps(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(B, T) fp32 log-probability of each label under the model, 0 where it is -100."""
     return -model(x, labels=y, reduction="none")[1]
@@ -60,11 +111,12 @@ class Rollouts:
     micro-batch's rows."""
 
     def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t, seq_len: int,
-                 device, rank: int = 0, world_size: int = 1):
+                 device, rank: int = 0, world_size: int = 1, reference=None):
         self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
         self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
         self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
         self.rank, self.world_size = rank, world_size
+        self.reference = reference  # where beta > 0: AdaptersOff or StartingWeights
         self.settings = grpo.Settings(t.loss_type, t.epsilon, t.epsilon_high, t.beta, t.max_completion_length)
         grpo.check(self.settings)
         self.micro = t.micro_batch_size
@@ -163,28 +215,22 @@ class Rollouts:
         mask = (y != -100).float()
         if self.t.mask_truncated:
             mask[~torch.tensor(ended)] = 0.0  # a reply cut at the limit teaches nothing (DAPO)
-        tokens, batches = float(mask.sum()), []
+        tokens, parts = float(mask.sum()), []
         for start in range(0, n, self.micro):
             part = slice(start, start + self.micro)
-            bx, by = x[part].to(self.device), y[part].to(self.device)
-            old = self.logps(bx, by) if self.t.num_iterations > 1 else None
-            ref = self.logps(bx, by, adapters=False) if self.t.beta else None
-            batches.append(RolloutBatch(bx, by, mask[part].to(self.device), adv[part].to(self.device), old, ref,
-                                        tokens, float(n)))
-        return batches
+            parts.append((x[part].to(self.device), y[part].to(self.device), part))
+        old = [self.logps(bx, by) for bx, by, _ in parts] if self.t.num_iterations > 1 else [None] * len(parts)
+        ref = [None] * len(parts)
+        if self.t.beta:
+            with self.reference.held():  # once for the step's micro-batches: a full fine-tune's copies weights in
+                ref = [self.logps(bx, by) for bx, by, _ in parts]
+        return [RolloutBatch(bx, by, mask[part].to(self.device), adv[part].to(self.device), o, r, tokens, float(n))
+                for (bx, by, part), o, r in zip(parts, old, ref)]
 
-    def logps(self, x: torch.Tensor, y: torch.Tensor, adapters: bool = True) -> torch.Tensor:
-        """The model's per-token log-probabilities of the labels now: the sampling policy's (adapters on), or
-        the reference's (a LoRA run's base, adapters off)."""
-        layers = [] if adapters else adapter_layers(self.model)
-        for m in layers:
-            m.enabled = False
-        try:
-            with self.amp:
-                return token_logps(self.model, x, y)
-        finally:
-            for m in layers:
-                m.enabled = True
+    def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's per-token log-probabilities of the labels now, as the step computes them."""
+        with self.amp:
+            return token_logps(self.model, x, y)
 
     def take(self) -> dict:
         """The means of the samplings' figures since the last call (the log line's), and forgets them."""

@@ -296,8 +296,9 @@ def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data,
         check_same_data(cfg, saved, data)
     # A LoRA run always starts from its base: a resume then loads the adapters into it. A resumed DPO run starts from
     # the --init_from weights too: a reference missing or damaged is computed again from them before the checkpoint
-    # loads.
-    init_state = init.state if init and (lora_meta or not ckpt or t.objective == "dpo") else None
+    # loads; so does a full GRPO run with a KL term, whose reference is those weights (rollouts.StartingWeights).
+    reference = t.objective == "dpo" or (t.objective == "grpo" and t.beta > 0)
+    init_state = init.state if init and (lora_meta or not ckpt or reference) else None
     return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
                 batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta, init_path=init.path if init else "",
                 rewards=rewards)

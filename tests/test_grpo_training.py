@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+import torch
 
 import gpu_training_optimized as trainer
 from config import SampleConfig
@@ -77,17 +78,55 @@ def test_grpo_raises_the_share_of_right_sampled_replies(half_right, tmp_path):
     assert {"reward", "reward/gsm8k", "zero_std_share", "completion_len", "generate_s", "reward_s"} <= set(logged[0])
 
 
-def test_a_resumed_grpo_run_samples_and_trains_as_an_uninterrupted_one(half_right, tmp_path):
+@pytest.mark.parametrize("kl", [(), pytest.param(("--beta", 0.1), marks=pytest.mark.slow)], ids=["", "kl"])
+def test_a_resumed_grpo_run_samples_and_trains_as_an_uninterrupted_one(half_right, tmp_path, kl):
     """4 steps, against 2 steps, a resume, and 2 more: every logged loss and reward equal to the bit. The
-    replies of a step are drawn from (seed, step) and the step's weights, so a resume samples the same."""
+    replies of a step are drawn from (seed, step) and the step's weights, so a resume samples the same. With a KL
+    term on a full fine-tune, the resumed run's reference is still the weights the run started from, not the
+    checkpoint's: the KL is equal to the bit too."""
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert trainer.main(grpo_argv(half_right, whole, "--max_steps", 4)) == 0
-    assert trainer.main(grpo_argv(half_right, part, "--max_steps", 4, "--save_interval", 2)) == 0
+    assert trainer.main(grpo_argv(half_right, whole, "--max_steps", 4, *kl)) == 0
+    assert trainer.main(grpo_argv(half_right, part, "--max_steps", 4, "--save_interval", 2, *kl)) == 0
     ckpt = os.path.join(part, "checkpoints", "step_000002")
     resumed = tmp_path / "resumed"
-    assert trainer.main(grpo_argv(half_right, resumed, "--max_steps", 4, "--resume", ckpt)) == 0
-    key = lambda r: (r["step"], r["loss"], r["reward"], r["completion_len"])  # noqa: E731
+    assert trainer.main(grpo_argv(half_right, resumed, "--max_steps", 4, "--resume", ckpt, *kl)) == 0
+    key = lambda r: (r["step"], r["loss"], r["reward"], r["completion_len"], r.get("kl"))  # noqa: E731
     assert [key(r) for r in read_metrics(whole, "train")][2:] == [key(r) for r in read_metrics(resumed, "train")]
+    assert not kl or read_metrics(resumed, "train")[-1]["kl"] > 0
+
+
+def test_a_full_fine_tunes_reference_is_its_starting_weights_swapped_in(half_right):
+    """A full fine-tune's KL reference copies the starting weights into the model for its passes: inside,
+    the log-probabilities are a separately loaded starting model's; after, every weight is the trained one again,
+    bit for bit, in the same storage (a CUDA graph and the optimizer hold it)."""
+    from llm.rollouts import StartingWeights, token_logps
+    model = load_for_inference(half_right["chat"], "cpu")[0]
+    start = load_for_inference(half_right["chat"], "cpu")[0]
+    reference = StartingWeights(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # "trained"
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    x = torch.randint(1, 200, (2, 12))
+    y = torch.roll(x, -1, 1)
+    with torch.no_grad():
+        moved = token_logps(model, x, y)
+        with reference.held():
+            held = token_logps(model, x, y)
+        after = token_logps(model, x, y)
+        assert torch.equal(held, token_logps(start, x, y)) and not torch.allclose(held, moved)
+    assert torch.equal(after, moved)
+    assert all(torch.equal(p, trained[n]) and p.data_ptr() == storage[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_measures_its_kl_to_its_starting_weights(half_right, tmp_path):
+    """--beta on a full fine-tune: the KL starts at 0 (the model is its reference) and grows as it trains."""
+    run = tmp_path / "full"
+    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 3, "--beta", 0.1, "--learning_rate", 1e-3)) == 0
+    logged = read_metrics(run, "train")
+    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logged[-1]["kl"] > 1e-4
 
 
 def test_a_resumed_grpo_run_names_its_rewards_again(half_right, tmp_path):
@@ -127,8 +166,8 @@ def test_a_reward_that_fails_saves_the_run_and_exits_1(half_right, tmp_path, cap
 
 
 def test_bad_grpo_settings_are_refused_before_a_model_is_built(half_right, tmp_path):
-    with pytest.raises(ConfigError, match="needs a LoRA run"):
-        trainer.main(grpo_argv(half_right, tmp_path / "a", "--beta", 0.1))
+    with pytest.raises(ConfigError, match="which FSDP's shards are not"):
+        trainer.main(grpo_argv(half_right, tmp_path / "a", "--beta", 0.1, "--data_parallel", "fsdp"))
     with pytest.raises(ConfigError, match="at least 2"):
         trainer.main(grpo_argv(half_right, tmp_path / "b", "--num_generations", 1))
     argv = grpo_argv(half_right, tmp_path / "c")
