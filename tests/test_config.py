@@ -172,7 +172,7 @@ def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
     import math
     from dataclasses import fields
     from llm.errors import ConfigError
-    from llm.ranges import RANGES
+    from llm.ranges import RANGES, Above, Below
     sections = (config.ModelConfig, config.DataConfig, config.TrainConfig, config.LoadConfig, config.SampleConfig,
                 config.ServeConfig, config.EvalConfig)
     numeric = {f.name for c in sections for f in fields(c) if f.type in (int, float)}
@@ -182,10 +182,14 @@ def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
             if f.type not in (int, float):
                 continue
             low, high = RANGES[f.name][:2]
-            for bad in (low - (1 if f.type is int else max(abs(low), 1e-9)), high * 2 + 1):
+            open_ends = [b for b in (low, high) if isinstance(b, (Above, Below))]  # the bound itself is refused
+            for bad in (low - (1 if f.type is int else max(abs(low), 1e-9)), high * 2 + 1, *open_ends):
                 bad = f.type(bad) if f.type is int or math.isfinite(bad) else bad
                 with pytest.raises(ConfigError, match=f"{f.name}=.* must be from"):
                     section(**{f.name: bad})
+    assert config.TrainConfig(epsilon=0.0).epsilon == 0 and config.SampleConfig(top_p=1.0).top_p == 1  # closed ends
+    with pytest.raises(ConfigError, match="epsilon=1.0 is invalid: must be from 0 to 1, 1 excluded"):
+        config.TrainConfig(epsilon=1.0)
 
 
 def test_help_says_each_range(capsys):
@@ -196,7 +200,7 @@ def test_help_says_each_range(capsys):
     with pytest.raises(SystemExit):
         trainer.main(["--help"])
     said = " ".join(capsys.readouterr().out.split())
-    assert "[0 to 10]" in said and "[1 to 1024]" in said  # learning_rate, num_generations
+    assert "[0 to 10]" in said and "[1 to 1024]" in said and "[0 to 1)" in said  # learning_rate, num_generations, epsilon
     with pytest.raises(SystemExit) as e:
         trainer.run(["--preset", "tiny", "--learning_rate", "30"])
     assert "learning_rate=30.0 is invalid: must be from 0 to 10" in one_error_line(capsys, 2, e)
