@@ -215,7 +215,7 @@ def log_window(plan: Plan, runner: Runner, session: Session, clock: RunClock, gr
     pairs = runner.objective.take(plan.ranks)  # a preference run's rewards
     if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in runner.opt.lrs().items()}
-        step_s = clock.timer.step_s if clock.timer.measured else None  # the first step compiles: no speed
+        step_s = clock.timer.agreed.step_s if clock.timer.agreed.measured else None  # the first step compiles
         r = session.monitor.train_record(step, runner.state.tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
                                          step_s, compiled=not runner.eager, extra=pairs)
         session.bar.set_postfix(format_postfix(r), refresh=False)

@@ -20,13 +20,16 @@ import signal
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 from llm.distributed import Ranks
 from llm.evaluation import AUTO_EVALS, CODE_SETTINGS, EVAL_SHARE, SAMPLE_SETTINGS
 from llm.sizing import FORWARDS_PER_STEP
 from llm.trainer_state import CLOCK_KEYS
 
-PACE_WINDOWS = 5  # the run's length reads the median step time of the last windows: one slow window moves it not
+# The run's length reads the median step time of the last windows: at least PACE_WINDOWS of them, and a fifth of
+# the session's (up to PACE_MEMORY), so a slow minute of a long run moves it no more than one slow window a short one.
+PACE_WINDOWS, PACE_SHARE, PACE_MEMORY = 5, 0.2, 1000
 # Under a budget the run's length is set again at a sync where the steps the budget holds differ from it by this share
 # of the steps left: a length planned from the first windows alone once ended a 24-second run at 85% of its decay on
 # one machine and reached the floor 300 steps early on another. A change under NOTE_SHARE of the run goes unsaid.
@@ -72,10 +75,28 @@ def lr_multiplier(progress: float, t) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * x))
 
 
+class Agreed(NamedTuple):
+    """What every rank agreed on at a sync, frozen until the next (StepTimer.agreed): the run's length, its end and
+    its evaluations are decided from these alone, so every rank decides alike."""
+    step: int = 0  # the step it was agreed at
+    spent_s: float = 0.0  # the budget's seconds used, evaluations and checkpoints included
+    eval_spent_s: float = 0.0  # this session's evaluations, in all
+    eval_s: float = 0.0  # one evaluation's: the longest seen, or an estimate before any
+    eval_measured: bool = False  # whether an evaluation has run (else eval_s is the estimate)
+    save_s: float = 0.0  # one checkpoint's: the longest seen, or a guess before any
+    step_s: float = 0.0  # a step's over the last window; 0 until one is measured
+    pace_s: float = 0.0  # the median of the last windows' (PACE_SHARE): what the run's length reads
+    measured: bool = False  # whether this sync measured a window (the session's first step compiles: no speed)
+
+    def since(self, step: int) -> float:
+        """The seconds the steps after this sync took, at the agreed step time."""
+        return (step - self.step) * self.step_s
+
+
 class StepTimer:
     """The run's one timer: the seconds spent (this session's and the earlier ones'), the step time measured over
-    each window between syncs and the median of the last ones (the pace), and the longest evaluation and checkpoint.
-    The figures every rank must agree on change only in sync() and pause(), which every rank calls at the same steps."""
+    each window between syncs, and the longest evaluation and checkpoint. At each sync() and pause(), which every
+    rank calls at the same steps, the ranks agree on these figures and the timer publishes them (agreed)."""
 
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None, params: int = 0):
@@ -85,16 +106,11 @@ class StepTimer:
         self.t, self.ranks, self.start = t, ranks, start
         self.save_guess_s = CHECKPOINT_FIXED_S + CHECKPOINT_BYTES_PER_PARAM * params / DISK_BYTES_PER_S
         self.launch, self.session_start = launch - spent_s, launch
-        self.step_s = step_s  # the mean seconds of a step over the last window, 0 until measured
-        self.measured = False  # whether the last sync measured step_s (not the first, compiling step)
-        self.recent_s = collections.deque(maxlen=PACE_WINDOWS)  # the last windows' step times, agreed over ranks
-        self.pace_s = step_s  # their median: what the run's length reads
+        self.recent_s = collections.deque(maxlen=PACE_MEMORY)  # the last windows' agreed step times
+        self.windows = 0  # this session's measured windows
         self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
-        # What every rank agreed on at the last sync: the seconds spent, on evaluations too, one evaluation's and
-        # one checkpoint's seconds. Decisions read these, so that every rank decides alike.
-        self.synced_step, self.synced_spent, self.synced_eval_spent, self.synced_eval_s, self.synced_save_s = \
-            0, 0.0, 0.0, 0.0, self.save_s()
+        self.agreed = Agreed(save_s=self.save_s(), step_s=step_s, pace_s=step_s)  # an earlier session's speed
         self._window_start = self._window_step = None
 
     def spent_s(self) -> float:
@@ -114,10 +130,10 @@ class StepTimer:
             self.eval_spent_s, self.evals = self.eval_spent_s + seconds, self.evals + 1
         self._sync(step, measure=False)
 
-    def eval_s(self) -> float:
+    def eval_s(self, step_s: float) -> float:
         """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a forward
         is 1 / FORWARDS_PER_STEP of a step) and the decode steps of the code metric and the samples."""
-        forwards = self.t.eval_batches * self.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
+        forwards = self.t.eval_batches * step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return self.overhead_s["eval"] or forwards + PROBE_DECODE_STEPS * DECODE_STEP_S
 
     def save_s(self) -> float:
@@ -129,29 +145,27 @@ class StepTimer:
         self._sync(step, measure=step > self.start + 1)
 
     def _sync(self, step: int, measure: bool):
-        now = time.monotonic()
-        self.measured = measure and self._window_start is not None and step > self._window_step
-        if self.measured:
-            self.step_s = (now - self._window_start) / (step - self._window_step)
+        now, was = time.monotonic(), self.agreed
+        measured = measure and self._window_start is not None and step > self._window_step
+        step_s = (now - self._window_start) / (step - self._window_step) if measured else was.step_s
         self._window_start, self._window_step = now, step
         # The slowest rank's clock is everyone's: the longest step, evaluation and checkpoint, the most spent.
-        self.step_s, self.synced_spent, self.synced_eval_spent, self.synced_eval_s, self.synced_save_s = \
-            self.ranks.maximum([self.step_s, self.spent_s(), self.eval_spent_s, self.eval_s(), self.save_s()])
-        self.synced_step = step
+        step_s, spent, eval_spent, eval_s, eval_measured, save_s = self.ranks.maximum(
+            [step_s, self.spent_s(), self.eval_spent_s, self.eval_s(step_s), self.overhead_s["eval"], self.save_s()])
         # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
         # the rate dipped. The run's length reads the median pace; finishing still reads the last window's speed.
-        if self.measured:
-            self.recent_s.append(self.step_s)
-            self.pace_s = statistics.median(self.recent_s)
-
-    def since_sync(self, step: int) -> float:
-        """The seconds the steps since the last sync took, at the measured step time."""
-        return (step - self.synced_step) * self.step_s
+        if measured:
+            self.recent_s.append(step_s)
+            self.windows += 1
+        last = max(PACE_WINDOWS, int(PACE_SHARE * self.windows))
+        pace_s = statistics.median(list(self.recent_s)[-last:]) if self.recent_s else was.pace_s
+        self.agreed = Agreed(step, spent, eval_spent, eval_s, eval_measured > 0, save_s, step_s, pace_s, measured)
 
     def state(self) -> dict:
         """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
-        the step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup)."""
-        return dict(zip(CLOCK_KEYS, (self.spent_s(), self.step_s, dict(self.overhead_s))))
+        a step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup). The pace,
+        not the last window's time: the run's length was planned by it, and one slow window is no speed."""
+        return dict(zip(CLOCK_KEYS, (self.spent_s(), self.agreed.pace_s, dict(self.overhead_s))))
 
 
 class RunClock:
@@ -175,11 +189,11 @@ class RunClock:
         the end of the first whole log window, and corrected where the pace drifted. Returns plan_length()'s line,
         or None."""
         self.timer.sync(step)
-        window_ends = self._first_window and step - self.start > 2 and self.timer.measured
+        window_ends = self._first_window and step - self.start > 2 and self.timer.agreed.measured
         if self.length is None or window_ends:
             self._first_window = self.length is None  # set for the first time, or again at the first window's end
             return self.plan_length()
-        return self.plan_length(drifted_only=True) if self.timer.measured else None
+        return self.plan_length(drifted_only=True) if self.timer.agreed.measured else None
 
     def evaluated(self, step: int, last: bool = False) -> str | None:
         """An evaluation ran before this step: the policy marks it, and but for the final one the run's length is
@@ -191,27 +205,29 @@ class RunClock:
         """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and the ones
         the rest of the budget holds at the median pace (drifted_only: only where that differs from the plan by
         REPLAN_SHARE of the steps left). Returns a line saying it where it moved by NOTE_SHARE of the run, else None."""
-        if not self.by_time or not self.timer.pace_s:
+        agreed = self.timer.agreed
+        if not self.by_time or not agreed.pace_s:
             return None
-        done = self.timer.synced_step
-        length = max(done + 1, round(done + self.remaining_s() / self.timer.pace_s))
+        done = agreed.step
+        length = max(done + 1, round(done + self.remaining_s() / agreed.pace_s))
         if drifted_only and abs(length - self.length) <= REPLAN_SHARE * (self.length - done):
             return None
         was, self.length = self.length, length
         if was and abs(length - was) < max(1, NOTE_SHARE * was):
             return None
-        return f"run length: {length:,} steps at {self.timer.pace_s:.3g} s a step" + (f" (was {was:,})" if was else "")
+        return f"run length: {length:,} steps at {agreed.pace_s:.3g} s a step" + (f" (was {was:,})" if was else "")
 
     def reserve_s(self, eval_s: float | None = None) -> float:
         """Room kept for the final evaluation (eval_s, by default the longest seen or an estimate; under a budget at
         most FINAL_EVAL_SHARE of it, which final_batches() trims to fit) and the final checkpoint."""
-        final_eval = self.timer.synced_eval_s if eval_s is None else eval_s
+        agreed = self.timer.agreed
+        final_eval = agreed.eval_s if eval_s is None else eval_s
         final_eval = min(final_eval, FINAL_EVAL_SHARE * self.budget_s) if self.by_time else final_eval
-        return RESERVE_MARGIN * (final_eval + self.timer.synced_save_s) + self.timer.step_s
+        return RESERVE_MARGIN * (final_eval + agreed.save_s) + agreed.step_s
 
     def remaining_s(self) -> float:
         """The budget's seconds left for steps at the last sync, once the room for the final ones is kept."""
-        return self.budget_s - self.timer.synced_spent - self.reserve_s()
+        return self.budget_s - self.timer.agreed.spent_s - self.reserve_s()
 
     def left_s(self) -> float:
         """The budget's seconds left now for the final evaluation, once the final checkpoint's are set aside."""
@@ -236,8 +252,8 @@ class RunClock:
         if not self.by_time:
             return False
         if not self.ranks.enabled:  # one process reads the clock itself at every step: a machine slowing is seen
-            return self.budget_s - self.timer.spent_s() - self.reserve_s() < self.timer.step_s
-        return self.remaining_s() - self.timer.since_sync(step) < self.timer.step_s
+            return self.budget_s - self.timer.spent_s() - self.reserve_s() < self.timer.agreed.step_s
+        return self.remaining_s() - self.timer.agreed.since(step) < self.timer.agreed.step_s
 
     def final_eval(self) -> tuple[int, float]:
         """The final evaluation's batches and the time.monotonic() its batches stop by: under a budget, one process
@@ -253,9 +269,9 @@ class RunClock:
         """The final evaluation's batches: eval_batches, or under a budget as many as the time left holds (at least
         one). passes: forward passes over each batch (two where the weight average is compared with the last
         weights); a forward is 1 / FORWARDS_PER_STEP of a step."""
-        if not self.by_time or not self.timer.step_s:
+        if not self.by_time or not self.timer.agreed.step_s:
             return self.t.eval_batches
-        forward_s = passes * self.timer.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
+        forward_s = passes * self.timer.agreed.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return max(1, min(self.t.eval_batches, int(0.8 * self.left_s() / forward_s)))
 
     def log_due(self, done: int) -> bool:
@@ -327,23 +343,23 @@ class EvalPolicy:
         """Whether half a sixth of the run follows an evaluation before this step. Under a budget the evaluation and
         its checkpoint are paid from the steps that would follow, and the room kept for the final ones grows to
         its measured cost: judged by the progress before them, the last one once came a step before the end."""
-        clock, timer = self.clock, self.clock.timer
+        clock, agreed = self.clock, self.clock.timer.agreed
         if not clock.by_time:
             return done < 1 - 0.5 / AUTO_EVALS
-        cost = timer.synced_eval_s * (EVAL_COST_MARGIN if timer.overhead_s["eval"] else FIRST_EVAL_MARGIN)
-        left_s = clock.budget_s - timer.synced_spent - timer.since_sync(step) - cost - timer.synced_save_s - \
+        cost = agreed.eval_s * (EVAL_COST_MARGIN if agreed.eval_measured else FIRST_EVAL_MARGIN)
+        left_s = clock.budget_s - agreed.spent_s - agreed.since(step) - cost - agreed.save_s - \
             clock.reserve_s(cost)  # the room kept for the final ones once this evaluation is measured
-        steps_after = left_s / max(timer.step_s, timer.pace_s)
+        steps_after = left_s / max(agreed.step_s, agreed.pace_s)
         return steps_after > 0.5 / AUTO_EVALS * (step + steps_after)
 
     def affordable(self, step: int) -> bool:
         """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so far."""
-        timer = self.clock.timer
-        one = timer.synced_eval_s
+        agreed = self.clock.timer.agreed
+        one = agreed.eval_s
         if not one:
             return False  # neither a step nor an evaluation measured yet: nothing to judge the cost by
-        spent = timer.synced_spent + timer.since_sync(step) + one
-        return timer.synced_eval_spent + one <= EVAL_SHARE * spent
+        spent = agreed.spent_s + agreed.since(step) + one
+        return agreed.eval_spent_s + one <= EVAL_SHARE * spent
 
     def full(self, step: int, last_step: bool) -> bool:
         """Whether the evaluation before this step adds the code metric and samples to the val loss: always, but

@@ -213,8 +213,8 @@ def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
     for step in range(21, 31):
         now[0] += 0.1
     clock.timer.sync(30)
-    assert clock.timer.step_s == pytest.approx(0.1) and "wait" not in clock.timer.state()["overhead_s"]
-    assert clock.timer.synced_spent == pytest.approx(23) and not clock.finished(30)  # 20 s of waiting, 3 s of steps
+    assert clock.timer.agreed.step_s == pytest.approx(0.1) and "wait" not in clock.timer.state()["overhead_s"]
+    assert clock.timer.agreed.spent_s == pytest.approx(23) and not clock.finished(30)  # 20 s of waiting, 3 s of steps
     now[0] = 60 - clock.reserve_s() + 0.01  # a second wait, past the budget's end
     assert clock.out_of_time()
 
