@@ -28,14 +28,15 @@ SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference", "bench_grpo",
          "bench_prepare",
          "compare_optimizers", "compare_scores", "diff_samples",
-         "finetune_check", "nf4_gap", "compile_check", "compile_workloads", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
+         "finetune_check", "grpo_check", "nf4_gap", "compile_check", "compile_workloads", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
          "gpu_report", "hub_stand_in", "roofline", "what_fits"]  # in tools/
 # A tool may build on another only where declared here.
 TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation", "gpu_report"},
               "gpu_first_run": {"gpu_generation", "hub_stand_in"},
               "gpu_generation": {"bench", "bench_generate"}, "compile_check": {"compile_workloads", "fake_gpu", "roofline"},
               "compile_workloads": {"bench"},
-              "bench_lora": {"bench"}, "nf4_gap": {"finetune_check"}}
+              "bench_lora": {"bench"}, "bench_grpo": {"bench"}, "bench_preference": {"bench"},
+              "nf4_gap": {"finetune_check"}, "grpo_check": {"finetune_check"}}
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
 # What a user runs, edits or reads first stays at the root; every other module lives in the package folder.
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",

@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -133,6 +134,26 @@ def alternate(contenders: list, rounds: int, steps: int) -> list[list[float]]:
         for i, c in order if r % 2 == 0 else order[::-1]:
             rates[i].append(c.round(steps))
     return rates
+
+
+def alternate_processes(script: str, variants: list[str], rounds: int, flags: list[str], env: dict | None = None,
+                        read=None) -> dict[str, list[dict]] | None:
+    """Each variant run as a process of its own (`script --child NAME FLAGS`), in ABBA order over the rounds, so a
+    load that comes or goes falls on both: {name: the JSON of each run's last stdout line, with the machine's
+    1-minute load as it ended and what read(stdout) adds}. None, with the failing run's output on stderr, where one
+    fails."""
+    results = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in variants if r % 2 == 0 else list(reversed(variants)):
+            done = subprocess.run([sys.executable, script, "--child", name, *flags], capture_output=True, text=True,
+                                  env={**os.environ, **(env or {})})
+            if done.returncode:
+                print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
+                return None
+            row = {**json.loads(done.stdout.strip().splitlines()[-1]), **(read(done.stdout) if read else {})}
+            results[name].append({**row, "load": os.getloadavg()[0]})
+            print(f"round {r}: {name} {results[name][-1]}", flush=True)
+    return results
 
 
 def result(c: Contender, rates: list[float]) -> dict:

@@ -21,12 +21,13 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
+from bench import alternate_processes  # noqa: E402  (tools/, beside it)
 
 SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
@@ -146,18 +147,11 @@ def main(argv=None) -> int:
         return 0
     folder = tempfile.mkdtemp(prefix="bench_grpo_")
     setup(folder)
-    results = {name: [] for name in args.variants}
-    for r in range(args.rounds):
-        for name in (args.variants if r % 2 == 0 else reversed(args.variants)):  # ABBA: drift hits both orders
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
-                                   str(args.steps), "--max_new_tokens", str(args.max_new_tokens), "--folder", folder],
-                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if done.returncode:
-                print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
-                return 1
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            results[name][-1]["load"] = os.getloadavg()[0]  # the machine's 1-minute load as the run ended
-            print(f"round {r}: {name} {results[name][-1]}", flush=True)
+    flags = ["--steps", str(args.steps), "--max_new_tokens", str(args.max_new_tokens), "--folder", folder]
+    results = alternate_processes(os.path.abspath(__file__), args.variants, args.rounds, flags,
+                                  env={"OMP_NUM_THREADS": "1"})
+    if results is None:
+        return 1
     print("| variant | replies a step | reply tokens | replies/s (median, range) | step s: sampling, rewards, "
           "training | process peak GiB (median, range) | load |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

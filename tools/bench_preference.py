@@ -24,13 +24,14 @@ import random
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+
+from bench import alternate_processes  # noqa: E402  (tools/, beside it)
 
 WORDS = ("the a river stone cloud tiger lamp green paper music orange window silver garden candle quiet bright "
          "under over runs sings holds keeps finds makes small large old new warm cold early late").split()
@@ -134,6 +135,12 @@ def trl(folder: str, steps: int, seq: int, per_forward: int = BATCH_PAIRS) -> di
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def reference_s(stdout: str) -> dict:
+    """The seconds our reference pass took, as its start line says (None for TRL's, which runs each step)."""
+    ready = re.search(r"log-probabilities \(.*?\) ready in ([0-9.]+)s", stdout)
+    return {"reference_s": float(ready.group(1)) if ready else None}
+
+
 # Each side as it runs the step's 8 pairs by default (one forward), and each one a smaller forward at a time.
 VARIANTS = {"ours": ours, "trl": trl, "ours-one-window": partial(ours, one_window=True),
             "trl-two-pairs": partial(trl, per_forward=2)}
@@ -160,19 +167,10 @@ def main(argv=None) -> int:
         return 0
     folder = tempfile.mkdtemp(prefix="bench_preference_")
     setup(folder, args.pairs)
-    results = {name: [] for name in args.variants}
-    for r in range(args.rounds):
-        for name in (args.variants if r % 2 == 0 else reversed(args.variants)):  # ABBA: drift hits both orders
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
-                                   str(args.steps), "--seq_len", str(args.seq_len), "--folder", folder], capture_output=True, text=True)
-            if done.returncode:
-                print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
-                return 1
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            ready = re.search(r"log-probabilities \(.*?\) ready in ([0-9.]+)s", done.stdout)
-            results[name][-1]["reference_s"] = float(ready.group(1)) if ready else None
-            results[name][-1]["load"] = os.getloadavg()[0]  # the machine's 1-minute load as the run ended
-            print(f"round {r}: {name} {results[name][-1]}", flush=True)
+    flags = ["--steps", str(args.steps), "--seq_len", str(args.seq_len), "--folder", folder]
+    results = alternate_processes(os.path.abspath(__file__), args.variants, args.rounds, flags, read=reference_s)
+    if results is None:
+        return 1
     print("| variant | pairs a step | tokens/s (median, range) | process peak GiB (median, range) | reference pass s |"
           " load |")
     print("| --- | --- | --- | --- | --- | --- |")

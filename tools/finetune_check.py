@@ -105,6 +105,15 @@ def measure(path: str, base: str, texts: list[str]) -> dict:
             "general_replies": general}
 
 
+def run_logged(cmd: list[str], log: str, name: str):
+    """A trainer command, its output in log; where it fails, the run exits with the log's last lines."""
+    print(f"training {name}: {' '.join(cmd[2:])}", flush=True)
+    with open(log, "w", encoding="utf-8") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
+            tail = "".join(open(log, encoding="utf-8").readlines()[-5:])
+            sys.exit(f"error: {name} failed; the end of {log}:\n{tail}")
+
+
 def train(args, name: str, flags: str, chats: str) -> dict:
     """One variant's run (or the finished one found); its folder, loss and seconds per step."""
     run = os.path.join(args.out, name)
@@ -116,11 +125,7 @@ def train(args, name: str, flags: str, chats: str) -> dict:
                "--max_seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch_size),
                "--grad_accum_steps", "1", "--max_steps", str(args.steps), "--eval_interval", str(args.steps),
                "--save_interval", str(args.steps), "--compile", args.compile, "--seed", str(args.seed), *flags.split()]
-        print(f"training {name}: {' '.join(cmd[2:])}", flush=True)
-        with open(run + ".log", "w", encoding="utf-8") as f:
-            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
-                tail = "".join(open(run + ".log", encoding="utf-8").readlines()[-5:])
-                sys.exit(f"error: {name} failed; the end of {run}.log:\n{tail}")
+        run_logged(cmd, run + ".log", name)
     trains = read_metrics(run, "train")
     seconds = [1 / r["steps_per_s"] for r in trains if r.get("steps_per_s")]
     return {"run": run, "loss": trains[-1]["loss"] if trains else float("nan"),

@@ -34,7 +34,7 @@ from llm.monitor import read_metrics
 from llm.rewards import gsm8k
 from llm.tokenizer import chat_prompt_ids, stop_ids
 
-from finetune_check import NAMES, default_base
+from finetune_check import NAMES, default_base, run_logged
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 THINGS = ["apples", "books", "marbles", "stickers", "coins", "pencils", "cookies", "shells", "cards", "eggs"]
@@ -99,11 +99,7 @@ def train(args, problems: str) -> dict:
                "--cache_dir", os.path.join(args.out, "cache"), "--max_steps", str(args.steps),
                "--eval_interval", str(max(1, args.steps // 4)), "--save_interval", str(args.steps),
                "--seed", str(args.seed), "--compile", "off", *shlex.split(args.flags)]
-        print(f"training: {' '.join(cmd[2:])}", flush=True)
-        with open(run + ".log", "w", encoding="utf-8") as f:
-            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
-                tail = "".join(open(run + ".log", encoding="utf-8").readlines()[-5:])
-                sys.exit(f"error: the GRPO run failed; the end of {run}.log:\n{tail}")
+        run_logged(cmd, run + ".log", "GRPO")
     trains = read_metrics(run, "train")
     seconds = [1 / r["steps_per_s"] for r in trains if r.get("steps_per_s")]
     return {"run": run, "s_per_step": sum(seconds) / len(seconds) if seconds else float("nan"),
