@@ -12,6 +12,7 @@ the device drained around it, and reports its share.
 Every training setting of config.py applies (--micro_batch_size, --max_seq_len, --precision, ...).
 """
 
+import argparse
 import contextlib
 import gc
 import json
@@ -134,6 +135,19 @@ def alternate(contenders: list, rounds: int, steps: int) -> list[list[float]]:
         for i, c in order if r % 2 == 0 else order[::-1]:
             rates[i].append(c.round(steps))
     return rates
+
+
+def process_rounds_parser(doc: str, variants: list[str], steps: int) -> argparse.ArgumentParser:
+    """The command line alternate_processes' benchmarks share: the rounds, the timed steps, the variants, and the
+    flags a child run is given (its variant and the folder of the data and model both sides read)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps of each run, after two warm-up steps")
+    p.add_argument("--variants", nargs="+", choices=variants, default=["ours", "trl"],
+                   help="what to run, alternating (ABBA) over the rounds")
+    p.add_argument("--child", choices=variants, help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    return p
 
 
 def alternate_processes(script: str, variants: list[str], rounds: int, flags: list[str], env: dict | None = None,

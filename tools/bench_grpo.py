@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
-from bench import alternate_processes  # noqa: E402  (tools/, beside it)
+from bench import alternate_processes, process_rounds_parser  # noqa: E402  (tools/, beside it)
 
 SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
@@ -127,14 +127,8 @@ VARIANTS = {"ours": ours, "trl": trl}
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4, help="timed steps of each run, after two warm-up steps")
+    p = process_rounds_parser(__doc__, list(VARIANTS), steps=4)
     p.add_argument("--max_new_tokens", type=int, default=64, help="the longest reply (both sides)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["ours", "trl"],
-                   help="what to run, alternating (ABBA) over the rounds")
-    p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -31,7 +31,7 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
-from bench import alternate_processes  # noqa: E402  (tools/, beside it)
+from bench import alternate_processes, process_rounds_parser  # noqa: E402  (tools/, beside it)
 
 WORDS = ("the a river stone cloud tiger lamp green paper music orange window silver garden candle quiet bright "
          "under over runs sings holds keeps finds makes small large old new warm cold early late").split()
@@ -148,15 +148,9 @@ VARIANTS = {"ours": ours, "trl": trl, "ours-one-window": partial(ours, one_windo
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="timed steps of each run, after two warm-up steps")
+    p = process_rounds_parser(__doc__, list(VARIANTS), steps=8)
     p.add_argument("--seq_len", type=int, default=1024, help="our windows' length (a pair is about 380 tokens)")
     p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (the reference pass reads them all)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["ours", "trl"],
-                   help="what to run, alternating (ABBA) over the rounds")
-    p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
