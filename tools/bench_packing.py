@@ -74,7 +74,7 @@ def write_chats(folder: str, chats) -> str:
 
 def context_share_of_slices(loader: Batches, eot: int, windows: int = 2000) -> float:
     """Share of positions in random windows whose example started inside the window."""
-    tokens = np.memmap(loader.tokens, dtype=loader.dtype, mode="r")
+    tokens = loader.tokens  # the split's token stream, as the loader reads it
     kept = 0
     for step in range(windows // loader.batch_size):
         for s in loader.starts(step, 0):
