@@ -235,6 +235,21 @@ def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(ti
     assert re.search(r"about [0-9.]+ min more for 3 items at copa's pace; 3 written answers besides", err), err
 
 
+def test_the_time_left_is_paced_by_the_requests_length_not_the_item_count():
+    """After a task of short items, one of items ten times as long is said to take ten times as long per item."""
+    from llm.scoring import TaskScore
+    from llm.tasks import Item
+
+    class Asked:
+        generated = False
+
+    def items(n, chars):
+        return [Item((("x" * (chars - 1), "y"), ("x" * (chars - 1), "z")), ("y", "z"), 0) for _ in range(n)]
+    first = TaskScore("copa", "validation", items=100, seconds=60.0)
+    assert evaluate.pace(first, items(100, 50), [(Asked(), items(10, 50))]).startswith("about 0.1 min more for 10")
+    assert evaluate.pace(first, items(100, 50), [(Asked(), items(10, 500))]).startswith("about 1.0 min more for 10")
+
+
 def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path, capsys):
     """--num_fewshot 5 puts five solved dev questions before each MMLU question (its requests are held to lm-eval's in
     test_tasks.py), and the table, the JSON and the report card say 5-shot, with no zero-shot reference row beside
