@@ -105,7 +105,7 @@ def compile_in_background(model, settings: SampleConfig, on_error=None) -> threa
                 slot = compiled_slot(model, 1)
                 device = model.embed_tokens.weight.device
                 ids = torch.zeros(1, MIN_BUCKET, dtype=torch.long, device=device)
-                ranked = candidates([settings.temperature], [settings.top_k], model.config.vocab_size)
+                ranked = candidates([settings], model.config.vocab_size)
                 slot.prefill(model, ids, torch.ones(1, dtype=torch.long, device=device), slot.cache, slot.state,
                              ranked)
                 slot.decode(model, slot.cache, slot.state, ranked)

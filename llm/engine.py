@@ -138,7 +138,7 @@ def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> 
     generators = _generators(rows, device)
     chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
     host = torch.empty((B, CHUNK), dtype=torch.long, pin_memory=device.type == "cuda")
-    ranked = candidates([s.temperature for _, s in rows], [s.top_k for _, s in rows], model.config.vocab_size)
+    ranked = candidates([s for _, s in rows], model.config.vocab_size)
     _noise(state, generators, real)
     slot.prefill(model, padded, lengths, cache, state, ranked)
     chunk[:, 0] = state.tokens[:, 0]
@@ -330,7 +330,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         slot.state.eos.copy_(torch.tensor((list(eos_ids) + [-1] * 4)[:4]))
         slot.state.done.fill_(True)  # until a prompt joins
         generators = _generators([(None, settings)] * B, device)
-        ranked = candidates([settings.temperature] * B, [settings.top_k] * B, model.config.vocab_size)
+        ranked = candidates([settings], model.config.vocab_size)
         chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
         refill()
         while any(i is not None for i in prompt_of):

@@ -207,6 +207,7 @@ def sampling_step(model, vocab: int, device):
     import torch
 
     from llm import decode, decode_compile
+    from config import SampleConfig
     from llm.sampling import candidates
     decode_compile.use_compile(model, "auto")
     model.eval()
@@ -214,7 +215,7 @@ def sampling_step(model, vocab: int, device):
         slot = decode_compile.compiled_slot(model, 8, min(512, model.config.max_seq_len))  # replies' reach
         ids = torch.zeros(8, decode.MIN_BUCKET, dtype=torch.long, device=device)
         lengths = torch.full((8,), decode.MIN_BUCKET - 3, device=device)
-        ranked = candidates([1.0] * 8, [0] * 8, vocab)
+        ranked = candidates([SampleConfig(temperature=1.0, top_k=0, top_p=1.0)], vocab)  # GRPO's defaults: unranked
         for round_ in range(2):
             torch._dynamo.config.error_on_recompile = round_ == 1
             slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
@@ -241,7 +242,7 @@ def run_generation() -> dict:
     from llm.device import pick_device
     from llm.inference import for_inference
     from llm.sampling import candidates
-    from config import PRESETS
+    from config import PRESETS, SampleConfig
     cfg, device = check_config("bf16", "default"), pick_device("cuda")
     cfg.model = PRESETS["large"]().model  # the whole depth: a decode step's kernels are counted per step
     model = for_inference(new_model(cfg, device), device)
@@ -251,7 +252,7 @@ def run_generation() -> dict:
             slot = decode_compile.compiled_slot(model, batch)  # for_inference set the model to compile (auto on CUDA)
             ids = torch.zeros(batch, decode.MIN_BUCKET, dtype=torch.long, device=device)
             lengths = torch.full((batch,), decode.MIN_BUCKET - 3, device=device)
-            ranked = candidates([0.8] * batch, [50] * batch, cfg.model.vocab_size)
+            ranked = candidates([SampleConfig(temperature=0.8, top_k=50)], cfg.model.vocab_size)
             for steps in range(2):  # the second round must compile nothing
                 slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)
                 for i in range(3):
