@@ -208,7 +208,8 @@ class TrainConfig:
                 "chosen and a rejected reply; grpo, reinforcement learning: replies sampled to prompts, scored by "
                 "--reward; auto: dpo for pairs, else lm")
     beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its paper's); "
-                            "grpo: the weight of the KL term to the starting model (a LoRA run's base), 0 (automatic): off")
+                            "grpo: the weight of the KL term to the starting model (a LoRA run's base), "
+                            "0 (automatic): off")
     simpo_gamma: float = arg(1.375, "simpo's target margin between the replies' mean log-probabilities (its paper's)")
     nll_weight: float = arg(1.0, "weight of the chosen replies' NLL added to a preference loss (RPO), which keeps "
                                  "their probability from falling with the rejected ones'; 0: off")

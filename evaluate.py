@@ -101,9 +101,9 @@ def main(argv=None) -> int:
 
 
 def pace(first: TaskScore, first_items: list, rest: list) -> str:
-    """The time the tasks after the first will take at its pace, per character of their requests (a HellaSwag item
-    is several times a COPA item: a pace per item once said 22.9 minutes where 7 followed); replies written out
-    (GSM8K) are counted apart, as each costs many forwards where a choice costs one."""
+    """The time the tasks after the first will take at its pace, per character of their requests (a HellaSwag
+    item is several times a COPA item: a pace per item once said 22.9 minutes where 7 followed); replies
+    written out (GSM8K) are counted apart, as each costs many forwards where a choice costs one."""
     per_char = first.seconds / max(request_chars(first_items), 1)
     chosen = [items for task, items in rest if not task.generated]
     written = sum(len(items) for task, items in rest if task.generated)

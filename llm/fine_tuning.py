@@ -166,17 +166,17 @@ def check_grpo(cfg: Config):
         raise ConfigError(f"num_generations={t.num_generations}: GRPO compares each reply with the others to its "
                           "prompt, so it needs at least 2 (8 is usual)")
     if t.beta and not t.lora_rank and t.data_parallel == "fsdp":
-        raise ConfigError(f"--beta {t.beta:g}: a full fine-tune's reference is its starting weights copied in whole, "
-                          "which FSDP's shards are not; pass --data_parallel ddp, --lora_rank 16 (the base is the "
-                          "reference) or --beta 0")
+        raise ConfigError(f"--beta {t.beta:g}: a full fine-tune's reference is its starting weights "
+                          "copied in whole, which FSDP's shards are not; pass --data_parallel ddp, "
+                          "--lora_rank 16 (the base is the reference) or --beta 0")
     if cfg.model.max_seq_len - t.max_completion_length < 8:
         raise ConfigError(f"max_completion_length={t.max_completion_length} leaves no room for a prompt in "
                           f"max_seq_len={cfg.model.max_seq_len}; lower it")
 
 
 def grpo_row(cfg: Config, longest_prompt: int) -> int:
-    """A GRPO micro-batch row's tokens: the longest prompt and the longest reply, within the context. The step, its
-    memory estimate and its tokens a step are of these rows, never of the model's whole context."""
+    """A GRPO micro-batch row's tokens: the longest prompt and the longest reply, within the context. The
+    step, its memory estimate and its tokens a step are of these rows, never of the model's whole context."""
     return min(cfg.model.max_seq_len, longest_prompt + cfg.train.max_completion_length)
 
 
@@ -187,11 +187,11 @@ def at_rows_of(cfg: Config, tokens: int) -> Config:
 
 def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: ChosenRates | None,
               world_size: int = 1) -> tuple[Config, list[str]]:
-    """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the step's
-    prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget is given),
-    evaluation size, and the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so
-    (the chosen rates' one line among them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does
-    not split into micro-batches."""
+    """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the
+    step's prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget
+    is given), evaluation size, and the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines
+    saying so (the chosen rates' one line among them). row: a micro-batch row's tokens (grpo_row). Refuses a
+    batch that does not split into micro-batches."""
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or t.num_generations

@@ -259,10 +259,10 @@ def _well_formed(record) -> bool:
                                                                    for v in figures)
 
 
-def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks, row: int, tokens_per_step: int,
-                 compile_fallback: bool = False) -> str:
-    """The lines printed before the first step: device, model, batch and run length, optimizer, folder.
-    row: a micro-batch row's tokens (Plan.row); compile_fallback: a compile failure would become an eager run (else
+def start_report(cfg, device: torch.device, model, opt, *, precision: str, ranks, row: int,
+                 tokens_per_step: int, compile_fallback: bool = False) -> str:
+    """The lines printed before the first step: device, model, batch and run length, optimizer, folder. row: a
+    micro-batch row's tokens (Plan.row); compile_fallback: a compile failure would become an eager run (else
     it stops the run)."""
     t = cfg.train
     n, n_body = model.num_parameters(), model.num_parameters(exclude_embeddings=True)

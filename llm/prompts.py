@@ -50,7 +50,8 @@ class PromptData:
 
     @property
     def longest(self) -> int:
-        """The longest prompt a step samples from, in tokens: with the longest reply, a training row's length."""
+        """The longest prompt a step samples from, in tokens; with the longest reply, a training row's
+        length."""
         return max(len(p.ids) for p in self.train)
 
     def texts(self, split: str) -> list[str]:

@@ -29,7 +29,8 @@ RANGES = {
     "rope_low_freq_factor": (1e-3, 1e3), "rope_high_freq_factor": (1e-3, 1e3),
     "rope_original_max_position_embeddings": (1, 2**22), "init_std": (1e-6, 1),
     # the data
-    "max_source_mb": (0, 1e9), "max_tokens": (0, WIDE), "val_fraction": (1e-6, Below(0.5)), "data_seed": (0, SEED),
+    "max_source_mb": (0, 1e9), "max_tokens": (0, WIDE), "val_fraction": (1e-6, Below(0.5)),
+    "data_seed": (0, SEED),
     # training
     "seed": (-1, SEED), "batch_tokens": (0, WIDE), "micro_batch_size": (0, 2**20),
     "grad_accum_steps": (0, 2**20), "max_steps": (0, WIDE), "epochs": (0, 1e6),
@@ -47,8 +48,8 @@ RANGES = {
     "beta": (0, 1000, "0.1 is DPO's usual; past 1000 every sigmoid saturates"),
     "simpo_gamma": (0, 1000), "nll_weight": (0, 1000), "num_generations": (1, 1024),
     "prompts_per_step": (1, 2**16), "max_completion_length": (1, 2**22), "rollout_temperature": (0, 100),
-    "rollout_top_k": (0, 2**22), "rollout_top_p": (Above(0), 1), "num_iterations": (1, 1000), "epsilon": (0, Below(1)),
-    "epsilon_high": (0, 100),
+    "rollout_top_k": (0, 2**22), "rollout_top_p": (Above(0), 1), "num_iterations": (1, 1000),
+    "epsilon": (0, Below(1)), "epsilon_high": (0, 100),
     # generation, serving, evaluation
     "max_new_tokens": (1, 2**22), "temperature": (0, 100), "top_k": (0, 2**22), "top_p": (Above(0), 1),
     "repetition_penalty": (1e-3, 1e6),  # 1e6: never repeat a token
@@ -67,7 +68,8 @@ def number(value) -> str:
 
 
 def said(name: str) -> str:
-    """The range as --help says it ("" for a field without one): [0 to 1), an open bound in a round bracket."""
+    """The range as --help says it ("" for a field without one): [0 to 1), an open end in a round
+    bracket."""
     if name not in RANGES:
         return ""
     low, high = RANGES[name][:2]

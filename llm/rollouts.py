@@ -62,10 +62,11 @@ class AdaptersOff:
 
 
 class StartingWeights:
-    """A full fine-tune's reference: the weights the run started from, kept in host memory (pinned beside a GPU)
-    and copied into the model's own parameters for the reference's passes, the trained ones set aside in host
-    memory meanwhile. No second model sits on the device, and every parameter keeps its storage, which the
-    optimizer and a CUDA graph hold. Made before a resumed checkpoint loads: it copies the model as it is then."""
+    """A full fine-tune's reference: the weights the run started from, kept in host memory (pinned beside a
+    GPU) and copied into the model's own parameters for the reference's passes, the trained ones set aside in
+    host memory meanwhile. No second model sits on the device, and every parameter keeps its storage, which
+    the optimizer and a CUDA graph hold. Made before a resumed checkpoint loads: it copies the model as it is
+    then."""
 
     def __init__(self, model):
         self.params = list(model.parameters())  # a tied head is the embedding's one tensor
@@ -110,8 +111,8 @@ class Rollouts:
     weights: the loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a
     micro-batch's rows."""
 
-    def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t, seq_len: int,
-                 device, rank: int = 0, world_size: int = 1, reference=None):
+    def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t,
+                 seq_len: int, device, rank: int = 0, world_size: int = 1, reference=None):
         self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
         self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
         self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
@@ -219,13 +220,15 @@ class Rollouts:
         for start in range(0, n, self.micro):
             part = slice(start, start + self.micro)
             parts.append((x[part].to(self.device), y[part].to(self.device), part))
-        old = [self.logps(bx, by) for bx, by, _ in parts] if self.t.num_iterations > 1 else [None] * len(parts)
-        ref = [None] * len(parts)
+        old = ref = [None] * len(parts)
+        if self.t.num_iterations > 1:
+            old = [self.logps(bx, by) for bx, by, _ in parts]
         if self.t.beta:
-            with self.reference.held():  # once for the step's micro-batches: a full fine-tune's copies weights in
+            # Once for the step's micro-batches: a full fine-tune's reference copies weights in.
+            with self.reference.held():
                 ref = [self.logps(bx, by) for bx, by, _ in parts]
-        return [RolloutBatch(bx, by, mask[part].to(self.device), adv[part].to(self.device), o, r, tokens, float(n))
-                for (bx, by, part), o, r in zip(parts, old, ref)]
+        return [RolloutBatch(bx, by, mask[part].to(self.device), adv[part].to(self.device), o, r, tokens,
+                             float(n)) for (bx, by, part), o, r in zip(parts, old, ref)]
 
     def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The model's per-token log-probabilities of the labels now, as the step computes them."""

@@ -206,9 +206,11 @@ def rl_objective(plan: Plan, runner: Runner):
     # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA and eager
     # on a CPU, where a compile does not pay back (decode_compile.compile_mode).
     use_compile(runner.raw_model, "off" if runner.eager else t.compile)
-    # The KL term's reference, taken before a resumed checkpoint loads: the model holds --init_from's weights now.
+    # The KL term's reference, taken before a resumed checkpoint loads: the model holds --init_from's weights
+    # now.
     reference = None if not t.beta else AdaptersOff(runner.raw_model) if t.lora_rank else \
         StartingWeights(runner.raw_model)
-    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, load_tokenizer(plan.data.tokenizer_path), *rewards, t,
-                        plan.row, plan.device, plan.ranks.rank, plan.ranks.world_size, reference)
+    tokenizer = load_tokenizer(plan.data.tokenizer_path)
+    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, tokenizer, *rewards, t, plan.row, plan.device,
+                        plan.ranks.rank, plan.ranks.world_size, reference)
     return rl.Objective(rollouts, t.grad_accum_steps), rollouts

@@ -15,15 +15,15 @@ UNRANKED = -1  # candidates() of rows that sample from the whole softmax: no top
 
 
 def candidates(settings: list, vocab: int) -> int:
-    """How many of the most likely tokens pick() must rank for rows of these SampleConfigs: 0 when every row is
-    greedy (an argmax, no ranking), UNRANKED when every sampling row keeps every token (GRPO's rollouts: no sort of
-    the vocabulary, 7% of their decode step on a CPU), a power of two from 64 covering every row's top_k when all
-    have one (a top-k, far cheaper than sorting the vocabulary), else the whole vocabulary. One compiled step per
-    value."""
+    """How many of the most likely tokens pick() must rank for rows of these SampleConfigs: 0 when every row
+    is greedy (an argmax, no ranking), UNRANKED when every sampling row keeps every token (GRPO's rollouts: no
+    sort of the vocabulary, 7% of their decode step on a CPU), a power of two from 64 covering every row's
+    top_k when all have one (a top-k, far cheaper than sorting the vocabulary), else the whole vocabulary. One
+    compiled step per value."""
     sampling = [s for s in settings if s.temperature > 0]  # a greedy row ranks nothing, whatever its top_k
     if not sampling:
         return 0
-    if all(s.top_k in (0, vocab) or s.top_k > vocab for s in sampling) and all(s.top_p >= 1 for s in sampling):
+    if all((s.top_k == 0 or s.top_k >= vocab) and s.top_p >= 1 for s in sampling):
         return UNRANKED
     if all(s.top_k > 0 for s in sampling):
         return min(vocab, max(64, 1 << (max(s.top_k for s in sampling) - 1).bit_length()))

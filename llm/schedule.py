@@ -1,15 +1,14 @@
 """The run's length and shape: the learning-rate schedule, and when to evaluate, save and stop.
 
 A run is measured in steps (max_steps) or in time (max_minutes, from launch to the end of its final
-checkpoint, data preparation and compile included). Either way the schedule sees progress, the fraction
-of the run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps
-are the ones done plus the ones the rest of the budget holds at the measured speed, once room is kept
-for the final evaluation and checkpoint: set when a speed is first measured (again after the first log window)
-and at each evaluation, and corrected at a sync where the pace has drifted from the plan (by REPLAN_SHARE of the
-steps left), so the decay ends where the budget does; printed when it moves by NOTE_SHARE of the run. A resumed run carries on with what its earlier
-sessions left.
-StepTimer is the run's one timer; when evaluations fall is EvalPolicy's to say, from the same figures. Ctrl-C or SIGTERM asks
-the loop to stop after its step (StopFlag).
+checkpoint, data preparation and compile included). Either way the schedule sees progress, the fraction of the
+run's steps done, so warmup and decay end where the run ends. Under a time budget the run's steps are the ones
+done plus the ones the rest of the budget holds at the measured speed, once room is kept for the final
+evaluation and checkpoint: set when a speed is first measured (again after the first log window) and at each
+evaluation, and corrected at a sync where the pace has drifted from the plan (by REPLAN_SHARE of the steps
+left), so the decay ends where the budget does; printed when it moves by NOTE_SHARE of the run. A resumed run
+carries on with what its earlier sessions left. StepTimer is the run's one timer; when evaluations fall is
+EvalPolicy's to say, from the same figures. Ctrl-C or SIGTERM asks the loop to stop after its step (StopFlag).
 """
 
 import collections
@@ -27,12 +26,14 @@ from llm.evaluation import AUTO_EVALS, CODE_SETTINGS, EVAL_SHARE, SAMPLE_SETTING
 from llm.sizing import FORWARDS_PER_STEP
 from llm.trainer_state import CLOCK_KEYS
 
-# The run's length reads the median step time of the last windows: at least PACE_WINDOWS of them, and a fifth of
-# the session's (up to PACE_MEMORY), so a slow minute of a long run moves it no more than one slow window a short one.
+# The run's length reads the median step time of the last windows: at least PACE_WINDOWS of them, and a fifth
+# of the session's (up to PACE_MEMORY), so a slow minute of a long run moves it no more than one slow window a
+# short one.
 PACE_WINDOWS, PACE_SHARE, PACE_MEMORY = 5, 0.2, 1000
-# Under a budget the run's length is set again at a sync where the steps the budget holds differ from it by this share
-# of the steps left: a length planned from the first windows alone once ended a 24-second run at 85% of its decay on
-# one machine and reached the floor 300 steps early on another. A change under NOTE_SHARE of the run goes unsaid.
+# Under a budget the run's length is set again at a sync where the steps the budget holds differ from it by
+# this share of the steps left: a length planned from the first windows alone once ended a 24-second run at
+# 85% of its decay on one machine and reached the floor 300 steps early on another. A change under NOTE_SHARE
+# of the run goes unsaid.
 REPLAN_SHARE, NOTE_SHARE = 0.05, 0.05
 # What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
 # step costs: dozens of small kernels, a few milliseconds on a CPU or through a GPU's launches.
@@ -76,8 +77,8 @@ def lr_multiplier(progress: float, t) -> float:
 
 
 class Agreed(NamedTuple):
-    """What every rank agreed on at a sync, frozen until the next (StepTimer.agreed): the run's length, its end and
-    its evaluations are decided from these alone, so every rank decides alike."""
+    """What every rank agreed on at a sync, frozen until the next (StepTimer.agreed): the run's length, its
+    end and its evaluations are decided from these alone, so every rank decides alike."""
     step: int = 0  # the step it was agreed at
     spent_s: float = 0.0  # the budget's seconds used, evaluations and checkpoints included
     eval_spent_s: float = 0.0  # this session's evaluations, in all
@@ -86,7 +87,7 @@ class Agreed(NamedTuple):
     save_s: float = 0.0  # one checkpoint's: the longest seen, or a guess before any
     step_s: float = 0.0  # a step's over the last window; 0 until one is measured
     pace_s: float = 0.0  # the median of the last windows' (PACE_SHARE): what the run's length reads
-    measured: bool = False  # whether this sync measured a window (the session's first step compiles: no speed)
+    measured: bool = False  # whether this sync measured a window (a session's first step compiles: no speed)
 
     def since(self, step: int) -> float:
         """The seconds the steps after this sync took, at the agreed step time."""
@@ -94,9 +95,10 @@ class Agreed(NamedTuple):
 
 
 class StepTimer:
-    """The run's one timer: the seconds spent (this session's and the earlier ones'), the step time measured over
-    each window between syncs, and the longest evaluation and checkpoint. At each sync() and pause(), which every
-    rank calls at the same steps, the ranks agree on these figures and the timer publishes them (agreed)."""
+    """The run's one timer: the seconds spent (this session's and the earlier ones'), the step time measured
+    over each window between syncs, and the longest evaluation and checkpoint. At each sync() and pause(),
+    which every rank calls at the same steps, the ranks agree on these figures and the timer publishes them
+    (agreed)."""
 
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None, params: int = 0):
@@ -150,21 +152,25 @@ class StepTimer:
         step_s = (now - self._window_start) / (step - self._window_step) if measured else was.step_s
         self._window_start, self._window_step = now, step
         # The slowest rank's clock is everyone's: the longest step, evaluation and checkpoint, the most spent.
-        step_s, spent, eval_spent, eval_s, eval_measured, save_s = self.ranks.maximum(
-            [step_s, self.spent_s(), self.eval_spent_s, self.eval_s(step_s), self.overhead_s["eval"], self.save_s()])
-        # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation fired and
-        # the rate dipped. The run's length reads the median pace; finishing still reads the last window's speed.
+        figures = [step_s, self.spent_s(), self.eval_spent_s, self.eval_s(step_s), self.overhead_s["eval"],
+                   self.save_s()]
+        step_s, spent, eval_spent, eval_s, eval_measured, save_s = self.ranks.maximum(figures)
+        # One slow window (a hiccup of the machine) once made progress jump ahead and back: an evaluation
+        # fired and the rate dipped. The run's length reads the median pace; finishing still reads the last
+        # window's speed.
         if measured:
             self.recent_s.append(step_s)
             self.windows += 1
         last = max(PACE_WINDOWS, int(PACE_SHARE * self.windows))
         pace_s = statistics.median(list(self.recent_s)[-last:]) if self.recent_s else was.pace_s
-        self.agreed = Agreed(step, spent, eval_spent, eval_s, eval_measured > 0, save_s, step_s, pace_s, measured)
+        self.agreed = Agreed(step, spent, eval_spent, eval_s, eval_measured > 0, save_s, step_s, pace_s,
+                             measured)
 
     def state(self) -> dict:
-        """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position: without
-        a step time, its first steps would see progress 0 (learning rate 0, or the peak without warmup). The pace,
-        not the last window's time: the run's length was planned by it, and one slow window is no speed."""
+        """What a checkpoint keeps so that a resumed run continues the budget and the schedule's position:
+        without a step time, its first steps would see progress 0 (learning rate 0, or the peak without
+        warmup). The pace, not the last window's time: the run's length was planned by it, and one slow window
+        is no speed."""
         return dict(zip(CLOCK_KEYS, (self.spent_s(), self.agreed.pace_s, dict(self.overhead_s))))
 
 
@@ -179,19 +185,20 @@ class RunClock:
         self.budget_s = t.max_minutes * 60
         self.timer = StepTimer(t, launch, ranks, start, spent_s, step_s, overhead_s, params)
         self.evals = EvalPolicy(t, self)
-        # The run's steps: max_steps, or under a budget what it holds at the measured pace, set by plan_length() when a
-        # speed is first measured, after each evaluation, and where the pace drifts from the plan (REPLAN_SHARE).
+        # The run's steps: max_steps, or under a budget what it holds at the measured pace, set by
+        # plan_length() when a speed is first measured, after each evaluation, and where the pace drifts from
+        # the plan (REPLAN_SHARE).
         self.length = None if self.by_time else t.max_steps
         self._first_window = True  # the session's first measured windows are one step each: a rough speed
 
     def sync(self, step: int) -> str | None:
-        """The timer's sync (a collective); under a budget the run's length set once a speed is measured, again at
-        the end of the first whole log window, and corrected where the pace drifted. Returns plan_length()'s line,
-        or None."""
+        """The timer's sync (a collective); under a budget the run's length set once a speed is measured,
+        again at the end of the first whole log window, and corrected where the pace drifted. Returns
+        plan_length()'s line, or None."""
         self.timer.sync(step)
         window_ends = self._first_window and step - self.start > 2 and self.timer.agreed.measured
         if self.length is None or window_ends:
-            self._first_window = self.length is None  # set for the first time, or again at the first window's end
+            self._first_window = self.length is None  # set the first time, or again at the first window's end
             return self.plan_length()
         return self.plan_length(drifted_only=True) if self.timer.agreed.measured else None
 
@@ -202,9 +209,10 @@ class RunClock:
         return None if last else self.plan_length()
 
     def plan_length(self, drifted_only: bool = False) -> str | None:
-        """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and the ones
-        the rest of the budget holds at the median pace (drifted_only: only where that differs from the plan by
-        REPLAN_SHARE of the steps left). Returns a line saying it where it moved by NOTE_SHARE of the run, else None."""
+        """Under a budget, set the run's length from the figures the ranks last agreed on: the steps done and
+        the ones the rest of the budget holds at the median pace (drifted_only: only where that differs from
+        the plan by REPLAN_SHARE of the steps left). Returns a line saying it where it moved by NOTE_SHARE of
+        the run, else None."""
         agreed = self.timer.agreed
         if not self.by_time or not agreed.pace_s:
             return None
@@ -215,7 +223,8 @@ class RunClock:
         was, self.length = self.length, length
         if was and abs(length - was) < max(1, NOTE_SHARE * was):
             return None
-        return f"run length: {length:,} steps at {agreed.pace_s:.3g} s a step" + (f" (was {was:,})" if was else "")
+        was_said = f" (was {was:,})" if was else ""
+        return f"run length: {length:,} steps at {agreed.pace_s:.3g} s a step{was_said}"
 
     def reserve_s(self, eval_s: float | None = None) -> float:
         """Room kept for the final evaluation (eval_s, by default the longest seen or an estimate; under a budget at

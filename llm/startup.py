@@ -206,7 +206,7 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     init = None
     if is_hub_name(cfg.train.init_from):  # refused before any weight downloads: its config.json is enough
         shaped = with_shape(cfg, hub_shape(cfg.train.init_from, cfg.model.max_seq_len))
-        if cfg.train.objective == "grpo":  # its rows are a prompt and a reply, at least the reply: what surely fails
+        if cfg.train.objective == "grpo":  # rows of a prompt and a reply: what fails at the reply's alone
             shaped = at_rows_of(shaped, grpo_row(shaped, 1))
         fit_check(shaped, device, ranks.world_size)
     if cfg.train.init_from:
@@ -276,7 +276,7 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
     row = grpo_row(cfg, data.longest)
     cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), row, chosen, ranks.world_size)
-    lines += fit_check(at_rows_of(cfg, row), device, ranks.world_size)  # rows of a prompt and a reply, not the context
+    lines += fit_check(at_rows_of(cfg, row), device, ranks.world_size)  # a prompt and reply, not the context
     ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
     loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))
     return planned(cfg, ranks, device, start, data, loaders, rewards)
@@ -294,9 +294,10 @@ def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data,
     if ckpt:
         check_same_shape(cfg, ckpt)
         check_same_data(cfg, saved, data)
-    # A LoRA run always starts from its base: a resume then loads the adapters into it. A resumed DPO run starts from
-    # the --init_from weights too: a reference missing or damaged is computed again from them before the checkpoint
-    # loads; so does a full GRPO run with a KL term, whose reference is those weights (rollouts.StartingWeights).
+    # A LoRA run always starts from its base: a resume then loads the adapters into it. A resumed DPO run
+    # starts from the --init_from weights too: a reference missing or damaged is computed again from them
+    # before the checkpoint loads; so does a full GRPO run with a KL term, whose reference is those weights
+    # (rollouts.StartingWeights).
     reference = t.objective == "dpo" or (t.objective == "grpo" and t.beta > 0)
     init_state = init.state if init and (lora_meta or not ckpt or reference) else None
     return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,

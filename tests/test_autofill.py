@@ -220,5 +220,5 @@ def test_a_fine_tune_whose_rate_times_steps_cannot_move_a_weight_is_warned_befor
     assert small_move_warning(Config(train=replace(tiny, max_steps=math.ceil(MIN_MOVE / 1e-6)))) == []
     grpo = Config(train=TrainConfig(init_from="x", optimizer="adamw", learning_rate=1e-6, max_steps=4,
                                     objective="grpo", reward=["gsm8k"]))
-    assert any(line.startswith("warning: learning_rate=1e-06 for 4 steps") for line in fill_grpo(grpo, 100, 10, 64,
-                                                                                                    None)[1])
+    lines = fill_grpo(grpo, 100, 10, 64, None)[1]
+    assert any(line.startswith("warning: learning_rate=1e-06 for 4 steps") for line in lines)

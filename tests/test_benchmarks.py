@@ -167,13 +167,15 @@ def test_each_run_is_scored_once_on_the_validation_texts_of_its_sources(trained,
 
 
 def test_benchmark_processes_alternate_abba_and_a_failure_stops_them(tmp_path, capsys):
-    """bench_grpo's and bench_preference's rounds: each variant a process of its own, in the order A B, B A, A B
-    (a load that comes or goes falls on both), each run's last JSON line read with what `read` adds; a run that
-    fails stops the rounds and shows its output."""
+    """bench_grpo's and bench_preference's rounds: each variant a process of its own, in the order A B, B A, A
+    B (a load that comes or goes falls on both), each run's last JSON line read with what `read` adds; a run
+    that fails stops the rounds and shows its output."""
     script, order = tmp_path / "child.py", tmp_path / "order"
     script.write_text("import json, sys\nname = sys.argv[2]\nopen(sys.argv[4], 'a').write(name)\n"
-                      "if name == 'bad': sys.exit('it broke')\nprint('noise')\nprint(json.dumps({'v': sys.argv[3]}))\n")
-    got = bench.alternate_processes(str(script), ["a", "b"], 3, ["7", str(order)], read=lambda out: {"n": len(out)})
+                      "if name == 'bad': sys.exit('it broke')\n"
+                      "print('noise')\nprint(json.dumps({'v': sys.argv[3]}))\n")
+    flags = ["7", str(order)]
+    got = bench.alternate_processes(str(script), ["a", "b"], 3, flags, read=lambda out: {"n": len(out)})
     assert order.read_text() == "abbaab"
     assert [row["v"] for row in got["a"]] == ["7"] * 3 and all(row["n"] == len("noise\n{\"v\": \"7\"}\n") and
                                                              row["load"] >= 0 for row in got["b"])

@@ -182,12 +182,12 @@ def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
             if f.type not in (int, float):
                 continue
             low, high = RANGES[f.name][:2]
-            open_ends = [b for b in (low, high) if isinstance(b, (Above, Below))]  # the bound itself is refused
+            open_ends = [b for b in (low, high) if isinstance(b, (Above, Below))]  # refused at the bound too
             for bad in (low - (1 if f.type is int else max(abs(low), 1e-9)), high * 2 + 1, *open_ends):
                 bad = f.type(bad) if f.type is int or math.isfinite(bad) else bad
                 with pytest.raises(ConfigError, match=f"{f.name}=.* must be from"):
                     section(**{f.name: bad})
-    assert config.TrainConfig(epsilon=0.0).epsilon == 0 and config.SampleConfig(top_p=1.0).top_p == 1  # closed ends
+    assert config.TrainConfig(epsilon=0.0).epsilon == 0 and config.SampleConfig(top_p=1.0).top_p == 1
     with pytest.raises(ConfigError, match="epsilon=1.0 is invalid: must be from 0 to 1, 1 excluded"):
         config.TrainConfig(epsilon=1.0)
 
@@ -200,7 +200,8 @@ def test_help_says_each_range(capsys):
     with pytest.raises(SystemExit):
         trainer.main(["--help"])
     said = " ".join(capsys.readouterr().out.split())
-    assert "[0 to 10]" in said and "[1 to 1024]" in said and "[0 to 1)" in said  # learning_rate, num_generations, epsilon
+    # learning_rate, num_generations, epsilon
+    assert "[0 to 10]" in said and "[1 to 1024]" in said and "[0 to 1)" in said
     with pytest.raises(SystemExit) as e:
         trainer.run(["--preset", "tiny", "--learning_rate", "30"])
     assert "learning_rate=30.0 is invalid: must be from 0 to 10" in one_error_line(capsys, 2, e)

@@ -236,7 +236,8 @@ def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(ti
 
 
 def test_the_time_left_is_paced_by_the_requests_length_not_the_item_count():
-    """After a task of short items, one of items ten times as long is said to take ten times as long per item."""
+    """After a task of short items, one of items ten times as long is said to take ten times as long per
+    item."""
     from llm.scoring import TaskScore
     from llm.tasks import Item
 
@@ -246,8 +247,9 @@ def test_the_time_left_is_paced_by_the_requests_length_not_the_item_count():
     def items(n, chars):
         return [Item((("x" * (chars - 1), "y"), ("x" * (chars - 1), "z")), ("y", "z"), 0) for _ in range(n)]
     first = TaskScore("copa", "validation", items=100, seconds=60.0)
-    assert evaluate.pace(first, items(100, 50), [(Asked(), items(10, 50))]).startswith("about 0.1 min more for 10")
-    assert evaluate.pace(first, items(100, 50), [(Asked(), items(10, 500))]).startswith("about 1.0 min more for 10")
+    short, long = evaluate.pace(first, items(100, 50), [(Asked(), items(10, 50))]), \
+        evaluate.pace(first, items(100, 50), [(Asked(), items(10, 500))])
+    assert short.startswith("about 0.1 min more for 10") and long.startswith("about 1.0 min more for 10")
 
 
 def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path, capsys):

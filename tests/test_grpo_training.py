@@ -81,9 +81,9 @@ def test_grpo_raises_the_share_of_right_sampled_replies(half_right, tmp_path):
 @pytest.mark.parametrize("kl", [(), pytest.param(("--beta", 0.1), marks=pytest.mark.slow)], ids=["", "kl"])
 def test_a_resumed_grpo_run_samples_and_trains_as_an_uninterrupted_one(half_right, tmp_path, kl):
     """4 steps, against 2 steps, a resume, and 2 more: every logged loss and reward equal to the bit. The
-    replies of a step are drawn from (seed, step) and the step's weights, so a resume samples the same. With a KL
-    term on a full fine-tune, the resumed run's reference is still the weights the run started from, not the
-    checkpoint's: the KL is equal to the bit too."""
+    replies of a step are drawn from (seed, step) and the step's weights, so a resume samples the same. With a
+    KL term on a full fine-tune, the resumed run's reference is still the weights the run started from, not
+    the checkpoint's: the KL is equal to the bit too."""
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert trainer.main(grpo_argv(half_right, whole, "--max_steps", 4, *kl)) == 0
     assert trainer.main(grpo_argv(half_right, part, "--max_steps", 4, "--save_interval", 2, *kl)) == 0
@@ -96,8 +96,8 @@ def test_a_resumed_grpo_run_samples_and_trains_as_an_uninterrupted_one(half_righ
 
 
 def test_a_full_fine_tunes_reference_is_its_starting_weights_swapped_in(half_right):
-    """A full fine-tune's KL reference copies the starting weights into the model for its passes: inside,
-    the log-probabilities are a separately loaded starting model's; after, every weight is the trained one again,
+    """A full fine-tune's KL reference copies the starting weights into the model for its passes: inside, the
+    log-probabilities are a separately loaded starting model's; after, every weight is the trained one again,
     bit for bit, in the same storage (a CUDA graph and the optimizer hold it)."""
     from llm.rollouts import StartingWeights, token_logps
     model = load_for_inference(half_right["chat"], "cpu")[0]
@@ -124,7 +124,8 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights_swapped_in(half_rig
 def test_a_full_fine_tune_measures_its_kl_to_its_starting_weights(half_right, tmp_path):
     """--beta on a full fine-tune: the KL starts at 0 (the model is its reference) and grows as it trains."""
     run = tmp_path / "full"
-    assert trainer.main(grpo_argv(half_right, run, "--max_steps", 3, "--beta", 0.1, "--learning_rate", 1e-3)) == 0
+    argv = grpo_argv(half_right, run, "--max_steps", 3, "--beta", 0.1, "--learning_rate", 1e-3)
+    assert trainer.main(argv) == 0
     logged = read_metrics(run, "train")
     assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logged[-1]["kl"] > 1e-4
 
@@ -177,14 +178,15 @@ def test_bad_grpo_settings_are_refused_before_a_model_is_built(half_right, tmp_p
 
 
 def test_a_grpo_runs_memory_and_tokens_are_of_its_rows_not_the_context(half_right, tmp_path, capsys):
-    """A step's rows are the longest prompt and the longest reply: the memory estimate and the tokens a step are of
-    those rows. Of the context (SmolLM2's 8,192), a LoRA run of a 135M model was once estimated at 52.6 GiB on
-    this CPU and refused."""
+    """A step's rows are the longest prompt and the longest reply: the memory estimate and the tokens a step
+    are of those rows. Of the context (SmolLM2's 8,192), a LoRA run of a 135M model was once estimated at 52.6
+    GiB on this CPU and refused."""
     run = tmp_path / "run"
     assert trainer.main(grpo_argv(half_right, run, "--max_steps", 1, "--max_seq_len", 8192)) == 0
     out = capsys.readouterr().out
     tok = load_for_inference(half_right["chat"], "cpu")[1]
-    longest = max(len(chat_prompt_ids(tok, json.loads(line)["prompt"])) for line in open(half_right["prompts"]))
+    asked = [json.loads(line)["prompt"] for line in open(half_right["prompts"])]
+    longest = max(len(chat_prompt_ids(tok, prompt)) for prompt in asked)
     row = longest + 8  # --max_completion_length 8
     assert f"8 x {row} tokens a forward" in out and "8,192 tokens a forward" not in out
     assert f"batch: 8 x {row} tokens x 4 accumulation x 1 ranks = {4 * 8 * row:,} tokens per step" in out

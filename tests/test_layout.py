@@ -28,7 +28,8 @@ SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference", "bench_grpo",
          "bench_prepare",
          "compare_optimizers", "compare_scores", "diff_samples",
-         "finetune_check", "grpo_check", "nf4_gap", "compile_check", "compile_workloads", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
+         "finetune_check", "grpo_check", "nf4_gap",
+         "compile_check", "compile_workloads", "fake_gpu", "gpu_check", "gpu_first_run", "gpu_generation",
          "gpu_report", "hub_stand_in", "roofline", "what_fits"]  # in tools/
 # A tool may build on another only where declared here.
 TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_generation", "gpu_report"},

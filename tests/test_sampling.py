@@ -113,8 +113,8 @@ def test_ranking_only_the_top_candidates_draws_the_same_tokens():
     col = lambda *v, dtype=torch.float32: torch.tensor(v, dtype=dtype)[:, None]  # noqa: E731
     settings = (col(0.7, 1.0, 1.3, 0.5, 0.0, 2.0), col(1, 10, 40, 64, 5, 50, dtype=torch.long),
                 col(1.0, 0.9, 0.8, 1.0, 0.5, 0.95), col(1.0, 1.3, 1.0, 2.0, 1.0, 1.1))
-    rows = lambda temperatures, top_ks, top_p=0.9: [SampleConfig(temperature=t, top_k=k, top_p=top_p)  # noqa: E731
-                                                    for t, k in zip(temperatures, top_ks)]
+    def rows(temperatures, top_ks, top_p=0.9):
+        return [SampleConfig(temperature=t, top_k=k, top_p=top_p) for t, k in zip(temperatures, top_ks)]
     assert sampling.candidates(rows([0.7, 1.0, 1.3, 0.5, 0.0, 2.0], [1, 10, 40, 64, 5, 50]), V) == 64
     everything = sampling.pick(logits, seen, noise, *settings)
     assert torch.equal(sampling.pick(logits, seen, noise, *settings, ranked=64), everything)
@@ -122,11 +122,13 @@ def test_ranking_only_the_top_candidates_draws_the_same_tokens():
     assert sampling.candidates(rows([0.0] * B, [0] * B), V) == 0
     argmax = sampling.pick(logits, seen, noise, *greedy)
     assert torch.equal(sampling.pick(logits, seen, noise, *greedy, ranked=0), argmax)
-    assert sampling.candidates(rows([1.0, 0.0], [0, 5]), V) == V and sampling.candidates(rows([1.0], [300]), V) == 500
-    # Rows that keep every token (top_k 0, top_p 1; a greedy row among them) rank none: the draws are the sorted
-    # path's, token for token, with the same noise.
-    plain = (col(0.7, 1.0, 0.0, 1.3, 1.0, 2.0), col(V, V, 5, V, V, V, dtype=torch.long), col(*[1.0] * B),  # V: off
-             col(*[1.0] * B))
+    assert sampling.candidates(rows([1.0, 0.0], [0, 5]), V) == V
+    assert sampling.candidates(rows([1.0], [300]), V) == 500
+    # Rows that keep every token (top_k 0, top_p 1; a greedy row among them) rank none: the draws are the
+    # sorted path's, token for token, with the same noise.
+    off = V  # a top_k of the whole vocabulary keeps every token
+    plain = (col(0.7, 1.0, 0.0, 1.3, 1.0, 2.0), col(off, off, 5, off, off, off, dtype=torch.long),
+             col(*[1.0] * B), col(*[1.0] * B))
     assert sampling.candidates(rows([0.7, 1.0, 0.0, 1.3, 1.0, 2.0], [0, 0, 5, 0, 0, 0], top_p=1.0), V) == \
         sampling.UNRANKED
     sorted_draws = sampling.pick(logits, seen, noise, *plain)

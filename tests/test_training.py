@@ -214,7 +214,8 @@ def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
         now[0] += 0.1
     clock.timer.sync(30)
     assert clock.timer.agreed.step_s == pytest.approx(0.1) and "wait" not in clock.timer.state()["overhead_s"]
-    assert clock.timer.agreed.spent_s == pytest.approx(23) and not clock.finished(30)  # 20 s of waiting, 3 s of steps
+    assert clock.timer.agreed.spent_s == pytest.approx(23)  # 20 s of waiting, 3 s of steps
+    assert not clock.finished(30)
     now[0] = 60 - clock.reserve_s() + 0.01  # a second wait, past the budget's end
     assert clock.out_of_time()
 
@@ -280,11 +281,12 @@ def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_it
 
 
 def test_a_budgets_run_length_follows_the_pace_but_not_one_slow_window(monkeypatch):
-    """Under a budget the run's length is the steps it holds at the measured pace: set at the first measured step,
-    again at the end of the first log window and at evaluations, with a line where it changes. Between, one slow
-    window (a hiccup of the machine) moves nothing: progress is the step over that count (a length refreshed from
-    each window's pace once made progress jump ahead and back). A lasting change of pace sets it again, so the decay
-    still ends with the budget (a length set only at the start ended a 24-second run at 85% of its decay)."""
+    """Under a budget the run's length is the steps it holds at the measured pace: set at the first measured
+    step, again at the end of the first log window and at evaluations, with a line where it changes. Between,
+    one slow window (a hiccup of the machine) moves nothing: progress is the step over that count (a length
+    refreshed from each window's pace once made progress jump ahead and back). A lasting change of pace sets
+    it again, so the decay still ends with the budget (a length set only at the start ended a 24-second run at
+    85% of its decay)."""
     now = [2.0]  # setup
     monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1, log_interval=10)
@@ -305,19 +307,21 @@ def test_a_budgets_run_length_follows_the_pace_but_not_one_slow_window(monkeypat
                 was = clock.length
     assert lines[1] is None and lines[2] == f"run length: {first:,} steps at 0.1 s a step"
     assert 520 < first < 58 / 0.1 + 2  # about 58 s left at 0.1 s a step, less the room for the final ones
-    assert abs(settled - first) <= 2 and all(lines[s] is None for s in (10, 20, 30, 40, 50))  # the hiccup changed nothing
+    assert abs(settled - first) <= 2
+    assert all(lines[s] is None for s in (10, 20, 30, 40, 50))  # the hiccup changed nothing
     assert progress == 50 / settled
-    # The time the slow steps took is counted at once (step 60: the same pace, fewer seconds left); by step 70 the
-    # median window runs at 0.2 s a step: 70 + 47 s left, less the room for the final ones, at 0.2 s a step
+    # The time the slow steps took is counted at once (step 60: the same pace, fewer seconds left); by step 70
+    # the median window runs at 0.2 s a step: 70 + 47 s left, less the room for the final ones, at 0.2 s a
+    # step
     assert lines[60] == f"run length: {was:,} steps at 0.1 s a step (was {settled:,})" and was < settled
     assert lines[70] == f"run length: {clock.length:,} steps at 0.2 s a step (was {was:,})"
     assert 70 + 42 / 0.2 < clock.length < 70 + 47 / 0.2
     line = clock.evaluated(70)  # measured again: the same pace, the same length, nothing to say
     assert line is None and 70 + 42 / 0.2 < clock.length < 70 + 47 / 0.2
     length = clock.length
-    with clock.timer.pause("eval", 71):  # the final evaluation: 5 s, which would take about 25 steps off the length
+    with clock.timer.pause("eval", 71):  # the final evaluation: 5 s, which would take 25 steps off the length
         now[0] += 5.0
-    assert clock.evaluated(71, last=True) is None and clock.length == length  # the run is over: nothing to say
+    assert clock.evaluated(71, last=True) is None and clock.length == length  # the run is over: nothing said
     assert RunClock(replace(t, max_minutes=0, max_steps=30), 0.0, OneProcess()).length == 30
 
 

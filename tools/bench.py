@@ -138,11 +138,11 @@ def alternate(contenders: list, rounds: int, steps: int) -> list[list[float]]:
 
 
 def process_rounds_parser(doc: str, variants: list[str], steps: int) -> argparse.ArgumentParser:
-    """The command line alternate_processes' benchmarks share: the rounds, the timed steps, the variants, and the
-    flags a child run is given (its variant and the folder of the data and model both sides read)."""
+    """The command line alternate_processes' benchmarks share: the rounds, the timed steps, the variants, and
+    the flags a child run is given (its variant and the folder of the data and model both sides read)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=steps, help="timed steps of each run, after two warm-up steps")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps of each run, after two warm-ups")
     p.add_argument("--variants", nargs="+", choices=variants, default=["ours", "trl"],
                    help="what to run, alternating (ABBA) over the rounds")
     p.add_argument("--child", choices=variants, help=argparse.SUPPRESS)
@@ -150,17 +150,17 @@ def process_rounds_parser(doc: str, variants: list[str], steps: int) -> argparse
     return p
 
 
-def alternate_processes(script: str, variants: list[str], rounds: int, flags: list[str], env: dict | None = None,
-                        read=None) -> dict[str, list[dict]] | None:
-    """Each variant run as a process of its own (`script --child NAME FLAGS`), in ABBA order over the rounds, so a
-    load that comes or goes falls on both: {name: the JSON of each run's last stdout line, with the machine's
-    1-minute load as it ended and what read(stdout) adds}. None, with the failing run's output on stderr, where one
-    fails."""
+def alternate_processes(script: str, variants: list[str], rounds: int, flags: list[str],
+                        env: dict | None = None, read=None) -> dict[str, list[dict]] | None:
+    """Each variant run as a process of its own (`script --child NAME FLAGS`), in ABBA order over the rounds,
+    so a load that comes or goes falls on both: {name: the JSON of each run's last stdout line, with the
+    machine's 1-minute load as it ended and what read(stdout) adds}. None, with the failing run's output on
+    stderr, where one fails."""
     results = {name: [] for name in variants}
     for r in range(rounds):
         for name in variants if r % 2 == 0 else list(reversed(variants)):
-            done = subprocess.run([sys.executable, script, "--child", name, *flags], capture_output=True, text=True,
-                                  env={**os.environ, **(env or {})})
+            done = subprocess.run([sys.executable, script, "--child", name, *flags], capture_output=True,
+                                  text=True, env={**os.environ, **(env or {})})
             if done.returncode:
                 print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
                 return None

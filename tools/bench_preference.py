@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     folder = tempfile.mkdtemp(prefix="bench_preference_")
     setup(folder, args.pairs)
     flags = ["--steps", str(args.steps), "--seq_len", str(args.seq_len), "--folder", folder]
-    results = alternate_processes(os.path.abspath(__file__), args.variants, args.rounds, flags, read=reference_s)
+    here = os.path.abspath(__file__)
+    results = alternate_processes(here, args.variants, args.rounds, flags, read=reference_s)
     if results is None:
         return 1
     print("| variant | pairs a step | tokens/s (median, range) | process peak GiB (median, range) | reference pass s |"

@@ -215,7 +215,7 @@ def sampling_step(model, vocab: int, device):
         slot = decode_compile.compiled_slot(model, 8, min(512, model.config.max_seq_len))  # replies' reach
         ids = torch.zeros(8, decode.MIN_BUCKET, dtype=torch.long, device=device)
         lengths = torch.full((8,), decode.MIN_BUCKET - 3, device=device)
-        ranked = candidates([SampleConfig(temperature=1.0, top_k=0, top_p=1.0)], vocab)  # GRPO's defaults: unranked
+        ranked = candidates([SampleConfig(temperature=1.0, top_k=0, top_p=1.0)], vocab)  # GRPO's: unranked
         for round_ in range(2):
             torch._dynamo.config.error_on_recompile = round_ == 1
             slot.prefill(model, ids, lengths, slot.cache, slot.state, ranked)

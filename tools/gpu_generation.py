@@ -78,7 +78,7 @@ def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
         if loaded is None and line.startswith("loaded "):
             loaded = time.time()
         rated = rated or re.match(r"\[\d+ tokens in ", line) is not None
-    proc.stdout.read()  # the reply: a model trained for a few steps may answer with whitespace or at once with EOS
+    proc.stdout.read()  # the reply: a model trained a few steps may answer in whitespace, or at once with EOS
     replied = time.time()
     if proc.wait() != 0 or loaded is None or not rated:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(log)[-3000:]}")

