@@ -10,9 +10,10 @@ names, things and numbers drawn from a seed) as conversational prompts with an `
 OUT/problems.jsonl, and a held-out set from another seed. Trains `gpu_training_optimized.py --objective grpo
 --reward gsm8k` on them with LoRA over --base, in its own process (a finished run is reused). Then, for the
 base and the result: the held-out mean reward of greedy replies and of replies sampled at the run's
-temperature (the share whose last number is the answer), and `evaluate.py --tasks gsm8k_chat` on GSM8K's
-first --gsm8k_items test items, which no step ever trains on (the evaluation data ships only the test split).
-Prints a Markdown table for docs/fine-tuning.md.
+temperature (the share whose last number is the answer), and evaluate.py's `gsm8k_chat` on GSM8K's first
+--gsm8k_items test items, which no step ever trains on (the evaluation data ships only the test split). Both
+ask in the project's ChatML, as the run's prompts were rendered (evaluate.py asks a model from elsewhere in
+its own template, which for SmolLM2 adds a system message). Prints a Markdown table for docs/fine-tuning.md.
 """
 
 import argparse
@@ -20,7 +21,6 @@ import json
 import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 
@@ -29,10 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from config import SampleConfig
 from llm.engine import generate_text
 from llm.errors import error_contract
+from llm import tasks
 from llm.inference import load_for_inference
 from llm.monitor import read_metrics
 from llm.rewards import gsm8k
-from llm.tokenizer import chat_prompt_ids, stop_ids
+from llm.scoring import TaskScore, score_items
+from llm.tokenizer import chat_prompt_ids, stop_ids, template_prompt
 
 from finetune_check import NAMES, default_base, run_logged
 
@@ -69,11 +71,10 @@ def write_problems(path: str, n: int, seed: int) -> list[tuple[str, int]]:
     return problems
 
 
-def solved(path: str, base: str, problems: list[tuple[str, int]], temperature: float, max_new_tokens: int,
+def solved(model, tok, problems: list[tuple[str, int]], temperature: float, max_new_tokens: int,
            samples: int) -> tuple[float, str]:
     """The share of replies whose last number is the answer (samples replies to each problem), and one
     reply."""
-    model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="off")
     settings = SampleConfig(temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                             num_return_sequences=samples, seed=1)
     prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}]) for q, _ in problems]
@@ -83,15 +84,21 @@ def solved(path: str, base: str, problems: list[tuple[str, int]], temperature: f
     return sum(rewards) / len(rewards), texts[0].strip()
 
 
-def gsm8k_score(path: str, base: str, items: int, out: str) -> float:
-    """evaluate.py's GSM8K (the chat task: the model's own template) on the first items, in a process of its
-    own."""
-    if not os.path.exists(out):
-        cmd = [sys.executable, os.path.join(HERE, "evaluate.py"), path, "--tasks", "gsm8k_chat", "--limit",
-               str(items), "--json", out, *(["--base", base] if base else [])]
-        if subprocess.run(cmd, cwd=HERE).returncode != 0:
-            sys.exit(f"error: {' '.join(cmd)} failed")
-    return json.load(open(out, encoding="utf-8"))["tasks"]["gsm8k_chat"]["acc"]  # exact match, strict
+def gsm8k_score(model, tok, items: int) -> TaskScore:
+    """evaluate.py's GSM8K chat task on its first items, asked in the project's ChatML."""
+    task = tasks.get("gsm8k_chat")
+    asked = task.items(items, lambda messages: template_prompt(tok, messages))
+    return score_items(model, tok, asked, TaskScore(task.name, task.split, norm=task.norm))
+
+
+def measure(path: str, base: str, held_out: list, args) -> dict:
+    """One model's held-out problems solved, greedy and sampled, its GSM8K, and its first held-out reply."""
+    model, tok, *_ = load_for_inference(path, "cpu", base=base, compile="off")
+    greedy, example = solved(model, tok, held_out, 0.0, args.max_new_tokens, 1)
+    sampled, _ = solved(model, tok, held_out, args.temperature, args.max_new_tokens, args.samples)
+    gsm = gsm8k_score(model, tok, args.gsm8k_items) if args.gsm8k_items else None
+    return {"greedy": greedy, "sampled": sampled, "gsm8k": gsm.acc if gsm else float("nan"),
+            "gsm8k_stderr": gsm.acc_stderr if gsm else float("nan"), "example": example}
 
 
 def train(args, problems: str) -> dict:
@@ -140,12 +147,9 @@ def main(argv=None) -> int:
     run = train(args, problems)
     results = {}
     for name, path, base in (("base", args.base, ""), ("GRPO", run["run"], args.base)):
-        greedy, example = solved(path, base, held_out, 0.0, args.max_new_tokens, 1)
-        sampled, _ = solved(path, base, held_out, args.temperature, args.max_new_tokens, args.samples)
-        gsm = gsm8k_score(path, base, args.gsm8k_items, os.path.join(args.out, f"gsm8k_{name}.json")) \
-            if args.gsm8k_items else float("nan")
-        results[name] = {"greedy": greedy, "sampled": sampled, "gsm8k": gsm, "example": example}
-        print(f"{name}: greedy {greedy:.1%}, sampled {sampled:.1%}, GSM8K {gsm:.1%}", flush=True)
+        r = results[name] = measure(path, base, held_out, args)
+        print(f"{name}: greedy {r['greedy']:.1%}, sampled {r['sampled']:.1%}, GSM8K {r['gsm8k']:.1%}",
+              flush=True)
     results["run"] = run
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- |")
     for name in ("base", "GRPO"):
         r = results[name]
-        print(f"| {name} | {r['greedy']:.1%} | {r['sampled']:.1%} | {r['gsm8k']:.1%} |")
+        gsm = f"{r['gsm8k']:.1%} ± {r['gsm8k_stderr']:.1%}"
+        print(f"| {name} | {r['greedy']:.1%} | {r['sampled']:.1%} | {gsm} |")
     for name in ("base", "GRPO"):
         print(f"\n{name}, the first held-out reply: {results[name]['example'][:300]!r}")
     return 0
