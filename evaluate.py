@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
-    # Chat tasks ask in the model's own template, as lm-eval's --apply_chat_template does (a run of ours: ChatML).
+    # Chat tasks ask in the model's own template, as lm-eval's --apply_chat_template does (a run of ours:
+    # ChatML).
     template = own_chat_template(loaded)
     if any(task.chat for task in chosen):
         whose = "the model's own" if template else "the project's (ChatML)"
@@ -118,8 +119,8 @@ def request_chars(items: list) -> int:
 
 
 def check_outputs(evals: EvalConfig):
-    """--json and --log_samples name files that can be written (their folders writable; an existing file is said
-    to be replaced)."""
+    """--json and --log_samples name files that can be written (their folders writable; an existing file is
+    said to be replaced)."""
     for flag, path in (("--json", evals.json), ("--log_samples", evals.log_samples)):
         if not path:
             continue

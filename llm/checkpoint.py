@@ -153,8 +153,8 @@ def incomplete(ckpt: str) -> str | None:
 
 
 def check_unchanged(ckpt: str, file: str):
-    """Refuse, in one line, a checkpoint file whose bytes are not those its manifest recorded when it was written
-    (hashed only where its size or time changed since); checkpoints from before sums pass."""
+    """Refuse, in one line, a checkpoint file whose bytes are not those its manifest recorded when it was
+    written (hashed only where its size or time changed since); checkpoints from before sums pass."""
     manifest, path = _manifest(ckpt), os.path.join(ckpt, file)
     sums, written = manifest.get("sha256"), manifest.get("written")
     if not isinstance(sums, dict) or file not in sums or not os.path.isfile(path):

@@ -1,7 +1,6 @@
 """What a token cache holds, per source and in all: the train tokens each source may give under --max_tokens,
-the cut of what was read past them, the totals meta.json records, the table of sources the start report prints,
-and the line of a corpus short of its target. preparation.py writes the cache; this counts it.
-"""
+the cut of what was read past them, the totals meta.json records, the table of sources the start report
+prints, and the line of a corpus short of its target. preparation.py writes the cache; this counts it."""
 
 import sysconfig
 
@@ -29,8 +28,8 @@ def taken(parts: list, s: int, weighted: bool) -> int:
 
 
 def room(total: int, parts: list, itemsize: int) -> int:
-    """About the bytes the rest of the token cache takes: the text not yet in a part, at the tokens per byte of the
-    parts so far (before any, one per byte: the most a byte-level tokenizer gives)."""
+    """About the bytes the rest of the token cache takes: the text not yet in a part, at the tokens per byte
+    of the parts so far (before any, one per byte: the most a byte-level tokenizer gives)."""
     text = sum(p["train_bytes"] + p["val_bytes"] for p in parts)
     tokens = sum(p["train_tokens"] + p["val_tokens"] for p in parts)
     return int(max(0, total - text) * (tokens / text if text else 1) * itemsize)
@@ -91,7 +90,8 @@ def source_table(meta: dict) -> list[str]:
 
 def short_of_target(cfg: DataConfig, meta: dict) -> str:
     """One line where the sources hold fewer training tokens than --max_tokens asks for ("" otherwise): a Hub
-    dataset offline or out of reach gives only its cached files, and a dataset can be smaller than the target."""
+    dataset offline or out of reach gives only its cached files, and a dataset can be smaller than the target.
+    """
     target, have = cfg.max_tokens, meta["train_tokens"]
     if not target or have >= SHORT_OF_TARGET * target:
         return ""

@@ -60,11 +60,12 @@ def compiles(model) -> bool:
 
 
 def compiled_slot(model, batch: int, length: int = 0) -> Slot:
-    """The compiled slot of `batch` rows and a cache of `length` positions (0: the whole context), built on first
-    use and kept: the cache and state at pinned addresses, the prefill compiled, and the decode step compiled in
-    the model's mode. With a mode that captures CUDA graphs the first decode calls of a generating thread capture
-    the graph and later ones replay it. A length of its own is for callers whose rows never reach the context's
-    end (GRPO's replies: a prompt and at most max_completion_length), whose cache would otherwise hold it all."""
+    """The compiled slot of `batch` rows and a cache of `length` positions (0: the whole context), built on
+    first use and kept: the cache and state at pinned addresses, the prefill compiled, and the decode step
+    compiled in the model's mode. With a mode that captures CUDA graphs the first decode calls of a generating
+    thread capture the graph and later ones replay it. A length of its own is for callers whose rows never
+    reach the context's end (GRPO's replies: a prompt and at most max_completion_length), whose cache would
+    otherwise hold it all."""
     steps, device, vocab = _COMPILED[model], model.embed_tokens.weight.device, model.config.vocab_size
     key = (batch, length or model.config.max_seq_len)
     if key in steps.slots:

@@ -275,9 +275,9 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
 def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
                  on_done=None, keep_end: bool = False, until=None) -> list[list[int]]:
     """Continue each prompt (token ids) once, without stop strings; return each one's new ids, in order. The
-    decode step is compiled where the model was set to compile (use_compile: a CUDA graph on CUDA), else eager.
-    `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of the
-    tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
+    decode step is compiled where the model was set to compile (use_compile: a CUDA graph on CUDA), else
+    eager. `rows` rows decode together, and a row whose reply ended takes the next prompt at the next read of
+    the tokens (continuous batching): a long reply holds up one row, not a batch. A reply ends at an id of
     eos_ids, after max_new_tokens or at the context's end, as in generate(); keep_end: the end id it ended at
     closes its new ids (what a model trained on its replies learns to stop with). on_done(i, ids) hears each
     prompt as its reply ends, in the order they end. until(i, ids), asked at each read of a reply still going,

@@ -115,9 +115,9 @@ def scaled_rates(t, chosen: ChosenRates | None, scale: float) -> dict:
     return {k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields}
 
 
-# The most an Adam step moves a weight is about its learning rate, so rate x steps bounds how far a run can take a
-# weight. Below this a fine-tune changes nothing one can see: the 1e-6 x 3 steps of a DPO run that learned
-# nothing (3e-6), where runs that learned moved 1e-3 to 1e-2 (docs/fine-tuning.md).
+# The most an Adam step moves a weight is about its learning rate, so rate x steps bounds how far a run can
+# take a weight. Below this a fine-tune changes nothing one can see: the 1e-6 x 3 steps of a DPO run that
+# learned nothing (3e-6), where runs that learned moved 1e-3 to 1e-2 (docs/fine-tuning.md).
 MIN_MOVE = 1e-4
 
 

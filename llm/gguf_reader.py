@@ -161,7 +161,8 @@ def _check_blocks(reader, layers: int, where: str):
                               "damaged or not a model")
 
 
-# Our config's fields by the GGUF key (after "ARCH.") they are read from, to name a refused value as the file does.
+# Our config's fields by the GGUF key (after "ARCH.") they are read from, to name a refused value as the file
+# does.
 GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",
              "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
              "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",

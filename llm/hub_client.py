@@ -230,8 +230,9 @@ def remember(repo: Repo, revision: str, commit: str):
     atomic.write_text(os.path.join(repo.storage, "refs", revision), commit)
 
 
-# The HTTP parser's words for an answer no HTTP server sends (a NUL in an ETag, say): a Hub or mirror that sends it
-# again on the next run, not a connection cut, which the same errors name otherwise ("Server disconnected ...").
+# The HTTP parser's words for an answer no HTTP server sends (a NUL in an ETag, say): a Hub or mirror that
+# sends it again on the next run, not a connection cut, which the same errors name otherwise ("Server
+# disconnected ...").
 MALFORMED = ("illegal header", "illegal status line", "invalid header")
 
 
@@ -242,8 +243,8 @@ def malformed(e: Exception) -> str:
 
 
 def lost(repo: Repo, e: Exception) -> Exception:
-    """The one line of a transport error: a malformed answer is the Hub's (refused as hostile, exit 2), anything
-    else a connection lost, which a later run resumes."""
+    """The one line of a transport error: a malformed answer is the Hub's (refused as hostile, exit 2),
+    anything else a connection lost, which a later run resumes."""
     if malformed(e):
         return repo.error(f"{repo.where}: the Hub's answer is not valid HTTP ({malformed(e)}); {HOSTILE}")
     return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "

@@ -1,9 +1,9 @@
-"""The range of every numeric setting in config.py: the lowest and highest value that makes sense, checked with
-each config (fields.require_choices) and said in --help. A value past a bound is a typo or a misunderstanding (a
-learning rate of 30, a 10**12-token context), refused in one line before anything runs, not a setting to try.
-A bound may be open (Below(1): up to 1, not 1 itself). This is the one place a field's bounds are said; rules
-between fields (heads dividing the width, a warmup and decay that fit) stay with their config's __post_init__.
-"""
+"""The range of every numeric setting in config.py: the lowest and highest value that makes sense, checked
+with each config (fields.require_choices) and said in --help. A value past a bound is a typo or a
+misunderstanding (a learning rate of 30, a 10**12-token context), refused in one line before anything runs,
+not a setting to try. A bound may be open (Below(1): up to 1, not 1 itself). This is the one place a field's
+bounds are said; rules between fields (heads dividing the width, a warmup and decay that fit) stay with their
+config's __post_init__."""
 
 
 class Below(float):
@@ -17,8 +17,8 @@ class Above(float):
 WIDE = 2**40  # a count no run reaches (tokens, steps, items): past it, an integer typed with extra digits
 SEED = 2**63 - 1  # the largest seed torch's and numpy's generators take
 
-# field -> (lowest, highest[, what to do instead]); 0 stands for "automatic" where a field's help says so. A name
-# shared by two configs (max_seq_len, seed) means the same thing in both.
+# field -> (lowest, highest[, what to do instead]); 0 stands for "automatic" where a field's help says so. A
+# name shared by two configs (max_seq_len, seed) means the same thing in both.
 RANGES = {
     # the model's shape
     "vocab_size": (0, 2**22), "hidden_size": (0, 2**17), "num_hidden_layers": (0, 4096),

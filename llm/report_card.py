@@ -14,9 +14,10 @@ from llm.model_card import run_facts
 from llm.scoring import TaskScore
 
 REPORT, REPORT_JSON = "report.md", "report.json"
-# Measured by this tool on every item of each task's split (zero-shot, float32 on a CPU, by tools/bench_eval.py,
-# which lm-eval's hf backend agreed with item for item): model -> task -> acc. A task not measured yet, or measured
-# in other settings (gsm8k_chat before the chat tasks took the model's own template), is left out.
+# Measured by this tool on every item of each task's split (zero-shot, float32 on a CPU, by
+# tools/bench_eval.py, which lm-eval's hf backend agreed with item for item): model -> task -> acc. A task not
+# measured yet, or measured in other settings (gsm8k_chat before the chat tasks took the model's own
+# template), is left out.
 REFERENCES = {
     "SmolLM2-135M-Instruct (its Q4_1 GGUF)": {"arc_easy": 0.5228, "arc_challenge": 0.2308, "piqa": 0.6431,
                                               "winogrande": 0.5043},
@@ -33,8 +34,8 @@ def _err(value) -> str:
 
 def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     """Task, split, items, acc and acc_norm (where lm-eval reports it) each with its standard error, chance,
-    seconds, and the task's headline metric centred on chance; then the items and seconds in all, and the centred
-    mean of each suite scored (the headline: one number per suite, said plainly)."""
+    seconds, and the task's headline metric centred on chance; then the items and seconds in all, and the
+    centred mean of each suite scored (the headline: one number per suite, said plainly)."""
     chances = chances or {}
     lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'':<5} {'acc_norm':>8} {'':<5} {'chance':>6} "
              f"{'seconds':>8}  centred"]
@@ -64,8 +65,8 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
 
 def headline(s: TaskScore, chance: float | None) -> tuple[str, float | None]:
     """The task's usual headline metric (its Task's headline column, named as the score names it: a written
-    answer's strict match is its acc; acc for lm-eval's own tasks) and its value centred on chance,
-    (x - chance) / (1 - chance), as nanochat's CORE centres its tasks: 0 is guessing, 1 is every item right. None
+    answer's strict match is its acc; acc for lm-eval's own tasks) and its value centred on chance, (x -
+    chance) / (1 - chance), as nanochat's CORE centres its tasks: 0 is guessing, 1 is every item right. None
     before the task's first item."""
     known = tasks.TASKS.get(s.task)
     metric = "acc_norm" if known and known.headline == "acc_norm" and s.acc_norm is not None else s.metrics[0]
@@ -86,8 +87,8 @@ def suite_means(scores: list[TaskScore], chances: dict) -> list[tuple[str, float
 
 
 def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> dict:
-    """What a script reads: each task's acc, acc_norm (and what they are: metrics), items, split, shots, seconds
-    and chance."""
+    """What a script reads: each task's acc, acc_norm (and what they are: metrics), items, split, shots,
+    seconds and chance."""
     return {"model": model, "limit": limit,
             "headline": {suite: {"centred_mean": value, "tasks": count} for suite, value, count in
                          suite_means(scores, chances)},
@@ -160,8 +161,8 @@ def _reference_rows(scores: list[TaskScore], chances: dict, limit: int) -> list[
 
 
 def write_report(folder: str, text: str, data: dict, scores: list | None = None, chances: dict | None = None):
-    """report.md and report.json in folder, each replaced whole, and given the scores the chart report.md shows
-    (report.png, where matplotlib is installed)."""
+    """report.md and report.json in folder, each replaced whole, and given the scores the chart report.md
+    shows (report.png, where matplotlib is installed)."""
     _folder(folder)
     if scores and any(s.items for s in scores) and report_chart.available():
         title = f"{data.get('model', '')}" + (f", the first {data['limit']} items of each task" if data.get("limit")

@@ -1,7 +1,6 @@
-"""The report card's chart (report.png, beside report.md): each task's accuracy with its standard error as a bar,
-chance as a mark on it, and the reference models' figures as points. Drawn where matplotlib is installed
-(requirements-extra.txt); the Markdown table says everything without it.
-"""
+"""The report card's chart (report.png, beside report.md): each task's accuracy with its standard error as a
+bar, chance as a mark on it, and the reference models' figures as points. Drawn where matplotlib is installed
+(requirements-extra.txt); the Markdown table says everything without it."""
 
 import io
 

@@ -203,8 +203,8 @@ def rl_objective(plan: Plan, runner: Runner):
     """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained."""
     t, rewards = plan.cfg.train, plan.rewards
     prompts = plan.batches.prompts
-    # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA and eager
-    # on a CPU, where a compile does not pay back (decode_compile.compile_mode).
+    # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA
+    # and eager on a CPU, where a compile does not pay back (decode_compile.compile_mode).
     use_compile(runner.raw_model, "off" if runner.eager else t.compile)
     # The KL term's reference, taken before a resumed checkpoint loads: the model holds --init_from's weights
     # now.

@@ -4,9 +4,8 @@ that tools/diff_samples.py lines the two up item by item.
 A line holds what lm-eval's holds under the same keys (doc_id; arguments as {"gen_args_i": {"arg_0": context,
 "arg_1": continuation}}; target; acc, acc_norm or exact_match) and, where lm-eval writes a string or leaves a
 value to be worked out, the value itself: each choice's log-likelihood and length in characters, the picks for
-acc and acc_norm, the gold index; for a written answer, the reply and the number read from it. `task` is lm-eval's
-name of the (sub)task (mmlu_anatomy), `suite` the task it was scored in (mmlu).
-"""
+acc and acc_norm, the gold index; for a written answer, the reply and the number read from it. `task` is
+lm-eval's name of the (sub)task (mmlu_anatomy), `suite` the task it was scored in (mmlu)."""
 
 import json
 

@@ -312,12 +312,12 @@ class StopFlag:
 
 class EvalPolicy:
     """When the trainer evaluates (and, left automatic, saves with it). Every eval_interval steps where one is
-    given; else at each sixth of the run (AUTO_EVALS), in the first half of the sixth, as soon as an evaluation
-    there keeps evaluating within EVAL_SHARE of the time so far (a 10-step smoke run evaluates only at its end),
-    half a sixth apart from the one before and from the end (one that would fall just before the final one is left
-    to it). The final one is always run, without the code metric and samples where they would pass the share.
-    It reads the run's length and the figures its timer agreed on (schedule.RunClock), so every rank decides
-    alike; asking changes nothing: mark() records an evaluation that ran."""
+    given; else at each sixth of the run (AUTO_EVALS), in the first half of the sixth, as soon as an
+    evaluation there keeps evaluating within EVAL_SHARE of the time so far (a 10-step smoke run evaluates only
+    at its end), half a sixth apart from the one before and from the end (one that would fall just before the
+    final one is left to it). The final one is always run, without the code metric and samples where they
+    would pass the share. It reads the run's length and the figures its timer agreed on (schedule.RunClock),
+    so every rank decides alike; asking changes nothing: mark() records an evaluation that ran."""
 
     def __init__(self, t, clock):
         self.t, self.clock = t, clock
@@ -349,9 +349,10 @@ class EvalPolicy:
         return math.floor(AUTO_EVALS * progress + 1e-9)
 
     def _leaves_room(self, step: int, done: float) -> bool:
-        """Whether half a sixth of the run follows an evaluation before this step. Under a budget the evaluation and
-        its checkpoint are paid from the steps that would follow, and the room kept for the final ones grows to
-        its measured cost: judged by the progress before them, the last one once came a step before the end."""
+        """Whether half a sixth of the run follows an evaluation before this step. Under a budget the
+        evaluation and its checkpoint are paid from the steps that would follow, and the room kept for the
+        final ones grows to its measured cost: judged by the progress before them, the last one once came a
+        step before the end."""
         clock, agreed = self.clock, self.clock.timer.agreed
         if not clock.by_time:
             return done < 1 - 0.5 / AUTO_EVALS
@@ -371,8 +372,9 @@ class EvalPolicy:
         return agreed.eval_spent_s + one <= EVAL_SHARE * spent
 
     def full(self, step: int, last_step: bool) -> bool:
-        """Whether the evaluation before this step adds the code metric and samples to the val loss: always, but
-        at the end of a run where they would pass EVAL_SHARE, or, under a budget, cost time not yet measured."""
+        """Whether the evaluation before this step adds the code metric and samples to the val loss: always,
+        but at the end of a run where they would pass EVAL_SHARE, or, under a budget, cost time not yet
+        measured."""
         if self.t.eval_interval or not last_step:
             return True
         measured = self.clock.timer.overhead_s["eval"]  # a full evaluation's seconds, once one ran

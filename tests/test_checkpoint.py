@@ -143,10 +143,10 @@ def test_a_trainer_state_without_its_counters_is_refused_in_one_line():
 
 
 def test_a_checkpoint_file_changed_since_it_was_written_is_refused_in_one_line(tiny_checkpoint, tmp_path):
-    """A checkpoint's weights or trainer state rewritten in place (the same size, other values: a bit flipped on
-    disk, a hand edit) once loaded as they were. The manifest now keeps each file's sha256 as written: a file
-    whose size or time moved is hashed when read and refused, naming the file and what to do, where a file
-    merely touched (copied, its bytes the same) loads."""
+    """A checkpoint's weights or trainer state rewritten in place (the same size, other values: a bit flipped
+    on disk, a hand edit) once loaded as they were. The manifest now keeps each file's sha256 as written: a
+    file whose size or time moved is hashed when read and refused, naming the file and what to do, where a
+    file merely touched (copied, its bytes the same) loads."""
     ckpt = str(tmp_path / "step_000010")
     shutil.copytree(tiny_checkpoint, ckpt)  # copytree keeps the times: nothing to hash
     want = ckpt_io.read_checkpoint(ckpt)[1]

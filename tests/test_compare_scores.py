@@ -1,5 +1,6 @@
-"""tools/compare_scores.py: two evaluations' difference task by task, with the standard error that says whether
-it is outside the noise; held to lm-eval's own standard-error function and to cases whose answer is known."""
+"""tools/compare_scores.py: two evaluations' difference task by task, with the standard error that says
+whether it is outside the noise; held to lm-eval's own standard-error function and to cases whose answer is
+known."""
 
 import json
 import random
@@ -13,9 +14,9 @@ def lines(task, right, metric="acc"):
 
 def test_paired_items_tell_a_small_real_gain_from_noise(tmp_path, capsys):
     """The same 400 items: a second model right on every item the first got right and on 16 more is 4 points
-    better and outside the noise, paired (its differences are all 0 or 1), where the unpaired standard error of
-    two 400-item scores (±3.5) would call it noise; a second model that swaps 16 right answers for 16 others is
-    within it. The paired error is lm-eval's mean_stderr over the per-item differences."""
+    better and outside the noise, paired (its differences are all 0 or 1), where the unpaired standard error
+    of two 400-item scores (±3.5) would call it noise; a second model that swaps 16 right answers for 16
+    others is within it. The paired error is lm-eval's mean_stderr over the per-item differences."""
     from lm_eval.api.metrics import mean_stderr
     rng = random.Random(0)
     first = [rng.random() < 0.5 for _ in range(400)]
@@ -45,8 +46,8 @@ def test_paired_items_tell_a_small_real_gain_from_noise(tmp_path, capsys):
 
 def test_scores_files_compare_each_tasks_headline_unpaired(tmp_path, capsys):
     """From two --json files: each task on its headline metric (acc_norm for ARC-Easy, GSM8K's strict match in
-    the acc column), the difference's standard error sqrt(se_a^2 + se_b^2), and tasks only one scored left out;
-    a file of another kind is one line, exit 2."""
+    the acc column), the difference's standard error sqrt(se_a^2 + se_b^2), and tasks only one scored left
+    out; a file of another kind is one line, exit 2."""
     def scores(arc, gsm):
         return {"tasks": {
             "arc_easy": {"headline_metric": "acc_norm", "acc": 0.5, "acc_stderr": 0.02, "acc_norm": arc,

@@ -193,8 +193,8 @@ def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
 
 
 def test_help_says_each_range(capsys):
-    """--help prints each numeric flag's range beside its help, and the command line refuses a value past it in
-    one line (exit 2)."""
+    """--help prints each numeric flag's range beside its help, and the command line refuses a value past it
+    in one line (exit 2)."""
     import gpu_training_optimized as trainer
     from conftest import one_error_line
     with pytest.raises(SystemExit):

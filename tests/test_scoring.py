@@ -136,8 +136,8 @@ def test_standard_errors_are_lm_evals():
 @pytest.mark.slow
 def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
     """`--tasks mmlu --num_fewshot 5` on SmolLM2-135M-Instruct: on three subjects' first questions, the answer
-    evaluate.py picks is the one lm-eval's `hf` backend picks on lm-eval's own 5-shot requests (its task file, its
-    first_n sampler over the dev split)."""
+    evaluate.py picks is the one lm-eval's `hf` backend picks on lm-eval's own 5-shot requests (its task file,
+    its first_n sampler over the dev split)."""
     import bench_eval
     from llm.inference import load_for_inference
     from test_tasks import lm_eval_task
@@ -160,8 +160,9 @@ def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
 
 def test_gsm8k_cot_is_graded_as_lm_eval_grades_it():
     """A base model's GSM8K reply: cut at lm-eval's stop strings, then its strict-match and flexible-extract
-    filters (lm-eval's own RegexFilter, configured from its gsm8k_cot.yaml) and its exact_match with that task's
-    settings give the same extractions and the same right or wrong as ours, on replies that trip each rule."""
+    filters (lm-eval's own RegexFilter, configured from its gsm8k_cot.yaml) and its exact_match with that
+    task's settings give the same extractions and the same right or wrong as ours, on replies that trip each
+    rule."""
     from lm_eval.api.metrics import exact_match_hf_evaluate
     from lm_eval.filters.extraction import RegexFilter
     from lm_eval.tasks import TaskManager
@@ -187,9 +188,9 @@ def test_gsm8k_cot_is_graded_as_lm_eval_grades_it():
 
 
 def test_a_base_models_gsm8k_stops_at_the_stop_string(tiny_loaded, monkeypatch):
-    """gsm8k_cot's replies end at lm-eval's stop strings: the engine stops a row once one is written (so a base
-    model writing its next "Q:" costs no more tokens), and the reply is the greedy text before it; acc and
-    acc_norm are the strict and flexible matches of the lines logged."""
+    """gsm8k_cot's replies end at lm-eval's stop strings: the engine stops a row once one is written (so a
+    base model writing its next "Q:" costs no more tokens), and the reply is the greedy text before it; acc
+    and acc_norm are the strict and flexible matches of the lines logged."""
     from llm import engine
     model, tok = tiny_loaded
     items = tasks.get("gsm8k_cot").items(3)

@@ -65,8 +65,9 @@ def test_each_task_asks_what_lm_eval_asks(name, monkeypatch):
 
 
 def test_mmlu_five_shot_asks_what_lm_evals_mmlu_asks_with_num_fewshot_5(monkeypatch):
-    """MMLU is usually quoted 5-shot: each request must be lm-eval's own fewshot_context (the description once,
-    the subject's first five dev questions answered by their letter, then the question), subject by subject."""
+    """MMLU is usually quoted 5-shot: each request must be lm-eval's own fewshot_context (the description
+    once, the subject's first five dev questions answered by their letter, then the question), subject by
+    subject."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     task = tasks.get("mmlu", shots=5)
@@ -90,9 +91,10 @@ def test_shots_that_cannot_be_lm_evals_are_refused(name, shots, words):
 
 
 def test_gsm8k_cot_asks_what_lm_evals_gsm8k_cot_asks(tmp_path, monkeypatch):
-    """A base model's GSM8K: every one of the 1,319 prompts must be lm-eval's gsm8k_cot context (its eight worked
-    examples, Q:/A:, "The answer is N."), built by lm-eval from its own task file over the same questions, with
-    its stop strings; the reference answer is the row's whole answer, as lm-eval's exact_match reads it."""
+    """A base model's GSM8K: every one of the 1,319 prompts must be lm-eval's gsm8k_cot context (its eight
+    worked examples, Q:/A:, "The answer is N."), built by lm-eval from its own task file over the same
+    questions, with its stop strings; the reference answer is the row's whole answer, as lm-eval's exact_match
+    reads it."""
     import json
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.tasks._yaml_loader import load_yaml
@@ -148,9 +150,10 @@ def test_a_chat_question_is_the_template_the_chat_path_renders(tiny_loaded):
 
 
 def test_chat_tasks_ask_in_the_models_own_template(tmp_path):
-    """lm-eval's --apply_chat_template renders a chat task in the model's own template: SmolLM2-Instruct's adds a
-    default system message the project's ChatML leaves out. The prompt must be transformers' own rendering of the
-    GGUF's template (a Hugging Face folder's, its default of several), and a run of ours keeps its ChatML."""
+    """lm-eval's --apply_chat_template renders a chat task in the model's own template: SmolLM2-Instruct's
+    adds a default system message the project's ChatML leaves out. The prompt must be transformers' own
+    rendering of the GGUF's template (a Hugging Face folder's, its default of several), and a run of ours
+    keeps its ChatML."""
     import json
     from transformers import AutoTokenizer
     from evaluate import own_chat_template

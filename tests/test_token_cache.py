@@ -217,10 +217,10 @@ def test_a_resume_after_a_file_was_added_is_refused_naming_it(tmp_path, corpus, 
 
 
 def test_a_part_whose_tokens_changed_within_the_vocabulary_is_rebuilt(tmp_path, monkeypatch):
-    """A token file rewritten with other ids of the same size and within the vocabulary once trained as it was:
-    only its size and time were compared, and its largest id. part.json now keeps each file's sha256 as written;
-    a touched file whose bytes differ is rebuilt from its sources (they are at hand), one line saying so, and a
-    file merely touched (copied, its bytes the same) is kept without a word."""
+    """A token file rewritten with other ids of the same size and within the vocabulary once trained as it
+    was: only its size and time were compared, and its largest id. part.json now keeps each file's sha256 as
+    written; a touched file whose bytes differ is rebuilt from its sources (they are at hand), one line saying
+    so, and a file merely touched (copied, its bytes the same) is kept without a word."""
     src = write_texts(tmp_path / "src", ["a.jsonl"])
     cfg = config(tmp_path, [src])
     first = prepare(cfg)

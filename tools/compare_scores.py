@@ -23,8 +23,8 @@ NOISE = 2.0  # standard errors a difference must pass to be called outside the n
 
 
 def read(path: str):
-    """A --json/report.json file as its dict, or a --log_samples file as its list of lines (SystemExit 2 naming
-    the file for anything else)."""
+    """A --json/report.json file as its dict, or a --log_samples file as its list of lines (SystemExit 2
+    naming the file for anything else)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -40,8 +40,8 @@ def read(path: str):
 
 
 def from_scores(a: dict, b: dict) -> list[tuple]:
-    """(task, metric, a, b, standard error of b - a, items a, items b) for each task both scored, on the task's
-    headline metric (evaluate.py's JSON names it)."""
+    """(task, metric, a, b, standard error of b - a, items a, items b) for each task both scored, on the
+    task's headline metric (evaluate.py's JSON names it)."""
     rows = []
     for task in [t for t in a["tasks"] if t in b["tasks"]]:
         x, y = a["tasks"][task], b["tasks"][task]
@@ -64,8 +64,9 @@ def paired_stderr(differences: list[float]) -> float:
 
 
 def from_samples(a: list[dict], b: list[dict]) -> list[tuple]:
-    """The same rows from two --log_samples files, over the items both hold (by task and doc_id), per suite task
-    (mmlu's subjects together), each on acc_norm where both lines have it, else acc (exact_match for answers)."""
+    """The same rows from two --log_samples files, over the items both hold (by task and doc_id), per suite
+    task (mmlu's subjects together), each on acc_norm where both lines have it, else acc (exact_match for
+    answers)."""
     def keyed(lines):
         return {(line.get("suite") or line["task"], line["task"], int(line["doc_id"])): line for line in lines}
     mine, theirs = keyed(a), keyed(b)

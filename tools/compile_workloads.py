@@ -1,7 +1,7 @@
 """What each compile-check configuration runs in its fake-GPU process (compile_check.py starts the process and
-reads the result): the trainer's own build() and train_step for three steps, or generation's compiled prefill and
-decode step, on fake tensors; and what they measure (the memory the step holds, its SDPA backends, its roofline).
-"""
+reads the result): the trainer's own build() and train_step for three steps, or generation's compiled prefill
+and decode step, on fake tensors; and what they measure (the memory the step holds, its SDPA backends, its
+roofline)."""
 
 import re
 import types
@@ -56,8 +56,8 @@ UNALIGNED = []  # matmuls whose padding Inductor would decide by timing: "MxK @ 
 def choose_without_timing():
     """Inductor decides some things by timing kernels on the GPU. Here, with fixed timings instead: GEMM
     autotuning takes the first Triton template (cuBLAS last), which then compiles with the graph; a kernel's
-    coordinate-descent variants tie, so the first stays; fusions are not timed; a matmul whose shape is not
-    a multiple of the tile alignment is not padded, and is recorded (on a GPU: a timing, then maybe a copy)."""
+    coordinate-descent variants tie, so the first stays; fusions are not timed; a matmul whose shape is not a
+    multiple of the tile alignment is not padded, and is recorded (on a GPU: a timing, then maybe a copy)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.codegen.triton import TritonScheduling
     from torch._inductor.fx_passes import pad_mm
@@ -94,8 +94,9 @@ def skip_moves_in_place():
 
 
 def check_config(precision: str, compile_mode: str, preset: str = "large", layers: int = 2, accum: int = 2):
-    """By default the `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and optimizer
-    path of the full model, at a tenth of its compile time. The calibration rows compile a whole preset."""
+    """By default the `large` preset cut to 2 layers, accumulation 2: every kind of layer, kernel and
+    optimizer path of the full model, at a tenth of its compile time. The calibration rows compile a whole
+    preset."""
     from config import PRESETS
     cfg = PRESETS[preset]()
     cfg.model = replace(cfg.model, num_hidden_layers=layers or cfg.model.num_hidden_layers)
@@ -108,9 +109,9 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
                  lora_base: str = "auto") -> dict:
     """Three trainer steps: the first compiles, the next two must compile nothing. loss_chunk_rows: the loss
     in chunks of that many rows, as a GPU short of memory computes it; deterministic: as --deterministic;
-    packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters of
-    that rank on a frozen base held as lora_base (auto: bf16); whole: that preset at its full depth, one micro-step
-    (a calibration row)."""
+    packed: rows of whole examples, attention masked block-diagonally (chat fine-tuning); lora_rank: adapters
+    of that rank on a frozen base held as lora_base (auto: bf16); whole: that preset at its full depth, one
+    micro-step (a calibration row)."""
     import bench
     import torch
 
@@ -164,9 +165,9 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
 
 
 def dpo_pairs(b, batches):
-    """A dpo Objective (its NLL term, stored reference log-probabilities) and FixedBatches' packed examples read
-    as pairs, as batches.PairBatch serves them: a row's first two examples one pair's chosen and rejected replies,
-    its third outside any reply (its labels -100), each row one pair."""
+    """A dpo Objective (its NLL term, stored reference log-probabilities) and FixedBatches' packed examples
+    read as pairs, as batches.PairBatch serves them: a row's first two examples one pair's chosen and rejected
+    replies, its third outside any reply (its labels -100), each row one pair."""
     import torch
 
     from llm.batches import PairBatch
@@ -183,7 +184,8 @@ def dpo_pairs(b, batches):
 
 def grpo_replies(b, batches, t):
     """A GRPO Objective (dapo loss, beta 0.04 against a reference, PPO clipping against the sampling policy's
-    log-probabilities) over FixedBatches' rows read as sampled replies: the second half of each row a reply."""
+    log-probabilities) over FixedBatches' rows read as sampled replies: the second half of each row a reply.
+    """
     import torch
 
     from llm import grpo, rl
@@ -201,9 +203,9 @@ def grpo_replies(b, batches, t):
 
 
 def sampling_step(model, vocab: int, device):
-    """What a GRPO run's rollouts compile (runner.rl_objective sets the model to compile as its step does, auto:
-    a CUDA graph): the prefill and decode step of the model being trained, adapters on, at temperature 1; the
-    second round must compile nothing."""
+    """What a GRPO run's rollouts compile (runner.rl_objective sets the model to compile as its step does,
+    auto: a CUDA graph): the prefill and decode step of the model being trained, adapters on, at temperature
+    1; the second round must compile nothing."""
     import torch
 
     from llm import decode, decode_compile

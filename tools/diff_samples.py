@@ -77,8 +77,8 @@ def best(values: list[float]) -> int:
 
 
 def compare(mine: dict, their: dict, tolerance: float) -> dict:
-    """One item's differences: requests, the largest log-likelihood gap, and acc/acc_norm, where a differing pick
-    between two choices equally likely within the tolerance counts as a tie."""
+    """One item's differences: requests, the largest log-likelihood gap, and acc/acc_norm, where a differing
+    pick between two choices equally likely within the tolerance counts as a tie."""
     out = {"arguments": mine["arguments"] != their.get("arguments"), "gap": 0.0, "picks": 0, "ties": 0}
     if "loglikelihoods" not in mine:  # a written answer: the match alone
         out["picks"] = int(float(mine["exact_match"]) != float(their.get("exact_match", -1)))
