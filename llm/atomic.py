@@ -57,7 +57,8 @@ def file_digest(path: str) -> str:
 
 
 def stamp(path: str) -> list:
-    """A file's size and modification time: when both are as written, nobody has touched it (no need to hash)."""
+    """A file's size and modification time: when both are as written, nobody has touched it (no need to
+    hash)."""
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
 

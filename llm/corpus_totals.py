@@ -14,7 +14,8 @@ STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_li
 
 
 def caps(cfg: DataConfig, found) -> list:
-    """The train tokens each source may give under --max_tokens (inf: no cap); without weights, one cap for all."""
+    """The train tokens each source may give under --max_tokens (inf: no cap); without weights, one cap for
+    all."""
     if not cfg.max_tokens:
         return [float("inf")] * len(found)
     if not found[0].weight:

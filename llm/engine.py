@@ -292,7 +292,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
     limits = [min(settings.max_new_tokens, ctx - len(p)) for p in prompts]
     B, max_len = min(rows, len(prompts)), min(ctx, max(len(p) + n for p, n in zip(prompts, limits)))
     compiled = compiles(model) and not compiling(model)
-    length = bucket(max_len, ctx)  # a compiled slot's cache: the longest row's reach, rounded to reuse its graph
+    # A compiled slot's cache: the longest row's reach, rounded to reuse its graph.
+    length = bucket(max_len, ctx)
     check_memory(model, B, length if compiled else max_len)
     out, waiting = [[] for _ in prompts], list(reversed(range(len(prompts))))  # waiting: next prompt last
     prompt_of, reach = [None] * B, [0] * B  # each row's prompt (None: ended, none left) and cache position

@@ -237,7 +237,8 @@ MALFORMED = ("illegal header", "illegal status line", "invalid header")
 
 
 def malformed(e: Exception) -> str:
-    """One line's worth of why a transport error is a malformed answer ("" for a connection lost or refused)."""
+    """One line's worth of why a transport error is a malformed answer ("" for a connection lost or
+    refused)."""
     said = str(e).splitlines()[0] if str(e) else ""
     return said[:120] if any(word in said.lower() for word in MALFORMED) else ""
 

@@ -61,7 +61,8 @@ RANGES = {
 
 
 def number(value) -> str:
-    """A bound as people write it: 1,000,000,000 rather than 1e+09, a port as 65535, 0.001 and 1e-12 as they are."""
+    """A bound as people write it: 1,000,000,000 rather than 1e+09, a port as 65535, 0.001 and 1e-12 as they
+    are."""
     if not float(value).is_integer() or abs(value) >= 2**64:
         return f"{value:g}"
     return f"{int(value):,}" if abs(value) >= 100_000 else str(int(value))

@@ -321,7 +321,8 @@ class EvalPolicy:
 
     def __init__(self, t, clock):
         self.t, self.clock = t, clock
-        self._evaluated = None  # (step, sixths of the run reached, progress) at this session's last evaluation
+        # (step, sixths of the run reached, progress) at this session's last evaluation
+        self._evaluated = None
 
     def due(self, step: int) -> bool:
         """Whether to evaluate before this step, besides the final one."""
@@ -363,7 +364,8 @@ class EvalPolicy:
         return steps_after > 0.5 / AUTO_EVALS * (step + steps_after)
 
     def affordable(self, step: int) -> bool:
-        """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so far."""
+        """Whether an evaluation before this step keeps evaluating within EVAL_SHARE of the time spent so
+        far."""
         agreed = self.clock.timer.agreed
         one = agreed.eval_s
         if not one:

