@@ -3,7 +3,8 @@
 Token embedding -> N pre-norm blocks [RMSNorm -> GQA attention with QK-norm and RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head tied to the embedding.
 Attention runs through F.scaled_dot_product_attention, so PyTorch picks flash or memory-efficient
-kernels. A preallocated KVCache serves generation: one prefill, then one token per step.
+kernels (on a CPU, where its flash kernel is slow for short rows, written out as two matmuls). A preallocated
+KVCache serves generation: one prefill, then one token per step.
 Only torch; no optimizer, device or file logic lives here.
 """
 
@@ -162,17 +163,13 @@ class Attention(nn.Module):
 
 def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
     """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel, or
-    written out as two matmuls and a softmax, which Inductor compiles on a CPU to about twice the speed of the
-    CPU's flash kernel (forward and backward) for short rows (step_settings.matmul_attention decides)."""
+    written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
+    Inductor and 2.5x eager under bf16, forward and backward (step_settings.matmul_attention decides)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    (B, H, T, hd), Hkv = q.shape, k.shape[1]
-    scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)  # the queries of a key head as rows
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
+    T = q.shape[2]
     at = torch.arange(T, device=q.device)
-    future = (at[None, :] > at[:, None]).repeat(H // Hkv, 1)  # (rows, T): a query's later keys
-    weights = scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype)
-    return (weights @ v).view(B, H, T, hd)
+    return written_out_attention(q, k, v, at[None, :] <= at[:, None])
 
 
 def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
@@ -182,9 +179,30 @@ def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tenso
     k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
     if cache.span is not None:  # the places past it are unfilled (masked): skip them rather than mask them
         k, v, mask = k[:, :, :cache.span], v[:, :, :cache.span], mask[..., :cache.span]
+    if q.device.type == "cpu" and q.shape[2] == 1:
+        # The CPU's flash kernel is slow for one query a row: a bf16 decode step's attention took 6x as long
+        # as the same arithmetic written out in fp32, which rounds only the output, as the kernel does. A
+        # prefill keeps the kernel, which never holds its scores.
+        wide = torch.promote_types(q.dtype, torch.float32)
+        return written_out_attention(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+
+
+def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys and values as two matmuls and a
+    softmax in at least fp32, the queries of a key head stacked as rows of one matmul. allowed (..., T, S): bool,
+    True where a query sees a key, or added to the scores (0 or -inf)."""
+    (B, H, T, hd), Hkv = q.shape, k.shape[1]
+    scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
+    allowed = allowed.tile((H // Hkv, 1))  # rows (query head within its group, query), as the scores'
+    if allowed.dtype == torch.bool:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    else:
+        scores = scores + allowed
+    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, hd)
 
 
 class MLP(nn.Module):

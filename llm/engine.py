@@ -29,6 +29,9 @@ CHUNK = 8  # decode steps between two reads of the new tokens by the host
 SCORE_ROWS = 8  # sequences score() runs together
 SCORE_LOGITS = 2**25  # logits score() holds at once (rows x positions x vocabulary): 128 MiB in float32
 GREEDY_ONE = SampleConfig(temperature=0.0, max_new_tokens=1)  # the settings of a row that pads a batch
+# An eager decode step reads the cache this many places at a time: each new width is a new shape, for which a
+# CPU's matmul library compiles and keeps a kernel (70 widths held 60 MB more).
+SPAN_STEP = 64
 
 
 def check_memory(model, batch: int, max_len: int):
@@ -150,7 +153,7 @@ def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> 
                     break
             _noise(state, generators, real)
             if not slot.compiled:  # no row has reached past width + step: attention reads that far
-                cache.span = min(width + step, cache.max_len)
+                cache.span = span(width + step, cache.max_len)
             slot.decode(model, cache, state, ranked)
             if step == 1 and slot.compiled:
                 # Its guards passed (or it compiled) once; the other steps repeat the same arguments exactly.
@@ -272,6 +275,12 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
 
 # ----------------------------------------------------------------------------- many prompts through a few rows
 
+def span(reach: int, max_len: int) -> int:
+    """How far an eager step's attention reads a cache whose rows reach at most `reach` places: whole SPAN_STEPs
+    (the places past a row's reach are masked), within the cache."""
+    return min(max_len, -(-reach // SPAN_STEP) * SPAN_STEP)
+
+
 def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_ids=(), rows: int = 64,
                  on_done=None, keep_end: bool = False, until=None) -> list[list[int]]:
     """Continue each prompt (token ids) once, without stop strings; return each one's new ids, in order. The
@@ -338,7 +347,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
             for j in range(CHUNK):
                 _noise(slot.state, generators, B)
                 if not compiled:  # attention reads no further than the longest row: eager shapes may change
-                    slot.cache.span = min(max_len, 1 + max(reach[r] for r in range(B) if prompt_of[r] is not None))
+                    slot.cache.span = span(1 + max(reach[r] for r in range(B) if prompt_of[r] is not None), max_len)
                 slot.decode(model, slot.cache, slot.state, ranked)
                 reach[:] = [x + 1 for x in reach]
                 chunk[:, j] = slot.state.tokens[:, 0]

@@ -123,22 +123,22 @@ class Runner:
             self.eval_model = self.raw_model
 
 
-def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool) -> Execution:
-    """The model's execution settings for this run's step."""
+def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: int) -> Execution:
+    """The model's execution settings for this run's step, whose micro-batch rows are row tokens long."""
     where = machine(device)
     # A bf16 residual stream saves a GPU's bandwidth; on a CPU it saves no time and learned a little less.
     stream = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
     # Eager preference steps put each pair's branches on rows of their own and run the head at the replies
     # only.
     ragged = eager and cfg.train.objective in preference.OBJECTIVES
-    return Execution(loss_chunk_rows(cfg, where), matmul_attention(cfg, where), stream, ragged)
+    return Execution(loss_chunk_rows(cfg, where), matmul_attention(cfg, where, amp_dtype, row), stream, ragged)
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
-          init_state: dict | None = None) -> Runner:
+          init_state: dict | None = None, row: int = 0) -> Runner:
     """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device, with the next-token
     objective. raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds
-    weights to start from."""
+    weights to start from; row: a micro-batch row's tokens where shorter than the context (a GRPO run's)."""
     t = cfg.train
     amp_dtype = pick_precision(t.precision, device)
     if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
@@ -153,7 +153,7 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
         raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
     eager = not compiles(t)
     if isinstance(raw_model, Transformer):
-        raw_model.execution = execution(cfg, device, amp_dtype, eager)
+        raw_model.execution = execution(cfg, device, amp_dtype, eager, row)
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     model = ranks.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
@@ -177,7 +177,7 @@ def start(plan: Plan) -> tuple[Runner, Plan]:
     0); and the plan without --init_from's weights, which the model holds now (their read copy goes with the
     caller's old plan), with its training loader as the step reads it."""
     cfg, t = plan.cfg, plan.cfg.train
-    runner = build(cfg, plan.device, plan.ranks, init_state=plan.init_state)
+    runner = build(cfg, plan.device, plan.ranks, init_state=plan.init_state, row=plan.row)
     if t.objective == "grpo":
         runner.objective, batches = rl_objective(plan, runner)
     else:

@@ -1,7 +1,9 @@
 """How the training step computes on this machine: the loss's logits whole or in chunks of rows (whatever fits
-beside the rest of the step), and causal attention through SDPA or written out as matmuls (faster for short rows
-in a compiled CPU step). The trainer builds the model with both; startup.py's fit check estimates with the chunks.
+beside the rest of the step), and causal attention through SDPA or written out as matmuls (faster on a CPU for
+short rows, compiled or under bf16). The trainer builds the model with both; startup.py's fit check estimates with the chunks.
 """
+
+import torch
 
 from config import Config
 from llm.fit import estimate
@@ -10,7 +12,9 @@ from llm.sizing import MEMORY_FRACTION, Machine, gpu_target, training_bytes_esti
 LOGIT_BYTES = 12  # per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
 CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
 GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
-MATMUL_ATTENTION_ROWS = 256  # measured on a 2-core CPU: written out, attention is 2x faster at 128-256, slower at 512
+# Measured on a 2-core CPU, forward and backward: written out, attention is 2x faster at 128-256 positions
+# compiled, and eager under bf16 2.5x at 104, even at 256 and slower at 512; eager in fp32 the kernel wins.
+MATMUL_ATTENTION_ROWS = 256
 
 
 def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
@@ -26,10 +30,12 @@ def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
     return max(GEMM_ROWS, int(room / 4 / per_row) // GEMM_ROWS * GEMM_ROWS)
 
 
-def matmul_attention(cfg: Config, machine: Machine) -> bool:
-    """Whether causal attention runs written out as matmuls and a softmax (modern_llm.causal_attention): in a
-    compiled step on a CPU with windows up to MATMUL_ATTENTION_ROWS, where the CPU's flash kernel is slower."""
-    return machine.kind == "cpu" and cfg.train.compile != "off" and cfg.model.max_seq_len <= MATMUL_ATTENTION_ROWS
+def matmul_attention(cfg: Config, machine: Machine, amp_dtype=None, row: int = 0) -> bool:
+    """Whether causal attention runs written out as matmuls and a softmax (modern_llm.causal_attention): on a
+    CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up to MATMUL_ATTENTION_ROWS tokens
+    (row: a micro-batch row's, the context where 0), where the CPU's flash kernel is slower."""
+    faster = cfg.train.compile != "off" or amp_dtype == torch.bfloat16
+    return machine.kind == "cpu" and faster and (row or cfg.model.max_seq_len) <= MATMUL_ATTENTION_ROWS
 
 
 def _logit_bytes(cfg: Config) -> int:

@@ -4,6 +4,7 @@ faster."""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from config import preset_tiny
 from llm import sizing, step_settings
@@ -37,14 +38,18 @@ def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(prese
         assert rows * cfg.model.vocab_size * step_settings.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)
 
 
-@pytest.mark.parametrize("device,compile_mode,seq_len,written", [
-    ("cpu", "default", 256, True),  # the default CPU run: twice as fast as the CPU's flash kernel
-    ("cpu", "default", 512, False),  # slower than the kernel from 512 positions
-    ("cpu", "off", 256, False),  # eager, the kernel is faster
-    ("cuda", "default", 256, False),  # GPUs keep SDPA's flash and cuDNN kernels
+@pytest.mark.parametrize("device,compile_mode,amp,seq_len,row,written", [
+    ("cpu", "default", None, 256, 0, True),  # the default CPU run: twice as fast as the CPU's flash kernel
+    ("cpu", "default", None, 512, 0, False),  # slower than the kernel from 512 positions
+    ("cpu", "off", None, 256, 0, False),  # eager in fp32, the kernel is faster
+    ("cpu", "off", torch.bfloat16, 256, 0, True),  # eager under bf16, the kernel is slower
+    ("cpu", "off", torch.bfloat16, 512, 128, True),  # a GRPO run's rows of prompt and reply, not the context
+    ("cpu", "off", torch.bfloat16, 512, 0, False),
+    ("cuda", "default", torch.bfloat16, 256, 0, False),  # GPUs keep SDPA's flash and cuDNN kernels
 ])
-def test_attention_is_written_out_only_in_a_compiled_cpu_step_of_short_rows(device, compile_mode, seq_len, written):
+def test_attention_is_written_out_only_on_a_cpu_for_short_rows_compiled_or_in_bf16(device, compile_mode, amp,
+                                                                                   seq_len, row, written):
     cfg = preset_tiny()
     cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
     machine = Machine("cuda", "GPU", 80 * GIB) if device == "cuda" else CPU
-    assert step_settings.matmul_attention(cfg, machine) is written
+    assert step_settings.matmul_attention(cfg, machine, amp, row) is written

@@ -11,8 +11,8 @@ trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score
 rarely ends a reply early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's
 replies over the median seconds of the steps after two warm-up steps; the memory is each process's lifetime
 peak (ru_maxrss). Each variant runs in a process of its own, on one thread, the variants alternating over the
-rounds (ABBA). Where each side's step time goes: ours logs its sampling and rewarding seconds (the rest is
-training); TRL's profiling is printed as it logs it.
+rounds (ABBA). Where each side's step time goes: ours logs its sampling and rewarding seconds; TRL's are
+timed around its model's generate and the reward function. The rest of a step is training.
 """
 
 import argparse
@@ -94,14 +94,23 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
     from llm.rewards import gsm8k
     model_dir = os.path.join(folder, "model")
     rows = [json.loads(line) for line in open(os.path.join(folder, "prompts.jsonl"), encoding="utf-8")]
-    times, logs = [], []
+    spent = {"generate_s": 0.0, "reward_s": 0.0}  # running totals, read at each step's end
+    times, totals = [], []
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        wrapper.__name__ = fn.__name__  # TRL names a reward's metrics after its function
+        return wrapper
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs_=None, **kwargs):
-            logs.append(kwargs.get("logs") or logs_ or {})
+            totals.append(dict(spent))
 
     start = time.perf_counter()
     args = GRPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"),
@@ -109,15 +118,19 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
                       max_completion_length=new_tokens, max_steps=steps + 2, logging_steps=1, beta=0.0,
                       loss_type="dapo", scale_rewards="none", temperature=1.0, report_to="none", use_cpu=True,
                       save_strategy="no", bf16=True, learning_rate=1e-5, dataloader_num_workers=0)
-    run = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), reward_funcs=[gsm8k],
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    model.generate = timed(model.generate, "generate_s")  # PEFT's and TRL's wrappers end in this call
+    run = GRPOTrainer(model=model, reward_funcs=[timed(gsm8k, "reward_s")],
                       args=args, train_dataset=Dataset.from_list(rows),
                       processing_class=AutoTokenizer.from_pretrained(model_dir),
                       peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LORA_TARGETS),
                                              task_type="CAUSAL_LM"), callbacks=[Clock()])
     run.train()
     step_s = statistics.median(b - a for a, b in zip(times[1:], times[2:]))  # the steps after two warm-up steps
+    split = {k: statistics.median(b[k] - a[k] for a, b in zip(totals[1:], totals[2:])) for k in spent}
     lengths = [r["completions/mean_length"] for r in run.state.log_history if "completions/mean_length" in r]
-    return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, "reply_len": statistics.mean(lengths[2:]),
+    return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, **split,
+            "train_s": step_s - split["generate_s"] - split["reward_s"], "reply_len": statistics.mean(lengths[2:]),
             "wall_s": time.perf_counter() - start,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -152,8 +165,7 @@ def main(argv=None) -> int:
     for name, rows in results.items():
         speed, peak = [row["replies_per_s"] for row in rows], [row["peak_gib"] for row in rows]
         split = ", ".join(f"{statistics.median(row[k] for row in rows):.2f}" for k in ("generate_s", "reward_s",
-                                                                                       "train_s")) \
-            if "generate_s" in rows[0] else f"{statistics.median(row['step_s'] for row in rows):.2f} in all"
+                                                                                       "train_s"))
         print(f"| {name} | {PER_STEP * GROUP} | {statistics.mean(r['reply_len'] for r in rows):.1f} | "
               f"{statistics.median(speed):.2f} ({min(speed):.2f}-{max(speed):.2f}) | {split} | "
               f"{statistics.median(peak):.2f} ({min(peak):.2f}-{max(peak):.2f}) | "
