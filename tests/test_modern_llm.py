@@ -576,3 +576,25 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_kernel():
+    """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a row):
+    in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16 kernel."""
+    from modern_llm import KVCache, cached_attention
+    cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, max_seq_len=128)
+    torch.manual_seed(0)
+    cache = KVCache(cfg, 8, 128, dtype=torch.bfloat16)
+    past = torch.randn(8, 2, 127, 64, dtype=torch.bfloat16)
+    cache.update(0, past, past.flip(-1), torch.arange(127).expand(8, 127))
+    cache.advance(torch.randint(40, 127, (8,)))  # rows of different lengths
+    q, k, v = (torch.randn(8, h, 1, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", None)  # not the kernel
+        got = cached_attention(q, k, v, cache, 0, cache.pos[:, None], cache.next_mask)
+    keys, values = cache.k[0].double(), cache.v[0].double()
+    want = F.scaled_dot_product_attention(q.double(), keys, values, attn_mask=cache.next_mask.double(), enable_gqa=True)
+    kernel = F.scaled_dot_product_attention(q, cache.k[0], cache.v[0], attn_mask=cache.next_mask, enable_gqa=True)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= (kernel.double() - want).abs().max() * 1.01
