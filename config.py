@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llm.fields import arg, require as _require, require_choices as _require_choices
+from llm.base.fields import arg, require as _require, require_choices as _require_choices
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix

@@ -25,14 +25,15 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from tqdm import tqdm
 
 from config import EvalConfig, LoadConfig
-from llm import lm_eval_tasks, report_card, samples, tasks
-from llm.cli import parse_sections
-from llm import atomic
-from llm.errors import ConfigError, error_contract, raise_terminated
-from llm.inference import load_for_inference
-from llm.model_card import export_name, own_chat_template, run_folder, trained_to_chat
-from llm.scoring import TaskScore, chance, score_items
-from llm.tokenizer import can_chat, template_prompt
+from llm.base import atomic
+from llm.base.cli import parse_sections
+from llm.base.errors import ConfigError, error_contract, raise_terminated
+from llm.generate.inference import load_for_inference
+from llm.reports import report_card
+from llm.reports.model_card import export_name, own_chat_template, run_folder, trained_to_chat
+from llm.scores import lm_eval_tasks, samples, tasks
+from llm.scores.scoring import TaskScore, chance, score_items
+from llm.tokens.tokenizer import can_chat, template_prompt
 
 
 def report_folder(evals: EvalConfig, loaded: str) -> str:

@@ -26,17 +26,17 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import default_run_dir
-from llm import trainer_state
-from llm.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint, save_checkpoint
-from llm.errors import CheckpointError, ConfigError, error_contract
-from llm.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
-from llm.gguf_reader import is_gguf
-from llm.hf_format import DTYPES, is_hf_folder, write_hf_folder
-from llm.hf_hub import is_hub_name
-from llm.loading import Kind, detect, read, read_model
-from llm.lora import check_adapter_target, check_base, write_peft_folder
-from llm.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
-from llm.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
+from llm.base.errors import CheckpointError, ConfigError, error_contract
+from llm.formats import trainer_state
+from llm.formats.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint, save_checkpoint
+from llm.formats.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
+from llm.formats.gguf_reader import is_gguf
+from llm.formats.hf_format import DTYPES, is_hf_folder, write_hf_folder
+from llm.formats.hf_hub import is_hub_name
+from llm.formats.loading import Kind, detect, read, read_model
+from llm.formats.lora import check_adapter_target, check_base, write_peft_folder
+from llm.reports.model_card import adapter_card, export_name, model_card, ollama_tag, trained_for_chat
+from llm.tokens.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False,

@@ -1,4 +1,4 @@
-"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/autofill.py): on a CPU
+"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/train/autofill.py): on a CPU
 the tiny preset for ten minutes on the bundled corpus (the standard library's sources), on a GPU the preset an
 hour's compute suits, into runs/default; then `python text_generator.py` samples from it.
 
@@ -26,25 +26,26 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 import torch
 
 from config import Config
-from llm import atomic
-from llm import distributed, report_card
-from llm.distributed import Ranks
-from llm.arrival import stopped_by
-from llm.cli import parse_config
-from llm.corpus import is_bundled
-from llm.device import falls_back, make_deterministic, pick_device, precision_label, release_freed_memory
-from llm.errors import ConfigError, RunFailure, error_contract
-from llm.evaluation import GPU_TASK_ITEMS, Probe
-from llm.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
+from llm.base import atomic
+from llm.base import distributed
+from llm.base.cli import parse_config
+from llm.base.device import falls_back, make_deterministic, pick_device, precision_label, release_freed_memory
+from llm.base.distributed import Ranks
+from llm.base.errors import ConfigError, RunFailure, error_contract
+from llm.data.arrival import stopped_by
+from llm.data.corpus import is_bundled
+from llm.reports import report_card
+from llm.scores.evaluation import GPU_TASK_ITEMS, Probe
+from llm.reports.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
                          read_metrics, start_report, stood_still, summary)
-from llm.corpus_totals import short_of_target
-from llm.rewards import RewardError
-from llm.schedule import RunClock, StopFlag, lr_multiplier, set_lr
-from llm.sizing import flops_per_token
-from llm.runner import Runner, start as runner_for
-from llm.startup import Plan, settle
-from llm.token_cache import PreparedData
-from llm.trainer_state import Record
+from llm.base.sizing import flops_per_token
+from llm.data.corpus_totals import short_of_target
+from llm.data.token_cache import PreparedData
+from llm.formats.trainer_state import Record
+from llm.scores.rewards import RewardError
+from llm.train.runner import Runner, start as runner_for
+from llm.train.schedule import RunClock, StopFlag, lr_multiplier, set_lr
+from llm.train.startup import Plan, settle
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
-from llm.packed_attention import example_attention, example_mask, example_rows, packed_attention
+from llm.base.packed_attention import example_attention, example_mask, example_rows, packed_attention
 
 # ----------------------------------------------------------------------------- how the trainer runs it
 
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
-        self.execution = Execution()  # the step's runner (llm/runner.py) replaces it, whole
+        self.execution = Execution()  # the step's runner (llm/train/runner.py) replaces it, whole
         self.tie_weights()
         if self.rope_cos.device.type != "meta":
             self.compute_rope()
@@ -345,7 +345,7 @@ class Transformer(nn.Module):
         last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
         positions (B, T), without kv_cache: several examples packed in a row, each starting at position 0; a token
         attends only to the tokens before it in its own example (or, in a branch that starts past 0, to its
-        sequence's first tokens too: llm/packed_attention.py).
+        sequence's first tokens too: llm/base/packed_attention.py).
         """
         B, T = input_ids.shape
         run = self.execution

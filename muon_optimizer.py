@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llm.device import cpu_has_native_bf16
-from llm.distributed import DTensor, local, shard_as
+from llm.base.device import cpu_has_native_bf16
+from llm.base.distributed import DTensor, local, shard_as
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0 that still converges
 NS_STEPS = 5

@@ -1,6 +1,6 @@
 """Prepare the token cache ahead of training (the trainer does it too, when the cache is missing), and see what it
 holds: the documents of the sources (default: this Python's standard library) tokenized into <cache_dir>/<corpus
-key>/ (llm/preparation.py does the work; llm/token_cache.py owns the format). A table gives the tokens per source;
+key>/ (llm/data/preparation.py does the work; llm/data/token_cache.py owns the format). A table gives the tokens per source;
 --show N prints N training examples with their learned text marked, the share learned, and how full packed
 windows are.
 
@@ -20,17 +20,17 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from config import DataConfig
-from llm import token_cache as tc
-from llm.autofill import fill_automatic
-from llm.cli import parse_config
-from llm.corpus import corpus_bytes
-from llm.device import machine, pick_device
-from llm.errors import ConfigError, error_contract
-from llm.packing import packs, pair_plan, plan
-from llm.corpus_totals import source_table
-from llm.preparation import prepare
-from llm.token_cache import PreparedData
-from llm.tokenizer import IM_START, marked_text
+from llm.base.cli import parse_config
+from llm.base.device import machine, pick_device
+from llm.base.errors import ConfigError, error_contract
+from llm.data import token_cache as tc
+from llm.data.corpus import corpus_bytes
+from llm.data.corpus_totals import source_table
+from llm.data.packing import packs, pair_plan, plan
+from llm.data.preparation import prepare
+from llm.data.token_cache import PreparedData
+from llm.tokens.tokenizer import IM_START, marked_text
+from llm.train.autofill import fill_automatic
 
 
 def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto", seq_len: int = 256):

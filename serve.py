@@ -6,7 +6,7 @@ and a chat page at /.
 Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
 at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME,
 a .gguf; --best) and generates through the same engine. Requests that arrive together are batched, each row with its
-own settings; the rest queue (the worker: llm/worker.py). Completions give echo and logprobs as evaluation
+own settings; the rest queue (the worker: llm/generate/worker.py). Completions give echo and logprobs as evaluation
 harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
@@ -26,17 +26,17 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import LoadConfig, ServeConfig
-from llm.checkpoint import checkpoint_step
-from llm.cli import parse_sections
-from llm.decode_compile import compile_failed, compile_in_background, compiles, exit_process
-from llm.errors import RunFailure, error_contract
-from llm.hf_hub import HF_PREFIX, is_hub_name
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.openai_api import (MAX_BODY, BadRequest, chat_scoring_of, check_text, prompts_of, refuse_unimplemented,
+from llm.base.cli import parse_sections
+from llm.base.errors import RunFailure, error_contract
+from llm.formats.checkpoint import checkpoint_step
+from llm.formats.hf_hub import HF_PREFIX, is_hub_name
+from llm.generate.decode_compile import compile_failed, compile_in_background, compiles, exit_process
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.generate.openai_api import (MAX_BODY, BadRequest, chat_scoring_of, check_text, prompts_of, refuse_unimplemented,
                             released, scoring_of, settings_of, stream_options_of)
-from llm.tokenizer import can_chat, chat_prompt_ids
-from llm.worker import Job, Worker
+from llm.generate.worker import Job, Worker
+from llm.tokens.tokenizer import can_chat, chat_prompt_ids
 
 try:  # optional until serving: main() names what to install
     import uvicorn
@@ -47,7 +47,7 @@ try:  # optional until serving: main() names what to install
 except ImportError:
     uvicorn = None
 
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm", "chat_page.html")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm", "generate", "chat_page.html")
 # The page's script and style are inline; it may talk to this server only, and load nothing else.
 PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

@@ -185,7 +185,7 @@ def python_data(tmp_path_factory):
     """A tokenizer trained by preparation on real Python text (two standard-library modules), and its token cache
     for training and validation batches: vocabulary PYTHON_VOCAB, windows of PYTHON_SEQ."""
     from config import DataConfig
-    from llm.preparation import prepare
+    from llm.data.preparation import prepare
     base = tmp_path_factory.mktemp("python_corpus")
     (base / "src").mkdir()
     for module in (argparse, textwrap):
@@ -196,7 +196,7 @@ def python_data(tmp_path_factory):
 
 def save_model(run_dir, step: int, model, tokenizer_path, keep: int = 1, **kw) -> str:
     """model's weights, config and tokenizer as the trainer checkpoints them: run_dir/checkpoints/step_N."""
-    from llm.checkpoint import save_checkpoint, weights_state_dict
+    from llm.formats.checkpoint import save_checkpoint, weights_state_dict
     return save_checkpoint(str(run_dir), step, weights_state_dict(model), model_config=model.config,
                            tokenizer_path=str(tokenizer_path), trainer_state={"step": step}, keep=keep, **kw)
 
@@ -206,7 +206,7 @@ DATA_VOCAB, DATA_SEQ = 300, 16  # the data tests' tokenizer and windows
 
 def prepare(cfg, logs: list | None = None, vocab_size: int = DATA_VOCAB, seq_len: int = DATA_SEQ):
     """The token cache of a DataConfig, as the trainer prepares it; its log lines appended to logs when given."""
-    from llm.preparation import prepare as prepare_cache
+    from llm.data.preparation import prepare as prepare_cache
     return prepare_cache(cfg, vocab_size=vocab_size, seq_len=seq_len,
                          log=logs.append if logs is not None else lambda line: None)
 
@@ -237,7 +237,7 @@ def edit_json(path, **changes):
 def tiny_checkpoint(tmp_path_factory, tiny_config):
     """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML
     tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
-    from llm.tokenizer import train_tokenizer
+    from llm.tokens.tokenizer import train_tokenizer
     from modern_llm import Transformer
     root = tmp_path_factory.mktemp("runs")
     tok = train_tokenizer([CODE] * 3, "bpe", 400)
@@ -256,7 +256,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_config):
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_checkpoint):
     """The tiny checkpoint loaded as the generator loads it: (model, tokenizer). Shared: do not change it."""
-    from llm.inference import load_for_inference
+    from llm.generate.inference import load_for_inference
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     return model, tok
 
@@ -309,7 +309,7 @@ def hf_base(folder, family: str):
     a ChatML tokenizer trained on question() chats, saved as a download would be."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from llm.tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
+    from llm.tokens.tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
     rng = random.Random(0)
     tok = train_tokenizer([f"{q} {a}" for q, a in (question(rng) for _ in range(200))], "bpe", 300)
     assert tok.token_to_id(IM_END) == SPECIAL_TOKENS.index(IM_END)

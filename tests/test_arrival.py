@@ -23,12 +23,12 @@ from test_hf_datasets import point_at
 
 import gpu_training_optimized as trainer
 from config import PRESETS, DataConfig
-from llm import arrival, preparation
-from llm import token_cache as tc
-from llm.batches import Batches
-from llm.distributed import Ranks
-from llm.preparation import prepare
-from llm.startup import trains_while_arriving
+from llm.base.distributed import Ranks
+from llm.data import arrival, preparation
+from llm.data import token_cache as tc
+from llm.data.batches import Batches
+from llm.data.preparation import prepare
+from llm.train.startup import trains_while_arriving
 
 REPO = "tiny-org/arriving"
 URL = f"hf://datasets/{REPO}/data/*.parquet"
@@ -247,8 +247,9 @@ def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tm
     import torch
 
     from config import PRESETS
-    from llm import corpus, startup
-    from llm.sizing import BYTES_PER_TOKEN
+    from llm.base.sizing import BYTES_PER_TOKEN
+    from llm.data import corpus
+    from llm.train import startup
     cfg, given = PRESETS["auto"](), PRESETS["small"]()
     cfg.data = given.data = data_config(tmp_path)
     estimate = cfg.data.max_tokens * BYTES_PER_TOKEN

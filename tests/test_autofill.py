@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from config import Config, DataConfig, ModelConfig, TrainConfig, preset_tiny
-from llm import autofill, sizing
-from llm.errors import ConfigError
-from llm.sizing import Machine
+from llm.base import sizing
+from llm.base.errors import ConfigError
+from llm.base.sizing import Machine
+from llm.train import autofill
 
 CPU = Machine("cpu", "cpu, 2 threads")
 GIB = 2**30
@@ -208,7 +209,7 @@ def test_a_fine_tune_whose_rate_times_steps_cannot_move_a_weight_is_warned_befor
     its rate: 3e-6 in all). Before it starts, a fine-tune whose peak rate times its steps is below MIN_MOVE
     gets one line naming the rate and what to change; the rate runs that learned here (2.5e-4 for 50 steps)
     get none, nor does a run from scratch or one measured by a time budget."""
-    from llm.fine_tuning import MIN_MOVE, fill_grpo, small_move_warning
+    from llm.train.fine_tuning import MIN_MOVE, fill_grpo, small_move_warning
     tiny = TrainConfig(init_from="runs/chat", optimizer="adamw", learning_rate=1e-6, max_steps=3)
     line, = small_move_warning(Config(train=tiny))
     assert "learning_rate=1e-06 for 3 steps" in line and "raise --learning_rate" in line

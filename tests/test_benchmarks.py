@@ -23,7 +23,7 @@ def test_the_ablation_table_gives_each_seeds_change_against_its_own_baseline():
 
 
 def test_ablation_variants_need_a_name_of_their_own():
-    from llm.errors import ConfigError
+    from llm.base.errors import ConfigError
     assert ablate.variants_of(ablate.parse_args(["--variants", "a=--x 1", "b="])) == {
         "baseline": [], "a": ["--x", "1"], "b": []}
     for bad in (["a=--x", "a=--y"], ["baseline=--x"], ["noflags"]):
@@ -116,7 +116,7 @@ def test_stored_bytes_count_what_a_quantized_weight_holds():
     from bench_generate import bytes_per_step
 
     from config import ModelConfig
-    from llm.inference import quantize_int8
+    from llm.generate.inference import quantize_int8
     from modern_llm import Transformer
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_seq_len=32)
@@ -153,9 +153,9 @@ def test_each_run_is_scored_once_on_the_validation_texts_of_its_sources(trained,
     """The whole-split figure is the run's checkpoint on the validation documents (not the whole corpus), and a
     run already scored is read back from its folder, with no model loaded."""
     from config import DataConfig
-    from llm.evaluation import bits_per_byte
-    from llm.inference import load_for_inference
-    from llm.preparation import split_texts
+    from llm.data.preparation import split_texts
+    from llm.generate.inference import load_for_inference
+    from llm.scores.evaluation import bits_per_byte
 
     scored = ablate.whole_split_bpb(str(trained), [corpus["src"]])
     model, tokenizer, *_ = load_for_inference(str(trained), "cpu")

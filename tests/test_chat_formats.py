@@ -11,10 +11,10 @@ from tokenizers import Tokenizer
 
 import prepare_data as pd
 from config import DataConfig
-from llm import preparation
-from llm.chat_formats import chat_messages
-from llm.errors import DataError
-from llm.tokenizer import IM_END, load_tokenizer
+from llm.base.errors import DataError
+from llm.data import preparation
+from llm.data.chat_formats import chat_messages
+from llm.tokens.tokenizer import IM_END, load_tokenizer
 
 VOCAB, SEQ = 300, 16
 

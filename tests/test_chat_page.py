@@ -19,7 +19,7 @@ import torch
 
 import serve
 from conftest import save_model
-from llm import worker
+from llm.generate import worker
 
 KEY = "sesame"
 MAX_TOKENS = 1500  # far more than a reply gets before Stop: only a cancelled generation ends early

@@ -7,7 +7,7 @@ import pytest
 import export_hf
 import gpu_training_optimized as trainer
 from conftest import write_greetings
-from llm.tokenizer import IM_END
+from llm.tokens.tokenizer import IM_END
 from text_generator import TextGenerator
 
 

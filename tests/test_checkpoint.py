@@ -12,9 +12,9 @@ from tokenizers import Tokenizer
 import export_hf
 import gpu_training_optimized as trainer
 from conftest import CODE
-from llm import checkpoint as ckpt_io
-from llm.errors import CheckpointError
-from llm.loading import Kind, Source, detect, read_model
+from llm.base.errors import CheckpointError
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.loading import Kind, Source, detect, read_model
 from modern_llm import Transformer
 
 
@@ -135,8 +135,8 @@ def test_trainer_state_is_read_without_unpickling_code(tiny_checkpoint, tmp_path
 def test_a_trainer_state_without_its_counters_is_refused_in_one_line():
     """trainer_state.pt's reader once indexed its counters blindly: a damaged or hand-written state without them
     ended a resume in a KeyError traceback instead of the checkpoint error line."""
-    from llm.errors import CheckpointError
-    from llm.trainer_state import parse
+    from llm.base.errors import CheckpointError
+    from llm.formats.trainer_state import parse
     with pytest.raises(CheckpointError, match="lacks step, best_val_loss"):
         parse({"tokens": 3, "optimizer": {}})
     assert parse({"step": 2, "tokens": 3, "best_val_loss": 1.5}).step == 2

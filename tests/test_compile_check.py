@@ -20,7 +20,7 @@ def test_without_a_cuda_build_of_torch_it_says_how_to_get_one(capsys):
 def test_the_fake_gpus_bf16_peaks_are_the_ones_sizing_plans_with():
     """One peak table (sizing.PEAK_TFLOPS) plans a run and reports its MFU; the fake GPUs the roofline costs a step
     on name theirs by operand type, and their bf16 figure must be the same number."""
-    from llm.sizing import gpu_peak_flops
+    from llm.base.sizing import gpu_peak_flops
     assert {name: gpu.tflops["bf16"] * 1e12 for name, gpu in fake_gpu.GPUS.items()} == \
         {name: gpu_peak_flops(gpu.name) for name, gpu in fake_gpu.GPUS.items()}
 

@@ -8,8 +8,8 @@ import pytest
 
 import config
 from config import ModelConfig, TrainConfig
-from llm.cli import parse_config
-from llm.errors import ConfigError
+from llm.base.cli import parse_config
+from llm.base.errors import ConfigError
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -105,8 +105,8 @@ def test_saved_run_config_round_trips(tmp_path):
 def test_a_run_in_epochs_config_json_loads_back(tmp_path):
     """A run in epochs writes the max_steps its epochs gave into config.json; passed back with --config, that
     file was refused ("set epochs or max_steps, not both"). The epochs decide again."""
-    from llm.autofill import fill_run_length
-    from llm.sizing import Machine
+    from llm.base.sizing import Machine
+    from llm.train.autofill import fill_run_length
     cfg, _ = parse_config(["--preset", "tiny", "--epochs", "2"])
     run, _ = fill_run_length(cfg, Machine("cpu", "cpu"), train_tokens=100_000)
     assert run.train.max_steps == math.ceil(2 * 100_000 / 256 / 16) and cfg.train.max_steps == 0
@@ -166,13 +166,13 @@ def test_numbers_past_any_sense_are_refused_in_one_line(section, name, value, ru
 
 
 def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
-    """Every int and float field of every config has a range (llm/ranges.py): a value past either bound is one
+    """Every int and float field of every config has a range (llm/base/ranges.py): a value past either bound is one
     ConfigError naming the field (a learning rate of 30, a 10**12-token context, --beta 1e308 once ran), and a
     new numeric field without a range fails here."""
     import math
     from dataclasses import fields
-    from llm.errors import ConfigError
-    from llm.ranges import RANGES, Above, Below
+    from llm.base.errors import ConfigError
+    from llm.base.ranges import RANGES, Above, Below
     sections = (config.ModelConfig, config.DataConfig, config.TrainConfig, config.LoadConfig, config.SampleConfig,
                 config.ServeConfig, config.EvalConfig)
     numeric = {f.name for c in sections for f in fields(c) if f.type in (int, float)}

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llm import device
-from llm.errors import ConfigError
+from llm.base import device
+from llm.base.errors import ConfigError
 
 
 @pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float16)], ids=["A100", "V100"])
@@ -97,7 +97,7 @@ def test_fp8_pays_where_torchaos_own_shape_filter_says_it_does():
 def test_the_trainer_takes_the_generators_auto_compile_word_as_default():
     """Training and generation share one --compile vocabulary; auto reached torch.compile as a mode it does not
     know (RuntimeError). For training it is the default mode; no CUDA graphs, so no step markers."""
-    from llm.cli import parse_config
+    from llm.base.cli import parse_config
     assert parse_config(["--compile", "auto"])[0].train.compile == "auto"
     model = torch.nn.Linear(2, 2)
     assert device.compile_model(model, "auto") is not model and device.compile_model(model, "off") is model
@@ -168,7 +168,7 @@ def test_memory_a_step_frees_is_kept_for_the_next_one():
     except (ValueError, OSError, AttributeError):
         pytest.skip("the C library is not glibc")
     script = ("import resource, sys, torch\n"
-              "from llm.device import keep_freed_memory\n"
+              "from llm.base.device import keep_freed_memory\n"
               "if sys.argv[1] == 'kept':\n"
               "    keep_freed_memory()\n"
               "for _ in range(5):\n"  # the heap settles over the first few

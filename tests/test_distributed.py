@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 import gpu_training_optimized as trainer
 from conftest import TINY_MODEL
-from llm import batches as batches_module
-from llm.batches import Batches
-from llm.monitor import read_metrics
+from llm.data import batches as batches_module
+from llm.data.batches import Batches
+from llm.reports.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,10 +35,10 @@ PROBE = r'''
 import atexit, hashlib, json, os, signal, sys, time
 import torch
 import torch.distributed
-from llm import distributed
+from llm.base import distributed
 import gpu_training_optimized as trainer
 import muon_optimizer
-from llm import batches
+from llm.data import batches
 
 out, rank = os.environ["PROBE_OUT"], int(os.environ.get("RANK", 0))
 fail_step, signal_step = int(os.environ.get("PROBE_FAIL_STEP", -1)), int(os.environ.get("PROBE_SIGNAL_STEP", -1))
@@ -134,8 +134,8 @@ HELPERS = r'''
 import datetime, os, time
 import torch
 import torch.distributed
-from llm import distributed
-from llm.inference import load_for_inference
+from llm.base import distributed
+from llm.generate.inference import load_for_inference
 
 distributed.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=2)
 d = distributed.setup()
@@ -385,7 +385,7 @@ def test_fsdp_two_ranks_match_one_process_with_twice_the_accumulation(two_ranks_
 def test_fsdp_checkpoint_resumes_in_one_process_and_loads_in_the_generator(corpus, two_ranks_fsdp, tmp_path):
     """A checkpoint of an FSDP2 run holds whole tensors: one process resumes it and continues as the 2 ranks
     did (optimizer state included), and the generator loads it as it is."""
-    from llm.inference import load_for_inference
+    from llm.generate.inference import load_for_inference
     assert_one_process_continues(corpus, two_ranks_fsdp["run"], tmp_path / "run")
     model = load_for_inference(two_ranks_fsdp["run"], torch.device("cpu"))[0]
     saved = weights(two_ranks_fsdp["run"], 6)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from llm.errors import InputError
+from llm.base.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -87,7 +87,7 @@ def parse(script: str, argv: list[str], tmp_path):
         (tmp_path / "config.json").write_text("{}")
         argv = [str(tmp_path / "config.json") if a == argv[argv.index("--config") + 1] else a for a in argv]
     if script == "gpu_training_optimized":
-        from llm.cli import parse_config
+        from llm.base.cli import parse_config
         return parse_config(argv)
     if script == "muon_optimizer":  # python muon_optimizer.py [preset] [layers] [repeats]
         from config import PRESETS
@@ -151,7 +151,7 @@ def test_every_repl_command_and_export_kind_is_in_the_readme():
 
 def test_every_module_has_its_row_in_the_architecture_page():
     page = read("docs/architecture.md")
-    modules = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "llm", "*.py"))
+    modules = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "llm", "*", "*.py"))
                + glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "tools", "*.py"))]
     missing = [m for m in modules if not m.endswith("__init__.py") and f"`{m}`" not in page]
     assert not missing, f"docs/architecture.md has no row for {missing}"

@@ -14,8 +14,8 @@ from test_sampling import sample_next
 
 from config import SampleConfig
 from conftest import CODE as TEXT
-from llm import decode, decode_compile, engine
-from llm.inference import load_for_inference, quantize_int8
+from llm.generate import decode, decode_compile, engine
+from llm.generate.inference import load_for_inference, quantize_int8
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
 
@@ -282,7 +282,7 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
     import subprocess
     import sys
     code = ("import torch; c = torch._dynamo.config; before = (c.recompile_limit, c.fail_on_recompile_limit_hit); "
-            "import llm.engine, llm.inference; print(before == (c.recompile_limit, c.fail_on_recompile_limit_hit))")
+            "import llm.generate.engine, llm.generate.inference; print(before == (c.recompile_limit, c.fail_on_recompile_limit_hit))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True).stdout == "True\n"
     config = torch._dynamo.config

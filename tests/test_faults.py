@@ -16,12 +16,12 @@ import export_hf
 import gpu_training_optimized as trainer
 import text_generator as tg
 from conftest import one_error_line
-from llm import atomic
-from llm import checkpoint as ckpt_io
-from llm import startup
-from llm.inference import load_for_inference
-from llm.loading import read_model
-from llm.monitor import read_metrics
+from llm.base import atomic
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.loading import read_model
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.train import startup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -255,7 +255,7 @@ def test_a_batch_larger_than_memory_is_refused_before_allocating(tiny_checkpoint
     import psutil
 
     from config import SampleConfig
-    from llm import engine
+    from llm.generate import engine
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**6})())
     with pytest.raises(ValueError, match="need about .* GiB, more than the .* GiB free; lower num_return_sequences"):
@@ -266,7 +266,7 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     """A UTF-8 byte-order mark at the start of a JSONL file made its first line 'not valid JSON'; at the start
     of a text file it became part of the first document."""
     from config import DataConfig
-    from llm.corpus import ReadStats, documents, source_files
+    from llm.data.corpus import ReadStats, documents, source_files
     rows = [json.dumps({"text": f"document number {i}"}) for i in range(3)]
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode())
     (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfplain text\n")
@@ -279,8 +279,8 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
 def test_a_single_document_error_also_reports_what_was_skipped(tmp_path):
     """The one-document error once hid the binary files skipped and the bytes replaced on the way."""
     from config import DataConfig
-    from llm.errors import DataError
-    from llm.preparation import prepare
+    from llm.base.errors import DataError
+    from llm.data.preparation import prepare
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "one.txt").write_bytes(b"caf\xe9 au lait\n")
     (tmp_path / "src" / "pic.png").write_bytes(b"\x89PNG\0\0")

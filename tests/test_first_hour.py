@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from llm.monitor import read_metrics
+from llm.reports.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

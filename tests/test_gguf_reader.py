@@ -24,10 +24,10 @@ from tokenizers import Tokenizer
 
 import text_generator
 from conftest import CODE, one_error_line, write_greetings
-from llm.loading import read_model
-from llm.errors import CheckpointError
-from llm.gguf_reader import read_gguf
-from llm.tokenizer import train_tokenizer
+from llm.base.errors import CheckpointError
+from llm.formats.gguf_reader import read_gguf
+from llm.formats.loading import read_model
+from llm.tokens.tokenizer import train_tokenizer
 from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +232,7 @@ def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp
     "cannot resume on other data (tokenizer: checkpoint '/tmp/gguf-tokenizers-...' vs now '...')". The tokenizer is
     known by its contents: the run resumes, on the cache it started with."""
     import gpu_training_optimized as trainer
-    from llm import checkpoint as ckpt_io
+    from llm.formats import checkpoint as ckpt_io
     model = sharp_model(tiny_config, init_std=0.02)
     path = export(save(model, python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
     run = tmp_path / "run"
@@ -248,8 +248,8 @@ def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tin
     """The GGUF's tokenizer is written to a temporary folder; on a full one tokenizers' save raised its bare
     Exception '... (os error 28)', a traceback for the generator, the trainer and export alike. Now the one line
     of a full disk (WriteError, exit 1) naming the file it was rebuilt from."""
-    from llm import gguf_reader
-    from llm.errors import WriteError
+    from llm.base.errors import WriteError
+    from llm.formats import gguf_reader
     path = export(save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
 
     class FullDisk:
@@ -261,7 +261,7 @@ def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tin
 
 
 # A process that reads a GGUF (as a run started from one does), prints the tokenizer.json it was given, and waits.
-READ_AND_WAIT = ("import sys, time; from llm.gguf_reader import read_gguf; print(read_gguf(sys.argv[1])[2], flush=True); "
+READ_AND_WAIT = ("import sys, time; from llm.formats.gguf_reader import read_gguf; print(read_gguf(sys.argv[1])[2], flush=True); "
                  "time.sleep(int(sys.argv[2]))")
 
 
@@ -316,7 +316,7 @@ def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
 
 def test_a_sentencepiece_vocabulary_is_refused_by_name(tmp_path):
     path = write_file(tmp_path / "sp.gguf", tokenizer="llama")
-    from llm.gguf_reader import gguf_tokenizer
+    from llm.formats.gguf_reader import gguf_tokenizer
     meta = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
     with pytest.raises(CheckpointError, match="its tokenizer is 'llama', and only byte-level BPE"):
         gguf_tokenizer(meta, path, 2)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from llm import grpo
+from llm.train import grpo
 
 trl = pytest.importorskip("trl")
 

@@ -12,13 +12,13 @@ import torch
 
 import gpu_training_optimized as trainer
 from config import SampleConfig
-from llm import checkpoint as ckpt_io
-from llm.engine import generate_all
-from llm.errors import ConfigError, DataError
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.rewards import gsm8k
-from llm.tokenizer import chat_prompt_ids, stop_ids
+from llm.base.errors import ConfigError, DataError
+from llm.formats import checkpoint as ckpt_io
+from llm.generate.engine import generate_all
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.scores.rewards import gsm8k
+from llm.tokens.tokenizer import chat_prompt_ids, stop_ids
 
 
 def sums(rng, n):
@@ -99,7 +99,7 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights_swapped_in(half_rig
     """A full fine-tune's KL reference copies the starting weights into the model for its passes: inside, the
     log-probabilities are a separately loaded starting model's; after, every weight is the trained one again,
     bit for bit, in the same storage (a CUDA graph and the optimizer hold it)."""
-    from llm.rollouts import StartingWeights, token_logps
+    from llm.train.rollouts import StartingWeights, token_logps
     model = load_for_inference(half_right["chat"], "cpu")[0]
     start = load_for_inference(half_right["chat"], "cpu")[0]
     reference = StartingWeights(model)
@@ -219,8 +219,8 @@ def test_prompts_read_from_parquet_keep_their_columns_for_the_rewards(half_right
     import pyarrow.parquet as pq
 
     from config import Config, DataConfig
-    from llm.prompts import read
-    from llm.tokenizer import load_tokenizer
+    from llm.data.prompts import read
+    from llm.tokens.tokenizer import load_tokenizer
     path = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": [f"{i} plus 1 is" for i in range(50)], "answer": [str(i + 1) for i in range(50)]}),
                    path)
@@ -266,9 +266,9 @@ def test_the_first_step_equals_trls_grpo_trainer_on_fixed_replies(half_right, tm
     from trl import GRPOConfig, GRPOTrainer
 
     from config import Config, DataConfig
-    from llm import rollouts
-    from llm.prompts import read as read_prompts
-    from llm.tokenizer import load_tokenizer
+    from llm.data.prompts import read as read_prompts
+    from llm.tokens.tokenizer import load_tokenizer
+    from llm.train import rollouts
     G, P = 4, 2
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
             for a, b in ((3, 4), (5, 2))]

@@ -29,8 +29,10 @@ from hub_stand_in import COMMIT, Hub, git_blob_id
 import gpu_training_optimized as trainer
 import prepare_data
 from config import DataConfig
-from llm import corpus, hf_datasets, hub_client, trainer_state
-from llm.errors import DataError, RunFailure
+from llm.base.errors import DataError, RunFailure
+from llm.data import corpus, hf_datasets
+from llm.formats import trainer_state
+from llm.hub import hub_client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = "tiny-org/tiny-text"
@@ -129,7 +131,7 @@ def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path
     name = "data/part-0.parquet"
     hub.stall = (name, len(files[name]) * 2 // 3)
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from huggingface_hub import constants; "
-              "constants.DOWNLOAD_CHUNK_SIZE = 16384; from llm import hf_datasets; hf_datasets.fetch(sys.argv[2])")
+              "constants.DOWNLOAD_CHUNK_SIZE = 16384; from llm.data import hf_datasets; hf_datasets.fetch(sys.argv[2])")
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
     child = subprocess.Popen([sys.executable, "-c", script, ROOT, URL], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -460,7 +462,8 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
     import torch
 
     from config import PRESETS
-    from llm import autofill, sizing, startup
+    from llm.base import sizing
+    from llm.train import autofill, startup
     server = Hub({"HuggingFaceFW/fineweb-edu": {"sample/10BT/000_00000.parquet": files["data/part-0.parquet"],
                                                 "README.md": files["README.md"]}})
     point_at(monkeypatch, tmp_path / "hf_home", server.url)

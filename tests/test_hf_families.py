@@ -16,10 +16,10 @@ from safetensors import safe_open
 import export_hf
 from config import ModelConfig
 from conftest import edit_json, read_json
-from llm import checkpoint as ckpt_io
-from llm.cli import parse_config
-from llm.errors import ConfigError
-from llm.loading import read_model
+from llm.base.cli import parse_config
+from llm.base.errors import ConfigError
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.loading import read_model
 from modern_llm import Transformer
 from muon_optimizer import split_parameters
 

@@ -14,11 +14,11 @@ from tokenizers import Tokenizer
 import export_hf
 from config import SampleConfig
 from conftest import PYTHON_SEQ, PYTHON_VOCAB, edit_json, read_json, save_model
-from llm import checkpoint as ckpt_io
-from llm import engine
-from llm.batches import Batches
-from llm.hf_format import hf_twin, is_hf_folder, load_hf_folder
-from llm.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
+from llm.data.batches import Batches
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.hf_format import hf_twin, is_hf_folder, load_hf_folder
+from llm.generate import engine
+from llm.tokens.tokenizer import CHAT_TEMPLATE, chat_prompt_ids, render_chat
 from modern_llm import Transformer
 
 VOCAB, SEQ = PYTHON_VOCAB, PYTHON_SEQ

@@ -23,12 +23,12 @@ from test_hf_families import TOLERANCE, hf_model, load_ours, max_diff
 
 import export_hf
 from config import Config, TrainConfig
-from llm import checkpoint as ckpt_io
-from llm import hf_hub
-from llm.errors import CheckpointError
-from llm.inference import load_for_inference
-from llm.loading import read_model
-from llm.resume import apply_init_from
+from llm.base.errors import CheckpointError
+from llm.formats import checkpoint as ckpt_io
+from llm.formats import hf_hub
+from llm.formats.loading import read_model
+from llm.generate.inference import load_for_inference
+from llm.train.resume import apply_init_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO, COMMIT = "tiny-org/tiny-qwen2", "0123456789abcdef0123456789abcdef01234567"

@@ -20,10 +20,10 @@ import pytest
 import gpu_training_optimized as trainer
 import prepare_data as pd
 from conftest import one_error_line
-from llm import atomic
-from llm import checkpoint as ckpt_io
-from llm import token_cache as tc
-from llm.loading import read_model
+from llm.base import atomic
+from llm.data import token_cache as tc
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.loading import read_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,7 @@ def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, dat
                                                                    monkeypatch):
     """The same full disk where no file system can be mounted: tokenizers' save raising what it raises for one (a
     bare Exception naming the OS error) once ended in a traceback; now one line, exit 1."""
-    from llm import preparation
+    from llm.data import preparation
     make = preparation._make_tokenizer
 
     class FullDisk:  # the trained tokenizer, but a disk with no room for its file
@@ -299,7 +299,7 @@ def test_only_the_leftovers_of_dead_writers_on_this_machine_are_cleared(tmp_path
 
 # ----------------------------------------------------------------------------- two trainers, one run folder
 
-HOLD_LOCK = ("import sys, time; from llm import atomic; atomic.lock_folder(sys.argv[1], '--run_dir'); "
+HOLD_LOCK = ("import sys, time; from llm.base import atomic; atomic.lock_folder(sys.argv[1], '--run_dir'); "
              "print('locked', flush=True); time.sleep(60)")
 
 
@@ -325,7 +325,7 @@ def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for,
 @pytest.mark.slow
 def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, argv_for, tmp_path, capsys):
     """Two real trainers on one folder: the second is refused while the first trains on, alone in metrics.jsonl."""
-    from llm.monitor import read_metrics
+    from llm.reports.monitor import read_metrics
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"),
                               *argv_for(corpus, run, "--max_steps", 100000)], cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -19,10 +19,10 @@ import gpu_training_optimized as trainer
 import text_generator as tg
 from config import DataConfig
 from conftest import one_error_line, save_model
-from llm.corpus import PIECE_BYTES, source_files
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.preparation import split_texts
+from llm.data.corpus import PIECE_BYTES, source_files
+from llm.data.preparation import split_texts
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
 from modern_llm import Transformer
 
 DEEP = "[" * 100_000  # past the JSON parser's recursion limit: RecursionError, not JSONDecodeError
@@ -286,7 +286,7 @@ def test_a_named_pipe_as_data_is_not_called_missing(tiny_checkpoint, corpus, arg
 def test_a_nested_config_inside_the_trainer_state_is_one_line(trained, corpus, argv_for, tmp_path, capsys):
     """trainer_state.pt keeps the run's config as JSON text, which --resume parsed unguarded: nested past the
     parser's depth it was a RecursionError traceback."""
-    from llm import checkpoint as ckpt_io
+    from llm.formats import checkpoint as ckpt_io
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     ckpt = ckpt_io.latest_checkpoint(str(run))

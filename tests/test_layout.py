@@ -10,19 +10,29 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The core in import order: a module may import only the ones before it. The three of the second line
-# share a rank: none of them imports another.
-CORE = ["errors", "markdown", "ranges", "fields", "config", "cli", "atomic", "fit", "sizing", "step_settings", "fine_tuning",
-        "device", "distributed", "monitor",
-        "tokenizer", "tiktoken_bpe", "chat_formats", "pairs", "readers", "hub_client", "hf_datasets", "corpus", "packing", "token_cache", "corpus_totals", "prompts",
-        "arrival", "window_order", "batches", "preparation",
-        "packed_attention", "modern_llm", "sampling", "decode", "decode_compile", "engine", "tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "autofill",
-        "muon_optimizer", "averaging", "hf_families", "hf_format", "hf_hub", "lora", "preference", "grpo", "rewards", "rollouts", "rl",
-        "gguf_format", "gguf_reader",
-        "checkpoint", "trainer_state", "loading", "inference", "model_card", "report_chart", "report_card", "schedule", "resume", "startup",
-        "runner", "openai_api", "worker",
-        "gpu_training_optimized"]
-PEERS = {"device", "distributed", "monitor"}
+PACKAGE = "llm"
+# The package's wings (folders of llm/) in the flow's order, each module in its wing's order: a module imports
+# only the wings before its own and the modules before it in its wing. The root files the package builds on
+# (config, modern_llm, muon_optimizer) take their place in the flow; the trainer sits on top of the last wing.
+WINGS = {
+    "base": ["errors", "ranges", "fields", "config", "cli", "atomic", "fit", "sizing", "device", "distributed",
+             "packed_attention", "modern_llm", "muon_optimizer"],
+    "tokens": ["tokenizer", "tiktoken_bpe"],
+    "hub": ["hub_client"],
+    "data": ["readers", "chat_formats", "pairs", "hf_datasets", "corpus", "packing", "token_cache", "corpus_totals",
+             "prompts", "arrival", "window_order", "batches", "preparation"],
+    "formats": ["hf_families", "hf_format", "lora", "gguf_format", "gguf_reader", "hf_hub", "checkpoint",
+                "trainer_state", "loading"],
+    "generate": ["sampling", "decode", "decode_compile", "engine", "inference", "openai_api", "worker"],
+    "scores": ["tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "rewards"],
+    "reports": ["markdown", "monitor", "report_chart", "model_card", "report_card"],
+    "train": ["fine_tuning", "step_settings", "autofill", "averaging", "schedule", "resume", "preference", "grpo",
+              "rollouts", "rl", "startup", "runner", "gpu_training_optimized"],
+}
+CORE = [m for modules in WINGS.values() for m in modules]
+WING_OF = {m: wing for wing, modules in WINGS.items() for m in modules}
+WING_PACKAGES = {f"{PACKAGE}.{wing}" for wing in WINGS}
+PEERS = {"device", "distributed"}  # side by side in the flow: neither imports the other
 # Run by users, on the core, imported by nothing.
 SCRIPTS = ["prepare_data", "text_generator", "export_hf", "serve", "evaluate"]
 TOOLS = ["ablate", "bench", "bench_eval", "bench_generate", "bench_lora", "bench_packing", "bench_preference", "bench_grpo",
@@ -39,16 +49,15 @@ TOOL_BASES = {"gpu_check": {"bench", "compile_check", "gpu_first_run", "gpu_gene
               "bench_lora": {"bench"}, "bench_grpo": {"bench"}, "bench_preference": {"bench"},
               "nf4_gap": {"finetune_check"}, "grpo_check": {"finetune_check"}}
 MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a new module
-# What a user runs, edits or reads first stays at the root; every other module lives in the package folder.
+# What a user runs, edits or reads first stays at the root; every other module lives in its wing's folder.
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
            "serve", "export_hf", "evaluate"]
-PACKAGE = "llm"
 # The root files the package may import: the settings, the network, and its optimizer (the step's runner builds it).
 ROOT_SHARED = {"config", "modern_llm", "muon_optimizer"}
 
 
 def path(module: str) -> str:
-    folder = "tools" if module in TOOLS else "" if module in AT_ROOT else PACKAGE
+    folder = "tools" if module in TOOLS else "" if module in AT_ROOT else os.path.join(PACKAGE, WING_OF[module])
     return os.path.join(ROOT, folder, module + ".py")
 
 
@@ -60,26 +69,38 @@ def project_imports(module: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {_module(a.name) for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == PACKAGE:
-            names |= {a.name for a in node.names}  # from llm import atomic
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in WING_PACKAGES:
+            names |= {a.name for a in node.names}  # from llm.base import atomic
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(_module(node.module))
     return names & set(CORE + SCRIPTS + TOOLS)
 
 
 def _module(dotted: str) -> str:
-    """The project module a dotted import names: llm.engine -> engine, config -> config."""
+    """The project module a dotted import names: llm.generate.engine -> engine, config -> config."""
     parts = dotted.split(".")
     return parts[1] if parts[0] == PACKAGE and len(parts) > 1 else parts[0]
 
 
 def test_every_python_file_is_listed():
     """A new module must take its place in the flow (and in README's table); the root holds what a user runs,
-    edits or reads, the package the modules they import, tools/ the measurements."""
+    edits or reads, the package's wings the modules they import, tools/ the measurements."""
     assert {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")} == set(AT_ROOT)
-    assert {f[:-3] for f in os.listdir(os.path.join(ROOT, PACKAGE)) if f.endswith(".py")} == \
-        set(CORE + SCRIPTS) - set(AT_ROOT) | {"__init__"}
+    package = os.path.join(ROOT, PACKAGE)
+    assert {f for f in os.listdir(package) if f != "__pycache__"} == set(WINGS) | {"__init__.py"}
+    for wing, modules in WINGS.items():
+        found = {f[:-3] for f in os.listdir(os.path.join(package, wing)) if f.endswith(".py")}
+        assert found == set(modules) - set(AT_ROOT) | {"__init__"}, f"llm/{wing}/"
     assert {f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py")} == set(TOOLS)
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_a_wing_says_what_it_does_and_imports_nothing(wing):
+    """A wing's __init__.py is its sign: what it holds and the wings it builds on, no code, so importing one
+    module of it loads no other."""
+    with open(os.path.join(ROOT, PACKAGE, wing, "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    assert ast.get_docstring(tree) and len(tree.body) == 1, f"llm/{wing}/__init__.py: a docstring alone"
 
 
 def test_the_root_shows_what_a_user_runs_or_edits():
@@ -91,7 +112,7 @@ def test_the_root_shows_what_a_user_runs_or_edits():
     top = {line.split("/")[0] for line in tracked.splitlines() if not line.startswith(".")}
     assert top == {f"{m}.py" for m in AT_ROOT} | {PACKAGE, "tools", "tests", "docs", "README.md", "requirements.txt",
                                                   "requirements-test.txt", "requirements-extra.txt"}
-    assert os.path.isfile(os.path.join(ROOT, PACKAGE, "chat_page.html"))  # the page beside the server's code
+    assert os.path.isfile(os.path.join(ROOT, PACKAGE, "generate", "chat_page.html"))  # beside the server's code
 
 
 @pytest.mark.parametrize("module", sorted(set(CORE) - set(AT_ROOT)))
@@ -103,12 +124,15 @@ def test_the_package_imports_from_the_root_only_the_settings_and_the_network(mod
 
 @pytest.mark.parametrize("module", CORE)
 def test_core_imports_flow_one_way(module):
-    """No import goes back up the flow (a cycle, or the model importing the optimizer) and none reaches a tool
-    (the trainer and generator once loaded weights through the export tool)."""
-    rank = CORE.index(module)
+    """No import goes back up the flow: not to a later wing (the wings stack as their folders are listed in
+    WINGS), nor to a later module of its own wing (a cycle, or the model importing the optimizer), and none
+    reaches a tool (the trainer and generator once loaded weights through the export tool)."""
+    rank, wings = CORE.index(module), list(WINGS)
     for imported in project_imports(module):
         assert imported not in TOOLS + SCRIPTS, f"{module} imports the tool {imported}"
-        assert CORE.index(imported) < rank, f"{module} imports {imported}, which comes after it"
+        assert wings.index(WING_OF[imported]) <= wings.index(WING_OF[module]), \
+            f"{module} ({WING_OF[module]}) imports {imported} of the later wing {WING_OF[imported]}"
+        assert CORE.index(imported) < rank, f"{module} imports {imported}, which comes after it in {WING_OF[module]}"
         assert not (module in PEERS and imported in PEERS), f"{module} imports its peer {imported}"
 
 
@@ -120,7 +144,7 @@ def test_tools_sit_on_the_core_only(module):
 def test_the_step_runner_alone_sets_how_the_step_runs():
     """Eager or compiled once had four owners, by two tests: the trainer, a fallback, preference.py setting the
     model's ragged rows after the build, batches.py trimming pair windows by the config. The runner decides it once
-    (llm/runner.py); no other module of the core writes the model's execution settings or the loaders' trim."""
+    (llm/train/runner.py); no other module of the core writes the model's execution settings or the loaders' trim."""
     writes = re.compile(r"\.(execution|trim)\s*=[^=]")
     for module in CORE + SCRIPTS:
         if module in ("runner", "modern_llm"):  # the model's own default, and the one owner

@@ -13,8 +13,8 @@ import torch
 import export_hf
 import serve
 from conftest import save_model
-from llm import openai_api
-from llm.inference import load_for_inference
+from llm.generate import openai_api
+from llm.generate.inference import load_for_inference
 
 SEED = 1234  # lm-eval's default seed, sent with every request
 PAIRS = [("def push(self, item):\n", "        self.items.append(item)"),

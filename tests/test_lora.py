@@ -11,12 +11,12 @@ import torch
 
 import export_hf
 import gpu_training_optimized as trainer
-from llm.runner import start as runner_for
+from llm.train.runner import start as runner_for
 from config import TrainConfig
 from conftest import killed_after_a_checkpoint, write_greetings
-from llm.loading import Kind, Source, detect, read_model
-from llm.lora import adapter_state, add_adapters, merged
-from llm.monitor import read_metrics, stored_bytes
+from llm.formats.loading import Kind, Source, detect, read_model
+from llm.formats.lora import adapter_state, add_adapters, merged
+from llm.reports.monitor import read_metrics, stored_bytes
 from modern_llm import Transformer
 
 
@@ -229,7 +229,7 @@ def test_nf4_base_computes_torchaos_dequantised_weights_and_merges_into_them(tin
 def test_nf4_refuses_a_matrix_that_does_not_split_into_blocks_of_64(tiny_config):
     """torchao asserts deep inside its quantiser (a traceback) on a weight count that is not a multiple of its
     block: the run says which layer and what to pass instead, before any layer is changed."""
-    from llm.errors import ConfigError
+    from llm.base.errors import ConfigError
     model = Transformer(tiny_config(vocab_size=64, hidden_size=36, num_attention_heads=2, num_key_value_heads=1,
                                     head_dim=18, intermediate_size=64))
     with pytest.raises(ConfigError, match=r"--lora_base nf4 quantises blocks of 64 weights and layers\.0\.attn\."
@@ -343,7 +343,7 @@ def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path
     for training from scratch (Muon 0.03, AdamW 5e-3), which undid what it knew (docs/fine-tuning.md); LoRA and
     full fine-tuning now take AdamW at the measured rates of fine_tuning.FINE_TUNING_RATES, the start report says so,
     and a value given on the command line still wins. A run from scratch keeps Muon."""
-    from llm.fine_tuning import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
+    from llm.train.fine_tuning import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
     chats = write_greetings(tmp_path / "chats.jsonl", 40)
     common = ["--init_from", str(qwen3_folder), "--sources", chats, "--cache_dir", str(tmp_path / "cache"),
               "--micro_batch_size", "4", "--max_steps", "2", "--compile", "off"]
@@ -369,7 +369,7 @@ def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tm
     recorded (adapters with AdamW at its AdamW rate). A base that was itself fine-tuned once gave SmolLM2's rates
     (a DPO stage after a chat stage then trained at 1e-6 and learned nothing): it now gives the rates it trained at,
     where it is of the same kind (LoRA rates are not every weight's)."""
-    from llm.fine_tuning import FINE_TUNING_RATES
+    from llm.train.fine_tuning import FINE_TUNING_RATES
     base = tmp_path / "base"
     assert trainer.main(argv_for(corpus, base, "--max_steps", 1, "--learning_rate", 0.003, "--muon_lr", 0.02)) == 0
     capsys.readouterr()
@@ -396,7 +396,7 @@ def test_a_damaged_adapter_config_is_refused_under_python_dash_o_too(tmp_path):
     import sys
     meta = {"rank": 0, "alpha": 8, "dropout": 0.0, "targets": ["q_proj"], "base": "b", "base_fingerprint": "f"}
     (tmp_path / "adapter_config.json").write_text(json.dumps(meta))
-    code = ("from llm.lora import read_meta\nfrom llm.errors import CheckpointError\n"
+    code = ("from llm.formats.lora import read_meta\nfrom llm.base.errors import CheckpointError\n"
             f"try:\n    read_meta({str(tmp_path)!r})\nexcept CheckpointError as e:\n    print('refused:', e)\n")
     done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

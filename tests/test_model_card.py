@@ -12,9 +12,9 @@ import pytest
 
 import export_hf
 import gpu_training_optimized as trainer
-from llm import checkpoint as ckpt_io
-from llm.monitor import read_metrics
-from llm.sizing import count_parameters
+from llm.base.sizing import count_parameters
+from llm.formats import checkpoint as ckpt_io
+from llm.reports.monitor import read_metrics
 
 
 def rows(card: str) -> dict:
@@ -120,7 +120,7 @@ def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_che
     and broke its tables; the card meant for upload carried absolute local paths. The heading now escapes the name,
     no row holds an unescaped `|`, and the card holds no path of this machine."""
     import evaluate
-    from llm import markdown as md
+    from llm.reports import markdown as md
     hostile = "run<img src=x onerror=alert(1)>`a|b"
     run = tmp_path / hostile
     shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
@@ -141,7 +141,7 @@ def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_che
 def test_the_rates_a_stage_follows_are_those_of_the_next_token_run_behind_it(tiny_checkpoint, tmp_path):
     """A DPO or GRPO run's recorded rates are scaled down: a stage after it follows, through its --init_from, the
     rates of the chat or pretraining run it started from."""
-    from llm.model_card import next_token_train
+    from llm.reports.model_card import next_token_train
     runs = {}
     for name, train in (("chat", {"objective": "lm", "learning_rate": 0.004}),
                         ("dpo", {"objective": "dpo", "learning_rate": 0.0002}),

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import config
 from safetensors.torch import load_file
 
-from llm.inference import RowProductLinear, load_for_inference
-from llm.sizing import count_parameters
-from llm.startup import new_model
+from llm.base.sizing import count_parameters
+from llm.generate.inference import RowProductLinear, load_for_inference
+from llm.train.startup import new_model
 from modern_llm import Execution, Transformer, apply_rope, causal_attention, cross_entropy, is_stored, rope_tables
 
 
@@ -166,9 +166,9 @@ def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(t
     now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head still
     tied) only where the decode step will compile on a CPU, and generate() changes no model."""
     from config import SampleConfig
-    from llm.decode_compile import use_compile
-    from llm.engine import generate
-    from llm.inference import for_inference
+    from llm.generate.decode_compile import use_compile
+    from llm.generate.engine import generate
+    from llm.generate.inference import for_inference
     source = open(Transformer.__module__ + ".py", encoding="utf-8").read()
     assert "is_compiling" not in source and "Int8Tensor" not in source
     linears = lambda m: {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)}  # noqa: E731
@@ -214,8 +214,8 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With Execution.stream_dtype set (the trainer sets it on
     a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets its float32 gradient;
     unset (a CPU run, where it saved no time and learned a little less) the stream stays float32."""
-    from llm.runner import build
-    from llm.distributed import setup
+    from llm.base.distributed import setup
+    from llm.train.runner import build
     torch.manual_seed(0)
     model, ids = Transformer(tiny_config(vocab_size=64)), torch.randint(0, 64, (2, 16))
     seen = []
@@ -241,7 +241,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
     """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the int8
     values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
-    from llm.inference import quantize_int8
+    from llm.generate.inference import quantize_int8
     torch.manual_seed(0)
     lin = quantize_int8(torch.nn.Sequential(RowProductLinear(64, 40, bias=False)))[0]
     x = torch.randn(1, 64)
@@ -488,7 +488,7 @@ def test_chunked_loss_casts_the_head_once_under_autocast(tiny_config):
 def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bias, kv_heads, tiny):
     """Inference stacks q/k/v and gate/up (a decode step made 7 matmuls a block, now 4): in float64 the stacked
     model's logits and cached decode equal the separate layers', biases included."""
-    from llm.inference import for_inference
+    from llm.generate.inference import for_inference
     cfg = tiny(qkv_bias=qkv_bias, num_key_value_heads=kv_heads)
     separate = model_of(cfg).double()
     for p in separate.parameters():  # non-zero biases, so a misplaced one shows
@@ -555,7 +555,7 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     """example_attention (eager) moves each packed example to a row of its own; the masked attention (compiled) is
     its reference here, in float64 with gradients, rows of different example lengths and a row that does not start
     at position 0: a token moved to another example's row, or a padded key seen, changes the result."""
-    from llm.packed_attention import example_attention, example_mask, example_rows, packed_attention
+    from llm.base.packed_attention import example_attention, example_mask, example_rows, packed_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],
                                                                                      [24])])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from config import DataConfig, ModelConfig
-from llm import batches, packing, preparation
+from llm.data import batches, packing, preparation
 from modern_llm import Transformer
 
 SEQ, VOCAB = 64, 300
@@ -218,7 +218,7 @@ def test_an_epochs_run_resumes_with_more_epochs(chat_corpus, tmp_path, argv_for)
     """--epochs sets max_steps from the packed windows; a resume with more epochs runs on to the new length (the
     saved run's max_steps once blocked it)."""
     import gpu_training_optimized as trainer
-    from llm.monitor import read_metrics
+    from llm.reports.monitor import read_metrics
     run = tmp_path / "run"
     assert trainer.main(argv_for(chat_corpus, run, "--epochs", 0.5)) == 0
     data = preparation.prepare(DataConfig(sources=[chat_corpus["src"]], cache_dir=chat_corpus["cache"]), vocab_size=512,

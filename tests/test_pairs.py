@@ -10,12 +10,12 @@ import torch
 from tokenizers import Tokenizer
 
 from config import DataConfig
-from llm import packing
-from llm.batches import TRIM_STEP, PairBatches
-from llm.errors import DataError
-from llm.pairs import pair_document
-from llm.preparation import prepare
-from llm.tokenizer import chat_prompt_ids, encode_segments
+from llm.base.errors import DataError
+from llm.data import packing
+from llm.data.batches import TRIM_STEP, PairBatches
+from llm.data.pairs import pair_document
+from llm.data.preparation import prepare
+from llm.tokens.tokenizer import chat_prompt_ids, encode_segments
 
 
 def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
@@ -185,8 +185,8 @@ def test_an_objective_the_data_cannot_train_is_refused(objective, pairs, init_fr
     """Pairs trained by next-token loss, a preference objective on text, or pairs without a model to tune: each a
     ConfigError (one line, exit 2) before a model is built."""
     from config import Config, TrainConfig
-    from llm.errors import ConfigError
-    from llm.fine_tuning import fill_preference
+    from llm.base.errors import ConfigError
+    from llm.train.fine_tuning import fill_preference
     cfg = Config(train=TrainConfig(objective=objective, init_from=init_from))
     with pytest.raises(ConfigError, match=words):
         fill_preference(cfg, pairs, None)
@@ -197,7 +197,7 @@ def test_preference_defaults_scale_only_the_automatic_rates():
     SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched. The chosen
     rates get one "automatic" line, with the rates the run trains at (once two lines gave 2e-5, then 1e-6)."""
     from config import Config, TrainConfig
-    from llm.fine_tuning import fill_fine_tuning, fill_preference
+    from llm.train.fine_tuning import fill_fine_tuning, fill_preference
     given = Config(train=TrainConfig(init_from="runs/chat", muon_lr=0.002))
     cfg, chosen = fill_fine_tuning(given, {"optimizer": "adamw", "learning_rate": 2e-5, "muon_lr": 0.004})
     assert chosen.fields == ("optimizer", "learning_rate")  # muon_lr was given
@@ -218,7 +218,7 @@ def test_a_muon_fine_tune_names_both_rates_and_an_adamw_one_only_its_own():
     """The automatic line names only the rates the run uses: Muon runs read muon_lr and learning_rate (for the
     embeddings and norms), AdamW runs learning_rate alone."""
     from config import Config, TrainConfig
-    from llm.fine_tuning import fill_fine_tuning
+    from llm.train.fine_tuning import fill_fine_tuning
     cfg = Config(train=TrainConfig(init_from="runs/base"))
     muon, chosen = fill_fine_tuning(cfg, {"optimizer": "muon", "learning_rate": 0.006, "muon_lr": 0.02})
     assert chosen.lines(muon.train) == [
@@ -234,7 +234,7 @@ def test_an_eager_runs_windows_lose_only_their_padding(tmp_path, tiny_config):
     """trim (the eager step's loader) cuts a micro-batch after its windows' last filled position, rounded up to
     TRIM_STEP: what it cuts is padding alone (no label, no slot), the rest is the uncut batch's, and a float64 model
     gives every reply token the log-probability it gives in the full windows."""
-    from llm.preference import token_logps
+    from llm.train.preference import token_logps
     from modern_llm import Transformer
     data = prepared(tmp_path, arithmetic_pairs(40), seq_len=512)  # three windows, the last about a third full
     full, cut = PairBatches(data, "train", 2, 512, 0), PairBatches(data, "train", 2, 512, 0)

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from llm import preference
+from llm.train import preference
 
 trl = pytest.importorskip("trl")
 
@@ -141,7 +141,7 @@ def test_the_stored_reference_is_checked_on_the_way_back_in_and_computed_again_w
 
     import numpy as np
 
-    from llm.preference import stored_reference
+    from llm.train.preference import stored_reference
     truth = np.arange(10, dtype=np.float32).reshape(5, 2) - 20
     calls, said = [], []
 

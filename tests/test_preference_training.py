@@ -12,8 +12,8 @@ import pytest
 
 import gpu_training_optimized as trainer
 from conftest import killed_after_a_checkpoint, stopped_after
-from llm import checkpoint as ckpt_io
-from llm.monitor import read_metrics
+from llm.formats import checkpoint as ckpt_io
+from llm.reports.monitor import read_metrics
 
 WORDS = "apple river stone cloud tiger lamp green paper music orange window silver garden candle".split()
 TINY = ["--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
@@ -134,8 +134,8 @@ def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from llm.pairs import pair_document
-    from llm.token_cache import is_val
+    from llm.data.pairs import pair_document
+    from llm.data.token_cache import is_val
     pairs = repeat_task(tmp_path / "pairs.jsonl", 40, pairs=True, seed=7)
     assert export_hf.main([chat_run["run"], str(tmp_path / "hf")]) == 0
     common = ["--init_from", chat_run["run"], "--sources", pairs, "--cache_dir", str(tmp_path / "cache"),

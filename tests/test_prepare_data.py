@@ -24,11 +24,11 @@ sys.path.insert(0, ROOT)
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
 from conftest import DATA_SEQ, DATA_VOCAB, prepare  # noqa: E402
-from llm import batches  # noqa: E402
-from llm import corpus  # noqa: E402
-from llm import preparation  # noqa: E402
-from llm import token_cache as tc  # noqa: E402
-from llm.tokenizer import IM_END, IM_START, KINDS  # noqa: E402
+from llm.data import batches  # noqa: E402
+from llm.data import corpus  # noqa: E402
+from llm.data import preparation  # noqa: E402
+from llm.data import token_cache as tc  # noqa: E402
+from llm.tokens.tokenizer import IM_END, IM_START, KINDS  # noqa: E402
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()
@@ -344,7 +344,7 @@ import glob
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 from config import DataConfig
-from llm import batches, preparation
+from llm.data import batches, preparation
 data = preparation.prepare(DataConfig(sources=[{src!r}], cache_dir={cache!r}), vocab_size=300, seq_len=16,
                            log=lambda m: None)
 out = {{s: hashlib.sha256(data.stream(s)[:].tobytes()).hexdigest() for s in ("train", "val")}}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from llm import rewards
-from llm.errors import ConfigError
+from llm.base.errors import ConfigError
+from llm.scores import rewards
 
 trl = pytest.importorskip("trl")
 

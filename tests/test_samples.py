@@ -8,8 +8,8 @@ import pytest
 
 import diff_samples
 import evaluate
-from llm import tasks
-from llm.scoring import TaskScore, score_items
+from llm.scores import tasks
+from llm.scores.scoring import TaskScore, score_items
 from test_scoring import smollm2
 
 

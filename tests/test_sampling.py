@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from config import SampleConfig
-from llm import sampling
-from llm.errors import ConfigError
+from llm.base.errors import ConfigError
+from llm.generate import sampling
 
 
 def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:

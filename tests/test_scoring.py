@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llm import scoring, tasks
-from llm.scoring import Encoded, TaskScore, encode_item, loglikelihoods, score_items
-from llm.tasks import Item
+from llm.scores import scoring, tasks
+from llm.scores.scoring import Encoded, TaskScore, encode_item, loglikelihoods, score_items
+from llm.scores.tasks import Item
 
 
 def naive(model, sequence: list[int], start: int) -> float:
@@ -85,7 +85,7 @@ def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
     """SmolLM2-135M-Instruct scored here and by lm-eval's `hf` backend (transformers' own reading of the GGUF) on
     the same items: every log-likelihood within float32 noise, so every choice the same but where two choices tie."""
     import bench_eval
-    from llm.inference import load_for_inference
+    from llm.generate.inference import load_for_inference
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, tokenizer, _, _ = load_for_inference(smollm2(), device="cpu", compile="off")
     lm = bench_eval.their_model(smollm2(), batch_size=4)
@@ -102,7 +102,7 @@ def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
 
 def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypatch):
     """GSM8K's match: the reply's last number, thousands separators and trailing zeros aside; no number is wrong."""
-    from llm.scoring import last_number, same_number
+    from llm.scores.scoring import last_number, same_number
     assert same_number(last_number("16 - 3 - 4 = 9 eggs, 9 * 2 = $18.00."), "18")
     assert same_number(last_number("The answer is 1,234"), "1234") and not same_number(last_number("none"), "5")
     model, tok = tiny_loaded
@@ -124,7 +124,7 @@ def test_standard_errors_are_lm_evals():
     standard deviation over sqrt(n)): Winogrande's 49.0 on 300 items reads 49.0 ± 2.9."""
     from lm_eval.api.metrics import mean_stderr
 
-    from llm.scoring import TaskScore
+    from llm.scores.scoring import TaskScore
     for items, right in ((300, 147), (2, 1), (57, 0), (1000, 731)):
         outcomes = [1.0] * right + [0.0] * (items - right)
         score = TaskScore("t", "validation", items, float(right), float(right), True)
@@ -139,7 +139,7 @@ def test_mmlu_five_shot_chooses_what_lm_eval_chooses(monkeypatch):
     evaluate.py picks is the one lm-eval's `hf` backend picks on lm-eval's own 5-shot requests (its task file,
     its first_n sampler over the dev split)."""
     import bench_eval
-    from llm.inference import load_for_inference
+    from llm.generate.inference import load_for_inference
     from test_tasks import lm_eval_task
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -191,7 +191,7 @@ def test_a_base_models_gsm8k_stops_at_the_stop_string(tiny_loaded, monkeypatch):
     """gsm8k_cot's replies end at lm-eval's stop strings: the engine stops a row once one is written (so a
     base model writing its next "Q:" costs no more tokens), and the reply is the greedy text before it; acc
     and acc_norm are the strict and flexible matches of the lines logged."""
-    from llm import engine
+    from llm.generate import engine
     model, tok = tiny_loaded
     items = tasks.get("gsm8k_cot").items(3)
     written = []

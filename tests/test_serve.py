@@ -22,11 +22,11 @@ import torch
 
 import serve
 from config import LoadConfig, SampleConfig, ServeConfig
-from llm import openai_api, worker
-from llm.engine import generate, generate_text
-from llm.errors import ConfigError, RunFailure
-from llm.inference import load_for_inference
-from llm.tokenizer import stop_ids
+from llm.base.errors import ConfigError, RunFailure
+from llm.generate import openai_api, worker
+from llm.generate.engine import generate, generate_text
+from llm.generate.inference import load_for_inference
+from llm.tokens.tokenizer import stop_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -177,7 +177,7 @@ def test_chat_logprobs_follow_openais_chat_contract(server, tiny_checkpoint):
     """logprobs: true and top_logprobs: k give, for each token of the reply, its text, log-probability and bytes,
     and its k likeliest tokens, as a float64 forward of the same weights scores them; the tokens join to the
     reply. Values outside the contract are refused by name (they were ignored: 200 and no logprobs)."""
-    from llm.tokenizer import chat_prompt_ids
+    from llm.tokens.tokenizer import chat_prompt_ids
     proc, url, client = server
     messages = [{"role": "user", "content": "def push(self, item):"}]
     r = client.chat.completions.create(model="run1", messages=messages, max_tokens=8, temperature=0, logprobs=True,

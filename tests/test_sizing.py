@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 
 from config import Config, preset_tiny
-from llm import sizing
-from llm.autofill import fill_automatic
-from llm.sizing import Machine
+from llm.base import sizing
+from llm.base.sizing import Machine
+from llm.train.autofill import fill_automatic
 
 GIB = 2**30
 

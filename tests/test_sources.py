@@ -23,10 +23,10 @@ sys.path.insert(0, ROOT)
 import prepare_data as pd  # noqa: E402
 from config import DataConfig  # noqa: E402
 from conftest import DATA_SEQ, DATA_VOCAB, prepare  # noqa: E402
-from llm import corpus  # noqa: E402
-from llm import readers  # noqa: E402
-from llm import token_cache  # noqa: E402
-from llm.errors import DataError
+from llm.base.errors import DataError
+from llm.data import corpus  # noqa: E402
+from llm.data import readers  # noqa: E402
+from llm.data import token_cache  # noqa: E402
 
 WORDS = "the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy dog".split()
 VOCAB, SEQ = DATA_VOCAB, DATA_SEQ
@@ -438,7 +438,7 @@ def test_the_start_report_names_the_bundled_corpus_and_its_size(tmp_path, monkey
     import sysconfig
 
     from config import Config
-    from llm.startup import bundled_report
+    from llm.train.startup import bundled_report
     root = fake_stdlib(tmp_path / "lib" / "python3.11")
     monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})
     size = corpus.corpus_bytes(DataConfig())
@@ -452,7 +452,7 @@ def test_empty_files_are_counted_apart_so_the_counts_agree(tmp_path):
     """The start report said 734 files, the data line 731: three empty files were read as nothing and counted
     nowhere. They are now said apart."""
     from config import DataConfig
-    from llm.corpus import ReadStats, documents, files_read, source_files
+    from llm.data.corpus import ReadStats, documents, files_read, source_files
     (tmp_path / "a.py").write_text("print('a')\n")
     (tmp_path / "b.py").write_text("")
     (tmp_path / "c.py").write_text("x = 1\n")

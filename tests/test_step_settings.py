@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from config import preset_tiny
-from llm import sizing, step_settings
-from llm.sizing import Machine
+from llm.base import sizing
+from llm.base.sizing import Machine
+from llm.train import step_settings
 
 CPU = Machine("cpu", "cpu, 2 threads")
 GIB = 2**30

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from llm import tasks
-from llm.errors import ConfigError
+from llm.base.errors import ConfigError
+from llm.scores import tasks
 
 
 @functools.cache
@@ -140,7 +140,7 @@ def test_missing_data_names_its_install_command(monkeypatch):
 def test_a_chat_question_is_the_template_the_chat_path_renders(tiny_loaded):
     """A chat task's prompt is a user turn and the assistant's header in the chat template: its tokens must be
     the ones the REPL and the server give a chat model (chat_prompt_ids), the answer one letter after them."""
-    from llm.tokenizer import chat_prompt_ids
+    from llm.tokens.tokenizer import chat_prompt_ids
     _, tok = tiny_loaded
     item = tasks.get("arc_easy_chat").items(1)[0]
     prompt, letter = item.requests[0]
@@ -157,7 +157,7 @@ def test_chat_tasks_ask_in_the_models_own_template(tmp_path):
     import json
     from transformers import AutoTokenizer
     from evaluate import own_chat_template
-    from llm.tokenizer import template_prompt
+    from llm.tokens.tokenizer import template_prompt
     from test_scoring import smollm2
     folder, name = os.path.split(smollm2())
     theirs = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -198,7 +198,7 @@ def test_a_valid_arrow_file_with_the_wrong_rows_is_refused_naming_its_row(tmp_pa
     and what is wrong."""
     import pyarrow as pa
 
-    from llm.errors import DataError
+    from llm.base.errors import DataError
     rows = tasks.read_rows(os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation"), 3)
     rows[1] = {k: v for k, v in {**rows[1], **damage}.items() if v is not None}
     if "question" in damage:
@@ -215,7 +215,7 @@ def test_a_valid_arrow_file_with_the_wrong_rows_is_refused_naming_its_row(tmp_pa
 
 def test_a_truncated_arrow_file_is_named(tmp_path):
     """An Arrow stream cut short raised OSError ("Expected to be able to read ... bytes") naming no file."""
-    from llm.errors import DataError
+    from llm.base.errors import DataError
     source = os.path.join(tasks.data_root(), "ai2_arc", "ARC-Easy", "validation")
     name = sorted(f for f in os.listdir(source) if f.endswith(".arrow"))[0]
     folder = tmp_path / "ai2_arc" / "ARC-Easy" / "validation"

@@ -17,12 +17,12 @@ import torch
 import text_generator as tg
 from config import LoadConfig, SampleConfig
 from conftest import save_model
-from llm.checkpoint import save_checkpoint
-from llm.loading import read_model
-from llm.engine import generate_text
-from llm.errors import ConfigError
-from llm.inference import load_for_inference
-from llm.tokenizer import chat_prompt_ids
+from llm.base.errors import ConfigError
+from llm.formats.checkpoint import save_checkpoint
+from llm.formats.loading import read_model
+from llm.generate.engine import generate_text
+from llm.generate.inference import load_for_inference
+from llm.tokens.tokenizer import chat_prompt_ids
 from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
 HELD_COMPILE = """
 import os, runpy, sys, threading, time
 import torch
-from llm import decode_compile, engine
+from llm.generate import decode_compile, engine
 release, sys.argv = sys.argv[1], sys.argv[2:]  # then the script and its arguments
 compile_ = torch.compile
 def held(*args, **kwargs):
@@ -267,7 +267,7 @@ def test_a_reply_given_while_the_decode_step_compiles_exits_without_the_teardown
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     held = (f"import atexit, runpy, sys, threading; sys.argv = {[SCRIPT, ckpt, '--compile', 'default']!r}"
             " + ['--temperature', '0', '--max_new_tokens', '6']; "
-            "from llm import decode_compile; decode_compile.compiled_slot = lambda *a: threading.Event().wait(); "
+            "from llm.generate import decode_compile; decode_compile.compiled_slot = lambda *a: threading.Event().wait(); "
             "atexit.register(lambda: print('teardown', file=sys.stderr)); "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", held], input="def\n", capture_output=True, text=True, cwd=ROOT,

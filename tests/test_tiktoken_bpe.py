@@ -11,10 +11,10 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
 from config import DataConfig
 from conftest import CODE, prepare
-from llm import preparation
-from llm.errors import DataError
-from llm.tiktoken_bpe import Encoder, encoder_for
-from llm.tokenizer import encode_batch, encode_segments, train_tokenizer
+from llm.base.errors import DataError
+from llm.data import preparation
+from llm.tokens.tiktoken_bpe import Encoder, encoder_for
+from llm.tokens.tokenizer import encode_batch, encode_segments, train_tokenizer
 
 pytest.importorskip("tiktoken")
 

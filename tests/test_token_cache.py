@@ -13,9 +13,9 @@ import pytest
 import prepare_data as pd
 from config import DataConfig
 from conftest import DATA_SEQ, DATA_VOCAB, prepare
-from llm import batches, preparation
-from llm import token_cache as tc
-from llm.errors import DataError
+from llm.base.errors import DataError
+from llm.data import batches, preparation
+from llm.data import token_cache as tc
 
 VOCAB, SEQ = DATA_VOCAB, DATA_SEQ
 
@@ -149,8 +149,8 @@ def test_resume_refuses_a_corpus_that_changed_and_names_the_change(tmp_path, mon
     """A checkpoint records its data; a resume after a file was added says which, instead of training on other
     tokens under the same schedule."""
     from config import Config
-    from llm.resume import check_same_data
-    from llm.trainer_state import parse
+    from llm.formats.trainer_state import parse
+    from llm.train.resume import check_same_data
     monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)
     src = write_texts(tmp_path / "src", ["a.jsonl", "b.jsonl"])
     cfg = config(tmp_path, [src])

@@ -7,9 +7,9 @@ import random
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from llm import tokenizer as tk
-from llm.errors import DataError
-from llm.inference import load_for_inference
+from llm.base.errors import DataError
+from llm.generate.inference import load_for_inference
+from llm.tokens import tokenizer as tk
 
 WORDS = ("the a river stone light green code data model token läuft 日本 quick brown fox jumps over lazy "
          "dog, and. (x) = 42; if else return").split()

@@ -19,16 +19,17 @@ import torch
 import gpu_training_optimized as trainer
 from config import Config, TrainConfig
 from conftest import stopped_after, write_greetings
-from llm import checkpoint as ckpt_io
-from llm import distributed, startup
-from llm.errors import ConfigError
-from llm.evaluation import EVAL_SHARE
-from llm.loading import read_model
-from llm.monitor import read_metrics as read_all
-from llm import runner as step_runner
-from llm.device import keep_grads
-from llm.runner import build
-from llm.schedule import RunClock, lr_multiplier
+from llm.base import distributed
+from llm.base.device import keep_grads
+from llm.base.errors import ConfigError
+from llm.formats import checkpoint as ckpt_io
+from llm.formats.loading import read_model
+from llm.reports.monitor import read_metrics as read_all
+from llm.scores.evaluation import EVAL_SHARE
+from llm.train import startup
+from llm.train import runner as step_runner
+from llm.train.runner import build
+from llm.train.schedule import RunClock, lr_multiplier
 from modern_llm import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,7 +167,7 @@ def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, ste
     driven as the trainer drives it: sync at start, after each evaluation, at each log step. asks: how many
     times each step asks whether an evaluation is due."""
     now = [0.0]
-    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock, at = RunClock(t, 0.0, OneProcess()), []
     clock.sync(0)
     for step in range(steps):
@@ -200,7 +201,7 @@ def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
     steps (a 20 s wait among ten 0.1 s steps: 2.1 s a step, a twentieth of the real tokens/s); as a pause it is
     budget spent and the steps keep their speed, and out_of_time() ends a wait that outlasts the budget."""
     now = [0.0]
-    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock = RunClock(TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1), 0.0, OneProcess())
     clock.timer.sync(0)
     for step in range(1, 21):
@@ -226,7 +227,7 @@ def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eva
     preparation, each evaluation followed by its checkpoint, driven as the trainer drives it. asks: how many
     times each step asks what is due."""
     now = [setup_s]
-    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock, at, step = RunClock(t, 0.0, OneProcess()), [], 0
     clock.sync(0)
     while not [clock.finished(step) for _ in range(asks)][-1]:
@@ -263,7 +264,7 @@ def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_it
     batches took 20 s more. Now one process reads the clock every step, and the final evaluation takes the batches
     the time left holds."""
     now = [5.0]  # setup
-    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=0.3, eval_interval=0, eval_batches=20, grad_accum_steps=1, log_interval=10)
     clock, step = RunClock(t, 0.0, OneProcess()), 0
     clock.sync(0)
@@ -288,7 +289,7 @@ def test_a_budgets_run_length_follows_the_pace_but_not_one_slow_window(monkeypat
     it again, so the decay still ends with the budget (a length set only at the start ended a 24-second run at
     85% of its decay)."""
     now = [2.0]  # setup
-    monkeypatch.setattr("llm.schedule.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1, log_interval=10)
     clock = RunClock(t, 0.0, OneProcess())
     lines = {0: clock.sync(0)}
@@ -328,7 +329,7 @@ def test_a_budgets_run_length_follows_the_pace_but_not_one_slow_window(monkeypat
 def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
     """The final evaluation of a budgeted run stops reading batches once its time is up (at least one), and says
     how many it read: the mean is over those, as a naive loop over them computes it."""
-    from llm.evaluation import validation_loss
+    from llm.scores.evaluation import validation_loss
     losses = [3.0, 1.0, 2.0, 6.0]
 
     class Model(torch.nn.Module):
@@ -419,7 +420,7 @@ def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path, argv
 
 def test_the_stop_flag_answers_130_for_ctrl_c_and_143_for_sigterm():
     """DESIGN.md's convention, as a shell shows a process the signal ended: Ctrl-C 130, SIGTERM 143."""
-    from llm.schedule import StopFlag
+    from llm.train.schedule import StopFlag
     try:
         for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
             stop = StopFlag()
@@ -675,7 +676,7 @@ def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
 
 def test_mfu_is_per_gpu_under_several_ranks(tmp_path, monkeypatch):
     """tokens/s counts every rank's tokens: MFU once divided them by one GPU's peak, so 8 GPUs read 8x."""
-    from llm import monitor
+    from llm.reports import monitor
     monkeypatch.setattr(monitor, "peak_flops", lambda device: 100e12)
     flops, tokens, world = 1e6, 40_000, 4
     m = monitor.Monitor(str(tmp_path), torch.device("cpu"), flops, tokens, world_size=world)
@@ -797,7 +798,7 @@ def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_pa
 
 def test_the_summary_of_a_run_stopped_before_its_first_evaluation_says_so():
     """A run stopped before any evaluation ended with "best val loss inf (nan bits per byte)"."""
-    from llm import monitor
+    from llm.reports import monitor
     common = dict(step=3, tokens=300, seconds=6.0, bytes_per_token=3.0, ckpt=None, device=torch.device("cpu"),
                   interrupted=True)
     before = monitor.summary(best_val=float("inf"), **common).splitlines()[0]
@@ -833,7 +834,7 @@ def test_a_run_whose_loss_stood_still_says_so_at_its_end():
     between the first and last quarter of its log windows, now gets a warning line; a loss that fell does not."""
     import random
 
-    from llm.monitor import stood_still
+    from llm.reports.monitor import stood_still
     rng = random.Random(0)
     flat = [{"loss": 2.0 + rng.gauss(0, 0.05)} for _ in range(40)]
     falling = [{"loss": 2.0 - 0.02 * i + rng.gauss(0, 0.05)} for i in range(40)]

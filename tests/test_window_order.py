@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from llm.batches import Batches, PackedBatches
-from llm.token_cache import PreparedData
+from llm.data.batches import Batches, PackedBatches
+from llm.data.token_cache import PreparedData
 
 SEQ, EOT = 16, 1
 PARTS = [(700, 150, 0), (523, 90, 0), (910, 130, 1)]  # train tokens, val tokens, source
-# Recorded from batches.py as it was before llm/window_order.py (commit aca065e).
+# Recorded from batches.py as it was before llm/data/window_order.py (commit aca065e).
 TILED = [[1044, 1348, 308, 692, 724], [500, 1092, 1988, 2116, 1380], [548, 1124, 1924, 132, 1716],
          [1076, 1012, 1971, 2035, 275], [2036, 1844, 2052, 1220, 1748], [916, 1236, 660, 628, 68]]
 MIXTURE = [[169, 1576, 1767, 1571], [638, 2098, 575, 1001]]

@@ -25,12 +25,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from config import DataConfig
-from llm import atomic
-from llm.errors import ConfigError, error_contract
-from llm.evaluation import bits_per_byte
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.preparation import split_texts
+from llm.base import atomic
+from llm.base.errors import ConfigError, error_contract
+from llm.data.preparation import split_texts
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.scores.evaluation import bits_per_byte
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 BASELINE = "baseline"

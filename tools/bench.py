@@ -31,17 +31,17 @@ import torch
 
 from config import DataConfig
 from gpu_training_optimized import train_step
-from llm.runner import build
-from llm.startup import new_model
-from llm import distributed
-from llm.autofill import fill_automatic
-from llm.cli import parse_config
-from llm.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
-from llm.errors import error_contract
-from llm.hf_format import hf_twin
-from llm.monitor import device_report, peak_flops
-from llm.preparation import prepare
-from llm.sizing import flops_per_token
+from llm.base import distributed
+from llm.base.cli import parse_config
+from llm.base.device import PRECISION_NAMES, machine, pick_device, pick_precision, synchronize
+from llm.base.errors import error_contract
+from llm.base.sizing import flops_per_token
+from llm.data.preparation import prepare
+from llm.formats.hf_format import hf_twin
+from llm.reports.monitor import device_report, peak_flops
+from llm.train.autofill import fill_automatic
+from llm.train.runner import build
+from llm.train.startup import new_model
 
 
 class FixedBatches:

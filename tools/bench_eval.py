@@ -50,7 +50,7 @@ def tokens_run(tokenizer, items, max_len: int) -> tuple[int, int]:
     """(the positions evaluate.py runs through the model, those lm-eval's `hf` backend runs), padding aside: here each
     item's shared prefix once and each choice's own tokens after it; there every request whole but its last token.
     On a CPU bound by its matmuls their ratio is the most a shared prefix can gain over a batched lm-eval."""
-    from llm.scoring import encode_item, prefix_id
+    from llm.scores.scoring import encode_item, prefix_id
     prefix = prefix_id(tokenizer)
     ours = theirs = 0
     for item in items:
@@ -61,9 +61,9 @@ def tokens_run(tokenizer, items, max_len: int) -> tuple[int, int]:
 
 
 def compare(model_path: str, names: list[str], limit: int, batch_size: int) -> list[dict]:
-    from llm import tasks
-    from llm.inference import load_for_inference
-    from llm.scoring import TaskScore, score_items
+    from llm.generate.inference import load_for_inference
+    from llm.scores import tasks
+    from llm.scores.scoring import TaskScore, score_items
     model, tokenizer, _, _ = load_for_inference(model_path, device="cpu", compile="off")
     lm, rows = their_model(model_path, batch_size), []
     for name in names:

@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from config import PRESETS, ModelConfig, SampleConfig
-from llm.device import inference_dtype, pick_device
-from llm.engine import generate
-from llm.errors import error_contract
-from llm.hf_format import hf_twin
-from llm.inference import for_inference
+from llm.base.device import inference_dtype, pick_device
+from llm.base.errors import error_contract
+from llm.formats.hf_format import hf_twin
+from llm.generate.engine import generate
+from llm.generate.inference import for_inference
 from modern_llm import Transformer
 
 # Dense memory bandwidth in GB/s from the vendors' datasheets; the first name found in the device's wins.

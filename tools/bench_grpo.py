@@ -7,7 +7,7 @@ prompt, reply length, LoRA rank and prompts per step.
 
 Both sample num_generations replies to each of the step's prompts at temperature 1 from the model being
 trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score them with the gsm8k reward
-(llm/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model
+(llm/scores/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model
 rarely ends a reply early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's
 replies over the median seconds of the steps after two warm-up steps; the memory is each process's lifetime
 peak (ru_maxrss). Each variant runs in a process of its own, on one thread, the variants alternating over the
@@ -40,7 +40,7 @@ def setup(folder: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from llm.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from llm.tokens.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
     rng = random.Random(0)
     rows = []
     for _ in range(PROMPTS):
@@ -63,7 +63,7 @@ def setup(folder: str) -> str:
 def ours(folder: str, steps: int, new_tokens: int) -> dict:
     """This project's trainer: --objective grpo with LoRA, PER_STEP prompts x GROUP replies a step."""
     import gpu_training_optimized as trainer
-    from llm.monitor import read_metrics
+    from llm.reports.monitor import read_metrics
     run = os.path.join(folder, f"ours-{time.time_ns()}")
     start = time.perf_counter()
     assert trainer.main(["--init_from", os.path.join(folder, "model"), "--objective", "grpo", "--sources",
@@ -91,7 +91,7 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from config import LORA_TARGETS
-    from llm.rewards import gsm8k
+    from llm.scores.rewards import gsm8k
     model_dir = os.path.join(folder, "model")
     rows = [json.loads(line) for line in open(os.path.join(folder, "prompts.jsonl"), encoding="utf-8")]
     spent = {"generate_s": 0.0, "reward_s": 0.0}  # running totals, read at each step's end

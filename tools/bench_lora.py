@@ -47,8 +47,8 @@ def measure(variant: str, steps: int) -> dict:
     import torch
 
     from gpu_training_optimized import train_step
-    from llm.runner import build
-    from llm import distributed
+    from llm.base import distributed
+    from llm.train.runner import build
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])
     ranks, device = distributed.setup(), torch.device("cpu")
@@ -105,7 +105,7 @@ class RssPeak:
 
 def estimate():
     """sizing.py's training-memory estimate for each variant at Qwen2.5-1.5B's shape."""
-    from llm.sizing import training_bytes_estimate
+    from llm.base.sizing import training_bytes_estimate
     print("| variant (Qwen2.5-1.5B shape, 4 x 2048 tokens, gradient checkpointing) | estimated GiB | fits 24 GiB |")
     print("| --- | --- | --- |")
     for name, fields in VARIANTS.items():

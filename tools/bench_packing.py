@@ -27,10 +27,10 @@ import torch
 
 import gpu_training_optimized as trainer
 from config import DataConfig
-from llm.batches import Batches, PackedBatches
-from llm.loading import read_model
-from llm.errors import error_contract
-from llm.preparation import prepare
+from llm.base.errors import error_contract
+from llm.data.batches import Batches, PackedBatches
+from llm.data.preparation import prepare
+from llm.formats.loading import read_model
 from modern_llm import Transformer
 
 WORDS = "the a model data token window reply answer question learns packs whole slice long short".split()

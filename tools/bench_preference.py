@@ -49,7 +49,7 @@ def setup(folder: str, pairs: int = PAIRS) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from llm.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from llm.tokens.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
     rng = random.Random(0)
     rows = [{"prompt": [{"role": "user", "content": sentence(rng, 30)}],
              "chosen": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}],
@@ -72,9 +72,9 @@ def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
     one forward, or with one_window one window a forward, accumulated over the step's windows."""
     import gpu_training_optimized as trainer
     from config import DataConfig
-    from llm.batches import PairBatches
-    from llm.monitor import read_metrics
-    from llm.preparation import prepare
+    from llm.data.batches import PairBatches
+    from llm.data.preparation import prepare
+    from llm.reports.monitor import read_metrics
     model_dir, run = os.path.join(folder, "model"), os.path.join(folder, f"ours-{time.time_ns()}")
     cache = run + "-cache"  # a cache of its own: each round computes the reference pass again, and times it
     data = prepare(DataConfig(sources=[os.path.join(folder, "pairs.jsonl")], cache_dir=cache,

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numpy as np
 
-from llm.errors import ConfigError, RunFailure, error_contract
+from llm.base.errors import ConfigError, RunFailure, error_contract
 
 VOCAB, SEQ_LEN = 8192, 256
 BATCH_BYTES = 4 * 2**20  # text per peer encode_batch call: parallel across cores, as prepare_data's batches are
@@ -153,7 +153,7 @@ def corpus_folder(folder: str, total_bytes: int, seed: int = 0, file_bytes: int 
 def bench_tokenizer(path: str, docs) -> str:
     """The benchmark's BPE tokenizer of VOCAB tokens at path, trained on docs unless it is already there."""
     if not os.path.isfile(path):
-        from llm.tokenizer import train_tokenizer
+        from llm.tokens.tokenizer import train_tokenizer
         train_tokenizer(_take(iter(docs), TOKENIZER_SAMPLE), "bpe", VOCAB).save(path)
     return path
 
@@ -167,7 +167,7 @@ def describe_machine(when: str):
 def prepare_seconds(sources: list[str], cache_dir: str, tokenizer: str, log=lambda *a: None) -> float:
     """Wall time of prepare() in this process."""
     from config import DataConfig
-    from llm.preparation import prepare
+    from llm.data.preparation import prepare
     start = time.perf_counter()
     prepare(DataConfig(sources=sources, cache_dir=cache_dir, tokenizer=tokenizer), vocab_size=VOCAB, seq_len=SEQ_LEN,
             log=log)
@@ -222,7 +222,7 @@ def _maxrss_mb(who) -> float:
 
 def child(sources: list[str], cache_dir: str, tokenizer: str):
     """In a process of its own: prepare, then print a JSON line of the time and the resident peaks."""
-    importlib.import_module("llm.preparation")  # the baseline holds the imports
+    importlib.import_module("llm.data.preparation")  # the baseline holds the imports
     imports, lines = _maxrss_mb(resource.RUSAGE_SELF), []
     seconds = prepare_seconds(sources, cache_dir, tokenizer, log=lines.append)
     print(json.dumps({"seconds": seconds, "imports_mb": imports, "reused": any("reusing" in str(x) for x in lines),

@@ -22,8 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from config import PRESETS
-from llm.errors import error_contract
-from llm.monitor import read_metrics
+from llm.base.errors import error_contract
+from llm.reports.monitor import read_metrics
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 RATE_FLAG = {"adamw": "learning_rate", "muon": "muon_lr"}

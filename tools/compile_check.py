@@ -31,7 +31,7 @@ from compile_workloads import run_generation, run_training
 from fake_gpu import GPUS, fake_gpu_env, shim_library
 from roofline import Roofline
 
-from llm.errors import ConfigError, error_contract
+from llm.base.errors import ConfigError, error_contract
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 

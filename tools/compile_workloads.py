@@ -116,11 +116,11 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     import torch
 
     from gpu_training_optimized import train_step
-    from llm.runner import build
-    from llm import distributed
-    from llm.device import machine, make_deterministic, pick_device
-    from llm.autofill import fill_automatic
-    from llm.sizing import training_bytes_estimate
+    from llm.base import distributed
+    from llm.base.device import machine, make_deterministic, pick_device
+    from llm.base.sizing import training_bytes_estimate
+    from llm.train.autofill import fill_automatic
+    from llm.train.runner import build
     cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
     device, ranks = pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank, lora_base=lora_base)
@@ -170,8 +170,8 @@ def dpo_pairs(b, batches):
     replies, its third outside any reply (its labels -100), each row one pair."""
     import torch
 
-    from llm.batches import PairBatch
-    from llm.preference import Objective, Settings
+    from llm.data.batches import PairBatch
+    from llm.train.preference import Objective, Settings
     x, y, pos = batches.get(0, 0)
     example = (pos == 0).cumsum(1) - 1  # (B, T): which example of its row
     rows = torch.arange(x.shape[0], device=x.device)
@@ -188,8 +188,8 @@ def grpo_replies(b, batches, t):
     """
     import torch
 
-    from llm import grpo, rl
-    from llm.rollouts import RolloutBatch
+    from llm.train import grpo, rl
+    from llm.train.rollouts import RolloutBatch
     x, y, _ = batches.get(0, 0)
     B, T = x.shape
     labels = torch.where(torch.arange(T, device=x.device) >= T // 2, y, -100)  # the prompt's half is no label
@@ -208,9 +208,9 @@ def sampling_step(model, vocab: int, device):
     1; the second round must compile nothing."""
     import torch
 
-    from llm import decode, decode_compile
+    from llm.generate import decode, decode_compile
     from config import SampleConfig
-    from llm.sampling import candidates
+    from llm.generate.sampling import candidates
     decode_compile.use_compile(model, "auto")
     model.eval()
     with torch.no_grad():
@@ -239,11 +239,11 @@ def run_generation() -> dict:
     """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them."""
     import torch
 
-    from llm.startup import new_model
-    from llm import decode, decode_compile
-    from llm.device import pick_device
-    from llm.inference import for_inference
-    from llm.sampling import candidates
+    from llm.base.device import pick_device
+    from llm.generate import decode, decode_compile
+    from llm.generate.inference import for_inference
+    from llm.generate.sampling import candidates
+    from llm.train.startup import new_model
     from config import PRESETS, SampleConfig
     cfg, device = check_config("bf16", "default"), pick_device("cuda")
     cfg.model = PRESETS["large"]().model  # the whole depth: a decode step's kernels are counted per step

@@ -30,12 +30,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from config import SampleConfig
-from llm.engine import generate_text
-from llm.errors import ConfigError, error_contract
-from llm.evaluation import bits_per_byte
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.tokenizer import chat_prompt_ids, stop_ids
+from llm.base.errors import ConfigError, error_contract
+from llm.generate.engine import generate_text
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.scores.evaluation import bits_per_byte
+from llm.tokens.tokenizer import chat_prompt_ids, stop_ids
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 OPEN, CLOSE = "Certainly!", "Have a great day!"

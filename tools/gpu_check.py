@@ -51,15 +51,15 @@ from gpu_report import overhead_words, write_report
 
 from config import PRESETS, Config
 from gpu_training_optimized import train_step
-from llm.runner import build
-from llm.startup import new_model
-from llm.autofill import fill_automatic
-from llm.device import fp8_layers, has_fp8, machine, pick_device
-from llm.distributed import setup
-from llm.errors import ConfigError, error_contract
-from llm.hf_format import hf_twin
-from llm.monitor import device_report, peak_flops, read_metrics
-from llm.sizing import flops_per_token, training_bytes_estimate
+from llm.base.device import fp8_layers, has_fp8, machine, pick_device
+from llm.base.distributed import setup
+from llm.base.errors import ConfigError, error_contract
+from llm.base.sizing import flops_per_token, training_bytes_estimate
+from llm.formats.hf_format import hf_twin
+from llm.reports.monitor import device_report, peak_flops, read_metrics
+from llm.train.autofill import fill_automatic
+from llm.train.runner import build
+from llm.train.startup import new_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")

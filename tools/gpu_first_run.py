@@ -26,9 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hub_stand_in import Hub
 
-from llm.checkpoint import latest_checkpoint
-from llm.corpus import GPU_CORPUS, bundled_files
-from llm.monitor import read_metrics
+from llm.data.corpus import GPU_CORPUS, bundled_files
+from llm.formats.checkpoint import latest_checkpoint
+from llm.reports.monitor import read_metrics
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TRAINER = os.path.join(HERE, "gpu_training_optimized.py")

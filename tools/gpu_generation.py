@@ -16,10 +16,10 @@ import time
 import bench
 import torch
 
-from llm.loading import read_model
-from llm.device import pick_device
-from llm.hf_format import hf_twin
-from llm.inference import for_inference
+from llm.base.device import pick_device
+from llm.formats.hf_format import hf_twin
+from llm.formats.loading import read_model
+from llm.generate.inference import for_inference
 from modern_llm import Transformer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root

@@ -27,14 +27,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from config import SampleConfig
-from llm.engine import generate_text
-from llm.errors import error_contract
-from llm import tasks
-from llm.inference import load_for_inference
-from llm.monitor import read_metrics
-from llm.rewards import gsm8k
-from llm.scoring import TaskScore, score_items
-from llm.tokenizer import chat_prompt_ids, stop_ids, template_prompt
+from llm.base.errors import error_contract
+from llm.generate.engine import generate_text
+from llm.generate.inference import load_for_inference
+from llm.reports.monitor import read_metrics
+from llm.scores import tasks
+from llm.scores.rewards import gsm8k
+from llm.scores.scoring import TaskScore, score_items
+from llm.tokens.tokenizer import chat_prompt_ids, stop_ids, template_prompt
 
 from finetune_check import NAMES, default_base, run_logged
 

@@ -22,10 +22,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 from finetune_check import default_base, write_chats
-from llm.errors import ConfigError, error_contract
-from llm.loading import read_model
-from llm.tasks import GENERATED, data_root, read_jsonl_gz
-from llm.tokenizer import chat_text, load_tokenizer
+from llm.base.errors import ConfigError, error_contract
+from llm.formats.loading import read_model
+from llm.scores.tasks import GENERATED, data_root, read_jsonl_gz
+from llm.tokens.tokenizer import chat_text, load_tokenizer
 
 MATH = GENERATED + "minerva_math_*/*/requests.jsonl.gz"  # minerva_math_500 is a subset of the seven: left out
 BASES = ("bf16", "nf4")
@@ -66,8 +66,8 @@ def run(argv: list[str], every: int) -> dict:
     import torch
 
     import gpu_training_optimized as trainer
-    from llm.runner import start as runner_for
-    from llm.schedule import lr_multiplier
+    from llm.train.runner import start as runner_for
+    from llm.train.schedule import lr_multiplier
     started, torch_threads = time.time(), torch.get_num_threads()
     plan = trainer.make_plan(argv)
     (built, plan), t, found = runner_for(plan), plan.cfg.train, {}

@@ -1,4 +1,4 @@
-"""What fits on one GPU: the fit check's estimate (llm/fit.py) for the models people fine-tune, on cards of 12, 24,
+"""What fits on one GPU: the fit check's estimate (llm/base/fit.py) for the models people fine-tune, on cards of 12, 24,
 48 and 80 GB, training every weight or LoRA on a bf16, int8 or nf4 base, at two contexts; and beside it the same
 estimate for the settings the anchors (torchtune, unsloth, litgpt) published measured figures for. Prints the
 Markdown tables of docs/fine-tuning.md#what-fits. Or asks it of one model and card, from a laptop, downloading no
@@ -18,10 +18,10 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import Config, ModelConfig, TrainConfig  # noqa: E402
-from llm.errors import ConfigError, error_contract  # noqa: E402
-from llm.fit import Target, count_parameters, estimate  # noqa: E402
-from llm.sizing import MEMORY_FRACTION, Machine  # noqa: E402
-from llm.step_settings import loss_chunk_rows  # noqa: E402
+from llm.base.errors import ConfigError, error_contract  # noqa: E402
+from llm.base.fit import Target, count_parameters, estimate  # noqa: E402
+from llm.base.sizing import MEMORY_FRACTION, Machine  # noqa: E402
+from llm.train.step_settings import loss_chunk_rows  # noqa: E402
 
 GB = 10**9
 CARDS = (12, 24, 48, 80)
@@ -144,9 +144,9 @@ def card_memory(card: str) -> tuple[str, int]:
 
 def model_shape(name: str, max_seq_len: int) -> ModelConfig:
     """A model's shape from its config.json alone: a folder (no weights needed), a run of ours, or hf:ORG/NAME."""
-    from llm.checkpoint import load_model_config, resolve_checkpoint
-    from llm.hf_format import model_config_from_hf
-    from llm.hf_hub import hub_shape, is_hub_name
+    from llm.formats.checkpoint import load_model_config, resolve_checkpoint
+    from llm.formats.hf_format import model_config_from_hf
+    from llm.formats.hf_hub import hub_shape, is_hub_name
     if is_hub_name(name):
         return hub_shape(name, max_seq_len)
     if not os.path.isdir(name):
@@ -160,8 +160,8 @@ def model_shape(name: str, max_seq_len: int) -> ModelConfig:
 def ask(model: str, card: str, flags: list[str]) -> str:
     """The estimate of a run of the trainer's flags on `model` and `card`; a run that does not fit gets the line the
     trainer would refuse it with, and the first change that fits."""
-    from llm.cli import parse_config
-    from llm.startup import fit_lines
+    from llm.base.cli import parse_config
+    from llm.train.startup import fit_lines
     cfg, _ = parse_config(["--init_from", model, *flags])
     shape = model_shape(model, cfg.model.max_seq_len)
     cfg = replace(cfg, model=replace(shape, gradient_checkpointing=cfg.model.gradient_checkpointing),

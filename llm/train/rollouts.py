@@ -1,0 +1,245 @@
+"""The batches a GRPO step trains on: replies sampled from the model being trained, by the project's own
+engine (engine.generate_all: continuous batching, a finished row takes the next prompt), scored by the reward
+functions, and laid out as fixed-shape micro-batches of prompt + reply with each reply's advantage.
+
+Rollouts is the run's training loader: get(step, 0) samples the step's replies (every num_iterations steps;
+the steps between train again on the same ones), get(step, m) hands out micro-batch m. Which prompts a step
+reads is a pure function of (seed, step, rank), and the sampling seed is one of (seed, step): a resumed run
+samples what an uninterrupted one would have. A LoRA run samples with its adapters on (nothing merged or
+copied); its reference, for the KL term, is the same model with them off (AdaptersOff). A full fine-tune's is
+the weights it started from, kept in host memory and copied in for the reference's passes (StartingWeights).
+"""
+
+import contextlib
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from config import SampleConfig
+from llm.data.token_cache import digest
+from llm.formats.lora import adapter_layers
+from llm.generate.engine import generate_all
+from llm.tokens.tokenizer import stop_ids
+from llm.train import grpo
+
+PAD_ID = 0  # what fills a row past its reply: never attended to by a learned position, never a label
+ROWS = 64  # replies decoded together at most
+
+
+class RolloutBatch(NamedTuple):
+    """One micro-batch of replies: inputs and labels (B, T) (-100 outside the replies), the replies' tokens
+    that count (B, T) float, their advantages (B,), the sampling policy's and the reference's
+    log-probabilities (B, T) where used (else None), and the step's reply tokens and replies on this rank (the
+    loss's normalisers)."""
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    tokens: float
+    completions: float
+
+
+class AdaptersOff:
+    """A LoRA run's reference: the model with its adapters off, which is its base."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @contextlib.contextmanager
+    def held(self):
+        layers = adapter_layers(self.model)
+        for m in layers:
+            m.enabled = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enabled = True
+
+
+class StartingWeights:
+    """A full fine-tune's reference: the weights the run started from, kept in host memory (pinned beside a
+    GPU) and copied into the model's own parameters for the reference's passes, the trained ones set aside in
+    host memory meanwhile. No second model sits on the device, and every parameter keeps its storage, which
+    the optimizer and a CUDA graph hold. Made before a resumed checkpoint loads: it copies the model as it is
+    then."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())  # a tied head is the embedding's one tensor
+        pin = self.params[0].is_cuda
+        self.start = [self._host(p, pin).copy_(p.detach()) for p in self.params]
+        self.aside = [self._host(p, pin) for p in self.params]
+
+    @staticmethod
+    def _host(p: torch.Tensor, pin: bool) -> torch.Tensor:
+        return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+
+    @torch.no_grad()
+    def _copy(self, into: list, out_of: list):
+        for a, b in zip(into, out_of):
+            a.copy_(b)
+
+    @contextlib.contextmanager
+    def held(self):
+        self._copy(self.aside, self.params)
+        self._copy(self.params, self.start)
+        try:
+            yield
+        finally:
+            self._copy(self.params, self.aside)
+
+
+def token_logps(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 log-probability of each label under the model, 0 where it is -100."""
+    return -model(x, labels=y, reduction="none")[1]
+
+
+def sample_settings(t, step: int) -> SampleConfig:
+    """The replies' sampling settings at this step: the run's, seeded by (seed, step)."""
+    seed = int(digest(t.seed, step), 16) % 2**62
+    return SampleConfig(max_new_tokens=t.max_completion_length, temperature=t.rollout_temperature,
+                        top_k=t.rollout_top_k, top_p=t.rollout_top_p, seed=seed)
+
+
+class Rollouts:
+    """A GRPO run's training batches (see the module's docstring). prompts: the train split's Prompt rows;
+    model: the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards,
+    weights: the loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a
+    micro-batch's rows."""
+
+    def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t,
+                 seq_len: int, device, rank: int = 0, world_size: int = 1, reference=None):
+        self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
+        self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
+        self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.reference = reference  # where beta > 0: AdaptersOff or StartingWeights
+        self.settings = grpo.Settings(t.loss_type, t.epsilon, t.epsilon_high, t.beta, t.max_completion_length)
+        grpo.check(self.settings)
+        self.micro = t.micro_batch_size
+        self.ends = stop_ids(tokenizer)
+        self.made_at, self.batches = None, []
+        self.window: list[dict] = []  # each sampling's figures since the log line last took them
+
+    failure = None  # nothing arrives: the prompts are read whole at start
+
+    def in_hand(self, step: int) -> bool:
+        return True
+
+    def ready(self, step: int, give_up=None) -> bool:
+        return True
+
+    @property
+    def epoch_sequences(self) -> int:
+        """Replies in one pass over the prompts (what a step's tokens count in)."""
+        return len(self.prompts) * self.t.num_generations
+
+    def prompt_ids(self, sampling: int) -> list[int]:
+        """This rank's prompts at the sampling-th sampling: each epoch a fresh order drawn from (seed, epoch)."""
+        per = self.t.prompts_per_step * self.world_size
+        per_epoch = max(1, len(self.prompts) // per)
+        epoch, at = divmod(sampling, per_epoch)
+        order = np.random.default_rng([self.t.seed, epoch]).permutation(len(self.prompts))
+        start = at * per + self.rank * self.t.prompts_per_step
+        return [int(order[(start + i) % len(order)]) for i in range(self.t.prompts_per_step)]
+
+    def get(self, step: int, micro_step: int) -> RolloutBatch:
+        """Micro-batch micro_step of the replies this step trains on (sampled at the step that starts its
+        num_iterations)."""
+        first = step - step % self.t.num_iterations
+        if self.made_at != first:
+            self.batches, self.made_at = self.sample(first), first
+        return self.batches[micro_step]
+
+    @torch.no_grad()
+    def sample(self, step: int) -> list[RolloutBatch]:
+        """Sample, score and lay out the replies of the step starting an iteration's batch."""
+        t, G = self.t, self.t.num_generations
+        chosen = [self.prompts[i] for i in self.prompt_ids(step // t.num_iterations)]
+        started = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        with self.amp:  # as the step computes: a LoRA run's bf16 base needs it
+            replies = generate_all(self.model, [p.ids for p in chosen for _ in range(G)], sample_settings(t, step),
+                                   self.ends, ROWS, keep_end=True)
+        generated = time.perf_counter()
+        values, figures = self.score(chosen, replies, G)
+        rewards = grpo.reward_rows(values, self.weights)
+        adv, flat = grpo.advantages(rewards, G, t.scale_rewards)
+        scored = time.perf_counter()
+        ended = [bool(r) and r[-1] in self.ends for r in replies]
+        rows = [(chosen[i // G].ids, r) for i, r in enumerate(replies)]
+        batches = self.lay_out(rows, ended, adv.float())
+        self.model.train(was_training)
+        lengths = [len(r) for r in replies]
+        self.window.append({**figures, "reward": float(torch.nanmean(rewards)),
+                            "reward_std": float(torch.nan_to_num(grpo.nanstd(rewards))),
+                            "zero_std_share": float(flat.float().mean()),
+                            "completion_len": float(np.mean(lengths)), "completion_len_max": max(lengths),
+                            "truncated_share": 1 - float(np.mean(ended)),
+                            "generate_s": generated - started, "reward_s": scored - generated})
+        return batches
+
+    def score(self, chosen: list, replies: list[list[int]], G: int) -> tuple[torch.Tensor, dict]:
+        """(N, F) values of the F reward functions for the N replies, G to each prompt in order (NaN: not
+        judged), and each function's mean and std."""
+        texts = self.tok.batch_decode([r[:-1] if r and r[-1] in self.ends else r for r in replies],
+                                      skip_special_tokens=True)
+        prompts = [p.prompt for p in chosen for _ in range(G)]
+        completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                       for p, t in zip(prompts, texts)]
+        names = sorted({k for p in chosen for k in p.columns})
+        columns = {k: [p.columns.get(k) for p in chosen for _ in range(G)] for k in names}
+        values = torch.tensor([r(prompts, completions, replies, columns) for r in self.rewards],
+                              dtype=torch.float64).T  # (N, F)
+        figures = {}
+        for r, column in zip(self.rewards, values.T):
+            figures[f"reward/{r.name}"] = float(torch.nanmean(column))
+            figures[f"reward/{r.name}/std"] = float(torch.nan_to_num(grpo.nanstd(column)))
+        return values, figures
+
+    def lay_out(self, rows: list[tuple[list[int], list[int]]], ended: list[bool],
+                adv: torch.Tensor) -> list[RolloutBatch]:
+        """The replies as micro-batches of fixed shape (micro, seq_len), in order, with their advantages and,
+        where the loss needs them, the sampling policy's and the reference's log-probabilities."""
+        n, T = len(rows), self.seq_len
+        x = torch.full((n, T), PAD_ID, dtype=torch.long)
+        y = torch.full((n, T), -100, dtype=torch.long)
+        for i, (prompt, reply) in enumerate(rows):
+            seq = (prompt + reply)[:T + 1]
+            x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+            y[i, len(prompt) - 1:len(seq) - 1] = torch.tensor(seq[len(prompt):])
+        mask = (y != -100).float()
+        if self.t.mask_truncated:
+            mask[~torch.tensor(ended)] = 0.0  # a reply cut at the limit teaches nothing (DAPO)
+        tokens, parts = float(mask.sum()), []
+        for start in range(0, n, self.micro):
+            part = slice(start, start + self.micro)
+            parts.append((x[part].to(self.device), y[part].to(self.device), part))
+        old = ref = [None] * len(parts)
+        if self.t.num_iterations > 1:
+            old = [self.logps(bx, by) for bx, by, _ in parts]
+        if self.t.beta:
+            # Once for the step's micro-batches: a full fine-tune's reference copies weights in.
+            with self.reference.held():
+                ref = [self.logps(bx, by) for bx, by, _ in parts]
+        return [RolloutBatch(bx, by, mask[part].to(self.device), adv[part].to(self.device), o, r, tokens,
+                             float(n)) for (bx, by, part), o, r in zip(parts, old, ref)]
+
+    def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's per-token log-probabilities of the labels now, as the step computes them."""
+        with self.amp:
+            return token_logps(self.model, x, y)
+
+    def take(self) -> dict:
+        """The means of the samplings' figures since the last call (the log line's), and forgets them."""
+        if not self.window:
+            return {}
+        out = {k: float(np.mean([w[k] for w in self.window if k in w])) for k in self.window[-1]}
+        out["completion_len_max"] = max(w["completion_len_max"] for w in self.window)
+        self.window.clear()
+        return out
