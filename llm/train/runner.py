@@ -140,20 +140,17 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     objective. raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds
     weights to start from; row: a micro-batch row's tokens where shorter than the context (a GRPO run's)."""
     t = cfg.train
-    amp_dtype = pick_precision(t.precision, device)
-    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
-        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
-                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     if device.type == "cpu":
         keep_freed_memory()  # before the steps' first allocations
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_stored(init_state)
+    amp_dtype = pick_precision(t.precision, device)
+    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
+        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
+                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
     if t.lora_rank:
         raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
-    eager = not compiles(t)
-    if isinstance(raw_model, Transformer):
-        raw_model.execution = execution(cfg, device, amp_dtype, eager, row)
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     model = ranks.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
@@ -162,10 +159,14 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     cudagraphs = uses_cuda_graphs(t.compile, device)
     if cudagraphs:
         keep_grads(opt)
+    average = WeightAverage(raw_model, t.weight_average)  # of the parameters as wrapped (FSDP's shards)
+    eager = not compiles(t)
+    if isinstance(raw_model, Transformer):  # read at each forward: set before the first, which compiles
+        raw_model.execution = execution(cfg, device, amp_dtype, eager, row)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before
     # timing.
     eval_model = compile_model(raw_model, "default") if t.precision == "fp8" and not eager else raw_model
-    state = TrainingState(raw_model, opt, scaler, WeightAverage(raw_model, t.weight_average))
+    state = TrainingState(raw_model, opt, scaler, average)
     return Runner(state=state, model=model, compiled=model if eager else compile_model(model, t.compile, amp_dtype),
                   eager=eager, amp_dtype=amp_dtype, amp=autocast(device, amp_dtype), cudagraphs=cudagraphs,
                   eval_model=eval_model, objective=NextToken(), persistent_grads=cudagraphs)
