@@ -171,6 +171,14 @@ def test_files_stay_small(module):
         assert len(f.readlines()) <= MAX_LINES, f"{module}.py: move one self-contained concern into its own module"
 
 
+def test_readme_lists_the_wings_in_the_flows_order():
+    """README's Files table has a row per wing, in the order the imports flow, as docs/architecture.md's."""
+    for page in ("README.md", os.path.join("docs", "architecture.md")):
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        rows = re.findall(r"^\| `(?:llm/)?(\w+)/?` \|", text, re.M)
+        assert [r for r in rows if r in WINGS] == list(WINGS), page
+
+
 def test_ci_runs_exactly_the_test_command_readme_gives():
     """A new user runs README's command; CI must run the same one, or a broken install step goes unseen."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
