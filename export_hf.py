@@ -28,7 +28,8 @@ if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 
 from config import default_run_dir
 from llm.base.errors import CheckpointError, ConfigError, error_contract
 from llm.formats import trainer_state
-from llm.formats.checkpoint import TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint, save_checkpoint
+from llm.formats.checkpoint import (TOKENIZER, holds_checkpoints, read_adapters, resolve_checkpoint,
+                                    save_checkpoint)
 from llm.formats.gguf_format import GGUF_TYPES, gguf_file_name, write_gguf_folder
 from llm.formats.gguf_reader import is_gguf
 from llm.formats.hf_format import DTYPES, is_hf_folder, write_hf_folder

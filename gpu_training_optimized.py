@@ -32,16 +32,17 @@ from llm.base.cli import parse_config
 from llm.base.device import falls_back, make_deterministic, pick_device, precision_label, release_freed_memory
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError, RunFailure, error_contract
+from llm.base.sizing import flops_per_token
 from llm.data.arrival import stopped_by
 from llm.data.corpus import is_bundled
-from llm.reports import report_card
-from llm.scores.evaluation import GPU_TASK_ITEMS, Probe
-from llm.reports.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report, format_postfix, progress_bar,
-                         read_metrics, start_report, stood_still, summary)
-from llm.base.sizing import flops_per_token
 from llm.data.corpus_totals import short_of_target
 from llm.data.token_cache import PreparedData
 from llm.formats.trainer_state import Record
+from llm.reports import report_card
+from llm.reports.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report,
+                                 format_postfix, progress_bar, read_metrics, start_report, stood_still,
+                                 summary)
+from llm.scores.evaluation import GPU_TASK_ITEMS, Probe
 from llm.scores.rewards import RewardError
 from llm.train.runner import Runner, start as runner_for
 from llm.train.schedule import RunClock, StopFlag, lr_multiplier, set_lr

@@ -32,10 +32,11 @@ from llm.formats.checkpoint import checkpoint_step
 from llm.formats.hf_hub import HF_PREFIX, is_hub_name
 from llm.generate.decode_compile import compile_failed, compile_in_background, compiles, exit_process
 from llm.generate.inference import load_for_inference
-from llm.reports.monitor import read_metrics
-from llm.generate.openai_api import (MAX_BODY, BadRequest, chat_scoring_of, check_text, prompts_of, refuse_unimplemented,
-                            released, scoring_of, settings_of, stream_options_of)
+from llm.generate.openai_api import (MAX_BODY, BadRequest, chat_scoring_of, check_text, prompts_of,
+                                     refuse_unimplemented, released, scoring_of, settings_of,
+                                     stream_options_of)
 from llm.generate.worker import Job, Worker
+from llm.reports.monitor import read_metrics
 from llm.tokens.tokenizer import can_chat, chat_prompt_ids
 
 try:  # optional until serving: main() names what to install

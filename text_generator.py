@@ -22,18 +22,19 @@ import torch
 from tqdm import tqdm
 
 from config import DataConfig, LoadConfig, SampleConfig, default_run_dir
-from llm.formats.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step, list_checkpoints,
-                            load_model_config)
 from llm.base.cli import parse_sections
 from llm.base.errors import CheckpointError, ConfigError, InputError, error_contract
 from llm.base.sizing import count_parameters
 from llm.data.corpus import corpus_bytes
 from llm.data.preparation import split_texts
+from llm.formats.checkpoint import (HOW_TO_MAKE_ONE, WEIGHTS, best_checkpoint, checkpoint_step,
+                                    list_checkpoints, load_model_config)
 from llm.generate.decode_compile import compile_failed, compile_in_background, compiles, exit_process
 from llm.generate.engine import CHUNK, generate_text
 from llm.generate.inference import load_for_inference
 from llm.reports.monitor import read_metrics
-from llm.scores.evaluation import CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted, text_parts
+from llm.scores.evaluation import (CODE_SETTINGS, bits_per_byte, code_parse_rate, file_pieces, fitted,
+                                   text_parts)
 from llm.tokens.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1

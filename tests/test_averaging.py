@@ -1,5 +1,5 @@
-"""The weight average a run ends on (llm/train/averaging.py): its definition against a float64 loop, its restore, and
-the trainer's last checkpoint holding the average of the weights its steps made."""
+"""The weight average a run ends on (llm/train/averaging.py): its definition against a float64 loop, its
+restore, and the trainer's last checkpoint holding the average of the weights its steps made."""
 
 import copy
 import os

@@ -166,9 +166,9 @@ def test_numbers_past_any_sense_are_refused_in_one_line(section, name, value, ru
 
 
 def test_every_numeric_setting_has_a_range_that_refuses_what_lies_past_it():
-    """Every int and float field of every config has a range (llm/base/ranges.py): a value past either bound is one
-    ConfigError naming the field (a learning rate of 30, a 10**12-token context, --beta 1e308 once ran), and a
-    new numeric field without a range fails here."""
+    """Every int and float field of every config has a range (llm/base/ranges.py): a value past either bound
+    is one ConfigError naming the field (a learning rate of 30, a 10**12-token context, --beta 1e308 once
+    ran), and a new numeric field without a range fails here."""
     import math
     from dataclasses import fields
     from llm.base.errors import ConfigError

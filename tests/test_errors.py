@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from llm.base.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError, error_contract,
-                        exit_code)
+from llm.base.errors import (CheckpointError, ConfigError, DataError, InputError, RunFailure, WriteError,
+                             error_contract, exit_code)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["gpu_training_optimized", "text_generator", "prepare_data", "serve", "export_hf", "bench",

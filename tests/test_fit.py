@@ -233,8 +233,8 @@ def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkey
 
 def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypatch):
     """A config of 10^12 hidden units was refused naming "a GPU of 50952148476305616 GB": the shape is the
-    typo. Such a width is now past its range (llm/base/ranges.py); a shape whose every field is in range but whose
-    whole is 10^16 parameters is still called implausible."""
+    typo. Such a width is now past its range (llm/base/ranges.py); a shape whose every field is in range but
+    whose whole is 10^16 parameters is still called implausible."""
     from types import SimpleNamespace
     monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))
     with pytest.raises(startup.ConfigError, match="hidden_size=1000000000000 is invalid"):

@@ -579,8 +579,9 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
 
 
 def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_kernel():
-    """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a row):
-    in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16 kernel."""
+    """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a
+    row): in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16
+    kernel."""
     from modern_llm import KVCache, cached_attention
     cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, max_seq_len=128)

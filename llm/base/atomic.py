@@ -85,7 +85,8 @@ def write_bytes(path: str, data: bytes):
 
 def read_json(path: str, what: str, remedy: str, error: type = CheckpointError):
     """The value a small JSON file holds; `error` naming the file, what it should be and the remedy when it is
-    missing, unreadable, not UTF-8, not JSON, or nested too deeply for the parser (RecursionError otherwise)."""
+    missing, unreadable, not UTF-8, not JSON, or nested too deeply for the parser (RecursionError otherwise).
+    """
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8-sig"))
@@ -131,10 +132,10 @@ def _existing(path: str) -> str:
 
 @contextlib.contextmanager
 def folder(final: str, what: str, need: int = 0):
-    """Yield a temporary folder beside `final`; when the block ends, its files are flushed and it is renamed to
-    `final` (replacing a folder of that name only then). If the block fails, the temporary folder goes and
-    `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the
-    message of a full disk."""
+    """Yield a temporary folder beside `final`; when the block ends, its files are flushed and it is renamed
+    to `final` (replacing a folder of that name only then). If the block fails, the temporary folder goes and
+    `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the message
+    of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
     if os.path.lexists(final) and not os.path.isdir(final):  # it was once set aside as a hidden .old_ file, unsaid
         raise ConfigError(f"{os.path.abspath(final)} is a file, not a folder; {what} needs a folder there, choose "

@@ -72,7 +72,8 @@ def _file_overrides(path: str, types) -> list[str]:
 
 def _load_yaml(text: str, path: str):
     """yaml.safe_load, refusing before anything is built a document whose aliases (&name, *name) expand past
-    MAX_CONFIG_BYTES: a 'billion laughs' file of ten lines once became a 351 MB config.json and a native abort."""
+    MAX_CONFIG_BYTES: a 'billion laughs' file of ten lines once became a 351 MB config.json and a native
+    abort."""
     import yaml  # optional: only YAML config files need PyYAML
     loader = yaml.SafeLoader(text)
     try:
@@ -132,8 +133,9 @@ def _boolean(text: str) -> bool:
 
 def add_fields(parser: argparse.ArgumentParser, section, shown: set[str] | None = None):
     """One flag per field of the dataclass `section`, named as the field (or with dashes) and parsed to its
-    annotated type: bool takes true/false (bare: true), a Literal its values (or their aliases), a list its values
-    (none: empty). A positional field is a word without a name instead. shown: the fields --help lists (all)."""
+    annotated type: bool takes true/false (bare: true), a Literal its values (or their aliases), a list its
+    values (none: empty). A positional field is a word without a name instead. shown: the fields --help lists
+    (all)."""
     for f in fields(section):
         default = f.default_factory() if f.default is MISSING else f.default
         listed = shown is None or f.name in shown
@@ -163,8 +165,8 @@ def parse_sections(types, defaults, argv, description: str, extra=None, shown: s
     """Parse argv into fresh instances of `types`, with `defaults` (instances) under the command line.
 
     `extra` adds script-specific arguments; it is called with the parser and its values come back as a
-    Namespace. shown: the fields --help lists, where not all. Raises ConfigError for unknown names and bad values.
-    """
+    Namespace. shown: the fields --help lists, where not all. Raises ConfigError for unknown names and bad
+    values."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default="")
     known, rest = pre.parse_known_args(argv)
@@ -221,8 +223,8 @@ def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/Swi
 
 
 def describe(cfg) -> str:
-    """The settings this run changes from config.py's defaults, a line per section (every value goes to the run's
-    config.json); a section left as written says so."""
+    """The settings this run changes from config.py's defaults, a line per section (every value goes to the
+    run's config.json); a section left as written says so."""
     parts = []
     for name in ("model", "data", "train"):
         section = getattr(cfg, name)

@@ -22,8 +22,8 @@ PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocas
 
 
 def precision_label(precision: str, amp_dtype, model: torch.nn.Module) -> str:
-    """What a run computes in, for its start report and its checkpoints' model card: under fp8, how many of the
-    model's linear layers compute in FP8 (those whose shape pays for it)."""
+    """What a run computes in, for its start report and its checkpoints' model card: under fp8, how many of
+    the model's linear layers compute in FP8 (those whose shape pays for it)."""
     if precision != "fp8":
         return PRECISION_NAMES[amp_dtype]
     return "fp8 in {} of {} linear layers + ".format(*fp8_layers(model)) + PRECISION_NAMES[amp_dtype]
@@ -125,10 +125,10 @@ def float8_training(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fp8_pays(in_features: int, out_features: int) -> bool:
-    """Whether a linear layer trains faster in FP8 with per-tensor scales. Sizes must be multiples of 16; and in
-    torchao's H100 measurements a layer of at most 1,024 outputs from at most 4,096 inputs ran slower than in
-    bf16 (its casts and scales cost more than the matmul saves), as the keys' and values' projections of a GQA
-    model of this size do."""
+    """Whether a linear layer trains faster in FP8 with per-tensor scales. Sizes must be multiples of 16; and
+    in torchao's H100 measurements a layer of at most 1,024 outputs from at most 4,096 inputs ran slower than
+    in bf16 (its casts and scales cost more than the matmul saves), as the keys' and values' projections of a
+    GQA model of this size do."""
     if in_features % 16 or out_features % 16:
         return False
     return not (in_features <= 4096 and out_features <= 1024)
@@ -181,9 +181,9 @@ def narrow_cpu_vectors():
 
     Its 512-bit kernels transpose tiles of 16-bit values 32 x 32 with AVX-512 code that GCC 12 at -O3 (its SLP
     vectorizer) miscompiles: on a Xeon with AMX, under torch 2.13 and 2.14.1, the compiled bf16 step's key
-    gradients came out wrong and NaN from the first step (tests/test_device.py holds the case). 256-bit kernels
-    transpose in plain code, and the tiny model's step measured no slower with them (0.997x on that Xeon).
-    """
+    gradients came out wrong and NaN from the first step (tests/test_device.py holds the case). 256-bit
+    kernels transpose in plain code, and the tiny model's step measured no slower with them (0.997x on that
+    Xeon)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.exc import InvalidCxxCompiler
@@ -224,9 +224,10 @@ def keep_freed_memory():
 
 
 def release_freed_memory():
-    """Hand the kernel the host heap's free pages (glibc's malloc_trim; elsewhere nothing), once setup is done: what
-    reading the weights and a reference pass freed would otherwise stay in the process's memory all run (glibc
-    keeps freed blocks in the middle of the heap, and on a CPU keep_freed_memory keeps the rest)."""
+    """Hand the kernel the host heap's free pages (glibc's malloc_trim; elsewhere nothing), once setup is
+    done: what reading the weights and a reference pass freed would otherwise stay in the process's memory all
+    run (glibc keeps freed blocks in the middle of the heap, and on a CPU keep_freed_memory keeps the rest).
+    """
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

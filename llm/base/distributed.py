@@ -27,8 +27,9 @@ try:
 except ImportError:  # a torch built without distributed support: nothing is ever sharded
     DTensor = FSDPModule = ()
 
-# A rank that dies mid-collective leaves the others waiting; this turns that wait into an error. Under torchrun
-# on one node the agent kills the other workers as soon as one exits non-zero, so this matters across nodes.
+# A rank that dies mid-collective leaves the others waiting; this turns that wait into an error. Under
+# torchrun on one node the agent kills the other workers as soon as one exits non-zero, so this matters across
+# nodes.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # barrier() waits through the rendezvous store, not a collective, so rank 0 may build a large data cache
 # meanwhile; it gives up after this long.
@@ -68,8 +69,9 @@ class Ranks:
             print(*args, **kwargs, flush=True)
 
     def barrier(self):
-        """Wait until every rank gets here. Through the rendezvous store rather than a collective, so rank 0 may
-        take longer than COLLECTIVE_TIMEOUT before it arrives (building the data cache of a large corpus)."""
+        """Wait until every rank gets here. Through the rendezvous store rather than a collective, so rank 0
+        may take longer than COLLECTIVE_TIMEOUT before it arrives (building the data cache of a large corpus).
+        """
         if not self.enabled:
             return
         get_store = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
@@ -220,8 +222,8 @@ def setup() -> Ranks:
 
 
 def record(fn):
-    """Under torchrun, torch's @record: an exception escaping fn on any rank is written where torchrun reads it, so
-    its final report names that rank's error as the root cause. Without torchrun, fn as it is."""
+    """Under torchrun, torch's @record: an exception escaping fn on any rank is written where torchrun reads
+    it, so its final report names that rank's error as the root cause. Without torchrun, fn as it is."""
     recorded = elastic_record(fn)
 
     @functools.wraps(fn)

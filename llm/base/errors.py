@@ -1,10 +1,9 @@
-"""The error contract of every script (DESIGN.md): the project's error classes, and error_contract, the one place that
-turns them into an `error:` line and an exit code.
+"""The error contract of every script (DESIGN.md): the project's error classes, and error_contract, the one
+place that turns them into an `error:` line and an exit code.
 
 Failures are turned into these classes where they happen (a reader raises DataError naming its file and line);
-error_contract only maps classes to codes: bad input exits 2, a runtime failure we understand exits 1, Ctrl-C 130,
-a reader that closed the pipe leaves quietly. Anything else is a bug and keeps its traceback.
-"""
+error_contract only maps classes to codes: bad input exits 2, a runtime failure we understand exits 1, Ctrl-C
+130, a reader that closed the pipe leaves quietly. Anything else is a bug and keeps its traceback."""
 
 import functools
 import logging
@@ -72,7 +71,8 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
     raise e
 
 
-# Notices other libraries print on every start that say nothing a user of this project can act on: (logger, text).
+# Notices other libraries print on every start that say nothing a user of this project can act on: (logger,
+# text).
 NOTICES = [("torch.utils.cpp_extension", "No CUDA runtime is found"),  # a CUDA build of torch on a machine without
            # a GPU, when Inductor first compiles for the CPU
            ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),  # torchao's enums, at import
@@ -97,8 +97,8 @@ def quiet_library_notices():
 
 
 def error_contract(main):
-    """Decorates a script's main: it returns what main returns, or prints the failure's one line and exits with
-    its code (SystemExit). A bug keeps its traceback. Other libraries' NOTICES are left unprinted."""
+    """Decorates a script's main: it returns what main returns, or prints the failure's one line and exits
+    with its code (SystemExit). A bug keeps its traceback. Other libraries' NOTICES are left unprinted."""
     @functools.wraps(main)
     def contracted(*args, **kwargs):
         quiet_library_notices()
@@ -120,8 +120,8 @@ def error_contract(main):
 
 
 def _close_progress_bars():
-    """An error line then starts on a line of its own, under the bar. A bar that fails to draw itself is dropped:
-    it is only a display, and its error once replaced the run's own outcome."""
+    """An error line then starts on a line of its own, under the bar. A bar that fails to draw itself is
+    dropped: it is only a display, and its error once replaced the run's own outcome."""
     tqdm = sys.modules.get("tqdm")
     for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
         try:

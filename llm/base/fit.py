@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 from config import LORA_TARGETS, Config, ModelConfig
 
-# Bytes a frozen base weight takes as a LoRA run holds it. int8 adds a scale per output row (counted by shape, below).
-# nf4 as torchao's NF4Tensor stores it: 4 bits a weight, an int8 scale per block of 64 weights, and an fp32 scale of
-# those scales per 256 blocks (QLoRA's double quantization, Dettmers et al. 2023).
+# Bytes a frozen base weight takes as a LoRA run holds it. int8 adds a scale per output row (counted by shape,
+# below). nf4 as torchao's NF4Tensor stores it: 4 bits a weight, an int8 scale per block of 64 weights, and an
+# fp32 scale of those scales per 256 blocks (QLoRA's double quantization, Dettmers et al. 2023).
 BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
 CUDA_CONTEXT = 1 << 30  # the CUDA context, cuBLAS/cuDNN workspaces and kernels: 0.5-1 GiB on an H100 beside torch's
 MIN_CONTEXT = 256  # the shortest context a refusal suggests: shorter windows hold too little of a chat to learn from
@@ -93,8 +93,8 @@ def layer_activation_bytes(m: ModelConfig, target: Target, lora_rank: int = 0, t
 
 
 def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
-    """The step's peak memory in terms, for cfg as it would run on target. base: a LoRA run's base format (fp32,
-    bf16, int8, nf4); empty: cfg.train.lora_base, auto meaning bf16 under bf16 compute, else fp32."""
+    """The step's peak memory in terms, for cfg as it would run on target. base: a LoRA run's base format
+    (fp32, bf16, int8, nf4); empty: cfg.train.lora_base, auto meaning bf16 under bf16 compute, else fp32."""
     m, t = cfg.model, cfg.train
     a, P, L = target.amp_bytes, count_parameters(m), m.num_hidden_layers
     tokens = t.micro_batch_size * m.max_seq_len
@@ -154,15 +154,15 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
 
 
 def loss_bytes_per_logit(target: Target) -> int:
-    """Eager: the fp32 log-softmax (kept), its gradient, the fp32 logits' gradient and theirs in the logits' dtype;
-    compiled, Inductor fuses the softmax: the logits and their gradient plus one fp32 temporary (within 5% of the
-    H200's measured peaks, tests/test_sizing.py)."""
+    """Eager: the fp32 log-softmax (kept), its gradient, the fp32 logits' gradient and theirs in the logits'
+    dtype; compiled, Inductor fuses the softmax: the logits and their gradient plus one fp32 temporary (within
+    5% of the H200's measured peaks, tests/test_sizing.py)."""
     return 2 * target.amp_bytes + 4 if target.compiled else 12 + target.amp_bytes
 
 
 def optimizer_bytes(cfg: Config, trained: int) -> float:
-    """AdamW keeps two fp32 moments per weight; Muon one fp32 momentum per hidden matrix weight, AdamW the rest
-    (embeddings, head, norms: muon_optimizer's split). Adapters: AdamW (fine_tuning.py's choice)."""
+    """AdamW keeps two fp32 moments per weight; Muon one fp32 momentum per hidden matrix weight, AdamW the
+    rest (embeddings, head, norms: muon_optimizer's split). Adapters: AdamW (fine_tuning.py's choice)."""
     t, m = cfg.train, cfg.model
     if t.lora_rank or t.optimizer != "muon":
         return 8 * trained
@@ -182,10 +182,10 @@ def fits(cfg: Config, target: Target, memory: int, base: str = "") -> bool:
 
 def suggest(cfg: Config, target: Target, memory: int, bases=("auto", "int8")) -> tuple[str, Config, str]:
     """The first change that the estimate says fits memory, each step adding to the one before: a smaller
-    micro-batch with more accumulation (the same tokens a step), gradient checkpointing, LoRA (rank 16 where none
-    was asked; a fine-tune only) on each base of `bases` in turn (auto: the default), then the least of these with
-    a context halved down to MIN_CONTEXT. Returns
-    (flags, config, base); flags empty when none fits, the config then the least of them."""
+    micro-batch with more accumulation (the same tokens a step), gradient checkpointing, LoRA (rank 16 where
+    none was asked; a fine-tune only) on each base of `bases` in turn (auto: the default), then the least of
+    these with a context halved down to MIN_CONTEXT. Returns (flags, config, base); flags empty when none
+    fits, the config then the least of them."""
     t, m = cfg.train, cfg.model
     accum = max(1, t.grad_accum_steps)
     for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:

@@ -1,32 +1,31 @@
 """Attention over windows that pack several examples, told apart by their positions alone.
 
-A window's tokens form segments, each a run of consecutive positions. A segment starting at position 0 begins a
-sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of the
-sequence before it in the row, which it attends to as if they stood in front of it, and attends to nothing
+A window's tokens form segments, each a run of consecutive positions. A segment starting at position 0 begins
+a sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of
+the sequence before it in the row, which it attends to as if they stood in front of it, and attends to nothing
 else of that sequence. A preference pair packs so (packing.pair_window): its prompt and chosen reply, then its
 rejected reply branching off the prompt, so the prompt runs once for both replies. Plain packed examples are
 segments that all start at 0.
 
-Two ways to run it, equal in result: packed_attention under a (T, T) mask (example_mask; a compiled step's fixed
-shapes), and example_attention, each segment moved to a row of its own with its branch point's keys and values
-in front (example_rows; eager, the work each segment's length squared rather than the window's).
-"""
+Two ways to run it, equal in result: packed_attention under a (T, T) mask (example_mask; a compiled step's
+fixed shapes), and example_attention, each segment moved to a row of its own with its branch point's keys and
+values in front (example_rows; eager, the work each segment's length squared rather than the window's)."""
 
 import torch
 import torch.nn.functional as F
 
 
 def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The keys and
-    values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
+    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The
+    keys and values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def example_attention(q, k, v, at) -> torch.Tensor:
-    """packed_attention without its (T, T) mask: each segment of the (B, H, T, hd) queries moved to a row of its
-    own (at: example_rows), a branch's keys and values behind its sequence's first ones, attended causally there
-    and moved back."""
+    """packed_attention without its (T, T) mask: each segment of the (B, H, T, hd) queries moved to a row of
+    its own (at: example_rows), a branch's keys and values behind its sequence's first ones, attended causally
+    there and moved back."""
     (B, H, T, hd), (segment, col, shared, n, longest) = q.shape, at
 
     def unpack(t, prefix: bool):  # (B, h, T, hd) -> (n, h, longest, hd), zeros past a row's end (never attended)
@@ -51,8 +50,8 @@ def _segments(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def example_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) attention mask of packed examples: causal within each segment, a branch that starts at position
-    s also seeing the first s tokens of its sequence."""
+    """(B, 1, T, T) attention mask of packed examples: causal within each segment, a branch that starts at
+    position s also seeing the first s tokens of its sequence."""
     starts, begins_at, sequence = _segments(positions)
     segment = starts.cumsum(dim=1)
     at = torch.arange(positions.shape[1], device=positions.device)
@@ -64,8 +63,8 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
 
 def example_rows(positions: torch.Tensor) -> tuple:
     """Where example_attention moves each token: its segment (a row) and place there, (B * T,) each; the
-    (rows, places, tokens) of the keys a branch's row starts with; then the rows' number and longest (read on the
-    host, once a forward)."""
+    (rows, places, tokens) of the keys a branch's row starts with; then the rows' number and longest (read on
+    the host, once a forward)."""
     B, T = positions.shape
     positions = positions.contiguous()  # an expanded batch's positions, say
     starts, begins_at, sequence = _segments(positions)

@@ -1,9 +1,9 @@
-"""How big and how long: the FLOPs a token, the compute a time budget buys on this GPU, the model size and tokens
-compute-optimal for it, and a step's memory on a GPU (fit.py's estimate, for the step a CUDA run plans with).
+"""How big and how long: the FLOPs a token, the compute a time budget buys on this GPU, the model size and
+tokens compute-optimal for it, and a step's memory on a GPU (fit.py's estimate, for the step a CUDA run plans
+with).
 
-autofill.py fills the fields config.py leaves automatic with these figures; monitor.py reports MFU against the same
-peak table and FLOPs a token; step_settings.py chunks the loss by the same memory estimate.
-"""
+autofill.py fills the fields config.py leaves automatic with these figures; monitor.py reports MFU against the
+same peak table and FLOPs a token; step_settings.py chunks the loss by the same memory estimate."""
 
 import math
 from dataclasses import dataclass
@@ -12,24 +12,25 @@ from config import Config, ModelConfig
 from llm.base.fit import FIT_FRACTION, Target, block_matrices, count_parameters, estimate  # count_parameters: others import it from here
 
 CPU_MINUTES = 10.0  # the time budget of a CPU run left automatic
-# A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run to
-# CPU_MINUTES: a first run a user waits for. An hour buys an H100 or H200 about 1.4e18 FLOPs at MEASURED_MFU, whose
-# compute-optimal model (TOKENS_PER_PARAMETER) has about 109M parameters: the small preset (GPT-2 small's size) on
-# its 2B tokens. Half an hour would ask for a 77M model, which no preset has, and give small half its tokens.
+# A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run
+# to CPU_MINUTES: a first run a user waits for. An hour buys an H100 or H200 about 1.4e18 FLOPs at
+# MEASURED_MFU, whose compute-optimal model (TOKENS_PER_PARAMETER) has about 109M parameters: the small preset
+# (GPT-2 small's size) on its 2B tokens. Half an hour would ask for a 77M model, which no preset has, and give
+# small half its tokens.
 GPU_MINUTES = 60.0
 MEASURED_MFU = 0.40  # of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
 FALLBACK_TFLOPS = 100.0  # a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
-# A training step costs about this many forward passes: the backward costs about twice the forward (a step's FLOPs
-# are 6 per parameter and token, the forward's 2). Evaluations are planned from it.
+# A training step costs about this many forward passes: the backward costs about twice the forward (a step's
+# FLOPs are 6 per parameter and token, the forward's 2). Evaluations are planned from it.
 FORWARDS_PER_STEP = 3
 TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C = 6 N D with D = 20 N
 MEMORY_FRACTION = FIT_FRACTION  # of the GPU's memory (fit.py)
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
 
 
-# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets, which sizing plans a GPU
-# run's budget with and monitor.py reports MFU against. The first entry whose name occurs in the device name wins,
-# so specific names come before general ones.
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets, which sizing plans
+# a GPU run's budget with and monitor.py reports MFU against. The first entry whose name occurs in the device
+# name wins, so specific names come before general ones.
 PEAK_TFLOPS = [
     ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
@@ -53,25 +54,27 @@ def gpu_peak_flops(name: str) -> float | None:
 
 
 def flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token, the one count MFU and the budget's plan use: forward (2) and backward (4) per weight
-    of every matmul, the head's included and the embedding lookup, norms and biases not, plus attention's QK^T and
-    AV over the full context, 12 * layers * heads * head_dim * context (PaLM's appendix B)."""
+    """Training FLOPs per token, the one count MFU and the budget's plan use: forward (2) and backward (4) per
+    weight of every matmul, the head's included and the embedding lookup, norms and biases not, plus
+    attention's QK^T and AV over the full context, 12 * layers * heads * head_dim * context (PaLM's appendix
+    B)."""
     matmul = m.num_hidden_layers * sum(i * o for i, o in block_matrices(m).values()) + m.vocab_size * m.hidden_size
     attention = 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * m.max_seq_len
     return 6 * matmul + attention
 
 
 def budget_minutes(t, machine: Machine) -> float:
-    """The minutes a run works to: max_minutes as written, else, when its length is automatic too (max_steps and
-    epochs 0), CPU_MINUTES off CUDA and GPU_MINUTES on it; 0 for a run whose length is in steps or epochs."""
+    """The minutes a run works to: max_minutes as written, else, when its length is automatic too (max_steps
+    and epochs 0), CPU_MINUTES off CUDA and GPU_MINUTES on it; 0 for a run whose length is in steps or epochs.
+    """
     if t.max_minutes or t.max_steps or t.epochs:
         return t.max_minutes
     return GPU_MINUTES if machine.kind == "cuda" else CPU_MINUTES
 
 
 def planned_flops_per_s(machine: Machine, world_size: int = 1) -> float:
-    """The training FLOP/s a CUDA run plans with: the GPU's peak (FALLBACK_TFLOPS when unknown) at MEASURED_MFU,
-    on every rank."""
+    """The training FLOP/s a CUDA run plans with: the GPU's peak (FALLBACK_TFLOPS when unknown) at
+    MEASURED_MFU, on every rank."""
     return (gpu_peak_flops(machine.name) or FALLBACK_TFLOPS * 1e12) * MEASURED_MFU * world_size
 
 
@@ -89,9 +92,9 @@ def optimal_parameters(minutes: float, machine: Machine, world_size: int = 1) ->
 
 
 def token_target(cfg: Config, machine: Machine, world_size: int = 1) -> int:
-    """The tokens a corpus fetched for this run should hold: what the model trains on in its budget, at most the
-    budget's compute-optimal tokens (a model far smaller than that, tiny on a GPU, runs far below MEASURED_MFU: 0.4%
-    on an H200, and repeats its data). 0 off CUDA or without a budget."""
+    """The tokens a corpus fetched for this run should hold: what the model trains on in its budget, at most
+    the budget's compute-optimal tokens (a model far smaller than that, tiny on a GPU, runs far below
+    MEASURED_MFU: 0.4% on an H200, and repeats its data). 0 off CUDA or without a budget."""
     tokens = budget_tokens(cfg, machine, world_size)
     if not tokens:
         return 0
@@ -100,8 +103,8 @@ def token_target(cfg: Config, machine: Machine, world_size: int = 1) -> int:
 
 
 def plan_report(cfg: Config, machine: Machine, world_size: int = 1) -> list[str]:
-    """A CUDA run's budget in figures: the compute it buys, the size compute-optimal for it, this model's speed and
-    tokens, and the disk they take. Empty off CUDA or without a time budget."""
+    """A CUDA run's budget in figures: the compute it buys, the size compute-optimal for it, this model's
+    speed and tokens, and the disk they take. Empty off CUDA or without a time budget."""
     target = token_target(cfg, machine, world_size)
     if not target:
         return []
@@ -133,6 +136,6 @@ def activation_bytes(cfg: Config) -> int:
 
 
 def training_bytes_estimate(cfg: Config) -> int:
-    """Peak memory of cfg's step on a GPU with its logits whole (fit.estimate): within 5% of the H200's measured
-    peaks for small and large (tests/test_sizing.py)."""
+    """Peak memory of cfg's step on a GPU with its logits whole (fit.estimate): within 5% of the H200's
+    measured peaks for small and large (tests/test_sizing.py)."""
     return estimate(cfg, gpu_target(cfg)).total

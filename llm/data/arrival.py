@@ -1,10 +1,9 @@
-"""A Hub corpus that trains while it downloads: preparation.py writes its parts in a background thread, file by
-file as they arrive (the next file downloading while one is tokenized), and the run starts once the first parts
-hold the validation split and a training window. batches.py reads the first epoch in arrival order and waits here
-for a part not yet written, so a micro-batch is the same pure function of the step as when the cache was complete.
-Used for one unweighted Hub dataset (corpus.in_arrival_order) in a run of one process whose length does not
-depend on the corpus size; any other run prepares everything first.
-"""
+"""A Hub corpus that trains while it downloads: preparation.py writes its parts in a background thread, file
+by file as they arrive (the next file downloading while one is tokenized), and the run starts once the first
+parts hold the validation split and a training window. batches.py reads the first epoch in arrival order and
+waits here for a part not yet written, so a micro-batch is the same pure function of the step as when the
+cache was complete. Used for one unweighted Hub dataset (corpus.in_arrival_order) in a run of one process
+whose length does not depend on the corpus size; any other run prepares everything first."""
 
 import queue
 import threading
@@ -26,8 +25,8 @@ def say(line: str):
 
 
 def one_ahead(items):
-    """items, with the next one fetched in a thread while the caller works on this one: the next file downloads
-    while this one is tokenized. An error fetching comes out where that item would."""
+    """items, with the next one fetched in a thread while the caller works on this one: the next file
+    downloads while this one is tokenized. An error fetching comes out where that item would."""
     ahead = queue.Queue(maxsize=1)
 
     def fetch():
@@ -109,8 +108,8 @@ def start(data: ArrivingData, work) -> ArrivingData:
 
 
 def stopped_by(error: BaseException, step: int, ckpt: str | None) -> BaseException:
-    """The error that stopped a corpus arriving, as the run's last line: with the step it reached and where that
-    step is saved (the loop saved it before raising this)."""
+    """The error that stopped a corpus arriving, as the run's last line: with the step it reached and where
+    that step is saved (the loop saved it before raising this)."""
     if not isinstance(error, (InputError, RunFailure)):
         return error  # not a failure we name: its traceback is the report
     saved = f"; training stopped at step {step}, saved in {ckpt}: --resume goes on from it" if ckpt else ""

@@ -1,9 +1,8 @@
-"""The micro-batches a run reads from the token cache: windows of the token stream, or windows of whole examples
-packed by packing.py (chat and instruction data by default). Which windows a micro-batch holds is window_order.py's
-to say, a pure function of (seed, step, micro_step, rank); here the split's tokens are held (read again as the
-parts of a corpus read in arrival order come in), a step waits for a part not yet written, and the windows are
-read into tensors on the device.
-"""
+"""The micro-batches a run reads from the token cache: windows of the token stream, or windows of whole
+examples packed by packing.py (chat and instruction data by default). Which windows a micro-batch holds is
+window_order.py's to say, a pure function of (seed, step, micro_step, rank); here the split's tokens are held
+(read again as the parts of a corpus read in arrival order come in), a step waits for a part not yet written,
+and the windows are read into tensors on the device."""
 
 from typing import NamedTuple
 
@@ -29,7 +28,8 @@ def check_window(split: str, tokens: int, seq_len: int):
 
 def check_windows(data: PreparedData, mode: str, seq_len: int):
     """Both splits hold a training window, and so does each weighted source, where windows are random slices
-    (packed ones, by --packing `mode`, fit any example; they read the corpus as a whole, so refuse weights)."""
+    (packed ones, by --packing `mode`, fit any example; they read the corpus as a whole, so refuse weights).
+    """
     if packing.packs(mode, data.meta) or data.meta.get("has_pairs"):
         if data.weights:
             raise DataError("source weights apply to random windows, and these windows are packed whole examples "
@@ -60,9 +60,10 @@ def run_loaders(cfg: Config, data: PreparedData, rank: int, world_size: int, dev
 
 
 class Batches:
-    """Windows of seq_len + 1 tokens of one split: the split's tokens, read again as a corpus read in arrival order
-    gains parts, a read waiting for a part not yet written (arrival.py); which windows each micro-batch holds is
-    self.order's to say (window_order.py: tiled epochs, a mixture's draws, arrival order, or consecutive windows)."""
+    """Windows of seq_len + 1 tokens of one split: the split's tokens, read again as a corpus read in arrival
+    order gains parts, a read waiting for a part not yet written (arrival.py); which windows each micro-batch
+    holds is self.order's to say (window_order.py: tiled epochs, a mixture's draws, arrival order, or
+    consecutive windows)."""
 
     def __init__(self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int,
                  rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
@@ -105,8 +106,8 @@ class Batches:
         return self._holds(self.order.step_end(step))
 
     def ready(self, step: int, give_up=lambda: False) -> bool:
-        """Wait until every window of this step is in, where the corpus is still arriving, or give_up() (the run
-        was asked to stop); False if its preparation failed first (the run then saves and stops)."""
+        """Wait until every window of this step is in, where the corpus is still arriving, or give_up() (the
+        run was asked to stop); False if its preparation failed first (the run then saves and stops)."""
         return self._arrived(self.order.step_end(step), give_up)
 
     def _holds(self, sequence: int) -> bool:
@@ -114,8 +115,8 @@ class Batches:
         return not self.arrival or self.final or sequence < self.part_windows[-1]
 
     def _arrived(self, sequence: int, give_up=lambda: False) -> bool:
-        """Wait until the run's sequence-th training window is in (or every part is, or give_up()); False if the
-        preparation failed."""
+        """Wait until the run's sequence-th training window is in (or every part is, or give_up()); False if
+        the preparation failed."""
         data = self.data
         if self._holds(sequence):
             return True
@@ -148,8 +149,8 @@ class Batches:
         return np.stack([stream[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """Inputs and next-token labels, both (B, T) int64 on the device (-100 labels are not learned), and None
-        for positions: every row is one stretch of text."""
+        """Inputs and next-token labels, both (B, T) int64 on the device (-100 labels are not learned), and
+        None for positions: every row is one stretch of text."""
         starts = self.starts(step, micro_step)
         windows = self._windows(self.tokens, starts)
         x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
@@ -201,9 +202,9 @@ class PackedBatches(Batches):
 
 
 class PairBatch(NamedTuple):
-    """A micro-batch of whole preference pairs: inputs, labels (-100 outside the replies), positions and reply slots
-    (2 * pair + side, -1 outside the replies), each (B, T) on the device; the pairs' ids in their split (P,) on the
-    device, and P."""
+    """A micro-batch of whole preference pairs: inputs, labels (-100 outside the replies), positions and reply
+    slots (2 * pair + side, -1 outside the replies), each (B, T) on the device; the pairs' ids in their split
+    (P,) on the device, and P."""
     x: torch.Tensor
     y: torch.Tensor
     pos: torch.Tensor
@@ -212,17 +213,18 @@ class PairBatch(NamedTuple):
     pairs: int
 
 
-# A cut window's length rounds up to a multiple of this: a few shapes, so the CPU's matmul library (oneDNN) keeps a
-# few kernels and their buffers rather than a set per length (cut exactly, the bench's peak grew from 0.65 to 0.9 GiB).
+# A cut window's length rounds up to a multiple of this: a few shapes, so the CPU's matmul library (oneDNN)
+# keeps a few kernels and their buffers rather than a set per length (cut exactly, the bench's peak grew from
+# 0.65 to 0.9 GiB).
 TRIM_STEP = 64
 
 
 class PairBatches(PackedBatches):
     """Windows of whole preference pairs (packing.pair_plan), read as PackedBatches reads windows of examples:
-    training each window once per epoch in an order drawn from (seed, epoch), evaluation in file order. Pairs are
-    always packed, whatever --packing says: a pair is whole or not trained. trim: each micro-batch cut after its
-    windows' last filled position, rounded up to TRIM_STEP (an eager step's shapes may change; a compiled step's
-    stay); the step's Runner sets it (runner.start), as it alone knows which."""
+    training each window once per epoch in an order drawn from (seed, epoch), evaluation in file order. Pairs
+    are always packed, whatever --packing says: a pair is whole or not trained. trim: each micro-batch cut
+    after its windows' last filled position, rounded up to TRIM_STEP (an eager step's shapes may change; a
+    compiled step's stay); the step's Runner sets it (runner.start), as it alone knows which."""
     trim = False
 
     def __init__(self, data: PreparedData, split: str, *args, **kwargs):

@@ -1,13 +1,12 @@
-"""The corpus: the documents that text files, folders, JSONL and chat JSONL files, parquet and Arrow tables hold
-(text and JSONL also gzip- or zstd-compressed; readers.py opens each container), read in a fixed order.
+"""The corpus: the documents that text files, folders, JSONL and chat JSONL files, parquet and Arrow tables
+hold (text and JSONL also gzip- or zstd-compressed; readers.py opens each container), read in a fixed order.
 
 Sources are files, folders, glob patterns or Hub datasets (hf_datasets.py fetches their files). Folders are
-walked recursively (hidden files, caches, installed packages and pipes skipped; binary files skipped and counted;
-a `datasets` save_to_disk folder gives its Arrow files); long text files are cut at line ends into documents of
-about 32 KiB (a line longer than 256 KiB at a character boundary); a JSONL line or a table row is one document,
-its chat messages (in any shape chat_formats.py reads) or its text. Nothing here tokenizes: preparation.py does,
-from documents().
-"""
+walked recursively (hidden files, caches, installed packages and pipes skipped; binary files skipped and
+counted; a `datasets` save_to_disk folder gives its Arrow files); long text files are cut at line ends into
+documents of about 32 KiB (a line longer than 256 KiB at a character boundary); a JSONL line or a table row is
+one document, its chat messages (in any shape chat_formats.py reads) or its text. Nothing here tokenizes:
+preparation.py does, from documents()."""
 
 import codecs
 import functools
@@ -28,15 +27,15 @@ PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents 
 LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
 BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
 SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
-# The bundled corpus: the installed Python's standard library sources, asked for by no --sources (on a CPU) or by
-# --sources stdlib (anywhere; a path named stdlib that exists is read instead). Without the test suites (Lib/test,
-# idlelib/idle_test, tkinter/test, lib2to3/tests, ...), which some installs leave out and others ship, it is about the
-# same text on every install of Python 3.10-3.13.
+# The bundled corpus: the installed Python's standard library sources, asked for by no --sources (on a CPU) or
+# by --sources stdlib (anywhere; a path named stdlib that exists is read instead). Without the test suites
+# (Lib/test, idlelib/idle_test, tkinter/test, lib2to3/tests, ...), which some installs leave out and others
+# ship, it is about the same text on every install of Python 3.10-3.13.
 BUNDLED = "stdlib"
 TEST_DIRS = {"test", "tests", "idle_test"}
-# The GPU default, asked for by no --sources on CUDA: FineWeb-Edu's 10B-token sample (educational web text, what
-# the anchors' speedruns train on), fetched only as far as the run's token target; the bundled corpus when neither
-# the Hub nor the cache has it.
+# The GPU default, asked for by no --sources on CUDA: FineWeb-Edu's 10B-token sample (educational web text,
+# what the anchors' speedruns train on), fetched only as far as the run's token target; the bundled corpus
+# when neither the Hub nor the cache has it.
 GPU_CORPUS = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
 
 
@@ -63,8 +62,9 @@ def files_read(stats: ReadStats) -> str:
 
 
 def _walk(root: str, suffix=None, skipped=SKIPPED_DIRS) -> list[str]:
-    """Files under root, sorted, without hidden files and the folders skipped (caches and installed packages); of a
-    `datasets` save_to_disk folder its Arrow files only (its JSON files describe them, they are no text to learn)."""
+    """Files under root, sorted, without hidden files and the folders skipped (caches and installed packages);
+    of a `datasets` save_to_disk folder its Arrow files only (its JSON files describe them, they are no text
+    to learn)."""
     found = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skipped]
@@ -87,8 +87,8 @@ class Source:
 
 
 def split_weight(source: str) -> tuple[str, float | None]:
-    """`web/*.parquet:0.7` -> ("web/*.parquet", 0.7); a path that exists as written keeps its colon, and so does
-    hf://datasets/... (what follows its colon is no number)."""
+    """`web/*.parquet:0.7` -> ("web/*.parquet", 0.7); a path that exists as written keeps its colon, and so
+    does hf://datasets/... (what follows its colon is no number)."""
     path, colon, tail = source.rpartition(":")
     if not colon or os.path.exists(source):
         return source, None
@@ -112,10 +112,10 @@ def is_bundled(cfg: DataConfig) -> bool:
 
 
 def in_arrival_order(cfg: DataConfig) -> bool:
-    """Whether the corpus is read in the order its files arrive: one Hub dataset without a weight. Its tokenizer
-    learns from its first file, its validation split is its first parts' and its first epoch reads the parts in
-    fetch order (batches.py), so a run can train while the rest downloads (arrival.py) and read the same batches as
-    a run that waited."""
+    """Whether the corpus is read in the order its files arrive: one Hub dataset without a weight. Its
+    tokenizer learns from its first file, its validation split is its first parts' and its first epoch reads
+    the parts in fetch order (batches.py), so a run can train while the rest downloads (arrival.py) and read
+    the same batches as a run that waited."""
     return len(cfg.sources) == 1 and hf_datasets.is_hub_dataset(cfg.sources[0]) and split_weight(cfg.sources[0])[1] \
         is None
 
@@ -298,8 +298,9 @@ def _document(obj: dict, text_fields, system_prompt: str):
 
 
 def _one_kind(doc, first: bool | None) -> bool:
-    """Whether the file's documents are preference pairs, as its first one says; DataError for a document of the
-    other kind (pairs train by preference, anything else by next-token loss: one source holds one kind)."""
+    """Whether the file's documents are preference pairs, as its first one says; DataError for a document of
+    the other kind (pairs train by preference, anything else by next-token loss: one source holds one kind).
+    """
     pair = is_pair(doc)
     if first is not None and pair != first:
         raise DataError(f"a {'preference row (chosen, rejected)' if pair else 'row without chosen and rejected'} "
@@ -344,8 +345,8 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
 
 
 def _table_documents(path: str, cfg: DataConfig, stats: ReadStats):
-    """Yield (0, document, its text's bytes) per row of a parquet or Arrow file, row group by row group; bad rows
-    and empty row groups are counted and left out."""
+    """Yield (0, document, its text's bytes) per row of a parquet or Arrow file, row group by row group; bad
+    rows and empty row groups are counted and left out."""
     text_fields, kind = _text_fields(cfg), None
     stats.files += 1
     for label, first, rows in readers.table_chunks(path, text_fields + SHAPE_FIELDS + PAIR_FIELDS):
@@ -365,9 +366,9 @@ def _table_documents(path: str, cfg: DataConfig, stats: ReadStats):
 
 
 def documents(files, cfg: DataConfig, stats: ReadStats, budget: float | None = None):
-    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after `budget` bytes of text (default:
-    max_source_mb). A file with bad lines or rows (unless skip_bad_lines) is read to its end to count them, its
-    documents after the first bad one not yielded, and then refused."""
+    """Yield (doc_id, piece, text or messages) in a fixed order, stopping after `budget` bytes of text
+    (default: max_source_mb). A file with bad lines or rows (unless skip_bad_lines) is read to its end to
+    count them, its documents after the first bad one not yielded, and then refused."""
     budget = (cfg.max_source_mb * 1e6 or math.inf) if budget is None else budget
     doc_id = -1
     for path, in_folder in files:

@@ -19,10 +19,10 @@ from contextlib import contextmanager, suppress
 from urllib.parse import unquote
 
 from llm.base.errors import DataError, RunFailure
-from llm.data import readers
-from llm.hub.hub_client import (Repo, cached_commit, download, listing, lost, not_shown, offline, refused_token,
-                            remember, safe_relative, say_once, snapshot_path, unreachable)
 from llm.base.sizing import BYTES_PER_TOKEN
+from llm.data import readers
+from llm.hub.hub_client import (Repo, cached_commit, download, listing, lost, not_shown, offline,
+                                refused_token, remember, safe_relative, say_once, snapshot_path, unreachable)
 
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
@@ -57,8 +57,9 @@ def parse(url: str) -> tuple[str, str, str]:
 
 
 def matches(path: str, pattern: str) -> bool:
-    """A repository path against a glob as a shell reads it: `*` within a folder, `**` across folders; a pattern
-    without wildcards names a file or every file under that folder; an empty one the whole repository."""
+    """A repository path against a glob as a shell reads it: `*` within a folder, `**` across folders; a
+    pattern without wildcards names a file or every file under that folder; an empty one the whole repository.
+    """
     if not pattern:
         return True
     if not _wild(pattern):
@@ -85,8 +86,9 @@ def _wild(text: str) -> bool:
 
 
 def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=say_once) -> list[str]:
-    """Local paths of the dataset's files that match, in name order: enough of them that `measure` (bytes of text a
-    file holds) sums to max_bytes, downloaded where missing; offline, or with the Hub out of reach, the cached ones."""
+    """Local paths of the dataset's files that match, in name order: enough of them that `measure` (bytes of
+    text a file holds) sums to max_bytes, downloaded where missing; offline, or with the Hub out of reach, the
+    cached ones."""
     from huggingface_hub import constants
     key = (url, max_bytes, constants.HF_HUB_CACHE, offline(constants))
     if key not in _fetched:
@@ -95,9 +97,9 @@ def fetch(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=sa
 
 
 def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log=say_once, bars: bool = True):
-    """fetch(url)'s paths one by one, each as soon as it is on disk: a reader starts on the first file while the
-    next downloads. The commit the files come from is in commits[url] before the first is yielded. bars: a bar of
-    bytes per file (else a line once each is in, for files that come while a run trains)."""
+    """fetch(url)'s paths one by one, each as soon as it is on disk: a reader starts on the first file while
+    the next downloads. The commit the files come from is in commits[url] before the first is yielded. bars: a
+    bar of bytes per file (else a line once each is in, for files that come while a run trains)."""
     import huggingface_hub as hub
     from huggingface_hub import constants
     repo_id, revision, pattern = parse(url)
@@ -165,8 +167,9 @@ def _data_files(names: list, url: str) -> list:
 
 
 def _readable(measure, path: str, repo: Repo) -> int:
-    """measure(path); a cached file it cannot read, or whose first bytes cannot start its kind (a web page where
-    parquet, JSON lines or a gzip stream should be), leaves the cache, blob and link: the next run fetches it anew."""
+    """measure(path); a cached file it cannot read, or whose first bytes cannot start its kind (a web page
+    where parquet, JSON lines or a gzip stream should be), leaves the cache, blob and link: the next run
+    fetches it anew."""
     try:
         if wrong := _wrong_start(path):
             raise DataError(f"{path} is not a readable {wrong}, {readers.REWRITE}")
@@ -181,8 +184,8 @@ def _readable(measure, path: str, repo: Repo) -> int:
 
 
 def _wrong_start(path: str) -> str:
-    """What a file's first bytes show it is not (""): a gzip or zstd stream without its magic, or a web page (a
-    proxy's sign-in page) where JSON lines or an Arrow table should be."""
+    """What a file's first bytes show it is not (""): a gzip or zstd stream without its magic, or a web page
+    (a proxy's sign-in page) where JSON lines or an Arrow table should be."""
     with open(path, "rb") as f:
         head = f.read(64)
     kind = os.path.splitext(path)[1]

@@ -26,8 +26,8 @@ def packs(mode: str, meta: dict) -> bool:
 
 @dataclass
 class Plan:
-    """Windows of one split: window w holds the pieces piece_start[first[w]:first[w + 1]] (each the first token
-    of a piece's inputs; its labels run one further) with their lengths."""
+    """Windows of one split: window w holds the pieces piece_start[first[w]:first[w + 1]] (each the first
+    token of a piece's inputs; its labels run one further) with their lengths."""
     piece_start: np.ndarray  # (pieces,) int64, in window order
     piece_len: np.ndarray  # (pieces,) int64, inputs per piece, 1..seq_len
     first: np.ndarray  # (windows + 1,) int64: window w's pieces are first[w]:first[w + 1]
@@ -55,8 +55,8 @@ def boundaries(tokens, value: int) -> np.ndarray:
 def pieces(ends: np.ndarray, turn_starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(starts, lengths, examples cut) of the examples that end (with their end-of-text token) at `ends`.
 
-    An example's inputs are its tokens before its end-of-text token, its labels the tokens after each input, the
-    end-of-text token included. One longer than seq_len is cut before the last turn start within reach (a
+    An example's inputs are its tokens before its end-of-text token, its labels the tokens after each input,
+    the end-of-text token included. One longer than seq_len is cut before the last turn start within reach (a
     position in turn_starts, sorted), or at seq_len where no turn starts inside the reach."""
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
     lengths = (ends - starts).astype(np.int64)
@@ -82,8 +82,8 @@ def pieces(ends: np.ndarray, turn_starts: np.ndarray, seq_len: int) -> tuple[np.
 
 
 def best_fit(lengths: np.ndarray, seq_len: int, order: np.ndarray) -> list[list[int]]:
-    """Pieces (indices into lengths, taken in `order`) packed into windows of seq_len positions: each piece goes
-    into the open window whose free space fits it most tightly, or opens a new one."""
+    """Pieces (indices into lengths, taken in `order`) packed into windows of seq_len positions: each piece
+    goes into the open window whose free space fits it most tightly, or opens a new one."""
     windows: list[list[int]] = []
     free_sizes: list[int] = []  # sorted distinct free sizes of open windows
     by_free: dict[int, list[int]] = {}  # free size -> open windows with that much room
@@ -109,8 +109,8 @@ def best_fit(lengths: np.ndarray, seq_len: int, order: np.ndarray) -> list[list[
 
 
 def plan(tokens, eot: int, turn_start: int | None, seq_len: int, seed: int | None) -> Plan:
-    """The packing of a split: its examples (ending at each end-of-text token) cut to fit, shuffled by seed (None:
-    in file order, as evaluation wants), best-fit into windows of seq_len inputs."""
+    """The packing of a split: its examples (ending at each end-of-text token) cut to fit, shuffled by seed
+    (None: in file order, as evaluation wants), best-fit into windows of seq_len inputs."""
     ends = boundaries(tokens, eot)
     turns = boundaries(tokens, turn_start) if turn_start is not None else np.zeros(0, np.int64)
     starts, lengths, cut = pieces(ends, turns, seq_len)
@@ -141,11 +141,12 @@ def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.
 
 @dataclass
 class PairPlan:
-    """Windows of whole preference pairs: a pair's prompt and chosen reply, then its rejected reply branching off
-    the prompt (the prompt's last token again, at its position, then the reply: packed_attention.py), so the
-    prompt runs once for both; window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's sequences start at
-    start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold length[p] inputs each
-    (labels run one further, onto the end-of-text token), the first shared[p] of them the prompt both begin with."""
+    """Windows of whole preference pairs: a pair's prompt and chosen reply, then its rejected reply branching
+    off the prompt (the prompt's last token again, at its position, then the reply: packed_attention.py), so
+    the prompt runs once for both; window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's sequences
+    start at start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold length[p]
+    inputs each (labels run one further, onto the end-of-text token), the first shared[p] of them the prompt
+    both begin with."""
     start: np.ndarray  # (pairs, 2) int64
     length: np.ndarray  # (pairs, 2) int64
     shared: np.ndarray  # (pairs,) int64
@@ -165,16 +166,16 @@ class PairPlan:
 
 
 def pair_sizes(length: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """(pairs,) the positions each pair fills in a window: both sequences, less their shared prompt but its last
-    token once."""
+    """(pairs,) the positions each pair fills in a window: both sequences, less their shared prompt but its
+    last token once."""
     return length.sum(1) - shared + 1
 
 
 def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPlan:
     """The pairs of a split (examples 2k and 2k + 1 ending at end-of-text tokens; a reply starts at the first
-    learned token), each cut to fit one window: a prompt too long loses tokens from its left, the same number in
-    both sequences (at least one stays, to predict the reply's first token). Shuffled by seed (None: file order),
-    best-fit into windows of seq_len inputs."""
+    learned token), each cut to fit one window: a prompt too long loses tokens from its left, the same number
+    in both sequences (at least one stays, to predict the reply's first token). Shuffled by seed (None: file
+    order), best-fit into windows of seq_len inputs."""
     ends = boundaries(tokens, eot)
     if len(ends) % 2:
         raise DataError(f"a cache of preference pairs holds {len(ends)} sequences, not two per pair; delete the "

@@ -22,8 +22,8 @@ def is_pair(doc) -> bool:
 
 
 def pair_document(obj: dict, system_prompt: str = "") -> dict | None:
-    """A preference row as {"prompt", "chosen", "rejected"}, each a list of messages, checked; None when the row
-    has neither chosen nor rejected. DataError says what is wrong with it."""
+    """A preference row as {"prompt", "chosen", "rejected"}, each a list of messages, checked; None when the
+    row has neither chosen nor rejected. DataError says what is wrong with it."""
     has = [k for k in PAIR_FIELDS if k in obj]
     if not has:
         return None
@@ -82,7 +82,8 @@ def _reply(text) -> dict:
 
 def pair_segments(doc: dict) -> list:
     """The pair as tokenizer segments: prompt + chosen, an end-of-text token, prompt + rejected (each reply's
-    assistant content and <|im_end|> learned, as in a chat; the prompt's template text is the same in both)."""
+    assistant content and <|im_end|> learned, as in a chat; the prompt's template text is the same in both).
+    """
     prompt = chat_segments(doc["prompt"])
     return prompt + chat_segments(doc["chosen"]) + [(EOT_TOKEN, False, True)] + prompt + chat_segments(doc["rejected"])
 

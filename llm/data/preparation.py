@@ -1,11 +1,12 @@
-"""Preparing the token cache (token_cache.py owns its format; batches.py reads it; prepare_data.py is its script).
+"""Preparing the token cache (token_cache.py owns its format; batches.py reads it; prepare_data.py is its
+script).
 
 Takes the documents corpus.py reads from the sources (default: this Python's standard library), trains a
 byte-level tokenizer (tokenizer.py) on a sample of the training split across the sources, and streams every
 document through the tokenizer (batched: every core) into the cache's parts: <cache_dir>/<corpus key>/ with
-tokenizer.json, meta.json and shards/. The same settings later reuse that folder; a source file added, removed or
-touched redoes only its own shard. A bar shows MB read, tokens and the rate, and a table the tokens per source.
-"""
+tokenizer.json, meta.json and shards/. The same settings later reuse that folder; a source file added, removed
+or touched redoes only its own shard. A bar shows MB read, tokens and the rate, and a table the tokens per
+source."""
 
 import itertools
 import json
@@ -21,19 +22,20 @@ from tqdm import tqdm
 
 from config import Config, DataConfig
 from llm.base import atomic
+from llm.base.distributed import Ranks
+from llm.base.errors import ConfigError, DataError
 from llm.data import arrival, hf_datasets
 from llm.data import corpus_totals as totals
 from llm.data import token_cache as tc
-from llm.data.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, files_read, in_arrival_order,
-                        sources, split_weight)
-from llm.base.distributed import Ranks
-from llm.base.errors import ConfigError, DataError
 from llm.data.batches import check_windows
+from llm.data.corpus import (PIECE_BYTES, ReadStats, check_read, documents, file_bytes, files_read,
+                             in_arrival_order, sources, split_weight)
 from llm.data.pairs import as_messages, is_pair, pair_segments
 from llm.data.token_cache import PreparedData
 from llm.tokens.tiktoken_bpe import Encoder, encoder_for
-from llm.tokens.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments, chat_text,
-                           encode_segments, existing_tokenizer, save_tokenizer, tokenizer_file, train_tokenizer)
+from llm.tokens.tokenizer import (EOT_TOKEN, MIN_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, chat_segments,
+                                  chat_text, encode_segments, existing_tokenizer, save_tokenizer,
+                                  tokenizer_file, train_tokenizer)
 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: keeps every core busy, bounds memory
 TOKENIZER_SAMPLE_BYTES = 32 * 2**20  # tokenizer training text; more changes the merges little, costs time
@@ -119,10 +121,11 @@ def _make_tokenizer(cfg: DataConfig, found, vocab_size: int, log) -> Tokenizer:
 # ----------------------------------------------------------------------------- token cache
 
 def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
-    """The cache folder's name: every data setting but the cache's place and how batches are cut from it (a field
-    added to DataConfig takes part without being listed here), the sources as given (not their files, whose
-    changes redo only their own shards; not their weights) and the tokenizer file by its contents: a GGUF's
-    tokenizer is written to a new temporary path by each process, and by its path no run from one could resume."""
+    """The cache folder's name: every data setting but the cache's place and how batches are cut from it (a
+    field added to DataConfig takes part without being listed here), the sources as given (not their files,
+    whose changes redo only their own shards; not their weights) and the tokenizer file by its contents: a
+    GGUF's tokenizer is written to a new temporary path by each process, and by its path no run from one could
+    resume."""
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in BATCH_TIME_FIELDS}
     settings.update(sources=[_source_key(split_weight(g)[0]) for g in cfg.sources], vocab_size=vocab_size,
                     format=CACHE_FORMAT, piece_bytes=PIECE_BYTES, part_bytes=tc.PART_BYTES,
@@ -133,8 +136,8 @@ def _corpus_key(cfg: DataConfig, vocab_size: int) -> str:
 
 
 def _source_key(source: str) -> str:
-    """A source as the cache key names it: a path made absolute (the same folder from any directory), a Hub URL as
-    written (its revision and pattern say which files)."""
+    """A source as the cache key names it: a path made absolute (the same folder from any directory), a Hub
+    URL as written (its revision and pattern say which files)."""
     return source if hf_datasets.is_hub_dataset(source) else os.path.abspath(source)
 
 
@@ -150,7 +153,8 @@ def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tup
     meta = {"vocab_size": vocab, "dtype": "uint16" if vocab <= 2**16 else "uint32",
             "eot_id": tok.token_to_id(EOT_TOKEN), "tokenizer": cfg.tokenizer or cfg.tokenizer_type,
             "format": CACHE_FORMAT}
-    # Under a temporary name, then renamed over the damaged folder: its parts were tokenized by another tokenizer.
+    # Under a temporary name, then renamed over the damaged folder: its parts were tokenized by another
+    # tokenizer.
     with atomic.folder(path, f"writing the token cache {path}") as tmp:
         save_tokenizer(tok, os.path.join(tmp, TOKENIZER_FILE))
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
@@ -211,7 +215,8 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encode
 def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, log, on_part=None,
                  bar: bool = True) -> tuple[list, ReadStats]:
     """Every shard's parts, reused where complete and intact, written where not; stops a source at its cap.
-    on_part(parts): called with the parts so far whenever one is added (a corpus that trains as it arrives)."""
+    on_part(parts): called with the parts so far whenever one is added (a corpus that trains as it arrives).
+    """
     shards = os.path.join(path, "shards")
     os.makedirs(shards, exist_ok=True)
     atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
@@ -267,9 +272,9 @@ def _old_caches(cache_dir: str) -> list[str]:
 
 
 def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, background: bool = False) -> PreparedData:
-    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad input.
-    background: a corpus read in arrival order (corpus.in_arrival_order) is prepared in a thread, and the
-    ArrivingData returned as soon as its first parts hold a validation split and a training window."""
+    """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad
+    input. background: a corpus read in arrival order (corpus.in_arrival_order) is prepared in a thread, and
+    the ArrivingData returned as soon as its first parts hold a validation split and a training window."""
     if cfg.data_seed < 0:
         raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
     if not cfg.tokenizer and vocab_size < MIN_VOCAB:
@@ -303,8 +308,8 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
 
 
 def _first_file(found: list) -> tuple[list, list]:
-    """(the source with its first file only, from which a corpus read in arrival order trains its tokenizer; the
-    source with every file, each fetched while the reader tokenizes the one before)."""
+    """(the source with its first file only, from which a corpus read in arrival order trains its tokenizer;
+    the source with every file, each fetched while the reader tokenizes the one before)."""
     files = iter(found[0].files)
     first = list(itertools.islice(files, 1))  # downloads it
     return [replace(found[0], files=first)], [replace(found[0], files=arrival.one_ahead(itertools.chain(first, files)))]
@@ -362,8 +367,8 @@ def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found
 
 
 def prepare_once(cfg: Config, ranks: Ranks, background: bool = False) -> PreparedData:
-    """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it complete.
-    background: prepare a corpus read in arrival order while the run trains (one process only)."""
+    """The training run's token cache: rank 0 builds it while the other ranks wait, then they find it
+    complete. background: prepare a corpus read in arrival order while the run trains (one process only)."""
     m = cfg.model
     data = prepare(cfg.data, m.vocab_size, m.max_seq_len, log=ranks.print, background=background) \
         if ranks.is_main else None

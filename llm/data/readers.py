@@ -25,11 +25,13 @@ ZSTD_INPUT_BYTES = 2048  # compressed bytes per step: even a 30000:1 zstd block 
 COMPRESSION_RATIO = 4  # text bytes per compressed byte, for a size estimate where the file records none
 DATASET_MARKERS = ("state.json", "dataset_info.json")  # beside data-*.arrow files: a save_to_disk folder
 DATASET_DICT = "dataset_dict.json"  # the index of a saved DatasetDict, whose splits are subfolders
-# A JSONL line longer than this is never held whole (a 2 GB one-line file peaked at 5.1 GiB): it is read through
-# in SKIP_BYTES pieces and refused as a bad line. Generous: one document of a quarter gigabyte still reads.
+# A JSONL line longer than this is never held whole (a 2 GB one-line file peaked at 5.1 GiB): it is read
+# through in SKIP_BYTES pieces and refused as a bad line. Generous: one document of a quarter gigabyte still
+# reads.
 MAX_LINE_BYTES = 256 * 2**20
 SKIP_BYTES = 2**20
-# How an error line about a file that cannot be read ends; hf_datasets.py removes such a file from the Hub's cache.
+# How an error line about a file that cannot be read ends; hf_datasets.py removes such a file from the Hub's
+# cache.
 REWRITE = "write it again, or leave it out"
 
 
@@ -70,8 +72,8 @@ def open_stream(path: str):
 
 
 def lines(f):
-    """Yield each line of the stream f as bytes, or None for a line longer than MAX_LINE_BYTES, whose rest is read
-    through in SKIP_BYTES pieces and dropped: memory stays bounded whatever the file holds."""
+    """Yield each line of the stream f as bytes, or None for a line longer than MAX_LINE_BYTES, whose rest is
+    read through in SKIP_BYTES pieces and dropped: memory stays bounded whatever the file holds."""
     while line := f.readline(MAX_LINE_BYTES + 1):
         if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
             yield line
@@ -143,9 +145,9 @@ class _ZstdFrames(io.RawIOBase):
 # ----------------------------------------------------------------------------- tables
 
 def table_chunks(path: str, columns):
-    """Yield (label, first row, rows) through a parquet file's row groups or an Arrow file's record batches, rows
-    as dicts of the columns named in columns that the table has (None: every column), None values left out (as
-    a JSONL line would leave out the key). A parquet row group of no rows comes as (label, 0, [])."""
+    """Yield (label, first row, rows) through a parquet file's row groups or an Arrow file's record batches,
+    rows as dicts of the columns named in columns that the table has (None: every column), None values left
+    out (as a JSONL line would leave out the key). A parquet row group of no rows comes as (label, 0, [])."""
     pa = _module("pyarrow", path)
     try:
         with (_parquet_groups if path.endswith(".parquet") else _arrow_batches)(path, pa) as (schema, groups):
@@ -238,8 +240,8 @@ def dataset_files(folder: str, names) -> list[str] | None:
 
 
 def _listed_data_files(folder: str, data: list[str]) -> set[str]:
-    """The data files a saved dataset says it has: those state.json lists (by name, in this folder) and the whole
-    series data-0000i-of-0000N.arrow that the names found count."""
+    """The data files a saved dataset says it has: those state.json lists (by name, in this folder) and the
+    whole series data-0000i-of-0000N.arrow that the names found count."""
     listed = set()
     for name in data:
         if m := re.fullmatch(r"data-(\d+)-of-(\d+)\.arrow", name):

@@ -49,9 +49,10 @@ def file_identity(path: str) -> list:
 
 
 def group_files(files):
-    """A source's files (path, came from a folder) as shards, yielded as soon as each is complete (files may still
-    be arriving): a file of GROUP_FILE_BYTES or more on its own, smaller ones in runs that end where a path's hash
-    says (never where a count or a size says, which an added file would shift for every run after it)."""
+    """A source's files (path, came from a folder) as shards, yielded as soon as each is complete (files may
+    still be arriving): a file of GROUP_FILE_BYTES or more on its own, smaller ones in runs that end where a
+    path's hash says (never where a count or a size says, which an added file would shift for every run after
+    it)."""
     run = []
     for path, in_folder in files:
         if os.path.getsize(path) >= GROUP_FILE_BYTES:
@@ -75,17 +76,18 @@ def shard_key(files: list, budget: float) -> str:
 
 
 def is_val(doc, seed: int, val_fraction: float) -> bool:
-    """Whether a document (text, or chat messages) is held out: a keyed hash of its content, so the split stays
-    the same whatever holds the document (file, container, shard) and a duplicate never straddles the two."""
+    """Whether a document (text, or chat messages) is held out: a keyed hash of its content, so the split
+    stays the same whatever holds the document (file, container, shard) and a duplicate never straddles the
+    two."""
     text = doc if isinstance(doc, str) else json.dumps(doc, sort_keys=True)
     h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little") < val_fraction * 2**64
 
 
 def split_parts(docs, stats, seed: int, val_fraction: float):
-    """Yield (part, doc_id, piece, document, text bytes, is_val) over a shard's documents, cut into parts of about
-    PART_BYTES. In a part of two or more documents none of which is val, the last one is (a small corpus keeps
-    a validation split)."""
+    """Yield (part, doc_id, piece, document, text bytes, is_val) over a shard's documents, cut into parts of
+    about PART_BYTES. In a part of two or more documents none of which is val, the last one is (a small corpus
+    keeps a validation split)."""
     part, held, size, drawn = 0, None, 0, []
     before = stats.bytes
     for doc_id, piece, doc in docs:
@@ -111,8 +113,8 @@ class SplitWriter:
         self.dtype, self.eot = dtype, eot
         self.tokens = self.documents = self.bytes = 0
         self.last = None  # (doc_id, piece, is its last token learned) of the piece written last
-        # Until flush: ids as one Python list, masks as runs (a number: that many learned tokens) or lists, so a
-        # batch is converted to arrays in one call, and plain text never builds a list of flags.
+        # Until flush: ids as one Python list, masks as runs (a number: that many learned tokens) or lists, so
+        # a batch is converted to arrays in one call, and plain text never builds a list of flags.
         self.ids, self.masks = [], []
 
     def add(self, doc_id: int, piece: int, ids: list, mask, nbytes: int):
@@ -130,8 +132,9 @@ class SplitWriter:
     def flush(self):
         """Write what add() collected."""
         self.tokens += len(self.ids)
-        # file.write, not ndarray.tofile: on a full disk tofile raises OSError('N requested and M written') without
-        # its errno, which then read as a folder we may not write to (exit 2) rather than a full disk (exit 1).
+        # file.write, not ndarray.tofile: on a full disk tofile raises OSError('N requested and M written')
+        # without its errno, which then read as a folder we may not write to (exit 2) rather than a full disk
+        # (exit 1).
         ids = np.fromiter(self.ids, self.dtype, len(self.ids))
         self.files[0].write(ids)
         self.sums[0].update(ids)
@@ -210,8 +213,8 @@ def changed_file(folder: str, part: dict, split: str) -> str | None:
 
 
 def largest_id(path: str, dtype) -> int:
-    """The largest id of a token file, read in chunks: the time of reading it once, against an IndexError (or a
-    device-side assert) hours into a run."""
+    """The largest id of a token file, read in chunks: the time of reading it once, against an IndexError (or
+    a device-side assert) hours into a run."""
     ids = np.memmap(path, dtype=dtype, mode="r")
     return max((int(ids[i:i + ID_CHUNK].max()) for i in range(0, len(ids), ID_CHUNK)), default=0)
 
@@ -221,8 +224,8 @@ _ids_checked: set = set()  # (path, size, time) of the token files whose ids thi
 
 class TokenStream:
     """One split of several parts read as one array: slices cross from one part's file into the next. Parts
-    without a file (masks of parts without chats) read as `fill`. A fresh memmap per read, as nanoGPT does: one
-    kept open maps every page it ever touched, and a long run's memory would grow."""
+    without a file (masks of parts without chats) read as `fill`. A fresh memmap per read, as nanoGPT does:
+    one kept open maps every page it ever touched, and a long run's memory would grow."""
 
     def __init__(self, paths: list, lengths: list, dtype, fill: int = 0, vocab: int | None = None):
         keep = [i for i, n in enumerate(lengths) if n > 0]  # np.memmap refuses empty files
@@ -230,8 +233,8 @@ class TokenStream:
         self.ends = np.cumsum([lengths[i] for i in keep], dtype=np.int64)
 
     def _check_ids(self, path: str):
-        """Token ids past the vocabulary in a file whose size and time were kept (part_problem trusts those) are
-        found the first time this process reads it, and named, instead of reaching the embedding."""
+        """Token ids past the vocabulary in a file whose size and time were kept (part_problem trusts those)
+        are found the first time this process reads it, and named, instead of reaching the embedding."""
         key = (path, *stamp(path))
         if self.vocab is None or key in _ids_checked:
             return
@@ -260,8 +263,9 @@ class TokenStream:
 
 
 def val_parts(parts: list, arrival: bool) -> list:
-    """The parts whose val documents make the validation split: all of them, or for a corpus read as it arrives
-    (corpus.in_arrival_order) the first ones up to ARRIVAL_VAL_TOKENS, so evaluations are alike while files come."""
+    """The parts whose val documents make the validation split: all of them, or for a corpus read as it
+    arrives (corpus.in_arrival_order) the first ones up to ARRIVAL_VAL_TOKENS, so evaluations are alike while
+    files come."""
     if not arrival:
         return parts
     ends = np.cumsum([p["val_tokens"] for p in parts])

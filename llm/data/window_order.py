@@ -17,8 +17,8 @@ import numpy as np
 
 
 def first_epoch_windows(parts: list, seq_len: int) -> list[int]:
-    """Windows of seq_len + 1 tokens each part's train tokens hold, tiled from its start: a corpus read in arrival
-    order reads these in its first epoch."""
+    """Windows of seq_len + 1 tokens each part's train tokens hold, tiled from its start: a corpus read in
+    arrival order reads these in its first epoch."""
     return [max(0, (p["train_tokens"] - 1) // seq_len) for p in parts]
 
 
@@ -28,8 +28,8 @@ def tiled_windows(length: int, seq_len: int) -> int:
 
 
 class WindowOrder:
-    """The windows one reader reads in each order: rank of world_size ranks, batch_size windows a micro-batch, accum
-    micro-steps a step."""
+    """The windows one reader reads in each order: rank of world_size ranks, batch_size windows a micro-batch,
+    accum micro-steps a step."""
 
     def __init__(self, seed: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, accum: int = 1):
         self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
@@ -37,8 +37,9 @@ class WindowOrder:
         self._orders, self._part_orders = {}, {}  # epoch -> the order of its windows; part -> of its windows
 
     def slot(self, micro_step: int) -> int:
-        """This micro-batch's place in its step. Slot micro_step * world + rank: W ranks x A micro-steps read what
-        one process with W * A micro-steps reads, so a run resumes on another GPU count with the same batches."""
+        """This micro-batch's place in its step. Slot micro_step * world + rank: W ranks x A micro-steps read
+        what one process with W * A micro-steps reads, so a run resumes on another GPU count with the same
+        batches."""
         return micro_step * self.world_size + self.rank
 
     def sequence_numbers(self, step: int, micro_step: int) -> np.ndarray:
@@ -81,9 +82,9 @@ class WindowOrder:
 
     def arrival_starts(self, numbers: np.ndarray, part_starts: np.ndarray, part_windows: np.ndarray,
                        length: int) -> np.ndarray:
-        """Starts of these sequence numbers when the first epoch reads the parts in arrival order (part_starts and
-        part_windows: where each part's tokens and first-epoch windows begin, and where the last ends); the epochs
-        after it tile the whole split of length tokens as any corpus does."""
+        """Starts of these sequence numbers when the first epoch reads the parts in arrival order (part_starts
+        and part_windows: where each part's tokens and first-epoch windows begin, and where the last ends);
+        the epochs after it tile the whole split of length tokens as any corpus does."""
         first = int(part_windows[-1])  # the first epoch's windows: final once a window past them is asked for
         later, out = numbers >= first, np.zeros(len(numbers), np.int64)
         if later.any():
@@ -96,8 +97,8 @@ class WindowOrder:
         return out
 
     def mixture_starts(self, step: int, micro_step: int, ranges: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Starts of random windows, each in a source drawn by its weight (ranges: where each source's tokens lie),
-        drawn from (seed, step, slot)."""
+        """Starts of random windows, each in a source drawn by its weight (ranges: where each source's tokens
+        lie), drawn from (seed, step, slot)."""
         rng = np.random.default_rng([self.seed, step, self.slot(micro_step), 0])
         first, last = ranges[rng.choice(len(weights), size=self.batch_size, p=weights)].T
         return rng.integers(first, last - self.seq_len)
@@ -110,8 +111,8 @@ class WindowOrder:
         return np.arange(first, first + self.batch_size) * self.seq_len % span
 
     def packed_ids(self, step: int, micro_step: int, windows: int) -> np.ndarray:
-        """Which of `windows` packed windows this training micro-batch holds: the run's n-th sequence is window n of
-        the sequence of epochs, each in its seeded order."""
+        """Which of `windows` packed windows this training micro-batch holds: the run's n-th sequence is
+        window n of the sequence of epochs, each in its seeded order."""
         n = self.sequence_numbers(step, micro_step)
         return np.array([self.epoch_order(int(i // windows), windows)[i % windows] for i in n])
 

@@ -28,7 +28,8 @@ from llm.base import atomic
 from llm.base.distributed import shard_as
 from llm.base.errors import CheckpointError, ConfigError
 from llm.formats import lora
-from llm.formats.hf_format import check_context, check_declared_size, check_weights, expected_shapes, stored_shapes
+from llm.formats.hf_format import (check_context, check_declared_size, check_weights, expected_shapes,
+                                   stored_shapes)
 from llm.tokens.tokenizer import TOKENIZER_FILE as TOKENIZER
 from modern_llm import is_stored
 
@@ -39,8 +40,8 @@ HOW_TO_MAKE_ONE = "train one with: python gpu_training_optimized.py"
 
 
 def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict:
-    """The model's tensors (or `state`, whole tensors of it) for safetensors: contiguous, on CPU, the tied head
-    stored once (as the embedding)."""
+    """The model's tensors (or `state`, whole tensors of it) for safetensors: contiguous, on CPU, the tied
+    head stored once (as the embedding)."""
     state = {k: v.detach().contiguous().cpu() for k, v in (state or model.state_dict()).items()}
     cfg = getattr(model, "config", None)
     return {k: v for k, v in state.items() if cfg is None or is_stored(k, cfg)}
@@ -49,10 +50,11 @@ def weights_state_dict(model: torch.nn.Module, state: dict | None = None) -> dic
 def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: ModelConfig, tokenizer_path: str,
                     trainer_state: dict, keep: int, val_loss: float | None = None,
                     lora_meta: dict | None = None) -> str:
-    """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest yet),
-    keep the newest `keep` and the best; return its folder. A failed write (a full disk) leaves no trace and
-    the previous checkpoints as they were, and raises WriteError saying how much room it needs. With lora_meta,
-    state holds a LoRA run's adapters, written with their adapter_config.json instead of the model's weights."""
+    """Write checkpoint `step` atomically, point LATEST at it (and BEST, when val_loss is the run's lowest
+    yet), keep the newest `keep` and the best; return its folder. A failed write (a full disk) leaves no trace
+    and the previous checkpoints as they were, and raises WriteError saying how much room it needs. With
+    lora_meta, state holds a LoRA run's adapters, written with their adapter_config.json instead of the
+    model's weights."""
     root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:06d}"
     final = os.path.join(root, name)
     need = _tensor_bytes(state) + _tensor_bytes(trainer_state)
@@ -270,8 +272,8 @@ def load_model_config(ckpt: str) -> ModelConfig:
 
 
 def _read_weights(ckpt: str, file: str = WEIGHTS) -> dict:
-    """Every tensor of a checkpoint's model.safetensors (or other file), on the CPU; CheckpointError naming the
-    file otherwise."""
+    """Every tensor of a checkpoint's model.safetensors (or other file), on the CPU; CheckpointError naming
+    the file otherwise."""
     path = os.path.join(ckpt, file)
     check_unchanged(ckpt, file)
     try:
@@ -283,8 +285,8 @@ def _read_weights(ckpt: str, file: str = WEIGHTS) -> dict:
 
 
 def load_weights(ckpt: str, model: torch.nn.Module):
-    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding. A LoRA run's
-    checkpoint: its adapters, into the model whose adapters are injected."""
+    """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding. A LoRA
+    run's checkpoint: its adapters, into the model whose adapters are injected."""
     if lora.read_meta(ckpt):
         return lora.load_adapters(model, _read_weights(ckpt, lora.ADAPTERS), os.path.join(ckpt, lora.ADAPTERS))
     path = os.path.join(ckpt, WEIGHTS)
@@ -301,9 +303,9 @@ def load_weights(ckpt: str, model: torch.nn.Module):
 
 
 def read_checkpoint(ckpt: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str | None]:
-    """(ModelConfig, state dict, tokenizer.json path or None) of a checkpoint of whole weights, checked name by name
-    and shape by shape from the header before a weight is read; max_seq_len, when given, replaces the saved context
-    length (it sizes the RoPE tables, no weight). loading.py reads a run through this."""
+    """(ModelConfig, state dict, tokenizer.json path or None) of a checkpoint of whole weights, checked name
+    by name and shape by shape from the header before a weight is read; max_seq_len, when given, replaces the
+    saved context length (it sizes the RoPE tables, no weight). loading.py reads a run through this."""
     cfg, weights = load_model_config(ckpt), os.path.join(ckpt, WEIGHTS)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
@@ -333,8 +335,9 @@ def adapter_weights(ckpt: str) -> dict:
 
 
 def load_trainer_state(ckpt: str, mmap: bool = False) -> dict:
-    """Optimizer, schedule and RNG state, read onto the CPU without unpickling code; with mmap, a tensor's bytes
-    are read only when used (the model card reads a few numbers beside an optimizer state of gigabytes)."""
+    """Optimizer, schedule and RNG state, read onto the CPU without unpickling code; with mmap, a tensor's
+    bytes are read only when used (the model card reads a few numbers beside an optimizer state of gigabytes).
+    """
     path = os.path.join(ckpt, TRAINER_STATE)
     check_unchanged(ckpt, TRAINER_STATE)
     try:

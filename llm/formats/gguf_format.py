@@ -1,11 +1,12 @@
-"""The GGUF format: our model as one file for llama.cpp and Ollama, written with the gguf package (llama.cpp's own).
+"""The GGUF format: our model as one file for llama.cpp and Ollama, written with the gguf package (llama.cpp's
+own).
 
-write_gguf_folder() writes <out>/model-<type>.gguf, an Ollama Modelfile beside it and the model card, atomically;
-export_hf.py --gguf is the command line. The file follows llama.cpp's converter (convert_hf_to_gguf.py): the
-qwen3 architecture for QK-norm models, llama otherwise, its tensor names and hyperparameter keys, the tokenizer
-as a byte-level BPE ("gpt2": tokens, types, merges, pre-tokenizer name, special ids) and the chat template.
-Types: f16 (norms stay f32, as the converter keeps them) and q8_0 (blocks of 32 weights sharing one f16 scale).
-"""
+write_gguf_folder() writes <out>/model-<type>.gguf, an Ollama Modelfile beside it and the model card,
+atomically; export_hf.py --gguf is the command line. The file follows llama.cpp's converter
+(convert_hf_to_gguf.py): the qwen3 architecture for QK-norm models, llama otherwise, its tensor names and
+hyperparameter keys, the tokenizer as a byte-level BPE ("gpt2": tokens, types, merges, pre-tokenizer name,
+special ids) and the chat template. Types: f16 (norms stay f32, as the converter keeps them) and q8_0 (blocks
+of 32 weights sharing one f16 scale)."""
 
 import json
 import os
@@ -37,8 +38,8 @@ BLOCK = {"input_layernorm.weight": "ATTN_NORM", "attn.q_proj.weight": "ATTN_Q", 
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # (split pattern, ignore_merges) -> llama.cpp's pre-tokenizer name. GPT-4's split is Llama 3's; llama.cpp's
-# "llama-bpe" also skips the merges of a word that is one token ("ignore_merges"), which our trainer's BPE does
-# not, and "dbrx" is the name that splits the same way and merges as we do.
+# "llama-bpe" also skips the merges of a word that is one token ("ignore_merges"), which our trainer's BPE
+# does not, and "dbrx" is the name that splits the same way and merges as we do.
 PRE_TOKENIZERS = {(GPT4_PATTERN, False): "dbrx", (GPT4_PATTERN, True): "llama-bpe", (QWEN2_PATTERN, False): "qwen2"}
 
 
@@ -78,8 +79,9 @@ def gguf_name(name: str, arch: str) -> str:
 
 
 def interleave_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of q_proj or k_proj reordered for llama.cpp's llama architecture, which rotates adjacent pairs of each
-    head's channels where we (and transformers) rotate its first half against its second: (out, in) -> same."""
+    """Rows of q_proj or k_proj reordered for llama.cpp's llama architecture, which rotates adjacent pairs of
+    each head's channels where we (and transformers) rotate its first half against its second: (out, in) ->
+    same."""
     rows, cols = weight.shape
     return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -224,8 +226,8 @@ def write_gguf(path: str, cfg: ModelConfig, state: dict, tokenizer_path: str, qt
 
 
 def modelfile(gguf_file: str, cfg: ModelConfig, chat: bool) -> str:
-    """An Ollama Modelfile for the file beside it: ChatML for a chat tokenizer, the prompt as it is otherwise; our
-    generator's default sampling (Ollama's own defaults differ) and the context the model trained at."""
+    """An Ollama Modelfile for the file beside it: ChatML for a chat tokenizer, the prompt as it is otherwise;
+    our generator's default sampling (Ollama's own defaults differ) and the context the model trained at."""
     sample = SampleConfig()
     if chat:  # the text CHAT_TEMPLATE renders, in Ollama's Go template language
         template = ('{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'

@@ -1,12 +1,11 @@
 """Reading a GGUF file (the format of llama.cpp, Ollama and LM Studio) as our model.
 
-read_gguf() gives what a Hugging Face folder gives (loading.py reads a .gguf through it): the shape from
-the file's metadata, every tensor dequantized to fp32 by the gguf package (f32, f16, bf16, q8_0, q4_0, q4_1, the
-k-quants and whatever else it reads), in our names, and the byte-level BPE tokenizer rebuilt from the metadata as
-a tokenizer.json in a temporary folder of this process (which a later process removes, should this one be
-killed before it can). The families are those our model computes: llama, qwen2
-and qwen3. The write side (and the name tables both sides share) is gguf_format.py.
-"""
+read_gguf() gives what a Hugging Face folder gives (loading.py reads a .gguf through it): the shape from the
+file's metadata, every tensor dequantized to fp32 by the gguf package (f32, f16, bf16, q8_0, q4_0, q4_1, the
+k-quants and whatever else it reads), in our names, and the byte-level BPE tokenizer rebuilt from the metadata
+as a tokenizer.json in a temporary folder of this process (which a later process removes, should this one be
+killed before it can). The families are those our model computes: llama, qwen2 and qwen3. The write side (and
+the name tables both sides share) is gguf_format.py."""
 
 import atexit
 import os
@@ -32,8 +31,9 @@ from modern_llm import is_stored
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 BIASES = {"attn.q_proj.bias": "ATTN_Q", "attn.k_proj.bias": "ATTN_K", "attn.v_proj.bias": "ATTN_V"}  # qwen2's
-# llama.cpp's pre-tokenizer names -> (split before the byte-level step or None, digits one by one, ignore_merges).
-# "smollm" and its kin isolate each digit, then split as GPT-2 does (llama.cpp's regexes for them).
+# llama.cpp's pre-tokenizer names -> (split before the byte-level step or None, digits one by one,
+# ignore_merges). "smollm" and its kin isolate each digit, then split as GPT-2 does (llama.cpp's regexes for
+# them).
 PRE_TOKENIZERS = {"default": (None, False, False), "gpt-2": (None, False, False), "smollm": (None, True, False),
                   "starcoder": (None, True, False), "refact": (None, True, False), "codeshell": (None, True, False),
                   "dbrx": (GPT4_PATTERN, False, False), "llama-bpe": (GPT4_PATTERN, False, True),
@@ -47,9 +47,9 @@ def is_gguf(path: str) -> bool:
 
 
 def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
-    """(ModelConfig, fp32 state dict in our names, tokenizer.json path) of a GGUF file; CheckpointError with one
-    line for a file that is not one, a family or feature our model does not compute, or a type gguf cannot read.
-    max_seq_len, when given, replaces the file's context length."""
+    """(ModelConfig, fp32 state dict in our names, tokenizer.json path) of a GGUF file; CheckpointError with
+    one line for a file that is not one, a family or feature our model does not compute, or a type gguf cannot
+    read. max_seq_len, when given, replaces the file's context length."""
     reader = _open(path)
     _check_layout(reader, path)
     meta = _metadata(reader, path)
@@ -100,9 +100,9 @@ def chat_template(path: str) -> str:
 
 
 def _check_layout(reader, path: str):
-    """Each tensor's bytes (from its type and shape) must fill its space, from its offset to the next tensor's (or
-    the file's end), padded to the alignment, as llama.cpp lays them out: tensors that overlap (every offset 0) or
-    f16 data labelled q8_0 otherwise load as other numbers without a word."""
+    """Each tensor's bytes (from its type and shape) must fill its space, from its offset to the next tensor's
+    (or the file's end), padded to the alignment, as llama.cpp lays them out: tensors that overlap (every
+    offset 0) or f16 data labelled q8_0 otherwise load as other numbers without a word."""
     starts = [t.data_offset - reader.data_offset for t in reader.tensors]
     ends = starts[1:] + [len(reader.data) - reader.data_offset]
     if starts and starts[0] != 0:
@@ -118,8 +118,9 @@ def _check_layout(reader, path: str):
 
 
 def _check_vocabulary(meta: dict, path: str):
-    """The vocabulary's keys must hold what their names say (tokens and merges strings, special ids tokens of the
-    list): tokens stored as integers once reached tokenizers, which failed in two lines blaming the merges."""
+    """The vocabulary's keys must hold what their names say (tokens and merges strings, special ids tokens of
+    the list): tokens stored as integers once reached tokenizers, which failed in two lines blaming the
+    merges."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
     for key, kind in (("tokenizer.ggml.tokens", str), ("tokenizer.ggml.merges", str),
                       ("tokenizer.ggml.token_type", (int, np.integer))):
@@ -153,8 +154,8 @@ def _int(meta: dict, key: str, path: str, default: int | None = None) -> int:
 
 
 def _check_blocks(reader, layers: int, where: str):
-    """The declared block count must be the blocks the file's tensors hold (blk.0 to blk.N-1), checked before a name
-    is built for each: a file declaring 10^12 blocks once built names until memory ran out."""
+    """The declared block count must be the blocks the file's tensors hold (blk.0 to blk.N-1), checked before
+    a name is built for each: a file declaring 10^12 blocks once built names until memory ran out."""
     held = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
     if len(held) != layers or held != {str(i) for i in range(layers)}:  # len first: range(10**12) is never built
         raise CheckpointError(f"{where}={layers:,} but the file's tensors hold {len(held):,} blocks; the file is "
@@ -244,8 +245,8 @@ def _dequantized(tensor, path: str, shape: tuple) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the tokenizer
 
 def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
-    """The tokenizers.Tokenizer the metadata describes: a byte-level BPE (tokenizer.ggml.model "gpt2") with its
-    pre-tokenizer from the name llama.cpp gives it, its control tokens special."""
+    """The tokenizers.Tokenizer the metadata describes: a byte-level BPE (tokenizer.ggml.model "gpt2") with
+    its pre-tokenizer from the name llama.cpp gives it, its control tokens special."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
@@ -301,11 +302,11 @@ def _tokenizer_file(meta: dict, path: str, vocab_size: int) -> str:
 
 
 def _own_folder() -> str:
-    """A new folder of this process in the temporary folder, removed at its exit. A process killed (kill -9, the
-    OOM killer) runs no exit code, so its folder once stayed for good. Now each folder F has a file F.lock beside
-    it, made first and locked for the process's life (the kernel lets go of a lock when its process dies, however
-    it dies); each new folder's process first removes every folder whose lock is free. Without POSIX locks
-    (Windows), a folder as before: removed at a normal exit."""
+    """A new folder of this process in the temporary folder, removed at its exit. A process killed (kill -9,
+    the OOM killer) runs no exit code, so its folder once stayed for good. Now each folder F has a file F.lock
+    beside it, made first and locked for the process's life (the kernel lets go of a lock when its process
+    dies, however it dies); each new folder's process first removes every folder whose lock is free. Without
+    POSIX locks (Windows), a folder as before: removed at a normal exit."""
     global _lock
     if fcntl is None:
         folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)

@@ -35,8 +35,8 @@ def flags_family(qk_norm: bool, qkv_bias: bool) -> str:
 
 
 def family(cfg: ModelConfig) -> str:
-    """The family an export of cfg writes: its own, or from the flags; CheckpointError when the flags do not fit
-    it (Qwen2 always has q/k/v biases, Qwen3 QK-norm, the others neither)."""
+    """The family an export of cfg writes: its own, or from the flags; CheckpointError when the flags do not
+    fit it (Qwen2 always has q/k/v biases, Qwen3 QK-norm, the others neither)."""
     name = cfg.family if cfg.family != "auto" else flags_family(cfg.qk_norm, cfg.qkv_bias)
     needs = {"qwen3": (True, False), "qwen2": (False, True)}.get(name, (False, False))
     if (cfg.qk_norm, cfg.qkv_bias) != needs:
@@ -119,8 +119,8 @@ def unsupported(hf, raw: dict, context: int) -> list[str]:
 
 
 def _window(hf, raw: dict, context: int) -> list[str]:
-    """Sliding-window attention is full attention over any context no longer than the window: refused only when
-    the window is shorter than the context we use."""
+    """Sliding-window attention is full attention over any context no longer than the window: refused only
+    when the window is shorter than the context we use."""
     layer_types = getattr(hf, "layer_types", None) or []
     window = getattr(hf, "sliding_window", None)
     sliding = layer_types.count("sliding_attention") if layer_types else hf.num_hidden_layers if window else 0
@@ -134,8 +134,8 @@ def _window(hf, raw: dict, context: int) -> list[str]:
 
 
 def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
-    """Our ModelConfig for a folder of a supported family; CheckpointError naming what differs if there is none.
-    max_seq_len, when given, is the context used instead of max_position_embeddings."""
+    """Our ModelConfig for a folder of a supported family; CheckpointError naming what differs if there is
+    none. max_seq_len, when given, is the context used instead of max_position_embeddings."""
     from transformers import AutoConfig  # it fills in the defaults that save_pretrained leaves out
 
     file, raw = os.path.join(path, HF_CONFIG), raw_config(path)
@@ -146,7 +146,8 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
             raise ConfigError(f"max_position_embeddings={context!r} is not a positive context length, the file is "
                               "damaged; load it with --max_seq_len N")
         why = unsupported(hf, raw, context)
-        # transformers 5 gathers RoPE settings in rope_parameters; 4.x keeps rope_scaling (key rope_type or type)
+        # transformers 5 gathers RoPE settings in rope_parameters; 4.x keeps rope_scaling (key rope_type or
+        # type)
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
         llama3 = {ours: rope[theirs] for theirs, ours in LLAMA3_KEYS.items()} \
             if (rope.get("rope_type") or rope.get("type")) == "llama3" else {}
@@ -172,8 +173,8 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
 
 
 def family_field(model_type: str) -> str:
-    """ModelConfig.family of an import: auto where the flags say it already (a Qwen3, Qwen2 or Llama folder is then
-    the same config as a model trained here), else the family itself."""
+    """ModelConfig.family of an import: auto where the flags say it already (a Qwen3, Qwen2 or Llama folder is
+    then the same config as a model trained here), else the family itself."""
     qk_norm, qkv_bias = model_type == "qwen3", model_type == "qwen2"
     return "auto" if flags_family(qk_norm, qkv_bias) == model_type else model_type
 

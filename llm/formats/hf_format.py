@@ -2,8 +2,9 @@
 
 One owner for the weights both ways: parameter names and shapes, the size checks, the folder writer and the
 folder reader; hf_families.py owns config.json and the support check that refuses what our model cannot
-compute. loading.py reads a Hugging Face folder (or a Hub model's) through load_hf_folder(); export_hf.py is the
-command line; the benchmarks build their transformers twins with hf_twin(), so every path agrees on every field."""
+compute. loading.py reads a Hugging Face folder (or a Hub model's) through load_hf_folder(); export_hf.py is
+the command line; the benchmarks build their transformers twins with hf_twin(), so every path agrees on every
+field."""
 
 import json
 import math
@@ -18,15 +19,16 @@ from config import ModelConfig
 from llm.base import atomic
 from llm.base.errors import CheckpointError
 from llm.base.sizing import count_parameters
-from llm.formats.hf_families import HF_CONFIG, SAVE_IT, declared_shape, hf_config, model_config_from_hf, raw_config
+from llm.formats.hf_families import (HF_CONFIG, SAVE_IT, declared_shape, hf_config, model_config_from_hf,
+                                     raw_config)
 from llm.tokens.tokenizer import EOT_TOKEN, IM_END, TOKENIZER_FILE, load_tokenizer, read_tokenizer
 from modern_llm import Transformer, is_stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
-# and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md a
-# user wrote in a folder stays).
+# and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md
+# a user wrote in a folder stays).
 CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
 ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while cos and sin are built: buffers, temporaries
 
@@ -85,8 +87,9 @@ def check_memory(parameters: int, where: str):
 
 
 def check_context(cfg: ModelConfig, where: str):
-    """Refuse a context length whose RoPE tables could not be built in the free memory (a config.json declaring
-    10^12 positions sent the allocator looking for terabytes). where: the file and field it comes from."""
+    """Refuse a context length whose RoPE tables could not be built in the free memory (a config.json
+    declaring 10^12 positions sent the allocator looking for terabytes). where: the file and field it comes
+    from."""
     need, free = ROPE_PEAK_TABLES * cfg.max_seq_len * cfg.head_dim * 4, psutil.virtual_memory().available
     if need > free:
         raise CheckpointError(f"{where}: a context of {cfg.max_seq_len:,} tokens needs {need / 2**30:,.1f} GiB for "
@@ -199,8 +202,8 @@ def _not_an_export(out: str) -> str | None:
 
 
 def is_written_card(path: str) -> bool:
-    """Whether the file at path is a model card an export wrote: CARD_MARK is its first line, or the first after
-    the short YAML header an adapter card starts with."""
+    """Whether the file at path is a model card an export wrote: CARD_MARK is its first line, or the first
+    after the short YAML header an adapter card starts with."""
     try:
         with open(path, encoding="utf-8") as f:
             head = f.read(1024).splitlines()
@@ -250,11 +253,11 @@ def _read_hf_weights(files: list[str]) -> dict:
 
 
 def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str | None]:
-    """(ModelConfig, fp32 state dict in our names, tokenizer.json path or None) of a supported family's folder.
+    """(ModelConfig, fp32 state dict in our names, tokenizer.json path or None) of a supported family's
+    folder.
 
     A tied head is left out of the state dict, as in our checkpoints; max_seq_len overrides
-    max_position_embeddings (it sizes only the RoPE tables, no weight depends on it).
-    """
+    max_position_embeddings (it sizes only the RoPE tables, no weight depends on it)."""
     if not is_hf_folder(path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder ({HF_CONFIG} with {HF_WEIGHTS} or "
                               f"{HF_INDEX}), {SAVE_IT}")

@@ -36,8 +36,9 @@ def is_hub_name(path: str) -> bool:
 
 
 def resolve(name: str, max_seq_len: int = 0) -> str:
-    """The local folder of hf:ORG/NAME in the Hugging Face cache, downloaded first unless offline: config.json,
-    then (when our model can compute it at this context and it fits in memory) the weights and tokenizer."""
+    """The local folder of hf:ORG/NAME in the Hugging Face cache, downloaded first unless offline:
+    config.json, then (when our model can compute it at this context and it fits in memory) the weights and
+    tokenizer."""
     repo = Repo(_repo_id(name), "model", name)
     hub, errors = _hub(name)
     local = offline(hub.constants)
@@ -53,8 +54,8 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
 
 
 def hub_shape(name: str, max_seq_len: int = 0) -> ModelConfig:
-    """The shape of hf:ORG/NAME from its config.json alone (a few KB; fetched unless offline or cached): what the
-    trainer's fit check estimates before any weight comes."""
+    """The shape of hf:ORG/NAME from its config.json alone (a few KB; fetched unless offline or cached): what
+    the trainer's fit check estimates before any weight comes."""
     repo = Repo(_repo_id(name), "model", name)
     hub, errors = _hub(name)
     commit = hub_client.cached_commit(repo, "main")
@@ -107,8 +108,8 @@ def _wanted(path: str) -> bool:
 
 
 def _fetch(hub, repo: Repo, names: list, commit: str, max_seq_len: int) -> str:
-    """The snapshot of commit holding the listed files: config.json first, checked before the weights are asked for;
-    refs/main names it once all are in, so that an offline run finds a whole model."""
+    """The snapshot of commit holding the listed files: config.json first, checked before the weights are
+    asked for; refs/main names it once all are in, so that an offline run finds a whole model."""
     if HF_CONFIG not in names:
         raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
     folder = hub_client.snapshot_path(repo, commit)
@@ -139,8 +140,8 @@ def _failure(repo: Repo, e: Exception, errors) -> Exception:
 
 
 def _cached(repo: Repo, by_setting: bool, failure: Exception | None = None) -> str:
-    """The snapshot the cached refs/main names (checked), for a run that cannot download; else `failure`, or an
-    error line saying the cache lacks it, or holds only part of it."""
+    """The snapshot the cached refs/main names (checked), for a run that cannot download; else `failure`, or
+    an error line saying the cache lacks it, or holds only part of it."""
     commit = hub_client.cached_commit(repo, "main")
     folder = hub_client.snapshot_path(repo, commit) if commit else ""
     if folder and is_hf_folder(folder):

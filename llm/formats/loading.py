@@ -49,8 +49,8 @@ class ModelFiles:
 
 
 def detect(name: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> Source:
-    """The kind of model `name` is, by its name and the files it holds; a run folder resolved to its checkpoint
-    (best: its best one), which CheckpointError names when there is none."""
+    """The kind of model `name` is, by its name and the files it holds; a run folder resolved to its
+    checkpoint (best: its best one), which CheckpointError names when there is none."""
     if is_hub_name(name):
         return Source(Kind.HUB, name, max_seq_len, base)
     if is_hf_folder(name):
@@ -63,9 +63,10 @@ def detect(name: str, max_seq_len: int = 0, best: bool = False, base: str = "") 
 
 
 def read_model(name: str, max_seq_len: int = 0, best: bool = False, base: str = "") -> ModelFiles:
-    """The model `name` names, of any kind (Kind), read by its kind's reader and checked name by name and shape by
-    shape; CheckpointError with one line for every failure. max_seq_len, when given, replaces the saved context
-    length; best picks a run folder's best checkpoint instead of its newest; base: the model a LoRA run adapts."""
+    """The model `name` names, of any kind (Kind), read by its kind's reader and checked name by name and
+    shape by shape; CheckpointError with one line for every failure. max_seq_len, when given, replaces the
+    saved context length; best picks a run folder's best checkpoint instead of its newest; base: the model a
+    LoRA run adapts."""
     return read(detect(name, max_seq_len, best, base))
 
 
@@ -100,8 +101,9 @@ def read_gguf_file(source: Source) -> ModelFiles:
 
 
 def read_lora(source: Source) -> ModelFiles:
-    """A LoRA checkpoint's adapters merged into the base the user named, read as any model is (so a base of any
-    kind serves), after checking that it is the base they were trained on and that every adapter fits it."""
+    """A LoRA checkpoint's adapters merged into the base the user named, read as any model is (so a base of
+    any kind serves), after checking that it is the base they were trained on and that every adapter fits it.
+    """
     ckpt = source.path
     meta = lora.read_meta(ckpt)
     if not source.base:

@@ -1,15 +1,14 @@
 """LoRA: low-rank adapters trained on a frozen base model, the base held in fp32, bf16, int8 or nf4 weights.
 
-Each targeted nn.Linear becomes a LoraLinear: base + B @ A * alpha / rank, B starting at zero, so training starts
-from the base exactly; torchao holds an int8 or an nf4 (QLoRA's 4-bit) base. The layer is ours rather than PEFT's
-injection: importing PEFT brings in transformers' model stack (180 MB resident as an import alone, 61 MB of the
-preference bench's peak) for three lines of forward. PEFT reads what the runs write (tests/test_lora.py holds the
-two to the same logits).
-A LoRA run's checkpoints hold the adapters (adapters.safetensors) and adapter_config.json, which names the base and
-its fingerprint; readers merge the adapters into the base the user names (--base), an nf4 base quantised again from
-it and dequantised, and a resume refuses another base. export_hf.py writes the merged model, or with --adapter_only
-a PEFT folder for transformers + peft.
-"""
+Each targeted nn.Linear becomes a LoraLinear: base + B @ A * alpha / rank, B starting at zero, so training
+starts from the base exactly; torchao holds an int8 or an nf4 (QLoRA's 4-bit) base. The layer is ours rather
+than PEFT's injection: importing PEFT brings in transformers' model stack (180 MB resident as an import alone,
+61 MB of the preference bench's peak) for three lines of forward. PEFT reads what the runs write
+(tests/test_lora.py holds the two to the same logits). A LoRA run's checkpoints hold the adapters
+(adapters.safetensors) and adapter_config.json, which names the base and its fingerprint; readers merge the
+adapters into the base the user names (--base), an nf4 base quantised again from it and dequantised, and a
+resume refuses another base. export_hf.py writes the merged model, or with --adapter_only a PEFT folder for
+transformers + peft."""
 
 import hashlib
 import json
@@ -57,9 +56,9 @@ NF4_SCALER_BLOCK = 256  # scales per fp32 factor of their int8 quantisation (tor
 
 
 def nf4_blocks(name: str, weight: torch.Tensor) -> tuple[int, int]:
-    """(block, scaler block) of a matrix held in nf4: a scale per 64 weights and an fp32 factor per 256 scales, or
-    per the largest divisor of 256 that divides the count of scales (SmolLM2-135M's k_proj holds 1,728 blocks);
-    ConfigError when the weights do not split into blocks of 64."""
+    """(block, scaler block) of a matrix held in nf4: a scale per 64 weights and an fp32 factor per 256
+    scales, or per the largest divisor of 256 that divides the count of scales (SmolLM2-135M's k_proj holds
+    1,728 blocks); ConfigError when the weights do not split into blocks of 64."""
     if weight.numel() % NF4_BLOCK:
         raise ConfigError(f"--lora_base nf4 quantises blocks of {NF4_BLOCK} weights and {name} holds "
                           f"{'x'.join(map(str, weight.shape))} = {weight.numel():,}, not a multiple of {NF4_BLOCK}; "
@@ -68,8 +67,9 @@ def nf4_blocks(name: str, weight: torch.Tensor) -> tuple[int, int]:
 
 
 def to_nf4(name: str, weight: torch.Tensor) -> torch.Tensor:
-    """torchao's NF4Tensor of weight, quantised from fp32 (the same source weights give the same codes, so a resume
-    and a merge find the base the run trained on); it dequantises to fp32, cast to the compute dtype by autocast."""
+    """torchao's NF4Tensor of weight, quantised from fp32 (the same source weights give the same codes, so a
+    resume and a merge find the base the run trained on); it dequantises to fp32, cast to the compute dtype by
+    autocast."""
     from torchao.quantization import to_nf4 as quantise
     return quantise(weight.detach().float().contiguous(), *nf4_blocks(name, weight))
 
@@ -90,9 +90,9 @@ def base_dtype(t, amp_dtype) -> str:
 
 
 class LoraLinear(nn.Module):
-    """A frozen linear layer (base_layer) plus a trainable low-rank update: y = base(x) + B(A(dropout(x))) * scaling.
-    A draws as nn.Linear does (PEFT's default), B starts at zero. `enabled` False runs the base alone (a
-    preference run's reference)."""
+    """A frozen linear layer (base_layer) plus a trainable low-rank update: y = base(x) + B(A(dropout(x))) *
+    scaling. A draws as nn.Linear does (PEFT's default), B starts at zero. `enabled` False runs the base alone
+    (a preference run's reference)."""
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -118,7 +118,8 @@ def adapter_layers(model: nn.Module) -> list[LoraLinear]:
 
 def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
     """Freeze `model`, hold its targeted linear layers as t.lora_base says, and add trainable adapters (fp32).
-    Under bf16 compute on a 16-bit or quantised base, the frozen embedding table and head are held in bf16 too."""
+    Under bf16 compute on a 16-bit or quantised base, the frozen embedding table and head are held in bf16
+    too."""
     check_lora(model, t)
     model.requires_grad_(False)
     held = base_dtype(t, amp_dtype)
@@ -151,9 +152,9 @@ def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
 
 
 def hold_embeddings_in_bf16(model: nn.Module):
-    """The frozen embedding table and head (one tensor when tied) in bf16: half the bytes, and autocast keeps no
-    16-bit copy of the head. The table's rows come out in fp32, as the fp32 table's did, so the residual stream
-    keeps the dtype the trainer chose for it."""
+    """The frozen embedding table and head (one tensor when tied) in bf16: half the bytes, and autocast keeps
+    no 16-bit copy of the head. The table's rows come out in fp32, as the fp32 table's did, so the residual
+    stream keeps the dtype the trainer chose for it."""
     for layer in (model.embed_tokens, model.lm_head):
         layer.weight.data = layer.weight.data.to(torch.bfloat16)  # a tied head is the same Parameter
     model.embed_tokens.register_forward_hook(lambda module, args, out: out.float())
@@ -181,8 +182,9 @@ def load_adapters(model: nn.Module, state: dict, where: str):
 
 
 def merged(base: dict, adapters: dict, meta: dict) -> dict:
-    """The base's weights with every adapter added in (W + B @ A * alpha / rank), in fp32; W as the run held it
-    for an nf4 base (quantised again from the base, then dequantised), the file's weights for the others."""
+    """The base's weights with every adapter added in (W + B @ A * alpha / rank), in fp32; W as the run held
+    it for an nf4 base (quantised again from the base, then dequantised), the file's weights for the others.
+    """
     out, scale = dict(base), meta["alpha"] / meta["rank"]
     for name in adapters:
         if name.endswith(".lora_A.weight"):
@@ -196,8 +198,8 @@ def merged(base: dict, adapters: dict, meta: dict) -> dict:
 
 def fingerprint(folder: str) -> str:
     """The base's identity: each weights file's name, size, and its first and last MiB (the safetensors header
-    names every tensor and shape); quick on gigabytes, and it survives a copy to another machine. A GGUF base is
-    its one file."""
+    names every tensor and shape); quick on gigabytes, and it survives a copy to another machine. A GGUF base
+    is its one file."""
     h = hashlib.sha256()
     files = [folder] if os.path.isfile(folder) else \
         [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
@@ -274,8 +276,8 @@ def check_adapter_target(out: str, overwrite: bool):
 
 
 def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False, card: str = ""):
-    """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically; only
-    an earlier adapter export is replaced (with overwrite), never another folder."""
+    """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically;
+    only an earlier adapter export is replaced (with overwrite), never another folder."""
     from safetensors.torch import save_file
     check_adapter_target(out, overwrite)
     with atomic.folder(out, f"exporting adapters to {out}", sum(v.nbytes for v in adapters.values())) as tmp:

@@ -1,9 +1,10 @@
-"""trainer_state.pt's keys, written and read here alone: what a checkpoint keeps besides its weights, so that a
-resumed run goes on exactly (optimizer, loss scaler, weight average, RNG, counters, the time budget's clock), and
-the facts that a refused resume and the model card quote (the config, the data, the device, the command).
+"""trainer_state.pt's keys, written and read here alone: what a checkpoint keeps besides its weights, so that
+a resumed run goes on exactly (optimizer, loss scaler, weight average, RNG, counters, the time budget's
+clock), and the facts that a refused resume and the model card quote (the config, the data, the device, the
+command).
 
-TrainingState is what the steps change; it saves itself into a checkpoint and loads itself from one. Saved is a
-checkpoint's trainer_state.pt read back, each key a field; recorded() is the model card's forgiving reading.
+TrainingState is what the steps change; it saves itself into a checkpoint and loads itself from one. Saved is
+a checkpoint's trainer_state.pt read back, each key a field; recorded() is the model card's forgiving reading.
 """
 
 import json
@@ -47,8 +48,8 @@ def read(ckpt: str) -> Saved:
 
 
 def parse(state: dict) -> Saved:
-    """A trainer_state.pt's dict as Saved; keys a run of an earlier version did not write are left empty. A state
-    without its counters (damaged, or written by hand) is refused in one line."""
+    """A trainer_state.pt's dict as Saved; keys a run of an earlier version did not write are left empty. A
+    state without its counters (damaged, or written by hand) is refused in one line."""
     missing = [k for k in ("step", "tokens", "best_val_loss") if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"the checkpoint's trainer_state.pt lacks {', '.join(missing)}; it is damaged, use an "
@@ -74,14 +75,14 @@ def _config(text) -> dict:
 
 
 def imported(path: str) -> dict:
-    """The trainer state of weights imported from elsewhere: step 0 and no optimizer, so a run starts from them
-    (--init_from) rather than resuming them."""
+    """The trainer state of weights imported from elsewhere: step 0 and no optimizer, so a run starts from
+    them (--init_from) rather than resuming them."""
     return {"step": 0, "tokens": 0, "best_val_loss": math.inf, "imported_from": path}
 
 
 def recorded(ckpt: str) -> dict:
-    """What the checkpoint's run recorded for the model card, each fact left out where missing or not of its type
-    (a hand-edited or damaged file never stops an export); tensors' bytes are not read."""
+    """What the checkpoint's run recorded for the model card, each fact left out where missing or not of its
+    type (a hand-edited or damaged file never stops an export); tensors' bytes are not read."""
     try:
         state = ckpt_io.load_trainer_state(ckpt, True)
     except (CheckpointError, OSError, ValueError, RuntimeError):
@@ -108,9 +109,9 @@ class Record:
 
 @dataclass
 class TrainingState:
-    """What the steps change: the model, its optimizer, loss scaler and weight average, the RNG, and the counters.
-    save() writes it into a checkpoint and load() restores it from one, so that N steps, a save, a resume and N more
-    equal 2N steps."""
+    """What the steps change: the model, its optimizer, loss scaler and weight average, the RNG, and the
+    counters. save() writes it into a checkpoint and load() restores it from one, so that N steps, a save, a
+    resume and N more equal 2N steps."""
     model: torch.nn.Module  # uncompiled and unwrapped
     opt: object
     scaler: object  # torch.amp.GradScaler under fp16, else None
@@ -143,8 +144,8 @@ class TrainingState:
 
     def save(self, cfg, ranks, data, record: "Record", clock: dict, val_loss: float | None) -> str | None:
         """Write a checkpoint at self.step (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are
-        gathered to it), refusing NaN or Inf; its path, None on other ranks. Every rank calls it. clock: the time
-        budget's figures (RunClock.state()); val_loss: the evaluation at this step, if there was one."""
+        gathered to it), refusing NaN or Inf; its path, None on other ranks. Every rank calls it. clock: the
+        time budget's figures (RunClock.state()); val_loss: the evaluation at this step, if there was one."""
         weights = distributed.full_state(self.model.state_dict(), keep=ranks.is_main)
         opt_state = distributed.full_state(self.opt.state_dict(), keep=ranks.is_main)
         average = self.average.state_dict(keep=ranks.is_main)  # every rank: a gather under FSDP2

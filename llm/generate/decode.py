@@ -74,8 +74,8 @@ def decode_step(model, cache, state: State, ranked: int):
 
 @dataclass
 class Slot:
-    """A batch size's cache, state and prefill and decode steps. A compiled slot is kept for the model's life, with
-    the full context, so one graph serves every length; an eager one is sized to its call."""
+    """A batch size's cache, state and prefill and decode steps. A compiled slot is kept for the model's life,
+    with the full context, so one graph serves every length; an eager one is sized to its call."""
     cache: object
     state: State
     prefill: object

@@ -1,7 +1,6 @@
 """Compiling generation, decided once per model at load (use_compile): the prefill compiled for each prompt
-bucket, the decode step in the model's mode (a CUDA graph on CUDA), kept per batch size for the model's life, and
-a background compile so that a REPL's or a server's first reply waits for none.
-"""
+bucket, the decode step in the model's mode (a CUDA graph on CUDA), kept per batch size for the model's life,
+and a background compile so that a REPL's or a server's first reply waits for none."""
 
 import os
 import sys
@@ -20,10 +19,10 @@ RECOMPILE_LIMIT = 64  # graphs of one compiled step: a prompt bucket each (batch
 
 
 def compile_mode(setting: str, device: torch.device) -> str | None:
-    """The one decision whether generation compiles (LoadConfig.compile on this device): the torch.compile mode of
-    the decode step, or None for eager. auto: reduce-overhead on CUDA, where CUDA graphs pay back the compile, eager
-    elsewhere; never on MPS, where the compiled decode step is not supported as it is on CUDA and CPU. Off CUDA a
-    mode that captures CUDA graphs runs as the same mode without them."""
+    """The one decision whether generation compiles (LoadConfig.compile on this device): the torch.compile
+    mode of the decode step, or None for eager. auto: reduce-overhead on CUDA, where CUDA graphs pay back the
+    compile, eager elsewhere; never on MPS, where the compiled decode step is not supported as it is on CUDA
+    and CPU. Off CUDA a mode that captures CUDA graphs runs as the same mode without them."""
     if setting == "off" or device.type == "mps" or (setting == "auto" and device.type != "cuda"):
         return None
     mode = "reduce-overhead" if setting == "auto" else setting
@@ -44,8 +43,8 @@ _COMPILED = weakref.WeakKeyDictionary()  # model -> Compiled, for the models use
 
 
 def use_compile(model, setting: str) -> bool:
-    """Set once, at load, whether generate() compiles this model's steps (compile_mode of LoadConfig.compile and the
-    model's device); True when it does. Models never set generate eagerly."""
+    """Set once, at load, whether generate() compiles this model's steps (compile_mode of LoadConfig.compile
+    and the model's device); True when it does. Models never set generate eagerly."""
     mode = compile_mode(setting, model.embed_tokens.weight.device)
     if mode is None:
         _COMPILED.pop(model, None)
@@ -87,19 +86,19 @@ def compiled_slot(model, batch: int, length: int = 0) -> Slot:
 
 
 def compile_limits():
-    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's default 8)
-    and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the process's own
-    settings hold outside it."""
+    """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's
+    default 8) and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the
+    process's own settings hold outside it."""
     limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
 
 
 def compile_in_background(model, settings: SampleConfig, on_error=None) -> threading.Thread:
-    """Compile the batch-1 prefill (of the shortest bucket) and decode step of a model set to compile, for these
-    settings, in a thread, while generate() runs eagerly: a REPL's or a server's first reply then waits for no
-    compile. The thread runs each step once; it never captures a CUDA graph (the first compiled call of a
-    generating thread does), so eager generation beside it is safe. A failed compile leaves generation eager, with
-    the error kept as `.error` and passed to on_error."""
+    """Compile the batch-1 prefill (of the shortest bucket) and decode step of a model set to compile, for
+    these settings, in a thread, while generate() runs eagerly: a REPL's or a server's first reply then waits
+    for no compile. The thread runs each step once; it never captures a CUDA graph (the first compiled call of
+    a generating thread does), so eager generation beside it is safe. A failed compile leaves generation
+    eager, with the error kept as `.error` and passed to on_error."""
     def work():
         try:
             with torch.no_grad(), compile_limits():
@@ -135,9 +134,9 @@ def compiling(model) -> bool:
 
 
 def exit_process(code: int):
-    """sys.exit(code), or, while a background compile still runs, an exit that skips the interpreter's teardown:
-    the teardown stops the compiling thread inside C++, which aborts the process ("terminate called without an
-    active exception") and turns the exit status of a reply already given into 134."""
+    """sys.exit(code), or, while a background compile still runs, an exit that skips the interpreter's
+    teardown: the teardown stops the compiling thread inside C++, which aborts the process ("terminate called
+    without an active exception") and turns the exit status of a reply already given into 134."""
     if any(c.background is not None and c.background.is_alive() for c in list(_COMPILED.values())):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,16 +1,14 @@
 """The generation engine: prompts in, each sequence's new tokens (and printable text) out, at the speed of
 reading the weights.
 
-One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt
-of that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature,
-top-k and top-p sampling, the end-of-sequence checks and the KV-cache update on the device (decode.py),
-compiled (a CUDA graph on CUDA) when the model was set to at load (decode_compile.py). The host reads the new
-tokens back every CHUNK steps, not every token: streaming stays smooth and the device never waits for Python.
-Sampling settings are tensors, one row each, so one compiled step serves every setting and a batch may mix them
-(the server does).
-score() reads sequences that are already there: each token's log-probability and the likeliest tokens in its
-place.
-"""
+One right-padded prefill, its length rounded up to a bucket so that a compiled prefill serves every prompt of
+that bucket; then one decode step per token that runs the forward, the repetition penalty, temperature, top-k
+and top-p sampling, the end-of-sequence checks and the KV-cache update on the device (decode.py), compiled (a
+CUDA graph on CUDA) when the model was set to at load (decode_compile.py). The host reads the new tokens back
+every CHUNK steps, not every token: streaming stays smooth and the device never waits for Python. Sampling
+settings are tensors, one row each, so one compiled step serves every setting and a batch may mix them (the
+server does). score() reads sequences that are already there: each token's log-probability and the likeliest
+tokens in its place."""
 
 import contextlib
 from dataclasses import dataclass
@@ -60,13 +58,12 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
 
     Sequences come grouped by prompt: [p0 s0, p0 s1, ..., p1 s0, ...]. settings may also be a list, one per
     prompt (num_return_sequences 1 each): every row samples with its own. A sequence ends at an id of eos_ids
-    (not returned), after max_new_tokens, when it fills the model's context, or, given a tokenizer, at a string
-    of its stop list (its ids then end with the token that completed the stop string). With a tokenizer,
-    on_text(i, text) receives sequence i's printable text as it grows, without the stop string.
+    (not returned), after max_new_tokens, when it fills the model's context, or, given a tokenizer, at a
+    string of its stop list (its ids then end with the token that completed the stop string). With a
+    tokenizer, on_text(i, text) receives sequence i's printable text as it grows, without the stop string.
     on_end(i, reason, end) hears why sequence i ended: "stop" (an end id or a stop string) or "length"
     (max_new_tokens or the context), and end, the end id that ended it (None for any other reason).
-    cancelled(i), asked at each read, ends sequence i where it is (a client gone, say), with no on_end.
-    """
+    cancelled(i), asked at each read, ends sequence i where it is (a client gone, say), with no on_end."""
     per_prompt = settings if isinstance(settings, list) else [settings] * len(prompts)
     rows = [(list(p), s) for p, s in zip(prompts, per_prompt) for _ in range(s.num_return_sequences)]
     ctx = model.config.max_seq_len
@@ -273,11 +270,11 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
     return out
 
 
-# ----------------------------------------------------------------------------- many prompts through a few rows
+# ---------------------------------------------------------------------------- many prompts through a few rows
 
 def span(reach: int, max_len: int) -> int:
-    """How far an eager step's attention reads a cache whose rows reach at most `reach` places: whole SPAN_STEPs
-    (the places past a row's reach are masked), within the cache."""
+    """How far an eager step's attention reads a cache whose rows reach at most `reach` places: whole
+    SPAN_STEPs (the places past a row's reach are masked), within the cache."""
     return min(max_len, -(-reach // SPAN_STEP) * SPAN_STEP)
 
 

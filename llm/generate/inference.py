@@ -1,10 +1,10 @@
-"""A model made ready to generate: read by its kind's reader (loading.read_model), its weights in the inference
-dtype, optionally int8, and on a CPU whose decode step compiles, linear layers that read each weight in one pass.
+"""A model made ready to generate: read by its kind's reader (loading.read_model), its weights in the
+inference dtype, optionally int8, and on a CPU whose decode step compiles, linear layers that read each weight
+in one pass.
 
-The model and the engine stay plain: what changes for inference is swapped in here, where the model is prepared,
-as gpt-fast's quantize step swaps its layers. text_generator.py, serve.py and the tools load through
-load_for_inference().
-"""
+The model and the engine stay plain: what changes for inference is swapped in here, where the model is
+prepared, as gpt-fast's quantize step swaps its layers. text_generator.py, serve.py and the tools load through
+load_for_inference()."""
 
 from typing import NamedTuple
 
@@ -30,10 +30,10 @@ class Loaded(NamedTuple):
 
 
 class RowProductLinear(nn.Linear):
-    """A linear layer that, compiled on a CPU, multiplies and sums for a few rows (decoding) instead of calling a
-    matmul kernel: Inductor makes that one pass over the weight at memory speed, where BLAS for one row reaches
-    a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Otherwise, and under
-    autocast, it is F.linear."""
+    """A linear layer that, compiled on a CPU, multiplies and sums for a few rows (decoding) instead of
+    calling a matmul kernel: Inductor makes that one pass over the weight at memory speed, where BLAS for one
+    row reaches a third of it and torchao's compiled int8 path (dequantise, then BLAS) a sixth. Otherwise, and
+    under autocast, it is F.linear."""
     REDUCE_ROWS = 16  # measured on a 2-core CPU: faster than BLAS through 16 rows, slower at 32
 
     @classmethod
@@ -79,10 +79,10 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 
 def for_inference(model: Transformer, device: torch.device, quantize: str = "none",
                   compile: str = "auto") -> Transformer:
-    """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that compute
-    it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, its generation set to compile or
-    not (LoadConfig.compile, decode_compile.use_compile), and with the few-row linear layers where its decode step compiles
-    on a CPU. In place."""
+    """The model in eval mode without gradients, its parameters in the inference dtype (bf16 on GPUs that
+    compute it natively, else fp32), q/k/v and gate/up stacked, int8 when quantize says so, its generation set
+    to compile or not (LoadConfig.compile, decode_compile.use_compile), and with the few-row linear layers
+    where its decode step compiles on a CPU. In place."""
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
     model.eval().requires_grad_(False)
@@ -95,14 +95,14 @@ def for_inference(model: Transformer, device: torch.device, quantize: str = "non
 
 
 def load_for_inference(load: LoadConfig | str = "", device=None, **options) -> Loaded:
-    """The model a checkpoint, run, LoRA run, Hugging Face folder, hf:ORG/NAME or GGUF file holds, ready to generate.
+    """The model a checkpoint, run, LoRA run, Hugging Face folder, hf:ORG/NAME or GGUF file holds, ready to
+    generate.
 
     load: a LoadConfig, or its checkpoint with its other fields as keywords; device, when given (a name or a
-    torch.device), replaces its device. A checkpoint "" means the default run folder, whose newest checkpoint (best:
-    its best) loads; device "auto" picks CUDA, MPS or CPU; max_seq_len, when given, replaces the saved context
-    length; base is the model a LoRA run's adapters join; quantize and compile as for_inference's. Raises
-    CheckpointError.
-    """
+    torch.device), replaces its device. A checkpoint "" means the default run folder, whose newest checkpoint
+    (best: its best) loads; device "auto" picks CUDA, MPS or CPU; max_seq_len, when given, replaces the saved
+    context length; base is the model a LoRA run's adapters join; quantize and compile as for_inference's.
+    Raises CheckpointError."""
     load = load if isinstance(load, LoadConfig) else LoadConfig(checkpoint=load, **options)
     found = read_model(load.checkpoint or default_run_dir(), load.max_seq_len, load.best, load.base)
     device = device if isinstance(device, torch.device) else pick_device(device or load.device)

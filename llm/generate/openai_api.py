@@ -37,8 +37,8 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-# Parameters of OpenAI's API this server does not implement -> the values that ask for nothing, which are accepted;
-# any other value is refused by name rather than ignored (best_of also passes when it equals n).
+# Parameters of OpenAI's API this server does not implement -> the values that ask for nothing, which are
+# accepted; any other value is refused by name rather than ignored (best_of also passes when it equals n).
 UNIMPLEMENTED = {"best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
                  "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
@@ -102,9 +102,9 @@ def number(body: dict, name: str, default, kind=float, low=None, high=None):
 
 
 def settings_of(body: dict, ctx: int, chat: bool = False, echo: bool = False) -> SampleConfig:
-    """SampleConfig from an OpenAI request body; BadRequest naming the parameter when a value is wrong. Without
-    max_tokens a completion gets OpenAI's 16 tokens and a chat reply the rest of the context; with echo,
-    max_tokens may be 0 (the prompt scored, nothing generated: the caller reads body["max_tokens"])."""
+    """SampleConfig from an OpenAI request body; BadRequest naming the parameter when a value is wrong.
+    Without max_tokens a completion gets OpenAI's 16 tokens and a chat reply the rest of the context; with
+    echo, max_tokens may be 0 (the prompt scored, nothing generated: the caller reads body["max_tokens"])."""
     default = number(body, "max_completion_tokens", ctx if chat else DEFAULT_MAX_TOKENS, int, 1, ctx)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -180,16 +180,16 @@ def prompts_of(body: dict, tokenizer, vocab: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- answers
 
 def token_texts(tokenizer):
-    """id -> the text of that token alone, special tokens as written (memoised): the strings of `tokens` and of
-    top_logprobs' keys, one function for both, so a client comparing a token with the likeliest one compares
-    like with like."""
+    """id -> the text of that token alone, special tokens as written (memoised): the strings of `tokens` and
+    of top_logprobs' keys, one function for both, so a client comparing a token with the likeliest one
+    compares like with like."""
     decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
     return functools.lru_cache(maxsize=2**17)(lambda i: decode([i], skip_special_tokens=False))
 
 
 def token_bytes(tokenizer):
-    """id -> the bytes that token stands for (memoised): a byte-level token may hold part of a character, whose
-    text alone is only the replacement character; special tokens as written."""
+    """id -> the bytes that token stands for (memoised): a byte-level token may hold part of a character,
+    whose text alone is only the replacement character; special tokens as written."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     table, added = byte_of_char(), backend.get_added_tokens_decoder()
 
@@ -233,9 +233,10 @@ def logprobs_object(text_of, tokenizer, ids: list[int], scores: tuple, start: in
 
 
 def chat_logprobs_object(text_of, bytes_of, ids: list[int], scores: tuple, start: int, alternatives: int) -> dict:
-    """A chat choice's logprobs, as OpenAI's chat API gives them: for each token of the reply (ids[start:], the
-    end token left out), its text, log-probability and bytes (which join into the reply's UTF-8 where a token holds
-    part of a character), and its `alternatives` likeliest tokens. text_of, bytes_of: token_texts(), token_bytes()."""
+    """A chat choice's logprobs, as OpenAI's chat API gives them: for each token of the reply (ids[start:],
+    the end token left out), its text, log-probability and bytes (which join into the reply's UTF-8 where a
+    token holds part of a character), and its `alternatives` likeliest tokens. text_of, bytes_of:
+    token_texts(), token_bytes()."""
     chosen, top_ids, top_lps = scores
     entry = lambda i, lp: {"token": text_of(i), "logprob": lp, "bytes": list(bytes_of(i))}  # noqa: E731
     return {"content": [{**entry(ids[k], chosen[k - 1]),

@@ -32,8 +32,8 @@ def candidates(settings: list, vocab: int) -> int:
 
 def pick(logits, seen, noise, temperature, top_k, top_p, penalty, ranked: int | None = None) -> torch.Tensor:
     """(B,) next ids from (B, V) fp32 logits: the repetition penalty on tokens seen, temperature, top-k and
-    nucleus top-p over the `ranked` most likely tokens (candidates(); default all), then argmax(p / E) with
-    E ~ Exp(1) in `noise`, which draws from p with no host sync (gpt-fast's trick). Settings are (B, 1) tensors;
+    nucleus top-p over the `ranked` most likely tokens (candidates(); default all), then argmax(p / E) with E
+    ~ Exp(1) in `noise`, which draws from p with no host sync (gpt-fast's trick). Settings are (B, 1) tensors;
     temperature 0 is argmax; top_k >= V, top_p 1 are off."""
     logits = apply_repetition_penalty(logits, seen, penalty)
     if ranked == 0:
@@ -61,8 +61,8 @@ def exp_noise(shape, device, generator=None) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
-    """CTRL's penalty (Keskar et al. 2019) on (B, V) logits where seen (B, V bool): positive / p, negative * p.
-    penalty is a number or a (B, 1) tensor; 1 leaves the logits as they are."""
+    """CTRL's penalty (Keskar et al. 2019) on (B, V) logits where seen (B, V bool): positive / p, negative *
+    p. penalty is a number or a (B, 1) tensor; 1 leaves the logits as they are."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 

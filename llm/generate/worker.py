@@ -2,9 +2,8 @@
 with its own settings), their text and ends sent back as events, logprobs scored once a choice ends.
 
 serve.py turns HTTP requests into Jobs (every value checked first, openai_api.py) and reads their events back
-into answers; a Worker thread owns the model. A client gone (job.cancelled) stops its rows at the engine's next
-read; a batch the engine fails is retried one job at a time, so one request's failure stays its own.
-"""
+into answers; a Worker thread owns the model. A client gone (job.cancelled) stops its rows at the engine's
+next read; a batch the engine fails is retried one job at a time, so one request's failure stays its own."""
 
 import asyncio
 import queue
@@ -16,7 +15,8 @@ from dataclasses import dataclass, field
 from config import SampleConfig
 from llm.base.errors import exit_code
 from llm.generate.engine import generate, score
-from llm.generate.openai_api import BadRequest, Scoring, chat_logprobs_object, logprobs_object, token_bytes, token_texts
+from llm.generate.openai_api import (BadRequest, Scoring, chat_logprobs_object, logprobs_object, token_bytes,
+                                     token_texts)
 from llm.tokens.tokenizer import stop_ids
 
 GATHER_S = 0.005  # after a request arrives, how long the worker waits for others to batch with it
@@ -130,9 +130,9 @@ class Worker(threading.Thread):
         self.finish(ended)
 
     def finish(self, ended: list[Ended]):
-        """Each ended choice's last event, with its logprobs when the job asks for them: the sequences of every
-        such choice of the batch scored together, the end token that ended a choice among them (its text is no
-        part of the answer), as OpenAI's API has it."""
+        """Each ended choice's last event, with its logprobs when the job asks for them: the sequences of
+        every such choice of the batch scored together, the end token that ended a choice among them (its text
+        is no part of the answer), as OpenAI's API has it."""
         asked = [e for e in ended if e.job.scoring.logprobs is not None]
         try:
             scores = score(self.model, [e.sequence() for e in asked],
@@ -154,8 +154,8 @@ class Worker(threading.Thread):
 
 
 def failure(e: Exception) -> BadRequest:
-    """A failed generation's answer, by the scripts' own classes (errors.exit_code): 400 for bad input (a batch
-    too big for memory), else 500; a bug's traceback goes to the log."""
+    """A failed generation's answer, by the scripts' own classes (errors.exit_code): 400 for bad input (a
+    batch too big for memory), else 500; a bug's traceback goes to the log."""
     try:
         code, line = exit_code(e)
     except Exception:  # exit_code raises a bug again: keep its traceback, in the log

@@ -1,8 +1,7 @@
 """The checked Hugging Face Hub client that datasets (hf_datasets.py) and models (hf_hub.py) download through:
-what the Hub sends (a listed name, an ETag, a commit, a size) is checked here before it names a file in the cache,
-a download cut short resumes from its .partial file and is checked against the Hub's hash, and the Hub's failures
-(a gated or private repository, a refused token) become one line naming the source.
-"""
+what the Hub sends (a listed name, an ETag, a commit, a size) is checked here before it names a file in the
+cache, a download cut short resumes from its .partial file and is checked against the Hub's hash, and the
+Hub's failures (a gated or private repository, a refused token) become one line naming the source."""
 
 import errno
 import hashlib
@@ -35,8 +34,8 @@ def say_once(line: str):
 
 @dataclass(frozen=True)
 class Repo:
-    """A Hub repository as the checks and downloads here name it: OWNER/NAME, its kind ("dataset" or "model") and
-    `where`, the words its error lines start with (the source as written)."""
+    """A Hub repository as the checks and downloads here name it: OWNER/NAME, its kind ("dataset" or "model")
+    and `where`, the words its error lines start with (the source as written)."""
     id: str
     kind: str
     where: str
@@ -59,8 +58,8 @@ def token_given() -> bool:
 
 
 def refused_token(e) -> str:
-    """Why the Hub refused the token given ("" if none or not the token): a 401 that is no repository's (those are
-    RepositoryNotFoundError) means a token it never issued, a 403 one without the rights."""
+    """Why the Hub refused the token given ("" if none or not the token): a 401 that is no repository's (those
+    are RepositoryNotFoundError) means a token it never issued, a 403 one without the rights."""
     status = getattr(getattr(e, "response", None), "status_code", None)
     return {401: REFUSED, 403: FORBIDDEN}.get(status, "") if token_given() else ""
 
@@ -72,8 +71,8 @@ def offline(constants) -> bool:
 
 
 def safe_relative(path, what: str, repo: Repo, todo: str = "") -> str:
-    """A name from the Hub (or the URL) that becomes a path under the cache: no `..`, root, drive, backslash, NUL or
-    empty segment, which would name a file outside it."""
+    """A name from the Hub (or the URL) that becomes a path under the cache: no `..`, root, drive, backslash,
+    NUL or empty segment, which would name a file outside it."""
     parts = path.split("/") if isinstance(path, str) else [""]
     if any(part in ("", ".", "..") or "\\" in part or "\0" in part or DRIVE.match(part) for part in parts):
         raise repo.error(f"{repo.where}: {what} {str(path)[:200]!r} is not a path inside the {repo.kind} (it has a "
@@ -91,8 +90,8 @@ def hex_hash(value, what: str, repo: Repo, pattern=ETAG, todo: str = "") -> str:
 
 
 def listing(hub, repo: Repo, revision: str, wanted, folder: str = "") -> tuple[list, str] | None:
-    """(the names of the files under folder that wanted(name) takes, the revision's commit) from the Hub, or None
-    when it cannot be reached; both checked before they become paths in the cache."""
+    """(the names of the files under folder that wanted(name) takes, the revision's commit) from the Hub, or
+    None when it cannot be reached; both checked before they become paths in the cache."""
     api = hub.HfApi()
     try:  # one request that fails at once when the Hub is out of reach, before the listing's retries
         commit = api.repo_info(repo.id, revision=revision, repo_type=repo.kind,
@@ -106,8 +105,8 @@ def listing(hub, repo: Repo, revision: str, wanted, folder: str = "") -> tuple[l
 
 
 def cached_commit(repo: Repo, revision: str) -> str:
-    """The commit of revision's snapshot in the cache ("" when no refs/ file names one): checked, as it names a
-    folder."""
+    """The commit of revision's snapshot in the cache ("" when no refs/ file names one): checked, as it names
+    a folder."""
     return revision if COMMIT.fullmatch(revision) else ref(os.path.join(repo.storage, "refs", revision), repo)
 
 
@@ -127,9 +126,10 @@ def ref(path: str, repo: Repo) -> str:
 
 
 def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
-    """One file (a checked name of a checked commit) into the cache: to a .partial file beside the blobs that a later
-    run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub lays them out.
-    Not its hf_hub_download: in 2.4 that asks for the ETag again, takes it unchecked and starts a cut file over."""
+    """One file (a checked name of a checked commit) into the cache: to a .partial file beside the blobs that
+    a later run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub
+    lays them out. Not its hf_hub_download: in 2.4 that asks for the ETag again, takes it unchecked and starts
+    a cut file over."""
     from filelock import FileLock  # huggingface_hub's own lock package, as its WeakFileLock is not its public API
     from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.utils import build_hf_headers
@@ -169,9 +169,10 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
 
 
 def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: bool, tries: int = 5):
-    """The bytes at url added to partial from its length on (a Range), on huggingface_hub's public session (its
-    offline mode and client settings hold), resumed at most `tries` times when a connection breaks after some bytes.
-    Hand-written: huggingface_hub's public downloads keep no cut file to resume (its http_get is not public API)."""
+    """The bytes at url added to partial from its length on (a Range), on huggingface_hub's public session
+    (its offline mode and client settings hold), resumed at most `tries` times when a connection breaks after
+    some bytes. Hand-written: huggingface_hub's public downloads keep no cut file to resume (its http_get is
+    not public API)."""
     from huggingface_hub import constants, get_session, hf_raise_for_status
     from huggingface_hub.utils import are_progress_bars_disabled
     with open(partial, "ab") as f, tqdm(total=size, unit="B", unit_scale=True, desc=where.rsplit(": ", 1)[-1],
@@ -199,8 +200,9 @@ def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: boo
 
 
 def _link(blob: str, path: str):
-    """The snapshot's name for a blob: a relative link, as huggingface_hub makes (the blob itself where links are
-    refused, as it does too). Made here: its hf_hub_download would ask the Hub for the blob's name again, unchecked."""
+    """The snapshot's name for a blob: a relative link, as huggingface_hub makes (the blob itself where links
+    are refused, as it does too). Made here: its hf_hub_download would ask the Hub for the blob's name again,
+    unchecked."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.lexists(path):
         os.remove(path)  # a link to a blob that is gone
@@ -253,8 +255,8 @@ def lost(repo: Repo, e: Exception) -> Exception:
 
 
 def unreachable() -> tuple:
-    """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2 for
-    huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
+    """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2
+    for huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
     from huggingface_hub.errors import OfflineModeIsEnabled
     clients = [importlib.import_module(name) for name in ("httpx2", "httpx") if importlib.util.find_spec(name)]
     return (OfflineModeIsEnabled, *(client.TransportError for client in clients))

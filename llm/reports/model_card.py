@@ -1,10 +1,9 @@
 """The model card: the README.md every export writes beside the model (Hugging Face folder or GGUF).
 
-model_card() reads what the checkpoint's run folder holds: config.json (data sources, precision), metrics.jsonl
-(validation loss, bits per byte and the code metric at the exported step), the checkpoint's trainer_state.pt
-(steps, tokens, time, device, command) and the corpus counts the trainer saved beside them. What a run did not
-record reads "not recorded": a card never stops an export.
-"""
+model_card() reads what the checkpoint's run folder holds: config.json (data sources, precision),
+metrics.jsonl (validation loss, bits per byte and the code metric at the exported step), the checkpoint's
+trainer_state.pt (steps, tokens, time, device, command) and the corpus counts the trainer saved beside them.
+What a run did not record reads "not recorded": a card never stops an export."""
 
 import json
 import math
@@ -78,8 +77,9 @@ def run_facts(ckpt: str) -> dict:
 
 
 def trained_for_chat(ckpt: str) -> bool | None:
-    """Whether the run behind the checkpoint trained on conversations, where its records say (the corpus's chat
-    masks); None where they cannot: an import, a run started from another model, a corpus not recorded."""
+    """Whether the run behind the checkpoint trained on conversations, where its records say (the corpus's
+    chat masks); None where they cannot: an import, a run started from another model, a corpus not recorded.
+    """
     facts = run_facts(ckpt)
     train = _dict(_dict(facts.get("config")).get("train"))
     has_masks = _dict(facts.get("corpus")).get("has_masks")
@@ -92,10 +92,10 @@ PREFERENCE_OR_REWARD = ("dpo", "simpo", "grpo")  # objectives that tune a model 
 
 
 def trained_to_chat(path: str, depth: int = 0) -> bool:
-    """Whether a model was trained to chat, as evaluate.py chooses its chat suite: a run of ours on conversations
-    (its corpus's chat masks) or on pairs or rewards, or fine-tuned on other text from a model that was; a model
-    from elsewhere whose files carry a chat template of their own. Chat tokens alone in a tokenizer are not enough
-    (every tokenizer trained here has them)."""
+    """Whether a model was trained to chat, as evaluate.py chooses its chat suite: a run of ours on
+    conversations (its corpus's chat masks) or on pairs or rewards, or fine-tuned on other text from a model
+    that was; a model from elsewhere whose files carry a chat template of their own. Chat tokens alone in a
+    tokenizer are not enough (every tokenizer trained here has them)."""
     if os.path.isfile(path) or is_hf_folder(path):  # a GGUF file, a Hugging Face folder
         return bool(own_chat_template(path))
     path = _quiet(resolve_checkpoint, path) or path  # a run folder: its newest checkpoint
@@ -130,8 +130,9 @@ def own_chat_template(path: str) -> str:
 
 
 def next_token_train(path: str, depth: int = 0) -> dict | None:
-    """The train settings of the run behind path, or where it tuned by preference or reward, of the run it started
-    from: the rates of a run that trained by next-token loss (a preference or GRPO run's are scaled down)."""
+    """The train settings of the run behind path, or where it tuned by preference or reward, of the run it
+    started from: the rates of a run that trained by next-token loss (a preference or GRPO run's are scaled
+    down)."""
     train = _dict(_dict(run_facts(_quiet(resolve_checkpoint, path) or path).get("config")).get("train"))
     base = train.get("init_from")
     if train.get("objective") in PREFERENCE_OR_REWARD:
@@ -248,9 +249,9 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
 
 
 def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
-    """README.md for a PEFT adapter folder of the LoRA checkpoint ckpt: the base it adapts (as adapter_config.json
-    names it), the adapters' settings, the run's numbers and how to load it. PEFT's own cards start with this
-    YAML header, which the Hub reads."""
+    """README.md for a PEFT adapter folder of the LoRA checkpoint ckpt: the base it adapts (as
+    adapter_config.json names it), the adapters' settings, the run's numbers and how to load it. PEFT's own
+    cards start with this YAML header, which the Hub reads."""
     facts, base = run_facts(ckpt), base_name.removeprefix("hf:")
     lora = [("base model", md.code(md.shared_name(base))), ("rank", str(meta["rank"])), ("alpha", f"{meta['alpha']:g}"),
             ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(md.code(t) for t in meta["targets"]))]

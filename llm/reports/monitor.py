@@ -54,8 +54,8 @@ class Monitor:
                  tensorboard: bool = False, wandb: bool = False, config: dict | None = None,
                  resume_step: int | None = None, world_size: int = 1):
         """tokens_per_step: over every rank. resume_step: the run continues from this step, so records logged
-        after it (by the session that went on past its last checkpoint) are dropped: the file then reads as one
-        uninterrupted run. world_size: GPUs sharing the tokens/s, so MFU is per GPU (the tokens of one GPU
+        after it (by the session that went on past its last checkpoint) are dropped: the file then reads as
+        one uninterrupted run. world_size: GPUs sharing the tokens/s, so MFU is per GPU (the tokens of one GPU
         against that GPU's peak)."""
         self.run_dir, self.device, self.flops_per_token = run_dir, device, flops_per_token
         self.tokens_per_step = tokens_per_step
@@ -83,18 +83,19 @@ class Monitor:
             except ImportError:
                 print("warning: wandb is not installed; pip install wandb to use it")
             else:
-                # Offline: no account or network needed; `wandb sync <run_dir>/wandb/offline-run-*` uploads later.
+                # Offline: no account or network needed; `wandb sync <run_dir>/wandb/offline-run-*` uploads
+                # later.
                 self.wandb_run = wandb_lib.init(project="modern-llm", name=os.path.basename(os.path.normpath(run_dir)),
                                                 dir=run_dir, mode="offline", config=config or {})
 
     def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float,
                      step_s: float | None, compiled: bool = False, extra: dict | None = None) -> dict:
-        """Throughput from the seconds of a step (the run clock's, None for the first step, which compiles), plus
-        memory; appended to metrics.jsonl.
+        """Throughput from the seconds of a step (the run clock's, None for the first step, which compiles),
+        plus memory; appended to metrics.jsonl.
 
         lr_scale is the schedule's multiplier of the peak rates; lrs names each rate ({"lr_muon": ..., ...});
-        compiled: whether the step ran compiled; extra: other figures of the steps (a preference run's rewards).
-        """
+        compiled: whether the step ran compiled; extra: other figures of the steps (a preference run's
+        rewards)."""
         timed = bool(step_s)
         tok_s = self.tokens_per_step / step_s if timed else None
         record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
@@ -111,8 +112,8 @@ class Monitor:
         return record
 
     def eval_record(self, step: int, val_loss: float, bytes_per_token: float | None, **extra) -> dict:
-        """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token), and any other figures
-        of the evaluation (the code metric: code_ok, code_samples)."""
+        """Validation loss, perplexity and bits per byte (loss / ln 2 / bytes per token), and any other
+        figures of the evaluation (the code metric: code_ok, code_samples)."""
         per_token = bytes_per_token is not None  # None: a loss that is no text's (GRPO's negated reward)
         record = {"kind": "eval", "step": step, "val_loss": val_loss,
                   "val_ppl": math.exp(min(val_loss, 700.0)) if per_token else None,  # 700: exp overflows past ~709
@@ -149,8 +150,8 @@ class Monitor:
             self.wandb_run.log(scalars, step=record["step"])
 
     def plot(self):
-        """loss.png: train and val loss, and beside them the code metric and the benchmarks' mean accuracy where
-        there are (matplotlib only)."""
+        """loss.png: train and val loss, and beside them the code metric and the benchmarks' mean accuracy
+        where there are (matplotlib only)."""
         drawn = (len(self.train_points), len(self.eval_points))
         if drawn == getattr(self, "_drawn", None):
             return
@@ -197,8 +198,8 @@ class Monitor:
 
 class StepProfiler:
     """--profile: a torch.profiler trace of a few steps once compiling is done, and on CUDA a memory snapshot
-    of them, written to <run>/profile/ (trace.json opens in chrome://tracing or ui.perfetto.dev; the snapshot in
-    pytorch.org/memory_viz)."""
+    of them, written to <run>/profile/ (trace.json opens in chrome://tracing or ui.perfetto.dev; the snapshot
+    in pytorch.org/memory_viz)."""
 
     def __init__(self, run_dir: str, device: torch.device, first: int, steps: int = 4):
         self.folder, self.device, self.first, self.last = os.path.join(run_dir, "profile"), device, first, first + steps
@@ -247,8 +248,8 @@ def read_metrics(run_dir: str, kind: str | None = None, file: str = METRICS_FILE
 
 
 def _well_formed(record) -> bool:
-    """An object whose step, if any, is an integer; a train or eval record also needs its step, its loss (loss,
-    val_loss) a number, and every other figure a number, true, false or null: what Monitor writes."""
+    """An object whose step, if any, is an integer; a train or eval record also needs its step, its loss
+    (loss, val_loss) a number, and every other figure a number, true, false or null: what Monitor writes."""
     if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
         return False
     if record.get("kind") not in ("train", "eval"):
@@ -291,9 +292,9 @@ def stored_bytes(t: torch.Tensor) -> int:
 
 
 def trainable_report(cfg, model, row: int) -> str:
-    """A LoRA run's parameters and memory by part: the trained adapters with their gradients and optimizer state
-    (16 bytes each), the frozen base as it is held, and the activations of rows of `row` tokens (sizing.py's
-    estimate)."""
+    """A LoRA run's parameters and memory by part: the trained adapters with their gradients and optimizer
+    state (16 bytes each), the frozen base as it is held, and the activations of rows of `row` tokens
+    (sizing.py's estimate)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     n_frozen = sum(p.numel() for p in frozen)
@@ -312,7 +313,8 @@ def progress_bar(clock, start: int, enabled: bool):
     if not clock.by_time:
         return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled, dynamic_ncols=True, desc="train")
     total = round(clock.budget_s)
-    # n_fmt/total_fmt, not {total:.0f}: tqdm sets total to None once n passes it, and a format must not end the run.
+    # n_fmt/total_fmt, not {total:.0f}: tqdm sets total to None once n passes it, and a format must not end
+    # the run.
     return tqdm(total=total, initial=_budget_seconds(clock, total), disable=not enabled,
                 dynamic_ncols=True, desc=f"train step {start}",
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the time budget{postfix}")
@@ -399,8 +401,8 @@ class LossWindow:
 
 def stood_still(records: list[dict], key: str) -> str:
     """A line where the run's training figure `key` (its loss, or a GRPO run's reward) moved less than its own
-    noise between the first and the last quarter of its logged windows: a run that learned nothing says so at its
-    end. The noise is two standard errors of the difference of the two quarters' means."""
+    noise between the first and the last quarter of its logged windows: a run that learned nothing says so at
+    its end. The noise is two standard errors of the difference of the two quarters' means."""
     values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     k = len(values) // 4
     if k < 2:

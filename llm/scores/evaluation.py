@@ -48,9 +48,9 @@ SIGNATURE = re.compile(r"( *)(?:async )?def \w+\(.*\)(?: -> .+)?:\s*")  # a one-
 
 
 def function_prompts(texts: list[str], n: int = CODE_PROMPTS) -> list[tuple[str, int]]:
-    """The first n (signature + docstring, indent of the signature) found in the texts, in their order. A prompt
-    ends at the closing quotes, without the newline: the model writes the newline and the body's indent (unless the
-    tokenizer joins the newline to the quotes: on_token_boundary)."""
+    """The first n (signature + docstring, indent of the signature) found in the texts, in their order. A
+    prompt ends at the closing quotes, without the newline: the model writes the newline and the body's indent
+    (unless the tokenizer joins the newline to the quotes: on_token_boundary)."""
     found = []
     for text in texts:
         lines = text.split("\n")
@@ -73,18 +73,18 @@ def function_prompts(texts: list[str], n: int = CODE_PROMPTS) -> list[tuple[str,
 
 
 def on_token_boundary(tokenizer, prompt: str) -> str:
-    """The prompt, or the prompt and the newline after it where the tokenizer joins the two into one token (GPT-4's
-    split keeps punctuation with the newlines after it): cut inside a token, a prompt ends on one the model rarely
-    saw there, and a model with such a tokenizer wrote no body that parsed (0 of 16, where its twin with the
-    default tokenizer wrote 10)."""
+    """The prompt, or the prompt and the newline after it where the tokenizer joins the two into one token
+    (GPT-4's split keeps punctuation with the newlines after it): cut inside a token, a prompt ends on one the
+    model rarely saw there, and a model with such a tokenizer wrote no body that parsed (0 of 16, where its
+    twin with the default tokenizer wrote 10)."""
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     return prompt if tokenizer.encode(prompt + "\n", add_special_tokens=False)[:len(ids)] == ids else prompt + "\n"
 
 
 def function_body(completion: str, indent: int, complete: bool) -> str:
     """The completion up to the first line that dedents back to the signature's level (its first line goes on
-    from the prompt's closing quotes); when generation ran out of tokens before that line, its last line (maybe
-    cut mid-way) is left out."""
+    from the prompt's closing quotes); when generation ran out of tokens before that line, its last line
+    (maybe cut mid-way) is left out."""
     lines = completion.split("\n")
     body = []
     for number, line in enumerate(lines):
@@ -128,8 +128,8 @@ def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig =
 
 
 def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) -> list[str]:
-    """Python openings for a Python corpus; for conversations, each one up to its first reply (so a sample is the
-    model's answer); else the first characters of the first few texts."""
+    """Python openings for a Python corpus; for conversations, each one up to its first reply (so a sample is
+    the model's answer); else the first characters of the first few texts."""
     if python:
         return list(PYTHON_PROMPTS)
     reply = f"{IM_START}assistant\n"
@@ -139,16 +139,16 @@ def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) 
 
 @torch.no_grad()
 def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
-    """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone); a reply
-    to a conversation ends at <|im_end|>."""
+    """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone); a
+    reply to a conversation ends at <|im_end|>."""
     texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1),
                              stop_ids(tokenizer))
     return [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
 
 
 def file_pieces(files: list[str]):
-    """(document number, text) of the files' documents, piece by piece as the data path reads them (chats as their
-    template text): what split_texts(split=None) returns, never held whole."""
+    """(document number, text) of the files' documents, piece by piece as the data path reads them (chats as
+    their template text): what split_texts(split=None) returns, never held whole."""
     cfg, found = DataConfig(sources=files), False
     for number, _, doc in documents(source_files(cfg), cfg, ReadStats()):
         found = True
@@ -158,9 +158,9 @@ def file_pieces(files: list[str]):
 
 
 def text_parts(texts, limit: int = ENCODE_CHARS):
-    """(document number, text) parts of at most `limit` characters, in order: a shorter document whole, a longer
-    one cut at line ends (inside a longer line, anywhere). texts: documents, or (number, piece) pieces of them
-    as file_pieces() yields, a document's pieces one after another."""
+    """(document number, text) parts of at most `limit` characters, in order: a shorter document whole, a
+    longer one cut at line ends (inside a longer line, anywhere). texts: documents, or (number, piece) pieces
+    of them as file_pieces() yields, a document's pieces one after another."""
     held, number = "", None
     for i, item in enumerate(texts):
         key, text = (i, item) if isinstance(item, str) else item
@@ -222,10 +222,11 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 def validation_loss(model, amp, val_batches, n: int, ranks: Ranks, until: float = math.inf,
                     batch_loss=None) -> tuple[float, int, torch.Tensor | None]:
     """Mean validation loss over n fixed micro-batches (averaged over ranks), the batches it read (fewer once
-    time.monotonic() passes `until`; one process only: under FSDP2 every rank must run every forward), and the sum
-    of the batches' statistics over ranks (None for next-token loss). batch_loss(model, batch) -> (loss, a vector
-    of statistics or None): an objective's own (preference's), else the model's next-token loss. Takes the
-    uncompiled model: a compiled one would compile again for inference (no gradients, other guards) in the run."""
+    time.monotonic() passes `until`; one process only: under FSDP2 every rank must run every forward), and the
+    sum of the batches' statistics over ranks (None for next-token loss). batch_loss(model, batch) -> (loss, a
+    vector of statistics or None): an objective's own (preference's), else the model's next-token loss. Takes
+    the uncompiled model: a compiled one would compile again for inference (no gradients, other guards) in the
+    run."""
     batch_loss = batch_loss or next_token_loss
     model.eval()
     total, stats, read = torch.zeros((), device=val_batches.device), None, 0
@@ -297,8 +298,8 @@ class Probe:
 
 
 def benchmark_items(names, n: int) -> tuple[list, str]:
-    """[(task, its first n items)] of the named tasks, and why there are none ("" when there are): a run without
-    the tasks' data trains on, and its start report says so. An unknown name is a ConfigError."""
+    """[(task, its first n items)] of the named tasks, and why there are none ("" when there are): a run
+    without the tasks' data trains on, and its start report says so. An unknown name is a ConfigError."""
     chosen = [benchmarks.get(name) for name in names]
     if not chosen:
         return [], "eval_tasks is empty"

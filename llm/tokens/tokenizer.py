@@ -32,9 +32,9 @@ KINDS = ("bpe", "tiktoken", "wordpiece", "unigram")
 TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?")  # one token of a tiktoken rank file
 MIN_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)
 TOKENIZER_FILE = "tokenizer.json"
-# The trainers' cost grows faster than linearly in a pre-tokenized word's length (a 64 KB run without a space took
-# 32 s to train on), so training text is cut after every run of this many characters without (or of) whitespace;
-# a word of real text is far shorter, and encoding is not cut: it stays lossless.
+# The trainers' cost grows faster than linearly in a pre-tokenized word's length (a 64 KB run without a space
+# took 32 s to train on), so training text is cut after every run of this many characters without (or of)
+# whitespace; a word of real text is far shorter, and encoding is not cut: it stays lossless.
 TRAIN_WORD_CHARS = 1024
 LONG_RUN = re.compile(r"\S{%d}|\s{%d}" % (TRAIN_WORD_CHARS, TRAIN_WORD_CHARS))
 
@@ -50,8 +50,8 @@ def tokenizer_file(path: str) -> str:
 
 
 def save_tokenizer(tok: Tokenizer, file: str):
-    """tok.save(file), a write the disk refuses raised as the OSError it is (atomic.write_error turns that into one
-    line): tokenizers reports it as a bare Exception '... No space left on device (os error 28)'."""
+    """tok.save(file), a write the disk refuses raised as the OSError it is (atomic.write_error turns that
+    into one line): tokenizers reports it as a bare Exception '... No space left on device (os error 28)'."""
     try:
         tok.save(file)
     except Exception as e:  # noqa: BLE001 - tokenizers raises nothing narrower
@@ -114,8 +114,9 @@ def load_tokenizer(path: str):
 
 
 def stop_ids(tokenizer) -> list[int]:
-    """Ids that end a generation, on every route (the REPL, completions, chat): <|endoftext|>, and <|im_end|> where
-    the tokenizer has it (a chat-trained model ends its reply there, in a chat or a plain prompt alike)."""
+    """Ids that end a generation, on every route (the REPL, completions, chat): <|endoftext|>, and <|im_end|>
+    where the tokenizer has it (a chat-trained model ends its reply there, in a chat or a plain prompt alike).
+    """
     vocab = tokenizer.get_vocab()
     return [vocab[n] for n in (EOT_TOKEN, IM_END) if n in vocab]
 
@@ -237,8 +238,8 @@ def template_prompt(tok, messages, template: str = "") -> str:
 
 
 def encode_batch(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """The ids of each text, every core at once; text that happens to contain "<|endoftext|>" stays text: it must
-    not forge a boundary or a turn."""
+    """The ids of each text, every core at once; text that happens to contain "<|endoftext|>" stays text: it
+    must not forge a boundary or a turn."""
     before, tok.encode_special_tokens = tok.encode_special_tokens, True
     try:
         return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
@@ -247,9 +248,9 @@ def encode_batch(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def encode_segments(tok: Tokenizer, docs: list, encode=None) -> list[tuple[list[int], list[bool]]]:
-    """Token ids and learned-flags of documents given as segments, or as plain strings (learned text), with one
-    parallel encode call (`encode`: texts -> ids, by default tokenizers' own, encode_batch); a plain string's flags
-    come as True (every token learned)."""
+    """Token ids and learned-flags of documents given as segments, or as plain strings (learned text), with
+    one parallel encode call (`encode`: texts -> ids, by default tokenizers' own, encode_batch); a plain
+    string's flags come as True (every token learned)."""
     # Each piece is encoded on its own, so a prompt's ids are always a prefix of the full conversation's.
     plain = all(isinstance(d, str) for d in docs)  # pretraining text: no per-document work before the call
     texts = docs if plain else [text for segs in docs for text, _, special in

@@ -25,26 +25,27 @@ import torch
 
 from config import AUTO, PRESETS, Config
 from llm.base.errors import ConfigError
+from llm.base.sizing import (BYTES_PER_TOKEN, CPU_MINUTES, FORWARDS_PER_STEP, GPU_MINUTES, MEMORY_FRACTION,
+                             Machine, budget_minutes, count_parameters, optimal_parameters, plan_report,
+                             token_target, training_bytes_estimate)
 from llm.scores.evaluation import AUTO_EVALS, EVAL_SHARE, EVAL_TOKENS
 from llm.train.fine_tuning import small_move_warning
-from llm.base.sizing import (BYTES_PER_TOKEN, CPU_MINUTES, FORWARDS_PER_STEP, GPU_MINUTES, MEMORY_FRACTION, Machine,
-                        budget_minutes, count_parameters, optimal_parameters, plan_report, token_target,
-                        training_bytes_estimate)
 
 CPU_SIZE = "tiny"  # the preset whose values fill a run's automatic fields off CUDA
-# A compile from an empty cache took 20-60 s on the 2-core CPU here; at the speedups measured (1.5-2x) it pays back
-# only over a budget of a minute or two, so an automatic compile is off below this.
+# A compile from an empty cache took 20-60 s on the 2-core CPU here; at the speedups measured (1.5-2x) it pays
+# back only over a budget of a minute or two, so an automatic compile is off below this.
 COMPILE_PAYS_MINUTES = 2.0
-# At fixed compute the loss is about symmetric in log N around its optimum (Hoffmann et al. 2022, figure 3's isoFLOP
-# curves), so the preset nearest the optimum on a log scale learns most; one past 3x the optimum (under about two
-# tokens per parameter in its budget) is never chosen.
+# At fixed compute the loss is about symmetric in log N around its optimum (Hoffmann et al. 2022, figure 3's
+# isoFLOP curves), so the preset nearest the optimum on a log scale learns most; one past 3x the optimum
+# (under about two tokens per parameter in its budget) is never chosen.
 MAX_OVER_OPTIMAL = 3.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
 PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
-# An automatic batch leaves a fine-tune in epochs at least this many optimizer steps, in smaller steps where the data
-# is small (300 short chats at --epochs 3 once made 7 steps at 16 windows a step, and learned nothing).
+# An automatic batch leaves a fine-tune in epochs at least this many optimizer steps, in smaller steps where
+# the data is small (300 short chats at --epochs 3 once made 7 steps at 16 windows a step, and learned
+# nothing).
 FINE_TUNE_STEPS = 100
 FEW_STEPS = 30  # a run of fewer optimizer steps is said, before it starts, to be unlikely to learn anything
 MICRO_TOKENS = 65_536  # the most tokens an automatic micro-batch holds on CUDA: past it a step gains little
@@ -65,9 +66,9 @@ def _filled(cfg: Config, size: str) -> Config:
 
 
 def fill_batch(cfg: Config, machine: Machine, world_size: int = 1) -> tuple[Config, str]:
-    """cfg with an automatic micro-batch, accumulation and batch_tokens filled, and the reason: the micro-batch
-    the memory holds (fit_micro), accumulation keeping batch_tokens (or one micro-step when that is automatic
-    too), batch_tokens what the two give."""
+    """cfg with an automatic micro-batch, accumulation and batch_tokens filled, and the reason: the
+    micro-batch the memory holds (fit_micro), accumulation keeping batch_tokens (or one micro-step when that
+    is automatic too), batch_tokens what the two give."""
     t, seq = cfg.train, cfg.model.max_seq_len
     micro, accum = t.micro_batch_size, t.grad_accum_steps
     sequences = max(1, round(t.batch_tokens / (seq * world_size))) if t.batch_tokens else 0  # per rank and step
@@ -108,9 +109,9 @@ def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
 
 
 def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_size: int = 1) -> tuple[str, str]:
-    """The preset whose values fill the automatic fields, and why. On CUDA, of the presets that fit the memory and
-    that the corpus feeds (corpus_bytes None: a corpus larger than any run here, FineWeb-Edu's sample): under a time
-    budget the one nearest the budget's compute-optimal size, else the largest."""
+    """The preset whose values fill the automatic fields, and why. On CUDA, of the presets that fit the memory
+    and that the corpus feeds (corpus_bytes None: a corpus larger than any run here, FineWeb-Edu's sample):
+    under a time budget the one nearest the budget's compute-optimal size, else the largest."""
     if machine.kind != "cuda":
         return CPU_SIZE, f"no CUDA device ({machine.name})"
     corpus_tokens = math.inf if corpus_bytes is None else corpus_bytes / BYTES_PER_TOKEN
@@ -146,9 +147,9 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_s
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
                    world_size: int = 1) -> tuple[Config, list[str]]:
     """cfg with its automatic shape, batch and rates filled, and report lines saying with what and why; an
-    optimizer still automatic (a run from scratch) is Muon. corpus_bytes None: a corpus larger than any run here
-    (the GPU default, FineWeb-Edu's sample), of which a CUDA run with a time budget reads the tokens the budget
-    trains on (budget_tokens) as its max_tokens, where that is left at 0."""
+    optimizer still automatic (a run from scratch) is Muon. corpus_bytes None: a corpus larger than any run
+    here (the GPU default, FineWeb-Edu's sample), of which a CUDA run with a time budget reads the tokens the
+    budget trains on (budget_tokens) as its max_tokens, where that is left at 0."""
     if cfg.train.optimizer == "auto":
         cfg = replace(cfg, train=replace(cfg.train, optimizer="muon"))
     batch = ("batch_tokens", "micro_batch_size", "grad_accum_steps")
@@ -188,9 +189,10 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
 
 
 def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automatic: set) -> tuple[Config, list[str]]:
-    """cfg with a smaller automatic batch where a fine-tune in epochs (--init_from, --epochs) would take fewer than
-    FINE_TUNE_STEPS optimizer steps: as many windows a step as leave it that many (one at least), and the line
-    saying so; else cfg as it is. automatic: the batch fields left automatic before sizing filled them."""
+    """cfg with a smaller automatic batch where a fine-tune in epochs (--init_from, --epochs) would take fewer
+    than FINE_TUNE_STEPS optimizer steps: as many windows a step as leave it that many (one at least), and the
+    line saying so; else cfg as it is. automatic: the batch fields left automatic before sizing filled them.
+    """
     t = cfg.train
     if not (t.init_from and t.epochs and t.max_steps == AUTO and {"batch_tokens", "grad_accum_steps"} <= automatic):
         return cfg, []
@@ -212,8 +214,8 @@ def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automa
 
 
 def few_steps_warning(cfg: Config) -> list[str]:
-    """A line where a run in epochs has too few optimizer steps to learn anything, saying what to change (a step
-    count written by hand, a smoke run's --max_steps 2 say, is taken as meant)."""
+    """A line where a run in epochs has too few optimizer steps to learn anything, saying what to change (a
+    step count written by hand, a smoke run's --max_steps 2 say, is taken as meant)."""
     t = cfg.train
     if not t.epochs or not t.max_steps or t.max_steps >= FEW_STEPS:
         return []
@@ -224,10 +226,10 @@ def few_steps_warning(cfg: Config) -> list[str]:
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
                     epoch_sequences: float | None = None, automatic: set = frozenset()) -> tuple[Config, list[str]]:
-    """cfg with max_steps, max_minutes and eval_batches filled where automatic, once the corpus is tokenized, and
-    report lines (a fine-tune's batch made smaller where its epochs would be too few steps: fine_tune_batch).
-    epoch_sequences: training windows in one pass over the split (packed windows), if not train_tokens / context;
-    automatic: the fields left automatic before sizing filled them."""
+    """cfg with max_steps, max_minutes and eval_batches filled where automatic, once the corpus is tokenized,
+    and report lines (a fine-tune's batch made smaller where its epochs would be too few steps:
+    fine_tune_batch). epoch_sequences: training windows in one pass over the split (packed windows), if not
+    train_tokens / context; automatic: the fields left automatic before sizing filled them."""
     epoch_sequences = epoch_sequences or train_tokens / cfg.model.max_seq_len
     cfg, notes = fine_tune_batch(cfg, epoch_sequences, world_size, automatic)
     t = cfg.train
@@ -244,8 +246,8 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
     if steps == AUTO and minutes == AUTO:  # on CUDA: GPU_EPOCHS passes, or the budget where they would take longer
         steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
         passes = f"{GPU_EPOCHS} passes over {train_tokens:,} training tokens"
-        # by the planned speed, at most the budget's compute-optimal tokens: a model far below the GPU presets (tiny)
-        # runs far below MEASURED_MFU, and its passes would outlast the budget
+        # by the planned speed, at most the budget's compute-optimal tokens: a model far below the GPU presets
+        # (tiny) runs far below MEASURED_MFU, and its passes would outlast the budget
         if steps * per_step * cfg.model.max_seq_len <= token_target(cfg, machine, world_size):
             notes.append(f"automatic: max_steps={steps} ({passes} at {per_step * cfg.model.max_seq_len:,} tokens "
                          f"per step, within a GPU run's {GPU_MINUTES:g}-minute budget at the planned speed)")
@@ -257,8 +259,9 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         notes.append(f"automatic: no step limit, the {minutes:g}-minute budget ends the run")
     if eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch
         run_tokens = steps * t.micro_batch_size * t.grad_accum_steps * cfg.model.max_seq_len * world_size
-        # AUTO_EVALS evaluations of these tokens, a forward each (a step costs FORWARDS_PER_STEP), take EVAL_SHARE of
-        # a run in steps (a 10-step smoke run reads one micro-batch); under a time budget the clock spaces them out.
+        # AUTO_EVALS evaluations of these tokens, a forward each (a step costs FORWARDS_PER_STEP), take
+        # EVAL_SHARE of a run in steps (a 10-step smoke run reads one micro-batch); under a time budget the
+        # clock spaces them out.
         tokens = min(EVAL_TOKENS, FORWARDS_PER_STEP * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
         eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
     train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
@@ -269,8 +272,9 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
 
 
 def fit_micro_batch(raw_model, cfg: Config, amp, ranks) -> Config:
-    """cfg with the largest micro-batch (halving from the whole step's batch) whose forward and backward fit in GPU
-    memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only."""
+    """cfg with the largest micro-batch (halving from the whole step's batch) whose forward and backward fit
+    in GPU memory; accumulation rises to keep the tokens per step. Probed on the uncompiled model; CUDA only.
+    """
     t = cfg.train
     if next(raw_model.parameters()).device.type != "cuda":
         ranks.print("auto micro-batch: searched on CUDA only, keeping --micro_batch_size")

@@ -1,8 +1,8 @@
-"""An exponential moving average of the trained weights over the second half of a run, which the run ends on: its
-final evaluation, its last checkpoint and so every export hold the average. Each step's weights carry the noise of
-its batch, which the rate schedule alone does not smooth away (docs/training.md#recipe-ablations: 0.007 and 0.010
-bits per byte more learned at equal tokens on two seeds, for about 0.5 ms a step over 2.4M weights on a CPU).
-"""
+"""An exponential moving average of the trained weights over the second half of a run, which the run ends on:
+its final evaluation, its last checkpoint and so every export hold the average. Each step's weights carry the
+noise of its batch, which the rate schedule alone does not smooth away (docs/training.md#recipe-ablations:
+0.007 and 0.010 bits per byte more learned at equal tokens on two seeds, for about 0.5 ms a step over 2.4M
+weights on a CPU)."""
 
 import torch
 
@@ -10,8 +10,8 @@ from llm.base.distributed import full_state, local, shard_as
 from llm.base.errors import CheckpointError
 
 START = 0.5  # the fraction of the run after which weights are averaged: earlier ones are far from where it ends
-# The average spans at most this fraction of the run's steps: beta 0.995 (200 steps) won at 2,300 steps, but at
-# 600 it reached back to weights far from the run's end and cost 0.07 bits per byte (docs/training.md).
+# The average spans at most this fraction of the run's steps: beta 0.995 (200 steps) won at 2,300 steps, but
+# at 600 it reached back to weights far from the run's end and cost 0.07 bits per byte (docs/training.md).
 HORIZON = 0.09
 
 
@@ -51,9 +51,9 @@ class WeightAverage:
 
     @torch.no_grad()
     def end_on_better(self, loss_of) -> tuple[float, str] | None:
-        """Leave in the weights whichever of the average and the last step's weights has the lower loss_of() (the
-        validation loss: on a short run the average can be the worse); that loss and a line saying which, or None
-        if nothing was averaged."""
+        """Leave in the weights whichever of the average and the last step's weights has the lower loss_of()
+        (the validation loss: on a short run the average can be the worse); that loss and a line saying which,
+        or None if nothing was averaged."""
         if self.average is None:
             return None
         last_loss, last = loss_of(), [local(p).clone() for p in self.params]
@@ -67,13 +67,13 @@ class WeightAverage:
                            f"{average_loss:.4f}")
 
     def state_dict(self, keep: bool = True) -> dict | None:
-        """The average as whole tensors (gathered under FSDP2; None where keep is False) with its beta, or None
-        before it starts. Every rank calls it."""
+        """The average as whole tensors (gathered under FSDP2; None where keep is False) with its beta, or
+        None before it starts. Every rank calls it."""
         return None if self.average is None else {"average": full_state(self.average, keep), "beta": self.run_beta}
 
     def load_state_dict(self, saved: dict | list | None):
-        """Restore what state_dict returned (a list: the average alone, as checkpoints before run_beta held it), so
-        a resumed run goes on averaging as the uninterrupted one."""
+        """Restore what state_dict returned (a list: the average alone, as checkpoints before run_beta held
+        it), so a resumed run goes on averaging as the uninterrupted one."""
         if saved is None or not self.beta:  # none saved yet, or averaging is off now
             self.average = None
             return

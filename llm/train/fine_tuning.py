@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from config import AUTO, Config
 from llm.base.errors import ConfigError
 
-# Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py (docs/fine-tuning.md):
-# the chats' style learned while general answers and general text's bits per byte hold. AdamW kept them best, for
-# adapters and whole weights; muon_lr serves a fine-tuning run given --optimizer muon.
+# Adapting a pretrained model, chosen on SmolLM2-135M-Instruct by tools/finetune_check.py
+# (docs/fine-tuning.md): the chats' style learned while general answers and general text's bits per byte hold.
+# AdamW kept them best, for adapters and whole weights; muon_lr serves a fine-tuning run given --optimizer
+# muon.
 FINE_TUNING_OPTIMIZER = "adamw"
 FINE_TUNING_RATES = {"lora": {"learning_rate": 2e-4, "muon_lr": 0.005},
                      "full": {"learning_rate": 2e-5, "muon_lr": 0.002}}
@@ -39,9 +40,9 @@ class ChosenRates:
 
 def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Config, ChosenRates | None]:
     """cfg with the automatic optimizer and rates of a run from a pretrained model (--init_from) filled for
-    fine-tuning, and what was chosen (its line waits for the objective: fill_preference, fill_grpo); a run from
-    scratch, or values given, pass as they are. base_train: the train settings a base that is a run of ours
-    recorded (its config.json), which the rates follow; else those measured on SmolLM2."""
+    fine-tuning, and what was chosen (its line waits for the objective: fill_preference, fill_grpo); a run
+    from scratch, or values given, pass as they are. base_train: the train settings a base that is a run of
+    ours recorded (its config.json), which the rates follow; else those measured on SmolLM2."""
     t = cfg.train
     if not t.init_from:
         return cfg, None
@@ -63,9 +64,9 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
 
 
 def _recorded_rates(train: dict | None, lora: bool) -> dict | None:
-    """The optimizer and peak rates a run of ours recorded, where they read as such: from scratch, or a fine-tune
-    (so a chat run's preference or GRPO stage follows the rates it trained at), of the same kind as this one (LoRA
-    or every weight: their rates differ tenfold)."""
+    """The optimizer and peak rates a run of ours recorded, where they read as such: from scratch, or a
+    fine-tune (so a chat run's preference or GRPO stage follows the rates it trained at), of the same kind as
+    this one (LoRA or every weight: their rates differ tenfold)."""
     if not isinstance(train, dict) or train.get("optimizer") not in ("muon", "adamw"):
         return None
     if train.get("init_from") and bool(train.get("lora_rank")) != lora:
@@ -76,17 +77,17 @@ def _recorded_rates(train: dict | None, lora: bool) -> dict | None:
     return {"optimizer": train["optimizer"], **rates}
 
 
-# Preference tuning moves a chat model less than chat fine-tuning does: TRL's defaults are 1e-6 for DPO against 2e-5
-# for SFT, so the automatic rates above are scaled by their ratio for a run on preference pairs.
+# Preference tuning moves a chat model less than chat fine-tuning does: TRL's defaults are 1e-6 for DPO
+# against 2e-5 for SFT, so the automatic rates above are scaled by their ratio for a run on preference pairs.
 PREFERENCE_RATE_SCALE = 1e-6 / 2e-5
 PREFERENCE_BETA = {"dpo": 0.1, "simpo": 2.5}  # TRL's DPO default; SimPO's paper (with gamma 1.375)
 
 
 def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tuple[Config, list[str]]:
-    """cfg with the objective the data asks for (auto: dpo on preference pairs, lm on anything else), its beta,
-    and for pairs the rates fill_fine_tuning chose scaled by PREFERENCE_RATE_SCALE; and the lines saying so (the
-    chosen rates' one line among them). Refuses an objective the data cannot train and pairs without a model to
-    start from."""
+    """cfg with the objective the data asks for (auto: dpo on preference pairs, lm on anything else), its
+    beta, and for pairs the rates fill_fine_tuning chose scaled by PREFERENCE_RATE_SCALE; and the lines saying
+    so (the chosen rates' one line among them). Refuses an objective the data cannot train and pairs without a
+    model to start from."""
     t = cfg.train
     objective = t.objective if t.objective != "auto" else "dpo" if pairs else "lm"
     if pairs and objective == "lm":

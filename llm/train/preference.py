@@ -50,8 +50,9 @@ class Settings:
 
 
 def token_logps(model, batch) -> torch.Tensor:
-    """(B, T) fp32 log-probability of each label of a PairBatch under the model, 0 where it is -100: the model's
-    per-token losses (reduction "none"), taken a chunk of the replies' rows at a time, never the whole logits."""
+    """(B, T) fp32 log-probability of each label of a PairBatch under the model, 0 where it is -100: the
+    model's per-token losses (reduction "none"), taken a chunk of the replies' rows at a time, never the whole
+    logits."""
     return -model(batch.x, labels=batch.y, positions=batch.pos, reduction="none")[1]
 
 
@@ -68,8 +69,8 @@ def reply_logps(token_lp: torch.Tensor, slot: torch.Tensor, pairs: int) -> tuple
 
 def pair_loss(s: Settings, logps: torch.Tensor, counts: torch.Tensor,
               ref: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's loss (its pairs' mean, plus the NLL term) and the sums of STATS, detached. logps, counts, ref:
-    (pairs, 2), chosen then rejected; ref (the reference's summed log-probabilities) for dpo only."""
+    """The batch's loss (its pairs' mean, plus the NLL term) and the sums of STATS, detached. logps, counts,
+    ref: (pairs, 2), chosen then rejected; ref (the reference's summed log-probabilities) for dpo only."""
     if s.objective == "dpo":
         ratios = logps - ref  # (pairs, 2)
         rewards = s.beta * ratios
@@ -102,9 +103,10 @@ def metrics(stats: torch.Tensor, prefix: str = "") -> dict:
 
 class Objective:
     """A preference run's loss, called where a language-modelling run calls its model's own: objective(model,
-    batch) -> loss, batch a batches.PairBatch. ref: per split, the reference's summed log-probabilities of each
-    pair's replies ((pairs, 2) on the device; dpo only). Training's STATS sums stay on the device until the log
-    line takes them; each evaluation's metrics are kept by its loss (the run's end evaluates twice, keeps one)."""
+    batch) -> loss, batch a batches.PairBatch. ref: per split, the reference's summed log-probabilities of
+    each pair's replies ((pairs, 2) on the device; dpo only). Training's STATS sums stay on the device until
+    the log line takes them; each evaluation's metrics are kept by its loss (the run's end evaluates twice,
+    keeps one)."""
 
     def __init__(self, s: Settings, ref: dict | None, device):
         self.s, self.ref = s, ref
@@ -130,16 +132,16 @@ class Objective:
 
     @torch.no_grad()
     def evaluate(self, model, amp, val_batches, n: int, ranks, until: float = math.inf) -> tuple[float, int]:
-        """The mean loss over n fixed validation micro-batches and the batches read (evaluation.validation_loss's
-        loop, its pairs' metrics kept by the loss)."""
+        """The mean loss over n fixed validation micro-batches and the batches read
+        (evaluation.validation_loss's loop, its pairs' metrics kept by the loss)."""
         loss, read, stats = validation_loss(model, amp, val_batches, n, ranks, until,
                                             lambda m, batch: self.compute(m, batch, "val"))
         self.evaluated[loss] = metrics(stats, "val_")
         return loss, read
 
     def kept(self, loss: float) -> dict:
-        """The metrics of the evaluation that gave this loss (of the two at a run's end, the one whose weights the
-        run keeps); the others are dropped."""
+        """The metrics of the evaluation that gave this loss (of the two at a run's end, the one whose weights
+        the run keeps); the others are dropped."""
         self.last_val = self.evaluated.pop(loss, {})
         self.evaluated.clear()
         return self.last_val
@@ -171,8 +173,8 @@ def adapters_off(model, lora: bool):
 
 @torch.no_grad()
 def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
-    """(pairs, 2) float32: each pair's replies' summed log-probabilities under the model the run starts from (a
-    LoRA run's base, adapters off), one pass over the split's windows in file order."""
+    """(pairs, 2) float32: each pair's replies' summed log-probabilities under the model the run starts from
+    (a LoRA run's base, adapters off), one pass over the split's windows in file order."""
     out = np.full((loader.plan.pairs, 2), np.nan, np.float32)
     was_training = model.training
     model.eval()
@@ -187,10 +189,10 @@ def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
 
 
 def stored_reference(folder: str, key: str, compute, what: str, pairs: int, log) -> np.ndarray:
-    """The reference log-probabilities stored under folder (beside the token cache) by key: (pairs, 2) float32,
-    finite, and the bytes whose sha256 was recorded beside them when written. Computed and written (under
-    temporary names, then renamed; the values before their record) where absent, and again, saying so through
-    log, where what is read back is not what was written (a damaged or edited file is never used)."""
+    """The reference log-probabilities stored under folder (beside the token cache) by key: (pairs, 2)
+    float32, finite, and the bytes whose sha256 was recorded beside them when written. Computed and written
+    (under temporary names, then renamed; the values before their record) where absent, and again, saying so
+    through log, where what is read back is not what was written (a damaged or edited file is never used)."""
     path = os.path.join(folder, "reference", key + ".npy")
     if os.path.isfile(path):
         values, problem = read_reference(path, pairs)
@@ -205,8 +207,9 @@ def stored_reference(folder: str, key: str, compute, what: str, pairs: int, log)
 
 
 def read_reference(path: str, pairs: int) -> tuple[np.ndarray | None, str | None]:
-    """A stored reference file's values and None, or None and what is wrong with it: a file unreadable as a plain
-    array (never unpickled), of another shape or dtype, not finite, or whose bytes are not those recorded."""
+    """A stored reference file's values and None, or None and what is wrong with it: a file unreadable as a
+    plain array (never unpickled), of another shape or dtype, not finite, or whose bytes are not those
+    recorded."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -231,12 +234,13 @@ def _npy_bytes(values: np.ndarray) -> bytes:
 
 
 def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str, log) -> Objective | None:
-    """A preference run's Objective (None for a language-modelling run), before a checkpoint's weights load: t the
-    run's TrainConfig, data its PreparedData, loaders its {"train", "val"} PairBatches, model the raw model (its
-    execution already set for the step) under amp, init_path the --init_from weights it starts from. Its dpo
-    reference log-probabilities are read from beside the token cache or computed there once, before the first step,
-    from the model the run starts from (full fine-tuning: the --init_from weights, no second model kept; LoRA: the
-    base, adapters off). log gets the line saying what the pairs are and where the reference came from."""
+    """A preference run's Objective (None for a language-modelling run), before a checkpoint's weights load: t
+    the run's TrainConfig, data its PreparedData, loaders its {"train", "val"} PairBatches, model the raw
+    model (its execution already set for the step) under amp, init_path the --init_from weights it starts
+    from. Its dpo reference log-probabilities are read from beside the token cache or computed there once,
+    before the first step, from the model the run starts from (full fine-tuning: the --init_from weights, no
+    second model kept; LoRA: the base, adapters off). log gets the line saying what the pairs are and where
+    the reference came from."""
     if t.objective not in OBJECTIVES:
         return None
     plans = {split: loader.plan for split, loader in loaders.items()}

@@ -115,8 +115,8 @@ def check_same_shape(cfg: Config, ckpt: str):
 
 
 def check_same_data(cfg: Config, state: trainer_state.Saved, data):
-    """Refuse to resume on other data: its tokenizer and tokens would not be the checkpoint's. Says what changed:
-    the data settings, or the source files added, removed or changed since."""
+    """Refuse to resume on other data: its tokenizer and tokens would not be the checkpoint's. Says what
+    changed: the data settings, or the source files added, removed or changed since."""
     saved = state.data_fingerprint
     if not saved or saved == data.fingerprint:
         return
@@ -142,8 +142,8 @@ def _file_changes(before: dict, now: dict) -> list[str]:
 
 
 def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: trainer_state.Saved | None, run_dir: str):
-    """Set state, in place, as the checkpoint --resume continues left it (a new run's stays at step 0); a damaged
-    checkpoint's line names the one before it."""
+    """Set state, in place, as the checkpoint --resume continues left it (a new run's stays at step 0); a
+    damaged checkpoint's line names the one before it."""
     if ckpt is not None:
         try:
             state.load(ckpt, saved)
@@ -152,8 +152,8 @@ def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: train
 
 
 def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
-    """--init_from: cfg with the model shape and tokenizer of a checkpoint, run or Hugging Face folder, and what
-    was read there (its weights too)."""
+    """--init_from: cfg with the model shape and tokenizer of a checkpoint, run or Hugging Face folder, and
+    what was read there (its weights too)."""
     found = read_model(cfg.train.init_from, cfg.model.max_seq_len)  # this run's context, when set
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
@@ -163,16 +163,16 @@ def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
 
 
 def with_shape(cfg: Config, shape) -> Config:
-    """cfg with the model shape of --init_from: only the weights' shape is taken; context length (when set) and
-    memory settings stay this run's."""
+    """cfg with the model shape of --init_from: only the weights' shape is taken; context length (when set)
+    and memory settings stay this run's."""
     return replace(cfg, model=replace(shape, max_seq_len=cfg.model.max_seq_len or shape.max_seq_len,
                                       gradient_checkpointing=cfg.model.gradient_checkpointing))
 
 
 def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict | None:
     """A LoRA run's adapter_config.json (its settings, its base and the base's fingerprint), None for a run of
-    whole weights. LoRA needs a base (--init_from); a resume needs the base its checkpoint was trained on, and a
-    checkpoint of adapters cannot continue as a run of whole weights or the other way round."""
+    whole weights. LoRA needs a base (--init_from); a resume needs the base its checkpoint was trained on, and
+    a checkpoint of adapters cannot continue as a run of whole weights or the other way round."""
     t = cfg.train
     saved = lora.read_meta(ckpt) if ckpt else None
     if ckpt and bool(saved) != bool(t.lora_rank):

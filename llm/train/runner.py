@@ -13,18 +13,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from config import Config
-from llm.data.batches import PairBatches
-from llm.generate.decode_compile import use_compile
-from llm.train import preference, rl
-from llm.train.averaging import WeightAverage
-from llm.base.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure, keep_freed_memory,
-                        keep_grads, machine, pick_precision, uses_cuda_graphs)
+from llm.base.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure,
+                             keep_freed_memory, keep_grads, machine, pick_precision, uses_cuda_graphs)
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
+from llm.data.batches import PairBatches
 from llm.formats.lora import add_adapters
 from llm.formats.trainer_state import TrainingState
+from llm.generate.decode_compile import use_compile
 from llm.scores.evaluation import next_token_loss, validation_loss
 from llm.tokens.tokenizer import load_tokenizer
+from llm.train import preference, rl
+from llm.train.averaging import WeightAverage
 from llm.train.resume import load_into
 from llm.train.rollouts import AdaptersOff, Rollouts, StartingWeights
 from llm.train.startup import Plan, new_model

@@ -35,17 +35,18 @@ PACE_WINDOWS, PACE_SHARE, PACE_MEMORY = 5, 0.2, 1000
 # 85% of its decay on one machine and reached the floor 300 steps early on another. A change under NOTE_SHARE
 # of the run goes unsaid.
 REPLAN_SHARE, NOTE_SHARE = 0.05, 0.05
-# What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the least a
-# step costs: dozens of small kernels, a few milliseconds on a CPU or through a GPU's launches.
+# What a full evaluation decodes (the code metric's bodies, then the samples), one eager step each, and the
+# least a step costs: dozens of small kernels, a few milliseconds on a CPU or through a GPU's launches.
 PROBE_DECODE_STEPS, DECODE_STEP_S = CODE_SETTINGS.max_new_tokens + SAMPLE_SETTINGS.max_new_tokens, 0.01
-# The room kept for the final evaluation and checkpoint is this much more than the longest of each seen so far.
+# The room kept for the final evaluation and checkpoint is this much more than the longest of each seen so
+# far.
 RESERVE_MARGIN = 1.25
-# Under a time budget the final evaluation keeps to this share of it, in fewer batches where it must: its 20 batches
-# once took 20 s, longer than a 0.3-minute budget's steps.
+# Under a time budget the final evaluation keeps to this share of it, in fewer batches where it must: its 20
+# batches once took 20 s, longer than a 0.3-minute budget's steps.
 FINAL_EVAL_SHARE = 0.1
-# A checkpoint's seconds before the first is timed: 16 bytes a parameter (fp32 weights, two optimizer moments, the
-# weight average) at a slow disk's 200 MB/s, and a fixed part (fsync, renames: a tiny model's whole checkpoint took
-# 1 s on a busy 2-core machine). A flat 2 s once kept a quarter of a 24-second budget unused.
+# A checkpoint's seconds before the first is timed: 16 bytes a parameter (fp32 weights, two optimizer moments,
+# the weight average) at a slow disk's 200 MB/s, and a fixed part (fsync, renames: a tiny model's whole
+# checkpoint took 1 s on a busy 2-core machine). A flat 2 s once kept a quarter of a 24-second budget unused.
 CHECKPOINT_BYTES_PER_PARAM, DISK_BYTES_PER_S, CHECKPOINT_FIXED_S = 16, 200e6, 0.5
 # An evaluation may take this much longer than the longest before it (a busy machine), the first one this much
 # longer than its estimate (how fast this machine decodes is a guess until then).
@@ -103,8 +104,8 @@ class StepTimer:
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None, params: int = 0):
         """launch: time.monotonic() when this session started; start: its first step; spent_s, step_s and
-        overhead_s: what earlier sessions measured (state()); params: the model's, which size a checkpoint before
-        one is timed."""
+        overhead_s: what earlier sessions measured (state()); params: the model's, which size a checkpoint
+        before one is timed."""
         self.t, self.ranks, self.start = t, ranks, start
         self.save_guess_s = CHECKPOINT_FIXED_S + CHECKPOINT_BYTES_PER_PARAM * params / DISK_BYTES_PER_S
         self.launch, self.session_start = launch - spent_s, launch
@@ -121,8 +122,8 @@ class StepTimer:
 
     @contextlib.contextmanager
     def pause(self, kind: str, step: int):
-        """Time an evaluation, a checkpoint or a wait for data before this step: its time is counted against the
-        budget at once, but not as step time (a collective: every rank pauses alike)."""
+        """Time an evaluation, a checkpoint or a wait for data before this step: its time is counted against
+        the budget at once, but not as step time (a collective: every rank pauses alike)."""
         started = time.monotonic()
         yield
         seconds = time.monotonic() - started
@@ -133,8 +134,9 @@ class StepTimer:
         self._sync(step, measure=False)
 
     def eval_s(self, step_s: float) -> float:
-        """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a forward
-        is 1 / FORWARDS_PER_STEP of a step) and the decode steps of the code metric and the samples."""
+        """One evaluation's seconds: the longest seen, or before any, the forward passes of its batches (a
+        forward is 1 / FORWARDS_PER_STEP of a step) and the decode steps of the code metric and the samples.
+        """
         forwards = self.t.eval_batches * step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return self.overhead_s["eval"] or forwards + PROBE_DECODE_STEPS * DECODE_STEP_S
 
@@ -175,8 +177,8 @@ class StepTimer:
 
 
 class RunClock:
-    """The run's length: progress by steps, or by time under a budget, and whether the run is finished; its timer
-    (StepTimer) and its evaluation policy (EvalPolicy) beside it. Asking changes nothing."""
+    """The run's length: progress by steps, or by time under a budget, and whether the run is finished; its
+    timer (StepTimer) and its evaluation policy (EvalPolicy) beside it. Asking changes nothing."""
 
     def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
                  overhead_s: dict | None = None, params: int = 0):
@@ -203,8 +205,8 @@ class RunClock:
         return self.plan_length(drifted_only=True) if self.timer.agreed.measured else None
 
     def evaluated(self, step: int, last: bool = False) -> str | None:
-        """An evaluation ran before this step: the policy marks it, and but for the final one the run's length is
-        measured again (its line where it changed, or None)."""
+        """An evaluation ran before this step: the policy marks it, and but for the final one the run's length
+        is measured again (its line where it changed, or None)."""
         self.evals.mark(step)
         return None if last else self.plan_length()
 
@@ -227,8 +229,9 @@ class RunClock:
         return f"run length: {length:,} steps at {agreed.pace_s:.3g} s a step{was_said}"
 
     def reserve_s(self, eval_s: float | None = None) -> float:
-        """Room kept for the final evaluation (eval_s, by default the longest seen or an estimate; under a budget at
-        most FINAL_EVAL_SHARE of it, which final_batches() trims to fit) and the final checkpoint."""
+        """Room kept for the final evaluation (eval_s, by default the longest seen or an estimate; under a
+        budget at most FINAL_EVAL_SHARE of it, which final_batches() trims to fit) and the final checkpoint.
+        """
         agreed = self.timer.agreed
         final_eval = agreed.eval_s if eval_s is None else eval_s
         final_eval = min(final_eval, FINAL_EVAL_SHARE * self.budget_s) if self.by_time else final_eval
@@ -243,15 +246,15 @@ class RunClock:
         return self.budget_s - self.timer.spent_s() - self.timer.save_s()
 
     def progress(self, step: int) -> float:
-        """The fraction of the run done when this step (0-based) ends: of its length (max_steps or, under a time
-        budget, the steps plan_length() last set: 0 until a step is measured)."""
+        """The fraction of the run done when this step (0-based) ends: of its length (max_steps or, under a
+        time budget, the steps plan_length() last set: 0 until a step is measured)."""
         if not self.length:
             return 0.0
         return min(1.0, (step + 1) / max(self.length, step + 1))
 
     def out_of_time(self) -> bool:
-        """Whether the budget is spent now, but for the room kept for the final evaluation and checkpoint: a wait for
-        data (which no step measures) asks it."""
+        """Whether the budget is spent now, but for the room kept for the final evaluation and checkpoint: a
+        wait for data (which no step measures) asks it."""
         return self.by_time and self.timer.spent_s() > self.budget_s - self.reserve_s()
 
     def finished(self, step: int) -> bool:
@@ -265,9 +268,9 @@ class RunClock:
         return self.remaining_s() - self.timer.agreed.since(step) < self.timer.agreed.step_s
 
     def final_eval(self) -> tuple[int, float]:
-        """The final evaluation's batches and the time.monotonic() its batches stop by: under a budget, one process
-        reads batches until the time left (less the final checkpoint's) is spent; ranks, which must read alike,
-        read as many as the measured speed says that time holds."""
+        """The final evaluation's batches and the time.monotonic() its batches stop by: under a budget, one
+        process reads batches until the time left (less the final checkpoint's) is spent; ranks, which must
+        read alike, read as many as the measured speed says that time holds."""
         if not self.by_time:
             return self.t.eval_batches, math.inf
         if self.ranks.enabled:
@@ -275,17 +278,17 @@ class RunClock:
         return self.t.eval_batches, self.timer.launch + self.budget_s - self.timer.save_s()
 
     def final_batches(self, passes: int) -> int:
-        """The final evaluation's batches: eval_batches, or under a budget as many as the time left holds (at least
-        one). passes: forward passes over each batch (two where the weight average is compared with the last
-        weights); a forward is 1 / FORWARDS_PER_STEP of a step."""
+        """The final evaluation's batches: eval_batches, or under a budget as many as the time left holds (at
+        least one). passes: forward passes over each batch (two where the weight average is compared with the
+        last weights); a forward is 1 / FORWARDS_PER_STEP of a step."""
         if not self.by_time or not self.timer.agreed.step_s:
             return self.t.eval_batches
         forward_s = passes * self.timer.agreed.step_s / self.t.grad_accum_steps / FORWARDS_PER_STEP
         return max(1, min(self.t.eval_batches, int(0.8 * self.left_s() / forward_s)))
 
     def log_due(self, done: int) -> bool:
-        """A log line (and a sync) after this many steps: every log_interval, the session's first two (the first
-        compiles, the second is its first speed) and the run's last."""
+        """A log line (and a sync) after this many steps: every log_interval, the session's first two (the
+        first compiles, the second is its first speed) and the run's last."""
         return done % self.t.log_interval == 0 or done - self.start <= 2 or done == self.t.max_steps
 
 
@@ -304,9 +307,9 @@ class StopFlag:
         self.requested, self.signum = True, signum
 
     def exit_status(self) -> int:
-        """The status of a run stopped early, saved: 128 + the signal, as a shell shows a process the signal ended
-        (130 Ctrl-C, 143 SIGTERM), so that `train && export` does not go on. A rank another one's signal stopped
-        (stop_vote) answers as SIGTERM."""
+        """The status of a run stopped early, saved: 128 + the signal, as a shell shows a process the signal
+        ended (130 Ctrl-C, 143 SIGTERM), so that `train && export` does not go on. A rank another one's signal
+        stopped (stop_vote) answers as SIGTERM."""
         return 128 + (self.signum or signal.SIGTERM)
 
 

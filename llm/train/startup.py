@@ -1,8 +1,7 @@
-"""What a training run starts from, settled before its model is built: the final config (--init_from's shape and
-tokenizer, a resumed run's automatic fields, fine-tuning rates, the machine's sizing, the micro-batch that fits, the
-run length from the tokenized corpus), the checkpoint it continues and the data it reads. The trainer calls
-settle() once; everything it refuses is refused here, before a model exists.
-"""
+"""What a training run starts from, settled before its model is built: the final config (--init_from's shape
+and tokenizer, a resumed run's automatic fields, fine-tuning rates, the machine's sizing, the micro-batch that
+fits, the run length from the tokenized corpus), the checkpoint it continues and the data it reads. The
+trainer calls settle() once; everything it refuses is refused here, before a model exists."""
 
 import math
 import shlex
@@ -17,31 +16,31 @@ from llm.base.cli import describe
 from llm.base.device import autocast, float8_training, machine, pick_precision
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
+from llm.base.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
+from llm.base.sizing import BYTES_PER_TOKEN
 from llm.data import hf_datasets
 from llm.data.batches import run_loaders
 from llm.data.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_bundled, source_files
-from llm.train.autofill import fill_automatic, fill_run_length, fit_micro_batch
-from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_used, fill_fine_tuning, fill_grpo,
-                             fill_preference, grpo_row)
-from llm.base.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
 from llm.data.corpus_totals import short_of_target
 from llm.data.preparation import prepare_once
 from llm.data.prompts import PromptSplit, read as read_prompts
-from llm.formats.hf_hub import hub_shape, is_hub_name
-from llm.reports.model_card import next_token_train
-from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data, check_same_shape,
-                        lora_start, resume_point, with_shape)
-from llm.base.sizing import BYTES_PER_TOKEN
 from llm.data.token_cache import PreparedData
+from llm.formats.hf_hub import hub_shape, is_hub_name
 from llm.formats.trainer_state import Saved
+from llm.reports.model_card import next_token_train
 from llm.scores.rewards import load_all
+from llm.train.autofill import fill_automatic, fill_run_length, fit_micro_batch
+from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_used, fill_fine_tuning,
+                                   fill_grpo, fill_preference, grpo_row)
+from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data,
+                              check_same_shape, lora_start, resume_point, with_shape)
 from llm.train.step_settings import loss_chunk_rows
 from modern_llm import Transformer
 
 
 def new_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given memory there
-    (never whole on the CPU first), then drawn once."""
+    """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given
+    memory there (never whole on the CPU first), then drawn once."""
     with torch.device("meta"):
         raw_model = Transformer(cfg.model)
     raw_model.materialize(device)
@@ -62,9 +61,9 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
 
 
 def default_corpus(cfg: Config, device: torch.device, saved: Saved | None = None) -> tuple[Config, list[str]]:
-    """cfg reading the GPU default corpus where no --sources are given on CUDA and the Hub or the cache has it, with
-    a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read instead. saved: a
-    resumed run's trainer state, whose corpus it goes on with (the Hub is not asked)."""
+    """cfg reading the GPU default corpus where no --sources are given on CUDA and the Hub or the cache has
+    it, with a line saying so; else cfg as it is, and on CUDA a line saying why the bundled corpus is read
+    instead. saved: a resumed run's trainer state, whose corpus it goes on with (the Hub is not asked)."""
     if device.type != "cuda" or cfg.data.sources:
         return cfg, []
     if saved is not None:
@@ -82,18 +81,20 @@ def default_corpus(cfg: Config, device: torch.device, saved: Saved | None = None
 
 
 def trains_while_arriving(cfg: Config, ranks: Ranks) -> bool:
-    """Whether the run starts on the first files of its corpus while the rest download and tokenize (arrival.py):
-    one Hub dataset read to a token target, in one process (other ranks would read parts rank 0 has not written),
-    a run whose length is not in passes over the corpus, and windows that are not packed across it."""
+    """Whether the run starts on the first files of its corpus while the rest download and tokenize
+    (arrival.py): one Hub dataset read to a token target, in one process (other ranks would read parts rank 0
+    has not written), a run whose length is not in passes over the corpus, and windows that are not packed
+    across it."""
     d = cfg.data
     return in_arrival_order(d) and d.max_tokens > 0 and ranks.world_size == 1 and not cfg.train.epochs and \
         d.packing != "documents"
 
 
 def corpus_size(cfg: Config, device: torch.device) -> int | None:
-    """The bytes of text sizing plans with: None for the GPU default (larger than any run here); for a Hub dataset
-    with a token target whose size picks no model (a CPU run, or a model given), the text that target reads, so
-    its files download while the run trains; else the sources' size (a Hub dataset's files fetched first)."""
+    """The bytes of text sizing plans with: None for the GPU default (larger than any run here); for a Hub
+    dataset with a token target whose size picks no model (a CPU run, or a model given), the text that target
+    reads, so its files download while the run trains; else the sources' size (a Hub dataset's files fetched
+    first)."""
     if cfg.data.sources == [GPU_CORPUS]:
         return None
     if in_arrival_order(cfg.data) and cfg.data.max_tokens and (device.type != "cuda" or not cfg.model.automatic()):
@@ -102,10 +103,11 @@ def corpus_size(cfg: Config, device: torch.device) -> int | None:
 
 
 def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[str]:
-    """The run's peak memory by the estimate (fit.py) beside the device's, as a report line; a run it says cannot
-    fit the GPU (or clearly exceeds a CPU's RAM) is refused in one line naming the first change that fits. An
-    automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits. Under FSDP over
-    several GPUs each holds a share of the weights and state, which the estimate does not divide: never refused."""
+    """The run's peak memory by the estimate (fit.py) beside the device's, as a report line; a run it says
+    cannot fit the GPU (or clearly exceeds a CPU's RAM) is refused in one line naming the first change that
+    fits. An automatic micro-batch is estimated at one sequence: sizing then picks the largest that fits.
+    Under FSDP over several GPUs each holds a share of the weights and state, which the estimate does not
+    divide: never refused."""
     where = machine(device)
     amp = 4 if pick_precision(cfg.train.precision, device) is None else 2
     memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
@@ -113,8 +115,9 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
 
 
 def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) -> list[str]:
-    """fit_check's report lines for a run on `where` (a sizing.Machine: a GPU, or this machine's CPU) of `memory`
-    bytes under autocast activations of `amp` bytes, or its refusal; what tools/what_fits.py asks of a card named."""
+    """fit_check's report lines for a run on `where` (a sizing.Machine: a GPU, or this machine's CPU) of
+    `memory` bytes under autocast activations of `amp` bytes, or its refusal; what tools/what_fits.py asks of
+    a card named."""
     t, gpu = cfg.train, where.kind == "cuda"
     if not t.micro_batch_size:
         cfg = replace(cfg, train=replace(t, micro_batch_size=1))
@@ -248,7 +251,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
                               autocast(device, pick_precision(cfg.train.precision, device)), ranks)
         del probe
     batches = run_loaders(cfg, data, ranks.rank, ranks.world_size, device)
-    # A corpus still arriving is planned at its token target: what the run reads of it is known only when it is in.
+    # A corpus still arriving is planned at its token target: what the run reads of it is known only when it
+    # is in.
     train_tokens = cfg.data.max_tokens if arriving else data.meta["train_tokens"]
     sized = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
     cfg, lines = fill_run_length(cfg, machine(device), train_tokens, ranks.world_size,
@@ -262,9 +266,9 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
 
 def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, notes: list[str],
                    chosen: ChosenRates | None) -> Plan:
-    """settle() for a GRPO run, from the fine-tuning rates on: its reward functions loaded (the user's files, before
-    any model), its prompts read whole, its batch, length and rates (those fill_fine_tuning chose, which GRPO
-    scales) filled, the memory checked."""
+    """settle() for a GRPO run, from the fine-tuning rates on: its reward functions loaded (the user's files,
+    before any model), its prompts read whole, its batch, length and rates (those fill_fine_tuning chose,
+    which GRPO scales) filled, the memory checked."""
     ckpt, saved = start[:2]
     if ckpt and not cfg.train.reward:  # never taken from the run folder: a reward is code, named by its user
         had = " ".join(f"--reward {shlex.quote(str(r))}" for r in saved.config.get("train", {}).get("reward") or [])
@@ -284,8 +288,8 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
 
 def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data, loaders: tuple,
             rewards: tuple | None = None) -> Plan:
-    """The Plan, once a resume is checked to fit it. start: (the checkpoint --resume continues, its trainer state,
-    what --init_from read, the LoRA run's adapter config)."""
+    """The Plan, once a resume is checked to fit it. start: (the checkpoint --resume continues, its trainer
+    state, what --init_from read, the LoRA run's adapter config)."""
     ckpt, saved, init, lora_meta = start
     t = cfg.train
     if ckpt and t.max_steps and saved.step >= t.max_steps:

@@ -1,7 +1,7 @@
 """How the training step computes on this machine: the loss's logits whole or in chunks of rows (whatever fits
 beside the rest of the step), and causal attention through SDPA or written out as matmuls (faster on a CPU for
-short rows, compiled or under bf16). The trainer builds the model with both; startup.py's fit check estimates with the chunks.
-"""
+short rows, compiled or under bf16). The trainer builds the model with both; startup.py's fit check estimates
+with the chunks."""
 
 import torch
 
@@ -18,9 +18,10 @@ MATMUL_ATTENTION_ROWS = 256
 
 
 def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
-    """Rows per chunk of the training loss, 0 for the logits whole: whole while they fit beside the rest of the
-    step in MEMORY_FRACTION of the GPU (CPU_LOGITS_BYTES off CUDA), else as many rows as fill a quarter of that
-    room, in whole GEMM tiles. Chunks recompute the head's matmul in backward: about 1/3 more head FLOPs."""
+    """Rows per chunk of the training loss, 0 for the logits whole: whole while they fit beside the rest of
+    the step in MEMORY_FRACTION of the GPU (CPU_LOGITS_BYTES off CUDA), else as many rows as fill a quarter of
+    that room, in whole GEMM tiles. Chunks recompute the head's matmul in backward: about 1/3 more head FLOPs.
+    """
     m, t = cfg.model, cfg.train
     rows, per_row = t.micro_batch_size * m.max_seq_len, m.vocab_size * LOGIT_BYTES
     room = CPU_LOGITS_BYTES if machine.kind != "cuda" else \
