@@ -20,8 +20,8 @@ AUTO = 0  # the value of a size or rate that autofill.py chooses for the device 
 
 @dataclass
 class ModelConfig:
-    """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy.
-    Fields at 0 are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
+    """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy. Fields at 0
+    are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
     vocab_size: int = arg(AUTO, "tokens in the vocabulary (the tokenizer is trained to this size); 0: automatic")
     hidden_size: int = arg(AUTO, "width of the residual stream; 0: automatic")
     num_hidden_layers: int = arg(AUTO, "number of transformer blocks; 0: automatic")
@@ -112,14 +112,15 @@ class DataConfig:
         _require_choices(self)
 
 
-# One vocabulary for training and generation: torch.compile's modes, off, and auto (what pays back where it runs).
+# One vocabulary for training and generation: torch.compile's modes, off, and auto (what pays back where it
+# runs).
 CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 @dataclass
 class TrainConfig:
-    """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices.
-    Fields at 0 are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
+    """The training loop: batch, optimizer, schedule, evaluation, checkpoints, devices. Fields at 0 are
+    automatic: autofill.py fills them for the device and corpus, and never touches the others."""
     run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
     seed: int = arg(1337, "seed of weights and batch order")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
@@ -358,18 +359,19 @@ def preset_auto() -> Config:
 
 
 def preset_tiny() -> Config:
-    """About 2.4M parameters, the CPU's automatic size: the shape that learned most in a 10-minute run on two CPU
-    cores (docs/training.md's sweep), Muon's rate retuned at that run's length (its recipe ablations)."""
+    """About 2.4M parameters, the CPU's automatic size: the shape that learned most in a 10-minute run on two
+    CPU cores (docs/training.md's sweep), Muon's rate retuned at that run's length (its recipe ablations)."""
     return _preset(dict(vocab_size=4096, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
                         num_key_value_heads=1, max_seq_len=256),
                    dict(micro_batch_size=16, grad_accum_steps=1, learning_rate=5e-3, muon_lr=0.01))
 
 
-# The GPU presets take 0.25-0.4M tokens per optimizer step (batch_tokens), through accumulation, as Muon runs are
-# tuned for (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets' rates, tuned
-# at 32-64k tokens per step, scaled by the square root of the larger batch. Their micro-batch is left automatic:
-# autofill.py fills the GPU's memory with it (up to 65,536 tokens a forward), and accumulation keeps batch_tokens. On
-# an H200, 64 x 1,024 tokens ran small's step 1.10x faster than 16 x 1,024 (docs/gpu_report.md).
+# The GPU presets take 0.25-0.4M tokens per optimizer step (batch_tokens), through accumulation, as Muon runs
+# are tuned for (Newton-Schulz is then a few percent of a step); their AdamW rates are the earlier presets'
+# rates, tuned at 32-64k tokens per step, scaled by the square root of the larger batch. Their micro-batch is
+# left automatic: autofill.py fills the GPU's memory with it (up to 65,536 tokens a forward), and accumulation
+# keeps batch_tokens. On an H200, 64 x 1,024 tokens ran small's step 1.10x faster than 16 x 1,024
+# (docs/gpu_report.md).
 
 def preset_small() -> Config:
     """About 100M parameters, GPT-2 small's size; 262k tokens per step."""

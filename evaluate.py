@@ -133,8 +133,8 @@ def check_outputs(evals: EvalConfig):
 
 
 def write_outputs(evals: EvalConfig, folder: str, loaded: str, scores: list, chances: dict, device: str):
-    """The JSON (--json) and the report card of the scores, however the evaluation ended (a task stopped midway is
-    marked so in both)."""
+    """The JSON (--json) and the report card of the scores, however the evaluation ended (a task stopped
+    midway is marked so in both)."""
     data = report_card.as_json(scores, loaded, evals.limit, chances)
     if evals.json:
         report_card.write_json(evals.json, data)

@@ -42,9 +42,9 @@ from llm.tokens.tokenizer import EOT_TOKEN, can_chat, read_tokenizer
 
 def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOKEN, overwrite: bool = False,
            gguf: str = "", base: str = "") -> str:
-    """Export a checkpoint (or a run folder's newest) to out, atomically, as a Hugging Face folder or, with gguf
-    (f16 or q8_0), a GGUF file; both with a model card. A LoRA run's checkpoint is merged into base. Returns the
-    checkpoint folder read."""
+    """Export a checkpoint (or a run folder's newest) to out, atomically, as a Hugging Face folder or, with
+    gguf (f16 or q8_0), a GGUF file; both with a model card. A LoRA run's checkpoint is merged into base.
+    Returns the checkpoint folder read."""
     source = detect(checkpoint, base=base)
     if source.kind not in (Kind.RUN, Kind.LORA):
         what = "a GGUF file" if source.kind is Kind.GGUF else "already a Hugging Face model"
@@ -69,8 +69,8 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
 
 
 def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0) -> str:
-    """Write a Hugging Face folder, hf:ORG/NAME or a GGUF file as step 0 of run_dir (weights, shape, tokenizer; no
-    optimizer state)."""
+    """Write a Hugging Face folder, hf:ORG/NAME or a GGUF file as step 0 of run_dir (weights, shape,
+    tokenizer; no optimizer state)."""
     if holds_checkpoints(run_dir):  # complete or not, LATEST or not: as the trainer refuses a new run there
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
     if not is_hf_folder(path) and not is_hub_name(path) and not is_gguf(path):
@@ -88,9 +88,9 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
 
 
 def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str:
-    """The base as adapter_config.json names it, which AutoPeftModelForCausalLM loads: a Hub name or a Hugging Face
-    folder's path as it is; a run of this project (no model transformers loads by name) exported first as a Hugging
-    Face folder beside out, OUT-base, so one command gives both; a GGUF file is refused."""
+    """The base as adapter_config.json names it, which AutoPeftModelForCausalLM loads: a Hub name or a Hugging
+    Face folder's path as it is; a run of this project (no model transformers loads by name) exported first as
+    a Hugging Face folder beside out, OUT-base, so one command gives both; a GGUF file is refused."""
     if is_hub_name(base) or is_hf_folder(base):
         return base if is_hub_name(base) else os.path.abspath(base)
     if is_gguf(base):

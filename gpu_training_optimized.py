@@ -53,8 +53,8 @@ from llm.train.startup import Plan, settle
 
 @dataclass
 class Session:
-    """Where this session reports (rank 0: the monitor and the progress bar), the evaluations' probe, and what its
-    checkpoints record of it."""
+    """Where this session reports (rank 0: the monitor and the progress bar), the evaluations' probe, and what
+    its checkpoints record of it."""
     monitor: Monitor | None
     bar: object
     probe: Probe
@@ -105,13 +105,13 @@ def first_train_step(runner: Runner, batches, step: int, t, ranks: Ranks):
 def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, full: bool, last: bool = False,
                      batches: int = 0, until: float = math.inf) -> float:
     """The validation loss and, when full, the code metric and the samples (every rank computes them: under
-    FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one first
-    leaves in the better of the weight average and the last step's weights. batches and until: the final one's
-    under a time budget (RunClock.final_eval), where the time left may hold fewer than eval_batches."""
+    FSDP2 a forward needs every rank), recorded, plotted and written under the progress bar. The last one
+    first leaves in the better of the weight average and the last step's weights. batches and until: the final
+    one's under a time budget (RunClock.final_eval), where the time left may hold fewer than eval_batches."""
     planned, objective = plan.cfg.train.eval_batches, runner.objective
     n, now = batches or planned, time.monotonic()
-    # The first pass has a third of the time left: a second (the weight average's) reads the same batches, and a
-    # busy machine's second pass may run slower.
+    # The first pass has a third of the time left: a second (the weight average's) reads the same batches, and
+    # a busy machine's second pass may run slower.
     deadlines = [now + (until - now) / 3 if until < math.inf else math.inf]
 
     def val_loss_now():
@@ -157,8 +157,8 @@ def save(plan: Plan, runner: Runner, session: Session, clock: RunClock, val_loss
 
 def evaluate_and_save(plan: Plan, runner: Runner, session: Session, clock: RunClock, step: int, last_step: bool,
                       stopping: bool) -> str | None:
-    """At a step after the session's first: the evaluation where due (the final one at the run's end), then the
-    checkpoint where due or stopping; the checkpoint's path, if one was written."""
+    """At a step after the session's first: the evaluation where due (the final one at the run's end), then
+    the checkpoint where due or stopping; the checkpoint's path, if one was written."""
     evals, timer, val_loss = clock.evals, clock.timer, None
     if last_step or evals.due(step):
         with timer.pause("eval", step):
@@ -330,7 +330,8 @@ def main(argv=None) -> int:
     while True:
         step = runner.state.step
         last_step = clock.finished(step)  # max_steps done, or the budget holds no other
-        # A download that failed ends the run here, at the next step, not at the step that would need its part.
+        # A download that failed ends the run here, at the next step, not at the step that would need its
+        # part.
         data_lost = not last_step and batches.failure is not None
         if not (last_step or data_lost) and not batches.in_hand(step):  # still arriving: a wait is budget, not a step
             with clock.timer.pause("wait", step):
@@ -344,8 +345,8 @@ def main(argv=None) -> int:
         take_step(plan, runner, session, clock, step, first)  # the rate, the step, the average, a log line
     session.bar.close()
     finish(plan, runner, session, clock, first, last_ckpt, data_lost, interrupted=stopping and not last_step)
-    # An unfinished run exits 130 or 143, so `train && export` stops; under torchrun rank 0 alone says it, since a
-    # rank's failing exit makes torchrun end the others, which would cut rank 0's last writes.
+    # An unfinished run exits 130 or 143, so `train && export` stops; under torchrun rank 0 alone says it,
+    # since a rank's failing exit makes torchrun end the others, which would cut rank 0's last writes.
     return stop.exit_status() if stopping and not last_step and plan.ranks.is_main else 0
 
 

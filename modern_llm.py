@@ -24,8 +24,9 @@ from llm.base.packed_attention import example_attention, example_mask, example_r
 
 @dataclass(frozen=True)
 class Execution:
-    """How a training run executes the model, not what the model is: the trainer sets one (Transformer.execution)
-    from the machine and the config; generation, scoring and export keep these defaults."""
+    """How a training run executes the model, not what the model is: the trainer sets one
+    (Transformer.execution) from the machine and the config; generation, scoring and export keep these
+    defaults."""
     loss_chunk_rows: int = 0  # rows per chunk of the loss, 0 for the logits whole (step_settings.loss_chunk_rows)
     matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
     stream_dtype: torch.dtype | None = None  # the residual stream's dtype under autocast, None for the embedding's
@@ -35,8 +36,8 @@ class Execution:
 # ----------------------------------------------------------------------------- rotary embeddings
 
 def rope_tables(head_dim: int, max_len: int, theta: float, rescale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_len, head_dim) in fp32, in the half-split layout Hugging Face uses. rescale, when
-    given, maps the (head_dim/2,) frequencies to the ones used (rope_rescaling)."""
+    """cos and sin of shape (max_len, head_dim) in fp32, in the half-split layout Hugging Face uses. rescale,
+    when given, maps the (head_dim/2,) frequencies to the ones used (rope_rescaling)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     if rescale is not None:
         inv_freq = rescale(inv_freq)
@@ -48,7 +49,8 @@ def rope_tables(head_dim: int, max_len: int, theta: float, rescale=None) -> tupl
 def rope_rescaling(cfg: ModelConfig):
     """The frequency map of cfg.rope_type for rope_tables: None for plain RoPE; llama3 is Llama 3.1's rule
     (Meta's reference code): wavelengths shorter than original / high_freq_factor are kept, longer than
-    original / low_freq_factor divided by factor, and those between blended linearly in original / wavelength."""
+    original / low_freq_factor divided by factor, and those between blended linearly in original / wavelength.
+    """
     if cfg.rope_type == "default":
         return None
     factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -94,10 +96,10 @@ class KVCache:
         self.advance(-self.pos)
 
     def advance(self, n):
-        """Move each row's position on by n (an int, or (B,)), and write the attention mask of a one-token step from
-        there: 0 at each row's filled places and its next, -inf after. A decode step's layers then read one tensor
-        that is already there; a mask made inside the step was made again by each layer's attention call, one
-        kernel per layer."""
+        """Move each row's position on by n (an int, or (B,)), and write the attention mask of a one-token
+        step from there: 0 at each row's filled places and its next, -inf after. A decode step's layers then
+        read one tensor that is already there; a mask made inside the step was made again by each layer's
+        attention call, one kernel per layer."""
         self.pos += n
         key_pos = torch.arange(self.max_len, device=self.pos.device)
         allowed = key_pos <= self.pos[:, None].clamp(max=self.max_len - 1)  # (B, max_len)
@@ -120,8 +122,8 @@ def is_stored(name: str, cfg: ModelConfig) -> bool:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose weight takes the input's dtype: under autocast the queries and keys arrive in bf16, and a
-    float32 weight would send F.rms_norm off its fused kernel (with a "Mismatch dtype" warning)."""
+    """nn.RMSNorm whose weight takes the input's dtype: under autocast the queries and keys arrive in bf16,
+    and a float32 weight would send F.rms_norm off its fused kernel (with a "Mismatch dtype" warning)."""
 
     def forward(self, x):
         return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
@@ -162,8 +164,8 @@ class Attention(nn.Module):
 
 
 def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
-    """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel, or
-    written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
+    """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel,
+    or written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
     Inductor and 2.5x eager under bf16, forward and backward (step_settings.matmul_attention decides)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -173,9 +175,9 @@ def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.
 
 
 def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
-    """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values into it
-    at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's later and unfilled
-    places."""
+    """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values
+    into it at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's
+    later and unfilled places."""
     k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
     if cache.span is not None:  # the places past it are unfilled (masked): skip them rather than mask them
         k, v, mask = k[:, :, :cache.span], v[:, :, :cache.span], mask[..., :cache.span]
@@ -256,9 +258,10 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nn.Module):
-    """Transformer(cfg) is ready to train, its weights drawn by init_weights(). Built under torch.device("meta") it
-    allocates and draws nothing: materialize(device) then gives it memory and its RoPE tables, and init_weights()
-    (a new run, after seeding) or load_stored() (a checkpoint) fills the weights, once."""
+    """Transformer(cfg) is ready to train, its weights drawn by init_weights(). Built under
+    torch.device("meta") it allocates and draws nothing: materialize(device) then gives it memory and its RoPE
+    tables, and init_weights() (a new run, after seeding) or load_stored() (a checkpoint) fills the weights,
+    once."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -277,8 +280,8 @@ class Transformer(nn.Module):
             self.init_weights()
 
     def tie_weights(self):
-        """With tie_word_embeddings, make the head the embedding itself (one tensor): at construction, and again
-        after materialize, which gives each module its own new tensor."""
+        """With tie_word_embeddings, make the head the embedding itself (one tensor): at construction, and
+        again after materialize, which gives each module its own new tensor."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -291,8 +294,8 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def materialize(self, device) -> "Transformer":
-        """A model built on the meta device given uninitialised memory on `device`, its RoPE tables computed and a
-        tied head tied again; init_weights() or load_stored() fills the weights. Returns the model."""
+        """A model built on the meta device given uninitialised memory on `device`, its RoPE tables computed
+        and a tied head tied again; init_weights() or load_stored() fills the weights. Returns the model."""
         # New tensors set in place of the meta ones: to_empty swaps tensors, which fails on any that something
         # (a fake-tensor mode, say) holds a weak reference to.
         for module in self.modules():
@@ -327,8 +330,9 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
 
     def fuse_projections(self):
-        """Stack each block's q/k/v and gate/up layers (Attention and MLP.fuse_projections): fewer, larger matmuls
-        for generation. Checkpoints store the layers apart, so this is for a model that only generates."""
+        """Stack each block's q/k/v and gate/up layers (Attention and MLP.fuse_projections): fewer, larger
+        matmuls for generation. Checkpoints store the layers apart, so this is for a model that only
+        generates."""
         for block in self.layers:
             block.attn.fuse_projections()
             block.mlp.fuse_projections()
@@ -338,15 +342,14 @@ class Transformer(nn.Module):
         """input_ids (B, T) -> (logits (B, T, V), loss or None); logits None when the loss is computed
         execution.loss_chunk_rows rows at a time instead (set when the whole logits would not fit in memory).
 
-        labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in fp32, or
-        with reduction "none" each label's, (B, T), never from the whole logits (chunked_cross_entropy; logits None).
-        With kv_cache, the tokens continue each row at kv_cache.pos; afterwards pos advances by
-        input_lengths (B,) when given (right-padded prompts of different lengths), else by T.
-        last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill needs no more.
-        positions (B, T), without kv_cache: several examples packed in a row, each starting at position 0; a token
-        attends only to the tokens before it in its own example (or, in a branch that starts past 0, to its
-        sequence's first tokens too: llm/base/packed_attention.py).
-        """
+        labels (B, T): next-token targets, -100 where not learned; the loss is their mean cross-entropy in
+        fp32, or with reduction "none" each label's, (B, T), never from the whole logits
+        (chunked_cross_entropy; logits None). With kv_cache, the tokens continue each row at kv_cache.pos;
+        afterwards pos advances by input_lengths (B,) when given (right-padded prompts of different lengths),
+        else by T. last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill
+        needs no more. positions (B, T), without kv_cache: several examples packed in a row, each starting at
+        position 0; a token attends only to the tokens before it in its own example (or, in a branch that
+        starts past 0, to its sequence's first tokens too: llm/base/packed_attention.py)."""
         B, T = input_ids.shape
         run = self.execution
         x = self.embed_tokens(input_ids)
@@ -372,9 +375,9 @@ class Transformer(nn.Module):
         return logits, loss
 
     def attention_plan(self, T: int, kv_cache: KVCache | None, positions):
-        """(cos, sin, one attend(q, k, v) per layer) for a call of T tokens, the one place that tells its kinds
-        apart: causal over the T tokens (training, a whole prefill); packed examples (positions (B, T)), each
-        attending within itself; or tokens continuing each row of kv_cache at kv_cache.pos."""
+        """(cos, sin, one attend(q, k, v) per layer) for a call of T tokens, the one place that tells its
+        kinds apart: causal over the T tokens (training, a whole prefill); packed examples (positions (B, T)),
+        each attending within itself; or tokens continuing each row of kv_cache at kv_cache.pos."""
         n = self.config.num_hidden_layers
         if kv_cache is None and positions is None:
             gqa = self.config.num_attention_heads != self.config.num_key_value_heads
@@ -419,10 +422,11 @@ TOKEN_CHUNK_ROWS = 1024  # per-token losses' rows a chunk when loss_chunk_rows i
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
                           reduction: str = "mean", labelled_only: bool = False) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: `rows` rows at a time, each
-    chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a model).
-    reduction "none": each label's, (B, T), 0 at -100; with labelled_only only the labelled rows meet the head (no
-    matmul for a prompt; their number is a host read, so not for torch.compile, whose shapes stay static)."""
+    """cross_entropy(hidden @ weight.T, labels) without the whole (B, T, V) logits: `rows` rows at a time,
+    each chunk's logits recomputed in backward instead of kept (a 32k vocabulary's fp32 logits can outweigh a
+    model). reduction "none": each label's, (B, T), 0 at -100; with labelled_only only the labelled rows meet
+    the head (no matmul for a prompt; their number is a host read, so not for torch.compile, whose shapes stay
+    static)."""
     h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if torch.is_autocast_enabled(h.device.type):  # cast the head once, not once per chunk and again in backward
         weight = weight.to(torch.get_autocast_dtype(h.device.type))

@@ -63,13 +63,13 @@ def shape_scale(shape: torch.Size, rule: str) -> float:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon over 2D parameters; one batched Newton-Schulz call per matrix shape, spread over ranks if distributed.
+    """Muon over 2D parameters; one batched Newton-Schulz call per matrix shape, spread over ranks if
+    distributed.
 
-    Written rather than torch.optim.Muon because that one always iterates in bf16, about 50x slower per
-    step on a CPU without native bf16 than fp32 here; its math and state layout are the same. The rest of the
-    update is a few foreach calls over all matrices, the learning rate and the skip flag 0-D device tensors (no
-    host sync); compiled=True (the trainer's choice on CUDA) compiles Newton-Schulz.
-    """
+    Written rather than torch.optim.Muon because that one always iterates in bf16, about 50x slower per step
+    on a CPU without native bf16 than fp32 here; its math and state layout are the same. The rest of the
+    update is a few foreach calls over all matrices, the learning rate and the skip flag 0-D device tensors
+    (no host sync); compiled=True (the trainer's choice on CUDA) compiles Newton-Schulz."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, shape_rule: str = "keller", ns_steps: int = NS_STEPS,
@@ -166,8 +166,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def momentum_update(grads: list, bufs: list, momentum: float, nesterov: bool, keep=None) -> list:
-    """buf <- m buf + (1 - m) g for every matrix, in place (keep, a 0-D tensor, at 0 leaves each bit-identical);
-    returns the updates to orthogonalise: Nesterov's lerp(g, buf, m), or buf itself."""
+    """buf <- m buf + (1 - m) g for every matrix, in place (keep, a 0-D tensor, at 0 leaves each
+    bit-identical); returns the updates to orthogonalise: Nesterov's lerp(g, buf, m), or buf itself."""
     if keep is None:
         # Lerp form, as Keller's and torch's Muon: (1 - m) times buf = m buf + g, a scale Newton-Schulz drops.
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
@@ -292,7 +292,8 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> dict[str, list[
     for name, p in model.named_parameters():  # yields a tied embedding/head weight once
         if not p.requires_grad:
             continue
-        # Block matrices: ours are layers.N.*, a transformers twin's model.layers.N.* (compiled or wrapped too).
+        # Block matrices: ours are layers.N.*, a transformers twin's model.layers.N.* (compiled or wrapped
+        # too).
         in_block = name.startswith("layers.") or ".layers." in name
         if use_muon and p.ndim == 2 and in_block:
             groups["muon"].append(p)
@@ -302,8 +303,8 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> dict[str, list[
 
 
 def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
-    """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone; "auto" is
-    Muon here (the trainer's sizing turns it into adamw for a fine-tuning run first)."""
+    """The optimizer for `model` (uncompiled) from a config.TrainConfig: Muon + AdamW, or AdamW alone; "auto"
+    is Muon here (the trainer's sizing turns it into adamw for a fine-tuning run first)."""
     if cfg.optimizer not in ("auto", "muon", "adamw"):
         raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
     if not (cfg.learning_rate > 0 and cfg.muon_lr > 0):

@@ -67,14 +67,15 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
         print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), windows are random slices")
 
 
-# What decides the cache: the data's settings, the vocabulary and context (a preset's, or sizing's for --device).
+# What decides the cache: the data's settings, the vocabulary and context (a preset's, or sizing's for
+# --device).
 CACHE_FLAGS = {f.name for f in fields(DataConfig)} | {"vocab_size", "max_seq_len", "device", "preset", "config",
                                                       "show", "help", "h"}
 
 
 def parse_args(argv=None):
-    """(Config, extras): the data, tokenizer and sizing settings, and --show N; another trainer flag is refused
-    by name (it would be ignored here). A --config file may hold any: only those apply."""
+    """(Config, extras): the data, tokenizer and sizing settings, and --show N; another trainer flag is
+    refused by name (it would be ignored here). A --config file may hold any: only those apply."""
     argv = sys.argv[1:] if argv is None else list(argv)
     for word in argv:
         name = word.lstrip("-").split("=")[0].replace("-", "_")

@@ -118,7 +118,8 @@ class Server:
         limit = ctx - generating  # a prompt only scored may fill the context; one to continue needs room for a token
         for ids in prompts:
             if not 0 < len(ids) <= limit:
-                # lm-eval's default max_length (2048) overfills a shorter context, and it shows only the status.
+                # lm-eval's default max_length (2048) overfills a shorter context, and it shows only the
+                # status.
                 e = BadRequest(f"a prompt has {len(ids)} tokens and the model's context is {ctx}, so a prompt takes 1 "
                                f"to {limit}; shorten it (with lm-eval, pass max_length={ctx} in --model_args)",
                                "messages" if chat else "prompt")
@@ -146,8 +147,8 @@ class Server:
 
 
 def model_name(path: str) -> str:
-    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine), ORG/NAME
-    for hf:ORG/NAME, else its folder's."""
+    """A model's name in the API: its run folder's for a checkpoint (runs/mine/checkpoints/step_N: mine),
+    ORG/NAME for hf:ORG/NAME, else its folder's."""
     if is_hub_name(path):
         return path[len(HF_PREFIX):]
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
@@ -208,8 +209,8 @@ async def complete(request, chat: bool):
 
 
 async def unless_gone(request, job: Job, answer):
-    """The answer, unless the client leaves first: then its rows stop at the engine's next read, as a stream's do
-    (ten abandoned requests of 16 choices once held the next request 15 s)."""
+    """The answer, unless the client leaves first: then its rows stop at the engine's next read, as a stream's
+    do (ten abandoned requests of 16 choices once held the next request 15 s)."""
     answering, gone = asyncio.ensure_future(answer), asyncio.ensure_future(disconnected(request))
     done, _ = await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
     if answering in done:
@@ -303,8 +304,8 @@ def app_for(server: Server):
 
 
 def parse_args(argv=None) -> tuple[LoadConfig, ServeConfig]:
-    """The command line, every flag a field of LoadConfig or ServeConfig; tests build their in-process servers from
-    it too."""
+    """The command line, every flag a field of LoadConfig or ServeConfig; tests build their in-process servers
+    from it too."""
     (load, serving), _ = parse_sections((LoadConfig, ServeConfig), (LoadConfig(), ServeConfig()),
                                         sys.argv[1:] if argv is None else argv,
                                         "Serve a model over the OpenAI API, with a chat page at /. Every field below "

@@ -131,8 +131,8 @@ def _unescape(s: str) -> str:
 
 
 def _from_argv(text: str) -> str:
-    """argv keeps bytes that are not UTF-8 as surrogates, which the tokenizer refuses: they become U+FFFD, as on
-    stdin."""
+    """argv keeps bytes that are not UTF-8 as surrogates, which the tokenizer refuses: they become U+FFFD, as
+    on stdin."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
@@ -310,8 +310,8 @@ class Repl:
 
 
 def warm_up(model, tokenizer, settings: SampleConfig):
-    """Compile the prefill and decode step once, at load, saying so (prompts of longer buckets and larger batches
-    compile on first use)."""
+    """Compile the prefill and decode step once, at load, saying so (prompts of longer buckets and larger
+    batches compile on first use)."""
     print(f"compiling the decode step{' into a CUDA graph' if model.embed_tokens.weight.is_cuda else ''}...",
           file=sys.stderr, end="", flush=True)
     start = time.perf_counter()
@@ -321,8 +321,9 @@ def warm_up(model, tokenizer, settings: SampleConfig):
 
 
 def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
-    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line. Files
-    are streamed, a bounded part at a time (twice: once for each figure), under a progress bar on stderr."""
+    """--eval: bits per byte on the files (or the default validation split) and the code metric; one line.
+    Files are streamed, a bounded part at a time (twice: once for each figure), under a progress bar on
+    stderr."""
     texts = None if files else split_texts(DataConfig())
     pieces = (lambda: file_pieces(files)) if files else (lambda: texts)
     size = corpus_bytes(DataConfig(sources=files)) if files else sum(len(t.encode("utf-8")) for t in texts)

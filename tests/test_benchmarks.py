@@ -87,9 +87,9 @@ class Recorded:
 
 
 def test_rounds_alternate_so_a_passing_load_falls_on_both():
-    """bench.py once timed ours, then Hugging Face's: a load that came or went between the two phases decided the
-    ratio (0.21x to 11.3x in four runs). Rounds now alternate, in reversed order every other round, and the
-    reported ratio is the median of the rounds' ratios."""
+    """bench.py once timed ours, then Hugging Face's: a load that came or went between the two phases decided
+    the ratio (0.21x to 11.3x in four runs). Rounds now alternate, in reversed order every other round, and
+    the reported ratio is the median of the rounds' ratios."""
     log = []
     rates = bench.alternate([Recorded("a", [10, 20, 30, 40], log), Recorded("b", [5, 10, 60, 20], log)], 4, 1)
     assert log == ["a", "b", "b", "a", "a", "b", "b", "a"]
@@ -142,16 +142,16 @@ def test_bench_generate_reports_a_rate_within_the_bound(capsys):
 
 
 def test_a_variant_of_its_own_length_is_finished_at_its_own_step():
-    """A variant with its own --max_steps (a larger model at equal time) never counted as finished, since its last
-    evaluation was not at --steps: every later ablation trained it again."""
+    """A variant with its own --max_steps (a larger model at equal time) never counted as finished, since its
+    last evaluation was not at --steps: every later ablation trained it again."""
     assert ablate.steps_of(["--num_hidden_layers", "8", "--max_steps", "1245"], 2300) == 1245
     assert ablate.steps_of(["--max_steps", "10", "--max_steps", "20"], 2300) == 20  # the trainer takes the last
     assert ablate.steps_of(["--learning_rate", "0.01"], 2300) == 2300
 
 
 def test_each_run_is_scored_once_on_the_validation_texts_of_its_sources(trained, corpus, monkeypatch):
-    """The whole-split figure is the run's checkpoint on the validation documents (not the whole corpus), and a
-    run already scored is read back from its folder, with no model loaded."""
+    """The whole-split figure is the run's checkpoint on the validation documents (not the whole corpus), and
+    a run already scored is read back from its folder, with no model loaded."""
     from config import DataConfig
     from llm.data.preparation import split_texts
     from llm.generate.inference import load_for_inference

@@ -51,8 +51,8 @@ def prepare(tmp_path, rows, **kw):
 
 
 def test_every_shape_becomes_its_conversation_and_the_system_prompt_fills_only_a_gap():
-    """Prevents a shape read into the wrong roles (ShareGPT's gpt as the user), an Alpaca input dropped or glued
-    to the instruction, and --system_prompt doubling a system turn a conversation already has."""
+    """Prevents a shape read into the wrong roles (ShareGPT's gpt as the user), an Alpaca input dropped or
+    glued to the instruction, and --system_prompt doubling a system turn a conversation already has."""
     for line, expected in SHAPED:
         assert chat_messages(line) == expected, line
         has_system = any(m["role"] == "system" for m in expected)

@@ -1,10 +1,10 @@
-"""The chat page serve.py gives at /, in a real headless browser (Debian's chromium and chromium-driver, driven by
-selenium) against the server running in this process: the page asks for the API key and sends it, shows the
-model's name, step and validation bits per byte, streams a chat reply as it is generated, and Stop ends the
-request: the page goes idle, no more text arrives, and the server ends that generation early (the client's
-disconnect cancels its row). Raw completion for the same model too. The browser tests are skipped where no
-browser is installed; what the page reads from the API (the key, the step and bits per byte, the page's
-policy) is checked without one."""
+"""The chat page serve.py gives at /, in a real headless browser (Debian's chromium and chromium-driver,
+driven by selenium) against the server running in this process: the page asks for the API key and sends it,
+shows the model's name, step and validation bits per byte, streams a chat reply as it is generated, and Stop
+ends the request: the page goes idle, no more text arrives, and the server ends that generation early (the
+client's disconnect cancels its row). Raw completion for the same model too. The browser tests are skipped
+where no browser is installed; what the page reads from the API (the key, the step and bits per byte, the
+page's policy) is checked without one."""
 
 import json
 import os
@@ -28,8 +28,9 @@ READ_PAUSE_S = 0.02  # the engine reads every 8 tokens; pausing each read makes 
 
 @pytest.fixture(scope="module")
 def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
-    """A run whose model writes "abab..." forever, whatever the prompt (never an end token), with a long context
-    and one evaluation record: every hidden state is its token's one-hot embedding, which the head maps on."""
+    """A run whose model writes "abab..." forever, whatever the prompt (never an end token), with a long
+    context and one evaluation record: every hidden state is its token's one-hot embedding, which the head
+    maps on."""
     from tokenizers import Tokenizer
 
     from modern_llm import Transformer
@@ -116,9 +117,10 @@ def spy(monkeypatch):
 
 
 def test_models_and_the_page_follow_the_api_rules(looper):
-    """/v1/models needs the key like every API route and gives what the page shows: the checkpoint's step and the
-    validation bits per byte of the run's evaluation at that step (not a later one). The page holds no secret;
-    it is served with a policy that lets it load and call nothing but this server, and links nothing outside."""
+    """/v1/models needs the key like every API route and gives what the page shows: the checkpoint's step and
+    the validation bits per byte of the run's evaluation at that step (not a later one). The page holds no
+    secret; it is served with a policy that lets it load and call nothing but this server, and links nothing
+    outside."""
     from starlette.testclient import TestClient
     server = serve.Server(*serve.parse_args([str(looper), "--device", "cpu", "--compile", "off", "--api_key", KEY]))
     with TestClient(serve.app_for(server)) as client:
@@ -157,9 +159,9 @@ def set_field(find, name: str, value):
 
 
 def test_the_page_streams_a_reply_and_stop_ends_its_generation(browser, live, spy):
-    """A reply must appear while it is generated; Stop must return the page to idle at once, no text may arrive
-    after it, and the server must end that generation well before its max_tokens (it once ran a gone client's
-    row to its end)."""
+    """A reply must appear while it is generated; Stop must return the page to idle at once, no text may
+    arrive after it, and the server must end that generation well before its max_tokens (it once ran a gone
+    client's row to its end)."""
     server, url = live
     find = open_page(browser, url)
     assert find("model").text == "looper"

@@ -37,7 +37,8 @@ def test_read_model_opens_checkpoint_run_and_hugging_face_folders_alike(tiny_che
 
 def test_detect_recognises_each_kind_once_and_resolves_a_run_to_its_checkpoint(tiny_checkpoint, tmp_path):
     """Each kind has its own reader, so a name taken for the wrong kind is read by the wrong one: a run folder
-    comes back as its newest checkpoint, an export as a Hugging Face folder, a Hub name with nothing fetched."""
+    comes back as its newest checkpoint, an export as a Hugging Face folder, a Hub name with nothing fetched.
+    """
     run = os.path.dirname(os.path.dirname(tiny_checkpoint))
     export_hf.export(tiny_checkpoint, str(tmp_path / "hf"))
     (tmp_path / "model.gguf").write_bytes(b"GGUF")  # recognised by its name; its reader checks the contents
@@ -100,8 +101,8 @@ def test_corrupt_init_from_is_one_error_line_and_exit_2(tiny_checkpoint, tmp_pat
 
 
 def test_save_is_atomic_latest_moves_last_and_pruning_keeps_the_newest(tiny_checkpoint, tmp_path):
-    """LATEST must always name a complete folder; leftovers of an interrupted write are cleared; only the newest
-    `keep` checkpoints stay."""
+    """LATEST must always name a complete folder; leftovers of an interrupted write are cleared; only the
+    newest `keep` checkpoints stay."""
     found = read_model(tiny_checkpoint)
     run = str(tmp_path / "run")
     os.makedirs(os.path.join(run, "checkpoints", ".tmp_step_000001"))  # an interrupted earlier write
@@ -133,8 +134,8 @@ def test_trainer_state_is_read_without_unpickling_code(tiny_checkpoint, tmp_path
 
 
 def test_a_trainer_state_without_its_counters_is_refused_in_one_line():
-    """trainer_state.pt's reader once indexed its counters blindly: a damaged or hand-written state without them
-    ended a resume in a KeyError traceback instead of the checkpoint error line."""
+    """trainer_state.pt's reader once indexed its counters blindly: a damaged or hand-written state without
+    them ended a resume in a KeyError traceback instead of the checkpoint error line."""
     from llm.base.errors import CheckpointError
     from llm.formats.trainer_state import parse
     with pytest.raises(CheckpointError, match="lacks step, best_val_loss"):

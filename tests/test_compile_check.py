@@ -1,5 +1,5 @@
-"""The GPU compile check itself runs in CI with a CUDA build of torch (`gpu_check.py --compile_only`); here, what
-a contributor with the CPU build meets, and the pieces that need no CUDA."""
+"""The GPU compile check itself runs in CI with a CUDA build of torch (`gpu_check.py --compile_only`); here,
+what a contributor with the CPU build meets, and the pieces that need no CUDA."""
 
 import importlib.util
 
@@ -18,8 +18,8 @@ def test_without_a_cuda_build_of_torch_it_says_how_to_get_one(capsys):
 
 
 def test_the_fake_gpus_bf16_peaks_are_the_ones_sizing_plans_with():
-    """One peak table (sizing.PEAK_TFLOPS) plans a run and reports its MFU; the fake GPUs the roofline costs a step
-    on name theirs by operand type, and their bf16 figure must be the same number."""
+    """One peak table (sizing.PEAK_TFLOPS) plans a run and reports its MFU; the fake GPUs the roofline costs a
+    step on name theirs by operand type, and their bf16 figure must be the same number."""
     from llm.base.sizing import gpu_peak_flops
     assert {name: gpu.tflops["bf16"] * 1e12 for name, gpu in fake_gpu.GPUS.items()} == \
         {name: gpu_peak_flops(gpu.name) for name, gpu in fake_gpu.GPUS.items()}
@@ -41,8 +41,9 @@ def test_sdpa_backend_names_come_from_the_ops_that_ran():
 @pytest.mark.slow
 def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
     """The step estimate's arithmetic against counts made by hand: a matmul of known shape at max(its FLOPs at
-    the peak, its bytes at the bandwidth), called twice; an element-wise kernel at its bytes (one read, one write),
-    called once. Inductor compiles them for the CPU here; the nodes and their counts are the same kinds."""
+    the peak, its bytes at the bandwidth), called twice; an element-wise kernel at its bytes (one read, one
+    write), called once. Inductor compiles them for the CPU here; the nodes and their counts are the same
+    kinds."""
     import torch
     from torch._inductor.output_code import CompiledFxGraph
     for name in ("__init__", "__call__"):  # install() replaces them: put them back after the test
@@ -69,16 +70,17 @@ def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
     assert estimate["roofline_other_ms"] == pytest.approx(1e3 * 2 * 4 * m * k / bandwidth, rel=1e-6)
     assert estimate["roofline_mfu"] == pytest.approx(
         2 * 2 * m * k * n / (estimate["roofline_ms"] / 1e3) / (gpu.tflops["bf16"] * 1e12), rel=1e-6)
-    # Calibrated: each part divided by the efficiency the roofline fitted to a measured H200 step (read from the
-    # module, never copied), then again with other efficiencies, so that the figures must come from them.
+    # Calibrated: each part divided by the efficiency the roofline fitted to a measured H200 step (read from
+    # the module, never copied), then again with other efficiencies, so that the figures must come from them.
     matmul_s, other_s = 2 * one_matmul, 2 * 4 * m * k / bandwidth
     for efficiencies in ((roofline.MATMUL_EFFICIENCY, roofline.BANDWIDTH_EFFICIENCY), (0.5, 0.25), (0.25, 0.5)):
         monkeypatch.setattr(roofline, "MATMUL_EFFICIENCY", efficiencies[0])
         monkeypatch.setattr(roofline, "BANDWIDTH_EFFICIENCY", efficiencies[1])
         assert roof.step(tokens=m)["calibrated_ms"] == pytest.approx(
             1e3 * (matmul_s / efficiencies[0] + other_s / efficiencies[1]), rel=1e-6)
-    # As a decode step: three launches, each held to the least time a kernel of its kind took (DECODE_FLOOR_S), each
-    # after the wait between kernels (DECODE_GAP_S): the module's figures, floors above every kernel here, and none.
+    # As a decode step: three launches, each held to the least time a kernel of its kind took
+    # (DECODE_FLOOR_S), each after the wait between kernels (DECODE_GAP_S): the module's figures, floors above
+    # every kernel here, and none.
     floors = [(roofline.DECODE_FLOOR_S, roofline.DECODE_GAP_S), ({"matmul": 1e-3, "other": 2e-3}, 1e-4),
               ({"matmul": 0.0, "other": 0.0}, 0.0)]
     for floor, gap in floors:
@@ -93,9 +95,9 @@ def test_the_roofline_costs_kernels_by_hand_counts(monkeypatch):
 
 
 def test_a_fused_kernel_that_gathers_rows_moves_the_rows_not_the_table(monkeypatch):
-    """A decode step's embedding lookup fused into its first norm: Inductor counts every buffer of a fused kernel
-    whole, so a lookup of two rows read the whole table. The roofline counts what the kernel's parts reach, by
-    hand: the two ids, two rows, the weight, two sums and two maxima."""
+    """A decode step's embedding lookup fused into its first norm: Inductor counts every buffer of a fused
+    kernel whole, so a lookup of two rows read the whole table. The roofline counts what the kernel's parts
+    reach, by hand: the two ids, two rows, the weight, two sums and two maxima."""
     import torch
     from torch._inductor.output_code import CompiledFxGraph
     monkeypatch.setattr(CompiledFxGraph, "__init__", CompiledFxGraph.__init__)
@@ -117,8 +119,8 @@ def test_a_fused_kernel_that_gathers_rows_moves_the_rows_not_the_table(monkeypat
 
 
 def test_inductor_settings_are_typed_and_an_unknown_one_is_one_line():
-    """--inductor NAME=VALUE (the decode leads' settings, compiled without a GPU): booleans and numbers typed as
-    Inductor's config holds them, and a misspelt name refused with exit 2, never compiled without it."""
+    """--inductor NAME=VALUE (the decode leads' settings, compiled without a GPU): booleans and numbers typed
+    as Inductor's config holds them, and a misspelt name refused with exit 2, never compiled without it."""
     assert compile_check.inductor_settings(["coordinate_descent_tuning=True", "combo_kernels=False",
                                             "max_autotune_gemm_backends=TRITON", "compile_threads=4"]) == {
         "coordinate_descent_tuning": True, "combo_kernels": False, "max_autotune_gemm_backends": "TRITON",

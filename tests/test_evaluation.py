@@ -40,8 +40,8 @@ async def fetch(url):
 
 
 def test_function_prompts_are_signatures_with_their_docstrings():
-    """Prompts end at the docstring's closing quotes, without the newline (one line or several, either quotes);
-    functions without one are skipped."""
+    """Prompts end at the docstring's closing quotes, without the newline (one line or several, either
+    quotes); functions without one are skipped."""
     prompts = ev.function_prompts([SOURCE])
     assert [indent for _, indent in prompts] == [0, 4, 0]
     assert prompts[0][0] == 'def area(width, height):\n    """The area of a rectangle."""'
@@ -145,7 +145,8 @@ def test_eval_command_measures_any_checkpoint_on_given_files(tiny_checkpoint, tm
 def test_code_prompts_end_where_the_tokenizer_puts_a_boundary(kind):
     """GPT-4's split (--tokenizer_type tiktoken) keeps closing quotes and the newline after them in one token:
     prompts cut at the quotes ended inside a token, and such a model wrote no body that parsed (0 of 16, its
-    twin with the default tokenizer 10). Each prompt must encode as the start of its function's own encoding."""
+    twin with the default tokenizer 10). Each prompt must encode as the start of its function's own encoding.
+    """
     from transformers import PreTrainedTokenizerFast
 
     from llm.tokens.tokenizer import train_tokenizer

@@ -26,7 +26,7 @@ from llm.train import startup
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ----------------------------------------------------------------------------- lost pointers, kept checkpoints
+# ---------------------------------------------------------------------------- lost pointers, kept checkpoints
 
 @pytest.mark.parametrize("pointer", [None, b"\x8f\x00\xff garbage", b"../../etc\n", b"/etc/passwd\n",
                                      b"step_000009\n"], ids=["missing", "random-bytes", "relative-escape",
@@ -124,7 +124,7 @@ def test_every_checkpoint_file_has_one_mode(tiny_checkpoint):
     assert modes == {0o666 & ~mask}
 
 
-# ----------------------------------------------------------------------------- resume on other data or past the end
+# ----------------------------------------------------------------------- resume on other data or past the end
 
 def test_resuming_on_other_data_is_refused_with_what_differs(corpus, trained, tmp_path, capsys, argv_for):
     """Another --sources once swapped the tokenizer under a resumed run without a word."""
@@ -202,8 +202,8 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_hugging_face_folders_are_one_line(hf_folder, tmp_path, capsys, case):
-    """Each once ended in a traceback, or (absurd sizes) in a hang while memory grew: --import and the generator
-    must refuse with one line, quickly, before building anything."""
+    """Each once ended in a traceback, or (absurd sizes) in a hang while memory grew: --import and the
+    generator must refuse with one line, quickly, before building anything."""
     import time
     damage, words = HOSTILE[case]
     folder = tmp_path / "hf"

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 def project_copy(tmp_path, edits: dict) -> str:
-    """The project's scripts and package in tmp_path/project, with config.py's `name: type = arg(VALUE, ...)` lines
-    rewritten by text substitution, as a user would in an editor; edits maps a field name to its new value."""
+    """The project's scripts and package in tmp_path/project, with config.py's `name: type = arg(VALUE, ...)`
+    lines rewritten by text substitution, as a user would in an editor; edits maps a field name to its new
+    value."""
     dst = tmp_path / "project"
     dst.mkdir()
     for name in os.listdir(ROOT):
@@ -40,8 +41,9 @@ def run(project: str, script: str, *args, timeout=300):
 
 
 def test_values_written_in_config_py_are_the_ones_the_run_uses(corpus, tmp_path):
-    """Editing a step count, a model width and a learning rate in config.py must change the run, with no flags:
-    the automatic sizing once overwrote such edits, so a run trained 450 steps whatever max_steps said."""
+    """Editing a step count, a model width and a learning rate in config.py must change the run, with no
+    flags: the automatic sizing once overwrote such edits, so a run trained 450 steps whatever max_steps said.
+    """
     project = project_copy(tmp_path, {"max_steps": 7, "hidden_size": 96, "learning_rate": 0.004,
                                       # and, to keep the test fast: a small vocabulary, no compile
                                       "vocab_size": 512, "compile": '"off"'})

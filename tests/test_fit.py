@@ -1,6 +1,7 @@
-"""Tests of fit.py and the trainer's fit check: a run that cannot fit its GPU is refused in one line, before any
-weight downloads and before any compile, with a change that the estimate says fits; the estimate's terms move the
-way the memory does; and on a CPU the estimate stays within 15% of the peak a training step really reaches."""
+"""Tests of fit.py and the trainer's fit check: a run that cannot fit its GPU is refused in one line, before
+any weight downloads and before any compile, with a change that the estimate says fits; the estimate's terms
+move the way the memory does; and on a CPU the estimate stays within 15% of the peak a training step really
+reaches."""
 
 import functools
 import importlib.util
@@ -28,7 +29,8 @@ from llm.train.resume import with_shape
 from llm.train.step_settings import loss_chunk_rows
 
 GB = 10**9
-# Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader uses.
+# Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader
+# uses.
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
@@ -57,10 +59,11 @@ def fake_cuda(monkeypatch):
 @pytest.mark.parametrize("card", [CARD, Machine("cuda", "a stand-in of 4 GB", 4 * GB)], ids=["12 GB", "4 GB"])
 def test_full_fine_tuning_of_an_8b_model_on_12_gb_is_refused_before_any_weight_downloads(card, tmp_path, monkeypatch,
                                                                                          capsys, fake_cuda):
-    """Every weight of Llama-3.1-8B needs about 16 bytes a parameter before any activation: a 12 GB card ran out of
-    memory mid-run, after 16 GB of downloads and a compile. Now: one line, exit 2, only config.json fetched, and a
-    change whose estimate fits the card: on 12 GB, LoRA on an nf4 base, checkpointed (its frozen embeddings and
-    head in bf16; in fp32 they alone took 4.2 GB); on 4 GB nothing, and the line names the card the least needs."""
+    """Every weight of Llama-3.1-8B needs about 16 bytes a parameter before any activation: a 12 GB card ran
+    out of memory mid-run, after 16 GB of downloads and a compile. Now: one line, exit 2, only config.json
+    fetched, and a change whose estimate fits the card: on 12 GB, LoRA on an nf4 base, checkpointed (its
+    frozen embeddings and head in bf16; in fp32 they alone took 4.2 GB); on 4 GB nothing, and the line names
+    the card the least needs."""
     monkeypatch.setattr(startup, "machine", lambda device: card)
     repo = "meta-llama/Llama-3.1-8B"
     hub = Hub({repo: {"config.json": json.dumps(LLAMA_8B).encode(), "tokenizer.json": b"{}",
@@ -123,13 +126,14 @@ def test_an_automatic_micro_batch_of_a_fine_tune_is_the_largest_that_fits():
 
 
 def test_each_setting_moves_the_estimate_the_way_memory_moves():
-    """The terms a refusal weighs: a smaller base format, checkpointing, a chunked loss and a shorter context each
-    lower the estimate, and LoRA on any base costs less than training every weight."""
+    """The terms a refusal weighs: a smaller base format, checkpointing, a chunked loss and a shorter context
+    each lower the estimate, and LoRA on any base costs less than training every weight."""
     cfg = Config(model=smollm2_135m(2048), train=TrainConfig(init_from="x", micro_batch_size=4))
     target = fit.Target("cuda", 2, compiled=True)
     full = fit.estimate(cfg, target).total
     lora = replace(cfg, train=replace(cfg.train, lora_rank=16))
-    # fp32 keeps a 16-bit copy for autocast, int8 a dequantised one (torchao, measured below): 6 and 3 bytes a weight
+    # fp32 keeps a 16-bit copy for autocast, int8 a dequantised one (torchao, measured below): 6 and 3 bytes a
+    # weight
     by_base = [fit.estimate(lora, target, base).total for base in ("fp32", "int8", "bf16", "nf4")]
     assert by_base == sorted(by_base, reverse=True) and by_base[0] < full
     checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
@@ -151,8 +155,8 @@ def gguf_shape() -> ModelConfig | None:
 
 
 def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
-    """The most bytes of live tensors during one eager training step (after a first one made the optimizer's state),
-    as torch's profiler records each allocation and free on the CPU."""
+    """The most bytes of live tensors during one eager training step (after a first one made the optimizer's
+    state), as torch's profiler records each allocation and free on the CPU."""
     from modern_llm import Transformer
     from llm.formats.lora import add_adapters
     torch.manual_seed(0)
@@ -182,9 +186,9 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
 @pytest.mark.parametrize("context", [256, 1024])
 @pytest.mark.parametrize("lora,base", [(0, "auto"), (16, "auto"), (16, "int8"), (16, "nf4")])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context, lora, base):
-    """SmolLM2-135M's shape (from the GGUF the tests use, where installed), training every weight or LoRA adapters
-    on the default base (bf16 where the CPU computes bf16), on int8 or on nf4, at two contexts: a fit check that is
-    far off either refuses runs that fit or lets through runs that die mid-step."""
+    """SmolLM2-135M's shape (from the GGUF the tests use, where installed), training every weight or LoRA
+    adapters on the default base (bf16 where the CPU computes bf16), on int8 or on nf4, at two contexts: a fit
+    check that is far off either refuses runs that fit or lets through runs that die mid-step."""
     from llm.base.device import cpu_has_native_bf16
     amp = torch.bfloat16 if cpu_has_native_bf16() else None
     model = replace(gguf_shape() or smollm2_135m(context), max_seq_len=context)
@@ -197,8 +201,8 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak_on_a_cpu(context
 
 
 def test_the_docs_table_is_the_one_the_estimate_computes():
-    """docs/fine-tuning.md's what-fits tables are tools/what_fits.py's output: a change to the estimate that leaves
-    them stale fails here (rerun the tool and paste its tables)."""
+    """docs/fine-tuning.md's what-fits tables are tools/what_fits.py's output: a change to the estimate that
+    leaves them stale fails here (rerun the tool and paste its tables)."""
     import what_fits
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fine-tuning.md"),
               encoding="utf-8") as f:
@@ -208,8 +212,9 @@ def test_the_docs_table_is_the_one_the_estimate_computes():
 
 
 def test_a_cpu_run_over_all_of_the_ram_is_refused_with_a_change_that_fits(monkeypatch):
-    """On a CPU the estimate is printed beside the RAM and only a run over all of it is refused: training every weight
-    of a 1.5B model (16 bytes a weight, 25 GB) on a machine of 16 GiB swapped for an hour before it died."""
+    """On a CPU the estimate is printed beside the RAM and only a run over all of it is refused: training
+    every weight of a 1.5B model (16 bytes a weight, 25 GB) on a machine of 16 GiB swapped for an hour before
+    it died."""
     from types import SimpleNamespace
     monkeypatch.setattr(startup.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30))
     monkeypatch.setattr(startup, "pick_precision", lambda precision, device: None)  # fp32, whatever this CPU has
@@ -250,8 +255,8 @@ def test_a_config_no_machine_holds_is_called_implausible_not_a_gpu_size(monkeypa
 
 def test_what_fits_asks_of_a_folder_with_only_its_config_and_a_card_by_name(tmp_path, capsys):
     """"Will it fit?" could not be asked from a laptop: a folder holding only config.json was refused as no
-    checkpoint, and hf: names needed the network. tools/what_fits.py now reads the shape alone, takes a card by name
-    or memory, and for a run that does not fit names the change that does, which then fits."""
+    checkpoint, and hf: names needed the network. tools/what_fits.py now reads the shape alone, takes a card
+    by name or memory, and for a run that does not fit names the change that does, which then fits."""
     import what_fits
     qwen = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536,
             "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,

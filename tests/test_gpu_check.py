@@ -41,7 +41,8 @@ def test_the_ddp_overhead_is_said_in_words():
 
 def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, tmp_path):
     """--quick is what a lent GPU runs first (docs/gpu_report.md); its dry run builds every part here, so the
-    15-minute lease is not spent finding a typo. Each row of the table is a figure the issue of GPU speed asks for."""
+    15-minute lease is not spent finding a typo. Each row of the table is a figure the issue of GPU speed asks
+    for."""
     out = tmp_path / "quick"
     assert gpu_check.main(["--quick", "--dry_run", "--out", str(out), "--sources", corpus["src"]]) == 0
     parts = {p: json.load(open(out / f"{p}.json")) for p in gpu_check.QUICK_PARTS}
@@ -78,8 +79,8 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
 
 
 def test_autotune_says_when_its_longer_compile_has_paid_for_itself(monkeypatch):
-    """max-autotune's row: after how many seconds of training a run that compiled it has caught up with one that
-    compiled the default (here 10 s and 100 tokens/s against 70 s and 125 tokens/s)."""
+    """max-autotune's row: after how many seconds of training a run that compiled it has caught up with one
+    that compiled the default (here 10 s and 100 tokens/s against 70 s and 125 tokens/s)."""
     measured = iter([{"tokens_per_s": 100.0, "warmup_s": 10.0}, {"tokens_per_s": 125.0, "warmup_s": 70.0}])
     monkeypatch.setattr(gpu_check.bench, "measure", lambda *a, **k: next(measured))
     monkeypatch.setattr(gpu_check, "new_model", lambda cfg, device: None)
@@ -95,7 +96,8 @@ def test_autotune_says_when_its_longer_compile_has_paid_for_itself(monkeypatch):
 
 def test_minutes_starts_only_the_parts_that_fit_and_names_the_rest(corpus, tmp_path, capsys):
     """A lease's call must end with its report before the device's limit kills it: a part whose usual time
-    (QUICK_SECONDS) would end past --minutes is not started, and the line at the end says how to run it later."""
+    (QUICK_SECONDS) would end past --minutes is not started, and the line at the end says how to run it later.
+    """
     out = tmp_path / "quick"
     minutes = (gpu_check.QUICK_SECONDS["quick_graphs"] + 10) / 60  # quick_graphs fits; fp8, after it, cannot
     assert gpu_check.QUICK_SECONDS["fp8"] > 10
@@ -107,8 +109,8 @@ def test_minutes_starts_only_the_parts_that_fit_and_names_the_rest(corpus, tmp_p
 
 
 def test_a_failing_part_is_its_row_and_the_parts_after_it_still_run(corpus, tmp_path, monkeypatch):
-    """The first part failing on a lent GPU (the no-flag run, say) must not end the check: its row says why, and
-    the generation parts that read its checkpoint get one from a short run of their own."""
+    """The first part failing on a lent GPU (the no-flag run, say) must not end the check: its row says why,
+    and the generation parts that read its checkpoint get one from a short run of their own."""
     import gpu_first_run
     def broken(args):
         raise RuntimeError("gpu_training_optimized.py ended with status 1:\n...\nerror: out of memory")

@@ -1,13 +1,12 @@
-"""Tests of hf_datasets.py: `--sources hf://datasets/OWNER/NAME/GLOB` fetched through huggingface_hub from a stand-in
-Hub on 127.0.0.1 (hub_stand_in.py; the real Hub is never reached): the trainer trains on the files, a download
-killed with -9 resumes where it stopped and gives the Hub's bytes, an offline run reads the cache, only the files
-a token target needs come down, and every failure (no such dataset, a pattern that matches nothing, a gated
-dataset, a token the Hub refuses, no network and nothing cached, a full disk) is one error line; a file that cannot be
-read leaves the cache; what a hostile Hub sends (an ETag, a listed name, a revision with `..`) never reaches a file
-outside the cache.
+"""Tests of hf_datasets.py: `--sources hf://datasets/OWNER/NAME/GLOB` fetched through huggingface_hub from a
+stand-in Hub on 127.0.0.1 (hub_stand_in.py; the real Hub is never reached): the trainer trains on the files, a
+download killed with -9 resumes where it stopped and gives the Hub's bytes, an offline run reads the cache,
+only the files a token target needs come down, and every failure (no such dataset, a pattern that matches
+nothing, a gated dataset, a token the Hub refuses, no network and nothing cached, a full disk) is one error
+line; a file that cannot be read leaves the cache; what a hostile Hub sends (an ETag, a listed name, a
+revision with `..`) never reaches a file outside the cache.
 
-Run: python -m pytest -q tests/test_hf_datasets.py
-"""
+Run: python -m pytest -q tests/test_hf_datasets.py"""
 
 import errno
 import gzip
@@ -59,8 +58,8 @@ def files():
 
 
 def point_at(monkeypatch, home, endpoint: str, offline: bool = False):
-    """huggingface_hub read HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import: set them and its constants both (the
-    token `hf auth login` saves lies in HF_HOME too)."""
+    """huggingface_hub read HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import: set them and its constants both
+    (the token `hf auth login` saves lies in HF_HOME too)."""
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
@@ -97,9 +96,9 @@ def one_error_line(capsys, call, code: int) -> str:
 
 def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub, tmp_path, argv_for, monkeypatch,
                                                                               files, capsys):
-    """The trainer must fetch the pattern's data files (not the card) into huggingface_hub's cache with the user's
-    token, train on them, and print or keep nothing of the token (config.json holds the sources as written); then,
-    with HF_HUB_OFFLINE=1 and the Hub gone, train again from the cache."""
+    """The trainer must fetch the pattern's data files (not the card) into huggingface_hub's cache with the
+    user's token, train on them, and print or keep nothing of the token (config.json holds the sources as
+    written); then, with HF_HUB_OFFLINE=1 and the Hub gone, train again from the cache."""
     data = {"src": URL, "cache": str(tmp_path / "cache")}
     monkeypatch.setenv("HF_TOKEN", SECRET)  # as `hf auth login` would keep it: sent to the Hub, written nowhere
     assert trainer.main(argv_for(data, tmp_path / "run", "--max_steps", 3, "--eval_interval", 3)) == 0
@@ -127,7 +126,8 @@ def test_the_trainer_fetches_the_files_and_trains_on_them_then_again_offline(hub
 @pytest.mark.slow
 def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path, files):
     """kill -9 in the middle of a file must leave what came down, and the next run must ask only for the rest
-    (a Range request) and end with the file the Hub holds; huggingface_hub 2.4 alone starts such a file over."""
+    (a Range request) and end with the file the Hub holds; huggingface_hub 2.4 alone starts such a file over.
+    """
     name = "data/part-0.parquet"
     hub.stall = (name, len(files[name]) * 2 // 3)
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from huggingface_hub import constants; "
@@ -155,8 +155,9 @@ def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path
 
 
 def test_a_partial_file_that_is_not_the_hubs_is_refused_then_fetched_anew(hub, tmp_path, files):
-    """A kept .partial whose bytes are not the start of the Hub's file (the file changed, the disk lied) must not
-    become data: the whole is checked against the Hub's hash, the partial removed, and the next run starts over."""
+    """A kept .partial whose bytes are not the start of the Hub's file (the file changed, the disk lied) must
+    not become data: the whole is checked against the Hub's hash, the partial removed, and the next run starts
+    over."""
     name = "data/part-0.parquet"
     blobs = tmp_path / "hf_home" / "hub" / f"datasets--{REPO.replace('/', '--')}" / "blobs"
     blobs.mkdir(parents=True)
@@ -168,9 +169,9 @@ def test_a_partial_file_that_is_not_the_hubs_is_refused_then_fetched_anew(hub, t
 
 
 def test_a_connection_cut_midway_resumes_in_the_same_run_and_says_so(hub, tmp_path, files, capsys):
-    """A connection that drops after some bytes (a proxy, a flaky network) must not end the run nor start the file
-    over: the download goes on from the bytes kept, with a Range, a line for each break; one that keeps breaking
-    ends in one line after a few tries, its bytes kept for the next run."""
+    """A connection that drops after some bytes (a proxy, a flaky network) must not end the run nor start the
+    file over: the download goes on from the bytes kept, with a Range, a line for each break; one that keeps
+    breaking ends in one line after a few tries, its bytes kept for the next run."""
     name, quarter = "data/part-0.parquet", len(files["data/part-0.parquet"]) // 4
     hub.cut = (name, quarter, 2)
     assert open(hf_datasets.fetch(URL, 1)[0], "rb").read() == files[name]
@@ -186,8 +187,8 @@ def test_a_connection_cut_midway_resumes_in_the_same_run_and_says_so(hub, tmp_pa
 
 
 def test_a_server_that_ignores_the_range_gives_the_whole_file_once(hub, tmp_path, files):
-    """A server (a proxy, a CDN) that answers a Range with the whole file (200, not 206): the bytes kept must be
-    dropped, not kept before the whole file, so the file checks and comes down once."""
+    """A server (a proxy, a CDN) that answers a Range with the whole file (200, not 206): the bytes kept must
+    be dropped, not kept before the whole file, so the file checks and comes down once."""
     name = "data/part-0.parquet"
     blobs = storage(tmp_path) / "blobs"
     blobs.mkdir(parents=True)
@@ -198,8 +199,9 @@ def test_a_server_that_ignores_the_range_gives_the_whole_file_once(hub, tmp_path
 
 
 def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
-    """--max_tokens sets how much text a Hub source brings (at about 4 bytes a token, with a margin): the first
-    files in name order, the rest never asked for; a weighted Hub source sits in a mixture like a local one."""
+    """--max_tokens sets how much text a Hub source brings (at about 4 bytes a token, with a margin): the
+    first files in name order, the rest never asked for; a weighted Hub source sits in a mixture like a local
+    one."""
     one = corpus.source_files(DataConfig(sources=[URL], max_tokens=10))
     assert one == [(snapshot(tmp_path, "data/part-0.parquet"), False)]
     assert not hub.gets("data/part-1.parquet")
@@ -245,10 +247,10 @@ def test_a_missing_dataset_is_one_error_line_naming_it(hub, tmp_path, capsys):
 
 
 def test_a_token_the_hub_refuses_is_named_not_a_missing_login(hub, tmp_path, capsys, monkeypatch):
-    """With a token given, a private dataset the Hub would not show said "a private one needs `hf auth login`" and a
-    token the Hub never issued, or one without the rights (403), said "try again later" (exit 1): each must say the
-    token given was refused and to check it (one line, exit 2, the token never printed); without one, the line still
-    says to log in."""
+    """With a token given, a private dataset the Hub would not show said "a private one needs `hf auth login`"
+    and a token the Hub never issued, or one without the rights (403), said "try again later" (exit 1): each
+    must say the token given was refused and to check it (one line, exit 2, the token never printed); without
+    one, the line still says to log in."""
     hub.private.update({REPO: SECRET, "tiny-org/other": "hf_otherAccount"})
     monkeypatch.delenv("HF_TOKEN", raising=False)
     assert "(a private one needs `hf auth login`)" in one_error_line(capsys, prepare(tmp_path, URL), 2)
@@ -273,10 +275,10 @@ def test_a_token_the_hub_refuses_is_named_not_a_missing_login(hub, tmp_path, cap
 @pytest.mark.parametrize("name,kind", [("data/part-0.parquet", "parquet"), ("data/part-2.jsonl.gz", "gzip"),
                                        ("data/part-3.jsonl.zst", "zstd"), ("data/part-4.jsonl", "jsonl")])
 def test_a_file_that_cannot_be_read_leaves_the_cache_and_comes_again(hub, tmp_path, capsys, files, name, kind):
-    """A web page served as a data file (a proxy's sign-in page, a broken mirror) stayed in the cache and the line
-    said "write it again": every rerun failed alike until someone found the cached file and deleted it (a page as
-    .jsonl.gz, .jsonl.zst or .jsonl got as far as the tokenizer first). It must be removed, blob and link, before
-    any of it is read, the line say so, and the next run fetch it anew."""
+    """A web page served as a data file (a proxy's sign-in page, a broken mirror) stayed in the cache and the
+    line said "write it again": every rerun failed alike until someone found the cached file and deleted it (a
+    page as .jsonl.gz, .jsonl.zst or .jsonl got as far as the tokenizer first). It must be removed, blob and
+    link, before any of it is read, the line say so, and the next run fetch it anew."""
     import zstandard
     good = files.get(name) or (b'{"text": "a line of text"}\n' if kind == "jsonl" else
                                zstandard.ZstdCompressor().compress(b'{"text": "a line of text"}\n'))
@@ -294,11 +296,11 @@ def test_a_file_that_cannot_be_read_leaves_the_cache_and_comes_again(hub, tmp_pa
 
 def test_a_file_the_hub_sends_to_its_cdn_comes_down_checked_and_without_the_token(hub, tmp_path, capsys, files,
                                                                                     monkeypatch):
-    """The Hub answers a large file's HEAD with a 302 to another host (its CDN, a signed address), the file's sha256
-    in X-Linked-Etag and another hash in ETag. The file must come from there checked against X-Linked-Etag (bytes
-    that do not give it are refused in one line and kept nowhere), a kept part resume there with a Range, and the
-    user's token reach the Hub only: never the other host, whose address is signed and whose logs are not the
-    Hub's."""
+    """The Hub answers a large file's HEAD with a 302 to another host (its CDN, a signed address), the file's
+    sha256 in X-Linked-Etag and another hash in ETag. The file must come from there checked against
+    X-Linked-Etag (bytes that do not give it are refused in one line and kept nowhere), a kept part resume
+    there with a Range, and the user's token reach the Hub only: never the other host, whose address is signed
+    and whose logs are not the Hub's."""
     monkeypatch.setenv("HF_TOKEN", SECRET)
     data = sorted(n for n in files if n.startswith("data/"))
     hub.redirect.update(data)
@@ -322,9 +324,10 @@ def test_a_file_the_hub_sends_to_its_cdn_comes_down_checked_and_without_the_toke
 
 @pytest.mark.parametrize("kept_in", ["git", "lfs"])
 def test_bytes_that_do_not_give_the_etag_are_refused_and_leave_nothing(hub, tmp_path, capsys, files, kept_in):
-    """A small file the Hub keeps in git has its git blob id (a sha1 of "blob SIZE", a NUL and the bytes) as ETag,
-    a large one its sha256. Bytes that do not give it must be refused in one line (exit 1) with nothing left in the
-    cache, neither blob nor snapshot link; the bytes that do give it must come down, the blob named by it."""
+    """A small file the Hub keeps in git has its git blob id (a sha1 of "blob SIZE", a NUL and the bytes) as
+    ETag, a large one its sha256. Bytes that do not give it must be refused in one line (exit 1) with nothing
+    left in the cache, neither blob nor snapshot link; the bytes that do give it must come down, the blob
+    named by it."""
     name = "data/part-0.parquet"
     if kept_in == "git":
         hub.git.add(name)
@@ -371,10 +374,11 @@ def storage(tmp_path):
 
 @pytest.mark.parametrize("heads", ["every", "later"])
 def test_a_hostile_etag_is_refused_before_it_names_a_file(hub, tmp_path, capsys, heads):
-    """The Hub's ETag named the blob and its lock: `../` in it wrote the file's bytes and locks outside HF_HOME (and
-    read a file already there as the data). It must be a sha1 or sha256 in hex, refused in one line before any path
-    is built; huggingface_hub's own download asked the Hub again and took the second answer unchecked, so a Hub
-    honest on the first HEAD and hostile after must reach no file either (it is asked once)."""
+    """The Hub's ETag named the blob and its lock: `../` in it wrote the file's bytes and locks outside
+    HF_HOME (and read a file already there as the data). It must be a sha1 or sha256 in hex, refused in one
+    line before any path is built; huggingface_hub's own download asked the Hub again and took the second
+    answer unchecked, so a Hub honest on the first HEAD and hostile after must reach no file either (it is
+    asked once)."""
     victim = tmp_path / "victim" / "created_by_hub.txt"
     hostile = os.path.relpath(victim, storage(tmp_path) / "blobs")
     name = "data/part-0.parquet"
@@ -402,9 +406,9 @@ def test_an_etag_that_breaks_http_is_the_hubs_fault_not_a_lost_connection(hub, t
 
 
 def test_a_listed_name_outside_the_snapshot_is_refused(hub, tmp_path, capsys):
-    """Once the cache held the snapshot's folder, a listing entry data/../../(...)/localsecret.txt named a local file
-    that the run then read as data. A listed name must stay inside the snapshot (no `..`, root, drive, backslash,
-    NUL or empty segment): one line, exit 2, and the local file is never read."""
+    """Once the cache held the snapshot's folder, a listing entry data/../../(...)/localsecret.txt named a
+    local file that the run then read as data. A listed name must stay inside the snapshot (no `..`, root,
+    drive, backslash, NUL or empty segment): one line, exit 2, and the local file is never read."""
     hf_datasets.fetch(URL)
     secret = tmp_path / "victim" / "localsecret.txt"
     secret.parent.mkdir()
@@ -425,9 +429,10 @@ def test_a_listed_name_outside_the_snapshot_is_refused(hub, tmp_path, capsys):
 
 
 def test_a_revision_or_commit_outside_the_cache_is_refused(hub, tmp_path, capsys, monkeypatch):
-    """A revision with `..` (its / written %2F in the URL) named refs/REVISION, the file a run writes to remember its
-    commit: a Hub that said it exists made the run write outside HF_HOME. Refused in one line before any request;
-    so are a commit the Hub sends that is not 40 hex digits and a cached refs/ file that names none."""
+    """A revision with `..` (its / written %2F in the URL) named refs/REVISION, the file a run writes to
+    remember its commit: a Hub that said it exists made the run write outside HF_HOME. Refused in one line
+    before any request; so are a commit the Hub sends that is not 40 hex digits and a cached refs/ file that
+    names none."""
     victim = tmp_path / "victim" / "ref"
     revision = os.path.relpath(victim, storage(tmp_path) / "refs")
     hub.revisions.add(revision)
@@ -454,11 +459,12 @@ def test_a_revision_or_commit_outside_the_cache_is_refused(hub, tmp_path, capsys
                                                   ("NVIDIA GeForce RTX 4090", 24, "small", 2e8)])
 def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypatch, tmp_path, files, gpu, gib, preset,
                                                                        least):
-    """With no --sources on CUDA the run read the bundled corpus (2.7M tokens) and so trained the tiny preset. It
-    now reads FineWeb-Edu's sample from the Hub (here a stand-in holding one of its files), sized by the hour's
-    compute rather than by the corpus: the start report names the corpus, the preset, the budget and a micro-batch
-    of at least 32k tokens, and the fetch brings the files the token target needs. With the Hub out of reach and
-    nothing cached, one line says the bundled corpus is read instead; a CPU run is untouched."""
+    """With no --sources on CUDA the run read the bundled corpus (2.7M tokens) and so trained the tiny preset.
+    It now reads FineWeb-Edu's sample from the Hub (here a stand-in holding one of its files), sized by the
+    hour's compute rather than by the corpus: the start report names the corpus, the preset, the budget and a
+    micro-batch of at least 32k tokens, and the fetch brings the files the token target needs. With the Hub
+    out of reach and nothing cached, one line says the bundled corpus is read instead; a CPU run is untouched.
+    """
     import torch
 
     from config import PRESETS
@@ -474,10 +480,11 @@ def test_a_no_flag_cuda_run_trains_on_fineweb_edu_sized_for_its_budget(monkeypat
         report = "\n".join(notes + sized)
         assert f"the {preset} preset" in report and "budget: 60 min" in report, report
         assert cfg.train.micro_batch_size * cfg.model.max_seq_len >= 32_768
-        # The hour's tokens at about 40% of the card's peak: some 2B on an H100, a third of a billion on a 4090 (its
-        # peak a sixth of the H100's), where the bundled corpus holds 2.7M.
+        # The hour's tokens at about 40% of the card's peak: some 2B on an H100, a third of a billion on a
+        # 4090 (its peak a sixth of the H100's), where the bundled corpus holds 2.7M.
         assert least <= cfg.data.max_tokens <= 5 * least
-        # It trains while the files beyond the first download (arrival.py), in one process; under torchrun it waits.
+        # It trains while the files beyond the first download (arrival.py), in one process; under torchrun it
+        # waits.
         assert startup.trains_while_arriving(cfg, SimpleNamespace(world_size=1))
         assert not startup.trains_while_arriving(cfg, SimpleNamespace(world_size=2))
         paths = corpus.source_files(cfg.data)

@@ -1,7 +1,7 @@
-"""Tests of hf_families.py through export_hf.py: each Hugging Face family our model computes (Qwen2, Llama 3.x with
-its RoPE rescaling, Mistral within its window, SmolLM2, SmolLM3 where every layer rotates) comes in with the
-logits of transformers' own forward and goes back out as the same family; what it cannot compute is refused in one
-line naming the field. Tiny random models built from transformers configs, offline."""
+"""Tests of hf_families.py through export_hf.py: each Hugging Face family our model computes (Qwen2, Llama 3.x
+with its RoPE rescaling, Mistral within its window, SmolLM2, SmolLM3 where every layer rotates) comes in with
+the logits of transformers' own forward and goes back out as the same family; what it cannot compute is
+refused in one line naming the field. Tiny random models built from transformers configs, offline."""
 
 import os
 import shutil
@@ -27,8 +27,9 @@ SEQ, TOLERANCE = 48, 1e-4  # float32 logits: max abs difference to transformers
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=SEQ, rms_norm_eps=1e-5, initializer_range=0.05,
              pad_token_id=None, bos_token_id=None, eos_token_id=None)
-# Llama 3.1's rule at a tiny scale: with head_dim 16 and theta 5e5 the wavelengths are 6.3, 32, 167, ... tokens, so
-# original length 64 with factors 1 and 8 keeps the first, blends the second and divides the rest: all three cases.
+# Llama 3.1's rule at a tiny scale: with head_dim 16 and theta 5e5 the wavelengths are 6.3, 32, 167, ...
+# tokens, so original length 64 with factors 1 and 8 keeps the first, blends the second and divides the rest:
+# all three cases.
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
           "original_max_position_embeddings": 64}
 FAMILIES = {  # test id: (model_type, config fields besides the shape, config.json edits after save_pretrained)
@@ -61,7 +62,8 @@ def vocab_size(tokenizer: str) -> int:
 
 def hf_model(folder, tokenizer: str, model_type: str, edits: dict | None = None, **fields):
     """A random transformers model of this family saved with save_pretrained, our tokenizer beside it. Every
-    weight random, biases and norm scales included (HF starts them at 0 and 1, which would hide a lost one)."""
+    weight random, biases and norm scales included (HF starts them at 0 and 1, which would hide a lost one).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(1)
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size(tokenizer), **{**SHAPE, **fields})
@@ -99,9 +101,9 @@ def load_theirs(folder):
 
 @pytest.mark.parametrize("case", FAMILIES)
 def test_family_imports_with_transformers_logits_and_exports_as_itself(tmp_path, tokenizer, case):
-    """An imported model must compute transformers' logits (a lost bias, a wrong RoPE rescaling, a window taken for
-    full attention all change them), carry its family's fields in model_config.json, and export as the same
-    family, which transformers loads into the same class computing the same logits again."""
+    """An imported model must compute transformers' logits (a lost bias, a wrong RoPE rescaling, a window
+    taken for full attention all change them), carry its family's fields in model_config.json, and export as
+    the same family, which transformers loads into the same class computing the same logits again."""
     model_type, fields, edits = FAMILIES[case]
     theirs = hf_model(tmp_path / "hf", tokenizer, model_type, edits, **fields)
     assert export_hf.main(["--import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
@@ -127,8 +129,8 @@ def test_family_imports_with_transformers_logits_and_exports_as_itself(tmp_path,
 
 
 def test_llama3_rescaling_changes_the_function(tmp_path, tokenizer):
-    """The llama3 case above would pass with the rescaling ignored if it changed nothing at this scale: plain RoPE
-    with the same weights must give other logits."""
+    """The llama3 case above would pass with the rescaling ignored if it changed nothing at this scale: plain
+    RoPE with the same weights must give other logits."""
     theirs = hf_model(tmp_path / "hf", tokenizer, "llama", rope_parameters={**LLAMA3, "rope_theta": 5e5})
     assert export_hf.main(["--import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     ours = load_ours(str(tmp_path / "run"))
@@ -138,8 +140,8 @@ def test_llama3_rescaling_changes_the_function(tmp_path, tokenizer):
 
 
 def test_a_window_shorter_than_the_context_is_refused_and_loads_within_it(tmp_path, tokenizer, capsys):
-    """Mistral 7B v0.1's 4096-token window under a 32k context: our full attention differs past the window, so the
-    import is refused naming sliding_window and the way out; at --max_seq_len of the window it computes
+    """Mistral 7B v0.1's 4096-token window under a 32k context: our full attention differs past the window, so
+    the import is refused naming sliding_window and the way out; at --max_seq_len of the window it computes
     transformers' logits (where the window covers the whole input)."""
     theirs = hf_model(tmp_path / "hf", tokenizer, "mistral", sliding_window=16)
     capsys.readouterr()  # save_pretrained's progress bar
@@ -180,8 +182,8 @@ SMOLLM3 = dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"])
     ("llama", dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), "model_type='mixtral' is not"),
 ], ids=["smollm3-nope", "nope-list", "attention-bias", "mlp-bias", "yarn", "qwen2-window", "moe"])
 def test_what_the_model_cannot_compute_is_refused_naming_the_field(saved, tmp_path, capsys, base, changes, reason):
-    """A folder asking for what our architecture cannot compute must stop with one `error:` line naming the field
-    and exit 2, writing nothing, instead of a checkpoint that silently computes something else."""
+    """A folder asking for what our architecture cannot compute must stop with one `error:` line naming the
+    field and exit 2, writing nothing, instead of a checkpoint that silently computes something else."""
     folder = tmp_path / "hf"
     shutil.copytree(saved(base), folder)
     edit_json(folder / "config.json", **changes)
@@ -212,8 +214,8 @@ def test_checkpoints_from_before_the_family_fields_load_as_before(tiny_checkpoin
 
 
 def test_biases_start_at_zero_and_train_with_adamw_without_decay(tiny_config):
-    """q/k/v biases are vectors: Muon orthogonalises matrices only, and decay would pull them to 0 as it would a
-    norm's scale; and initialised as norm scales (1.0) they would shift every query and key."""
+    """q/k/v biases are vectors: Muon orthogonalises matrices only, and decay would pull them to 0 as it would
+    a norm's scale; and initialised as norm scales (1.0) they would shift every query and key."""
     model = Transformer(tiny_config(qkv_bias=True, qk_norm=False))
     biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
     assert len(biases) == 3 * model.config.num_hidden_layers and all((p == 0).all() for p in biases)
@@ -239,8 +241,8 @@ def test_the_new_fields_are_flags_and_validated():
     (dict(family="llama"), "family='llama' needs qk_norm=False and qkv_bias=False"),
 ], ids=["qk-norm-and-bias", "llama-with-qk-norm"])
 def test_export_refuses_a_model_no_family_computes(tiny_checkpoint, tmp_path, capsys, changes, words):
-    """QK-norm with q/k/v biases (Qwen3's attention_bias puts one on o_proj too), or a family whose fields the model
-    lacks, must be one error line before anything is written."""
+    """QK-norm with q/k/v biases (Qwen3's attention_bias puts one on o_proj too), or a family whose fields the
+    model lacks, must be one error line before anything is written."""
     ckpt = tmp_path / "step_000010"
     shutil.copytree(tiny_checkpoint, ckpt)
     os.remove(ckpt / "manifest.json")

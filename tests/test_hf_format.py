@@ -112,9 +112,10 @@ def hf_folder(tmp_path, python_data, model_type: str, **kw):
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)], ids=["qwen3-tied", "llama-untied"])
 def test_export_gives_equal_logits_and_greedy_generations(python_data, tmp_path, qk_norm, tied, tiny):
-    """The exported folder must load in transformers as the right architecture and compute our function exactly
-    (a wrong name map, norm order, eps, head_dim, RoPE layout or tie flag changes the logits), and HF's cached
-    greedy generate must produce our tokens (catches position or cache mismatches that a full forward hides)."""
+    """The exported folder must load in transformers as the right architecture and compute our function
+    exactly (a wrong name map, norm order, eps, head_dim, RoPE layout or tie flag changes the logits), and
+    HF's cached greedy generate must produce our tokens (catches position or cache mismatches that a full
+    forward hides)."""
     model = train(Transformer(tiny(qk_norm=qk_norm, tie_word_embeddings=tied)), python_data, steps=10)
     save(model, python_data, tmp_path / "run", 10)
     out = export(tmp_path / "run", tmp_path / "hf")
@@ -169,8 +170,8 @@ def test_exported_tokenizer_matches_ours(python_data, tmp_path, tiny):
 
 def test_a_chat_model_exported_without_eos_stops_at_im_end(tiny_checkpoint, chat_stopper, tmp_path):
     """Exported with no --eos, a tokenizer with <|im_end|> must give a generation_config whose eos ids list it
-    beside <|endoftext|>, and keep the chat template, so that transformers' generate ends a reply where the model
-    learned to (it ran on into invented turns: the stopper's "OK<|im_end|>OK<|im_end|>...")."""
+    beside <|endoftext|>, and keep the chat template, so that transformers' generate ends a reply where the
+    model learned to (it ran on into invented turns: the stopper's "OK<|im_end|>OK<|im_end|>...")."""
     from transformers import AutoTokenizer, GenerationConfig
     ours = Tokenizer.from_file(os.path.join(tiny_checkpoint, "tokenizer.json"))
     out = export(tiny_checkpoint, tmp_path / "tiny")

@@ -35,8 +35,8 @@ REPO, COMMIT = "tiny-org/tiny-qwen2", "0123456789abcdef0123456789abcdef01234567"
 
 
 def fill_cache(cache, repo: str, folder):
-    """folder's files in the cache as a download lays them out: blobs named by hash, a snapshot of links to them
-    named by commit, and refs/main naming the commit."""
+    """folder's files in the cache as a download lays them out: blobs named by hash, a snapshot of links to
+    them named by commit, and refs/main naming the commit."""
     root = cache / f"models--{repo.replace('/', '--')}"
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(COMMIT)
@@ -100,8 +100,8 @@ def test_a_cached_hub_model_is_read_by_every_command_offline(hub, tmp_path):
     ("hf:org/" + "x" * 300, ["is not a Hub model name"]),
 ], ids=["not-cached", "no-org", "path", "trailing-dash", "double-dash", "too-long"])
 def test_a_missing_or_misspelt_hub_model_is_one_error_line(hub, tmp_path, capsys, name, words):
-    """Offline, a model not in the cache must say so and how to fetch it in one line, exit 2, and write nothing;
-    a name that is not ORG/NAME is refused before huggingface_hub sees it."""
+    """Offline, a model not in the cache must say so and how to fetch it in one line, exit 2, and write
+    nothing; a name that is not ORG/NAME is refused before huggingface_hub sees it."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         export_hf.main(["--import", name, str(tmp_path / "run")])
@@ -113,8 +113,8 @@ def test_a_missing_or_misspelt_hub_model_is_one_error_line(hub, tmp_path, capsys
 
 @pytest.fixture
 def online(tmp_path, monkeypatch, tiny_checkpoint):
-    """A stand-in Hub on 127.0.0.1 serving REPO (a random Qwen2 model) and an empty Hugging Face home in tmp_path;
-    (the Hub, the model)."""
+    """A stand-in Hub on 127.0.0.1 serving REPO (a random Qwen2 model) and an empty Hugging Face home in
+    tmp_path; (the Hub, the model)."""
     model = hf_model(tmp_path / "src", os.path.join(tiny_checkpoint, "tokenizer.json"), "qwen2")
     server = Hub({REPO: {name: (tmp_path / "src" / name).read_bytes() for name in os.listdir(tmp_path / "src")}})
     point_at(monkeypatch, tmp_path / "hf_home", server.url)
@@ -133,9 +133,10 @@ def gets(hub) -> list:
 
 
 def test_online_the_config_is_checked_before_the_weights_are_asked_for(online, tmp_path, monkeypatch, capsys):
-    """Online, config.json comes first: a model our architecture cannot compute (here SmolLM3 with NoPE layers) is
-    refused before the weights, gigabytes for a real model, are downloaded; one that fits is fetched with only the
-    files the reader uses, into huggingface_hub's cache layout, and read again from it offline."""
+    """Online, config.json comes first: a model our architecture cannot compute (here SmolLM3 with NoPE
+    layers) is refused before the weights, gigabytes for a real model, are downloaded; one that fits is
+    fetched with only the files the reader uses, into huggingface_hub's cache layout, and read again from it
+    offline."""
     hub, theirs = online
     hub.repos[REPO]["pytorch_model.bin"] = b"pickled weights are never read"
     assert export_hf.main(["--import", f"hf:{REPO}", str(tmp_path / "run")]) == 0
@@ -179,8 +180,8 @@ def one_error_line(capsys, tmp_path) -> str:
 
 
 def test_a_hostile_etag_on_a_model_file_is_refused(online, tmp_path, capsys):
-    """The ETag named the blob and its lock: with `../` in it huggingface_hub wrote the weights and a .lock outside
-    HF_HOME. It must be a sha1 or sha256 in hex, refused in one line before any path is built."""
+    """The ETag named the blob and its lock: with `../` in it huggingface_hub wrote the weights and a .lock
+    outside HF_HOME. It must be a sha1 or sha256 in hex, refused in one line before any path is built."""
     hub, _ = online
     victim = tmp_path / "victim" / "created_by_hub"
     hub.etags["model.safetensors"] = os.path.relpath(victim, storage(tmp_path) / "blobs")
@@ -190,9 +191,10 @@ def test_a_hostile_etag_on_a_model_file_is_refused(online, tmp_path, capsys):
 
 
 def test_a_hostile_commit_is_refused_online_and_in_the_cache(online, tmp_path, capsys, monkeypatch):
-    """The commit the repository's info names became snapshots/COMMIT, trees/COMMIT.json and refs/main: with `../`
-    huggingface_hub wrote the listing outside HF_HOME, returned a folder outside it and kept the commit in refs/main.
-    It must be 40 hex digits; so must the commit a cached refs/main names, which an offline run reads."""
+    """The commit the repository's info names became snapshots/COMMIT, trees/COMMIT.json and refs/main: with
+    `../` huggingface_hub wrote the listing outside HF_HOME, returned a folder outside it and kept the commit
+    in refs/main. It must be 40 hex digits; so must the commit a cached refs/main names, which an offline run
+    reads."""
     hub, _ = online
     victim = tmp_path / "victim" / "snapshot"
     hub.commit = os.path.relpath(victim, storage(tmp_path) / "snapshots")
@@ -211,9 +213,9 @@ def test_a_hostile_commit_is_refused_online_and_in_the_cache(online, tmp_path, c
 
 
 def test_a_listed_name_outside_the_snapshot_is_refused(online, tmp_path, capsys):
-    """A listing entry model-/../../(...).safetensors matches model-*.safetensors as huggingface_hub's patterns read
-    (`*` crosses folders) and named a file outside the snapshot. A name that is fetched must stay inside it: one
-    line, exit 2, and nothing written outside HF_HOME."""
+    """A listing entry model-/../../(...).safetensors matches model-*.safetensors as huggingface_hub's
+    patterns read (`*` crosses folders) and named a file outside the snapshot. A name that is fetched must
+    stay inside it: one line, exit 2, and nothing written outside HF_HOME."""
     hub, _ = online
     victim = tmp_path / "victim" / "x.safetensors"
     name = "model-/" + os.path.relpath(victim, storage(tmp_path) / "snapshots" / HUB_COMMIT / "model-")
@@ -225,8 +227,9 @@ def test_a_listed_name_outside_the_snapshot_is_refused(online, tmp_path, capsys)
 
 
 def test_a_private_model_says_to_log_in_or_that_the_token_was_refused(online, tmp_path, capsys, monkeypatch):
-    """Without a token, a model the Hub does not show needs `hf auth login`; with one the Hub refuses, the line says
-    the token was refused and to check it, not to log in (nor, as a 401 or 403 did, to try again later)."""
+    """Without a token, a model the Hub does not show needs `hf auth login`; with one the Hub refuses, the
+    line says the token was refused and to check it, not to log in (nor, as a 401 or 403 did, to try again
+    later)."""
     hub, _ = online
     hub.private[REPO] = "hf_rightToken"
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -243,8 +246,8 @@ def test_a_private_model_says_to_log_in_or_that_the_token_was_refused(online, tm
 
 @pytest.mark.slow
 def test_the_environment_alone_points_the_scripts_at_the_cache(hub, tmp_path):
-    """A user sets HF_HOME and HF_HUB_OFFLINE=1 and runs the script: huggingface_hub reads them at import, so this
-    runs it in a fresh process, as users do."""
+    """A user sets HF_HOME and HF_HUB_OFFLINE=1 and runs the script: huggingface_hub reads them at import, so
+    this runs it in a fresh process, as users do."""
     cache, _ = hub
     env = {**os.environ, "HF_HOME": str(cache.parent), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "export_hf.py", "--import", f"hf:{REPO}", str(tmp_path / "run")],

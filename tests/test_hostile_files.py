@@ -1,5 +1,5 @@
-"""Hostile files and file systems, each met the way a user meets it: a real full disk, a damaged token cache, a
-preparation killed half-way, two trainers on one folder, a YAML alias bomb, an export aimed at a run folder.
+"""Hostile files and file systems, each met the way a user meets it: a real full disk, a damaged token cache,
+a preparation killed half-way, two trainers on one folder, a YAML alias bomb, an export aimed at a run folder.
 Every one ends in one `error:` line (exit 2 for bad input, 1 for a runtime failure) or a repair said in one
 line, never a traceback, never half-written output, never lost work."""
 
@@ -54,14 +54,15 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-# The tiny model's checkpoint: 0.63 MB of weights, then 0.78 MB of trainer state, and from the run's second half
-# (here its first checkpoint) 0.63 MB more of weight average in it; 2.06 MB in all.
+# The tiny model's checkpoint: 0.63 MB of weights, then 0.78 MB of trainer state, and from the run's second
+# half (here its first checkpoint) 0.63 MB more of weight average in it; 2.06 MB in all.
 @pytest.mark.parametrize("free,failing", [(300_000, 1), (1_000_000, 1), (3_000_000, 2)],
                          ids=["weights-safetensors", "trainer-state-torch-zip", "second-checkpoint-and-resume"])
 def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_disk, capsys, free, failing):
     """On a real full disk safetensors raised SafetensorError '... No space left on device (os error 28)' and
-    torch's zip writer RuntimeError '[enforce fail at inline_container.cc] unexpected pos': tracebacks, in a new
-    run and under --resume. Now one line, exit 1, no temporary folder, the previous checkpoint and LATEST kept."""
+    torch's zip writer RuntimeError '[enforce fail at inline_container.cc] unexpected pos': tracebacks, in a
+    new run and under --resume. Now one line, exit 1, no temporary folder, the previous checkpoint and LATEST
+    kept."""
     run = small_disk(free) / "run"
     runs = [argv_for(corpus, run, "--max_steps", 2, "--save_interval", 1, "--eval_interval", 2)]
     if failing == 2:
@@ -87,10 +88,10 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line(corpus, argv_for, small_di
                          ids=["tokenizer", "token-shards"])
 def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, data_argv_for, small_disk, capsys, free,
                                                                   what):
-    """On a full disk the tokenizer's save raised tokenizers' bare Exception 'No space left on device (os error 28)'
-    (a traceback), and numpy's tofile an OSError without its errno ('N requested and M written'), which read as a
-    folder we may not write to: "choose a folder you can write to", exit 2. A full disk is a runtime failure: one
-    line, exit 1, the room needed against the room free, and no temporary folder left."""
+    """On a full disk the tokenizer's save raised tokenizers' bare Exception 'No space left on device (os
+    error 28)' (a traceback), and numpy's tofile an OSError without its errno ('N requested and M written'),
+    which read as a folder we may not write to: "choose a folder you can write to", exit 2. A full disk is a
+    runtime failure: one line, exit 1, the room needed against the room free, and no temporary folder left."""
     cache = small_disk(free) / "cache"
     with pytest.raises(SystemExit) as e:
         pd.main(data_argv_for(corpus, "--cache_dir", cache))
@@ -105,8 +106,8 @@ def test_a_real_full_disk_while_preparing_data_is_one_line_exit_1(corpus, data_a
 
 def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line_exit_1(corpus, data_argv_for, tmp_path, capsys,
                                                                    monkeypatch):
-    """The same full disk where no file system can be mounted: tokenizers' save raising what it raises for one (a
-    bare Exception naming the OS error) once ended in a traceback; now one line, exit 1."""
+    """The same full disk where no file system can be mounted: tokenizers' save raising what it raises for one
+    (a bare Exception naming the OS error) once ended in a traceback; now one line, exit 1."""
     from llm.data import preparation
     make = preparation._make_tokenizer
 
@@ -173,10 +174,11 @@ def pristine_cache(corpus, data_argv_for, tmp_path_factory):
 @pytest.mark.parametrize("damage", list(DAMAGED_CACHES))
 def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, data_argv_for, pristine_cache, tmp_path,
                                                         capsys, damage, script):
-    """meta.json of garbage bytes, a list, missing keys or an unknown dtype; a part's train.bin cut short, emptied
-    or holding ids past the vocabulary, its part.json garbage: once seven tracebacks (UnicodeDecodeError,
-    TypeError, KeyError, ValueError, an IndexError from the embedding mid-run). A cache is derived data: what is
-    damaged is rebuilt (the whole folder for its tokenizer's record, else the part), and one line says so."""
+    """meta.json of garbage bytes, a list, missing keys or an unknown dtype; a part's train.bin cut short,
+    emptied or holding ids past the vocabulary, its part.json garbage: once seven tracebacks
+    (UnicodeDecodeError, TypeError, KeyError, ValueError, an IndexError from the embedding mid-run). A cache
+    is derived data: what is damaged is rebuilt (the whole folder for its tokenizer's record, else the part),
+    and one line says so."""
     cache = tmp_path / "cache" / pristine_cache.name
     shutil.copytree(pristine_cache, cache)
     DAMAGED_CACHES[damage](cache)
@@ -197,9 +199,10 @@ def test_a_damaged_token_cache_is_rebuilt_with_one_line(corpus, argv_for, data_a
 
 def test_ids_changed_behind_a_kept_size_and_time_are_named_at_first_read(corpus, argv_for, pristine_cache, tmp_path,
                                                                          capsys):
-    """A part's train.bin rewritten with ids past the vocabulary, its size and modification time put back, passed
-    the cache's stamp check and reached the embedding (IndexError mid-run; on a GPU a device-side assert): the
-    first read of the file in a process now finds it, and one line names the file and what to delete."""
+    """A part's train.bin rewritten with ids past the vocabulary, its size and modification time put back,
+    passed the cache's stamp check and reached the embedding (IndexError mid-run; on a GPU a device-side
+    assert): the first read of the file in a process now finds it, and one line names the file and what to
+    delete."""
     cache = tmp_path / "cache" / pristine_cache.name
     shutil.copytree(pristine_cache, cache)
     path = first_part(cache) / "train.bin"
@@ -238,9 +241,9 @@ def leftovers(cache) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_preparation_killed_half_way_leaves_nothing_the_next_run_keeps(big_corpus, argv_for, tmp_path, sig):
-    """kill -9 or SIGTERM while the trainer prepared its data left a .tmp_ folder in the cache that no later run
-    removed; the next preparation must clear it (its writer is dead). Ctrl-C must end with status 130, quietly,
-    and leave nothing behind itself."""
+    """kill -9 or SIGTERM while the trainer prepared its data left a .tmp_ folder in the cache that no later
+    run removed; the next preparation must clear it (its writer is dead). Ctrl-C must end with status 130,
+    quietly, and leave nothing behind itself."""
     cache = tmp_path / "cache"
     argv = argv_for({"src": str(big_corpus), "cache": str(cache)}, tmp_path / "run", "--max_steps", 1)
     child = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *argv],
@@ -304,8 +307,9 @@ HOLD_LOCK = ("import sys, time; from llm.base import atomic; atomic.lock_folder(
 
 
 def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for, tmp_path, capsys):
-    """The second of two trainers on one run folder stopped with a misleading message and left its step-1 line in
-    the first one's metrics.jsonl. Now it stops before any work with one line naming the folder and the holder."""
+    """The second of two trainers on one run folder stopped with a misleading message and left its step-1 line
+    in the first one's metrics.jsonl. Now it stops before any work with one line naming the folder and the
+    holder."""
     run = tmp_path / "run"
     run.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -356,7 +360,8 @@ def alias_bomb(levels: int) -> str:
                                                                                            "recursive"])
 def test_a_yaml_alias_bomb_is_refused_by_name(corpus, argv_for, tmp_path, capsys, text):
     """A ten-line YAML --config whose aliases repeat a list of lists expanded into a 351 MB config.json and a
-    native abort; a file whose aliases expand past a config's size is refused, naming it, before it is built."""
+    native abort; a file whose aliases expand past a config's size is refused, naming it, before it is built.
+    """
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(text)
     with pytest.raises(SystemExit) as e:
@@ -365,7 +370,7 @@ def test_a_yaml_alias_bomb_is_refused_by_name(corpus, argv_for, tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------- exports and imports into run folders
+# ----------------------------------------------------------------------- exports and imports into run folders
 
 def a_folder_of_notes(folder):
     folder.mkdir()
@@ -380,8 +385,9 @@ def an_export_with_a_readme(folder):
 
 @pytest.mark.parametrize("victim", ["run-folder", "folder-of-notes", "export-with-a-readme"])
 def test_export_overwrite_replaces_only_an_earlier_export(tiny_checkpoint, tmp_path, capsys, victim):
-    """`export_hf.py RUN OUT --overwrite` with OUT a training run folder replaced its checkpoints and metrics with
-    the export. --overwrite may replace an earlier export, never a folder holding anything an export does not."""
+    """`export_hf.py RUN OUT --overwrite` with OUT a training run folder replaced its checkpoints and metrics
+    with the export. --overwrite may replace an earlier export, never a folder holding anything an export does
+    not."""
     import export_hf
     shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), tmp_path / "source")
     out = tmp_path / "out"
@@ -400,8 +406,9 @@ def test_export_overwrite_replaces_only_an_earlier_export(tiny_checkpoint, tmp_p
 
 @pytest.mark.parametrize("held", ["complete", "incomplete-only"])
 def test_import_into_a_run_folder_with_checkpoints_is_refused(tiny_checkpoint, tmp_path, capsys, held):
-    """`export_hf.py --import HF RUN` into a folder holding checkpoints added step_000000 beside them and moved
-    LATEST to it (at one time it ended in a NameError instead); it is refused as the trainer refuses a new run."""
+    """`export_hf.py --import HF RUN` into a folder holding checkpoints added step_000000 beside them and
+    moved LATEST to it (at one time it ended in a NameError instead); it is refused as the trainer refuses a
+    new run."""
     import export_hf
     assert export_hf.main([tiny_checkpoint, str(tmp_path / "hf")]) == 0
     run = tmp_path / "run"

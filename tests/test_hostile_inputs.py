@@ -1,8 +1,8 @@
 """Hostile inputs met at load, listing, resume and evaluation, each reproduced as a user meets it: JSON nested
 past the parser's depth, a context of 10^12 positions, a tokenizer larger than its model, bytes that are not
-UTF-8 on the command line, stray files beside runs, a model folder given to --resume, garbage in metrics.jsonl,
-a one-line file of megabytes to evaluate, a named pipe as data. Each ends in one `error:` line and exit 2, or
-in the run going on."""
+UTF-8 on the command line, stray files beside runs, a model folder given to --resume, garbage in
+metrics.jsonl, a one-line file of megabytes to evaluate, a named pipe as data. Each ends in one `error:` line
+and exit 2, or in the run going on."""
 
 import json
 import math
@@ -115,9 +115,9 @@ def test_a_context_of_a_trillion_positions_is_refused_with_the_way_out(hf_folder
 
 
 def test_a_context_of_no_positions_is_refused_naming_the_field(hf_folder, tmp_path, capsys):
-    """max_position_embeddings=0 read as the automatic context and reached the generator, which refused every prompt
-    with "it needs 1 to -1" tokens (the GGUF reader's context_length=0 did the same): one line names the file and
-    the field."""
+    """max_position_embeddings=0 read as the automatic context and reached the generator, which refused every
+    prompt with "it needs 1 to -1" tokens (the GGUF reader's context_length=0 did the same): one line names
+    the file and the field."""
     folder = tmp_path / "hf"
     shutil.copytree(hf_folder, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -140,7 +140,7 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tiny_checkpo
     assert f"the tokenizer's ids reach 5000 (5001 rows needed) but the model's embedding has {rows} rows" in line
 
 
-# ----------------------------------------------------------------------------- the command line and run folders
+# --------------------------------------------------------------------------- the command line and run folders
 
 def test_a_prompt_with_bytes_that_are_not_utf8_is_generated_from(tiny_checkpoint, capsys):
     """`--prompt $'caf\\xe9'` arrives as a surrogate (surrogateescape) and the tokenizer raised TypeError; the
@@ -252,9 +252,9 @@ def test_streamed_evaluation_equals_the_whole_file_one(long_context, tmp_path, c
 
 
 def test_a_one_line_file_of_megabytes_is_evaluated_in_bounded_memory(long_context, tmp_path, capsys):
-    """A one-line file of 20 MB took --eval past ten minutes and one of 30 MB took 3.8 GB: the whole file was one
-    string, encoded at once into one list of ids. Now it is read, encoded and scored a bounded part at a time:
-    the Python memory at its peak stays well under the file's size (before: about six times it)."""
+    """A one-line file of 20 MB took --eval past ten minutes and one of 30 MB took 3.8 GB: the whole file was
+    one string, encoded at once into one list of ids. Now it is read, encoded and scored a bounded part at a
+    time: the Python memory at its peak stays well under the file's size (before: about six times it)."""
     path = tmp_path / "one_line.txt"
     path.write_text(" fibonacci" * 300_000)  # 3 MB, no newline; about 10 bytes per token, so few windows
     tracemalloc.start()
@@ -302,8 +302,8 @@ def test_a_nested_config_inside_the_trainer_state_is_one_line(trained, corpus, a
 
 @pytest.mark.parametrize("kind", [[], ["--gguf", "f16"]])
 def test_an_export_onto_an_existing_file_is_refused_and_the_file_kept(tiny_checkpoint, tmp_path, capsys, kind):
-    """`export_hf.py RUN FILE` onto a regular file once renamed the user's file to a hidden .old_FILE_PID@HOST and
-    said nothing; it is refused by name now, the file as it was and nothing beside it."""
+    """`export_hf.py RUN FILE` onto a regular file once renamed the user's file to a hidden .old_FILE_PID@HOST
+    and said nothing; it is refused by name now, the file as it was and nothing beside it."""
     target = tmp_path / "notes.txt"
     target.write_text("my notes\n")
     line = refused(capsys, export_hf.main, [tiny_checkpoint, str(target), *kind])

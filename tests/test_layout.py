@@ -1,6 +1,6 @@
-"""Tests of the project's shape (DESIGN.md): the root holds what a user runs or edits and the package folder the
-rest, imports flow one way, nothing in the core imports a tool, each format has one reader, and no file outgrows
-a screenful of screens."""
+"""Tests of the project's shape (DESIGN.md): the root holds what a user runs or edits and the package folder
+the rest, imports flow one way, nothing in the core imports a tool, each format has one reader, and no file
+outgrows a screenful of screens."""
 
 import ast
 import os
@@ -52,7 +52,8 @@ MAX_LINES = 460  # DESIGN.md: past about 450 lines a file gives one concern to a
 # What a user runs, edits or reads first stays at the root; every other module lives in its wing's folder.
 AT_ROOT = ["config", "modern_llm", "muon_optimizer", "gpu_training_optimized", "text_generator", "prepare_data",
            "serve", "export_hf", "evaluate"]
-# The root files the package may import: the settings, the network, and its optimizer (the step's runner builds it).
+# The root files the package may import: the settings, the network, and its optimizer (the step's runner
+# builds it).
 ROOT_SHARED = {"config", "modern_llm", "muon_optimizer"}
 
 
@@ -117,8 +118,9 @@ def test_the_root_shows_what_a_user_runs_or_edits():
 
 @pytest.mark.parametrize("module", sorted(set(CORE) - set(AT_ROOT)))
 def test_the_package_imports_from_the_root_only_the_settings_and_the_network(module):
-    """The package once reached up into the scripts (batches imported prepare_data, the server the REPL's loader):
-    a module the scripts import builds on config.py, modern_llm.py and muon_optimizer.py alone of the root's files."""
+    """The package once reached up into the scripts (batches imported prepare_data, the server the REPL's
+    loader): a module the scripts import builds on config.py, modern_llm.py and muon_optimizer.py alone of the
+    root's files."""
     assert project_imports(module) & set(AT_ROOT) <= ROOT_SHARED
 
 

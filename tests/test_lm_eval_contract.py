@@ -1,9 +1,10 @@
-"""The completions contract that lm-eval's `local-completions` model scores through: echo, logprobs, and prompts
-sent as lists of token lists. Requests are built and answers sliced the way lm-eval does it (its TemplateAPI
-and LocalCompletionsAPI, lm_eval/models/api_models.py and openai_completions.py; and, for the older harness,
-max_tokens 0 with logprobs 10 and a comparison of token strings), written here from that behaviour, not from
-the server's code. Every figure is held against a forward of the same weights in float64. A server answering
-"logprobs": null, or one token short, made lm-eval report chance-level scores without an error."""
+"""The completions contract that lm-eval's `local-completions` model scores through: echo, logprobs, and
+prompts sent as lists of token lists. Requests are built and answers sliced the way lm-eval does it (its
+TemplateAPI and LocalCompletionsAPI, lm_eval/models/api_models.py and openai_completions.py; and, for the
+older harness, max_tokens 0 with logprobs 10 and a comparison of token strings), written here from that
+behaviour, not from the server's code. Every figure is held against a forward of the same weights in float64.
+A server answering "logprobs": null, or one token short, made lm-eval report chance-level scores without an
+error."""
 
 import os
 
@@ -81,8 +82,8 @@ def lm_eval_scores(answer: dict, ctxlens) -> list[tuple[float, bool]]:
 
 
 def old_lm_eval_scores(answer: dict, ctxlens) -> list[tuple[float, bool]]:
-    """The older harness (max_tokens 0): token_logprobs[ctxlen:] summed; greedy when each token's string is the
-    key of the largest top_logprobs value."""
+    """The older harness (max_tokens 0): token_logprobs[ctxlen:] summed; greedy when each token's string is
+    the key of the largest top_logprobs value."""
     out = []
     for choice, ctxlen in zip(answer["choices"], ctxlens):
         lp = choice["logprobs"]
@@ -194,8 +195,8 @@ def test_a_batch_with_n_orders_choices_by_prompt(app, reference):
 
 
 def test_logprobs_of_generated_tokens(app, reference):
-    """Without echo, logprobs covers the new tokens: each one's log-probability and its top alternatives as the
-    model gives them, text offsets counted from the start of the prompt."""
+    """Without echo, logprobs covers the new tokens: each one's log-probability and its top alternatives as
+    the model gives them, text offsets counted from the start of the prompt."""
     server, client = app
     model, score = reference
     prompt = "class Stack:\n    def push(self"

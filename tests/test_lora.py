@@ -1,5 +1,6 @@
-"""LoRA: adapters trained on a frozen base, checked against PEFT on transformers (the merged export and the adapter
-folder both give the logits our merge gives), resumed exactly, and refused in one line where they cannot work."""
+"""LoRA: adapters trained on a frozen base, checked against PEFT on transformers (the merged export and the
+adapter folder both give the logits our merge gives), resumed exactly, and refused in one line where they
+cannot work."""
 
 import json
 import math
@@ -54,10 +55,10 @@ def train_lora(base, folder, *extra):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_run, request, tmp_path):
-    """Our merge (W + B @ A * alpha / r, read back from the checkpoint) against PEFT's own forward of the adapter
-    folder on transformers' base, and against transformers on the merged export, for a Qwen3 base and a Qwen2.5-
-    shaped one (q/k/v biases); the adapters must have moved the model away from its base, or equal logits would
-    prove nothing."""
+    """Our merge (W + B @ A * alpha / r, read back from the checkpoint) against PEFT's own forward of the
+    adapter folder on transformers' base, and against transformers on the merged export, for a Qwen3 base and
+    a Qwen2.5- shaped one (q/k/v biases); the adapters must have moved the model away from its base, or equal
+    logits would prove nothing."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base_folder = request.getfixturevalue(f"{family}_folder")
@@ -81,10 +82,10 @@ def test_adapters_load_in_peft_and_export_merged_with_our_logits(family, lora_ru
 
 
 def test_nf4_adapters_load_in_peft_over_torchaos_dequantised_base_and_export_merged(qwen3_folder, tmp_path):
-    """A run on an nf4 base trained its adapters over the dequantised weights, so its model is W' + B @ A: PEFT's
-    forward of the adapter folder on transformers' base with each targeted matrix replaced by torchao's own
-    dequantisation of it must give our merged logits, and so must transformers on the merged export; on the
-    file's weights PEFT must not (else the merge ignored the quantisation)."""
+    """A run on an nf4 base trained its adapters over the dequantised weights, so its model is W' + B @ A:
+    PEFT's forward of the adapter folder on transformers' base with each targeted matrix replaced by torchao's
+    own dequantisation of it must give our merged logits, and so must transformers on the merged export; on
+    the file's weights PEFT must not (else the merge ignored the quantisation)."""
     from peft import PeftModel
     from torchao.quantization import to_nf4
     from transformers import AutoModelForCausalLM
@@ -113,8 +114,8 @@ def test_nf4_adapters_load_in_peft_over_torchaos_dequantised_base_and_export_mer
 
 @pytest.mark.slow
 def test_an_nf4_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(qwen3_folder, tmp_path):
-    """kill -9 once a checkpoint is written: the base is quantised again from the same weights at --resume, and the
-    losses must be those of a run never interrupted, bit for bit."""
+    """kill -9 once a checkpoint is written: the base is quantised again from the same weights at --resume,
+    and the losses must be those of a run never interrupted, bit for bit."""
     chats = write_greetings(tmp_path / "chats.jsonl", 200)
     common = ("--max_steps", 16, "--save_interval", 4, "--eval_interval", 8, "--lora_base", "nf4")
     assert trainer.main(lora_argv(qwen3_folder, chats, tmp_path / "full", *common)) == 0
@@ -142,8 +143,9 @@ def test_checkpoints_hold_adapters_and_readers_need_the_base(lora_run, qwen3_fol
 
 
 def test_the_run_lets_go_of_the_bases_read_copy_once_the_model_holds_it(qwen3_folder, tmp_path):
-    """--init_from's weights are read in fp32 and copied into the model (a LoRA base then held in bf16): the read copy
-    must not stay referenced for the run, 4 bytes a parameter of host memory (2 GiB for SmolLM2-360M)."""
+    """--init_from's weights are read in fp32 and copied into the model (a LoRA base then held in bf16): the
+    read copy must not stay referenced for the run, 4 bytes a parameter of host memory (2 GiB for
+    SmolLM2-360M)."""
     import gc
     import weakref
     chats = write_greetings(tmp_path / "chats.jsonl", 40)
@@ -190,9 +192,9 @@ def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):
 
 
 def test_nf4_base_computes_torchaos_dequantised_weights_and_merges_into_them(tiny_config):
-    """An nf4 base (a quarter of bf16's bytes) must compute x @ W'.T with W' torchao's own dequantisation of W (its
-    to_nf4 and get_original_weight, in float64 here), the adapters beside it; and the merge must add the adapters
-    to that W', not to the file's W, or an export would not be the model that trained."""
+    """An nf4 base (a quarter of bf16's bytes) must compute x @ W'.T with W' torchao's own dequantisation of W
+    (its to_nf4 and get_original_weight, in float64 here), the adapters beside it; and the merge must add the
+    adapters to that W', not to the file's W, or an export would not be the model that trained."""
     from torchao.quantization import to_nf4
     cfg = tiny_config(vocab_size=64, hidden_size=128, intermediate_size=256)
     torch.manual_seed(0)
@@ -240,10 +242,10 @@ def test_nf4_refuses_a_matrix_that_does_not_split_into_blocks_of_64(tiny_config)
 
 @pytest.mark.parametrize("base", ["bf16", "int8", "nf4", "fp32"])
 def test_frozen_embeddings_and_head_are_held_in_bf16_under_bf16_compute(base, tiny_config):
-    """Under LoRA the embedding table and head are frozen: on a bf16, int8 or nf4 base under bf16 compute they are
-    held in bf16 (half their bytes; Llama-3.1-8B's two take 2 GB in bf16), a tied head still the table itself, and
-    the model must compute what it computes with those two rounded to bf16 and held in fp32 (the residual stream
-    stays fp32 on a CPU). On an fp32 base they stay fp32."""
+    """Under LoRA the embedding table and head are frozen: on a bf16, int8 or nf4 base under bf16 compute they
+    are held in bf16 (half their bytes; Llama-3.1-8B's two take 2 GB in bf16), a tied head still the table
+    itself, and the model must compute what it computes with those two rounded to bf16 and held in fp32 (the
+    residual stream stays fp32 on a CPU). On an fp32 base they stay fp32."""
     cfg = tiny_config(vocab_size=64, tie_word_embeddings=base != "int8")
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -284,7 +286,8 @@ def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, qwen3_folde
     argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
                      "--lora_alpha", 3)
     assert "was trained with other LoRA settings; resume with --lora_alpha 8.0" in exit_line(trainer.run, argv, capsys)
-    # Adapters fitted to one rounding of the base do not fit another: a resume on another --lora_base is refused.
+    # Adapters fitted to one rounding of the base do not fit another: a resume on another --lora_base is
+    # refused.
     argv = lora_argv(qwen3_folder, lora_run.parent / "chats.jsonl", lora_run, "--max_steps", 20, "--resume",
                      "--lora_base", "nf4")
     assert re.search(r"other LoRA settings; resume with --lora_base \w+", exit_line(trainer.run, argv, capsys))
@@ -292,9 +295,10 @@ def test_lora_needs_a_base_and_a_resume_needs_the_same_one(lora_run, qwen3_folde
 
 def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run, qwen3_folder, tiny_checkpoint,
                                                                        tmp_path, capsys):
-    """AutoPeftModelForCausalLM on the adapter folder alone (it loads the base adapter_config.json names) must give
-    our merged logits; the folder carries a card naming its base and settings; --overwrite replaces an adapter
-    export; a base that is not the run's (a checkpoint of ours it was not trained on) is refused in one line."""
+    """AutoPeftModelForCausalLM on the adapter folder alone (it loads the base adapter_config.json names) must
+    give our merged logits; the folder carries a card naming its base and settings; --overwrite replaces an
+    adapter export; a base that is not the run's (a checkpoint of ours it was not trained on) is refused in
+    one line."""
     from peft import AutoPeftModelForCausalLM
     out = tmp_path / "adapter"
     assert export_hf.main([str(lora_run), str(out), "--adapter_only"]) == 0  # the base the run recorded
@@ -316,11 +320,11 @@ def test_an_adapter_folder_loads_by_itself_in_peft_and_says_what_it_is(lora_run,
 
 
 def test_adapters_on_a_base_run_of_ours_export_with_that_base_in_one_command(tiny_checkpoint, tmp_path, capsys):
-    """--adapter_only for adapters trained on a run of this project was refused (PEFT loads a base only by a name
-    transformers knows), so the base had to be exported first and the command run again. One command now writes
-    both: the base as a Hugging Face folder OUT-base, said in one printed line, and the adapter folder whose
-    adapter_config.json names it; AutoPeftModelForCausalLM on the adapter folder alone gives our merged logits
-    (which training moved away from the base's, or equal logits would prove nothing)."""
+    """--adapter_only for adapters trained on a run of this project was refused (PEFT loads a base only by a
+    name transformers knows), so the base had to be exported first and the command run again. One command now
+    writes both: the base as a Hugging Face folder OUT-base, said in one printed line, and the adapter folder
+    whose adapter_config.json names it; AutoPeftModelForCausalLM on the adapter folder alone gives our merged
+    logits (which training moved away from the base's, or equal logits would prove nothing)."""
     from peft import AutoPeftModelForCausalLM
     run, out = train_lora(tiny_checkpoint, tmp_path), tmp_path / "adapter"
     capsys.readouterr()
@@ -339,10 +343,10 @@ def test_adapters_on_a_base_run_of_ours_export_with_that_base_in_one_command(tin
 
 
 def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path, capsys):
-    """--init_from with the rates left automatic trained a pretrained model's adapters at the tiny preset's rates
-    for training from scratch (Muon 0.03, AdamW 5e-3), which undid what it knew (docs/fine-tuning.md); LoRA and
-    full fine-tuning now take AdamW at the measured rates of fine_tuning.FINE_TUNING_RATES, the start report says so,
-    and a value given on the command line still wins. A run from scratch keeps Muon."""
+    """--init_from with the rates left automatic trained a pretrained model's adapters at the tiny preset's
+    rates for training from scratch (Muon 0.03, AdamW 5e-3), which undid what it knew (docs/fine-tuning.md);
+    LoRA and full fine-tuning now take AdamW at the measured rates of fine_tuning.FINE_TUNING_RATES, the start
+    report says so, and a value given on the command line still wins. A run from scratch keeps Muon."""
     from llm.train.fine_tuning import FINE_TUNING_OPTIMIZER, FINE_TUNING_RATES
     chats = write_greetings(tmp_path / "chats.jsonl", 40)
     common = ["--init_from", str(qwen3_folder), "--sources", chats, "--cache_dir", str(tmp_path / "cache"),
@@ -364,11 +368,11 @@ def test_fine_tuning_takes_fine_tuning_rates_unless_given(qwen3_folder, tmp_path
 
 
 def test_fine_tuning_a_run_of_ours_takes_its_recorded_rates(corpus, argv_for, tmp_path, capsys):
-    """SmolLM2's fine-tuning rates left a 2.4M-parameter run of ours where it was (a chat loss of 5.7 where its own
-    rates reached 0.14): a base that is a run of ours is fine-tuned with the optimizer and peak rates its config.json
-    recorded (adapters with AdamW at its AdamW rate). A base that was itself fine-tuned once gave SmolLM2's rates
-    (a DPO stage after a chat stage then trained at 1e-6 and learned nothing): it now gives the rates it trained at,
-    where it is of the same kind (LoRA rates are not every weight's)."""
+    """SmolLM2's fine-tuning rates left a 2.4M-parameter run of ours where it was (a chat loss of 5.7 where
+    its own rates reached 0.14): a base that is a run of ours is fine-tuned with the optimizer and peak rates
+    its config.json recorded (adapters with AdamW at its AdamW rate). A base that was itself fine-tuned once
+    gave SmolLM2's rates (a DPO stage after a chat stage then trained at 1e-6 and learned nothing): it now
+    gives the rates it trained at, where it is of the same kind (LoRA rates are not every weight's)."""
     from llm.train.fine_tuning import FINE_TUNING_RATES
     base = tmp_path / "base"
     assert trainer.main(argv_for(corpus, base, "--max_steps", 1, "--learning_rate", 0.003, "--muon_lr", 0.02)) == 0

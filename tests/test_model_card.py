@@ -1,5 +1,6 @@
-"""Tests of model_card.py through export_hf.py: every export carries README.md with the numbers of the run that
-made it, read from the run folder; a run that recorded little gives a card that says so, never a failed export."""
+"""Tests of model_card.py through export_hf.py: every export carries README.md with the numbers of the run
+that made it, read from the run folder; a run that recorded little gives a card that says so, never a failed
+export."""
 
 import json
 import os
@@ -37,9 +38,10 @@ def run(corpus, argv_for, tmp_path_factory):
 
 
 def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
-    """The card of either export must give the model's shape and parameter count, the sources, the corpus and the
-    tokens seen, the time, device and command the run recorded, and the validation loss and bits per byte that
-    metrics.jsonl holds for the exported step: a card that misreads a field or reads another step's fails here."""
+    """The card of either export must give the model's shape and parameter count, the sources, the corpus and
+    the tokens seen, the time, device and command the run recorded, and the validation loss and bits per byte
+    that metrics.jsonl holds for the exported step: a card that misreads a field or reads another step's fails
+    here."""
     folder, argv = run
     ckpt = ckpt_io.latest_checkpoint(str(folder))
     cfg, state = ckpt_io.load_model_config(ckpt), ckpt_io.load_trainer_state(ckpt)
@@ -72,10 +74,10 @@ def test_the_card_holds_the_run_numbers(run, corpus, tmp_path):
 
 
 def test_a_run_that_recorded_little_still_exports_with_an_honest_card(tiny_checkpoint, tmp_path):
-    """A checkpoint from before runs recorded their device and command (a bare trainer state), with a config.json
-    whose sections are not objects and damaged metrics lines, must still export, and its card must say "not
-    recorded" rather than invent numbers, while showing the evaluation of the exported step (not a later one)
-    with its code metric."""
+    """A checkpoint from before runs recorded their device and command (a bare trainer state), with a
+    config.json whose sections are not objects and damaged metrics lines, must still export, and its card must
+    say "not recorded" rather than invent numbers, while showing the evaluation of the exported step (not a
+    later one) with its code metric."""
     run = tmp_path / "run1"
     shutil.copytree(os.path.dirname(os.path.dirname(tiny_checkpoint)), run)
     later = {"kind": "eval", "val_loss": 1.5, "val_bpb": 0.75}
@@ -116,9 +118,9 @@ def test_only_a_model_that_chats_is_exported_with_a_chat_template(run, chat_corp
 
 
 def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_checkpoint, tmp_path):
-    """A run folder named with an <img onerror> tag, a backtick and a `|` once put raw HTML into the card's heading
-    and broke its tables; the card meant for upload carried absolute local paths. The heading now escapes the name,
-    no row holds an unescaped `|`, and the card holds no path of this machine."""
+    """A run folder named with an <img onerror> tag, a backtick and a `|` once put raw HTML into the card's
+    heading and broke its tables; the card meant for upload carried absolute local paths. The heading now
+    escapes the name, no row holds an unescaped `|`, and the card holds no path of this machine."""
     import evaluate
     from llm.reports import markdown as md
     hostile = "run<img src=x onerror=alert(1)>`a|b"
@@ -139,8 +141,8 @@ def test_names_reach_markdown_as_text_and_an_upload_names_no_local_path(tiny_che
 
 
 def test_the_rates_a_stage_follows_are_those_of_the_next_token_run_behind_it(tiny_checkpoint, tmp_path):
-    """A DPO or GRPO run's recorded rates are scaled down: a stage after it follows, through its --init_from, the
-    rates of the chat or pretraining run it started from."""
+    """A DPO or GRPO run's recorded rates are scaled down: a stage after it follows, through its --init_from,
+    the rates of the chat or pretraining run it started from."""
     from llm.reports.model_card import next_token_train
     runs = {}
     for name, train in (("chat", {"objective": "lm", "learning_rate": 0.004}),

@@ -99,8 +99,9 @@ def test_attention_matches_float64_reference(heads, kv_heads, qk_norm, matmul_so
 
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_written_out_attention_compiled_has_the_kernels_values_and_gradients(kv_heads):
-    """The compiled CPU step writes short causal attention out as two matmuls and a softmax (twice as fast as the
-    CPU's flash kernel there): compiled, in float64, its output and the gradients of q, k and v are SDPA's."""
+    """The compiled CPU step writes short causal attention out as two matmuls and a softmax (twice as fast as
+    the CPU's flash kernel there): compiled, in float64, its output and the gradients of q, k and v are
+    SDPA's."""
     torch.manual_seed(0)
     q = torch.randn(2, 3, 24, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, 24, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -162,9 +163,9 @@ def test_compiled_linear_of_few_rows_on_cpu_multiplies_and_sums():
 
 def test_the_model_is_plain_and_inference_preparation_swaps_in_the_decode_path(tiny_config):
     """The model once branched on compile state, the device, autocast and torchao's int8 layout in its own
-    Linear; it is plain nn.Linear now. Generation once retyped a caller's layers on its first compiled CPU call;
-    now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head still
-    tied) only where the decode step will compile on a CPU, and generate() changes no model."""
+    Linear; it is plain nn.Linear now. Generation once retyped a caller's layers on its first compiled CPU
+    call; now for_inference swaps in RowProductLinear (new modules holding the same parameters, the tied head
+    still tied) only where the decode step will compile on a CPU, and generate() changes no model."""
     from config import SampleConfig
     from llm.generate.decode_compile import use_compile
     from llm.generate.engine import generate
@@ -209,11 +210,12 @@ def test_qk_norm_under_autocast_takes_the_fused_kernel(tiny_config):
 
 
 def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
-    """The embedding's float32 output made every residual add and norm float32 under autocast: twice the bytes of
-    each of those kernels and their gradients (the compile check's roofline for `small` on an H200: forward and
-    backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With Execution.stream_dtype set (the trainer sets it on
-    a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets its float32 gradient;
-    unset (a CPU run, where it saved no time and learned a little less) the stream stays float32."""
+    """The embedding's float32 output made every residual add and norm float32 under autocast: twice the bytes
+    of each of those kernels and their gradients (the compile check's roofline for `small` on an H200: forward
+    and backward 62.8 ms a micro-step, 57.7 ms with the stream in bf16). With Execution.stream_dtype set (the
+    trainer sets it on a GPU under bf16) the blocks take and give bf16 and the embedding's weight still gets
+    its float32 gradient; unset (a CPU run, where it saved no time and learned a little less) the stream stays
+    float32."""
     from llm.base.distributed import setup
     from llm.train.runner import build
     torch.manual_seed(0)
@@ -239,8 +241,9 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
 
 
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():
-    """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the int8
-    values and scales in one pass; the result is the float64 product with the dequantized weight, as torchao's is."""
+    """torchao's int8 weight (as --quantize int8 stores it) takes the multiply-and-sum path too, reading the
+    int8 values and scales in one pass; the result is the float64 product with the dequantized weight, as
+    torchao's is."""
     from llm.generate.inference import quantize_int8
     torch.manual_seed(0)
     lin = quantize_int8(torch.nn.Sequential(RowProductLinear(64, 40, bias=False)))[0]
@@ -297,10 +300,11 @@ def test_tied_embeddings_are_one_tensor_and_untie_flag_works(tiny):
 
 @pytest.mark.parametrize("change", [{}, {"tie_word_embeddings": False, "qk_norm": False, "qkv_bias": True}])
 def test_a_new_run_draws_its_weights_once_as_init_weights_documents(tiny, change):
-    """new_model builds on meta and draws once, after seeding: its weights must be, to the bit, a reference drawn
-    here from init_weights' docstring (each matrix Normal(0, init_std), o_proj and down_proj over sqrt(2 n_layer),
-    in parameter order; biases 0, norm scales 1; a tied head drawn once, as the embedding), and the weights the
-    eager path (Transformer(cfg), then init_weights after the same seed) gives. Catches the two paths drifting."""
+    """new_model builds on meta and draws once, after seeding: its weights must be, to the bit, a reference
+    drawn here from init_weights' docstring (each matrix Normal(0, init_std), o_proj and down_proj over sqrt(2
+    n_layer), in parameter order; biases 0, norm scales 1; a tied head drawn once, as the embedding), and the
+    weights the eager path (Transformer(cfg), then init_weights after the same seed) gives. Catches the two
+    paths drifting."""
     base = config.PRESETS["tiny"]()
     cfg = replace(base, model=tiny(init_std=0.05, **change), train=replace(base.train, seed=5))
     model = new_model(cfg, torch.device("cpu"))
@@ -332,9 +336,10 @@ def float64_rope(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_model_built_for_loading_draws_nothing_and_holds_what_it_loads(tiny, tied):
-    """Built on meta and given memory by materialize, a model that load_stored fills must draw no random number,
-    keep its head tied, compute its RoPE tables (never stored; empty memory otherwise) and give the logits a float64
-    reference computes from the source's weights. Catches random or uninitialised weights and lost tables."""
+    """Built on meta and given memory by materialize, a model that load_stored fills must draw no random
+    number, keep its head tied, compute its RoPE tables (never stored; empty memory otherwise) and give the
+    logits a float64 reference computes from the source's weights. Catches random or uninitialised weights and
+    lost tables."""
     source = model_of(tiny(tie_word_embeddings=tied), seed=3)
     state = {k: v.clone() for k, v in source.state_dict().items() if is_stored(k, source.config)}
     rng = torch.get_rng_state()
@@ -352,8 +357,9 @@ def test_a_model_built_for_loading_draws_nothing_and_holds_what_it_loads(tiny, t
 
 
 def test_the_generator_loads_the_stored_weights_and_computes_its_rope_tables(tiny_checkpoint):
-    """load_for_inference (text_generator.py, serve.py) builds on meta: its model must give the logits a float64
-    reference computes from model.safetensors read here, with RoPE tables from the formula, and draw nothing."""
+    """load_for_inference (text_generator.py, serve.py) builds on meta: its model must give the logits a
+    float64 reference computes from model.safetensors read here, with RoPE tables from the formula, and draw
+    nothing."""
     stored = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
     rng = torch.get_rng_state()
     model, _, cfg, _ = load_for_inference(tiny_checkpoint, "cpu", compile="off")
@@ -432,9 +438,9 @@ def test_chunked_loss_equals_the_whole_one_with_its_gradients(tiny):
 
 
 def test_a_tied_head_is_stored_once_and_loads_back(tiny_config):
-    """The tied-head rule was restated in ten places (checkpoints, exports, imports, --init_from, the generator);
-    it is is_stored() and load_stored() now: a tied model's weights without the head load back to the same
-    logits, and an untied model refuses a state that lacks its head."""
+    """The tied-head rule was restated in ten places (checkpoints, exports, imports, --init_from, the
+    generator); it is is_stored() and load_stored() now: a tied model's weights without the head load back to
+    the same logits, and an untied model refuses a state that lacks its head."""
     from modern_llm import is_stored
     torch.manual_seed(0)
     tied = Transformer(tiny_config(vocab_size=64, tie_word_embeddings=True))
@@ -451,8 +457,8 @@ def test_a_tied_head_is_stored_once_and_loads_back(tiny_config):
 
 def test_chunked_loss_casts_the_head_once_under_autocast(tiny_config):
     """Under autocast every chunk's F.linear cast the fp32 head weight to bf16 again, and the recompute in
-    backward once more: 4.4 GiB a step on the RTX 4090 row of the compile check. The head is cast once a forward;
-    the loss and gradients stay those of the whole logits."""
+    backward once more: 4.4 GiB a step on the RTX 4090 row of the compile check. The head is cast once a
+    forward; the loss and gradients stay those of the whole logits."""
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.manual_seed(0)
     cfg = tiny_config(vocab_size=96)
@@ -486,8 +492,8 @@ def test_chunked_loss_casts_the_head_once_under_autocast(tiny_config):
 
 @pytest.mark.parametrize("qkv_bias,kv_heads", [(False, 1), (True, 2)])
 def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bias, kv_heads, tiny):
-    """Inference stacks q/k/v and gate/up (a decode step made 7 matmuls a block, now 4): in float64 the stacked
-    model's logits and cached decode equal the separate layers', biases included."""
+    """Inference stacks q/k/v and gate/up (a decode step made 7 matmuls a block, now 4): in float64 the
+    stacked model's logits and cached decode equal the separate layers', biases included."""
     from llm.generate.inference import for_inference
     cfg = tiny(qkv_bias=qkv_bias, num_key_value_heads=kv_heads)
     separate = model_of(cfg).double()
@@ -520,11 +526,11 @@ def naive_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [0, 7])  # the default chunk (one here), and chunks of 7 rows that split rows
 @pytest.mark.parametrize("ragged", [False, True])  # every row through the head (compiled), or labelled rows only
 def test_per_token_losses_equal_a_naive_float64_gather_with_their_gradients(tiny, rows, ragged):
-    """reduction="none" gives each label's loss chunk by chunk, every row or (ragged) only the labelled ones, the
-    packed examples then on rows of their own: against log_softmax over the whole logits and a gather, in float64,
-    with -100 rows (a whole masked row among them), packed positions and gradients (the model in float64, the
-    losses in fp32); a row scattered to the wrong place, a chunk dropped at a boundary or a mask ignored changes
-    values or gradients."""
+    """reduction="none" gives each label's loss chunk by chunk, every row or (ragged) only the labelled ones,
+    the packed examples then on rows of their own: against log_softmax over the whole logits and a gather, in
+    float64, with -100 rows (a whole masked row among them), packed positions and gradients (the model in
+    float64, the losses in fp32); a row scattered to the wrong place, a chunk dropped at a boundary or a mask
+    ignored changes values or gradients."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 97, (3, 20), generator=g)
     labels = ids.roll(-1, 1)
@@ -552,9 +558,10 @@ def test_per_token_losses_equal_a_naive_float64_gather_with_their_gradients(tiny
 
 
 def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
-    """example_attention (eager) moves each packed example to a row of its own; the masked attention (compiled) is
-    its reference here, in float64 with gradients, rows of different example lengths and a row that does not start
-    at position 0: a token moved to another example's row, or a padded key seen, changes the result."""
+    """example_attention (eager) moves each packed example to a row of its own; the masked attention
+    (compiled) is its reference here, in float64 with gradients, rows of different example lengths and a row
+    that does not start at position 0: a token moved to another example's row, or a padded key seen, changes
+    the result."""
     from llm.base.packed_attention import example_attention, example_mask, example_rows, packed_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],

@@ -246,7 +246,8 @@ def distributed_worker(rank: int, init_file: str, out_dir: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         torch.save(run_muon(*muon_setup()), f"{out_dir}/rank{rank}.pt")
-        # Both ranks done with gloo before either tears it down: a peer closing mid-exchange aborts the process.
+        # Both ranks done with gloo before either tears it down: a peer closing mid-exchange aborts the
+        # process.
         store = dist.distributed_c10d._get_default_store()
         store.add("finished", 1)
         while store.add("finished", 0) < 2:

@@ -76,9 +76,9 @@ def test_long_examples_are_cut_at_turn_starts_into_pieces_that_cover_them():
 
 
 def test_packed_windows_hold_each_example_once_with_its_own_labels_and_positions(chat_data):
-    """Every window, decoded: rows are whole examples one after another (positions restart at each), the labels
-    are the next tokens where the mask learns them, padding learns nothing; together the windows of an epoch hold
-    every example of the split exactly once, compared with a walk over the split's tokens."""
+    """Every window, decoded: rows are whole examples one after another (positions restart at each), the
+    labels are the next tokens where the mask learns them, padding learns nothing; together the windows of an
+    epoch hold every example of the split exactly once, compared with a walk over the split's tokens."""
     data, _ = chat_data
     tokens, mask = split(data, "train")
     eot = data.meta["eot_id"]
@@ -167,11 +167,11 @@ def test_packed_attention_equals_each_example_run_alone():
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_a_branch_runs_as_its_whole_sequence_alone(ragged):
-    """A preference pair's layout: a prompt and its chosen reply, then the rejected reply branching off the prompt
-    (its last token again, at its position), then a plain example. Each branch token's logits, and every weight's
-    gradient, equal the model's on prompt + chosen and prompt + rejected run apart (float64; gradients to RoPE's
-    fp32), under the mask and
-    on rows of their own; seeing the chosen reply from the rejected one, or losing the prompt, changes them."""
+    """A preference pair's layout: a prompt and its chosen reply, then the rejected reply branching off the
+    prompt (its last token again, at its position), then a plain example. Each branch token's logits, and
+    every weight's gradient, equal the model's on prompt + chosen and prompt + rejected run apart (float64;
+    gradients to RoPE's fp32), under the mask and on rows of their own; seeing the chosen reply from the
+    rejected one, or losing the prompt, changes them."""
     from dataclasses import replace
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_seq_len=32)
@@ -193,7 +193,8 @@ def test_a_branch_runs_as_its_whole_sequence_alone(ragged):
     assert (packed[:, :13] - apart[0]).abs().max() < 1e-10
     assert (packed[:, 13:18] - apart[1][:, 5:]).abs().max() < 1e-10 and (packed[:, 18:] - apart[2]).abs().max() < 1e-10
     for n, p in model.named_parameters():
-        # RoPE rotates in fp32: the prompt's key gradients from both replies meet before its rounding, apart after
+        # RoPE rotates in fp32: the prompt's key gradients from both replies meet before its rounding, apart
+        # after
         assert (grads[n] - p.grad).abs().max() < 1e-7 * p.grad.abs().max(), n
     flat = torch.cat([torch.arange(13), torch.arange(13, 18), torch.arange(5)])[None]  # no branch: sees the chosen
     assert (model(x, positions=flat)[0][:, 13:18] - apart[1][:, 5:]).abs().max() > 1e-3
@@ -215,8 +216,8 @@ def test_compiled_packed_loss_equals_eager(chat_data):
 
 
 def test_an_epochs_run_resumes_with_more_epochs(chat_corpus, tmp_path, argv_for):
-    """--epochs sets max_steps from the packed windows; a resume with more epochs runs on to the new length (the
-    saved run's max_steps once blocked it)."""
+    """--epochs sets max_steps from the packed windows; a resume with more epochs runs on to the new length
+    (the saved run's max_steps once blocked it)."""
     import gpu_training_optimized as trainer
     from llm.reports.monitor import read_metrics
     run = tmp_path / "run"

@@ -1,6 +1,6 @@
-"""Preference data: rows of chosen and rejected replies read in each accepted shape, tokenized with the prompt's
-ids shared and no shift at the prompt-reply boundary, packed several pairs per window, and every bad row refused
-in one line."""
+"""Preference data: rows of chosen and rejected replies read in each accepted shape, tokenized with the
+prompt's ids shared and no shift at the prompt-reply boundary, packed several pairs per window, and every bad
+row refused in one line."""
 
 import json
 
@@ -72,8 +72,8 @@ def test_each_shape_reads_as_one_prompt_and_two_replies(row, want):
     ({"prompt": "Hi \ud800", "chosen": "Hello!", "rejected": "No."}, "a lone surrogate"),
 ])
 def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
-    """A row without rejected, identical or empty replies, or no prompt: the preparation must stop with one line
-    naming the file, the line and what is wrong (skip_bad_lines leaves such rows out instead)."""
+    """A row without rejected, identical or empty replies, or no prompt: the preparation must stop with one
+    line naming the file, the line and what is wrong (skip_bad_lines leaves such rows out instead)."""
     rows = arithmetic_pairs(5) + [row]
     with pytest.raises(DataError) as e:
         prepared(tmp_path, rows)
@@ -82,8 +82,8 @@ def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
 
 
 def test_a_parquet_source_of_conversational_pairs_reads_as_the_same_jsonl_does(tmp_path):
-    """TRL's conversational pairs in parquet (lists of message structs, as the Hub's preference splits store them)
-    must tokenize to the very tokens of the same rows in JSONL."""
+    """TRL's conversational pairs in parquet (lists of message structs, as the Hub's preference splits store
+    them) must tokenize to the very tokens of the same rows in JSONL."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     rows = arithmetic_pairs(30)
@@ -113,8 +113,8 @@ def test_preference_rows_mixed_with_plain_rows_are_refused(tmp_path, capsys):
 def test_replies_follow_the_prompt_ids_with_no_shift_at_the_boundary(tmp_path):
     """trl#2054: tokenizing prompt + reply as one text can merge tokens across the boundary, so the reply's
     log-probability is taken over other tokens than the model generates after the prompt. In the cache each
-    sequence must be exactly the prompt's own ids (what the generator feeds to reply) followed by the reply's ids
-    encoded alone, and chosen and rejected must share the prompt's ids."""
+    sequence must be exactly the prompt's own ids (what the generator feeds to reply) followed by the reply's
+    ids encoded alone, and chosen and rejected must share the prompt's ids."""
     rows = arithmetic_pairs(40)
     data = prepared(tmp_path, rows)
     tok = Tokenizer.from_file(data.tokenizer_path)
@@ -135,9 +135,10 @@ def test_replies_follow_the_prompt_ids_with_no_shift_at_the_boundary(tmp_path):
 
 
 def test_pairs_pack_several_per_window_and_slots_mark_only_replies(tmp_path):
-    """Packed, not padded: windows hold several whole pairs, each its prompt and chosen reply from position 0, then
-    its rejected reply branching off the prompt's last token; read back, the two are the cached sequences. The
-    slots mark exactly the learned reply tokens, chosen (even) beside rejected (odd) of the same pair."""
+    """Packed, not padded: windows hold several whole pairs, each its prompt and chosen reply from position 0,
+    then its rejected reply branching off the prompt's last token; read back, the two are the cached
+    sequences. The slots mark exactly the learned reply tokens, chosen (even) beside rejected (odd) of the
+    same pair."""
     data = prepared(tmp_path, arithmetic_pairs(60))
     loader = PairBatches(data, "train", 2, 128, 0)
     batch = loader.get(0, 0)
@@ -159,8 +160,8 @@ def test_pairs_pack_several_per_window_and_slots_mark_only_replies(tmp_path):
 
 
 def test_a_prompt_longer_than_the_window_is_cut_from_the_left_and_counted(tmp_path):
-    """A pair that does not fit must lose prompt tokens from its left, the same in both sequences, keep its replies
-    whole, and be counted; a pair whose replies alone overflow is left out and counted."""
+    """A pair that does not fit must lose prompt tokens from its left, the same in both sequences, keep its
+    replies whole, and be counted; a pair whose replies alone overflow is left out and counted."""
     long = "word " * 60
     rows = arithmetic_pairs(10) + [{"prompt": long + "What is 1 plus 1?", "chosen": "2.", "rejected": "3."}] * 1
     rows += [{"prompt": "Hi", "chosen": "yes " * 80, "rejected": "no " * 80}]
@@ -182,8 +183,8 @@ def test_a_prompt_longer_than_the_window_is_cut_from_the_left_and_counted(tmp_pa
     ("auto", True, "", "pass --init_from"),
 ])
 def test_an_objective_the_data_cannot_train_is_refused(objective, pairs, init_from, words):
-    """Pairs trained by next-token loss, a preference objective on text, or pairs without a model to tune: each a
-    ConfigError (one line, exit 2) before a model is built."""
+    """Pairs trained by next-token loss, a preference objective on text, or pairs without a model to tune:
+    each a ConfigError (one line, exit 2) before a model is built."""
     from config import Config, TrainConfig
     from llm.base.errors import ConfigError
     from llm.train.fine_tuning import fill_preference
@@ -193,9 +194,10 @@ def test_an_objective_the_data_cannot_train_is_refused(objective, pairs, init_fr
 
 
 def test_preference_defaults_scale_only_the_automatic_rates():
-    """dpo for pairs at beta 0.1 (simpo 2.5), and the rates fill_fine_tuning filled scaled by 1/20 (TRL's DPO and
-    SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched. The chosen
-    rates get one "automatic" line, with the rates the run trains at (once two lines gave 2e-5, then 1e-6)."""
+    """dpo for pairs at beta 0.1 (simpo 2.5), and the rates fill_fine_tuning filled scaled by 1/20 (TRL's DPO
+    and SFT defaults), a rate given by the user left as given; plain data stays lm, its rates untouched. The
+    chosen rates get one "automatic" line, with the rates the run trains at (once two lines gave 2e-5, then
+    1e-6)."""
     from config import Config, TrainConfig
     from llm.train.fine_tuning import fill_fine_tuning, fill_preference
     given = Config(train=TrainConfig(init_from="runs/chat", muon_lr=0.002))
@@ -231,9 +233,9 @@ def test_a_muon_fine_tune_names_both_rates_and_an_adamw_one_only_its_own():
 
 
 def test_an_eager_runs_windows_lose_only_their_padding(tmp_path, tiny_config):
-    """trim (the eager step's loader) cuts a micro-batch after its windows' last filled position, rounded up to
-    TRIM_STEP: what it cuts is padding alone (no label, no slot), the rest is the uncut batch's, and a float64 model
-    gives every reply token the log-probability it gives in the full windows."""
+    """trim (the eager step's loader) cuts a micro-batch after its windows' last filled position, rounded up
+    to TRIM_STEP: what it cuts is padding alone (no label, no slot), the rest is the uncut batch's, and a
+    float64 model gives every reply token the log-probability it gives in the full windows."""
     from llm.train.preference import token_logps
     from modern_llm import Transformer
     data = prepared(tmp_path, arithmetic_pairs(40), seq_len=512)  # three windows, the last about a third full

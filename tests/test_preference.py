@@ -1,5 +1,6 @@
-"""Preference tuning's losses held to TRL's own code (a test-only dependency), on log-probabilities a naive float64
-gather computes; the packed scatter of token log-probabilities into per-reply sums held to the same gather."""
+"""Preference tuning's losses held to TRL's own code (a test-only dependency), on log-probabilities a naive
+float64 gather computes; the packed scatter of token log-probabilities into per-reply sums held to the same
+gather."""
 
 import collections
 import types
@@ -23,8 +24,9 @@ def naive_logps(logits, labels):
 
 
 def random_pairs(pairs=5, length=12, vocab=11, seed=0):
-    """TRL's layout: rows [chosen..., rejected...], each a prompt then a completion of its own length, then padding;
-    returns input_ids, completion_mask (2P, T) and the naive (2P, T - 1) log-probs of each next token."""
+    """TRL's layout: rows [chosen..., rejected...], each a prompt then a completion of its own length, then
+    padding; returns input_ids, completion_mask (2P, T) and the naive (2P, T - 1) log-probs of each next
+    token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2 * pairs, length), generator=g)
     mask = torch.zeros(2 * pairs, length, dtype=torch.long)
@@ -38,8 +40,9 @@ def random_pairs(pairs=5, length=12, vocab=11, seed=0):
 
 
 def trl_dpo(per_token, ids, mask, ref, beta, nll_weight):
-    """TRL's DPOTrainer._compute_loss itself, its model replaced by one that returns these per-token log-probs and
-    the reference log-probs given as precomputed (TRL's precompute_ref_logps); loss types sigmoid + sft."""
+    """TRL's DPOTrainer._compute_loss itself, its model replaced by one that returns these per-token log-probs
+    and the reference log-probs given as precomputed (TRL's precompute_ref_logps); loss types sigmoid + sft.
+    """
     from trl import DPOTrainer
     per_token = per_token.float()
     out = types.SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
@@ -66,8 +69,8 @@ def sums(per_token, pairs):
 
 @pytest.mark.parametrize("beta,nll_weight", [(0.1, 0.0), (0.1, 1.0), (0.5, 0.3)])
 def test_dpo_loss_and_rewards_equal_trls_own(beta, nll_weight):
-    """Our DPO loss, NLL term and rewards must be TRL's DPOTrainer's (loss types sigmoid + sft) to 1e-5: a sign, a
-    mean taken per sequence instead of per token, or a reward without beta would each show here."""
+    """Our DPO loss, NLL term and rewards must be TRL's DPOTrainer's (loss types sigmoid + sft) to 1e-5: a
+    sign, a mean taken per sequence instead of per token, or a reward without beta would each show here."""
     pairs = 5
     ids, mask, per_token, _, _ = random_pairs(pairs)
     logps, counts = sums(per_token, pairs)
@@ -105,9 +108,9 @@ def test_simpo_loss_and_rewards_equal_trls_cpo_trainer(beta, gamma, nll_weight):
 
 
 def test_packed_reply_sums_equal_a_naive_gather():
-    """Pairs packed into rows (several per row, slots scattered), their log-probabilities the model's per-token
-    losses: the summed log-probabilities per reply must equal a naive float64 gather from the model's whole logits
-    within 1e-5, and tokens outside replies (slot -1) must count nowhere."""
+    """Pairs packed into rows (several per row, slots scattered), their log-probabilities the model's
+    per-token losses: the summed log-probabilities per reply must equal a naive float64 gather from the
+    model's whole logits within 1e-5, and tokens outside replies (slot -1) must count nowhere."""
     from config import ModelConfig
     from modern_llm import Transformer
     g = torch.Generator().manual_seed(5)
@@ -133,10 +136,10 @@ def test_packed_reply_sums_equal_a_naive_gather():
 
 def test_the_stored_reference_is_checked_on_the_way_back_in_and_computed_again_where_it_is_not_what_was_written(
         tmp_path):
-    """The DPO reference once came back from np.load unchecked: another shape raised IndexError, random bytes or an
-    object array ValueError, and values scaled by 0.5 (same shape and dtype) trained silently on a wrong reference.
-    Each is now found (shape, dtype, finite values, the sha256 recorded when written), said in one line and computed
-    again; an object array is never unpickled."""
+    """The DPO reference once came back from np.load unchecked: another shape raised IndexError, random bytes
+    or an object array ValueError, and values scaled by 0.5 (same shape and dtype) trained silently on a wrong
+    reference. Each is now found (shape, dtype, finite values, the sha256 recorded when written), said in one
+    line and computed again; an object array is never unpickled."""
     import hashlib
 
     import numpy as np

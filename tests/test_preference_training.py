@@ -1,6 +1,6 @@
-"""Preference tuning end to end on the tests' tiny model: a run fine-tuned on chats, then tuned by DPO on pairs whose
-chosen reply is right and rejected reply wrong; it learns with the defaults, and a resumed run repeats the losses
-of an uninterrupted one."""
+"""Preference tuning end to end on the tests' tiny model: a run fine-tuned on chats, then tuned by DPO on
+pairs whose chosen reply is right and rejected reply wrong; it learns with the defaults, and a resumed run
+repeats the losses of an uninterrupted one."""
 
 import json
 import os
@@ -59,9 +59,9 @@ def dpo_argv(chat_run, run_dir, *extra):
 @pytest.mark.slow
 def test_dpo_learns_the_preference_on_held_out_pairs(chat_run, tmp_path, capsys):
     """With the defaults (dpo, beta 0.1, NLL weight 1, the scaled fine-tuning rates), held-out pairs' reward
-    accuracy must go from about chance to at least 0.9, and the chosen replies' log-probability must not fall (the
-    NLL term's job, trl#800); the start report says the data trains by preference; metrics.jsonl, the bar's
-    evaluation lines and the summary carry the rewards."""
+    accuracy must go from about chance to at least 0.9, and the chosen replies' log-probability must not fall
+    (the NLL term's job, trl#800); the start report says the data trains by preference; metrics.jsonl, the
+    bar's evaluation lines and the summary carry the rewards."""
     run = tmp_path / "dpo"
     assert trainer.main(dpo_argv(chat_run, run, "--max_steps", 14, "--eval_interval", 1, "--eval_batches", 16)) == 0
     out = capsys.readouterr().out
@@ -80,9 +80,10 @@ def test_dpo_learns_the_preference_on_held_out_pairs(chat_run, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_a_resumed_lora_simpo_run_repeats_the_uninterrupted_losses(chat_run, tmp_path):
-    """8 steps, an interruption (as SIGTERM), --resume for 8 more: the losses and rewards of 16 steps in one run,
-    bit for bit, for LoRA adapters trained by SimPO (a full fine-tune's DPO resume, on the reference stored beside
-    the token cache, is the kill -9 test's; a LoRA run's DPO reference is its base, adapters off, as at the start)."""
+    """8 steps, an interruption (as SIGTERM), --resume for 8 more: the losses and rewards of 16 steps in one
+    run, bit for bit, for LoRA adapters trained by SimPO (a full fine-tune's DPO resume, on the reference
+    stored beside the token cache, is the kill -9 test's; a LoRA run's DPO reference is its base, adapters
+    off, as at the start)."""
     common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 8, "--eval_batches", 2, "--lora_rank", 4,
               "--objective", "simpo")
     full = tmp_path / "full"
@@ -99,8 +100,8 @@ def test_a_resumed_lora_simpo_run_repeats_the_uninterrupted_losses(chat_run, tmp
 
 @pytest.mark.slow
 def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_run, tmp_path):
-    """kill -9 (no chance to save) once a checkpoint is written: --resume from it must log the losses and rewards
-    of an uninterrupted run, bit for bit, the reference read back from beside the token cache."""
+    """kill -9 (no chance to save) once a checkpoint is written: --resume from it must log the losses and
+    rewards of an uninterrupted run, bit for bit, the reference read back from beside the token cache."""
     common = ("--max_steps", 16, "--eval_interval", 8, "--save_interval", 4, "--eval_batches", 2)
     full = tmp_path / "full"
     assert trainer.main(dpo_argv(chat_run, full, *common)) == 0
@@ -113,9 +114,9 @@ def test_a_dpo_run_killed_with_kill_9_resumes_to_the_uninterrupted_losses(chat_r
     assert len(resumed) == 16 and resumed == reference
 
 
-# TRL renders a conversation's last assistant turn with the newline after <|im_end|>, and learns it as part of the
-# reply; a reply here ends at <|im_end|>, where generation stops. The exported template, that newline left out after
-# a last assistant turn (and only there), gives TRL the same completion tokens.
+# TRL renders a conversation's last assistant turn with the newline after <|im_end|>, and learns it as part of
+# the reply; a reply here ends at <|im_end|>, where generation stops. The exported template, that newline left
+# out after a last assistant turn (and only there), gives TRL the same completion tokens.
 TRL_TEMPLATE = ("{%- for message in messages -%}"
                 "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' -}}"
                 "{%- if not (loop.last and message['role'] == 'assistant') -%}{{- '\\n' -}}{%- endif -%}"
@@ -125,9 +126,10 @@ TRL_TEMPLATE = ("{%- for message in messages -%}"
 
 @pytest.mark.slow
 def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run, tmp_path, capsys):
-    """TRL's DPOTrainer (loss types sigmoid + sft, beta 0.1, weights 1 and 1) on our chat run exported to Hugging
-    Face, every training pair in its one batch, must log the first-step loss ours logs for the same pairs in one
-    micro-batch, within 1e-5: the prompt rendered and tokenized alike, the reply tokens alike, the model alike."""
+    """TRL's DPOTrainer (loss types sigmoid + sft, beta 0.1, weights 1 and 1) on our chat run exported to
+    Hugging Face, every training pair in its one batch, must log the first-step loss ours logs for the same
+    pairs in one micro-batch, within 1e-5: the prompt rendered and tokenized alike, the reply tokens alike,
+    the model alike."""
     pytest.importorskip("trl")
     import export_hf
     from datasets import Dataset
@@ -142,9 +144,9 @@ def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run,
               "--max_seq_len", "128", "--val_fraction", "0.1", "--compile", "off", "--precision", "fp32",
               "--log_interval", "1", "--max_steps", "1", "--eval_batches", "1", "--weight_average", "0"]
     capsys.readouterr()
-    # The probe counts the windows; a cache of its own, so that ours computes its reference in its one micro-batch:
-    # SDPA's rounding depends on the rows' padded length, and step 0's ties (margins of 0, accuracy 0) need the
-    # reference and the step alike to the last bit.
+    # The probe counts the windows; a cache of its own, so that ours computes its reference in its one
+    # micro-batch: SDPA's rounding depends on the rows' padded length, and step 0's ties (margins of 0,
+    # accuracy 0) need the reference and the step alike to the last bit.
     probe = ["--run_dir", str(tmp_path / "probe"), "--micro_batch_size", "1", "--cache_dir", str(tmp_path / "probe-cache")]
     assert trainer.main(common + probe) == 0
     windows = int(capsys.readouterr().out.split(" train pairs in ")[1].split()[0])
@@ -169,10 +171,10 @@ def test_first_step_loss_equals_trls_dpo_trainer_on_the_exported_model(chat_run,
 
 @pytest.mark.slow
 def test_dpo_under_torchrun_logs_the_rewards_of_one_process_on_the_same_pairs(tmp_path):
-    """Two ranks on gloo (torchrun), 2 windows of pairs each, must log at the first step the pair loss, rewards,
-    accuracy and chosen log-prob of one process reading the same 4 windows (the reference's stored log-probs read
-    by both), and train to the end: a rank logging its own means, rewards summed over ranks but pairs not, or a
-    rank reading another rank's reference rows would differ."""
+    """Two ranks on gloo (torchrun), 2 windows of pairs each, must log at the first step the pair loss,
+    rewards, accuracy and chosen log-prob of one process reading the same 4 windows (the reference's stored
+    log-probs read by both), and train to the end: a rank logging its own means, rewards summed over ranks but
+    pairs not, or a rank reading another rank's reference rows would differ."""
     pairs, start = repeat_task(tmp_path / "pairs.jsonl", 240, pairs=True, seed=1), tmp_path / "start"
     assert trainer.main(["--preset", "tiny", *TINY, "--max_seq_len", "64", "--sources", repeat_task(
         tmp_path / "chats.jsonl", 300, pairs=False, seed=0), "--cache_dir", str(tmp_path / "cache"), "--run_dir",
@@ -195,17 +197,18 @@ def test_dpo_under_torchrun_logs_the_rewards_of_one_process_on_the_same_pairs(tm
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     for key in ("pair_loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "chosen_logp"):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-6), key
-    # At step 1 the policy is the reference (rewards 0 on both sides unless a rank read another's reference rows);
-    # by step 3 it has moved, and the ranks' rewards, from gradients averaged in another order, still match.
+    # At step 1 the policy is the reference (rewards 0 on both sides unless a rank read another's reference
+    # rows); by step 3 it has moved, and the ranks' rewards, from gradients averaged in another order, still
+    # match.
     assert one[0]["chosen_logp"] != 0 and one[2]["reward_margin"] != 0
     for key in ("reward_chosen", "reward_rejected", "reward_margin", "chosen_logp"):
         assert two[2][key] == pytest.approx(one[2][key], rel=1e-2, abs=1e-5), key
 
 
 def test_a_resumed_dpo_run_whose_stored_reference_went_computes_it_again(chat_run, tmp_path, capsys):
-    """The token cache's reference folder deleted between sessions once ended a resume with "start the run again",
-    while the --init_from run was still there: the resumed run now computes it again from those weights, and its
-    losses are the uninterrupted run's to the bit."""
+    """The token cache's reference folder deleted between sessions once ended a resume with "start the run
+    again", while the --init_from run was still there: the resumed run now computes it again from those
+    weights, and its losses are the uninterrupted run's to the bit."""
     import shutil
     cache = tmp_path / "cache"
     common = ("--max_steps", 4, "--eval_interval", 4, "--save_interval", 2, "--eval_batches", 1, "--cache_dir", cache)

@@ -144,8 +144,8 @@ def test_long_text_file_is_cut_at_line_ends_into_documents(tmp_path):
 
 
 def test_text_without_whitespace_trains_a_tokenizer_quickly_and_round_trips(tmp_path):
-    """Prevents tokenizer training that stalls with no message on text without a space or a newline: the file was
-    one pre-tokenized word, whose cost grows faster than its length (64 KB took 32 s, 512 KB ran on for
+    """Prevents tokenizer training that stalls with no message on text without a space or a newline: the file
+    was one pre-tokenized word, whose cost grows faster than its length (64 KB took 32 s, 512 KB ran on for
     minutes); and a cut of that word which would lose or change text."""
     texts = text_corpus(tmp_path / "corpus", n_docs=6)
     blob = tmp_path / "corpus" / "invalid_utf8.txt"
@@ -225,8 +225,9 @@ def test_batch_labels_are_next_tokens_masked_where_not_learned(tmp_path):
 
 
 def test_show_marks_exactly_the_assistant_replies_and_the_share_learned(tmp_path, capsys):
-    """--show, piped: the [[...]] spans of each example must be its assistant replies with their <|im_end|> and
-    nothing else (a mask off by one token, or a learned prompt, shows), and the share must count those tokens."""
+    """--show, piped: the [[...]] spans of each example must be its assistant replies with their <|im_end|>
+    and nothing else (a mask off by one token, or a learned prompt, shows), and the share must count those
+    tokens."""
     convs = conversations()
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in convs])
     pd.main(["--sources", path, "--cache_dir", str(tmp_path / "cache"), "--preset", "tiny", "--vocab_size",
@@ -386,8 +387,8 @@ def test_batches_are_a_pure_function_of_seed_step_micro_step_rank(tmp_path):
 
 
 def test_training_reads_every_window_of_an_epoch_once_and_ranks_split_them(tmp_path):
-    """Prevents windows drawn with replacement (after one epoch's worth a third of the split is unread, a quarter
-    read twice), windows that overlap or run past the split, the same edges every epoch, and ranks or
+    """Prevents windows drawn with replacement (after one epoch's worth a third of the split is unread, a
+    quarter read twice), windows that overlap or run past the split, the same edges every epoch, and ranks or
     accumulation that change which windows a step reads."""
     text_corpus(tmp_path / "corpus")
     data = prepare(config(tmp_path, [tmp_path / "corpus"]))
@@ -472,8 +473,8 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_gives_a_clear_error_and_no_cache(tmp_path, case):
     """Prevents tracebacks from deep inside on bad input, messages that don't name the file and line, and
-    half-written cache folders: what is left is complete parts only (a corpus refused as a whole keeps the parts
-    it read: adding documents reuses them), or nothing."""
+    half-written cache folders: what is left is complete parts only (a corpus refused as a whole keeps the
+    parts it read: adding documents reuses them), or nothing."""
     make, kw, pattern = BAD_INPUTS[case]
     data_kw = {"tokenizer": kw.pop("tokenizer")(tmp_path)} if "tokenizer" in kw else {}
     cfg = config(tmp_path, make(tmp_path), **data_kw)
@@ -536,8 +537,9 @@ def test_command_line_prepares_and_reports_errors_in_one_line(tmp_path):
 
 
 def test_help_lists_the_data_settings_and_not_the_trainers(capsys):
-    """prepare_data.py --help once listed every trainer setting (learning rates, LoRA, the server's), none of which
-    it reads and each of which it refuses on its command line: --help lists what it takes, and only that."""
+    """prepare_data.py --help once listed every trainer setting (learning rates, LoRA, the server's), none of
+    which it reads and each of which it refuses on its command line: --help lists what it takes, and only
+    that."""
     import prepare_data
     from config import TrainConfig
     with pytest.raises(SystemExit):

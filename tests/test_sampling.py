@@ -13,8 +13,8 @@ from llm.generate import sampling
 
 
 def filtered_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    """The reference: (B, V) logits -> (B, V) probabilities after temperature, top-k and top-p, written plainly
-    over the whole vocabulary (no ranking, no noise); filtered tokens are 0."""
+    """The reference: (B, V) logits -> (B, V) probabilities after temperature, top-k and top-p, written
+    plainly over the whole vocabulary (no ranking, no noise); filtered tokens are 0."""
     if temperature == 0:
         return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
     logits = logits.float() / temperature

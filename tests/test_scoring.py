@@ -1,6 +1,6 @@
 """Multiple-choice log-likelihoods: each choice's score must be the float64 sum a naive loop computes over the
-whole sequence, whatever the batching, the prefix shared between choices and the cut to the model's context; the
-tokenization must be lm-eval's; and a real model must choose as lm-eval's `hf` backend chooses."""
+whole sequence, whatever the batching, the prefix shared between choices and the cut to the model's context;
+the tokenization must be lm-eval's; and a real model must choose as lm-eval's `hf` backend chooses."""
 
 import copy
 import importlib.util
@@ -24,8 +24,9 @@ def naive(model, sequence: list[int], start: int) -> float:
 
 
 def random_items(rng, vocab: int, n: int) -> list[Encoded]:
-    """Items of 1 to 5 choices over shared contexts of 1 to 40 tokens; some choices of one token, some items with
-    a context of their own per choice (Winogrande's form), so the shared prefix stops inside the contexts."""
+    """Items of 1 to 5 choices over shared contexts of 1 to 40 tokens; some choices of one token, some items
+    with a context of their own per choice (Winogrande's form), so the shared prefix stops inside the
+    contexts."""
     items = []
     for _ in range(n):
         context = rng.randint(0, vocab, (int(rng.randint(1, 40, ())),)).tolist()
@@ -42,8 +43,8 @@ def random_items(rng, vocab: int, n: int) -> list[Encoded]:
 
 
 def test_scores_equal_a_float64_naive_loop_through_every_batching(tiny_loaded, monkeypatch):
-    """Shared prefixes, copied cache rows, groups of rows, padding, the log-softmax read at chosen places: a wrong
-    index in any of them moves a score by far more than float32 rounding."""
+    """Shared prefixes, copied cache rows, groups of rows, padding, the log-softmax read at chosen places: a
+    wrong index in any of them moves a score by far more than float32 rounding."""
     import numpy as np
     model, _ = tiny_loaded
     reference = copy.deepcopy(model).double()
@@ -66,8 +67,8 @@ class Spaces:
 
 
 def test_tokenization_is_lm_evals_and_a_long_prompt_is_cut_from_the_left():
-    """lm-eval moves a context's trailing spaces to the continuation and cuts the whole sequence to the context
-    plus one token from the left; a cut item is counted."""
+    """lm-eval moves a context's trailing spaces to the continuation and cuts the whole sequence to the
+    context plus one token from the left; a cut item is counted."""
     item = Item((("Answer: ", "yes"), ("Answer: ", "no")), ("yes", "no"), 0)
     e = encode_item(Spaces(), item, 100, 0)
     assert e.sequences[0] == Spaces().encode("Answer: yes") and e.starts == [7, 7] and e.shared == 7 and not e.cut
@@ -82,8 +83,9 @@ def smollm2() -> str:
 
 @pytest.mark.slow
 def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
-    """SmolLM2-135M-Instruct scored here and by lm-eval's `hf` backend (transformers' own reading of the GGUF) on
-    the same items: every log-likelihood within float32 noise, so every choice the same but where two choices tie."""
+    """SmolLM2-135M-Instruct scored here and by lm-eval's `hf` backend (transformers' own reading of the GGUF)
+    on the same items: every log-likelihood within float32 noise, so every choice the same but where two
+    choices tie."""
     import bench_eval
     from llm.generate.inference import load_for_inference
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -120,8 +122,8 @@ def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypa
 
 
 def test_standard_errors_are_lm_evals():
-    """Each score's standard error, as lm-eval's mean_stderr computes it over the items' 0/1 outcomes (the sample
-    standard deviation over sqrt(n)): Winogrande's 49.0 on 300 items reads 49.0 ± 2.9."""
+    """Each score's standard error, as lm-eval's mean_stderr computes it over the items' 0/1 outcomes (the
+    sample standard deviation over sqrt(n)): Winogrande's 49.0 on 300 items reads 49.0 ± 2.9."""
     from lm_eval.api.metrics import mean_stderr
 
     from llm.scores.scoring import TaskScore

@@ -155,9 +155,9 @@ def test_seeded_samples_repeat_and_stop_strings_end_them(server):
         "5000-digit-integer", "best-of", "garbage-logit-bias", "logit-bias", "nan-presence-penalty",
         "frequency-penalty", "stream-options-unstreamed"])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
-    """From huge-seed on, each once got a 500 (an overflow, a RecursionError, a tokenizer's TypeError on a lone
-    surrogate), a 400 naming no parameter (NaN), or was served against its meaning (a 1 MB stop string held the
-    worker a minute, "stream": "yes" streamed)."""
+    """From huge-seed on, each once got a 500 (an overflow, a RecursionError, a tokenizer's TypeError on a
+    lone surrogate), a 400 naming no parameter (NaN), or was served against its meaning (a 1 MB stop string
+    held the worker a minute, "stream": "yes" streamed)."""
     proc, url, client = server
     status, answer = post(url, "/completions", body)
     assert status == 400 and answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
@@ -174,9 +174,9 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(server):
 
 
 def test_chat_logprobs_follow_openais_chat_contract(server, tiny_checkpoint):
-    """logprobs: true and top_logprobs: k give, for each token of the reply, its text, log-probability and bytes,
-    and its k likeliest tokens, as a float64 forward of the same weights scores them; the tokens join to the
-    reply. Values outside the contract are refused by name (they were ignored: 200 and no logprobs)."""
+    """logprobs: true and top_logprobs: k give, for each token of the reply, its text, log-probability and
+    bytes, and its k likeliest tokens, as a float64 forward of the same weights scores them; the tokens join
+    to the reply. Values outside the contract are refused by name (they were ignored: 200 and no logprobs)."""
     from llm.tokens.tokenizer import chat_prompt_ids
     proc, url, client = server
     messages = [{"role": "user", "content": "def push(self, item):"}]
@@ -234,8 +234,9 @@ def test_a_prompt_past_the_context_names_it_and_lm_evals_max_length(server, tiny
 
 
 def test_an_abandoned_request_frees_its_rows(app, monkeypatch):
-    """A client that leaves a non-streamed request (a timeout, a closed notebook) must stop its rows, as a stream's
-    are stopped: the engine, held generating, is told the rows are cancelled once the socket closes."""
+    """A client that leaves a non-streamed request (a timeout, a closed notebook) must stop its rows, as a
+    stream's are stopped: the engine, held generating, is told the rows are cancelled once the socket closes.
+    """
     import uvicorn
     server, _ = app
     told = threading.Event()
@@ -293,8 +294,8 @@ def test_the_api_key_is_required_when_set(tiny_checkpoint):
 
 
 def test_a_burst_of_requests_is_batched_correctly_and_memory_stays_flat(server, expected):
-    """50 concurrent greedy requests, several prompts: each answer must be its own prompt's (rows never mix), a
-    client leaving mid-stream frees its row, and the server's memory is flat after the burst."""
+    """50 concurrent greedy requests, several prompts: each answer must be its own prompt's (rows never mix),
+    a client leaving mid-stream frees its row, and the server's memory is flat after the burst."""
     proc, url, client = server
     prompts = ["def ", "class A", "import os", "for name in", "return n"]
     want = {p: expected(p, 8) for p in prompts}
@@ -317,8 +318,8 @@ def test_a_burst_of_requests_is_batched_correctly_and_memory_stays_flat(server, 
 
 
 def test_a_stop_string_on_the_last_allowed_token_is_a_stop(server):
-    """The server once derived finish_reason from the length alone, so a stop string completed by the last token
-    max_tokens allows was reported as "length"; the engine now says why each sequence ended."""
+    """The server once derived finish_reason from the length alone, so a stop string completed by the last
+    token max_tokens allows was reported as "length"; the engine now says why each sequence ended."""
     _, _, client = server
     ask = lambda prompt, n, **kw: client.completions.create(model="run1", prompt=prompt, max_tokens=n,  # noqa: E731
                                                            temperature=0, **kw).choices[0]
@@ -346,8 +347,9 @@ def test_a_port_out_of_range_is_one_line(tiny_checkpoint):
 
 
 def test_the_flags_are_loadconfigs_and_serveconfigs():
-    """serve.py declares no flag of its own: the checkpoint (a bare word) and the loading flags fill LoadConfig,
-    the server's fill ServeConfig, with the generator's words and checks; an older --compile word still works."""
+    """serve.py declares no flag of its own: the checkpoint (a bare word) and the loading flags fill
+    LoadConfig, the server's fill ServeConfig, with the generator's words and checks; an older --compile word
+    still works."""
     load, serving = serve.parse_args(["runs/x", "--best", "--base", "hf:A/B", "--device", "cpu", "--compile", "false",
                                       "--quantize", "int8", "--max_seq_len", "64", "--host", "0.0.0.0", "--port",
                                       "8080", "--api_key", "k", "--name", "m", "--max_batch", "3"])
@@ -419,8 +421,8 @@ def test_a_client_sending_less_than_its_length_leaves_no_traceback(server):
 # ----------------------------------------------------------------------------- batches, in this process
 
 def in_one_batch(app, monkeypatch, bodies: list[dict], fail_on: list[int] | None = None) -> list:
-    """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every body
-    it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
+    """(status, answer) of each body, posted while the worker is held in a batch of its own, so that every
+    body it queues joins the next batch; the engine fails any batch holding the prompt ids fail_on."""
     server, client = app
     entered, release, real = threading.Event(), threading.Event(), worker.generate
 
@@ -457,8 +459,8 @@ def test_a_bad_seed_never_fails_its_batch(app, monkeypatch):
 
 
 def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
-    """When the engine refused a batch (memory, say), every request in it got the 500; the batch is now retried
-    one request at a time, and only the one that fails alone gets the error."""
+    """When the engine refused a batch (memory, say), every request in it got the 500; the batch is now
+    retried one request at a time, and only the one that fails alone gets the error."""
     server, _ = app
     poison = server.tokenizer.encode("import os", add_special_tokens=False)
     (good, good_body), (bad, bad_body) = in_one_batch(app, monkeypatch, [{"prompt": "class", "n": 2},
@@ -468,8 +470,8 @@ def test_a_request_the_engine_fails_fails_alone(app, monkeypatch):
 
 
 def test_completions_of_a_chat_model_end_at_im_end_too(chat_stopper):
-    """/v1/completions on a chat-trained model once printed <|im_end|> as text and went on: every route ends where
-    the model ends its reply."""
+    """/v1/completions on a chat-trained model once printed <|im_end|> as text and went on: every route ends
+    where the model ends its reply."""
     from starlette.testclient import TestClient
     server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 12,
@@ -480,8 +482,9 @@ def test_completions_of_a_chat_model_end_at_im_end_too(chat_stopper):
 
 
 def test_a_chat_reply_ends_at_im_end_with_no_stop_in_the_request(chat_stopper):
-    """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop in the
-    request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at max_tokens."""
+    """/v1/chat/completions must stop where a chat-trained model ends its reply, at <|im_end|>, with no stop
+    in the request: "OK" with finish_reason "stop", whole or streamed, not "OK<|im_end|>OK..." cut at
+    max_tokens."""
     from starlette.testclient import TestClient
     server = serve.Server(*serve.parse_args([str(chat_stopper), "--device", "cpu", "--compile", "off"]))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0}

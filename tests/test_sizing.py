@@ -15,8 +15,8 @@ GIB = 2**30
 
 @pytest.mark.parametrize("preset,micro,measured_gib", [("small", 64, 33.40), ("large", 128, 42.70)])
 def test_the_memory_estimate_matches_the_peak_measured_on_an_h200(preset, micro, measured_gib):
-    """Peak memory of the compiled bf16 step on an NVIDIA H200 (torch 2.11, 2026-11-27, docs/gpu_report.md): the
-    estimate that sizes the micro-batch must stay within 10% of it."""
+    """Peak memory of the compiled bf16 step on an NVIDIA H200 (torch 2.11, 2026-11-27, docs/gpu_report.md):
+    the estimate that sizes the micro-batch must stay within 10% of it."""
     from config import PRESETS
     cfg = PRESETS[preset]()
     cfg.train = replace(cfg.train, micro_batch_size=micro)
@@ -32,9 +32,10 @@ def test_an_unknown_gpu_is_planned_at_a_stated_peak():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_flops_a_token_count_every_matmul_of_the_built_model(tied):
-    """MFU and the budget's tokens/s divide by one count (sizing.flops_per_token, the model file keeps none since
-    two copies of the formula could drift): 6 FLOPs per weight of every nn.Linear the built model runs, the head
-    included and the embedding lookup not, plus PaLM's 12 * layers * heads * head_dim * context for attention."""
+    """MFU and the budget's tokens/s divide by one count (sizing.flops_per_token, the model file keeps none
+    since two copies of the formula could drift): 6 FLOPs per weight of every nn.Linear the built model runs,
+    the head included and the embedding lookup not, plus PaLM's 12 * layers * heads * head_dim * context for
+    attention."""
     import torch
     from modern_llm import Transformer
     model_cfg = replace(preset_tiny().model, tie_word_embeddings=tied)

@@ -1,8 +1,8 @@
-"""Tests of the source containers (readers.py, corpus.py): gzip and zstd text and JSONL, parquet, Arrow files and
-streams, save_to_disk folders, glob patterns; the same documents in any container give the same token cache.
+"""Tests of the source containers (readers.py, corpus.py): gzip and zstd text and JSONL, parquet, Arrow files
+and streams, save_to_disk folders, glob patterns; the same documents in any container give the same token
+cache.
 
-Run: python -m pytest -q tests/test_sources.py
-"""
+Run: python -m pytest -q tests/test_sources.py"""
 
 import gzip
 import json
@@ -118,8 +118,8 @@ def cache_files(data) -> dict:
 
 @pytest.mark.parametrize("container", list(CONTAINERS))
 def test_every_container_gives_the_tokens_of_plain_jsonl(tmp_path, container):
-    """Prevents a container from losing, reordering or altering documents (a null column read as a field, a chat
-    row read as text, a second zstd frame or Arrow shard dropped): the cache must equal plain JSONL's."""
+    """Prevents a container from losing, reordering or altering documents (a null column read as a field, a
+    chat row read as text, a second zstd frame or Arrow shard dropped): the cache must equal plain JSONL's."""
     docs = rows()
     (tmp_path / "ref").mkdir()
     reference = prepare(config(tmp_path, [(tmp_path / "ref" / "d.jsonl").write_bytes(jsonl_bytes(docs)) and
@@ -153,8 +153,8 @@ def test_compressed_text_files_give_the_tokens_of_plain_ones(tmp_path, suffix):
 
 
 def test_folders_and_globs_find_every_kind_in_a_fixed_order(tmp_path):
-    """Prevents a folder walk from skipping the new kinds as binary, reading a save_to_disk folder's JSON notes
-    as text, or a glob giving its matches in the file system's order."""
+    """Prevents a folder walk from skipping the new kinds as binary, reading a save_to_disk folder's JSON
+    notes as text, or a glob giving its matches in the file system's order."""
     web = tmp_path / "web"
     docs = rows(40)
     write_table((web / "sub").mkdir(parents=True) or web / "sub" / "b.parquet", docs[:10])
@@ -229,8 +229,8 @@ def _corrupt_group(p):
 
 
 def _bad_utf8_page(p):
-    """An uncompressed parquet file whose second row group's text bytes are flipped: its pages decode, to strings
-    that are not UTF-8 (once blamed on the tokenizer: "try another --tokenizer_type")."""
+    """An uncompressed parquet file whose second row group's text bytes are flipped: its pages decode, to
+    strings that are not UTF-8 (once blamed on the tokenizer: "try another --tokenizer_type")."""
     texts = [words(random.Random(i), 30) for i in range(40)]
     pq.write_table(pa.table({"text": texts}), p / "d.parquet", row_group_size=20, compression="none",
                    use_dictionary=False)
@@ -287,8 +287,8 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_containers_give_one_line_naming_file_and_place_and_no_cache(tmp_path, case):
-    """Prevents a traceback from pyarrow, gzip or zstandard, a truncated stream read as a shorter corpus (zstd's
-    own reader ends quietly), and an error that does not say which row group or line."""
+    """Prevents a traceback from pyarrow, gzip or zstandard, a truncated stream read as a shorter corpus
+    (zstd's own reader ends quietly), and an error that does not say which row group or line."""
     make, pattern = BAD_INPUTS[case]
     cfg = config(tmp_path, make(tmp_path))
     with pytest.raises(DataError, match=pattern) as err:
@@ -323,10 +323,10 @@ def test_skip_bad_lines_skips_and_counts_bad_rows_but_not_broken_containers(tmp_
 
 
 def test_a_jsonl_line_past_the_bound_is_refused_by_number_in_bounded_memory(tmp_path, monkeypatch):
-    """A 2 GB one-line JSONL of zero bytes peaked at 5.1 GiB before its error: the line was read whole, then decoded.
-    A line longer than readers.MAX_LINE_BYTES (made small here) is read through in pieces and never held: the Python
-    memory at the peak stays far under the line (before: about twice it), and the file is refused in one line
-    naming its line number, or that line is skipped and counted under --skip_bad_lines."""
+    """A 2 GB one-line JSONL of zero bytes peaked at 5.1 GiB before its error: the line was read whole, then
+    decoded. A line longer than readers.MAX_LINE_BYTES (made small here) is read through in pieces and never
+    held: the Python memory at the peak stays far under the line (before: about twice it), and the file is
+    refused in one line naming its line number, or that line is skipped and counted under --skip_bad_lines."""
     monkeypatch.setattr(readers, "MAX_LINE_BYTES", 64 * 1024)
     monkeypatch.setattr(readers, "SKIP_BYTES", 16 * 1024)
     docs = rows(6)
@@ -350,7 +350,8 @@ def test_a_jsonl_line_past_the_bound_is_refused_by_number_in_bounded_memory(tmp_
 
 def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
     """Prevents max_source_mb and the automatic sizing from counting compressed bytes for some files and text
-    bytes for others: reading counts text after decompression, corpus_bytes estimates the same from headers."""
+    bytes for others: reading counts text after decompression, corpus_bytes estimates the same from headers.
+    """
     rng = random.Random(2)
     text = "\n".join(words(rng, 12) for _ in range(4000)).encode()
     files = {"a.txt.gz": gzip.compress(text), "b.txt.zst": zstandard.ZstdCompressor().compress(text), "c.txt": text}
@@ -377,8 +378,8 @@ def test_bytes_count_the_text_and_corpus_bytes_estimates_them(tmp_path):
 
 
 def test_a_pipe_matched_by_a_glob_is_refused_by_name(tmp_path):
-    """Prevents a glob from handing the reader a FIFO, which blocks it for ever, and the refusal from hiding which
-    match it was."""
+    """Prevents a glob from handing the reader a FIFO, which blocks it for ever, and the refusal from hiding
+    which match it was."""
     (tmp_path / "web").mkdir()
     write_table(tmp_path / "web" / "a.parquet", rows(4))
     os.mkfifo(tmp_path / "web" / "b.parquet")
@@ -401,8 +402,9 @@ def fake_stdlib(root) -> str:
 
 
 def test_the_bundled_corpus_leaves_out_the_standard_librarys_tests(tmp_path, monkeypatch):
-    """The bundled corpus once read Lib/test where an install ships it (31.5 MB of 1,790 files on one machine, 10.7 MB
-    of 569 on another): the same command trained on different text. It is the library's own sources alone."""
+    """The bundled corpus once read Lib/test where an install ships it (31.5 MB of 1,790 files on one machine,
+    10.7 MB of 569 on another): the same command trained on different text. It is the library's own sources
+    alone."""
     import sysconfig
     root = fake_stdlib(tmp_path / "lib" / "python3.11")
     monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})
@@ -413,8 +415,8 @@ def test_the_bundled_corpus_leaves_out_the_standard_librarys_tests(tmp_path, mon
 
 def test_sources_stdlib_names_the_bundled_corpus_unless_a_path_of_that_name_exists(tmp_path, monkeypatch):
     """--sources stdlib asks for the bundled corpus on any device (a GPU's default is another), alone or in a
-    mixture, and prepares the same tokens as no --sources; a folder named stdlib in the working directory is read
-    instead, as every path given is."""
+    mixture, and prepares the same tokens as no --sources; a folder named stdlib in the working directory is
+    read instead, as every path given is."""
     import sysconfig
     root = fake_stdlib(tmp_path / "lib" / "python3.11")
     monkeypatch.setattr(sysconfig, "get_paths", lambda *args, **kwargs: {"stdlib": root})

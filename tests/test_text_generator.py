@@ -74,8 +74,9 @@ def test_bad_checkpoints_exit_2(ckpt, tmp_path, capsys):
 
 
 def test_loading_and_sampling_flags_fill_their_own_configs():
-    """text_generator.py declares only its actions by hand: the checkpoint (a bare word) and the loading flags fill
-    LoadConfig, the sampling flags SampleConfig, each checked by its own rules; `set` changes only the latter."""
+    """text_generator.py declares only its actions by hand: the checkpoint (a bare word) and the loading flags
+    fill LoadConfig, the sampling flags SampleConfig, each checked by its own rules; `set` changes only the
+    latter."""
     load, settings, extras = tg.parse_args(["runs/x", "--best", "--base", "b", "--device", "cpu", "--compile",
                                             "max-autotune", "--quantize", "int8", "--max_seq_len", "64",
                                             "--temperature", "0.5", "--top_k", "7", "--top_p", "0.9",
@@ -97,8 +98,8 @@ def test_loading_and_sampling_flags_fill_their_own_configs():
 
 
 def test_a_config_file_may_name_the_checkpoint(tmp_path):
-    """A --config file's checkpoint is the positional word it stands for; the command line's other flags apply on
-    top."""
+    """A --config file's checkpoint is the positional word it stands for; the command line's other flags apply
+    on top."""
     (tmp_path / "g.json").write_text('{"checkpoint": "runs/y", "compile": "off", "temperature": 0.1}')
     load, settings, _ = tg.parse_args(["--config", str(tmp_path / "g.json"), "--temperature", "0.3"])
     assert (load.checkpoint, load.compile, settings.temperature) == ("runs/y", "off", 0.3)
@@ -152,8 +153,8 @@ def test_one_shot_and_stdin_prompts(loaded, ckpt, tmp_path):
 
 
 # text_generator.py with its compile held back until the file named first on its command line exists: every
-# torch.compile waits for it. It says on stderr when generate() takes the compiled step and when the background
-# compile's thread has ended.
+# torch.compile waits for it. It says on stderr when generate() takes the compiled step and when the
+# background compile's thread has ended.
 HELD_COMPILE = """
 import os, runpy, sys, threading, time
 import torch
@@ -215,10 +216,11 @@ class Talk:
 
 @pytest.mark.slow
 def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path):
-    """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its first
-    prompt. It now compiles in the background and answers at once, eagerly, with the same tokens. Here the compile
-    is held back until the test lets it go: the first reply must come while it is held, and must not use the
-    compiled step; once the compile has ended, the next reply must use it, with the same tokens."""
+    """A compiling REPL once printed "compiling the decode step..." and waited (22 s on an H200) before its
+    first prompt. It now compiles in the background and answers at once, eagerly, with the same tokens. Here
+    the compile is held back until the test lets it go: the first reply must come while it is held, and must
+    not use the compiled step; once the compile has ended, the next reply must use it, with the same tokens.
+    """
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     release = tmp_path / "release-the-compile"
@@ -258,11 +260,11 @@ def test_a_one_shot_compile_asked_by_name_compiles_first(loaded, ckpt, tmp_path)
 
 
 def test_a_reply_given_while_the_decode_step_compiles_exits_without_the_teardown(loaded, ckpt, tmp_path):
-    """A prompt piped in is answered eagerly while the decode step compiles in a thread; at the end of stdin the
-    interpreter's teardown then stopped that thread inside the compiler: "terminate called without an active
-    exception" (exit 134) or a bogus "compiling the decode step failed" warning after the reply, seen with a cold
-    compile cache. The script now leaves without the teardown while a compile runs: held here until the end, the
-    compile never finishes, no atexit hook runs, and the exit status is the reply's."""
+    """A prompt piped in is answered eagerly while the decode step compiles in a thread; at the end of stdin
+    the interpreter's teardown then stopped that thread inside the compiler: "terminate called without an
+    active exception" (exit 134) or a bogus "compiling the decode step failed" warning after the reply, seen
+    with a cold compile cache. The script now leaves without the teardown while a compile runs: held here
+    until the end, the compile never finishes, no atexit hook runs, and the exit status is the reply's."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     held = (f"import atexit, runpy, sys, threading; sys.argv = {[SCRIPT, ckpt, '--compile', 'default']!r}"
@@ -301,8 +303,8 @@ def test_missing_default_checkpoint_cli(tmp_path):
 
 
 def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
-    """TextGenerator: one load, then generate() with the CLI's settings, one prompt or a batch; bad settings are
-    refused by name; its load records what was loaded."""
+    """TextGenerator: one load, then generate() with the CLI's settings, one prompt or a batch; bad settings
+    are refused by name; its load records what was loaded."""
     g = tg.TextGenerator(ckpt, device="cpu", max_new_tokens=6, temperature=0.0)
     assert g.load.checkpoint == ckpt
     one = g.generate("def")
@@ -322,8 +324,9 @@ def test_python_api_loads_once_and_generates_like_the_cli(ckpt):
 
 
 def test_chat_replies_end_at_im_end_with_no_stop_setting(chat_stopper, capsys):
-    """A chat-trained model ends each reply with <|im_end|>: the REPL's chat and TextGenerator.chat must stop there
-    with no stop setting, or the reply runs on into turns the model invents ("OK<|im_end|>OK<|im_end|>...")."""
+    """A chat-trained model ends each reply with <|im_end|>: the REPL's chat and TextGenerator.chat must stop
+    there with no stop setting, or the reply runs on into turns the model invents
+    ("OK<|im_end|>OK<|im_end|>...")."""
     g = tg.TextGenerator(chat_stopper, device="cpu", compile="off", temperature=0.0, max_new_tokens=12)
     hello = [{"role": "user", "content": "hello"}]
     ok = g.tokenizer.encode("OK<|im_end|>", add_special_tokens=False)
@@ -373,8 +376,8 @@ def test_chat_is_offered_only_when_the_tokenizer_has_its_tokens(tmp_path, tiny_c
 
 @pytest.mark.parametrize("leave", ["quit", "exit", "/quit"])
 def test_quit_leaves_the_repl_in_chat_mode_too(ckpt, tmp_path, leave):
-    """In chat mode `quit` was sent to the model as a message: only /quit left, and only the docs said so. A line
-    of quit or exit alone leaves; the chat banner says how."""
+    """In chat mode `quit` was sent to the model as a message: only /quit left, and only the docs said so. A
+    line of quit or exit alone leaves; the chat banner says how."""
     r = cli([ckpt, "--interactive", "--seed", "1", "--max_new_tokens", "3"], tmp_path,
             stdin=f"chat\n{leave}\nnever reached\n")
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
-"""Tests of tiktoken_bpe.py: the ids tiktoken gives for a converted tokenizer are tokenizers' own, byte for byte, on
-the tests' corpora and on the text that splits hardest; what does not convert keeps tokenizers and says why; a
-cache prepared through tiktoken is the one tokenizers would have written."""
+"""Tests of tiktoken_bpe.py: the ids tiktoken gives for a converted tokenizer are tokenizers' own, byte for
+byte, on the tests' corpora and on the text that splits hardest; what does not convert keeps tokenizers and
+says why; a cache prepared through tiktoken is the one tokenizers would have written."""
 
 import json
 import os
@@ -42,8 +42,8 @@ def trained(request):
 
 
 def test_tiktoken_gives_tokenizers_ids_byte_for_byte(trained):
-    """Any difference, a document split otherwise, would make a cache prepared here differ from one prepared where
-    tiktoken is missing."""
+    """Any difference, a document split otherwise, would make a cache prepared here differ from one prepared
+    where tiktoken is missing."""
     encoder = Encoder(trained)
     assert encoder.name == "tiktoken", encoder.why
     texts = stdlib_texts()

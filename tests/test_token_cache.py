@@ -54,7 +54,8 @@ def encoded_texts(monkeypatch) -> list:
 
 def test_adding_a_file_tokenizes_only_its_shard_and_leaves_the_others_bytes(tmp_path, monkeypatch):
     """The point of shards: a grown corpus costs the new file. Small files share a shard with their neighbours
-    (a run that ends where a name hashes to 0), so a file added redoes at most its own run, never all of them."""
+    (a run that ends where a name hashes to 0), so a file added redoes at most its own run, never all of them.
+    """
     monkeypatch.setattr(tc, "GROUP_FILE_BYTES", 1)  # every file a shard of its own, as big files are
     src = write_texts(tmp_path / "src", [f"f{i}.jsonl" for i in range(4)])
     cfg = config(tmp_path, [src])

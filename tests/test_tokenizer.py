@@ -113,9 +113,9 @@ def test_existing_tokenizer_gains_the_special_tokens_and_keeps_its_ids(tmp_path)
 
 
 def test_a_tiktoken_file_loads_as_the_bpe_it_describes(tmp_path):
-    """--tokenizer may name a tiktoken rank file ('base64-token rank' lines): written from a tiktoken-style BPE
-    trained here, it must encode exactly as that BPE does, and decode losslessly once the special tokens are
-    added."""
+    """--tokenizer may name a tiktoken rank file ('base64-token rank' lines): written from a tiktoken-style
+    BPE trained here, it must encode exactly as that BPE does, and decode losslessly once the special tokens
+    are added."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     rng = random.Random(4)
     tok = tk.train_tokenizer([words(rng, 200) + " don't 12345" for _ in range(20)], "tiktoken", VOCAB)

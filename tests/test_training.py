@@ -57,7 +57,8 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path,
     for field in ("loss", "lr_scale", "lr_muon", "lr_adamw", "grad_norm", "tokens", "tokens_per_s", "steps_per_s",
                   "mfu", "ram_gb", "gpu_util", "vram_gb"):
         assert field in train[0]
-    # Both parts' rates are logged by name, each its own peak times the schedule (tiny: Muon 0.01, AdamW 5e-3).
+    # Both parts' rates are logged by name, each its own peak times the schedule (tiny: Muon 0.01, AdamW
+    # 5e-3).
     assert train[0]["lr_muon"] == pytest.approx(0.01 * train[0]["lr_scale"])
     assert train[0]["lr_adamw"] == pytest.approx(5e-3 * train[0]["lr_scale"])
     assert train[0]["tokens_per_s"] is None  # the first step (compilation) is not timed, not reported as 0
@@ -72,8 +73,8 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path,
     assert math.isclose(r["val_bpb"], r["val_loss"] / math.log(2) / bytes_per_token, rel_tol=1e-9)
     assert math.isclose(r["val_ppl"], math.exp(r["val_loss"]), rel_tol=1e-5)
     assert math.isclose(state["best_val_loss"], min(e["val_loss"] for e in evals), rel_tol=1e-9)
-    # What the model writes, at each evaluation: the code metric beside the loss (no documented function of the
-    # validation text fits this 64-token model's prompt room, so it is reported as not measured), samples.
+    # What the model writes, at each evaluation: the code metric beside the loss (no documented function of
+    # the validation text fits this 64-token model's prompt room, so it is reported as not measured), samples.
     assert all(r["code_ok"] is None and not r["code_samples"] for r in evals)
     samples = read_all(str(run), file="samples.jsonl")
     at_6, at_12 = ([s["prompt"] for s in samples if s["step"] == k] for k in (6, 12))
@@ -113,8 +114,8 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
 
 
 def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
-    """build() gives the model what step_settings.matmul_attention says: written-out attention in a compiled CPU step of
-    short rows (twice as fast there as the CPU's flash kernel), SDPA's kernel eagerly."""
+    """build() gives the model what step_settings.matmul_attention says: written-out attention in a compiled
+    CPU step of short rows (twice as fast there as the CPU's flash kernel), SDPA's kernel eagerly."""
     model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
     for compile_mode, written in (("default", True), ("off", False)):
         t = TrainConfig(micro_batch_size=2, optimizer="adamw", learning_rate=1e-3, muon_lr=0.02, compile=compile_mode,
@@ -138,8 +139,8 @@ def test_saved_config_records_the_automatic_micro_batch(corpus, tmp_path, monkey
 
 
 def test_lr_schedule_warmup_cosine_floor_and_restarts():
-    """Warmup must rise linearly to the peak over warmup_ratio of the run, cosine must end at the floor exactly
-    where the run ends, restarts must return to the peak."""
+    """Warmup must rise linearly to the peak over warmup_ratio of the run, cosine must end at the floor
+    exactly where the run ends, restarts must return to the peak."""
     t = TrainConfig(warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_multiplier(0.01, t) == pytest.approx(0.1) and lr_multiplier(0.1, t) == pytest.approx(1.0)
     assert lr_multiplier(0.55, t) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
@@ -163,9 +164,9 @@ class OneProcess:
 
 
 def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, steps: int, asks: int = 1) -> list[int]:
-    """The steps a RunClock evaluates at in a run whose steps and evaluations take these seconds (a fake time),
-    driven as the trainer drives it: sync at start, after each evaluation, at each log step. asks: how many
-    times each step asks whether an evaluation is due."""
+    """The steps a RunClock evaluates at in a run whose steps and evaluations take these seconds (a fake
+    time), driven as the trainer drives it: sync at start, after each evaluation, at each log step. asks: how
+    many times each step asks whether an evaluation is due."""
     now = [0.0]
     monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock, at = RunClock(t, 0.0, OneProcess()), []
@@ -183,8 +184,9 @@ def simulated_run(monkeypatch, t: TrainConfig, step_s: float, eval_s: float, ste
 
 
 def test_automatic_evaluations_keep_to_their_share_of_the_time(monkeypatch):
-    """Six evaluations for a 10-step smoke run once took it from seconds to 5-10 minutes: automatic evaluations
-    now keep to EVAL_SHARE of the time so far, none falls within half a sixth of another or of the end."""
+    """Six evaluations for a 10-step smoke run once took it from seconds to 5-10 minutes: automatic
+    evaluations now keep to EVAL_SHARE of the time so far, none falls within half a sixth of another or of the
+    end."""
     t = TrainConfig(max_steps=1000, eval_interval=0, eval_batches=2, grad_accum_steps=1)
     cheap = simulated_run(monkeypatch, t, step_s=0.5, eval_s=0.5, steps=1000)
     assert cheap == [167, 334, 500, 667, 834]  # every sixth: 2.5 s of 500 s
@@ -197,9 +199,10 @@ def test_automatic_evaluations_keep_to_their_share_of_the_time(monkeypatch):
 
 
 def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
-    """While a Hub corpus arrives a step may wait for its part. Inside a measured window that wait read as slow
-    steps (a 20 s wait among ten 0.1 s steps: 2.1 s a step, a twentieth of the real tokens/s); as a pause it is
-    budget spent and the steps keep their speed, and out_of_time() ends a wait that outlasts the budget."""
+    """While a Hub corpus arrives a step may wait for its part. Inside a measured window that wait read as
+    slow steps (a 20 s wait among ten 0.1 s steps: 2.1 s a step, a twentieth of the real tokens/s); as a pause
+    it is budget spent and the steps keep their speed, and out_of_time() ends a wait that outlasts the budget.
+    """
     now = [0.0]
     monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock = RunClock(TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1), 0.0, OneProcess())
@@ -223,9 +226,9 @@ def test_a_wait_for_data_spends_budget_but_is_not_step_time(monkeypatch):
 
 def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eval_s: float, save_s: float,
                  asks: int = 1) -> tuple[list[int], int]:
-    """(the steps a RunClock evaluates at, the step the run ends at) under a time budget, after setup_s of data
-    preparation, each evaluation followed by its checkpoint, driven as the trainer drives it. asks: how many
-    times each step asks what is due."""
+    """(the steps a RunClock evaluates at, the step the run ends at) under a time budget, after setup_s of
+    data preparation, each evaluation followed by its checkpoint, driven as the trainer drives it. asks: how
+    many times each step asks what is due."""
     now = [setup_s]
     monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     clock, at, step = RunClock(t, 0.0, OneProcess()), [], 0
@@ -248,10 +251,11 @@ def budgeted_run(monkeypatch, t: TrainConfig, setup_s: float, step_s: float, eva
 
 @pytest.mark.parametrize("minutes,step_s,eval_s", [(0.4, 0.1, 8.0), (1, 0.3, 8.0), (1, 0.05, 1.0), (1, 0.1, 1.0)])
 def test_under_a_time_budget_no_evaluation_falls_near_the_end(monkeypatch, minutes, step_s, eval_s):
-    """In a 24-second budget an evaluation estimated from its forward passes alone (0.07 s) took 8 s, and the room
-    then kept for the final one as well: the run ended a step later (steps 33, 34), and the time-budget test failed
-    now and then. An evaluation's estimate now counts what it decodes, and each automatic one leaves half a sixth
-    of the run after it, paid for its own cost and the larger room the final one will need."""
+    """In a 24-second budget an evaluation estimated from its forward passes alone (0.07 s) took 8 s, and the
+    room then kept for the final one as well: the run ended a step later (steps 33, 34), and the time-budget
+    test failed now and then. An evaluation's estimate now counts what it decodes, and each automatic one
+    leaves half a sixth of the run after it, paid for its own cost and the larger room the final one will
+    need."""
     t = TrainConfig(max_minutes=minutes, eval_interval=0, eval_batches=2, grad_accum_steps=1)
     at, end = budgeted_run(monkeypatch, t, setup_s=2.0, step_s=step_s, eval_s=eval_s, save_s=1.0)
     assert all(b - a > end / 12 for a, b in zip(at, at[1:] + [end])), (at, end)
@@ -259,10 +263,10 @@ def test_under_a_time_budget_no_evaluation_falls_near_the_end(monkeypatch, minut
 
 
 def test_a_budget_ends_within_a_step_when_the_machine_slows_mid_run_and_trims_its_final_evaluation(monkeypatch):
-    """A 0.3-minute run on a 2-core machine measured 0.47 s steps at its log step 10, then a busy neighbour made them
-    3.9 s: reading the clock only at log steps, it trained ten more and ended at 48 s, and its final evaluation's 20
-    batches took 20 s more. Now one process reads the clock every step, and the final evaluation takes the batches
-    the time left holds."""
+    """A 0.3-minute run on a 2-core machine measured 0.47 s steps at its log step 10, then a busy neighbour
+    made them 3.9 s: reading the clock only at log steps, it trained ten more and ended at 48 s, and its final
+    evaluation's 20 batches took 20 s more. Now one process reads the clock every step, and the final
+    evaluation takes the batches the time left holds."""
     now = [5.0]  # setup
     monkeypatch.setattr("llm.train.schedule.time.monotonic", lambda: now[0])
     t = TrainConfig(max_minutes=0.3, eval_interval=0, eval_batches=20, grad_accum_steps=1, log_interval=10)
@@ -327,8 +331,8 @@ def test_a_budgets_run_length_follows_the_pace_but_not_one_slow_window(monkeypat
 
 
 def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
-    """The final evaluation of a budgeted run stops reading batches once its time is up (at least one), and says
-    how many it read: the mean is over those, as a naive loop over them computes it."""
+    """The final evaluation of a budgeted run stops reading batches once its time is up (at least one), and
+    says how many it read: the mean is over those, as a naive loop over them computes it."""
     from llm.scores.evaluation import validation_loss
     losses = [3.0, 1.0, 2.0, 6.0]
 
@@ -354,8 +358,9 @@ def test_an_evaluation_with_a_deadline_reads_batches_until_it_passes():
 
 
 def test_asking_what_is_due_changes_nothing(monkeypatch):
-    """The clock's eval_due (now EvalPolicy.due) once moved its own record of the sixths evaluated when asked, so asking twice could give
-    two answers. Asked three times a step, the clock must evaluate and end where it does asked once."""
+    """The clock's eval_due (now EvalPolicy.due) once moved its own record of the sixths evaluated when asked,
+    so asking twice could give two answers. Asked three times a step, the clock must evaluate and end where it
+    does asked once."""
     t = TrainConfig(max_steps=600, eval_interval=0, eval_batches=2, grad_accum_steps=1)
     assert simulated_run(monkeypatch, t, 0.5, 0.5, 600, asks=3) == simulated_run(monkeypatch, t, 0.5, 0.5, 600)
     budget = TrainConfig(max_minutes=1, eval_interval=0, eval_batches=2, grad_accum_steps=1)
@@ -369,14 +374,15 @@ def test_an_evaluation_too_dear_at_its_sixth_comes_later_in_it(monkeypatch):
     through it (the old clock dropped it), and never falls in a sixth's second half."""
     t = TrainConfig(max_steps=1200, eval_interval=0, eval_batches=2, grad_accum_steps=1)
     at = simulated_run(monkeypatch, t, step_s=0.5, eval_s=6.0, steps=1200)
-    # The second 6 s evaluation keeps to 5% of the time from step 456 (1.9 x 6 s <= 2.5% of the step), not 400.
+    # The second 6 s evaluation keeps to 5% of the time from step 456 (1.9 x 6 s <= 2.5% of the step), not
+    # 400.
     assert at[:2] == [200, 456] and all(a % 200 < 100 for a in at), at
 
 
 @pytest.mark.parametrize("data", ["corpus", "chat_corpus", "lora"])
 def test_resume_gives_bit_identical_losses(data, request, tmp_path, argv_for):
-    """N steps, then --resume for N more, must log exactly the losses of 2N steps in one run; for chats too, whose
-    packed windows go round more than one epoch in the run, and for LoRA adapters on a frozen base."""
+    """N steps, then --resume for N more, must log exactly the losses of 2N steps in one run; for chats too,
+    whose packed windows go round more than one epoch in the run, and for LoRA adapters on a frozen base."""
     if data == "lora":
         corpus = {"src": write_greetings(tmp_path / "chats.jsonl", 100), "cache": str(tmp_path / "cache")}
         lora = ("--init_from", request.getfixturevalue("qwen3_folder"), "--lora_rank", 4)
@@ -397,8 +403,8 @@ def test_resume_gives_bit_identical_losses(data, request, tmp_path, argv_for):
 
 @pytest.mark.slow
 def test_sigterm_in_a_subprocess_saves_and_resume_matches(corpus, tmp_path, argv_for):
-    """A real SIGTERM mid-run must leave a loadable checkpoint, print how to resume and exit 143 (DESIGN.md: 128 +
-    the signal, so that `train && export` does not go on with an unfinished run)."""
+    """A real SIGTERM mid-run must leave a loadable checkpoint, print how to resume and exit 143 (DESIGN.md:
+    128 + the signal, so that `train && export` does not go on with an unfinished run)."""
     run = tmp_path / "run"
     args = argv_for(corpus, run, "--max_steps", 400, "--eval_interval", 400, "--save_interval", 400)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"), *args],
@@ -458,9 +464,9 @@ def test_non_finite_loss_is_skipped_then_stops_and_no_checkpoint_holds_nan(corpu
 
 
 def test_damaged_checkpoints_are_named_and_resume_falls_back_to_a_complete_one(corpus, tmp_path, capsys, argv_for):
-    """A weights file cut short (a full disk, a copy interrupted) makes its checkpoint incomplete: --resume says
-    so and continues from the newest complete one. Bytes damaged in place (same size) are found on loading:
-    one error line naming the file and the checkpoint to resume instead, exit 2."""
+    """A weights file cut short (a full disk, a copy interrupted) makes its checkpoint incomplete: --resume
+    says so and continues from the newest complete one. Bytes damaged in place (same size) are found on
+    loading: one error line naming the file and the checkpoint to resume instead, exit 2."""
     run = tmp_path / "run"
     trainer.main(argv_for(corpus, run, "--max_steps", 4, "--save_interval", 2, "--eval_interval", 4))
     first, second = ckpt_io.list_checkpoints(str(run))
@@ -497,8 +503,8 @@ def test_resume_refuses_a_different_model_shape(corpus, tmp_path, capsys, argv_f
 
 
 def test_init_from_starts_a_new_run_from_trained_weights(corpus, tmp_path, argv_for):
-    """--init_from must load the weights (not just the shape): the new run's first loss is the old run's level,
-    far below a fresh start."""
+    """--init_from must load the weights (not just the shape): the new run's first loss is the old run's
+    level, far below a fresh start."""
     first, second = tmp_path / "first", tmp_path / "second"
     trainer.main(argv_for(corpus, first, "--max_steps", 30, "--eval_interval", 30, "--learning_rate", 1e-2))
     trainer.main(argv_for(corpus, second, "--max_steps", 3, "--eval_interval", 3, "--init_from", first))
@@ -568,8 +574,9 @@ def test_a_refused_resume_writes_nothing(corpus, tmp_path, capsys, argv_for):
 
 
 def test_resume_from_a_chosen_checkpoint_into_a_new_folder(corpus, tmp_path, argv_for):
-    """--resume FOLDER continues from that checkpoint exactly (the losses of the uninterrupted run), into a new
-    run folder; in its own run folder, which went on past it, it is refused rather than mixing two histories."""
+    """--resume FOLDER continues from that checkpoint exactly (the losses of the uninterrupted run), into a
+    new run folder; in its own run folder, which went on past it, it is refused rather than mixing two
+    histories."""
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 6, "--eval_interval", 3, "--keep_checkpoints", 5)) == 0
     ckpt = os.path.join(run, "checkpoints", "step_000003")
@@ -604,8 +611,9 @@ def test_one_step_runs_and_warmup_fits_any_length(corpus, tmp_path, argv_for):
 def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, argv_for):
     """Under --max_minutes the run stops inside the budget, final evaluation and checkpoint included, and the
     learning rate reaches its floor at the last step; automatic evaluations spread over the run keep to their
-    share of its time (they once took 40% of a busy machine's default run). Each run is a process of its own, as a
-    user starts it: in the suite's process, grown by the tests before, the tiny step ran at half its pace."""
+    share of its time (they once took 40% of a busy machine's default run). Each run is a process of its own,
+    as a user starts it: in the suite's process, grown by the tests before, the tiny step ran at half its
+    pace."""
     run = tmp_path / "run"
 
     def train(*extra):
@@ -636,9 +644,9 @@ def test_a_time_budget_ends_the_run_with_its_schedule(corpus, tmp_path, argv_for
 
 def test_a_resumed_time_budget_keeps_its_schedule_position(corpus, tmp_path, argv_for):
     """Under --max_minutes the clock once saved only the seconds spent: the first steps of a resumed session,
-    before their speed was measured, saw progress 0, so the learning rate dropped from mid-schedule to 0 (or to
-    the peak without warmup) and back. The checkpoint keeps the step time, and the first resumed step continues
-    the schedule."""
+    before their speed was measured, saw progress 0, so the learning rate dropped from mid-schedule to 0 (or
+    to the peak without warmup) and back. The checkpoint keeps the step time, and the first resumed step
+    continues the schedule."""
     run = tmp_path / "run"
     budget = ("--max_minutes", 30, "--warmup_ratio", 0.5, "--eval_interval", 100)
     assert trainer.main(argv_for(corpus, run, *budget, "--max_steps", 6)) == 0
@@ -698,7 +706,8 @@ def test_profile_writes_a_trace_of_steps_after_compiling(corpus, tmp_path, argv_
 @pytest.mark.slow
 def test_evaluations_compile_nothing_inside_the_run(corpus, tmp_path, monkeypatch, argv_for):
     """The first evaluation once recompiled the model (other mode, no gradients): inside the timed loop. Count
-    dynamo's compiled graphs at every step of a compiled run with evaluations between: no growth after step 1."""
+    dynamo's compiled graphs at every step of a compiled run with evaluations between: no growth after step 1.
+    """
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -717,10 +726,10 @@ def test_evaluations_compile_nothing_inside_the_run(corpus, tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_a_compile_failure_stops_the_run_unless_a_fallback_is_allowed(corpus, tmp_path, argv_for):
-    """A failing compiler (here a C++ compiler that does not exist, as on a machine without one) once turned every
-    run into an eager one with a warning: on a GPU a fraction of the speed, unnoticed. With compile_fallback false
-    (CUDA's default) the run stops with one line naming the error and the ways out; with a fallback it trains
-    eagerly, and metrics.jsonl says the step is not compiled."""
+    """A failing compiler (here a C++ compiler that does not exist, as on a machine without one) once turned
+    every run into an eager one with a warning: on a GPU a fraction of the speed, unnoticed. With
+    compile_fallback false (CUDA's default) the run stops with one line naming the error and the ways out;
+    with a fallback it trains eagerly, and metrics.jsonl says the step is not compiled."""
     env = dict(os.environ, CXX=os.path.join(str(tmp_path), "no-such-c++"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # nothing compiled earlier may be reused
     runs = {}
@@ -791,8 +800,8 @@ def test_throughput_after_an_evaluation_leaves_the_evaluation_out(corpus, tmp_pa
     monkeypatch.setattr(trainer, "evaluate_and_log", slow)
     assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 6, "--eval_interval", 3)) == 0
     after = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 4)
-    # With the evaluation counted the rate is below 1 / 1.5 s; a step of the tiny model takes tens of ms, and stays
-    # under a second on a machine ten times as busy.
+    # With the evaluation counted the rate is below 1 / 1.5 s; a step of the tiny model takes tens of ms, and
+    # stays under a second on a machine ten times as busy.
     assert after["steps_per_s"] > 1, after
 
 
@@ -808,9 +817,10 @@ def test_the_summary_of_a_run_stopped_before_its_first_evaluation_says_so():
 
 
 def test_a_first_step_longer_than_the_budget_ends_the_run_cleanly(corpus, tmp_path, monkeypatch, capsys, argv_for):
-    """--max_minutes 0.3 with a cold compile cache: the first step ended past the budget, tqdm then dropped the
-    bar's total and its format raised TypeError (in the loop, and again while the error contract closed the bar).
-    A step that overshoots the budget must end the run as any budget does: final evaluation, checkpoint, exit 0."""
+    """--max_minutes 0.3 with a cold compile cache: the first step ended past the budget, tqdm then dropped
+    the bar's total and its format raised TypeError (in the loop, and again while the error contract closed
+    the bar). A step that overshoots the budget must end the run as any budget does: final evaluation,
+    checkpoint, exit 0."""
     shift = [0.0]
     real_monotonic = time.monotonic
     monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + shift[0])
@@ -830,8 +840,9 @@ def test_a_first_step_longer_than_the_budget_ends_the_run_cleanly(corpus, tmp_pa
 
 
 def test_a_run_whose_loss_stood_still_says_so_at_its_end():
-    """A fine-tune at a rate that moves nothing ended "done" with no word: its training loss, flat within its noise
-    between the first and last quarter of its log windows, now gets a warning line; a loss that fell does not."""
+    """A fine-tune at a rate that moves nothing ended "done" with no word: its training loss, flat within its
+    noise between the first and last quarter of its log windows, now gets a warning line; a loss that fell
+    does not."""
     import random
 
     from llm.reports.monitor import stood_still

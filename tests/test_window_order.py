@@ -47,8 +47,8 @@ def data(folder, weights=None, arrival=False) -> PreparedData:
 
 
 def test_tiled_epochs_read_the_recorded_windows(folder):
-    """Seeded shifts and orders over two ranks and two micro-steps, across the first epoch's end (step 6's second
-    micro-step) and into the third."""
+    """Seeded shifts and orders over two ranks and two micro-steps, across the first epoch's end (step 6's
+    second micro-step) and into the third."""
     b = Batches(data(folder), "train", 5, SEQ, seed=1, rank=0, world_size=2, accum=2)
     assert b.epoch_sequences == 132
     assert [b.starts(step, micro).tolist() for step in (0, 6, 14) for micro in (0, 1)] == TILED

@@ -58,15 +58,15 @@ def run_once(args, name: str, flags: list[str], seed: int) -> dict:
 
 
 def steps_of(flags: list[str], default: int) -> int:
-    """A run's length: the variant's own (last) --max_steps, where it sets one (equal time for a larger model, say),
-    else --steps. A run whose last evaluation is at that step is finished."""
+    """A run's length: the variant's own (last) --max_steps, where it sets one (equal time for a larger model,
+    say), else --steps. A run whose last evaluation is at that step is finished."""
     given = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--max_steps"]
     return int(given[-1]) if given else default
 
 
 def whole_split_bpb(run_dir: str, sources: list[str]) -> float:
-    """Bits per byte of the run's last checkpoint on every token of the validation split (exact bytes), kept in
-    the run folder once measured."""
+    """Bits per byte of the run's last checkpoint on every token of the validation split (exact bytes), kept
+    in the run folder once measured."""
     path = os.path.join(run_dir, "whole_split.json")
     if not os.path.exists(path):
         model, tokenizer, *_ = load_for_inference(run_dir, "cpu")

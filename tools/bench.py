@@ -61,8 +61,8 @@ class FixedBatches:
 
 
 class TwinForTraining(torch.nn.Module):
-    """A transformers causal LM behind our forward contract: (input_ids, labels) -> (logits, loss), with labels
-    already shifted (transformers' own loss function, told not to shift them again)."""
+    """A transformers causal LM behind our forward contract: (input_ids, labels) -> (logits, loss), with
+    labels already shifted (transformers' own loss function, told not to shift them again)."""
 
     def __init__(self, hf):
         super().__init__()
@@ -187,9 +187,9 @@ def measure(name: str, cfg, device, raw_model, steps: int, warmup: int, share: b
 
 
 def beside_preparation(cfg, device, raw_model, steps: int, warmup: int, rounds: int, corpus: list) -> dict:
-    """tokens/s of the trainer's step alone and beside a thread preparing a token cache (reading and tokenizing, as
-    arrival.py's thread does while a Hub corpus comes in): whether that thread's Python slows the step. Rounds
-    alternate, the two kinds side by side."""
+    """tokens/s of the trainer's step alone and beside a thread preparing a token cache (reading and
+    tokenizing, as arrival.py's thread does while a Hub corpus comes in): whether that thread's Python slows
+    the step. Rounds alternate, the two kinds side by side."""
     c = Contender("ours", cfg, device, raw_model, warmup)
     m, alone, beside, prepared = cfg.model, [], [], []
     with tempfile.TemporaryDirectory() as work:  # the tokenizer first, as a run has it before training starts
@@ -227,8 +227,8 @@ def preparing(data: DataConfig, vocab_size: int, seq_len: int, done: list):
 
 
 def matmul_peak(device, dtype) -> float:
-    """FLOP/s of a large square matmul in dtype, the best of a few: MFU's yardstick where no datasheet figure is
-    known (a CPU), measured in the same run as the steps it judges."""
+    """FLOP/s of a large square matmul in dtype, the best of a few: MFU's yardstick where no datasheet figure
+    is known (a CPU), measured in the same run as the steps it judges."""
     n = 2048
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = []

@@ -47,9 +47,10 @@ def their_predictions(lm, items) -> tuple[list[int], list[list[float]]]:
 
 
 def tokens_run(tokenizer, items, max_len: int) -> tuple[int, int]:
-    """(the positions evaluate.py runs through the model, those lm-eval's `hf` backend runs), padding aside: here each
-    item's shared prefix once and each choice's own tokens after it; there every request whole but its last token.
-    On a CPU bound by its matmuls their ratio is the most a shared prefix can gain over a batched lm-eval."""
+    """(the positions evaluate.py runs through the model, those lm-eval's `hf` backend runs), padding aside:
+    here each item's shared prefix once and each choice's own tokens after it; there every request whole but
+    its last token. On a CPU bound by its matmuls their ratio is the most a shared prefix can gain over a
+    batched lm-eval."""
     from llm.scores.scoring import encode_item, prefix_id
     prefix = prefix_id(tokenizer)
     ours = theirs = 0

@@ -91,9 +91,10 @@ def timed(fn, device) -> float:
 
 
 def decode_rates(fns: dict, batch: int, n: int, reps: int, device) -> dict[str, list[tuple[float, float]]]:
-    """For each of fns (label -> fn(k) generating k tokens), per rep: (decode tokens/s with the prefill and first
-    token subtracted, seconds to the first token). After one warm-up (which compiles), the reps interleave the
-    fns, in reversed order every other rep, so a load that comes or goes on a shared machine falls on all."""
+    """For each of fns (label -> fn(k) generating k tokens), per rep: (decode tokens/s with the prefill and
+    first token subtracted, seconds to the first token). After one warm-up (which compiles), the reps
+    interleave the fns, in reversed order every other rep, so a load that comes or goes on a shared machine
+    falls on all."""
     for fn in fns.values():
         fn(1), fn(n)
     out = {label: [] for label in fns}

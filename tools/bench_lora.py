@@ -72,8 +72,9 @@ def measure(variant: str, steps: int) -> dict:
 
 def live_peak(step) -> int:
     """The most bytes of live tensors during one call of step, as torch's profiler records each allocation and
-    free on the CPU: the step's own memory, where the resident size also keeps what start-up freed (the fp32 model a
-    base was made from, a quantiser's temporaries), since the trainer keeps freed memory in the process."""
+    free on the CPU: the step's own memory, where the resident size also keeps what start-up freed (the fp32
+    model a base was made from, a quantiser's temporaries), since the trainer keeps freed memory in the
+    process."""
     import torch
     from torch.profiler._memory_profiler import MemoryProfileTimeline
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
@@ -84,8 +85,8 @@ def live_peak(step) -> int:
 
 
 class RssPeak:
-    """The largest resident size of this process while training, sampled every 5 ms on a thread of its own (the
-    process's lifetime peak also holds the full-precision model the base was built from)."""
+    """The largest resident size of this process while training, sampled every 5 ms on a thread of its own
+    (the process's lifetime peak also holds the full-precision model the base was built from)."""
 
     def __init__(self):
         import psutil

@@ -68,8 +68,9 @@ def setup(folder: str, pairs: int = PAIRS) -> str:
 
 
 def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
-    """This project's trainer: LoRA DPO on windows of packed pairs, as many windows a step as hold BATCH_PAIRS, in
-    one forward, or with one_window one window a forward, accumulated over the step's windows."""
+    """This project's trainer: LoRA DPO on windows of packed pairs, as many windows a step as hold
+    BATCH_PAIRS, in one forward, or with one_window one window a forward, accumulated over the step's windows.
+    """
     import gpu_training_optimized as trainer
     from config import DataConfig
     from llm.data.batches import PairBatches
@@ -98,8 +99,8 @@ def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
 
 
 def trl(folder: str, steps: int, seq: int, per_forward: int = BATCH_PAIRS) -> dict:
-    """TRL's DPOTrainer with a PEFT LoRA config on the same model and pairs, BATCH_PAIRS pairs a step, per_forward
-    of them a forward (gradient accumulation over the rest)."""
+    """TRL's DPOTrainer with a PEFT LoRA config on the same model and pairs, BATCH_PAIRS pairs a step,
+    per_forward of them a forward (gradient accumulation over the rest)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback

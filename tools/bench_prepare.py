@@ -133,8 +133,9 @@ def write_jsonl_zst(path: str, docs) -> int:
 
 
 def corpus_folder(folder: str, total_bytes: int, seed: int = 0, file_bytes: int = FILE_BYTES) -> str:
-    """A folder of .jsonl.zst files of total_bytes of text, streamed to disk, generated once: the marker beside it
-    (in it, it would be read as a source) records a complete folder, and the same settings later reuse it."""
+    """A folder of .jsonl.zst files of total_bytes of text, streamed to disk, generated once: the marker
+    beside it (in it, it would be read as a source) records a complete folder, and the same settings later
+    reuse it."""
     marker, want = folder.rstrip(os.sep) + ".done", {"bytes": total_bytes, "seed": seed, "file_bytes": file_bytes}
     if os.path.isfile(marker) and pathlib.Path(marker).read_text(encoding="utf-8") == json.dumps(want):
         return folder

@@ -60,8 +60,8 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
 
 
 def child(name: str, library: str, inductor: dict | None = None) -> dict:
-    """Run one configuration in this (fake-GPU) process, under these Inductor settings; what it compiled and what
-    went wrong."""
+    """Run one configuration in this (fake-GPU) process, under these Inductor settings; what it compiled and
+    what went wrong."""
     import torch
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -199,8 +199,8 @@ REFUSE(cuTensorMapEncodeTiled) REFUSE(cuTensorMapEncodeIm2col)
 
 
 def shim_library(gpu: FakeGPU) -> str:
-    """The fake runtime and driver built for gpu, as <cache>/<hash>/libcuda.so.1 (built once; gcc, and the CUDA
-    headers Triton ships)."""
+    """The fake runtime and driver built for gpu, as <cache>/<hash>/libcuda.so.1 (built once; gcc, and the
+    CUDA headers Triton ships)."""
     import triton
     include = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
     defines = {f"FAKE_{k.upper()}": (json.dumps(v) if isinstance(v, str) else f"{v}L" if k == "memory" else v)

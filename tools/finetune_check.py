@@ -74,8 +74,8 @@ def write_chats(path: str, n: int, seed: int = 0):
 
 
 def write_pairs(path: str, n: int, seed: int = 2):
-    """n preference pairs of the chats' questions: the reply in the style chosen, the same reply plain rejected
-    (train on them with a variant's flags: --sources runs/finetune_check/style_pairs.jsonl)."""
+    """n preference pairs of the chats' questions: the reply in the style chosen, the same reply plain
+    rejected (train on them with a variant's flags: --sources runs/finetune_check/style_pairs.jsonl)."""
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(n):

@@ -67,8 +67,8 @@ PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
 QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "decode_leads", "fp8",
                "quick_autotune", "short_budget", "beside_preparation", "scores")
 # About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for the
-# one-shots of first_token, quick_throughput, decode and quick_graphs; the rest (and first_token's prompt on stdin)
-# guessed from their compiles and timed steps.
+# one-shots of first_token, quick_throughput, decode and quick_graphs; the rest (and first_token's prompt on
+# stdin) guessed from their compiles and timed steps.
 QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75, "quick_graphs": 35,
                  "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60,
                  "scores": 150}
@@ -238,9 +238,9 @@ def fp8(args) -> dict:
 
 
 def quick_autotune(args) -> dict:
-    """large's step compiled by max-autotune (GEMMs tuned on this GPU, their neighbours fused into them) against
-    compile default, each from an empty compile cache as a first run has it: tokens/s, compile seconds, and how
-    long a run must train before the slower compile has paid for itself."""
+    """large's step compiled by max-autotune (GEMMs tuned on this GPU, their neighbours fused into them)
+    against compile default, each from an empty compile cache as a first run has it: tokens/s, compile
+    seconds, and how long a run must train before the slower compile has paid for itself."""
     device, rows = pick_device("auto"), []
     steps, warmup = (1, 0) if args.dry_run else (3, 2)
     for mode in ("default", "max-autotune-no-cudagraphs"):  # graphs under accumulation are quick_graphs' question
@@ -259,8 +259,9 @@ def quick_autotune(args) -> dict:
 
 
 def beside_preparation(args) -> dict:
-    """small's step alone and beside a thread preparing a token cache from --sources (default: the bundled corpus),
-    as a run does while its Hub corpus arrives: whether that thread slows the GPU's step. After short_budget."""
+    """small's step alone and beside a thread preparing a token cache from --sources (default: the bundled
+    corpus), as a run does while its Hub corpus arrives: whether that thread slows the GPU's step. After
+    short_budget."""
     device = pick_device("auto")
     cfg = preset("small", args.dry_run)
     steps, warmup, rounds = (1, 0, 1) if args.dry_run else (3, 2, 3)

@@ -1,11 +1,11 @@
-"""The GPU check's runs of the trainer as a user launches it (tools/gpu_check.py --quick): the no-flag first run,
-and a budget shorter than the first compile.
+"""The GPU check's runs of the trainer as a user launches it (tools/gpu_check.py --quick): the no-flag first
+run, and a budget shorter than the first compile.
 
-The no-flag run on a GPU reads FineWeb-Edu from the Hub, sized for an hour. A lent machine has no network, so the
-check serves FineWeb-Edu's path from a stand-in Hub on 127.0.0.1 (hub_stand_in.py) holding the bundled corpus's
-text: the run takes the same path as a user's (the Hub asked, the preset and micro-batch the hour picks, the
-files downloaded and tokenized while it trains), and half a minute after its first timed step it is stopped as a
-user's Ctrl-C stops it (SIGTERM: the step finishes, the run saves)."""
+The no-flag run on a GPU reads FineWeb-Edu from the Hub, sized for an hour. A lent machine has no network, so
+the check serves FineWeb-Edu's path from a stand-in Hub on 127.0.0.1 (hub_stand_in.py) holding the bundled
+corpus's text: the run takes the same path as a user's (the Hub asked, the preset and micro-batch the hour
+picks, the files downloaded and tokenized while it trains), and half a minute after its first timed step it is
+stopped as a user's Ctrl-C stops it (SIGTERM: the step finishes, the run saves)."""
 
 import io
 import json
@@ -49,9 +49,9 @@ def fresh_run(args, name: str, flags: list, env: dict | None = None) -> tuple[st
 
 
 def fineweb_files(dry: bool) -> dict:
-    """FineWeb-Edu's layout, filled with the bundled corpus's text: each file a parquet of it with a `text` column,
-    as FineWeb-Edu's are, its documents in another order so that no two files are the same bytes (the Hub's cache
-    would link a copy without downloading it). A dry run: a few of its files, in two."""
+    """FineWeb-Edu's layout, filled with the bundled corpus's text: each file a parquet of it with a `text`
+    column, as FineWeb-Edu's are, its documents in another order so that no two files are the same bytes (the
+    Hub's cache would link a copy without downloading it). A dry run: a few of its files, in two."""
     paths = [p for p, _ in bundled_files()][:40 if dry else None]
     texts = [open(p, encoding="utf-8", errors="replace").read() for p in paths]
     files = {}
@@ -63,9 +63,9 @@ def fineweb_files(dry: bool) -> dict:
 
 
 def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tuple[str, float, str]:
-    """The trainer launched with flags into OUT/<name> and stopped by SIGTERM after_s seconds after its first timed
-    step (or left to end by itself first): (the run folder, its launch time, its output). RuntimeError with the
-    output's end if it fails or does not stop."""
+    """The trainer launched with flags into OUT/<name> and stopped by SIGTERM after_s seconds after its first
+    timed step (or left to end by itself first): (the run folder, its launch time, its output). RuntimeError
+    with the output's end if it fails or does not stop."""
     run_dir, log_path = os.path.join(args.out, name), os.path.join(args.out, f"{name}.log")
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, TRAINER, "--run_dir", run_dir, "--cache_dir", os.path.join(args.out, "cache"),
@@ -93,9 +93,10 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
 
 
 def default_run(args) -> dict:
-    """The trainer with no flags, as a user's first run, stopped FIRST_RUN_S after its first timed step: the corpus
-    and the size it chose, the seconds from launch to its first step, its speed and MFU. On a CPU (a dry run) the
-    same path is asked for by flags: FineWeb-Edu from the stand-in, the tiny shape, no compile."""
+    """The trainer with no flags, as a user's first run, stopped FIRST_RUN_S after its first timed step: the
+    corpus and the size it chose, the seconds from launch to its first step, its speed and MFU. On a CPU (a
+    dry run) the same path is asked for by flags: FineWeb-Edu from the stand-in, the tiny shape, no compile.
+    """
     hub = Hub({FINEWEB: fineweb_files(args.dry_run)})
     home = os.path.join(args.out, "hf_home")
     shutil.rmtree(home, ignore_errors=True)  # a first run: nothing cached
@@ -125,8 +126,9 @@ def default_run(args) -> dict:
 
 
 def trained_checkpoint(args) -> str:
-    """The default run's checkpoint (default_run makes it when no earlier part did). Where that run failed (its
-    row says how), a short run of the tiny preset on the bundled corpus trains one, for the generation parts."""
+    """The default run's checkpoint (default_run makes it when no earlier part did). Where that run failed
+    (its row says how), a short run of the tiny preset on the bundled corpus trains one, for the generation
+    parts."""
     path = os.path.join(args.out, "default_run.json")
     found = json.load(open(path)) if os.path.isfile(path) else default_run(args)
     if found.get("checkpoint"):
@@ -139,9 +141,9 @@ def trained_checkpoint(args) -> str:
 
 def short_budget(args) -> dict:
     """`--preset small --max_minutes 1` with an empty compile cache: a compile would take about as long as the
-    budget, so compile left automatic trains eagerly (under 2 minutes), and the run must end on its budget, counted
-    from the process's start, with a checkpoint and exit 0. Last, so a lease running short loses only this. The
-    dry run's budget holds a busy CPU's imports (5-10 s)."""
+    budget, so compile left automatic trains eagerly (under 2 minutes), and the run must end on its budget,
+    counted from the process's start, with a checkpoint and exit 0. Last, so a lease running short loses only
+    this. The dry run's budget holds a busy CPU's imports (5-10 s)."""
     flags = ["--preset", "tiny", "--max_minutes", 0.3, "--compile", "off", "--micro_batch_size", 2,
              "--max_seq_len", 64] if args.dry_run else ["--preset", "small", "--max_minutes", 1]
     with tempfile.TemporaryDirectory() as cold:

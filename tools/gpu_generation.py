@@ -1,8 +1,7 @@
 """The generation figures of tools/gpu_check.py --quick, from the default run's checkpoint: a one-shot reply
 launch to exit (cold compile cache, eager) and a prompt on stdin answered while the decode step compiles in
-the background; decode at batch 1 and 8 against the bandwidth bound, and at batch 1 under Inductor settings that
-may cut its kernels (DECODE_LEADS); and greedy tokens against transformers'.
-"""
+the background; decode at batch 1 and 8 against the bandwidth bound, and at batch 1 under Inductor settings
+that may cut its kernels (DECODE_LEADS); and greedy tokens against transformers'."""
 
 import functools
 import os
@@ -37,10 +36,10 @@ def command(cmd: list, env: dict | None = None) -> tuple[float, str]:
 
 
 def first_token(args, ckpt: str) -> dict:
-    """A one-shot generation from the default run's checkpoint, launch to exit: compiled first from an empty compile
-    cache (what a reply waited for before the background compile), and eagerly (--compile off); then a prompt on
-    stdin, answered while the step compiles in the background. (A warm cache's compile, 6 s on the H200, is no
-    longer waited for, so the check spends no lease time on it.)"""
+    """A one-shot generation from the default run's checkpoint, launch to exit: compiled first from an empty
+    compile cache (what a reply waited for before the background compile), and eagerly (--compile off); then a
+    prompt on stdin, answered while the step compiles in the background. (A warm cache's compile, 6 s on the
+    H200, is no longer waited for, so the check spends no lease time on it.)"""
     rows = []
     for label, flags in (("compiled, cold cache", []), ("eager", ["--compile", "off"])):
         compiled = "off" if args.dry_run else "reduce-overhead"  # a CPU's compile takes half a minute
@@ -63,8 +62,9 @@ def first_token(args, ckpt: str) -> dict:
 
 
 def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
-    """A prompt on stdin, as the REPL and a stream of prompts read it (the decode step compiles in the background
-    under auto on CUDA): (launch to exit, seconds from the "loaded" line to the exit that follows the one reply)."""
+    """A prompt on stdin, as the REPL and a stream of prompts read it (the decode step compiles in the
+    background under auto on CUDA): (launch to exit, seconds from the "loaded" line to the exit that follows
+    the one reply)."""
     cmd = [sys.executable, os.path.join(HERE, "text_generator.py"), ckpt, "--max_new_tokens", "32",
            "--temperature", "0", "--compile", compile_mode]
     start = time.time()
@@ -90,9 +90,9 @@ def words(identical: bool) -> str:
 
 
 def decode(args, ckpt: str) -> dict:
-    """The engine's decode at batch 1 and 8 on the large shape (random weights: speed does not depend on them),
-    against the bandwidth bound; and its greedy tokens against transformers' on the trained checkpoint, both in
-    float32, where a trained model's ties cannot flip."""
+    """The engine's decode at batch 1 and 8 on the large shape (random weights: speed does not depend on
+    them), against the bandwidth bound; and its greedy tokens against transformers' on the trained checkpoint,
+    both in float32, where a trained model's ties cannot flip."""
     device = pick_device("auto")
     cfg, compiled, n, reps = decode_shape(args)
     out = {"rows": decode_rates(cfg, device, compiled, (1, 8), n, reps), "shape": "tiny" if args.dry_run else "large",
@@ -101,10 +101,11 @@ def decode(args, ckpt: str) -> dict:
     return out
 
 
-# Inductor settings with which the compile check found a cheaper decode step, which no GPU has run yet (the large
-# shape at batch 1 for an H100, docs/gpu-check.md). Coordinate descent tuning makes each batch-1 matmul a Triton
-# reduction tuned on the GPU, the norm before it and SwiGLU's product fused in: no cuBLAS call left, 154 kernels
-# to 142, estimate 604 us to 467. Combo kernels also launch a block's independent kernels as one: 117, 411 us.
+# Inductor settings with which the compile check found a cheaper decode step, which no GPU has run yet (the
+# large shape at batch 1 for an H100, docs/gpu-check.md). Coordinate descent tuning makes each batch-1 matmul
+# a Triton reduction tuned on the GPU, the norm before it and SwiGLU's product fused in: no cuBLAS call left,
+# 154 kernels to 142, estimate 604 us to 467. Combo kernels also launch a block's independent kernels as one:
+# 117, 411 us.
 DECODE_LEADS = {"coordinate descent tuning": {"coordinate_descent_tuning": True},
                 "coordinate descent tuning and combo kernels": {"coordinate_descent_tuning": True,
                                                                 "combo_kernels": True}}

@@ -1,5 +1,6 @@
-"""docs/gpu_report.md, the GPU check's report: one table of the --quick figures, a row for each that was measured
-(or failed), then a section for each longer part (tools/gpu_check.py writes each part's JSON, then this)."""
+"""docs/gpu_report.md, the GPU check's report: one table of the --quick figures, a row for each that was
+measured (or failed), then a section for each longer part (tools/gpu_check.py writes each part's JSON, then
+this)."""
 
 import json
 import os

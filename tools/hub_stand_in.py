@@ -23,21 +23,22 @@ COMMIT = "c0ffee" + "0" * 34
 
 
 class Hub:
-    """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted terms;
-    `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `cut` = (path, bytes, times)
-    closes the connection after those bytes of the file's next `times` GETs; `ranges` False sends the whole file
-    whatever Range is asked (200), as some proxies and CDNs do; `requests` logs what was asked,
-    `tokens` the Authorization headers. `private` {"OWNER/NAME": token}: that repository is shown to that token
-    only, and once one is set, a token not among them is refused as invalid (401), as the Hub refuses one it never
-    issued; `forbidden` names tokens it knows whose rights do not reach a private repository (403, as for a
-    fine-grained token without read access). `redirect` names files whose HEAD and GET are answered 302 to the
-    second server at `cdn_url` (another port: another host to a client), with the hash in X-Linked-Etag and the
-    size in X-Linked-Size as the Hub sends them, and another hash in ETag (the git blob id of its LFS pointer);
-    `cdn_requests` logs what that server was asked, with the Authorization header it saw. `git` names files whose
-    ETag is their git blob id (sha1 of "blob SIZE\\0" and the bytes), as for a small file the Hub keeps in git. A
-    hostile Hub: `etags` {path: ETag, or a list of them for its HEADs in turn} answers in place of the sha256 (or
-    git blob id), `listed` adds entries to every listing, `revisions` are the revisions it says exist (besides main
-    and COMMIT), `commit` is the one the repository's info names."""
+    """Serves `repos` ({"OWNER/NAME": {path: bytes}}); `gated` names repositories whose files need accepted
+    terms; `stall` = (path, bytes) holds that file's GET after those bytes until stop(); `cut` = (path, bytes,
+    times) closes the connection after those bytes of the file's next `times` GETs; `ranges` False sends the
+    whole file whatever Range is asked (200), as some proxies and CDNs do; `requests` logs what was asked,
+    `tokens` the Authorization headers. `private` {"OWNER/NAME": token}: that repository is shown to that
+    token only, and once one is set, a token not among them is refused as invalid (401), as the Hub refuses
+    one it never issued; `forbidden` names tokens it knows whose rights do not reach a private repository
+    (403, as for a fine-grained token without read access). `redirect` names files whose HEAD and GET are
+    answered 302 to the second server at `cdn_url` (another port: another host to a client), with the hash in
+    X-Linked-Etag and the size in X-Linked-Size as the Hub sends them, and another hash in ETag (the git blob
+    id of its LFS pointer); `cdn_requests` logs what that server was asked, with the Authorization header it
+    saw. `git` names files whose ETag is their git blob id (sha1 of "blob SIZE\\0" and the bytes), as for a
+    small file the Hub keeps in git. A hostile Hub: `etags` {path: ETag, or a list of them for its HEADs in
+    turn} answers in place of the sha256 (or git blob id), `listed` adds entries to every listing, `revisions`
+    are the revisions it says exist (besides main and COMMIT), `commit` is the one the repository's info
+    names."""
 
     def __init__(self, repos: dict, gated=(), stall=None):
         self.repos, self.gated, self.stall = repos, set(gated), stall
@@ -208,7 +209,8 @@ def _handler(hub: Hub):
 
 def _cdn_handler(hub: Hub):
     """The second server: a redirected file's bytes at /OWNER/NAME/PATH, whatever the signature; it logs every
-    request with the Authorization header it came with (none, from a client that keeps the token on the Hub)."""
+    request with the Authorization header it came with (none, from a client that keeps the token on the Hub).
+    """
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass

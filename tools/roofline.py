@@ -2,30 +2,32 @@
 
 compile_check.py installs a Roofline in each configuration's fake-GPU process; its table then gives the step's
 time as an estimate (the model's matmuls, its other kernels, the optimizer) and the MFU it implies. It is the
-yardstick for a change that claims GPU speed: the estimate moves when kernels, bytes or casts do. It is a lower
-bound of the step, never a measurement.
-"""
+yardstick for a change that claims GPU speed: the estimate moves when kernels, bytes or casts do. It is a
+lower bound of the step, never a measurement."""
 
 
-# The least time one decode kernel took on an NVIDIA H200 (torch 2.11, the large shape at batch 1, one step under
-# the profiler, docs/gpu-check.md): 85 matmuls of 1-13 MB took 0.505 ms (5.9 us each, where their bytes need about
-# 1 us), 113 other kernels 0.195 ms (1.7 us). The decode estimate holds each kernel to at least these. And the
-# step took 0.82 ms where its 198 kernels ran 0.70: inside a CUDA graph each kernel still waits about 0.6 us for
-# the one before it. With both, the estimate of the 165-kernel step the H200 later ran in 0.64 ms is 0.63 ms.
+# The least time one decode kernel took on an NVIDIA H200 (torch 2.11, the large shape at batch 1, one step
+# under the profiler, docs/gpu-check.md): 85 matmuls of 1-13 MB took 0.505 ms (5.9 us each, where their bytes
+# need about 1 us), 113 other kernels 0.195 ms (1.7 us). The decode estimate holds each kernel to at least
+# these. And the step took 0.82 ms where its 198 kernels ran 0.70: inside a CUDA graph each kernel still waits
+# about 0.6 us for the one before it. With both, the estimate of the 165-kernel step the H200 later ran in
+# 0.64 ms is 0.63 ms.
 DECODE_FLOOR_S = {"matmul": 5.9e-6, "other": 1.7e-6}
 DECODE_GAP_S = (0.82e-3 - 0.70e-3) / 198
-# What the roofline misses, fitted to the `large` step on that H200 (128 x 384 tokens a micro-step; one step under
-# the profiler, docs/gpu-check.md): its matmuls took 167 ms a micro-step where the roofline counts 103 (0.62 of
-# the datasheet's peak), its other kernels 56 ms where it counts 32.9 (0.59 of the bandwidth), its optimizer 35 ms
-# where it counts 18. The calibrated estimate divides by these; `small`, left out of the fit, lands within 8%.
+# What the roofline misses, fitted to the `large` step on that H200 (128 x 384 tokens a micro-step; one step
+# under the profiler, docs/gpu-check.md): its matmuls took 167 ms a micro-step where the roofline counts 103
+# (0.62 of the datasheet's peak), its other kernels 56 ms where it counts 32.9 (0.59 of the bandwidth), its
+# optimizer 35 ms where it counts 18. The calibrated estimate divides by these; `small`, left out of the fit,
+# lands within 8%.
 MATMUL_EFFICIENCY, BANDWIDTH_EFFICIENCY, OPTIMIZER_FACTOR = 0.62, 0.59, 2.0
 
 
 def moved_bytes(node) -> int:
-    """The bytes one kernel (a scheduler node) reads and writes. Inductor counts what a single node's ranges can
-    reach in each buffer, but every buffer of a fused kernel whole: a decode step's embedding lookup, fused into
-    the first norm, read the whole table (94 MiB for one row). Here a fused kernel's buffer counts what its
-    parts reach, a buffer two parts share once; buffers that never leave the kernel count nothing, as before."""
+    """The bytes one kernel (a scheduler node) reads and writes. Inductor counts what a single node's ranges
+    can reach in each buffer, but every buffer of a fused kernel whole: a decode step's embedding lookup,
+    fused into the first norm, read the whole table (94 MiB for one row). Here a fused kernel's buffer counts
+    what its parts reach, a buffer two parts share once; buffers that never leave the kernel count nothing, as
+    before."""
     parts = getattr(node, "snodes", None)
     whole = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
     if not parts:
@@ -40,9 +42,10 @@ def moved_bytes(node) -> int:
 class Roofline:
     """An estimate of one training step's time on the GPU, from what Inductor compiled (no kernel runs here):
     each node of each compiled graph (a Triton kernel, or a cuBLAS call) at max(its FLOPs at the GPU's dense
-    peak for its operand type, its bytes read and written at the memory bandwidth), times the calls a step makes
-    of that graph; plus the optimizer's eager kernels (fused AdamW, Muon's foreach updates), which no graph
-    holds, by the bytes they move. A lower bound of the step: no launch gaps, no kernel below its roofline."""
+    peak for its operand type, its bytes read and written at the memory bandwidth), times the calls a step
+    makes of that graph; plus the optimizer's eager kernels (fused AdamW, Muon's foreach updates), which no
+    graph holds, by the bytes they move. A lower bound of the step: no launch gaps, no kernel below its
+    roofline."""
 
     def __init__(self, gpu):
         self.tflops, self.bandwidth = gpu.tflops, gpu.mem_clock_khz * 1e3 * 2 * gpu.bus_bits / 8
@@ -77,8 +80,8 @@ class Roofline:
         return self.tflops[kind] * 1e12
 
     def cost(self, graph) -> tuple[float, float, float, list]:
-        """(seconds in matmul nodes, seconds in the others, FLOPs, [(seconds, is a matmul) of each kernel]) of one
-        call of a compiled graph."""
+        """(seconds in matmul nodes, seconds in the others, FLOPs, [(seconds, is a matmul) of each kernel]) of
+        one call of a compiled graph."""
         matmul = other = flops = 0.0
         kernels = []  # (seconds, is a matmul) of each kernel: each scheduler node is one launch
         for node in graph.scheduler.nodes:
@@ -136,9 +139,9 @@ class Roofline:
 
     def decode_step(self) -> dict:
         """The counted calls as one decode step: its kernels, their roofline (bytes or FLOPs alone), and an
-        estimate with each kernel held to the least time such a kernel took on a GPU (DECODE_FLOOR_S), plus the
-        wait between kernels (DECODE_GAP_S). Inside a CUDA graph launches cost little; small kernels still cost
-        their ramp-up and that wait, which is what bounds decode."""
+        estimate with each kernel held to the least time such a kernel took on a GPU (DECODE_FLOOR_S), plus
+        the wait between kernels (DECODE_GAP_S). Inside a CUDA graph launches cost little; small kernels still
+        cost their ramp-up and that wait, which is what bounds decode."""
         kernels = [k for (g, _), n in self.calls.items() if g in self.graphs for _ in range(n)
                    for k in self.graphs[g][3]]
         floor = lambda s, mm: max(s, DECODE_FLOOR_S["matmul" if mm else "other"])  # noqa: E731
@@ -147,9 +150,10 @@ class Roofline:
                 "decode_estimate_us": 1e6 * (sum(floor(s, mm) for s, mm in kernels) + len(kernels) * DECODE_GAP_S)}
 
     def step(self, tokens: int) -> dict:
-        """The estimate of one step from the counts: milliseconds of the model's matmuls, of its other kernels,
-        of the optimizer (its graphs and its eager kernels), and the MFU it implies: the model's FLOPs (as
-        Inductor counts them, attention included; a frozen base computes no weight gradients) at the bf16 peak."""
+        """The estimate of one step from the counts: milliseconds of the model's matmuls, of its other
+        kernels, of the optimizer (its graphs and its eager kernels), and the MFU it implies: the model's
+        FLOPs (as Inductor counts them, attention included; a frozen base computes no weight gradients) at the
+        bf16 peak."""
         def seconds(part: int, optimizer: bool) -> float:
             return sum(self.graphs[g][part] * n for (g, opt), n in self.calls.items()
                        if opt == optimizer and g in self.graphs)

@@ -35,8 +35,9 @@ def shape(vocab, d, layers, heads, kv, ffn, tied, family, head_dim=0) -> ModelCo
                        qk_norm=False, qkv_bias=family == "qwen2", max_seq_len=2048)
 
 
-# The shapes each model's config.json on the Hugging Face Hub declares (vocab_size, hidden_size, num_hidden_layers,
-# num_attention_heads, num_key_value_heads, intermediate_size, tie_word_embeddings), under the names given.
+# The shapes each model's config.json on the Hugging Face Hub declares (vocab_size, hidden_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, tie_word_embeddings), under
+# the names given.
 MODELS = {
     "SmolLM2-135M": shape(49152, 576, 30, 9, 3, 1536, True, "llama"),  # HuggingFaceTB/SmolLM2-135M
     "SmolLM2-360M": shape(49152, 960, 32, 15, 5, 2560, True, "llama"),  # HuggingFaceTB/SmolLM2-360M
@@ -87,7 +88,8 @@ def fits_table(context: int) -> list[str]:
     return lines
 
 
-# Published peak memory: (what was run, their figure, our model, mode, micro-batch, context, checkpointed, source)
+# Published peak memory: (what was run, their figure, our model, mode, micro-batch, context, checkpointed,
+# source)
 ANCHORS = [
     ("torchtune, Llama 3.1 8B full, batch 2 x 2,048 packed, compiled, RTX 4090", "18.9 GiB",
      "Llama-3.1-8B", "full", 2, 2048, True, "torchtune README, Memory and training speed"),
@@ -158,8 +160,8 @@ def model_shape(name: str, max_seq_len: int) -> ModelConfig:
 
 
 def ask(model: str, card: str, flags: list[str]) -> str:
-    """The estimate of a run of the trainer's flags on `model` and `card`; a run that does not fit gets the line the
-    trainer would refuse it with, and the first change that fits."""
+    """The estimate of a run of the trainer's flags on `model` and `card`; a run that does not fit gets the
+    line the trainer would refuse it with, and the first change that fits."""
     from llm.base.cli import parse_config
     from llm.train.startup import fit_lines
     cfg, _ = parse_config(["--init_from", model, *flags])
