@@ -60,8 +60,9 @@ def setup(folder: str) -> str:
     return prompts
 
 
-def ours(folder: str, steps: int, new_tokens: int) -> dict:
-    """This project's trainer: --objective grpo with LoRA, PER_STEP prompts x GROUP replies a step."""
+def ours(folder: str, steps: int, new_tokens: int, compile_mode: str = "off") -> dict:
+    """This project's trainer: --objective grpo with LoRA, PER_STEP prompts x GROUP replies a step, eager or
+    (compile_mode) with the step and the decode step compiled."""
     import gpu_training_optimized as trainer
     from llm.reports.monitor import read_metrics
     run = os.path.join(folder, f"ours-{time.time_ns()}")
@@ -70,7 +71,7 @@ def ours(folder: str, steps: int, new_tokens: int) -> dict:
                          os.path.join(folder, "prompts.jsonl"), "--reward", "gsm8k", "--run_dir", run, "--lora_rank",
                          str(RANK), "--max_seq_len", "512", "--num_generations", str(GROUP), "--prompts_per_step",
                          str(PER_STEP), "--max_completion_length", str(new_tokens), "--max_steps", str(steps + 2),
-                         "--compile", "off", "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1",
+                         "--compile", compile_mode, "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1",
                          "--eval_batches", "1", "--weight_average", "0", "--precision", "bf16"]) == 0
     logged = read_metrics(run, "train")[2:]
     step_s = statistics.median(1 / r["steps_per_s"] for r in logged)
@@ -135,7 +136,13 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-VARIANTS = {"ours": ours, "trl": trl}
+def ours_compiled(folder: str, steps: int, new_tokens: int) -> dict:
+    """ours with --compile default: Inductor compiles the training step and, for the rollouts, the decode step
+    (on a CPU; on CUDA `auto` already replays the decode step as a CUDA graph)."""
+    return ours(folder, steps, new_tokens, "default")
+
+
+VARIANTS = {"ours": ours, "trl": trl, "ours-compiled": ours_compiled}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
