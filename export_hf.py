@@ -48,11 +48,12 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     source = detect(checkpoint, base=base)
     if source.kind not in (Kind.RUN, Kind.LORA):
         what = "a GGUF file" if source.kind is Kind.GGUF else "already a Hugging Face model"
-        raise CheckpointError(f"{checkpoint} is {what}, export a checkpoint or run folder (import it first with "
-                              f"export_hf.py --import {checkpoint} RUN_DIR)")
+        raise CheckpointError(f"{checkpoint} is {what}, export a checkpoint or run folder (import it first "
+                              f"with export_hf.py --import {checkpoint} RUN_DIR)")
     model = read(source)
     if model.tokenizer_path is None:
-        raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is incomplete; export another one")
+        raise CheckpointError(f"{model.path} has no {TOKENIZER}, the checkpoint is "
+                              "incomplete; export another one")
     if (os.path.abspath(model.path) + os.sep).startswith(os.path.abspath(out) + os.sep):
         raise CheckpointError(f"{os.path.abspath(out)} holds the checkpoint being exported, choose another "
                               "output folder")
@@ -74,14 +75,16 @@ def import_hf(path: str, run_dir: str, tokenizer: str = "", max_seq_len: int = 0
     if holds_checkpoints(run_dir):  # complete or not, LATEST or not: as the trainer refuses a new run there
         raise CheckpointError(f"{run_dir} already holds checkpoints, choose a new RUN_DIR")
     if not is_hf_folder(path) and not is_hub_name(path) and not is_gguf(path):
-        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with model.safetensors) or a "
-                              ".gguf file, save the model with save_pretrained(safe_serialization=True)")
+        raise CheckpointError(f"{path} is not a Hugging Face model folder (config.json with "
+                              "model.safetensors) or a .gguf file, save the model with "
+                              "save_pretrained(safe_serialization=True)")
     model = read_model(path, max_seq_len)
     if tokenizer and os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, TOKENIZER)
     tokenizer = tokenizer or model.tokenizer_path
     if not tokenizer or not os.path.isfile(tokenizer):
-        raise CheckpointError(f"{model.path} has no {TOKENIZER}, pass --tokenizer with the model's tokenizer.json")
+        raise CheckpointError(f"{model.path} has no {TOKENIZER}, pass --tokenizer "
+                              "with the model's tokenizer.json")
     # No optimizer state: the trainer starts it fresh (--init_from), so this is a start, not a resume.
     return save_checkpoint(run_dir, 0, model.state, model_config=model.config, tokenizer_path=tokenizer,
                            trainer_state=trainer_state.imported(path), keep=1)
@@ -94,14 +97,14 @@ def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str
     if is_hub_name(base) or is_hf_folder(base):
         return base if is_hub_name(base) else os.path.abspath(base)
     if is_gguf(base):
-        raise ConfigError(f"the adapters of {checkpoint} adapt {base}, a GGUF file, which transformers cannot load "
-                          "by name; import it (export_hf.py --import BASE BASE_RUN), export that as a Hugging Face "
-                          "folder (export_hf.py BASE_RUN BASE_HF) and pass --base BASE_HF")
+        raise ConfigError(f"the adapters of {checkpoint} adapt {base}, a GGUF file, which transformers "
+                          "cannot load by name; import it (export_hf.py --import BASE BASE_RUN), export that "
+                          "as a Hugging Face folder (export_hf.py BASE_RUN BASE_HF) and pass --base BASE_HF")
     check_base(meta, resolve_checkpoint(base), checkpoint, "--base")  # before a whole model is written for nothing
     folder = os.path.normpath(out) + "-base"
     export(base, folder, args.dtype, args.eos, args.overwrite)
-    print(f"exported the base {base} to {folder}, which adapter_config.json names (a run of ours loads in PEFT "
-          "only as a Hugging Face folder)")
+    print(f"exported the base {base} to {folder}, which adapter_config.json names (a run of ours loads in "
+          "PEFT only as a Hugging Face folder)")
     return os.path.abspath(folder)
 
 
@@ -126,25 +129,30 @@ def parse_args(argv) -> argparse.Namespace:
                    help="read a Hugging Face folder, Hub model or GGUF file into a run folder instead of "
                         "exporting")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
-    p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation stops at it, "
-                                                    "at <|endoftext|> and at <|im_end|> (chat models) either way")
-    p.add_argument("--gguf", choices=GGUF_TYPES, help="export: write a GGUF file of this type (llama.cpp, Ollama) "
-                                                      "instead of a Hugging Face folder")
+    p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation "
+                                                    "stops at it, at <|endoftext|> and at "
+                                                    "<|im_end|> (chat models) either way")
+    p.add_argument("--gguf", choices=GGUF_TYPES, help="export: write a GGUF file of this type (llama.cpp, "
+                                                      "Ollama) instead of a Hugging Face folder")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
-    p.add_argument("--base", default="", help="export of a LoRA run: the base model its adapters were trained on")
+    p.add_argument("--base", default="", help="export of a LoRA run: the base "
+                                              "model its adapters were trained on")
     p.add_argument("--adapter_only", action="store_true", help="export of a LoRA run: a PEFT folder of the adapters "
                    "(adapter_config.json naming --base, or the base the run recorded; adapter_model.safetensors)")
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
-    p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: max_position_embeddings")
+    p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: "
+                                                              "max_position_embeddings")
     args = p.parse_args(argv)
     if args.adapter_only and (args.gguf or args.do_import):
-        raise ConfigError("--adapter_only writes a PEFT folder of a LoRA run's adapters; leave out --gguf and --import")
+        raise ConfigError("--adapter_only writes a PEFT folder of a LoRA run's "
+                          "adapters; leave out --gguf and --import")
     if len(args.paths) > 2 or (args.do_import and len(args.paths) != 2):
-        raise ConfigError(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to export or --import HF_DIR "
-                          "RUN_DIR")
+        raise ConfigError(f"got {len(args.paths)} paths, give [CHECKPOINT] OUT_DIR to "
+                          "export or --import HF_DIR RUN_DIR")
     if args.gguf and (args.do_import or args.dtype != "float32" or args.eos != EOT_TOKEN):
-        raise ConfigError(f"--gguf {args.gguf} writes a GGUF file: it takes no --import, --dtype or --eos (the type "
-                          "is --gguf's, and a chat tokenizer's end token is <|im_end|>); leave them out")
+        raise ConfigError(f"--gguf {args.gguf} writes a GGUF file: it takes no --import, "
+                          "--dtype or --eos (the type is --gguf's, and a chat tokenizer's end "
+                          "token is <|im_end|>); leave them out")
     return args
 
 
@@ -169,7 +177,8 @@ def main(argv=None) -> int:
                   f"{os.path.join(out, 'Modelfile')}")
         else:
             print(f"exported {ckpt} to {out} ({args.dtype})")
-            print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), AutoTokenizer.from_pretrained({out!r})")
+            print(f"load with: AutoModelForCausalLM.from_pretrained({out!r}), "
+                  f"AutoTokenizer.from_pretrained({out!r})")
     return 0
 
 

@@ -179,7 +179,8 @@ def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, ste
     lr_scale = lr_multiplier(clock.progress(step), t)
     set_lr(runner.opt, lr_scale)
     if step == first and not runner.eager:  # the bar would sit at its first step without a word
-        say(session, "compiling the step: from an empty cache it takes 20-60 s on a CPU, minutes for a large model")
+        say(session, "compiling the step: from an empty cache it takes 20-60 s on a "
+                     "CPU, minutes for a large model")
     try:
         loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
                                                                                    plan.ranks)
@@ -210,9 +211,9 @@ def log_window(plan: Plan, runner: Runner, session: Session, clock: RunClock, gr
     step, window = runner.state.step, session.window
     worst = int(window.worst.item())  # sync point: the window's only host reads of the device
     if worst >= plan.cfg.train.max_bad_steps:
-        raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step {step}); "
-                                 "those updates were skipped, no checkpoint holds NaN. Lower --learning_rate or "
-                                 "use --precision fp32, then --resume")
+        raise FloatingPointError(f"{worst} consecutive steps had a non-finite loss or gradient (by step "
+                                 f"{step}); those updates were skipped, no checkpoint holds NaN. Lower "
+                                 "--learning_rate or use --precision fp32, then --resume")
     mean_loss = plan.ranks.mean(window.mean()).item()
     pairs = runner.objective.take(plan.ranks)  # a preference run's rewards
     if session.monitor:
@@ -288,8 +289,9 @@ def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first:
     """After the loop: the end of a run that never stepped or lost its data, else the summary (rank 0)."""
     t, state = plan.cfg.train, runner.state
     if state.step == first and not plan.ckpt and not data_lost:
-        raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the first step "
-                          f"({clock.timer.spent_s():.0f} s on data preparation and setup), raise --max_minutes")
+        raise ConfigError(f"the {t.max_minutes:g}-minute budget was spent before the "
+                          f"first step ({clock.timer.spent_s():.0f} s on data preparation "
+                          "and setup), raise --max_minutes")
     if session.monitor:
         session.monitor.close()
     if data_lost:  # the corpus stopped arriving (the Hub, the disk): the work up to here is saved
@@ -356,9 +358,9 @@ def run(argv=None) -> int:
     try:
         return main(argv)
     except torch.OutOfMemoryError:
-        raise RunFailure("out of GPU memory; lower --micro_batch_size (raise --grad_accum_steps to keep tokens per "
-                         "step), lower --max_seq_len, set --gradient_checkpointing true, try --auto_micro_batch "
-                         "true, or pick a smaller --preset") from None
+        raise RunFailure("out of GPU memory; lower --micro_batch_size (raise --grad_accum_steps to keep "
+                         "tokens per step), lower --max_seq_len, set --gradient_checkpointing true, try "
+                         "--auto_micro_batch true, or pick a smaller --preset") from None
     except BrokenPipeError:
         raise
     except OSError as e:  # a write outside the checkpoint (metrics, the loss plot) the disk refused

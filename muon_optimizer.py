@@ -252,8 +252,9 @@ class MuonAdamW:
         """Restore every part's state (moments, momentum buffers, step counts). The settings stay this run's:
         learning rates, decay, betas and the fused/foreach choice come from the config given now."""
         if set(state_dict) != set(self.parts):
-            raise ValueError(f"optimizer state holds {sorted(state_dict)} but this run uses {sorted(self.parts)}, "
-                             "resume with the optimizer setting the checkpoint was trained with")
+            raise ValueError(f"optimizer state holds {sorted(state_dict)} but this run "
+                             f"uses {sorted(self.parts)}, resume with the optimizer "
+                             "setting the checkpoint was trained with")
         for name, opt in self.parts.items():
             settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             opt.load_state_dict(state_dict[name])
@@ -308,8 +309,8 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
     if cfg.optimizer not in ("auto", "muon", "adamw"):
         raise ValueError(f"optimizer={cfg.optimizer!r} is invalid: choose muon or adamw")
     if not (cfg.learning_rate > 0 and cfg.muon_lr > 0):
-        raise ValueError(f"learning_rate={cfg.learning_rate} and muon_lr={cfg.muon_lr} must be positive: fill the "
-                         "automatic ones (autofill.fill_automatic) before building the optimizer")
+        raise ValueError(f"learning_rate={cfg.learning_rate} and muon_lr={cfg.muon_lr} must be positive: "
+                         "fill the automatic ones (autofill.fill_automatic) before building the optimizer")
     groups = split_parameters(model, use_muon=cfg.optimizer != "adamw")
     parts = {}
     if groups["muon"]:

@@ -56,15 +56,18 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
     if data.meta.get("has_pairs"):
         p = pair_plan(tokens, masks, data.meta["eot_id"], seq_len, seed=0)
         held = int(p.length[p.pair_ids].sum())
-        print(f"packing: {p.pairs:,} preference pairs (two examples each) in {p.windows:,} windows of {seq_len} "
-              f"tokens, {held / max(1, p.windows * seq_len):.1%} of positions filled; {p.cut:,} prompts cut from the "
-              f"left to fit a window, {p.dropped:,} pairs left out (their replies alone overflow it)")
+        print(f"packing: {p.pairs:,} preference pairs (two examples each) in {p.windows:,} windows of "
+              f"{seq_len} tokens, {held / max(1, p.windows * seq_len):.1%} of positions filled; "
+              f"{p.cut:,} prompts cut from the left to fit a window, {p.dropped:,} pairs left out "
+              "(their replies alone overflow it)")
     elif packs(packing, data.meta):
         p = plan(tokens, data.meta["eot_id"], tok.token_to_id(IM_START), seq_len, seed=0)
-        print(f"packing: {p.examples:,} examples in {p.windows:,} windows of {seq_len} tokens, {p.fill_rate:.1%} "
-              f"of positions filled; {p.cut:,} examples longer than a window were cut at a turn start")
+        print(f"packing: {p.examples:,} examples in {p.windows:,} windows of {seq_len} "
+              f"tokens, {p.fill_rate:.1%} of positions filled; {p.cut:,} examples longer than "
+              "a window were cut at a turn start")
     else:
-        print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), windows are random slices")
+        print(f"packing: off ({'--packing off' if packing == 'off' else 'no chats'}), "
+              "windows are random slices")
 
 
 # What decides the cache: the data's settings, the vocabulary and context (a preset's, or sizing's for
@@ -80,9 +83,9 @@ def parse_args(argv=None):
     for word in argv:
         name = word.lstrip("-").split("=")[0].replace("-", "_")
         if word.startswith("-") and not word[1:2].isdigit() and name not in CACHE_FLAGS:
-            raise ConfigError(f"{word.split('=')[0]} is the trainer's setting, not the data's: prepare_data.py takes "
-                              "the data, tokenizer and sizing settings (--help lists them); pass it to "
-                              "gpu_training_optimized.py")
+            raise ConfigError(f"{word.split('=')[0]} is the trainer's setting, not the data's: "
+                              "prepare_data.py takes the data, tokenizer and sizing settings (--help lists "
+                              "them); pass it to gpu_training_optimized.py")
 
     def show(parser):
         parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
@@ -103,9 +106,10 @@ def main(argv=None):
         print(note)  # the vocabulary and context the trainer would choose here
     data = prepare(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.max_seq_len)
     m = data.meta
-    print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens "
-          f"in {m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} documents, "
-          f"{m['val_bytes_per_token']:.2f} bytes per token, masks {'yes' if m['has_masks'] else 'no'}")
+    print(f"cache {data.path}: vocab {m['vocab_size']} ({m['dtype']}), train {m['train_tokens']:,} tokens in "
+          f"{m['train_documents']} documents, val {m['val_tokens']:,} tokens in {m['val_documents']} "
+          f"documents, {m['val_bytes_per_token']:.2f} bytes per token, masks "
+          f"{'yes' if m['has_masks'] else 'no'}")
     if len(m["sources"]) == 1 and not cfg.data.max_tokens:
         print("\n".join(source_table(m)))  # prepare() logs it itself for a mixture or a cap
     if extras.show:

@@ -50,8 +50,8 @@ except ImportError:
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm", "generate", "chat_page.html")
 # The page's script and style are inline; it may talk to this server only, and load nothing else.
-PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src "
+               "'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 # ----------------------------------------------------------------------------- requests
@@ -74,7 +74,8 @@ async def read_json(request) -> dict:
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # ValueError: bad JSON or UTF-8, an integer of over 4300 digits
-        raise BadRequest("the request body is not valid JSON (or nests too deeply); send a JSON object") from None
+        raise BadRequest("the request body is not valid JSON (or nests "
+                         "too deeply); send a JSON object") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     check_text(body)
@@ -98,12 +99,13 @@ class Server:
     def job(self, body: dict, chat: bool) -> Job:
         """The request as a job for the worker, every value checked first: a bad one never joins a batch."""
         if body.get("model") not in (None, self.name):
-            raise BadRequest(f"model {body.get('model')!r:.80} does not exist, this server has {self.name!r}", "model")
+            raise BadRequest(f"model {body.get('model')!r:.80} does not "
+                             f"exist, this server has {self.name!r}", "model")
         refuse_unimplemented(body)
         if chat:
             if not can_chat(self.tokenizer):
-                raise BadRequest("this model was not trained on conversations (its tokenizer has no <|im_start|>); "
-                                 "use /v1/completions", "messages")
+                raise BadRequest("this model was not trained on conversations (its tokenizer has no "
+                                 "<|im_start|>); use /v1/completions", "messages")
             try:
                 ids = chat_prompt_ids(self.tokenizer, body.get("messages"))
             except ValueError as e:
@@ -120,8 +122,9 @@ class Server:
             if not 0 < len(ids) <= limit:
                 # lm-eval's default max_length (2048) overfills a shorter context, and it shows only the
                 # status.
-                e = BadRequest(f"a prompt has {len(ids)} tokens and the model's context is {ctx}, so a prompt takes 1 "
-                               f"to {limit}; shorten it (with lm-eval, pass max_length={ctx} in --model_args)",
+                e = BadRequest(f"a prompt has {len(ids)} tokens and the model's context is {ctx}, so a "
+                               f"prompt takes 1 to {limit}; shorten it (with lm-eval, pass "
+                               f"max_length={ctx} in --model_args)",
                                "messages" if chat else "prompt")
                 print(f"refused a request: {e.message}", file=sys.stderr, flush=True)
                 raise e
@@ -308,8 +311,8 @@ def parse_args(argv=None) -> tuple[LoadConfig, ServeConfig]:
     from it too."""
     (load, serving), _ = parse_sections((LoadConfig, ServeConfig), (LoadConfig(), ServeConfig()),
                                         sys.argv[1:] if argv is None else argv,
-                                        "Serve a model over the OpenAI API, with a chat page at /. Every field below "
-                                        "can be set as --name value.")
+                                        "Serve a model over the OpenAI API, with a chat page at /. Every "
+                                        "field below can be set as --name value.")
     return load, serving
 
 
@@ -319,8 +322,8 @@ def main(argv=None) -> int:
     if uvicorn is None:
         raise RunFailure("serving needs starlette and uvicorn: pip install -r requirements.txt")
     server = Server(load, serving)
-    print(f"serving {server.path} as {server.name!r} on http://{serving.host}:{serving.port}/v1, a chat page at "
-          f"http://{serving.host}:{serving.port}/", file=sys.stderr, flush=True)
+    print(f"serving {server.path} as {server.name!r} on http://{serving.host}:{serving.port}/v1, a chat page "
+          f"at http://{serving.host}:{serving.port}/", file=sys.stderr, flush=True)
     uvicorn.run(app_for(server), host=serving.host, port=serving.port, log_level="warning")
     return 0
 

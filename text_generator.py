@@ -282,8 +282,8 @@ class Repl:
             raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
                              "conversations")
         self.chatting, self.messages = True, []
-        print("chat mode: type a message; /reset clears the dialogue, /plain returns to plain text, quit (or Ctrl-D) "
-              "leaves")
+        print("chat mode: type a message; /reset clears the dialogue, /plain returns to "
+              "plain text, quit (or Ctrl-D) leaves")
 
     def cmd_reset(self, _=""):
         self.messages = []
@@ -346,8 +346,9 @@ def parse_args(argv):
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")
         parser.add_argument("--interactive", action="store_true", help="the REPL even when stdin is not a terminal")
-        parser.add_argument("--eval", action="store_true", help="measure the model instead: bits per byte and the "
-                                                                "share of Python function bodies that parse")
+        parser.add_argument("--eval", action="store_true", help="measure the model instead: bits "
+                                                                "per byte and the share of Python "
+                                                                "function bodies that parse")
         parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
                                                                         "validation split of config.py's data")
     (load, settings), extras = parse_sections((LoadConfig, SampleConfig), (LoadConfig(), SampleConfig()), argv,

@@ -73,8 +73,8 @@ def importorskip(modname: str, *args, **kwargs):
         except ImportError as e:
             error = e
         if error is not None:  # failed outside the except: one message, not the import's chained to it
-            pytest.fail(f"{modname} cannot be imported ({error}), but requirements-test.txt lists {distribution}: "
-                        "pip install -r requirements-test.txt", pytrace=False)
+            pytest.fail(f"{modname} cannot be imported ({error}), but requirements-test.txt lists "
+                        f"{distribution}: pip install -r requirements-test.txt", pytrace=False)
     return _importorskip(modname, *args, **kwargs)  # a minversion, where one is asked, still skips
 
 

@@ -78,8 +78,8 @@ def live(looper):
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium through its driver; skipped, saying what to install, where either is missing."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="the page's tests need selenium: pip install "
-                                                                 "-r requirements-test.txt")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="the page's tests need selenium: pip "
+                                                                 "install -r requirements-test.txt")
     binary = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
     driver = shutil.which("chromedriver")
     if not binary or not driver:
@@ -196,5 +196,6 @@ def test_raw_completion_from_the_page(browser, live, spy):
     find("prompt").send_keys("x")
     find("send").click()
     wait(browser, lambda: find("status").get_attribute("data-state") == "idle" and "max tokens" in find("status").text)
-    shown = browser.execute_script("return document.querySelector('#log .completion .continuation').textContent")
+    shown = browser.execute_script("return document.querySelector('#log "
+                                   ".completion .continuation').textContent")
     assert shown == "abababab" and spy[-1]["lengths"] == [8] and not spy[-1]["cancelled"]

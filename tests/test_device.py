@@ -48,7 +48,8 @@ def test_a_device_that_is_not_there_is_refused():
 
 def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch):
     """--precision fp8 needs Ada/Hopper tensor cores; anywhere else one line says so (and what to use)."""
-    with pytest.raises(ConfigError, match="precision=fp8 needs a GPU with FP8 tensor cores.*found cpu.*use bf16"):
+    with pytest.raises(ConfigError, match="precision=fp8 needs a GPU with FP8 "
+                                          "tensor cores.*found cpu.*use bf16"):
         device.pick_precision("fp8", torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # an A100
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")

@@ -283,8 +283,9 @@ def test_the_engine_leaves_dynamos_settings_to_the_process(tiny_loaded):
     (a user's own torch.compile too); the engine's limits now hold only while it generates."""
     import subprocess
     import sys
-    code = ("import torch; c = torch._dynamo.config; before = (c.recompile_limit, c.fail_on_recompile_limit_hit); "
-            "import llm.generate.engine, llm.generate.inference; print(before == (c.recompile_limit, c.fail_on_recompile_limit_hit))")
+    code = ("import torch; c = torch._dynamo.config; before = (c.recompile_limit, "
+            "c.fail_on_recompile_limit_hit); import llm.generate.engine, llm.generate.inference; "
+            "print(before == (c.recompile_limit, c.fail_on_recompile_limit_hit))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True).stdout == "True\n"
     config = torch._dynamo.config

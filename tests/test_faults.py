@@ -55,7 +55,8 @@ def test_a_run_folder_with_only_an_incomplete_checkpoint_is_refused_by_name(tmp_
     run = tmp_path / "run" / "checkpoints" / "step_000002"
     run.mkdir(parents=True)
     (run / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ckpt_io.CheckpointError, match="holds no complete checkpoint .*step_000002 is incomplete"):
+    with pytest.raises(ckpt_io.CheckpointError, match="holds no complete checkpoint "
+                                                      ".*step_000002 is incomplete"):
         read_model(str(tmp_path / "run"))
 
 
@@ -258,7 +259,8 @@ def test_a_batch_larger_than_memory_is_refused_before_allocating(tiny_checkpoint
     from llm.generate import engine
     model, tok, *_ = load_for_inference(tiny_checkpoint, "cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**6})())
-    with pytest.raises(ValueError, match="need about .* GiB, more than the .* GiB free; lower num_return_sequences"):
+    with pytest.raises(ValueError, match="need about .* GiB, more than the .* GiB "
+                                         "free; lower num_return_sequences"):
         engine.generate(model, [[1, 2, 3]], SampleConfig(num_return_sequences=1000, max_new_tokens=50))
 
 

@@ -264,8 +264,8 @@ def test_a_full_disk_while_the_tokenizer_is_rebuilt_is_one_line(python_data, tin
 
 # A process that reads a GGUF (as a run started from one does), prints the tokenizer.json it was given, and
 # waits.
-READ_AND_WAIT = ("import sys, time; from llm.formats.gguf_reader import read_gguf; print(read_gguf(sys.argv[1])[2], flush=True); "
-                 "time.sleep(int(sys.argv[2]))")
+READ_AND_WAIT = ("import sys, time; from llm.formats.gguf_reader import read_gguf; "
+                 "print(read_gguf(sys.argv[1])[2], flush=True); time.sleep(int(sys.argv[2]))")
 
 
 @pytest.mark.slow
@@ -315,8 +315,8 @@ def test_a_trillion_declared_blocks_are_refused_at_once(tmp_path):
                        capture_output=True, timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert lines[0].startswith(f"error: {path}: llama.block_count=1,000,000,000,000 is invalid: must be from 0 "
-                               "to 4096"), lines
+    assert lines[0].startswith(f"error: {path}: llama.block_count=1,000,000,000,000 is "
+                               "invalid: must be from 0 to 4096"), lines
 
 
 def test_a_sentencepiece_vocabulary_is_refused_by_name(tmp_path):

@@ -74,7 +74,8 @@ def test_the_quick_check_runs_every_part_on_a_cpu_and_writes_one_table(corpus, t
     for row in ("the no-flag trainer as a first run", "one-shot generation, eager", "a prompt on stdin (as the REPL)",
                 "training `small`", "training `large`, FP8", "training `large`, max-autotune", "CUDA graphs",
                 "decode, `tiny` shape, batch 8", "greedy tokens against transformers",
-                "`--preset small --max_minutes 1`", "training `small` beside a thread preparing a token cache"):
+                "`--preset small --max_minutes 1`", "training `small` beside a "
+                                                    "thread preparing a token cache"):
         assert f"| {row}" in table, row
 
 

@@ -131,7 +131,8 @@ def test_a_download_killed_midway_resumes_and_gives_the_hubs_bytes(hub, tmp_path
     name = "data/part-0.parquet"
     hub.stall = (name, len(files[name]) * 2 // 3)
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from huggingface_hub import constants; "
-              "constants.DOWNLOAD_CHUNK_SIZE = 16384; from llm.data import hf_datasets; hf_datasets.fetch(sys.argv[2])")
+              "constants.DOWNLOAD_CHUNK_SIZE = 16384; from llm.data import hf_datasets; "
+              "hf_datasets.fetch(sys.argv[2])")
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
     child = subprocess.Popen([sys.executable, "-c", script, ROOT, URL], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)

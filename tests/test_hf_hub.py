@@ -255,5 +255,5 @@ def test_the_environment_alone_points_the_scripts_at_the_cache(hub, tmp_path):
     assert done.returncode == 0 and "imported hf:tiny-org/tiny-qwen2" in done.stdout, done.stderr
     done = subprocess.run([sys.executable, "text_generator.py", "hf:tiny-org/other", "--prompt", "x"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stderr.startswith("error: hf:tiny-org/other is not in the Hugging Face "
-                                                           f"cache ({cache})"), done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("error: hf:tiny-org/other is not in the "
+                                                           f"Hugging Face cache ({cache})"), done.stderr

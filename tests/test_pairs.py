@@ -68,7 +68,8 @@ def test_each_shape_reads_as_one_prompt_and_two_replies(row, want):
     ({"chosen": "Hello!", "rejected": "No."}, "needs a prompt"),
     ({"prompt": "Hi", "chosen": "Hello!", "rejected": [{"role": "assistant", "content": "No."}]}, "must both be strings"),
     ({"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "user", "content": "Hello!"}],
-      "rejected": [{"role": "user", "content": "No."}]}, "the chosen reply holds no assistant turn (it has user)"),
+      "rejected": [{"role": "user", "content": "No."}]}, "the chosen reply holds no "
+                                                         "assistant turn (it has user)"),
     ({"prompt": "Hi \ud800", "chosen": "Hello!", "rejected": "No."}, "a lone surrogate"),
 ])
 def test_bad_rows_are_refused_in_one_line_naming_the_line(tmp_path, row, words):
@@ -224,12 +225,12 @@ def test_a_muon_fine_tune_names_both_rates_and_an_adamw_one_only_its_own():
     cfg = Config(train=TrainConfig(init_from="runs/base"))
     muon, chosen = fill_fine_tuning(cfg, {"optimizer": "muon", "learning_rate": 0.006, "muon_lr": 0.02})
     assert chosen.lines(muon.train) == [
-        "automatic: optimizer=muon, learning_rate=0.006, muon_lr=0.02 (fine-tuning every weight of the pretrained "
-        "--init_from model; the peak rates the --init_from run trained at)"]
+        "automatic: optimizer=muon, learning_rate=0.006, muon_lr=0.02 (fine-tuning every weight of the "
+        "pretrained --init_from model; the peak rates the --init_from run trained at)"]
     adamw, chosen = fill_fine_tuning(cfg, None)  # a downloaded model: the SmolLM2-measured AdamW rates
     assert chosen.lines(adamw.train) == [
-        "automatic: optimizer=adamw, learning_rate=2e-05 (fine-tuning every weight of the pretrained --init_from "
-        "model; the presets' rates are for training from scratch)"]
+        "automatic: optimizer=adamw, learning_rate=2e-05 (fine-tuning every weight of the pretrained "
+        "--init_from model; the presets' rates are for training from scratch)"]
 
 
 def test_an_eager_runs_windows_lose_only_their_padding(tmp_path, tiny_config):

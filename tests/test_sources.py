@@ -316,7 +316,8 @@ def test_skip_bad_lines_skips_and_counts_bad_rows_but_not_broken_containers(tmp_
     data = prepare(config(tmp_path, [path], skip_bad_lines=True), logs=logs)
     assert data.meta["bad_lines_skipped"] == 3
     assert data.meta["train_documents"] + data.meta["val_documents"] == len(docs)
-    assert any("skipped 3 bad table row(s), the first is " in m and "d.parquet row group 1 row 1: no text field" in m
+    assert any("skipped 3 bad table row(s), the first is " in m and "d.parquet row group 1 "
+                                                                    "row 1: no text field" in m
                for m in logs)
     with pytest.raises(DataError, match="gzip stream is cut short"):
         prepare(config(tmp_path, _truncated_gz(tmp_path), skip_bad_lines=True))

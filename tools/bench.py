@@ -276,8 +276,8 @@ def main(argv=None):
     if peak is None:
         dtype = amp_dtype or torch.float32
         peak = matmul_peak(device, dtype)
-        print(f"peak: {peak / 1e9:,.0f} GFLOP/s, a 2048 x 2048 {str(dtype).removeprefix('torch.')} matmul measured "
-              "now (MFU's yardstick)")
+        print(f"peak: {peak / 1e9:,.0f} GFLOP/s, a 2048 x 2048 {str(dtype).removeprefix('torch.')} matmul "
+              "measured now (MFU's yardstick)")
     print(f"device: {device_report(device)} | precision: {precision} | compile: "
           f"{cfg.train.compile} | batch {cfg.train.micro_batch_size} x {cfg.model.max_seq_len} x "
           f"{cfg.train.grad_accum_steps} | {params / 1e6:.1f}M parameters | optimizer {cfg.train.optimizer}")
@@ -305,8 +305,9 @@ def main(argv=None):
     share = None
     if args.optimizer_share:
         share = measure("ours", cfg, device, None, steps, warmup, share=True)
-        print(f"optimizer step ({cfg.train.optimizer}): {1e3 * share['optimizer_s']:.1f} ms, forward + backward "
-              f"{1e3 * share['forward_backward_s']:.1f} ms per step: {100 * share['share']:.1f}% of the step")
+        print(f"optimizer step ({cfg.train.optimizer}): {1e3 * share['optimizer_s']:.1f} ms, forward + "
+              f"backward {1e3 * share['forward_backward_s']:.1f} ms per step: "
+              f"{100 * share['share']:.1f}% of the step")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": cfg.to_dict(), "device": device_report(device), "results": results,

@@ -104,9 +104,10 @@ def main():
     print(f"\n{'task':<14} {'items':>6} {'agree':>7} {'differ':>6} {'untied':>6} {'acc':>6} {'lm-eval':>7} "
           f"{'s':>7} {'s lm-eval':>9} {'speedup':>7} {'tokens':>7}")
     for r in rows:
-        print(f"{r['task']:<14} {r['items']:>6} {100 * r['agree']:>6.2f}% {r['differ']:>6} {r['differ_untied']:>6} "
-              f"{100 * r['acc']:>6.1f} {100 * r['acc_lm_eval']:>7.1f} {r['seconds']:>7.1f} {r['seconds_lm_eval']:>9.1f}"
-              f" {r['speedup']:>6.2f}x {r['token_ratio']:>6.2f}x")
+        print(f"{r['task']:<14} {r['items']:>6} {100 * r['agree']:>6.2f}% {r['differ']:>6} "
+              f"{r['differ_untied']:>6} {100 * r['acc']:>6.1f} "
+              f"{100 * r['acc_lm_eval']:>7.1f} {r['seconds']:>7.1f} "
+              f"{r['seconds_lm_eval']:>9.1f} {r['speedup']:>6.2f}x {r['token_ratio']:>6.2f}x")
 
 
 if __name__ == "__main__":

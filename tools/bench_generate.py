@@ -135,8 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
-    p.add_argument("--shapes", nargs="+", default=[], help=f"{', '.join(CPU_SHAPES)} or a preset name; default: "
-                                                           "the CPU shapes on a CPU, large on a GPU")
+    p.add_argument("--shapes", nargs="+", default=[], help=f"{', '.join(CPU_SHAPES)} or a preset name; "
+                                                           "default: the CPU shapes on a CPU, large on a GPU")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=256)
@@ -160,9 +160,10 @@ def main(argv=None):
         model = Transformer(cfg).to(device)
         prompt_len = min(args.prompt_len, cfg.max_seq_len // 4)
         n = min(args.new_tokens, cfg.max_seq_len - prompt_len - 1)
-        print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, prompt {prompt_len}, "
-              f"{n} new tokens; {device}, {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}"
-              f"{', ours int8' if args.quantize == 'int8' else ''}, torch {torch.__version__}", flush=True)
+        print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, "
+              f"prompt {prompt_len}, {n} new tokens; {device}, {torch.get_num_threads()} threads, "
+              f"{str(dtype).removeprefix('torch.')}{', ours int8' if args.quantize == 'int8' else ''}, "
+              f"torch {torch.__version__}", flush=True)
         hfs = {} if args.skip_hf else {"hf fastest": True, "hf default": False}
         twin = None if args.skip_hf else hf_twin(cfg, model.state_dict()).to(device, dtype).eval()
         if twin is not None:

@@ -45,7 +45,8 @@ def setup(folder: str) -> str:
     rows = []
     for _ in range(PROMPTS):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"prompt": [{"role": "user", "content": f"Tom has {a} apples and buys {b} more. How many now?"}],
+        rows.append({"prompt": [{"role": "user", "content": f"Tom has {a} apples and buys "
+                                                            f"{b} more. How many now?"}],
                      "answer": str(a + b)})
     prompts = os.path.join(folder, "prompts.jsonl")
     with open(prompts, "w", encoding="utf-8") as f:
@@ -166,8 +167,8 @@ def main(argv=None) -> int:
                                   env={"OMP_NUM_THREADS": "1"})
     if results is None:
         return 1
-    print("| variant | replies a step | reply tokens | replies/s (median, range) | step s: sampling, rewards, "
-          "training | process peak GiB (median, range) | load |")
+    print("| variant | replies a step | reply tokens | replies/s (median, range) | step s: sampling, "
+          "rewards, training | process peak GiB (median, range) | load |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed, peak = [row["replies_per_s"] for row in rows], [row["peak_gib"] for row in rows]

@@ -107,7 +107,8 @@ class RssPeak:
 def estimate():
     """sizing.py's training-memory estimate for each variant at Qwen2.5-1.5B's shape."""
     from llm.base.sizing import training_bytes_estimate
-    print("| variant (Qwen2.5-1.5B shape, 4 x 2048 tokens, gradient checkpointing) | estimated GiB | fits 24 GiB |")
+    print("| variant (Qwen2.5-1.5B shape, 4 x 2048 tokens, gradient checkpointing) "
+          "| estimated GiB | fits 24 GiB |")
     print("| --- | --- | --- |")
     for name, fields in VARIANTS.items():
         cfg = qwen25_config(**LARGE)
@@ -146,8 +147,8 @@ def main(argv=None) -> int:
                 return 1
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r}: {name} {results[name][-1]}", flush=True)
-    print("| variant | trained parameters | tokens/s (median, range) | live tensors at the step's peak GiB (range) | "
-          "resident while training GiB (range) | process peak GiB |")
+    print("| variant | trained parameters | tokens/s (median, range) | live tensors at the step's peak GiB "
+          "(range) | resident while training GiB (range) | process peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed, live, rss = ([row[k] for row in rows] for k in ("tokens_per_s", "live_peak_gib", "training_gib"))

@@ -87,15 +87,17 @@ def fill(args):
     with tempfile.TemporaryDirectory() as tmp:
         source = write_chats(tmp, long_tailed_chats(args.chats, 0))
         data = prepare(DataConfig(sources=[source], cache_dir=tmp), vocab_size=1024, seq_len=64, log=lambda *a: None)
-        print(f"{data.meta['train_documents']:,} conversations, {data.meta['train_tokens']:,} tokens; "
-              f"median {np.median(lengths(data)):.0f} tokens, 99th percentile {np.percentile(lengths(data), 99):.0f}")
-        print("| window | packed: positions filled | examples cut | random slices: positions with their context |")
+        print(f"{data.meta['train_documents']:,} conversations, {data.meta['train_tokens']:,} tokens; median "
+              f"{np.median(lengths(data)):.0f} tokens, 99th percentile "
+              f"{np.percentile(lengths(data), 99):.0f}")
+        print("| window | packed: positions filled | examples cut | random slices: "
+              "positions with their context |")
         print("| --- | --- | --- | --- |")
         for seq_len in args.seq_lens:
             packed = PackedBatches(data, "train", 8, seq_len, seed=0)
             sliced = context_share_of_slices(Batches(data, "train", 8, seq_len, seed=0), data.meta["eot_id"])
-            print(f"| {seq_len} | {packed.plan.fill_rate:.1%} | {packed.plan.cut / packed.plan.examples:.1%} | "
-                  f"{sliced:.1%} |")
+            print(f"| {seq_len} | {packed.plan.fill_rate:.1%} | "
+                  f"{packed.plan.cut / packed.plan.examples:.1%} | {sliced:.1%} |")
 
 
 def lengths(data) -> np.ndarray:
@@ -139,11 +141,12 @@ def learn(args):
                                seq_len=args.seq_len, log=lambda *a: None)
                 row[mode] = assistant_loss(run, data, args.seq_len)
             rows.append(row)
-            print(f"seed {seed}: whole conversations {row['auto']:.4f}, random slices {row['off']:.4f} nats per "
-                  "assistant token", flush=True)
+            print(f"seed {seed}: whole conversations {row['auto']:.4f}, random slices "
+                  f"{row['off']:.4f} nats per assistant token", flush=True)
     packed, sliced = (np.array([r[m] for r in rows]) for m in ("auto", "off"))
-    print(f"mean over {args.seeds} seeds: whole conversations {packed.mean():.4f} ± {packed.std():.4f}, random slices "
-          f"{sliced.mean():.4f} ± {sliced.std():.4f}; packed lower in {(packed < sliced).sum()} of {args.seeds}")
+    print(f"mean over {args.seeds} seeds: whole conversations {packed.mean():.4f} ± {packed.std():.4f}, "
+          f"random slices {sliced.mean():.4f} ± {sliced.std():.4f}; packed lower in "
+          f"{(packed < sliced).sum()} of {args.seeds}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

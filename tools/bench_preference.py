@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench import alternate_processes, process_rounds_parser  # noqa: E402  (tools/, beside it)
 
-WORDS = ("the a river stone cloud tiger lamp green paper music orange window silver garden candle quiet bright "
-         "under over runs sings holds keeps finds makes small large old new warm cold early late").split()
+WORDS = ("the a river stone cloud tiger lamp green paper music orange window silver "
+         "garden candle quiet bright under over runs sings holds keeps finds makes small "
+         "large old new warm cold early late").split()
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
 RANK, PAIRS, BATCH_PAIRS = 16, 400, 8
@@ -150,8 +151,10 @@ VARIANTS = {"ours": ours, "trl": trl, "ours-one-window": partial(ours, one_windo
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = process_rounds_parser(__doc__, list(VARIANTS), steps=8)
-    p.add_argument("--seq_len", type=int, default=1024, help="our windows' length (a pair is about 380 tokens)")
-    p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (the reference pass reads them all)")
+    p.add_argument("--seq_len", type=int, default=1024, help="our windows' length (a "
+                                                             "pair is about 380 tokens)")
+    p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (the reference "
+                                                            "pass reads them all)")
     return p.parse_args(argv)
 
 
@@ -167,8 +170,8 @@ def main(argv=None) -> int:
     results = alternate_processes(here, args.variants, args.rounds, flags, read=reference_s)
     if results is None:
         return 1
-    print("| variant | pairs a step | tokens/s (median, range) | process peak GiB (median, range) | reference pass s |"
-          " load |")
+    print("| variant | pairs a step | tokens/s (median, range) | process peak GiB (median, "
+          "range) | reference pass s | load |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed, peak = [row["tokens_per_s"] for row in rows], [row["peak_gib"] for row in rows]

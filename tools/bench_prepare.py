@@ -162,7 +162,8 @@ def bench_tokenizer(path: str, docs) -> str:
 def describe_machine(when: str):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"machine {when}: {os.cpu_count()} CPUs ({cores} usable), load average {load} (1, 5, 15 min)", flush=True)
+    print(f"machine {when}: {os.cpu_count()} CPUs ({cores} usable), "
+          f"load average {load} (1, 5, 15 min)", flush=True)
 
 
 def prepare_seconds(sources: list[str], cache_dir: str, tokenizer: str, log=lambda *a: None) -> float:
@@ -197,7 +198,8 @@ def speed(args):
         mb = write_parquet(files["parquet"], docs) / 1e6
         write_jsonl_zst(files["jsonl.zst"], docs)
         tok, batches = bench_tokenizer(os.path.join(tmp, "tokenizer.json"), docs), list(_groups(docs, BATCH_BYTES))
-        print(f"corpus: {len(docs):,} documents, {mb:.1f} MB of text; a tokenizer of {VOCAB} tokens", flush=True)
+        print(f"corpus: {len(docs):,} documents, {mb:.1f} MB of "
+              f"text; a tokenizer of {VOCAB} tokens", flush=True)
         rates = {"peer": [], **{kind: [] for kind in files}}
         for r in range(args.repeats):
             for name in (list(rates) if r % 2 == 0 else reversed(rates)):  # ABC CBA: drift hits every variant
@@ -209,7 +211,8 @@ def speed(args):
                     shutil.rmtree(cache)
                 rates[name].append(mb / seconds)
                 print(f"repeat {r}: {name} {mb / seconds:.2f} MB/s", flush=True)
-    print("| kind | ours MB/s (median, range) | peer encode_batch MB/s (median, range) | ours / peer (median, range) |")
+    print("| kind | ours MB/s (median, range) | peer encode_batch MB/s (median, range) "
+          "| ours / peer (median, range) |")
     print("| --- | --- | --- | --- |")
     for kind in files:
         ratios = [ours / peer for ours, peer in zip(rates[kind], rates["peer"])]  # of the same repeat
@@ -233,8 +236,8 @@ def child(sources: list[str], cache_dir: str, tokenizer: str):
 def measured(sources: list[str], cache_dir: str, tokenizer: str) -> dict:
     """child() in a fresh process, its tree's resident size (worker processes included) sampled every 0.2 s."""
     import psutil
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import bench_prepare; "
-            f"bench_prepare.child({sources!r}, {cache_dir!r}, {tokenizer!r})")
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import "
+            f"bench_prepare; bench_prepare.child({sources!r}, {cache_dir!r}, {tokenizer!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, tree = 0, psutil.Process(proc.pid)
     while proc.poll() is None:  # the pipes hold the child's few lines: it never blocks on them
@@ -262,15 +265,17 @@ def memory(args):
         with tempfile.TemporaryDirectory(dir=args.dir) as cache:  # fresh: the preparation tokenizes everything
             rows.append((gb, measured([folder], cache, tok)))
         print(f"{gb:g} GB: {rows[-1][1]}", flush=True)
-    print("| corpus GB | prepare s | MB/s | peak resident MB (tree, sampled) | ru_maxrss MB | after imports MB |")
+    print("| corpus GB | prepare s | MB/s | peak resident MB (tree, sampled) | "
+          "ru_maxrss MB | after imports MB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for gb, r in rows:
         print(f"| {gb:g} | {r['seconds']:.1f} | {gb * 1e3 / r['seconds']:.1f} | {r['tree_mb']:.0f} | "
               f"{r['maxrss_mb']:.0f} | {r['imports_mb']:.0f} |")
     (_, small), (_, big) = rows
     above = (big["maxrss_mb"] - big["imports_mb"]) / max(1.0, small["maxrss_mb"] - small["imports_mb"])
-    print(f"peaks, {args.small_ratio:g}x the text: {big['tree_mb'] / small['tree_mb']:.2f}x (tree), "
-          f"{big['maxrss_mb'] / small['maxrss_mb']:.2f}x (ru_maxrss), {above:.2f}x (ru_maxrss above the imports)")
+    print(f"peaks, {args.small_ratio:g}x the text: {big['tree_mb'] / small['tree_mb']:.2f}x "
+          f"(tree), {big['maxrss_mb'] / small['maxrss_mb']:.2f}x (ru_maxrss), {above:.2f}x "
+          "(ru_maxrss above the imports)")
     describe_machine("after")
 
 
@@ -308,7 +313,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--add_mb", type=float, default=10, help="grow: MB of text of the file added")
     p.add_argument("--dir", default="", help="folder of the generated corpora and tokenizer, kept for the next call; "
                    "default: a temporary folder, removed at the end")
-    p.add_argument("--cache_dir", default="", help="grow: the corpus's token cache, kept; default: cache in --dir")
+    p.add_argument("--cache_dir", default="", help="grow: the corpus's token cache, "
+                                                   "kept; default: cache in --dir")
     return p.parse_args(argv)
 
 

@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="learning rates tried: the preset's rate times each")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the first one tunes the rate")
     parser.add_argument("--log_interval", type=int, default=10)
-    parser.add_argument("--compile", default="off", help="compile mode of each run (see the trainer's --compile)")
+    parser.add_argument("--compile", default="off", help="compile mode of each run (see "
+                                                         "the trainer's --compile)")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per run; 0: torch's default")
     parser.add_argument("--out", default="runs/compare_optimizers")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")

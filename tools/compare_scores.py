@@ -35,8 +35,8 @@ def read(path: str):
             raise ValueError("no 'tasks' object: not evaluate.py's --json or report.json")
         return data
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise SystemExit(f"error: {path}: {str(e)[:200]}; pass two evaluate.py --json files, or two --log_samples "
-                         "files") from None
+        raise SystemExit(f"error: {path}: {str(e)[:200]}; pass two evaluate.py --json "
+                         "files, or two --log_samples files") from None
 
 
 def from_scores(a: dict, b: dict) -> list[tuple]:

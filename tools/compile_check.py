@@ -87,7 +87,8 @@ def child(name: str, library: str, inductor: dict | None = None) -> dict:
     problems += [f"{fake.fake_gpu_foreign_cubins()} kernels compiled for another GPU"] \
         if fake.fake_gpu_foreign_cubins() else []
     unaligned = sorted(set(work.UNALIGNED))
-    problems += [f"matmuls of unaligned shapes: {', '.join(unaligned)}"] if unaligned and name != "generate" else []
+    problems += ["matmuls of unaligned shapes: "
+                 f"{', '.join(unaligned)}"] if unaligned and name != "generate" else []
     problems += [f"CUDA graphs skipped {skips} times"] if skips and ("reduce-overhead" in name or "max-autotune"
                                                                    in name and "no-cudagraphs" not in name) else []
     return {"name": name, "gpu": CONFIGS[name][1], "ok": not problems, "problems": problems,
@@ -110,8 +111,8 @@ def run_all(names: list[str], inductor: list[str] = ()) -> int:
     try:
         import triton  # noqa: F401
     except ImportError:
-        print("error: the compile check needs a CUDA build of torch (with Triton): pip install torch (the default "
-              "wheel on Linux), in a virtual environment of its own if this one keeps the CPU build",
+        print("error: the compile check needs a CUDA build of torch (with Triton): pip install torch (the "
+              "default wheel on Linux), in a virtual environment of its own if this one keeps the CPU build",
               file=sys.stderr)
         return 2
     rows = []
@@ -155,8 +156,8 @@ def roofline_text(r: dict) -> str:
     mfu = f", MFU {r['roofline_mfu']:.0%}" if r.get("roofline_mfu") else ""
     calibrated = f"; calibrated {r['calibrated_ms']:.1f} ms (forward and backward " \
         f"{r['calibrated_forward_backward_ms']:.1f}), MFU {r['calibrated_mfu']:.0%}" if r.get("calibrated_mfu") else ""
-    return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other {r['roofline_other_ms']:.1f}, "
-            f"optimizer {r['roofline_optimizer_ms']:.1f}){mfu}{calibrated}")
+    return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other "
+            f"{r['roofline_other_ms']:.1f}, optimizer {r['roofline_optimizer_ms']:.1f}){mfu}{calibrated}")
 
 
 def row_line(r: dict) -> str:
@@ -170,16 +171,17 @@ def row_line(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | GPU | result | Triton kernels (cubin) | graphs | SDPA backend | fake-tensor peak GiB "
-             "| sizing estimate GiB | weight casts a step | step time, roofline estimate | seconds |",
+    lines = ["| configuration | GPU | result | Triton kernels (cubin) | graphs | SDPA "
+             "backend | fake-tensor peak GiB | sizing estimate GiB | weight casts a step | "
+             "step time, roofline estimate | seconds |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         est = f"{r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else "n/a"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
         casts = f"{r['weight_casts_gib']:.2f} GiB, {r['weight_casts_ms']:.2f} ms" if "weight_casts_gib" in r else "n/a"
         lines.append(f"| {r['name']} | {GPUS[r['gpu']].name} | {'ok' if r['ok'] else 'FAILED'} | "
-                     f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | {peak} | "
-                     f"{est} | {casts} | {roofline_text(r)} | {r.get('seconds', 0):.0f} |")
+                     f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | "
+                     f"{peak} | {est} | {casts} | {roofline_text(r)} | {r.get('seconds', 0):.0f} |")
     return "\n".join(lines)
 
 
@@ -188,8 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")
     p.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
-                   help="Inductor settings to compile every configuration under, as the GPU check's decode leads "
-                        "try them: --only generate --inductor coordinate_descent_tuning=True")
+                   help="Inductor settings to compile every configuration under, as the GPU check's decode "
+                        "leads try them: --only generate --inductor coordinate_descent_tuning=True")
     p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -215,7 +217,8 @@ def inductor_settings(pairs: list[str]) -> dict:
     for pair in pairs:
         name, _, text = pair.partition("=")
         if name not in known:
-            raise ConfigError(f"--inductor {pair}: Inductor has no setting {name!r} (torch {torch.__version__})")
+            raise ConfigError(f"--inductor {pair}: Inductor has no setting "
+                              f"{name!r} (torch {torch.__version__})")
         settings[name] = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
     return settings
 

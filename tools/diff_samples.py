@@ -34,8 +34,8 @@ def read_jsonl(path: str) -> list[dict]:
                         raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         where = f"{path} line {number}" if "number" in locals() else path
-        raise SystemExit(f"error: {where}: {str(e)[:200]}; pass evaluate.py's --log_samples file and lm-eval's "
-                         "samples_*.jsonl") from None
+        raise SystemExit(f"error: {where}: {str(e)[:200]}; pass evaluate.py's --log_samples "
+                         "file and lm-eval's samples_*.jsonl") from None
     return rows
 
 
@@ -46,7 +46,8 @@ def their_files(paths: list[str]) -> list[str]:
         found += sorted(glob.glob(os.path.join(path, "**", "samples_*.jsonl"), recursive=True)) \
             if os.path.isdir(path) else [path]
     if not found:
-        raise SystemExit(f"error: no samples_*.jsonl in {', '.join(paths)}; pass lm-eval's --output_path folder")
+        raise SystemExit(f"error: no samples_*.jsonl in {', '.join(paths)}; pass "
+                         "lm-eval's --output_path folder")
     return found
 
 
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
         mine = {(row["task"], int(row["doc_id"])): row for row in read_jsonl(args.ours)}
         their = theirs(args.theirs)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        print(f"error: a sample line without the field {e}; pass evaluate.py's --log_samples file and lm-eval's "
-              "samples_*.jsonl", file=sys.stderr)
+        print(f"error: a sample line without the field {e}; pass evaluate.py's --log_samples "
+              "file and lm-eval's samples_*.jsonl", file=sys.stderr)
         return 2
     except SystemExit as e:
         print(e, file=sys.stderr)

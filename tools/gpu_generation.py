@@ -122,7 +122,8 @@ def decode_leads(args, ckpt: str) -> dict:
             with torch._inductor.config.patch(**flags):  # read when a step compiles: at its first call
                 out["rows"] += [dict(r, lead=lead) for r in decode_rates(cfg, device, compiled, (1,), n, reps)]
                 out["greedy_identical"][lead] = greedy_identical(ckpt, device, compiled)
-            print(f"{lead}: greedy check against transformers: {words(out['greedy_identical'][lead])}", flush=True)
+            print(f"{lead}: greedy check against transformers: "
+                  f"{words(out['greedy_identical'][lead])}", flush=True)
         except Exception as e:
             first = next((line for line in str(e).splitlines() if line.strip()), "")
             out["errors"][lead] = f"{type(e).__name__}: {first[:300]}"
@@ -153,7 +154,8 @@ def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) 
         bound = batch * bg.bandwidth(device) / bg.bytes_per_step(model, batch, 64 + n / 2)
         rows.append({"batch": batch, "tokens_per_s": rate, "ms_per_step": 1e3 * batch / rate,
                      "bound_share": rate / bound})
-        print(f"decode, batch {batch}: {rate:,.0f} tokens/s, {100 * rate / bound:.0f}% of the bandwidth bound",
+        print(f"decode, batch {batch}: {rate:,.0f} tokens/s, "
+              f"{100 * rate / bound:.0f}% of the bandwidth bound",
               flush=True)
     del model, step  # the partial holds the model too
     bench.release(device)

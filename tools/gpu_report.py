@@ -22,11 +22,13 @@ def quick_table(found: dict) -> list[str]:
         d = found["default_run"]
         corpus = "FineWeb-Edu, the GPU default," if d["default_corpus"] else \
             "FineWeb-Edu's path by --sources (a dry run),"
-        rows.append((f"the no-flag trainer as a first run, stopped {d['stopped_after_s']:.0f} s after its first step",
-                     f"`{d['preset']}` at {d['batch']}; first step {d['first_step_s']:.0f} s after launch, then "
-                     f"{d['steps']} steps, {d['tokens_per_s']:,.0f} tokens/s, MFU {pct(d['mfu'])}, "
-                     f"{d['vram_gb']:.1f} GB; {corpus} {d['files_fetched']} file(s) from a stand-in Hub holding the "
-                     f"bundled corpus's text (no network here){', training while they arrived' * d['while_arriving']}"))
+        rows.append(("the no-flag trainer as a first run, stopped "
+                     f"{d['stopped_after_s']:.0f} s after its first step",
+                     f"`{d['preset']}` at {d['batch']}; first step {d['first_step_s']:.0f} s after launch, "
+                     f"then {d['steps']} steps, {d['tokens_per_s']:,.0f} tokens/s, MFU {pct(d['mfu'])}, "
+                     f"{d['vram_gb']:.1f} GB; {corpus} {d['files_fetched']} file(s) from a stand-in Hub "
+                     "holding the bundled corpus's text (no network "
+                     f"here){', training while they arrived' * d['while_arriving']}"))
     for r in found.get("first_token", {}).get("rows", []):
         rows.append((f"one-shot generation, {r['mode']}", f"{r['launch_to_exit_s']:.1f} s launch to exit"
                      + (f" ({r['compile_s']:.0f} s compiling)" if r["compile_s"] else "")))
@@ -34,8 +36,8 @@ def quick_table(found: dict) -> list[str]:
         r = found["first_token"]["first_reply"]
         rows.append(("a prompt on stdin (as the REPL), decode step compiling in the background",
                      f"failed: {r['error'].splitlines()[-1]}" if "error" in r else
-                     f"reply {r['loaded_to_reply_s']:.1f} s after the model loaded, {r['launch_to_exit_s']:.1f} s "
-                     "launch to exit"))
+                     f"reply {r['loaded_to_reply_s']:.1f} s after the model loaded, "
+                     f"{r['launch_to_exit_s']:.1f} s launch to exit"))
     train = found.get("quick_throughput", {}).get("rows", [])
     for ours, hf in zip(train[::2], train[1::2]):
         rows.append((f"training `{ours['preset']}`, {ours['batch']}, bf16", f"ours {ours['tokens_per_s']:,.0f} "
@@ -43,7 +45,8 @@ def quick_table(found: dict) -> list[str]:
                      f"{hf['tokens_per_s']:,.0f} ({pct(hf['mfu'])}): {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"))
     for r in found.get("fp8", {}).get("rows", []):
         layers = "{} of {} linear layers".format(*r["fp8_layers"])
-        rows.append((f"training `large`, FP8 in {layers}", f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])}"))
+        rows.append((f"training `large`, FP8 in {layers}", f"{r['tokens_per_s']:,.0f} "
+                                                           f"tokens/s, MFU {pct(r['mfu'])}"))
     if "skipped" in found.get("fp8", {}):
         rows.append(("training `large`, FP8", found["fp8"]["skipped"]))
     if "quick_autotune" in found:
@@ -61,8 +64,8 @@ def quick_table(found: dict) -> list[str]:
     for r in dec.get("rows", []) + leads.get("rows", []):
         lead = f", {r['lead']}" if "lead" in r else ""
         rows.append((f"decode, `{dec.get('shape') or leads['shape']}` shape, batch {r['batch']}{lead}",
-                     f"{r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.2f} ms a step, {pct(r['bound_share'])} "
-                     "of the bandwidth bound"))
+                     f"{r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.2f} ms a step, "
+                     f"{pct(r['bound_share'])} of the bandwidth bound"))
     if dec:
         rows.append(("greedy tokens against transformers (trained checkpoint, float32)",
                      "identical" if dec["greedy_identical"] else "DIFFERENT"))
@@ -84,7 +87,8 @@ def quick_table(found: dict) -> list[str]:
         s = found["scores"]
         items, seconds = sum(t["items"] for t in s["rows"]), sum(t["seconds"] for t in s["rows"])
         first = max(t["items"] for t in s["rows"])
-        rows.append((f"evaluate.py's default suite on the first run's checkpoint, the first {first} items of each task",
+        rows.append(("evaluate.py's default suite on the first run's checkpoint, the "
+                     f"first {first} items of each task",
                      f"{items:,} items in {seconds:.0f} s ({items / max(seconds, 1e-9):,.0f} items/s), "
                      f"{s['launch_to_exit_s']:.0f} s launch to exit; accuracy "
                      + ", ".join(f"{t['task']} {100 * t['acc']:.1f}%" for t in s["rows"])))
@@ -110,8 +114,9 @@ def write_report(out: str, path: str, parts: tuple):
                 mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
                 share = f"{100 * r['share']:.1f}%" if "share" in r else ""
                 peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a"
-                lines.append(f"| {r['preset']} | {r.get('batch', '')} | {r['model']} | {r['tokens_per_s']:,.0f} | "
-                             f"{mfu} | {peak} | {r['estimate_gib']:.1f} | {share} |")
+                lines.append(f"| {r['preset']} | {r.get('batch', '')} | {r['model']} | "
+                             f"{r['tokens_per_s']:,.0f} | {mfu} | {peak} | "
+                             f"{r['estimate_gib']:.1f} | {share} |")
             lines.append("")
     if "graphs" in found:
         lines += ["## CUDA-graph modes against compile default", "", "| mode | accumulation | largest relative "
@@ -128,8 +133,8 @@ def write_report(out: str, path: str, parts: tuple):
         c = found["curves"]
         lines += ["## Loss curves", ""]
         lines += [f"- {k.replace('_vs_', ' against ')}: largest relative loss difference "
-                  f"{v['max_relative_difference']:.3f} over the second half, final {v['final'][0]:.3f} against "
-                  f"{v['final'][1]:.3f}" for k, v in c.items() if "_vs_" in k]
+                  f"{v['max_relative_difference']:.3f} over the second half, final {v['final'][0]:.3f} "
+                  f"against {v['final'][1]:.3f}" for k, v in c.items() if "_vs_" in k]
         lines += [f"- fp8: {c['fp8']}" if isinstance(c.get("fp8"), str) else "", ""]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

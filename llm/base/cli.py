@@ -33,7 +33,8 @@ def _file_overrides(path: str, types) -> list[str]:
     with open(path, "rb") as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES:,} bytes, which no file of settings is")
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES:,} "
+                          "bytes, which no file of settings is")
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is fine
         values = _load_yaml(text, path) if path.endswith((".yaml", ".yml")) else json.loads(text)
@@ -42,7 +43,8 @@ def _file_overrides(path: str, types) -> list[str]:
     except ImportError:
         raise ConfigError(f"reading {path} needs PyYAML, pip install pyyaml or use a .json file") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}), save it as UTF-8") from None
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte "
+                          f"{e.start}), save it as UTF-8") from None
     except Exception as e:
         raise ConfigError(f"config file {path} is not valid: {str(e).splitlines()[0]}") from None
     if not isinstance(values, dict):
@@ -79,8 +81,8 @@ def _load_yaml(text: str, path: str):
     try:
         node = loader.get_single_node()
         if node is not None and _expanded_size(node, {}) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {path} expands past {MAX_CONFIG_BYTES:,} bytes through its YAML aliases "
-                              "(*name), write its values out instead")
+            raise ConfigError(f"config file {path} expands past {MAX_CONFIG_BYTES:,} bytes through its YAML "
+                              "aliases (*name), write its values out instead")
         return {} if node is None else loader.construct_document(node)  # an empty file sets nothing
     finally:
         loader.dispose()

@@ -98,8 +98,8 @@ def pick_precision(precision: str, device: torch.device) -> torch.dtype | None:
         raise ConfigError(f"precision=fp16 needs a CUDA device (found {device.type}), use bf16 or fp32")
     if precision == "fp8" and not has_fp8(device):
         found = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise ConfigError(f"precision=fp8 needs a GPU with FP8 tensor cores, compute capability 8.9 or newer (H100, "
-                          f"L4, RTX 40xx; found {found}), use bf16")
+        raise ConfigError("precision=fp8 needs a GPU with FP8 tensor cores, compute capability 8.9 or newer "
+                          f"(H100, L4, RTX 40xx; found {found}), use bf16")
     # fp8: the linear layers' matmuls in FP8 (float8_training), everything around them in bf16 autocast.
     return {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
 
@@ -249,8 +249,9 @@ def eager_or_stop(e: Exception, t, model: torch.nn.Module, doing: str) -> str:
     CompileError that stops the run saying how to go on."""
     error = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
     if not falls_back(t, next(model.parameters()).device):
-        raise CompileError(f"torch.compile failed ({error}) while {doing}; pass --compile off to run eagerly (much "
-                           "slower), or --compile_fallback true to do so whenever compiling fails") from e
+        raise CompileError(f"torch.compile failed ({error}) while {doing}; pass --compile "
+                           "off to run eagerly (much slower), or --compile_fallback true to "
+                           "do so whenever compiling fails") from e
     return f"warning: torch.compile failed ({error}); {doing} eagerly"
 
 

@@ -55,8 +55,8 @@ class Ranks:
             if backend == "nccl":
                 if self.local_rank >= torch.cuda.device_count():
                     raise ConfigError(f"local rank {self.local_rank} has no GPU: this node shows "
-                                      f"{torch.cuda.device_count()}, so start at most that many processes per "
-                                      "node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES")
+                                      f"{torch.cuda.device_count()}, so start at most that many processes "
+                                      "per node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES")
                 torch.cuda.set_device(self.local_rank)
                 self.device = device_id = torch.device("cuda", self.local_rank)  # one GPU per local rank
             # device_id binds the group to this GPU at once: collectives and barriers never guess the device.

@@ -105,8 +105,8 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
         trained, targets = P, []
         terms.append(("weights", 4 * P, "fp32 master weights (DESIGN.md numerics)"))
         if a < 4:
-            terms.append(("autocast copies", a * matmul, "16-bit copies of each matmul weight, cached by autocast "
-                                                         "and kept for backward"))
+            terms.append(("autocast copies", a * matmul, "16-bit copies of each matmul weight, cached by "
+                                                         "autocast and kept for backward"))
     else:
         base = base or (t.lora_base if t.lora_base != "auto" else "bf16" if a == 2 else "fp32")
         targets = _targets(cfg)
@@ -120,15 +120,15 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
                       "frozen targeted matrices in the base format; embeddings and head in "
                       f"{'bf16' if e == 2 else 'fp32'}, norms in fp32"))
         if base == "fp32" and a < 4:
-            terms.append(("autocast copies", a * held, "16-bit copies of the frozen matrices, kept for the inputs' "
-                                                       "gradients"))
+            terms.append(("autocast copies", a * held, "16-bit copies of the frozen matrices, "
+                                                       "kept for the inputs' gradients"))
         if base == "int8":  # measured on a CPU: 0.68x the peak without this term, 0.87x with it
-            terms.append(("dequantised copies", a * held, "torchao's int8 linear keeps each matrix dequantised for "
-                                                          "its input's gradient"))
+            terms.append(("dequantised copies", a * held, "torchao's int8 linear keeps each matrix "
+                                                          "dequantised for its input's gradient"))
         if base == "nf4":  # torchao's linear_nf4 keeps the NF4 weight and dequantises again in backward
             widest = max(i * o for name, (i, o) in sides.items() if name in targets)
-            terms.append(("dequantised weight", 2 * a * widest, "the largest matrix dequantised for its matmul, "
-                                                                "forward and backward"))
+            terms.append(("dequantised weight", 2 * a * widest, "the largest matrix dequantised for "
+                                                                "its matmul, forward and backward"))
         terms.append(("adapters", 4 * trained, "fp32 adapters"))
     terms.append(("gradients", 4 * trained, "fp32, one per trained weight, held across accumulation"))
     terms.append(("optimizer", optimizer_bytes(cfg, trained), _optimizer_why(cfg)))

@@ -24,7 +24,8 @@ RANGES = {
     "vocab_size": (0, 2**22), "hidden_size": (0, 2**17), "num_hidden_layers": (0, 4096),
     "num_attention_heads": (0, 4096), "num_key_value_heads": (0, 4096), "head_dim": (0, 4096),
     "intermediate_size": (0, 2**20),
-    "max_seq_len": (0, 2**22, "a model that declares a longer context loads a shorter one with --max_seq_len N"),
+    "max_seq_len": (0, 2**22, "a model that declares a longer context loads a "
+                              "shorter one with --max_seq_len N"),
     "rope_theta": (1e-3, 1e12), "rms_norm_eps": (1e-12, 0.1), "rope_factor": (1, 1024),
     "rope_low_freq_factor": (1e-3, 1e3), "rope_high_freq_factor": (1e-3, 1e3),
     "rope_original_max_position_embeddings": (1, 2**22), "init_std": (1e-6, 1),

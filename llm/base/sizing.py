@@ -115,14 +115,14 @@ def plan_report(cfg: Config, machine: Machine, world_size: int = 1) -> list[str]
     speed = budget_tokens(cfg, machine, world_size) / (60 * minutes)
     capped = ", capped at the budget's compute-optimal tokens" if target < speed * 60 * minutes else ""
     known = f"{machine.name} peak" if peak else f"assumed: {machine.name} is not in the peak table"
-    return [f"budget: {minutes:g} min x {gpus}{(peak or FALLBACK_TFLOPS * 1e12) / 1e12:.0f} TFLOP/s ({known}) x "
-            f"{MEASURED_MFU:.0%} MFU = {minutes * 60 * rate:.2e} FLOPs: compute-optimal {optimal / 1e6:.0f}M "
-            f"parameters, {TOKENS_PER_PARAMETER * optimal / 1e9:.2f}B tokens",
-            f"budget: this model, {params / 1e6:.0f}M parameters x {flops_per_token(cfg.model) / 1e6:.0f} MFLOP a "
-            f"token: about {speed:,.0f} tokens/s, {target / 1e9:.2f}B tokens ({target / params:.0f} a parameter"
-            f"{capped})",
-            f"budget: disk for {target / 1e9:.2f}B tokens: about {target * BYTES_PER_TOKEN / 1e9:.1f} GB of text "
-            f"and {target * shard_bytes / 1e9:.1f} GB of token shards"]
+    return [f"budget: {minutes:g} min x {gpus}{(peak or FALLBACK_TFLOPS * 1e12) / 1e12:.0f} TFLOP/s "
+            f"({known}) x {MEASURED_MFU:.0%} MFU = {minutes * 60 * rate:.2e} FLOPs: compute-optimal "
+            f"{optimal / 1e6:.0f}M parameters, {TOKENS_PER_PARAMETER * optimal / 1e9:.2f}B tokens",
+            f"budget: this model, {params / 1e6:.0f}M parameters x {flops_per_token(cfg.model) / 1e6:.0f} "
+            f"MFLOP a token: about {speed:,.0f} tokens/s, {target / 1e9:.2f}B tokens "
+            f"({target / params:.0f} a parameter{capped})",
+            f"budget: disk for {target / 1e9:.2f}B tokens: about {target * BYTES_PER_TOKEN / 1e9:.1f} GB of "
+            f"text and {target * shard_bytes / 1e9:.1f} GB of token shards"]
 
 
 def gpu_target(cfg: Config) -> Target:

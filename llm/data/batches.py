@@ -22,8 +22,8 @@ from llm.tokens.tokenizer import IM_START
 def check_window(split: str, tokens: int, seq_len: int):
     """A split must hold one training window of seq_len + 1 tokens."""
     if tokens < seq_len + 1:
-        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 = "
-                        f"{seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
+        raise DataError(f"the {split} split holds {tokens} tokens, fewer than one window of max_seq_len + 1 "
+                        f"= {seq_len + 1}; add text, raise --val_fraction or lower --max_seq_len")
 
 
 def check_windows(data: PreparedData, mode: str, seq_len: int):
@@ -32,15 +32,17 @@ def check_windows(data: PreparedData, mode: str, seq_len: int):
     """
     if packing.packs(mode, data.meta) or data.meta.get("has_pairs"):
         if data.weights:
-            raise DataError("source weights apply to random windows, and these windows are packed whole examples "
-                            "(--packing auto with chats, or documents); pass --packing off or give no weights")
+            raise DataError("source weights apply to random windows, and these windows are packed "
+                            "whole examples (--packing auto with chats, or documents); pass "
+                            "--packing off or give no weights")
         return
     for split in ("train", "val"):
         check_window(split, data.meta[f"{split}_tokens"], seq_len)
     for source, (a, b) in zip(data.meta["sources"], data.source_ranges() if data.weights else []):
         if b - a < seq_len + 1:
-            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer than one window of "
-                            f"max_seq_len + 1 = {seq_len + 1}; add text to it, raise its cap or leave it out")
+            raise DataError(f"data source {source['source']} gives {b - a} train tokens, fewer "
+                            f"than one window of max_seq_len + 1 = {seq_len + 1}; add text to "
+                            "it, raise its cap or leave it out")
 
 
 def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
@@ -233,8 +235,9 @@ class PairBatches(PackedBatches):
         self.plan = packing.pair_plan(self.tokens, self.masks, data.meta["eot_id"], self.seq_len,
                                       self.order.seed if split == "train" else None)
         if not self.plan.windows:
-            raise DataError(f"the {split} split holds no preference pair that fits a window of {self.seq_len} tokens "
-                            f"({self.plan.dropped} do not); raise --max_seq_len, add pairs or raise --val_fraction")
+            raise DataError(f"the {split} split holds no preference pair that fits a window of "
+                            f"{self.seq_len} tokens ({self.plan.dropped} do not); raise --max_seq_len, "
+                            "add pairs or raise --val_fraction")
         self.pad = data.meta["eot_id"]
         self.fills = np.add.reduceat(self.plan.sizes()[self.plan.pair_ids], self.plan.first[:-1])  # filled, a window
 

@@ -141,7 +141,8 @@ def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
         elif not os.path.exists(path) and any(c in source for c in "*?["):  # a glob pattern
             matches = sorted(glob.glob(path, recursive=True))  # like the shell: hidden files only when named
             if not matches:
-                raise DataError(f"data source pattern {source} matches no file, check the pattern given to --sources")
+                raise DataError(f"data source pattern {source} matches no file, check "
+                                "the pattern given to --sources")
             for match in matches:
                 files += _files(match, f"{source} (its match {match})")
         else:
@@ -150,8 +151,8 @@ def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
     weighted = [s.given for s in found if s.weight is not None]
     if weighted and len(weighted) < len(found):
         unweighted = next(s.given for s in found if s.weight is None)
-        raise DataError(f"data source {unweighted} has no weight while {weighted[0]} has one; give every source a "
-                        "weight (path:0.3) or none")
+        raise DataError(f"data source {unweighted} has no weight while {weighted[0]} has one; give every "
+                        "source a weight (path:0.3) or none")
     return found
 
 
@@ -293,8 +294,8 @@ def _document(obj: dict, text_fields, system_prompt: str):
     if wrong := next((name for name in text_fields if name in obj), None):
         raise DataError(f"{wrong} holds {type(obj[wrong]).__name__}, not text; pass --text_field NAME for "
                         "the field that holds it")
-    raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: {SHAPES}) or "
-                    f"preference pair ({PAIR_SHAPE})")
+    raise DataError(f"no text field (looked for {', '.join(text_fields)}) and no chat shape (accepted: "
+                    f"{SHAPES}) or preference pair ({PAIR_SHAPE})")
 
 
 def _one_kind(doc, first: bool | None) -> bool:
@@ -326,8 +327,8 @@ def _jsonl_documents(path: str, cfg: DataConfig, stats: ReadStats):
     with readers.open_stream(path) as f:
         for number, raw in enumerate(readers.lines(f), 1):
             if raw is None:
-                _bad(stats, f"{path} line {number}: longer than {readers.MAX_LINE_BYTES:,} bytes (one document "
-                            "a line), split it")
+                _bad(stats, f"{path} line {number}: longer than {readers.MAX_LINE_BYTES:,} bytes "
+                            "(one document a line), split it")
                 continue
             if number == 1:
                 raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not JSON
@@ -386,8 +387,8 @@ def documents(files, cfg: DataConfig, stats: ReadStats, budget: float | None = N
             if stats.bytes >= budget:
                 return
         if stats.bad_lines and not cfg.skip_bad_lines:
-            raise DataError(f"{stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}; fix them, "
-                            "or pass --skip_bad_lines true to leave them out")
+            raise DataError(f"{stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}; fix "
+                            "them, or pass --skip_bad_lines true to leave them out")
 
 
 def check_read(stats: ReadStats, cfg: DataConfig, log):
@@ -411,7 +412,8 @@ def findings(stats: ReadStats) -> list[str]:
     if stats.bad_lines:
         found.append(f"skipped {stats.bad_lines} {_bad_what(stats)}, the first is {stats.first_bad}")
     if stats.binary_skipped:
-        found.append(f"skipped {stats.binary_skipped} binary file(s) in folders, the first is {stats.first_binary}")
+        found.append(f"skipped {stats.binary_skipped} binary file(s) in folders, "
+                     f"the first is {stats.first_binary}")
     if stats.invalid_utf8:
         found.append(f"replaced {stats.invalid_utf8} invalid UTF-8 sequence(s) with U+FFFD, the first in "
                      f"{stats.first_invalid}")

@@ -58,8 +58,9 @@ def summed(meta: dict, parts: list, found, weights, arrival: bool = False) -> di
     source."""
     out = dict(meta, has_masks=any(p["has_masks"] for p in parts), has_pairs=any(p.get("pairs") for p in parts))
     if out["has_pairs"] and any(p.get("others", 1) for p in parts):
-        raise DataError("the sources hold preference pairs (chosen, rejected) and other documents: pairs train by "
-                        "preference, the others by next-token loss; train on each in a run of its own")
+        raise DataError("the sources hold preference pairs (chosen, rejected) and other "
+                        "documents: pairs train by preference, the others by next-token loss; "
+                        "train on each in a run of its own")
     for key in tc.PART_FIELDS:
         out[key] = sum(p[key] for p in (tc.val_parts(parts, arrival) if key.startswith("val") else parts))
     out["val_bytes_per_token"] = out["val_bytes"] / max(1, out["val_tokens"])
@@ -79,13 +80,14 @@ def source_table(meta: dict) -> list[str]:
     from it (its weight; without weights, its share), and how much more often than once per pass over the
     corpus its tokens are seen (a small source with a large weight is repeated)."""
     width = max(len(s["source"]) for s in meta["sources"])
-    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14}  {'share':>6}  {'windows':>7}  "
-            f"{'seen':>6}"]
+    rows = [f"{'source':<{width}}  {'files':>6}  {'MB':>9}  {'train tokens':>14} "
+            f" {'share':>6}  {'windows':>7}  {'seen':>6}"]
     for s in meta["sources"]:
         share = s["train_tokens"] / max(1, meta["train_tokens"])
         windows = share if s["weight"] is None else s["weight"]
-        rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f}  {s['train_tokens']:>14,}  "
-                    f"{share:>6.1%}  {windows:>7.1%}  {windows / max(share, 1e-12):>5.2f}x")
+        rows.append(f"{s['source']:<{width}}  {s['files']:>6}  {s['bytes'] / 1e6:>9.1f} "
+                    f" {s['train_tokens']:>14,}  {share:>6.1%}  {windows:>7.1%} "
+                    f" {windows / max(share, 1e-12):>5.2f}x")
     return rows
 
 
@@ -96,5 +98,6 @@ def short_of_target(cfg: DataConfig, meta: dict) -> str:
     target, have = cfg.max_tokens, meta["train_tokens"]
     if not target or have >= SHORT_OF_TARGET * target:
         return ""
-    return (f"data: the sources hold {have:,} training tokens, {have / target:.0%} of the --max_tokens target of "
-            f"{target:,}: the run trains on those (a Hub dataset offline or out of reach gives only its cached files)")
+    return (f"data: the sources hold {have:,} training tokens, {have / target:.0%} of the "
+            f"--max_tokens target of {target:,}: the run trains on those (a Hub dataset offline or "
+            "out of reach gives only its cached files)")

@@ -119,8 +119,8 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
                 download(hub, repo, name, commit, bars)
                 fetched += 1
                 if not bars:
-                    log(f"data: {name} came down ({os.path.getsize(path) / 1e6:,.1f} MB), file {count + 1} of at "
-                        f"most {len(data)}")
+                    log(f"data: {name} came down ({os.path.getsize(path) / 1e6:,.1f} MB), file "
+                        f"{count + 1} of at most {len(data)}")
             count, total = count + 1, total + _readable(measure, path, repo)
             yield path
         if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
@@ -151,8 +151,8 @@ def _cached(repo: Repo, revision: str, pattern: str, by_setting: bool) -> tuple[
         why = "HF_HUB_OFFLINE=1 forbids downloading; unset it" if by_setting else \
             "the Hub could not be reached; check the connection (or HF_ENDPOINT)"
         error = DataError if by_setting else RunFailure
-        raise error(f"{repo.where}: no file of it is in the Hugging Face cache ({os.path.dirname(storage)}) and "
-                    f"{why}, then run again")
+        raise error(f"{repo.where}: no file of it is in the Hugging Face cache "
+                    f"({os.path.dirname(storage)}) and {why}, then run again")
     return names, commit
 
 
@@ -161,8 +161,8 @@ def _data_files(names: list, url: str) -> list:
     data = [n for n in names if any(fnmatch.fnmatchcase(n.lower(), kind) for kind in DATA_FILES)]
     if not data:
         what = f"only {len(names)} file(s) of other kinds ({names[0]})" if names else "no file"
-        raise DataError(f"data source {url} matches {what}; the files read are {', '.join(DATA_FILES)}, check the "
-                        "pattern after the dataset's name")
+        raise DataError(f"data source {url} matches {what}; the files read are {', '.join(DATA_FILES)}, "
+                        "check the pattern after the dataset's name")
     return data
 
 
@@ -178,9 +178,10 @@ def _readable(measure, path: str, repo: Repo) -> int:
         if not str(e).endswith(readers.REWRITE):  # not the file's fault (pyarrow missing): the file stays
             raise
         _forget(path, repo.storage)
-        raise DataError(f"{str(e).removesuffix(readers.REWRITE).rstrip(', ')}; it came from {repo.where} and was "
-                        "removed from the Hugging Face cache: run again (with the Hub in reach) to fetch it anew, or "
-                        "leave it out with a narrower pattern if the Hub's own copy is the same") from None
+        raise DataError(f"{str(e).removesuffix(readers.REWRITE).rstrip(', ')}; it came from "
+                        f"{repo.where} and was removed from the Hugging Face cache: run again (with "
+                        "the Hub in reach) to fetch it anew, or leave it out with a narrower pattern "
+                        "if the Hub's own copy is the same") from None
 
 
 def _wrong_start(path: str) -> str:
@@ -212,19 +213,21 @@ def _failures(repo: Repo, revision: str):
     try:
         yield
     except errors.HFValidationError as e:  # the Hub's naming rule (no '--', at most 96 characters), not ours
-        raise DataError(f"{repo.where}: {repo.id!r} is not a Hub dataset name ({str(e).splitlines()[0][:200]}), "
-                        "write hf://datasets/OWNER/NAME/GLOB") from None
+        raise DataError(f"{repo.where}: {repo.id!r} is not a Hub dataset name "
+                        f"({str(e).splitlines()[0][:200]}), write hf://datasets/OWNER/NAME/GLOB") from None
     except errors.RepositoryNotFoundError as e:  # gated ones too
         raise DataError(not_shown(repo, isinstance(e, errors.GatedRepoError), f"no dataset {repo.id}",
                                   f"https://huggingface.co/datasets/{repo.id}")) from None
     except errors.RevisionNotFoundError:
-        raise DataError(f"{repo.where}: the dataset has no revision {revision!r}, check the name after @") from None
+        raise DataError(f"{repo.where}: the dataset has no revision "
+                        f"{revision!r}, check the name after @") from None
     except errors.EntryNotFoundError:
         raise DataError(f"{repo.where} matches no file, check the pattern after the dataset's name") from None
     except errors.HfHubHTTPError as e:
         if refused_token(e):
             raise DataError(f"{repo.where}: {refused_token(e)}") from None
-        raise RunFailure(f"{repo.where}: the Hub answered {str(e).splitlines()[0]}; try again later") from None
+        raise RunFailure(f"{repo.where}: the Hub answered "
+                         f"{str(e).splitlines()[0]}; try again later") from None
     except unreachable() as e:
         raise lost(repo, e) from None
 

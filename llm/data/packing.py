@@ -178,8 +178,8 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
     order), best-fit into windows of seq_len inputs."""
     ends = boundaries(tokens, eot)
     if len(ends) % 2:
-        raise DataError(f"a cache of preference pairs holds {len(ends)} sequences, not two per pair; delete the "
-                        "token cache folder and it is rebuilt")
+        raise DataError(f"a cache of preference pairs holds {len(ends)} sequences, not two per pair; delete "
+                        "the token cache folder and it is rebuilt")
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
     learned = np.flatnonzero(np.asarray(masks[:]) != 0) if len(ends) else np.zeros(0, np.int64)
     reply = learned[np.minimum(np.searchsorted(learned, starts), len(learned) - 1)] if len(learned) else ends

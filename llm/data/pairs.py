@@ -40,7 +40,8 @@ def pair_document(obj: dict, system_prompt: str = "") -> dict | None:
         while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
             shared += 1
         if shared == len(chosen) == len(rejected):
-            raise DataError("chosen and rejected are the same reply: a pair teaches only where its replies differ")
+            raise DataError("chosen and rejected are the same reply: a pair "
+                            "teaches only where its replies differ")
         prompt = chosen[:shared] if shared else _prompt(obj)
         chosen, rejected = chosen[shared:], rejected[shared:]
     else:
@@ -48,14 +49,15 @@ def pair_document(obj: dict, system_prompt: str = "") -> dict | None:
                         f"{type(chosen).__name__} and {type(rejected).__name__}")
     for name, reply in (("chosen", chosen), ("rejected", rejected)):
         if reply and not any(m["role"] == "assistant" for m in reply):
-            raise DataError(f"the {name} reply holds no assistant turn (it has {', '.join(m['role'] for m in reply)}):"
-                            " give the replies as assistant messages")
+            raise DataError(f"the {name} reply holds no assistant turn (it has "
+                            f"{', '.join(m['role'] for m in reply)}): give the replies as assistant messages")
         if not reply or not any(m["role"] == "assistant" and m["content"].strip() for m in reply):
             raise DataError(f"the {name} reply is empty: a pair needs two replies to compare")
         if reply[0]["role"] != "assistant":
             raise DataError(f"the {name} reply starts with a {reply[0]['role']} turn, not the assistant's")
     if chosen == rejected:
-        raise DataError("chosen and rejected are the same reply: a pair teaches only where its replies differ")
+        raise DataError("chosen and rejected are the same reply: a pair "
+                        "teaches only where its replies differ")
     if system_prompt and not any(m["role"] == "system" for m in prompt):
         prompt = [{"role": "system", "content": system_prompt}] + prompt
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -69,7 +71,8 @@ def _prompt(obj: dict) -> list:
             raise DataError("the prompt is empty")
         return [{"role": "user", "content": prompt}]
     if prompt is None:
-        raise DataError("a preference row without a shared conversation needs a prompt (a string or messages)")
+        raise DataError("a preference row without a shared conversation needs "
+                        "a prompt (a string or messages)")
     messages = check_messages(prompt, False)
     if messages[-1]["role"] == "assistant":
         raise DataError("the prompt ends with an assistant turn: it should end where the replies begin")

@@ -80,7 +80,8 @@ def split_texts(cfg: DataConfig, split: str | None = "val") -> list[str]:
             last = (part, doc_id, piece)
         last = None
     if not texts:
-        raise DataError(f"no text found in {', '.join(cfg.sources) or 'the default corpus'}, pass files that hold text")
+        raise DataError(f"no text found in {', '.join(cfg.sources) or 'the default corpus'}, "
+                        "pass files that hold text")
     return texts
 
 
@@ -278,9 +279,9 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
     if cfg.data_seed < 0:
         raise DataError(f"data_seed={cfg.data_seed} is invalid, pass a seed >= 0")
     if not cfg.tokenizer and vocab_size < MIN_VOCAB:
-        raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} tokenizer, "
-                        f"which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special tokens); "
-                        f"pass --vocab_size {MIN_VOCAB} or more")
+        raise DataError(f"vocab_size={vocab_size} is too small for a byte-level {cfg.tokenizer_type} "
+                        f"tokenizer, which needs {MIN_VOCAB} (256 bytes and {len(SPECIAL_TOKENS)} special "
+                        f"tokens); pass --vocab_size {MIN_VOCAB} or more")
     in_order = in_arrival_order(cfg)
     background &= in_order
     start, found = time.perf_counter(), sources(cfg, lazy=in_order)  # a file downloads while the one before tokenizes
@@ -288,7 +289,8 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
     path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
     atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished
     for old in _old_caches(cfg.cache_dir):
-        log(f"data: {old} holds a token cache of an earlier format, no longer read; delete it to free its space")
+        log(f"data: {old} holds a token cache of an earlier format, no longer "
+            "read; delete it to free its space")
     created = not os.path.isdir(path)
     try:
         tok, meta = _open_folder(path, cfg, sample, vocab_size, log)
@@ -327,9 +329,9 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
     m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
              bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
              mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
-    log(f"data: {files_read(seen)}, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} parts, "
-        f"ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} tokens, "
-        f"{m['val_bytes_per_token']:.2f} bytes per token")
+    log(f"data: {files_read(seen)}, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} "
+        f"parts, ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} "
+        f"tokens, {m['val_bytes_per_token']:.2f} bytes per token")
     if len(found) > 1 or cfg.max_tokens:
         for row in totals.source_table(m):
             log(f"data: {row}")
@@ -360,8 +362,9 @@ def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found
         raise data.error
     m = data.meta
     if not data.complete:  # else the thread said what the whole corpus holds
-        log(f"data: training starts on the first {len(data.parts)} part(s) ({m['train_tokens']:,} train tokens, "
-            f"val {m['val_tokens']:,} tokens) while the rest of {cfg.sources[0]} downloads and tokenizes")
+        log(f"data: training starts on the first {len(data.parts)} part(s) "
+            f"({m['train_tokens']:,} train tokens, val {m['val_tokens']:,} tokens) while the "
+            f"rest of {cfg.sources[0]} downloads and tokenizes")
     check_windows(data, cfg.packing, seq_len)
     return data
 
@@ -375,6 +378,6 @@ def prepare_once(cfg: Config, ranks: Ranks, background: bool = False) -> Prepare
     ranks.barrier()
     data = data or prepare(cfg.data, m.vocab_size, m.max_seq_len, log=lambda *a: None)
     if data.meta["vocab_size"] > m.vocab_size:
-        raise ConfigError(f"the tokenizer has {data.meta['vocab_size']} tokens but vocab_size={m.vocab_size}, "
-                          f"set --vocab_size {data.meta['vocab_size']} or more")
+        raise ConfigError(f"the tokenizer has {data.meta['vocab_size']} tokens but "
+                          f"vocab_size={m.vocab_size}, set --vocab_size {data.meta['vocab_size']} or more")
     return data

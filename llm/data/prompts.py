@@ -122,8 +122,8 @@ def read(cfg, room: int) -> PromptData:
             try:
                 prompt = prompt_of(row)
                 if not isinstance(prompt, str) and not chat:
-                    raise DataError("a prompt of messages needs a model with chat tokens (<|im_start|>); give the "
-                                    "prompt as text, or start from a chat model")
+                    raise DataError("a prompt of messages needs a model with chat tokens (<|im_start|>); "
+                                    "give the prompt as text, or start from a chat model")
             except DataError as e:
                 bad.append(f"{where}: {e}")
                 continue
@@ -137,11 +137,11 @@ def read(cfg, room: int) -> PromptData:
     if len(bad) > MAX_BAD_LINES:
         lines.append(f"left out: {len(bad) - MAX_BAD_LINES} more bad rows")
     if len(fitting) < len(found):
-        lines.append(f"left out: {len(found) - len(fitting)} prompts longer than {room} tokens (max_seq_len less "
-                     "max_completion_length); raise --max_seq_len or lower --max_completion_length")
+        lines.append(f"left out: {len(found) - len(fitting)} prompts longer than {room} tokens (max_seq_len "
+                     "less max_completion_length); raise --max_seq_len or lower --max_completion_length")
     if len(fitting) < 2:
-        raise DataError(f"the sources hold {len(fitting)} usable prompts (of {len(found) + len(bad)} rows); a GRPO "
-                        "run needs rows with a `prompt`, at least one to train on and one held out")
+        raise DataError(f"the sources hold {len(fitting)} usable prompts (of {len(found) + len(bad)} rows); "
+                        "a GRPO run needs rows with a `prompt`, at least one to train on and one held out")
     train, val = split(fitting, cfg.data.val_fraction)
     lines.insert(0, f"prompts: {len(train):,} to train on, {len(val):,} held out, from {len(files)} files; "
                     f"{'chat-templated' if any(not isinstance(p.prompt, str) for p in fitting) else 'as text'}, "

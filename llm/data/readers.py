@@ -52,7 +52,8 @@ def _module(name: str, path: str):
     try:
         return __import__(name, fromlist=["_"])
     except ImportError:
-        raise DataError(f"{path} needs the {name.split('.')[0]} package: pip install -r requirements.txt") from None
+        raise DataError(f"{path} needs the {name.split('.')[0]} package: "
+                        "pip install -r requirements.txt") from None
 
 
 # ----------------------------------------------------------------------------- streams
@@ -153,8 +154,9 @@ def table_chunks(path: str, columns):
         with (_parquet_groups if path.endswith(".parquet") else _arrow_batches)(path, pa) as (schema, groups):
             names = list(schema.names) if columns is None else [c for c in schema.names if c in columns]
             if not names:
-                raise DataError(f"{path} has no column a document can come from (it has {', '.join(schema.names)}"
-                                f"; looked for {', '.join(columns)}), pass --text_field NAME")
+                raise DataError(f"{path} has no column a document can come from (it has "
+                                f"{', '.join(schema.names)}; looked for "
+                                f"{', '.join(columns)}), pass --text_field NAME")
             for label, table in groups(names):
                 if table.num_rows == 0:
                     yield label, 0, []
@@ -163,9 +165,9 @@ def table_chunks(path: str, columns):
                         rows = table.slice(start, ROWS_PER_CHUNK).to_pylist()
                     except UnicodeDecodeError as e:  # a corrupt page of an uncompressed file decodes to bad text
                         last = min(start + ROWS_PER_CHUNK, table.num_rows) - 1
-                        raise DataError(f"{path} {label}, rows {start} to {last}: a string "
-                                        f"is not UTF-8 ({e.reason} at byte {e.start}), the file is corrupt: write "
-                                        "it again, or leave it out") from None
+                        raise DataError(f"{path} {label}, rows {start} to {last}: a string is not "
+                                        f"UTF-8 ({e.reason} at byte {e.start}), the file is corrupt: "
+                                        "write it again, or leave it out") from None
                     yield label, start, [{k: v for k, v in row.items() if v is not None} for row in rows]
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path} is not a readable {path.rsplit('.', 1)[-1]} file ({_first_line(e)}), "

@@ -240,8 +240,9 @@ class TokenStream:
             return
         top = largest_id(path, self.dtype)
         if top >= self.vocab:
-            raise DataError(f"{path} holds token id {top}, past the vocabulary of {self.vocab}: the token cache was "
-                            f"changed after it was written; delete {os.path.dirname(path)} and it is rebuilt")
+            raise DataError(f"{path} holds token id {top}, past the vocabulary of {self.vocab}: the "
+                            "token cache was changed after it was written; delete "
+                            f"{os.path.dirname(path)} and it is rebuilt")
         _ids_checked.add(key)
 
     def __len__(self) -> int:

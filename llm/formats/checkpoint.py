@@ -165,8 +165,8 @@ def check_unchanged(ckpt: str, file: str):
     if isinstance(written, dict) and written.get(file) == atomic.stamp(path):
         return
     if atomic.file_digest(path) != sums[file]:
-        raise CheckpointError(f"{path} is not the file written at step {manifest.get('step')} (its sha256 differs): "
-                              f"it changed since; use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
+        raise CheckpointError(f"{path} is not the file written at step {manifest.get('step')} (its sha256 "
+                              f"differs): it changed since; use an earlier checkpoint or {HOW_TO_MAKE_ONE}")
 
 
 def is_complete(ckpt: str) -> bool:
@@ -254,7 +254,8 @@ def resolve_checkpoint(path: str, best: bool = False) -> str:
                                   f"{HOW_TO_MAKE_ONE}")
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}, {HOW_TO_MAKE_ONE}")
-    raise CheckpointError(f"{path} holds no checkpoint (no {WEIGHTS} and no checkpoints/LATEST), {HOW_TO_MAKE_ONE}")
+    raise CheckpointError(f"{path} holds no checkpoint (no {WEIGHTS} and no "
+                          f"checkpoints/LATEST), {HOW_TO_MAKE_ONE}")
 
 
 def load_model_config(ckpt: str) -> ModelConfig:
@@ -281,7 +282,8 @@ def _read_weights(ckpt: str, file: str = WEIGHTS) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; {HOW_TO_MAKE_ONE}") from None
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is corrupt ({e}), use an earlier checkpoint or {HOW_TO_MAKE_ONE}") from None
+        raise CheckpointError(f"{path} is corrupt ({e}), use an earlier "
+                              f"checkpoint or {HOW_TO_MAKE_ONE}") from None
 
 
 def load_weights(ckpt: str, model: torch.nn.Module):
@@ -343,7 +345,9 @@ def load_trainer_state(ckpt: str, mmap: bool = False) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing, the checkpoint is incomplete; resume from an earlier one") from None
+        raise CheckpointError(f"{path} is missing, the checkpoint is "
+                              "incomplete; resume from an earlier one") from None
     except Exception as e:
-        raise CheckpointError(f"{path} is corrupt ({str(e).splitlines()[0]}), resume from an earlier checkpoint") \
+        raise CheckpointError(f"{path} is corrupt ({str(e).splitlines()[0]}), "
+                              "resume from an earlier checkpoint") \
             from None

@@ -59,8 +59,9 @@ def gguf_arch(cfg: ModelConfig) -> str:
     model_type = hf_config(cfg)["model_type"]
     if model_type not in ARCHITECTURES or cfg.rope_type != "default":  # llama3 RoPE would need a rope_freqs tensor
         model_type += "" if cfg.rope_type == "default" else f" (rope_type {cfg.rope_type})"
-        raise CheckpointError(f"a {model_type} model has no GGUF export here (only {' and '.join(ARCHITECTURES)}); "
-                              "export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py")
+        raise CheckpointError(f"a {model_type} model has no GGUF export here (only "
+                              f"{' and '.join(ARCHITECTURES)}); export a Hugging Face folder and convert it "
+                              "with llama.cpp's convert_hf_to_gguf.py")
     return model_type
 
 
@@ -73,8 +74,8 @@ def gguf_name(name: str, arch: str) -> str:
     tensor = getattr(gguf.MODEL_TENSOR, kind) if kind else None
     arch_tensors = gguf.MODEL_TENSORS[getattr(gguf.MODEL_ARCH, arch.upper())]
     if tensor is None or tensor not in arch_tensors:
-        raise CheckpointError(f"the tensor {name} has no place in llama.cpp's {arch} architecture; this model "
-                              "cannot be written as GGUF")
+        raise CheckpointError(f"the tensor {name} has no place in llama.cpp's {arch} architecture; this "
+                              "model cannot be written as GGUF")
     return gguf.TENSOR_NAMES[tensor].format(bid=int(parts[1]) if block else 0) + ".weight"
 
 
@@ -106,8 +107,9 @@ def gguf_tensors(cfg: ModelConfig, state: dict, qtype: str) -> list[tuple[str, n
             out.append((gguf_name(name, arch), value.numpy(), None))
             continue
         if value.abs().max() > F16_MAX:  # f16 and q8_0's f16 scales hold no larger value: it would be inf
-            raise CheckpointError(f"{name} holds values beyond f16's range ({value.abs().max():.3g}); GGUF f16 and "
-                                  "q8_0 cannot store it, export a Hugging Face folder with --dtype float32")
+            raise CheckpointError(f"{name} holds values beyond f16's range "
+                                  f"({value.abs().max():.3g}); GGUF f16 and q8_0 cannot store it, "
+                                  "export a Hugging Face folder with --dtype float32")
         if qtype == "q8_0" and value.shape[-1] % Q8_BLOCK == 0:
             quant = gguf.GGMLQuantizationType.Q8_0
             out.append((gguf_name(name, arch), gguf.quants.quantize(value.numpy(), quant), quant))
@@ -149,12 +151,12 @@ def gguf_vocab(tokenizer_path: str, vocab_size: int, chat: bool = True) -> dict:
     spec = json.loads(tok.to_str())
     model, normalizer, decoder = spec.get("model") or {}, spec.get("normalizer"), spec.get("decoder") or {}
     if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel" or model.get("byte_fallback"):
-        raise CheckpointError(f"{tokenizer_path} is not a byte-level BPE tokenizer (a {model.get('type')} model with "
-                              f"a {decoder.get('type')} decoder), which GGUF's gpt2 tokenizer needs; train one with "
-                              "--tokenizer_type bpe or tiktoken")
+        raise CheckpointError(f"{tokenizer_path} is not a byte-level BPE tokenizer (a {model.get('type')} "
+                              f"model with a {decoder.get('type')} decoder), which GGUF's gpt2 tokenizer "
+                              "needs; train one with --tokenizer_type bpe or tiktoken")
     if normalizer and normalizer.get("type") != "NFC":  # NFC: llama.cpp leaves it out for Qwen too
-        raise CheckpointError(f"{tokenizer_path} normalizes text ({normalizer.get('type')}), which llama.cpp's "
-                              "byte-level BPE does not; GGUF would tokenize differently")
+        raise CheckpointError(f"{tokenizer_path} normalizes text ({normalizer.get('type')}), which "
+                              "llama.cpp's byte-level BPE does not; GGUF would tokenize differently")
     pre = _pre_tokenizer(spec, tokenizer_path)
     vocab, added = tok.get_vocab(with_added_tokens=True), tok.get_added_tokens_decoder()
     if max(vocab.values()) >= vocab_size:
@@ -169,8 +171,8 @@ def gguf_vocab(tokenizer_path: str, vocab_size: int, chat: bool = True) -> dict:
     eot = vocab.get(EOT_TOKEN)
     eos = vocab[IM_END] if chat else eot  # llama.cpp also stops at <|endoftext|> and <|im_end|> by their text
     if eos is None:
-        raise CheckpointError(f"{tokenizer_path} has neither {EOT_TOKEN} nor {IM_END}, so nothing would end a "
-                              "generation; export a model whose tokenizer has one")
+        raise CheckpointError(f"{tokenizer_path} has neither {EOT_TOKEN} nor {IM_END}, so nothing would end "
+                              "a generation; export a model whose tokenizer has one")
     return {"tokens": tokens, "types": [int(t) for t in types], "merges": merges, "pre": pre, "chat": chat,
             "bos": eot if eot is not None else eos, "eos": eos, "pad": eot if eot is not None else eos}
 
@@ -182,7 +184,8 @@ def write_gguf(path: str, cfg: ModelConfig, state: dict, tokenizer_path: str, qt
     """One GGUF file at path (no temporary name: write_gguf_folder's folder is the atomic unit)."""
     gguf, arch = gguf_package(), gguf_arch(cfg)
     if qtype not in GGUF_TYPES:
-        raise ConfigError(f"--gguf {qtype!r} is not a GGUF type written here, choose {' or '.join(GGUF_TYPES)}")
+        raise ConfigError(f"--gguf {qtype!r} is not a GGUF type written here, "
+                          f"choose {' or '.join(GGUF_TYPES)}")
     vocab, tensors = gguf_vocab(tokenizer_path, cfg.vocab_size, chat), gguf_tensors(cfg, state, qtype)
     w = gguf.GGUFWriter(None, arch)
     w.add_type("model")
@@ -252,14 +255,15 @@ def write_gguf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: s
     plain text alone). Returns the GGUF file's path."""
     if os.path.isdir(out) and os.listdir(out):
         if not overwrite:
-            raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or "
-                                  "choose another folder")
+            raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass "
+                                  "--overwrite or choose another folder")
         others = [e for e in sorted(os.listdir(out)) if not ((e.endswith(".gguf") or e == MODELFILE) and
                                                              os.path.isfile(os.path.join(out, e)))
                   and not (e == CARD and is_written_card(os.path.join(out, e)))]
         if others:
-            raise CheckpointError(f"{os.path.abspath(out)} is not an earlier GGUF export (it holds {others[0]}) and "
-                                  "--overwrite replaces nothing else, choose another folder")
+            raise CheckpointError(f"{os.path.abspath(out)} is not an earlier GGUF export "
+                                  f"(it holds {others[0]}) and --overwrite replaces "
+                                  "nothing else, choose another folder")
     file = gguf_file_name(qtype)
     need = sum(v.numel() for v in state.values()) * (2 if qtype == "f16" else 1.07)
     with atomic.folder(out, f"exporting to {out}", int(need)) as tmp:

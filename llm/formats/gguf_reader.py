@@ -82,7 +82,8 @@ def _open(path: str):
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # the reader raises ValueError, struct and numpy errors for a file it cannot parse
-        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:160]})") from None
+        raise CheckpointError(f"{path} is not a readable GGUF file "
+                              f"({type(e).__name__}: {str(e)[:160]})") from None
 
 
 def _metadata(reader, path: str) -> dict:
@@ -90,7 +91,8 @@ def _metadata(reader, path: str) -> dict:
     try:
         return {key: field.contents() for key, field in reader.fields.items()}
     except Exception as e:
-        raise CheckpointError(f"{path}: its metadata cannot be read ({type(e).__name__}: {str(e)[:160]})") from None
+        raise CheckpointError(f"{path}: its metadata cannot be read "
+                              f"({type(e).__name__}: {str(e)[:160]})") from None
 
 
 def chat_template(path: str) -> str:
@@ -106,15 +108,16 @@ def _check_layout(reader, path: str):
     starts = [t.data_offset - reader.data_offset for t in reader.tensors]
     ends = starts[1:] + [len(reader.data) - reader.data_offset]
     if starts and starts[0] != 0:
-        raise CheckpointError(f"{path}: tensor {reader.tensors[0].name} starts at byte {starts[0]:,} of the data "
-                              "region, not 0; the file is damaged")
+        raise CheckpointError(f"{path}: tensor {reader.tensors[0].name} starts at byte {starts[0]:,} of the "
+                              "data region, not 0; the file is damaged")
     for t, start, end in zip(reader.tensors, starts, ends):
         padded = -(-int(t.n_bytes) // reader.alignment) * reader.alignment
         if not t.n_bytes <= end - start <= padded:
             shape = " x ".join(str(int(n)) for n in reversed(t.shape))
-            raise CheckpointError(f"{path}: tensor {t.name} ({t.tensor_type.name}, {shape}) takes {int(t.n_bytes):,} "
-                                  f"bytes but has {end - start:,} up to the next tensor or the file's end; the file is "
-                                  "damaged (overlapping tensors, or a type or shape that does not match the data)")
+            raise CheckpointError(f"{path}: tensor {t.name} ({t.tensor_type.name}, {shape}) takes "
+                                  f"{int(t.n_bytes):,} bytes but has {end - start:,} up to the next tensor "
+                                  "or the file's end; the file is damaged (overlapping tensors, or a type or "
+                                  "shape that does not match the data)")
 
 
 def _check_vocabulary(meta: dict, path: str):
@@ -126,13 +129,13 @@ def _check_vocabulary(meta: dict, path: str):
                       ("tokenizer.ggml.token_type", (int, np.integer))):
         values = meta.get(key) or []
         if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
-            raise CheckpointError(f"{path}: {key} is not a list of {'strings' if kind is str else 'integers'}, the "
-                                  "file is damaged")
+            raise CheckpointError(f"{path}: {key} is not a list of "
+                                  f"{'strings' if kind is str else 'integers'}, the file is damaged")
     for key in [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]:
         value = meta[key]
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < len(tokens):
-            raise CheckpointError(f"{path}: {key}={value!r} is not a token id (0 to {len(tokens) - 1}), the file is "
-                                  "damaged")
+            raise CheckpointError(f"{path}: {key}={value!r} is not a token id (0 to "
+                                  f"{len(tokens) - 1}), the file is damaged")
 
 
 def _number(meta: dict, key: str, path: str, default: float) -> float:
@@ -149,7 +152,8 @@ def _int(meta: dict, key: str, path: str, default: int | None = None) -> int:
     generator, which then asked for prompts of 1 to -1 tokens)."""
     value = meta.get(key, default)
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise CheckpointError(f"{path}: {key}={value!r} is not a positive count, the file is damaged or not a model")
+        raise CheckpointError(f"{path}: {key}={value!r} is not a positive count, the "
+                              "file is damaged or not a model")
     return int(value)
 
 
@@ -158,8 +162,8 @@ def _check_blocks(reader, layers: int, where: str):
     a name is built for each: a file declaring 10^12 blocks once built names until memory ran out."""
     held = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
     if len(held) != layers or held != {str(i) for i in range(layers)}:  # len first: range(10**12) is never built
-        raise CheckpointError(f"{where}={layers:,} but the file's tensors hold {len(held):,} blocks; the file is "
-                              "damaged or not a model")
+        raise CheckpointError(f"{where}={layers:,} but the file's tensors hold {len(held):,} blocks; the "
+                              "file is damaged or not a model")
 
 
 # Our config's fields by the GGUF key (after "ARCH.") they are read from, to name a refused value as the file
@@ -210,8 +214,9 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
         key = GGUF_KEYS.get(getattr(e, "field", ""))
         if key is None:
             raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
-        raise CheckpointError(f"{path}: {a}{key}={e.value:,} is invalid: {str(e).split(' is invalid: ', 1)[-1]}; "
-                              "the file is damaged or not a model") from None
+        raise CheckpointError(f"{path}: {a}{key}={e.value:,} is invalid: "
+                              f"{str(e).split(' is invalid: ', 1)[-1]}; the "
+                              "file is damaged or not a model") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} gives an invalid model shape: {e}") from None
 
@@ -236,10 +241,12 @@ def _dequantized(tensor, path: str, shape: tuple) -> torch.Tensor:
         # np.require copies what is read-only: an f32 tensor is the memory-mapped file itself.
         return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
     except NotImplementedError:
-        raise CheckpointError(f"{path}: {tensor.name} is of type {tensor.tensor_type.name}, which the gguf package "
-                              "cannot dequantize; convert the model to another type (f16, q8_0, q4_k)") from None
+        raise CheckpointError(f"{path}: {tensor.name} is of type {tensor.tensor_type.name}, "
+                              "which the gguf package cannot dequantize; convert the model to "
+                              "another type (f16, q8_0, q4_k)") from None
     except (ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: {tensor.name} cannot be read ({str(e)[:160]}), the file is damaged") from None
+        raise CheckpointError(f"{path}: {tensor.name} cannot be read "
+                              f"({str(e)[:160]}), the file is damaged") from None
 
 
 # ----------------------------------------------------------------------------- the tokenizer
@@ -251,17 +258,17 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
-        raise CheckpointError(f"{path}: its tokenizer is {kind!r}, and only byte-level BPE (gpt2) is read from a "
-                              "GGUF here; load the model's Hugging Face folder instead")
+        raise CheckpointError(f"{path}: its tokenizer is {kind!r}, and only byte-level BPE (gpt2) is read "
+                              "from a GGUF here; load the model's Hugging Face folder instead")
     if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{path}: the pre-tokenizer {pre!r} is not one read here ({', '.join(PRE_TOKENIZERS)}); "
-                              "load the model's Hugging Face folder instead")
+        raise CheckpointError(f"{path}: the pre-tokenizer {pre!r} is not one read here "
+                              f"({', '.join(PRE_TOKENIZERS)}); load the model's Hugging Face folder instead")
     _check_vocabulary(meta, path)
     tokens, merges = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.merges") or []
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens or len(tokens) > vocab_size or len(types) != len(tokens) or len(set(tokens)) != len(tokens):
-        raise CheckpointError(f"{path}: its {len(tokens)} tokens do not fit a vocabulary of {vocab_size} (or repeat "
-                              "one), the file is damaged")
+        raise CheckpointError(f"{path}: its {len(tokens)} tokens do not fit a vocabulary of {vocab_size} (or "
+                              "repeat one), the file is damaged")
     split, digits, ignore_merges = PRE_TOKENIZERS[pre]
     try:
         bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],

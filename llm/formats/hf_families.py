@@ -108,8 +108,8 @@ def unsupported(hf, raw: dict, context: int) -> list[str]:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         why.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (ours rotates every channel)")
     if 0 in (getattr(hf, "no_rope_layers", None) or []):
-        why.append(f"no_rope_layers={hf.no_rope_layers} (a 0 is a layer without RoPE, NoPE; ours rotates in every "
-                   "layer)")
+        why.append(f"no_rope_layers={hf.no_rope_layers} (a 0 is a layer without RoPE, "
+                   "NoPE; ours rotates in every layer)")
     why += _window(hf, raw, context)
     if any(k in raw for k in MOE_KEYS):
         why.append("mixture of experts (ours has one dense MLP per layer)")
@@ -127,9 +127,9 @@ def _window(hf, raw: dict, context: int) -> list[str]:
     if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         return [f"layer_types {sorted(set(layer_types))} (every layer must be full_attention)"]
     if sliding and (not isinstance(window, int) or window < context):
-        return [f"sliding_window={window} on {sliding} of {hf.num_hidden_layers} layers is shorter than the context "
-                f"of {context} tokens (sliding window attention in use; ours attends to the whole context), load it "
-                f"with --max_seq_len {window} or less"]
+        return [f"sliding_window={window} on {sliding} of {hf.num_hidden_layers} layers is shorter than the "
+                f"context of {context} tokens (sliding window attention in use; ours attends to the whole "
+                f"context), load it with --max_seq_len {window} or less"]
     return []
 
 
@@ -143,8 +143,8 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
         hf = AutoConfig.from_pretrained(path)
         context = max_seq_len or hf.max_position_embeddings
         if not isinstance(context, int) or context < 1:  # 0 would read as "automatic" and reach the generator
-            raise ConfigError(f"max_position_embeddings={context!r} is not a positive context length, the file is "
-                              "damaged; load it with --max_seq_len N")
+            raise ConfigError(f"max_position_embeddings={context!r} is not a positive context length, the "
+                              "file is damaged; load it with --max_seq_len N")
         why = unsupported(hf, raw, context)
         # transformers 5 gathers RoPE settings in rope_parameters; 4.x keeps rope_scaling (key rope_type or
         # type)
@@ -197,8 +197,8 @@ def declared_shape(raw: dict, file: str) -> ModelConfig:
     heads = raw.get("num_attention_heads")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
-            raise CheckpointError(f"{file} is not a valid transformers config ({name}={raw.get(name)!r} is not an "
-                                  "integer)")
+            raise CheckpointError(f"{file} is not a valid transformers config "
+                                  f"({name}={raw.get(name)!r} is not an integer)")
     try:
         return ModelConfig(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
                            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
@@ -208,4 +208,5 @@ def declared_shape(raw: dict, file: str) -> ModelConfig:
                            max_seq_len=1, tie_word_embeddings=bool(raw.get("tie_word_embeddings",
                                                                    raw["model_type"] == "smollm3")))  # its default
     except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{file} is not a valid transformers config ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{file} is not a valid transformers config "
+                              f"({type(e).__name__}: {e})") from None

@@ -73,8 +73,8 @@ def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
                  and is_stored(name, cfg))
     declared = count_parameters(cfg)
     if stored != declared:
-        raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files hold "
-                              f"{stored:,}; the config does not belong to these weights")
+        raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files "
+                              f"hold {stored:,}; the config does not belong to these weights")
     check_memory(stored, where)
 
 
@@ -82,8 +82,9 @@ def check_memory(parameters: int, where: str):
     """Refuse weights too large for the free memory: they are read as fp32 on the CPU."""
     need, free = 4 * parameters, psutil.virtual_memory().available
     if need > free:
-        raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and {free / 2**30:.1f} GiB "
-                              "are free; close other programs or use a machine with more memory")
+        raise CheckpointError(f"{where} needs {need / 2**30:.1f} GiB of memory to load and "
+                              f"{free / 2**30:.1f} GiB are free; close other programs or "
+                              "use a machine with more memory")
 
 
 def check_context(cfg: ModelConfig, where: str):
@@ -92,9 +93,10 @@ def check_context(cfg: ModelConfig, where: str):
     from."""
     need, free = ROPE_PEAK_TABLES * cfg.max_seq_len * cfg.head_dim * 4, psutil.virtual_memory().available
     if need > free:
-        raise CheckpointError(f"{where}: a context of {cfg.max_seq_len:,} tokens needs {need / 2**30:,.1f} GiB for "
-                              f"its RoPE tables and {free / 2**30:.1f} GiB are free; load a shorter one with "
-                              "--max_seq_len N (text_generator.py, export_hf.py --import and the trainer take it)")
+        raise CheckpointError(f"{where}: a context of {cfg.max_seq_len:,} tokens needs "
+                              f"{need / 2**30:,.1f} GiB for its RoPE tables and {free / 2**30:.1f} GiB "
+                              "are free; load a shorter one with --max_seq_len N (text_generator.py, "
+                              "export_hf.py --import and the trainer take it)")
 
 
 def check_weights(state: dict, shapes: dict, where: str):
@@ -154,7 +156,8 @@ def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, d
     tok = read_tokenizer(tokenizer_path)
     eos_id, eot_id = tok.token_to_id(eos), tok.token_to_id(EOT_TOKEN)
     if eos_id is None:
-        raise CheckpointError(f"the tokenizer {tokenizer_path} has no token {eos!r}, pass --eos with its end token")
+        raise CheckpointError(f"the tokenizer {tokenizer_path} has no token "
+                              f"{eos!r}, pass --eos with its end token")
     pad, pad_id = (EOT_TOKEN, eot_id) if eot_id is not None else (eos, eos_id)
     state = {k: v for k, v in state.items() if is_stored(k, cfg)}
     check_weights(state, expected_shapes(cfg), "the weights to export")
@@ -176,8 +179,8 @@ def write_hf_folder(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str
     card, when given, is written as its README.md; chat False leaves out the chat template (a model trained on
     plain text alone)."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass --overwrite or choose "
-                              "another folder")
+        raise CheckpointError(f"{os.path.abspath(out)} already exists and is not empty, pass "
+                              "--overwrite or choose another folder")
     problem = _not_an_export(out) if os.path.isdir(out) and os.listdir(out) else None
     if problem:
         raise CheckpointError(f"{os.path.abspath(out)} is not an earlier export ({problem}) and --overwrite "
@@ -229,15 +232,17 @@ def _weight_files(path: str) -> list[str]:
     try:
         shards = set(values["weight_map"].values())
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{index} is not a weight index with a weight_map ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{index} is not a weight index with a "
+                              f"weight_map ({type(e).__name__}: {e})") from None
     bad = sorted(str(n) for n in shards if not isinstance(n, str) or os.path.basename(n) != n
                  or not n.endswith(".safetensors"))
     if bad or not shards:
-        raise CheckpointError(f"{index} names {bad[:3] or 'no shards'}: shards must be .safetensors files of the "
-                              "folder itself")
+        raise CheckpointError(f"{index} names {bad[:3] or 'no shards'}: shards must be "
+                              ".safetensors files of the folder itself")
     missing = sorted(n for n in shards if not os.path.isfile(os.path.join(path, n)))
     if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} shard(s) its index lists: {', '.join(missing[:3])}")
+        raise CheckpointError(f"{path} lacks {len(missing)} shard(s) its index "
+                              f"lists: {', '.join(missing[:3])}")
     return [os.path.join(path, n) for n in sorted(shards)]
 
 

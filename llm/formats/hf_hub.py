@@ -48,8 +48,9 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
     except (errors.HfHubHTTPError, *hub_client.unreachable()) as e:  # a whole cached copy serves, as it always did
         folder = _cached(repo, local, _failure(repo, e, errors))
     if not is_hf_folder(folder):
-        raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors weights (model.safetensors "
-                              "or its shards), the only weights read; use a model published with them")
+        raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors "
+                              "weights (model.safetensors or its shards), the only weights "
+                              "read; use a model published with them")
     return folder
 
 
@@ -81,7 +82,8 @@ def _hub(name: str):
         import huggingface_hub.constants  # the package, with its constants loaded (hub.constants)
         from huggingface_hub import errors
     except ImportError:
-        raise CheckpointError(f"{name} is read through the huggingface_hub package, pip install huggingface_hub") \
+        raise CheckpointError(f"{name} is read through the huggingface_hub "
+                              "package, pip install huggingface_hub") \
             from None
     return huggingface_hub, errors
 
@@ -97,8 +99,8 @@ def _repo_id(name: str) -> str:
     try:
         validate_repo_id(repo)
     except errors.HFValidationError as e:
-        raise CheckpointError(f"{name[:120]!r} is not a Hub model name ({str(e).splitlines()[0][:200]}), write "
-                              "hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)") from None
+        raise CheckpointError(f"{name[:120]!r} is not a Hub model name ({str(e).splitlines()[0][:200]}), "
+                              "write hf:ORG/NAME (hf:Qwen/Qwen2.5-0.5B)") from None
     return repo
 
 

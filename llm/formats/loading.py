@@ -75,8 +75,8 @@ def read(source: Source) -> ModelFiles:
     found = READERS[source.kind](source)
     broken = [k for k, v in found.state.items() if not torch.isfinite(v).all()]
     if broken:
-        raise CheckpointError(f"{found.path}: the weights {', '.join(broken[:3])} hold NaN or Inf (the run diverged "
-                              "before it was saved); use an earlier checkpoint")
+        raise CheckpointError(f"{found.path}: the weights {', '.join(broken[:3])} hold NaN or Inf (the run "
+                              "diverged before it was saved); use an earlier checkpoint")
     return found
 
 
@@ -107,9 +107,10 @@ def read_lora(source: Source) -> ModelFiles:
     ckpt = source.path
     meta = lora.read_meta(ckpt)
     if not source.base:
-        raise ConfigError(f"{ckpt} holds LoRA adapters trained on {meta['base']}; pass --base with that model "
-                          "(a checkpoint, run or Hugging Face folder) to merge them into it; to train on from them, "
-                          "export the merged model (export_hf.py RUN OUT --base BASE) and --init_from OUT")
+        raise ConfigError(f"{ckpt} holds LoRA adapters trained on {meta['base']}; pass --base with "
+                          "that model (a checkpoint, run or Hugging Face folder) to merge them into "
+                          "it; to train on from them, export the merged model (export_hf.py RUN OUT "
+                          "--base BASE) and --init_from OUT")
     base = read_model(source.base, source.max_seq_len)
     lora.check_base(meta, base.path, ckpt, "--base")
     adapters = adapter_weights(ckpt)
@@ -124,13 +125,14 @@ def _check_adapters(adapters: dict, meta: dict, base: ModelFiles, where: str):
     shapes = {k: tuple(v.shape) for k, v in base.state.items()}
     pairs = {name.rsplit(".lora_", 1)[0] for name in adapters}
     if set(adapters) != {f"{module}.lora_{kind}.weight" for module in pairs for kind in "AB"}:
-        raise CheckpointError(f"{where} does not hold pairs of lora_A and lora_B weights; the checkpoint is damaged")
+        raise CheckpointError(f"{where} does not hold pairs of lora_A and lora_B "
+                              "weights; the checkpoint is damaged")
     for name, tensor in adapters.items():
         module, kind = name.rsplit(".lora_", 1)
         rows, cols = shapes.get(module + ".weight", (0, 0))
         if tuple(tensor.shape) != ((meta["rank"], cols) if kind.startswith("A") else (rows, meta["rank"])):
-            raise CheckpointError(f"{where}: {name} of shape {tuple(tensor.shape)} does not fit {base.path}; the "
-                                  "checkpoint is damaged")
+            raise CheckpointError(f"{where}: {name} of shape {tuple(tensor.shape)} does not fit "
+                                  f"{base.path}; the checkpoint is damaged")
 
 
 READERS = {Kind.RUN: read_run, Kind.LORA: read_lora, Kind.HF: read_hf, Kind.HUB: read_hub, Kind.GGUF: read_gguf_file}

@@ -43,12 +43,12 @@ def check_lora(model: nn.Module, t):
     wanted = targets(t)
     unknown = [name for name in wanted if not block_linears(model, [name])]
     if unknown:
-        raise ConfigError(f"--lora_targets {' '.join(unknown)} match no linear layer of the blocks; choose from "
-                          f"{' '.join(TARGETS)}")
+        raise ConfigError(f"--lora_targets {' '.join(unknown)} match no linear layer of the blocks; "
+                          f"choose from {' '.join(TARGETS)}")
     side, where = min((min(m.in_features, m.out_features), n) for n, m in block_linears(model, wanted).items())
     if t.lora_rank > side:
-        raise ConfigError(f"--lora_rank {t.lora_rank} is larger than the smaller side ({side}) of {where}; pass "
-                          f"--lora_rank {side} or less")
+        raise ConfigError(f"--lora_rank {t.lora_rank} is larger than the smaller side ({side}) of {where}; "
+                          f"pass --lora_rank {side} or less")
 
 
 NF4_BLOCK = 64  # weights per absmax scale: QLoRA's and torchao's block (Dettmers et al. 2023)
@@ -60,9 +60,10 @@ def nf4_blocks(name: str, weight: torch.Tensor) -> tuple[int, int]:
     scales, or per the largest divisor of 256 that divides the count of scales (SmolLM2-135M's k_proj holds
     1,728 blocks); ConfigError when the weights do not split into blocks of 64."""
     if weight.numel() % NF4_BLOCK:
-        raise ConfigError(f"--lora_base nf4 quantises blocks of {NF4_BLOCK} weights and {name} holds "
-                          f"{'x'.join(map(str, weight.shape))} = {weight.numel():,}, not a multiple of {NF4_BLOCK}; "
-                          "pass --lora_base int8 or bf16, or leave that layer out of --lora_targets")
+        raise ConfigError(f"--lora_base nf4 quantises blocks of {NF4_BLOCK} weights and {name} "
+                          f"holds {'x'.join(map(str, weight.shape))} = {weight.numel():,}, not a "
+                          f"multiple of {NF4_BLOCK}; pass --lora_base int8 or bf16, or leave "
+                          "that layer out of --lora_targets")
     return NF4_BLOCK, math.gcd(weight.numel() // NF4_BLOCK, NF4_SCALER_BLOCK)
 
 
@@ -84,8 +85,8 @@ def base_dtype(t, amp_dtype) -> str:
     if t.lora_base == "auto":
         return "bf16" if amp_dtype == torch.bfloat16 else "fp32"
     if t.lora_base == "bf16" and amp_dtype != torch.bfloat16:
-        raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, or --lora_base fp32, int8 "
-                          "or nf4")
+        raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, "
+                          "or --lora_base fp32, int8 or nf4")
     return t.lora_base
 
 
@@ -174,8 +175,8 @@ def load_adapters(model: nn.Module, state: dict, where: str):
     """Copy saved adapters into an injected model; CheckpointError when they do not fit it."""
     own = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
     if set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
-        raise CheckpointError(f"{where} does not fit this run's adapters (other --lora_rank or --lora_targets, or "
-                              "another base shape); resume with the run's LoRA settings")
+        raise CheckpointError(f"{where} does not fit this run's adapters (other --lora_rank or "
+                              "--lora_targets, or another base shape); resume with the run's LoRA settings")
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)
@@ -248,8 +249,8 @@ def _plausible_meta(meta) -> bool:
 def check_base(meta: dict, base_folder: str, where: str, flag: str):
     """The base given is the one the adapters were trained on."""
     if fingerprint(base_folder) != meta["base_fingerprint"]:
-        raise ConfigError(f"{flag} {base_folder} is not the base {where} was trained on ({meta['base']}, weights "
-                          f"fingerprint {meta['base_fingerprint']}); pass that model")
+        raise ConfigError(f"{flag} {base_folder} is not the base {where} was trained on ({meta['base']}, "
+                          f"weights fingerprint {meta['base_fingerprint']}); pass that model")
 
 
 def peft_state(adapters: dict) -> dict:

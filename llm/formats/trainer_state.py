@@ -52,8 +52,8 @@ def parse(state: dict) -> Saved:
     state without its counters (damaged, or written by hand) is refused in one line."""
     missing = [k for k in ("step", "tokens", "best_val_loss") if not isinstance(state, dict) or k not in state]
     if missing:
-        raise CheckpointError(f"the checkpoint's trainer_state.pt lacks {', '.join(missing)}; it is damaged, use an "
-                              "earlier checkpoint")
+        raise CheckpointError(f"the checkpoint's trainer_state.pt lacks {', '.join(missing)}; it is "
+                              "damaged, use an earlier checkpoint")
     return Saved(step=state["step"], tokens=state["tokens"], best_val=state["best_val_loss"],
                  optimizer=state.get("optimizer"), scaler=state.get("scaler") or {},
                  weight_average=state.get("weight_average"), rng_torch=state.get("rng_torch"),

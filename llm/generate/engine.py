@@ -46,8 +46,8 @@ def check_memory(model, batch: int, max_len: int):
 def check_prompt(length: int, ctx: int):
     """A prompt needs at least one token and room for one new token in the model's context (ConfigError)."""
     if not 0 < length < ctx:
-        raise ConfigError(f"a prompt has {length} tokens, it needs 1 to {ctx - 1} (the model's context is {ctx}), "
-                          "shorten it")
+        raise ConfigError(f"a prompt has {length} tokens, it needs 1 to {ctx - 1} (the "
+                          f"model's context is {ctx}), shorten it")
 
 
 # ----------------------------------------------------------------------------- the API

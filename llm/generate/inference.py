@@ -111,9 +111,9 @@ def load_for_inference(load: LoadConfig | str = "", device=None, **options) -> L
     tokenizer, cfg = load_tokenizer(found.tokenizer_path), found.config
     ids = max(tokenizer.get_vocab().values(), default=-1) + 1  # not len(): a tokenizer's ids may leave gaps
     if ids > cfg.vocab_size:  # checked before a model is built for it
-        raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but the "
-                              f"model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to another "
-                              "model; put the tokenizer.json the model was trained with beside it")
+        raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but "
+                              f"the model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to "
+                              "another model; put the tokenizer.json the model was trained with beside it")
     with torch.device("meta"):  # no random weights drawn only to be overwritten: they come from the checkpoint
         model = Transformer(cfg)
     model.materialize(device).load_stored(found.state)  # read_model checked every tensor

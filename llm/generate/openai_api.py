@@ -58,7 +58,8 @@ def refuse_unimplemented(body: dict):
         fine = value is None or any(value == v and type(value) is not bool for v in neutral) or (
             name == "best_of" and value == body.get("n", 1) and type(value) is int)
         if not fine:
-            raise BadRequest(f"{name}={value!r:.60} is not implemented by this server; leave {name} out", name)
+            raise BadRequest(f"{name}={value!r:.60} is not implemented "
+                             f"by this server; leave {name} out", name)
 
 
 def stream_options_of(body: dict) -> bool:
@@ -111,8 +112,8 @@ def settings_of(body: dict, ctx: int, chat: bool = False, echo: bool = False) ->
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
         raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise BadRequest(f"a stop string has {max(map(len, stop))} characters, more than the {MAX_STOP_CHARS} "
-                         "allowed; shorten it", "stop")
+        raise BadRequest(f"a stop string has {max(map(len, stop))} characters, more than the "
+                         f"{MAX_STOP_CHARS} allowed; shorten it", "stop")
     try:
         return SampleConfig(max_new_tokens=max(1, number(body, "max_tokens", default, int, 0 if echo else 1, ctx)),
                             temperature=number(body, "temperature", 1.0, float, 0, 2),
@@ -141,7 +142,8 @@ def chat_scoring_of(body: dict) -> Scoring:
     """logprobs (true or false) and top_logprobs (0 to 20, with logprobs: true) of a chat request, checked."""
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise BadRequest(f"logprobs must be true or false in a chat request, got {logprobs!r:.40}", "logprobs")
+        raise BadRequest("logprobs must be true or false in a chat "
+                         f"request, got {logprobs!r:.40}", "logprobs")
     top = None if body.get("top_logprobs") is None else number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
     if top is not None and not logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -171,7 +173,8 @@ def prompts_of(body: dict, tokenizer, vocab: int) -> list[list[int]]:
             continue
         bad = next((i for i in p if not 0 <= i < vocab), None)
         if bad is not None:
-            raise BadRequest(f"prompt holds the token id {str(bad)[:40]}, outside the model's ids [0, {vocab - 1}]",
+            raise BadRequest(f"prompt holds the token id {str(bad)[:40]}, outside "
+                             f"the model's ids [0, {vocab - 1}]",
                              "prompt")
         out.append(p)
     return out

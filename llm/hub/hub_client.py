@@ -75,8 +75,8 @@ def safe_relative(path, what: str, repo: Repo, todo: str = "") -> str:
     NUL or empty segment, which would name a file outside it."""
     parts = path.split("/") if isinstance(path, str) else [""]
     if any(part in ("", ".", "..") or "\\" in part or "\0" in part or DRIVE.match(part) for part in parts):
-        raise repo.error(f"{repo.where}: {what} {str(path)[:200]!r} is not a path inside the {repo.kind} (it has a "
-                         f"`..`, root, drive, backslash or empty part); {todo or HOSTILE}")
+        raise repo.error(f"{repo.where}: {what} {str(path)[:200]!r} is not a path inside the {repo.kind} (it "
+                         f"has a `..`, root, drive, backslash or empty part); {todo or HOSTILE}")
     return path
 
 
@@ -137,12 +137,12 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
     try:
         meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo.id, name, repo_type=repo.kind, revision=commit))
     except EntryNotFoundError:  # not the pattern's fault: the Hub listed the file a moment ago
-        raise RunFailure(f"{repo.where}: the Hub listed {name} but answers 404 for it (the dataset changed while this "
-                         "run read it?); run again") from None
+        raise RunFailure(f"{repo.where}: the Hub listed {name} but answers 404 for it (the dataset changed "
+                         "while this run read it?); run again") from None
     etag = hex_hash(meta.etag, f"the ETag the Hub sent for {name}", repo)
     if meta.size is not None and (not isinstance(meta.size, int) or meta.size < 0):
-        raise repo.error(f"{repo.where}: the size the Hub sent for {name} ({str(meta.size)[:40]!r}) is not a size; "
-                         f"{HOSTILE}")
+        raise repo.error(f"{repo.where}: the size the Hub sent for {name} "
+                         f"({str(meta.size)[:40]!r}) is not a size; {HOSTILE}")
     blob = os.path.join(storage, "blobs", etag)
     os.makedirs(os.path.dirname(blob), exist_ok=True)
     headers = build_hf_headers()
@@ -160,8 +160,8 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise RunFailure(f"{repo.where}: the disk is full downloading {name} ({meta.size or 0:,} "
-                                     f"bytes) into {os.path.dirname(storage)}; free that much room, or point HF_HOME "
-                                     "at a larger disk, and run again") from None
+                                     f"bytes) into {os.path.dirname(storage)}; free that much room, or point "
+                                     "HF_HOME at a larger disk, and run again") from None
                 raise
             _check_hash(partial, etag, name, repo)
             os.replace(partial, blob)
@@ -196,7 +196,8 @@ def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: boo
                 if f.tell() == start or tries <= 0:  # nothing came: the Hub is out of reach
                     raise
                 tries -= 1
-                say_once(f"{where}: the connection broke after {f.tell():,} bytes ({type(e).__name__}); resuming")
+                say_once(f"{where}: the connection broke after {f.tell():,} bytes "
+                         f"({type(e).__name__}); resuming")
 
 
 def _link(blob: str, path: str):
@@ -250,8 +251,8 @@ def lost(repo: Repo, e: Exception) -> Exception:
     anything else a connection lost, which a later run resumes."""
     if malformed(e):
         return repo.error(f"{repo.where}: the Hub's answer is not valid HTTP ({malformed(e)}); {HOSTILE}")
-    return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the download "
-                      "resumes where it stopped")
+    return RunFailure(f"{repo.where}: the Hub stopped answering ({type(e).__name__}); run again, the "
+                      "download resumes where it stopped")
 
 
 def unreachable() -> tuple:

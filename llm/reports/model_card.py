@@ -183,11 +183,12 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
     at = f" (step {r['step']:,})"
     rows = [("validation loss", f"{r['val_loss']:.4f}{at}")]
     if _real(r.get("val_bpb")) is not None:
-        rows.append(("bits per byte", f"{r['val_bpb']:.4f}{at}: the validation loss / ln 2 / the split's UTF-8 "
-                                      "bytes per token"))
+        rows.append(("bits per byte", f"{r['val_bpb']:.4f}{at}: the validation loss / ln 2 / "
+                                      "the split's UTF-8 bytes per token"))
     if _count(r.get("code_samples")) and _real(r.get("code_ok")) is not None:
         ok = round(r["code_ok"] * r["code_samples"])
-        rows.append(("code metric", f"{ok} of {r['code_samples']} documented functions get a body that parses{at}"))
+        rows.append(("code metric", f"{ok} of {r['code_samples']} documented "
+                                    f"functions get a body that parses{at}"))
     scores = {k.removeprefix("acc_"): v for k, v in r.items() if k.startswith("acc_") and _real(v) is not None}
     if scores:
         items = f"the first {r['scored_items']} items of each, " if _count(r.get("scored_items")) else ""
@@ -213,9 +214,10 @@ def _how_to_load(kind: str, file: str, name: str, chat: bool, cfg: ModelConfig) 
     if kind == "gguf":
         # transformers reads no head width from a qwen3 GGUF file and assumes Qwen3's 128.
         head = f", head_dim={cfg.head_dim}" if cfg.qk_norm and cfg.head_dim != 128 else ""
-        lines = [f"llama.cpp: `llama-cli -m {file}`, or its OpenAI-compatible server: `llama-server -m {file}`.",
-                 f"Ollama: `ollama create {tag} -f Modelfile`, then `ollama run {tag}` (the Modelfile sets the "
-                 "template, the stop tokens, the context and the sampling).",
+        lines = [f"llama.cpp: `llama-cli -m {file}`, or its OpenAI-compatible "
+                 f"server: `llama-server -m {file}`.",
+                 f"Ollama: `ollama create {tag} -f Modelfile`, then `ollama run {tag}` (the Modelfile sets "
+                 "the template, the stop tokens, the context and the sampling).",
                  f"transformers (with the gguf and accelerate packages): "
                  f"`AutoModelForCausalLM.from_pretrained(\".\", gguf_file=\"{file}\"{head})`."]
     else:
@@ -223,7 +225,8 @@ def _how_to_load(kind: str, file: str, name: str, chat: bool, cfg: ModelConfig) 
                  "`AutoTokenizer.from_pretrained(\".\")`" + (", with `apply_chat_template` for chat" if chat
                                                              else "") + ".",
                  "This project's generator: `python text_generator.py FOLDER`.",
-                 "llama.cpp and Ollama: export the checkpoint with `python export_hf.py CHECKPOINT OUT --gguf q8_0`."]
+                 "llama.cpp and Ollama: export the checkpoint with `python "
+                 "export_hf.py CHECKPOINT OUT --gguf q8_0`."]
     return "\n".join(f"- {line}" for line in lines)
 
 
@@ -236,7 +239,8 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
     model = [("architecture", f"{arch}: grouped-query attention, RoPE, SwiGLU, RMSNorm"),
              ("parameters", f"{_number(params)} ({params:,})"), ("layers", str(cfg.num_hidden_layers)),
              ("width", f"{cfg.hidden_size} (SwiGLU {cfg.intermediate_size})"),
-             ("heads", f"{cfg.num_attention_heads} query, {cfg.num_key_value_heads} key/value, {cfg.head_dim} wide"),
+             ("heads", f"{cfg.num_attention_heads} query, {cfg.num_key_value_heads} "
+                       f"key/value, {cfg.head_dim} wide"),
              ("context", f"{cfg.max_seq_len:,} tokens"), ("vocabulary", f"{cfg.vocab_size:,} tokens"),
              ("embeddings", "tied to the output head" if cfg.tie_word_embeddings else "separate from the output head")]
     parts = [CARD_MARK, f"# {md.text(facts['name'])}", "",
@@ -257,11 +261,12 @@ def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
             ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(md.code(t) for t in meta["targets"]))]
     use = ["PEFT: `AutoPeftModelForCausalLM.from_pretrained(\".\")` loads the base named above with these "
            "adapters; or `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), \".\")`.",
-           "This project: `python text_generator.py RUN --base BASE` on the run's checkpoint, or merged into one "
-           "model with `python export_hf.py RUN OUT --base BASE`."]
+           "This project: `python text_generator.py RUN --base BASE` on the run's checkpoint, or merged into "
+           "one model with `python export_hf.py RUN OUT --base BASE`."]
     parts = ["---", f"base_model: {json.dumps(md.shared_name(base))}", "library_name: peft", "---", CARD_MARK,
              f"# {md.text(facts['name'])}", "",
-             f"LoRA adapters {_origin(facts)}, for {md.code(md.shared_name(base))}, exported as a PEFT adapter folder.",
+             f"LoRA adapters {_origin(facts)}, for {md.code(md.shared_name(base))}, "
+             "exported as a PEFT adapter folder.",
              "",
              "## Adapters", "", _table(lora), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
              "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",

@@ -350,13 +350,14 @@ def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_pe
     bits = f" ({best_val / math.log(2) / bytes_per_token:.4f} bits per byte)" if bytes_per_token else ""
     evaluated = f"best val loss {best_val:.4f}{bits}" if math.isfinite(best_val) else "no evaluation yet"
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
-    lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} min, "
-             f"{evaluated}, peak memory {peak}"]
+    lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} "
+             f"min, {evaluated}, peak memory {peak}"]
     if ckpt:
         lines += [f"checkpoint: {ckpt}", f"chat with it: python text_generator.py {ckpt}"
                   + (f" --base {base}" if base else "")]
     if interrupted:
-        lines.append(f"resume with: {launcher} gpu_training_optimized.py {' '.join(sys.argv[1:])} --resume".replace(
+        lines.append(f"resume with: {launcher} gpu_training_optimized.py "
+                     f"{' '.join(sys.argv[1:])} --resume".replace(
             " --resume --resume", " --resume"))
     return "\n".join(lines)
 
@@ -413,6 +414,6 @@ def stood_still(records: list[dict], key: str) -> str:
     moved, noise = mean(last) - mean(first), 2 * math.sqrt((var(first) + var(last)) / k)
     if abs(moved) > noise:
         return ""
-    return (f"warning: the training {key} moved {moved:+.4f} (from {mean(first):.4f} to {mean(last):.4f}), within its "
-            f"noise ({noise:.4f}): the run may have learned nothing; raise --learning_rate, or the steps (--epochs, "
-            "--max_steps)")
+    return (f"warning: the training {key} moved {moved:+.4f} (from {mean(first):.4f} to {mean(last):.4f}), "
+            f"within its noise ({noise:.4f}): the run may have learned nothing; raise --learning_rate, or "
+            "the steps (--epochs, --max_steps)")

@@ -39,8 +39,8 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
     seconds, and the task's headline metric centred on chance; then the items and seconds in all, and the
     centred mean of each suite scored (the headline: one number per suite, said plainly)."""
     chances = chances or {}
-    lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'':<5} {'acc_norm':>8} {'':<5} {'chance':>6} "
-             f"{'seconds':>8}  centred"]
+    lines = [f"{'task':<16} {'split':<11} {'items':>6} {'acc':>6} {'':<5} {'acc_norm':>8} {'':<5} "
+             f"{'chance':>6} {'seconds':>8}  centred"]
     for s in scores:
         acc, norm = (s.acc, s.acc_norm) if s.items else (None, None)  # a task stopped before its first item
         name = f"{s.task} {s.shots}-shot" if s.shots else s.task
@@ -51,17 +51,18 @@ def table(scores: list[TaskScore], chances: dict | None = None) -> str:
                      + ("  (stopped)" if s.partial else ""))
     done = [s for s in scores if s.items]
     if len(done) > 1:
-        lines.append(f"{'all':<16} {'':<11} {sum(s.items for s in done):>6} {'':>6} {'':<5} {'':>8} {'':<5} {'':>6} "
-                     f"{sum(s.seconds for s in done):>8.1f}")
+        lines.append(f"{'all':<16} {'':<11} {sum(s.items for s in done):>6} {'':>6} {'':<5} {'':>8} {'':<5} "
+                     f"{'':>6} {sum(s.seconds for s in done):>8.1f}")
     for suite, value, count in suite_means(scores, chances):
-        lines.append(f"{suite} suite: {_pct(value)}, the mean over its {count} task(s) of each one's headline metric "
-                     "centred on chance, (score - chance) / (1 - chance)")
+        lines.append(f"{suite} suite: {_pct(value)}, the mean over its {count} task(s) of each one's "
+                     "headline metric centred on chance, (score - chance) / (1 - chance)")
     for s in scores:
         if s.metrics != TaskScore.metrics:
             lines.append(f"{s.task}: acc is lm-eval's {s.metrics[0]}, acc_norm its {s.metrics[1]}")
     cut = sum(s.cut for s in scores)
     if cut:
-        lines.append(f"{cut} item(s) had prompts longer than the model's context, cut from the left as lm-eval does")
+        lines.append(f"{cut} item(s) had prompts longer than the model's context, "
+                     "cut from the left as lm-eval does")
     return "\n".join(lines)
 
 
@@ -129,7 +130,8 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     if isinstance(sources, list):
         lines.append("- data: " + (", ".join(md.code(s) for s in sources) or "the Python standard library's sources"))
     if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
-        lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, step {facts['eval']['step']:,})")
+        lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, "
+                     f"step {facts['eval']['step']:,})")
     shot = [f"{s.task} {s.shots}-shot" for s in scores if s.shots]
     splits = {}
     for score in scores:
@@ -140,7 +142,8 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
               f"- prompts and metrics: lm-eval's task definitions, as of lm-eval {tasks.LM_EVAL_VERSION}", "",
               "```", table(scores, chances), "```", ""]
     if report_chart.available() and any(s.items for s in scores):
-        lines += [f"![each task's accuracy with its standard error, chance and the references]({report_chart.CHART})",
+        lines += ["![each task's accuracy with its standard error, chance and the "
+                  f"references]({report_chart.CHART})",
                   ""]
     if shot:
         lines += ["The reference rows are left out: they are zero-shot scores.", ""]
@@ -159,7 +162,8 @@ def _reference_rows(scores: list[TaskScore], chances: dict, limit: int) -> list[
         rows.append(f"| {model} | " + " | ".join(_pct(results.get(n)) for n in names) + " |")
     said = "on every item of each split, where this model had the first {limit} of each task: a difference within a " \
         "few standard errors says little" if limit else "on the same items"
-    return [f"Accuracy (acc, %) beside references measured by this tool {said.format(limit=limit)}:", ""] + rows + [""]
+    return ["Accuracy (acc, %) beside references measured by this "
+            f"tool {said.format(limit=limit)}:", ""] + rows + [""]
 
 
 def write_report(folder: str, text: str, data: dict, scores: list | None = None, chances: dict | None = None):

@@ -43,8 +43,8 @@ class Reward:
         try:
             got = self.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:  # the user's code: any failure is theirs to see, in one line
-            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {_short(e)}; fix the function, then "
-                              "--resume") from None
+            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {_short(e)}; "
+                              "fix the function, then --resume") from None
         return checked(self.name, got, len(completions))
 
 
@@ -53,17 +53,17 @@ def checked(name: str, got, count: int) -> list[float]:
     try:
         values = list(got)
     except TypeError:
-        raise RewardError(f"reward {name} returned {_shown(got)}, not a list of {count} numbers; fix the function, "
-                          "then --resume") from None
+        raise RewardError(f"reward {name} returned {_shown(got)}, not a list of {count} numbers; "
+                          "fix the function, then --resume") from None
     if len(values) != count:
-        raise RewardError(f"reward {name} returned {len(values)} values for {count} completions; it must return one "
-                          "per completion (or None for one it does not judge)")
+        raise RewardError(f"reward {name} returned {len(values)} values for {count} completions; it must "
+                          "return one per completion (or None for one it does not judge)")
     out = []
     for row, v in enumerate(values):
         number = math.nan if v is None else _real(v)
         if number is None or math.isinf(number) or (v is not None and math.isnan(number)):
-            raise RewardError(f"reward {name} returned {_shown(v)} for completion {row}; a reward is a finite number "
-                              "or None; fix the function, then --resume")
+            raise RewardError(f"reward {name} returned {_shown(v)} for completion {row}; a reward is a "
+                              "finite number or None; fix the function, then --resume")
         out.append(number)
     return out
 
@@ -107,7 +107,8 @@ def gsm8k_answer(answer) -> str:
 def gsm8k(prompts, completions, answer=None, **_) -> list[float]:
     """1.0 where the completion's last number equals the row's answer, else 0.0."""
     if answer is None:
-        raise ValueError("the prompts have no `answer` column, which this reward compares the last number with")
+        raise ValueError("the prompts have no `answer` column, which this "
+                         "reward compares the last number with")
     return [float(same_number(last_number(reply_text(c)), gsm8k_answer(a))) for c, a in zip(completions, answer)]
 
 
@@ -130,11 +131,12 @@ def load(spec: str) -> Reward:
         try:
             return Reward(spec, matches(spec[len("regex:"):]))
         except re.error as e:
-            raise ConfigError(f"--reward {spec}: the pattern is not a regular expression ({e}); fix it") from None
+            raise ConfigError(f"--reward {spec}: the pattern is not a "
+                              f"regular expression ({e}); fix it") from None
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
-        raise ConfigError(f"--reward {spec!r} is not a reward: give one of {', '.join(BUILT_IN)}, or FILE.py:NAME, a "
-                          "function in a Python file of yours")
+        raise ConfigError(f"--reward {spec!r} is not a reward: give one of {', '.join(BUILT_IN)}, or "
+                          "FILE.py:NAME, a function in a Python file of yours")
     return Reward(spec, _from_file(path, name, spec))
 
 
@@ -147,23 +149,25 @@ def _from_file(path: str, name: str, spec: str):
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file: its failure is said in one line, naming it
-        raise ConfigError(f"--reward {spec}: importing {path} raised {type(e).__name__}: {_short(e)}; fix the "
-                          "file") from None
+        raise ConfigError(f"--reward {spec}: importing {path} raised "
+                          f"{type(e).__name__}: {_short(e)}; fix the file") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))[:8]
-        raise ConfigError(f"--reward {spec}: {path} has no function {name} (it has: {', '.join(found) or 'none'})")
+        raise ConfigError(f"--reward {spec}: {path} has no function {name} (it "
+                          f"has: {', '.join(found) or 'none'})")
     return fn
 
 
 def load_all(specs: list[str], weights: list[float]) -> tuple[list[Reward], list[float]]:
     """The --reward functions and their --reward_weights (1 each when none are given), checked to match."""
     if not specs:
-        raise ConfigError("--objective grpo needs at least one --reward: gsm8k, regex:PATTERN or FILE.py:NAME")
+        raise ConfigError("--objective grpo needs at least one --reward: "
+                          "gsm8k, regex:PATTERN or FILE.py:NAME")
     weights = list(weights) or [1.0] * len(specs)
     if len(weights) != len(specs):
-        raise ConfigError(f"--reward_weights gives {len(weights)} weights for {len(specs)} rewards; give one per "
-                          "--reward, in the same order")
+        raise ConfigError(f"--reward_weights gives {len(weights)} weights for {len(specs)} rewards; give one "
+                          "per --reward, in the same order")
     if not all(math.isfinite(w) for w in weights):
         raise ConfigError(f"--reward_weights {weights} must be finite numbers")
     return [load(s) for s in specs], weights

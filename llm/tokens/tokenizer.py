@@ -181,8 +181,8 @@ def train_tokenizer(texts, kind: str, vocab_size: int) -> Tokenizer:
     except Exception as e:  # the Rust trainers raise bare Exceptions
         if reading:  # the data's own failure: a DataError says what is wrong with it, anything else is a bug
             raise reading[0] from None
-        raise DataError(f"training a {kind} tokenizer of {vocab_size} tokens failed ({str(e).splitlines()[0]}), "
-                        "try another --tokenizer_type or --vocab_size") from None
+        raise DataError(f"training a {kind} tokenizer of {vocab_size} tokens failed "
+                        f"({str(e).splitlines()[0]}), try another --tokenizer_type or --vocab_size") from None
     return tok
 
 
@@ -191,8 +191,8 @@ def existing_tokenizer(path: str, vocab_size: int) -> Tokenizer:
     tok = read_tokenizer(path)
     tok.add_special_tokens(SPECIAL_TOKENS)  # keeps the ids of tokens it already has
     if tok.get_vocab_size() > vocab_size:
-        raise DataError(f"tokenizer {path} has {tok.get_vocab_size()} tokens, more than vocab_size={vocab_size}, "
-                        f"pass --vocab_size {tok.get_vocab_size()} or more")
+        raise DataError(f"tokenizer {path} has {tok.get_vocab_size()} tokens, more than "
+                        f"vocab_size={vocab_size}, pass --vocab_size {tok.get_vocab_size()} or more")
     return tok
 
 

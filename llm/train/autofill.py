@@ -61,8 +61,8 @@ def _filled(cfg: Config, size: str) -> Config:
     try:
         return Config(model=replace(cfg.model, **model), data=cfg.data, train=replace(cfg.train, **train))
     except ConfigError as e:
-        raise ConfigError(f"{e} (after filling the automatic fields {', '.join([*model, *train])} from the {size} "
-                          "preset); set them in config.py or on the command line") from None
+        raise ConfigError(f"{e} (after filling the automatic fields {', '.join([*model, *train])} from the "
+                          f"{size} preset); set them in config.py or on the command line") from None
 
 
 def fill_batch(cfg: Config, machine: Machine, world_size: int = 1) -> tuple[Config, str]:
@@ -73,14 +73,16 @@ def fill_batch(cfg: Config, machine: Machine, world_size: int = 1) -> tuple[Conf
     micro, accum = t.micro_batch_size, t.grad_accum_steps
     sequences = max(1, round(t.batch_tokens / (seq * world_size))) if t.batch_tokens else 0  # per rank and step
     if micro and accum and t.batch_tokens and micro * seq * accum * world_size != t.batch_tokens:
-        raise ConfigError(f"batch_tokens={t.batch_tokens} is not micro_batch_size={micro} x max_seq_len={seq} x "
-                          f"grad_accum_steps={accum} x {world_size} ranks; set two of the three (0: automatic)")
+        raise ConfigError(f"batch_tokens={t.batch_tokens} is not micro_batch_size={micro} x "
+                          f"max_seq_len={seq} x grad_accum_steps={accum} x {world_size} ranks; set "
+                          "two of the three (0: automatic)")
     why = "as written"
     if micro == AUTO:
         micro, why = fit_micro(cfg, machine, sequences if accum == AUTO else sequences // accum)
         if not micro:
-            raise ConfigError(f"not even one sequence of max_seq_len={seq} fits in {machine.name}'s memory by the "
-                              "estimate; lower max_seq_len, set gradient_checkpointing true or pick a smaller preset")
+            raise ConfigError(f"not even one sequence of max_seq_len={seq} fits in {machine.name}'s "
+                              "memory by the estimate; lower max_seq_len, set "
+                              "gradient_checkpointing true or pick a smaller preset")
     if accum == AUTO:
         accum = max(1, sequences // micro)
     filled = replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=accum,
@@ -104,8 +106,8 @@ def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
     need = lambda m: training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=m)))  # noqa: E731
     while micro and need(micro) > budget:
         micro //= 2
-    return micro, (f"{micro * seq:,} tokens a forward, about {need(micro) / 2**30:.1f} GiB of training memory in "
-                   f"{budget / 2**30:.1f} GiB")
+    return micro, (f"{micro * seq:,} tokens a forward, about {need(micro) / 2**30:.1f} GiB of training "
+                   f"memory in {budget / 2**30:.1f} GiB")
 
 
 def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_size: int = 1) -> tuple[str, str]:
@@ -115,8 +117,8 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_s
     if machine.kind != "cuda":
         return CPU_SIZE, f"no CUDA device ({machine.name})"
     corpus_tokens = math.inf if corpus_bytes is None else corpus_bytes / BYTES_PER_TOKEN
-    feeds = "" if corpus_bytes is None else (f", and the corpus (about {corpus_tokens / 1e6:.1f}M tokens) feeds up "
-                                             f"to {PARAMETERS_PER_TOKEN} parameters per token")
+    feeds = "" if corpus_bytes is None else (f", and the corpus (about {corpus_tokens / 1e6:.1f}M tokens) "
+                                             f"feeds up to {PARAMETERS_PER_TOKEN} parameters per token")
     room, fitting = MEMORY_FRACTION * machine.memory, []
     for size in GPU_SIZES:
         candidate = _filled(cfg, size)
@@ -140,8 +142,8 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_s
     if not near:
         return CPU_SIZE, f"{budget}, under a third of the smallest GPU preset that fits {fits}{feeds}"
     size, params, need = min(near, key=lambda f: abs(math.log(f[1] / optimal)))
-    return size, (f"{params / 1e6:.0f}M parameters, the preset nearest the {budget}; about {need / 2**30:.1f} GiB "
-                  f"of training memory in {fits}{feeds}")
+    return size, (f"{params / 1e6:.0f}M parameters, the preset nearest the {budget}; about "
+                  f"{need / 2**30:.1f} GiB of training memory in {fits}{feeds}")
 
 
 def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
@@ -172,19 +174,19 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
     if auto:
         t = cfg.train
         notes.append(f"automatic: {', '.join(f'{k}={getattr(t, k)}' for k in auto)} ({t.micro_batch_size} x "
-                     f"{cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x {world_size} ranks = "
-                     f"{t.batch_tokens:,} tokens a step; {why})")
+                     f"{cfg.model.max_seq_len} tokens x {t.grad_accum_steps} accumulation x {world_size} "
+                     f"ranks = {t.batch_tokens:,} tokens a step; {why})")
     if cfg.train.compile == "auto" and 0 < cfg.train.max_minutes < COMPILE_PAYS_MINUTES:
         cfg = replace(cfg, train=replace(cfg.train, compile="off"))
-        notes.append(f"automatic: compile=off (a {cfg.train.max_minutes:g}-minute budget is too short for a compile "
-                     f"to pay back: it takes 20-60 s from an empty cache; under {COMPILE_PAYS_MINUTES:g} minutes the "
-                     "run trains eagerly)")
+        notes.append(f"automatic: compile=off (a {cfg.train.max_minutes:g}-minute budget is too short for a "
+                     "compile to pay back: it takes 20-60 s from an empty cache; under "
+                     f"{COMPILE_PAYS_MINUTES:g} minutes the run trains eagerly)")
     if corpus_bytes is None:  # a corpus fetched for the run: what it needs, said before the fetch
         notes += plan_report(cfg, machine, world_size)
         if not cfg.data.max_tokens and (tokens := token_target(cfg, machine, world_size)):
             cfg = replace(cfg, data=replace(cfg.data, max_tokens=tokens))
-            notes.append(f"automatic: max_tokens={tokens} (the tokens of the budget above, of a corpus larger than "
-                         "the run)")
+            notes.append(f"automatic: max_tokens={tokens} (the tokens of the budget above, "
+                         "of a corpus larger than the run)")
     return cfg, notes
 
 
@@ -207,10 +209,10 @@ def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automa
     seq = cfg.model.max_seq_len
     filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, batch_tokens=micro * seq * accum * world_size)
     return replace(cfg, train=filled), [
-        f"automatic: micro_batch_size={micro}, grad_accum_steps={accum} ({micro * accum * world_size} window(s) a step: "
-        f"{t.epochs:g} passes over {epoch_sequences:,.0f} windows would be {sequences / per_step:.0f} steps at "
-        f"{per_step * world_size} a step, too few to learn; a fine-tune takes at least {FINE_TUNE_STEPS} where the "
-        "data has the windows)"]
+        f"automatic: micro_batch_size={micro}, grad_accum_steps={accum} ({micro * accum * world_size} "
+        f"window(s) a step: {t.epochs:g} passes over {epoch_sequences:,.0f} windows would be "
+        f"{sequences / per_step:.0f} steps at {per_step * world_size} a step, too few to learn; a fine-tune "
+        f"takes at least {FINE_TUNE_STEPS} where the data has the windows)"]
 
 
 def few_steps_warning(cfg: Config) -> list[str]:
@@ -219,9 +221,9 @@ def few_steps_warning(cfg: Config) -> list[str]:
     t = cfg.train
     if not t.epochs or not t.max_steps or t.max_steps >= FEW_STEPS:
         return []
-    return [f"warning: {t.max_steps} optimizer steps are too few to teach a model much (a tiny run fine-tuned on 300 "
-            "chats answered 9 of 12 prompts exactly after 6 steps, 12 of 12 after 90); raise --epochs or --max_steps, "
-            "or lower --batch_tokens"]
+    return [f"warning: {t.max_steps} optimizer steps are too few to teach a model much (a tiny run "
+            "fine-tuned on 300 chats answered 9 of 12 prompts exactly after 6 steps, 12 of 12 after 90); "
+            "raise --epochs or --max_steps, or lower --batch_tokens"]
 
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
@@ -241,20 +243,21 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
                      f"windows at {per_step} per step)")
     if minutes == AUTO and steps == AUTO and machine.kind != "cuda":
         minutes = CPU_MINUTES
-        notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set max_steps "
-                     "or max_minutes to change it)")
+        notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set "
+                     "max_steps or max_minutes to change it)")
     if steps == AUTO and minutes == AUTO:  # on CUDA: GPU_EPOCHS passes, or the budget where they would take longer
         steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
         passes = f"{GPU_EPOCHS} passes over {train_tokens:,} training tokens"
         # by the planned speed, at most the budget's compute-optimal tokens: a model far below the GPU presets
         # (tiny) runs far below MEASURED_MFU, and its passes would outlast the budget
         if steps * per_step * cfg.model.max_seq_len <= token_target(cfg, machine, world_size):
-            notes.append(f"automatic: max_steps={steps} ({passes} at {per_step * cfg.model.max_seq_len:,} tokens "
-                         f"per step, within a GPU run's {GPU_MINUTES:g}-minute budget at the planned speed)")
+            notes.append(f"automatic: max_steps={steps} ({passes} at "
+                         f"{per_step * cfg.model.max_seq_len:,} tokens per step, within a GPU run's "
+                         f"{GPU_MINUTES:g}-minute budget at the planned speed)")
         else:
             steps, minutes = AUTO, GPU_MINUTES
-            notes.append(f"automatic: max_minutes={GPU_MINUTES:g} (a GPU run's time budget, in which {passes} would "
-                         "not fit; set max_steps or max_minutes to change it)")
+            notes.append(f"automatic: max_minutes={GPU_MINUTES:g} (a GPU run's time budget, in which "
+                         f"{passes} would not fit; set max_steps or max_minutes to change it)")
     if steps == AUTO:
         notes.append(f"automatic: no step limit, the {minutes:g}-minute budget ends the run")
     if eval_batches == AUTO:  # evaluations cost the same whatever the micro-batch

@@ -60,11 +60,11 @@ class WeightAverage:
         self.swap_in()
         average_loss = loss_of()
         if average_loss <= last_loss:
-            return average_loss, (f"the run ends on its weight average: val loss {average_loss:.4f}, its last "
-                                  f"step's weights {last_loss:.4f}")
+            return average_loss, (f"the run ends on its weight average: val loss {average_loss:.4f}, its "
+                                  f"last step's weights {last_loss:.4f}")
         torch._foreach_copy_([local(p) for p in self.params], last)
-        return last_loss, (f"the run ends on its last step's weights: val loss {last_loss:.4f}, their average "
-                           f"{average_loss:.4f}")
+        return last_loss, (f"the run ends on its last step's weights: val loss {last_loss:.4f}, "
+                           f"their average {average_loss:.4f}")
 
     def state_dict(self, keep: bool = True) -> dict | None:
         """The average as whole tensors (gathered under FSDP2; None where keep is False) with its beta, or
@@ -81,7 +81,8 @@ class WeightAverage:
         if not (isinstance(beta, float) and 0 <= beta < 1) or not isinstance(average, list) or \
                 len(average) != len(self.params) or \
                 any(not torch.is_tensor(a) or a.shape != p.shape for a, p in zip(average, self.params)):
-            raise CheckpointError("the checkpoint's trainer_state.pt holds a weight average that does not match this "
-                                  "model's trained weights; resume from another checkpoint, or pass --weight_average 0")
+            raise CheckpointError("the checkpoint's trainer_state.pt holds a weight average that does "
+                                  "not match this model's trained weights; resume from another "
+                                  "checkpoint, or pass --weight_average 0")
         self.average = [shard_as(a.to(p.device, p.dtype), p) for a, p in zip(average, self.params)]
         self.run_beta = beta

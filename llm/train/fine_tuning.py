@@ -91,21 +91,22 @@ def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tup
     t = cfg.train
     objective = t.objective if t.objective != "auto" else "dpo" if pairs else "lm"
     if pairs and objective == "lm":
-        raise ConfigError("--objective lm trains by next-token loss, and these sources hold preference pairs (chosen, "
-                          "rejected); pass --objective dpo or simpo, or sources of text or chats")
+        raise ConfigError("--objective lm trains by next-token loss, and these sources hold preference pairs "
+                          "(chosen, rejected); pass --objective dpo or simpo, or sources of text or chats")
     if not pairs:
         if objective != "lm":
-            raise ConfigError(f"--objective {objective} trains on preference pairs (rows with chosen and rejected), "
-                              "and these sources hold none; pass such sources, or --objective lm")
+            raise ConfigError(f"--objective {objective} trains on preference pairs (rows with chosen and "
+                              "rejected), and these sources hold none; pass such sources, or --objective lm")
         filled = replace(t, objective="lm")
         return replace(cfg, train=filled), chosen.lines(filled) if chosen else []
     if not t.init_from:
-        raise ConfigError("preference pairs tune a model you have (a chat model, fine-tuned here or downloaded): pass "
-                          "--init_from with it")
+        raise ConfigError("preference pairs tune a model you have (a chat model, fine-tuned here or "
+                          "downloaded): pass --init_from with it")
     beta = t.beta or PREFERENCE_BETA[objective]
     filled = replace(t, objective=objective, beta=beta, **scaled_rates(t, chosen, PREFERENCE_RATE_SCALE))
-    line = (f"preference: the sources hold pairs of a chosen and a rejected reply, trained by {objective} (beta "
-            f"{beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, NLL weight {t.nll_weight:g})")
+    line = ("preference: the sources hold pairs of a chosen and a rejected reply, trained by "
+            f"{objective} (beta {beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, "
+            f"NLL weight {t.nll_weight:g})")
     scaled = f", x {PREFERENCE_RATE_SCALE:g} for preference tuning, as TRL's DPO and SFT defaults differ"
     return replace(cfg, train=filled), [line] + (chosen.lines(filled, scaled) if chosen else [])
 
@@ -132,20 +133,21 @@ def small_move_warning(cfg: Config) -> list[str]:
     rate = getattr(t, name)
     if not rate or rate * t.max_steps >= MIN_MOVE:
         return []
-    return [f"warning: {name}={rate:g} for {t.max_steps} steps moves no weight more than about {rate * t.max_steps:.1g} "
-            f"(an Adam step is at most about its rate): too little to change a model (runs that learned here moved "
-            f"1e-3 to 1e-2); raise --{name}, --epochs or --max_steps"]
+    return [f"warning: {name}={rate:g} for {t.max_steps} steps moves no weight more than about "
+            f"{rate * t.max_steps:.1g} (an Adam step is at most about its rate): too little to change a "
+            f"model (runs that learned here moved 1e-3 to 1e-2); raise --{name}, --epochs or --max_steps"]
 
 
 def check_used(cfg: Config):
     """Refuse a flag that would do nothing in this run (once silently ignored), saying what it is for."""
     t = cfg.train
     if t.lora_base != "auto" and not t.lora_rank:
-        raise ConfigError(f"--lora_base {t.lora_base} holds the frozen base of a LoRA run, and without --lora_rank "
-                          "every weight trains; pass --lora_rank 16 (say), or leave --lora_base out")
+        raise ConfigError(f"--lora_base {t.lora_base} holds the frozen base of a LoRA run, "
+                          "and without --lora_rank every weight trains; pass --lora_rank 16 "
+                          "(say), or leave --lora_base out")
     if t.beta and t.objective == "lm":
-        raise ConfigError(f"--beta {t.beta:g} scales a preference or GRPO loss, and this run trains by next-token "
-                          "loss; leave --beta out, or pass --objective dpo, simpo or grpo")
+        raise ConfigError(f"--beta {t.beta:g} scales a preference or GRPO loss, and this run trains by "
+                          "next-token loss; leave --beta out, or pass --objective dpo, simpo or grpo")
     if t.objective != "grpo" and (t.reward or t.reward_weights):
         raise ConfigError(f"--reward and --reward_weights are for --objective grpo, and this run trains by "
                           f"{t.objective}; pass --objective grpo with prompts, or leave them out")
@@ -161,11 +163,11 @@ def check_grpo(cfg: Config):
     """Refuse, before any prompt is read, what GRPO cannot run."""
     t = cfg.train
     if not t.init_from:
-        raise ConfigError("--objective grpo samples replies from a model that can already answer: pass --init_from "
-                          "(a chat run of yours, a Hugging Face folder, hf:ORG/NAME or a .gguf)")
+        raise ConfigError("--objective grpo samples replies from a model that can already answer: pass "
+                          "--init_from (a chat run of yours, a Hugging Face folder, hf:ORG/NAME or a .gguf)")
     if t.num_generations < 2:
-        raise ConfigError(f"num_generations={t.num_generations}: GRPO compares each reply with the others to its "
-                          "prompt, so it needs at least 2 (8 is usual)")
+        raise ConfigError(f"num_generations={t.num_generations}: GRPO compares each reply with the others to "
+                          "its prompt, so it needs at least 2 (8 is usual)")
     if t.beta and not t.lora_rank and t.data_parallel == "fsdp":
         raise ConfigError(f"--beta {t.beta:g}: a full fine-tune's reference is its starting weights "
                           "copied in whole, which FSDP's shards are not; pass --data_parallel ddp, "
@@ -197,12 +199,13 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: 
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or t.num_generations
     if replies % micro:
-        raise ConfigError(f"micro_batch_size={micro} does not divide the step's {replies} replies (prompts_per_step "
-                          f"x num_generations); pass a divisor of {replies}")
+        raise ConfigError(f"micro_batch_size={micro} does not divide the step's {replies} replies "
+                          f"(prompts_per_step x num_generations); pass a divisor of {replies}")
     accum = t.grad_accum_steps or replies // micro
     if micro * accum != replies:
-        raise ConfigError(f"micro_batch_size x grad_accum_steps = {micro * accum}, not the step's {replies} replies "
-                          "(prompts_per_step x num_generations); leave grad_accum_steps at 0 (automatic)")
+        raise ConfigError(f"micro_batch_size x grad_accum_steps = {micro * accum}, not the step's "
+                          f"{replies} replies (prompts_per_step x num_generations); leave "
+                          "grad_accum_steps at 0 (automatic)")
     per_pass = max(1, -(-train_prompts // (t.prompts_per_step * world_size))) * t.num_iterations
     steps = t.max_steps or (0 if t.max_minutes else math.ceil((t.epochs or 1) * per_pass))
     rates = scaled_rates(t, chosen, GRPO_RATE_SCALE)
@@ -212,9 +215,9 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: 
     length = f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)" if steps else \
         f"a {t.max_minutes:g}-minute budget"
     return replace(cfg, train=filled), [
-        f"grpo: {t.prompts_per_step} prompts x {t.num_generations} replies a step ({micro} a forward x {accum}), "
-        f"{length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group mean"
-        f"{'' if t.scale_rewards == 'none' else ' over the ' + t.scale_rewards + ' std'}, beta {t.beta:g}, "
-        f"{t.num_iterations} optimizer step(s) a sampling; evaluations: greedy replies to "
+        f"grpo: {t.prompts_per_step} prompts x {t.num_generations} replies a step ({micro} a forward x "
+        f"{accum}), {length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group "
+        f"mean{'' if t.scale_rewards == 'none' else ' over the ' + t.scale_rewards + ' std'}, beta "
+        f"{t.beta:g}, {t.num_iterations} optimizer step(s) a sampling; evaluations: greedy replies to "
         f"{filled.eval_batches} held-out prompts"] + (chosen.lines(filled, GRPO_SCALED) if chosen else []) + \
         small_move_warning(replace(cfg, train=filled))

@@ -154,8 +154,9 @@ class Objective:
         """Rewards and accuracy as the bar and the summary print them."""
         p = "val_" if "val_reward_accuracy" in metrics_ else ""
         return (f"reward accuracy {100 * metrics_[p + 'reward_accuracy']:.1f}%, margin "
-                f"{metrics_[p + 'reward_margin']:.3f} (chosen {metrics_[p + 'reward_chosen']:.3f}, rejected "
-                f"{metrics_[p + 'reward_rejected']:.3f}), chosen log-prob {metrics_[p + 'chosen_logp']:.3f} per token")
+                f"{metrics_[p + 'reward_margin']:.3f} (chosen {metrics_[p + 'reward_chosen']:.3f}, "
+                f"rejected {metrics_[p + 'reward_rejected']:.3f}), chosen log-prob "
+                f"{metrics_[p + 'chosen_logp']:.3f} per token")
 
 
 @contextmanager
@@ -245,9 +246,9 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
         return None
     plans = {split: loader.plan for split, loader in loaders.items()}
     line = (f"preference: {plans['train'].pairs:,} train pairs in {plans['train'].windows:,} windows, "
-            f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut from the left "
-            f"to fit the window, {sum(p.dropped for p in plans.values())} pairs left out (their replies alone overflow "
-            f"it)")
+            f"{plans['val'].pairs:,} validation pairs; {sum(p.cut for p in plans.values())} prompts cut "
+            f"from the left to fit the window, {sum(p.dropped for p in plans.values())} pairs left out "
+            "(their replies alone overflow it)")
     ref, device = None, loaders["train"].device
     if t.objective == "dpo":
         start, ref = time.perf_counter(), {}
@@ -259,7 +260,7 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
                                       f"the {split} pairs", loader.plan.pairs, log)
             ref[split] = torch.from_numpy(values).to(device)
         source = "the base, adapters off" if t.lora_rank else "the --init_from weights"
-        line += (f"; the reference's log-probabilities ({source}) ready in {time.perf_counter() - start:.1f}s, "
-                 f"stored in {os.path.join(data.path, 'reference')}")
+        line += (f"; the reference's log-probabilities ({source}) ready in "
+                 f"{time.perf_counter() - start:.1f}s, stored in {os.path.join(data.path, 'reference')}")
     log(line)
     return Objective(Settings(t.objective, t.beta, t.simpo_gamma, t.nll_weight), ref, device)

@@ -43,8 +43,8 @@ def resume_point(cfg: Config) -> tuple[str | None, trainer_state.Saved | None, l
                  ckpt_io.checkpoint_step(ckpt) and not os.path.samefile(c, ckpt)]
         if later:
             raise ConfigError(f"--resume {t.resume}: {t.run_dir} holds later checkpoints "
-                              f"({os.path.basename(later[-1])}) of a run that went on past it; resume into a new "
-                              f"folder: --run_dir NEW --resume {ckpt}")
+                              f"({os.path.basename(later[-1])}) of a run that went on past it; resume into a "
+                              f"new folder: --run_dir NEW --resume {ckpt}")
     state = _trainer_state(ckpt, t.run_dir)
     if state.optimizer is None:
         raise ConfigError(f"{ckpt} holds imported weights only, start a new run with --init_from {ckpt}")
@@ -59,8 +59,8 @@ def _resumable(path: str) -> str:
     if hf or not ckpt_io.STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(ckpt))):
         what = ("a GGUF file" if is_gguf(path) else "a Hugging Face model") if hf else \
             "a checkpoint folder not named step_N"
-        raise ConfigError(f"--resume takes a run folder or a step_N checkpoint folder in one, and {path} is {what}; "
-                          f"to start a new run from its weights, pass --init_from {path}")
+        raise ConfigError(f"--resume takes a run folder or a step_N checkpoint folder in one, and {path} is "
+                          f"{what}; to start a new run from its weights, pass --init_from {path}")
     return ckpt
 
 
@@ -127,8 +127,8 @@ def check_same_data(cfg: Config, state: trainer_state.Saved, data):
     if not differ and state.data_files is not None:
         differ = _file_changes({f[0]: list(f) for f in state.data_files}, {f[0]: list(f) for f in data.files})
     what = "; ".join(differ) if differ else "the checkpoint read a token cache of an earlier format"
-    raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; resume "
-                      f"with the run's data, or train on the new data with --init_from CHECKPOINT")
+    raise ConfigError(f"cannot resume on other data ({what}): the tokens would not be the checkpoint's; "
+                      "resume with the run's data, or train on the new data with --init_from CHECKPOINT")
 
 
 def _file_changes(before: dict, now: dict) -> list[str]:
@@ -177,13 +177,13 @@ def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict |
     saved = lora.read_meta(ckpt) if ckpt else None
     if ckpt and bool(saved) != bool(t.lora_rank):
         settings = f"--lora_rank {saved['rank']} --init_from BASE" if saved else "no --lora_rank"
-        raise ConfigError(f"{ckpt} was trained {'with' if saved else 'without'} LoRA adapters; resume with the run's "
-                          f"settings ({settings}), or start a new run from it with --init_from")
+        raise ConfigError(f"{ckpt} was trained {'with' if saved else 'without'} LoRA adapters; resume with "
+                          f"the run's settings ({settings}), or start a new run from it with --init_from")
     if not t.lora_rank:
         return None
     if init is None:
-        raise ConfigError("--lora_rank trains adapters on a model: pass --init_from with it (a checkpoint, run or "
-                          "Hugging Face folder)")
+        raise ConfigError("--lora_rank trains adapters on a model: pass --init_from with it (a "
+                          "checkpoint, run or Hugging Face folder)")
     if t.precision == "fp8" or t.data_parallel == "fsdp":
         raise ConfigError("--lora_rank works with bf16, fp16 or fp32 and DDP: drop --precision fp8 and "
                           "--data_parallel fsdp")

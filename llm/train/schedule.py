@@ -396,6 +396,8 @@ class EvalPolicy:
         """One line: this session's evaluations and their share of its time."""
         timer = self.clock.timer
         share = timer.eval_spent_s / max(time.monotonic() - timer.session_start, 1e-9)
-        return (f"evaluation: {timer.evals} in {timer.eval_spent_s:.1f} s, {100 * share:.1f}% of this session's time"
-                + ("" if self.t.eval_interval else f" (automatic ones are spaced for {100 * EVAL_SHARE:.0f}% of a run; "
-                                                   "the final one, and a short run's, may take more)"))
+        return (f"evaluation: {timer.evals} in {timer.eval_spent_s:.1f} s, "
+                f"{100 * share:.1f}% of this session's time"
+                + ("" if self.t.eval_interval else " (automatic ones are spaced for "
+                                                   f"{100 * EVAL_SHARE:.0f}% of a run; the final one, "
+                                                   "and a short run's, may take more)"))

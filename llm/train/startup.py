@@ -55,8 +55,8 @@ def bundled_report(cfg: Config, size: int) -> list[str]:
         return []
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     capped = " of them (max_source_mb)" if cfg.data.max_source_mb else ""
-    return [f"corpus: the bundled one (--sources {BUNDLED}), Python {version}'s standard library without its tests: "
-            f"{len(source_files(cfg.data))} files, {size / 1e6:.1f} MB{capped}, about "
+    return [f"corpus: the bundled one (--sources {BUNDLED}), Python {version}'s standard library without its "
+            f"tests: {len(source_files(cfg.data))} files, {size / 1e6:.1f} MB{capped}, about "
             f"{size / BYTES_PER_TOKEN / 1e6:.1f}M tokens by its size (the tokenizer counts them below)"]
 
 
@@ -71,13 +71,13 @@ def default_corpus(cfg: Config, device: torch.device, saved: Saved | None = None
         return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS] if had else [])), []
     problem = hf_datasets.unavailable(GPU_CORPUS)
     if problem:
-        return cfg, [f"data: the GPU default corpus cannot be read ({problem.removeprefix('data source ')}); "
-                     "training on the bundled one instead; run once with the Hub in reach to fetch it, or pass "
-                     "--sources"]
+        return cfg, ["data: the GPU default corpus cannot be read "
+                     f"({problem.removeprefix('data source ')}); training on the bundled one instead; run "
+                     "once with the Hub in reach to fetch it, or pass --sources"]
     return replace(cfg, data=replace(cfg.data, sources=[GPU_CORPUS])), [
-        f"data: the GPU default corpus, FineWeb-Edu's sample ({GPU_CORPUS}): the files the token target below needs "
-        "come into the Hugging Face cache (HF_HOME), training starting on the first while the rest arrive, and a "
-        "later run reads them offline"]
+        f"data: the GPU default corpus, FineWeb-Edu's sample ({GPU_CORPUS}): the files the token target "
+        "below needs come into the Hugging Face cache (HF_HOME), training starting on the first while the "
+        "rest arrive, and a later run reads them offline"]
 
 
 def trains_while_arriving(cfg: Config, ranks: Ranks) -> bool:
@@ -141,9 +141,9 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
         f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
     least_gib = estimate(least, target, base).total / 2**30
     if least_gib > IMPLAUSIBLE_GIB:
-        raise ConfigError(f"{what}; even its least form needs {least_gib / 2**10:,.0f} TiB, more than any machine "
-                          f"holds: the model's shape ({_size(count_parameters(m))} parameters) is implausible, check "
-                          "its config (hidden_size, num_hidden_layers, vocab_size)")
+        raise ConfigError(f"{what}; even its least form needs {least_gib / 2**10:,.0f} TiB, more than any "
+                          f"machine holds: the model's shape ({_size(count_parameters(m))} parameters) is "
+                          "implausible, check its config (hidden_size, num_hidden_layers, vocab_size)")
     if flags:
         fix = f"pass {flags} (about {least_gib:.1f} GiB)"
     else:
@@ -272,8 +272,8 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     ckpt, saved = start[:2]
     if ckpt and not cfg.train.reward:  # never taken from the run folder: a reward is code, named by its user
         had = " ".join(f"--reward {shlex.quote(str(r))}" for r in saved.config.get("train", {}).get("reward") or [])
-        raise ConfigError(f"a resumed GRPO run names its reward functions again (code is never read from a run "
-                          f"folder): pass {had or '--reward ...'}")
+        raise ConfigError("a resumed GRPO run names its reward functions again (code is never read from a "
+                          f"run folder): pass {had or '--reward ...'}")
     check_grpo(cfg)
     check_used(cfg)
     rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
