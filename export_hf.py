@@ -109,7 +109,8 @@ def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str
 
 
 def export_adapters(checkpoint: str, out: str, args):
-    """A LoRA run's adapters as a PEFT folder naming a base PEFT can load (exported first if it is a run of ours)."""
+    """A LoRA run's adapters as a PEFT folder naming a base PEFT can load (exported first if it is a run of
+    ours)."""
     meta, adapters = read_adapters(checkpoint)
     check_adapter_target(out, args.overwrite)  # refused before a base is exported for nothing
     base = loadable_base(args.base or meta["base"], checkpoint, meta, out, args)

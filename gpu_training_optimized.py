@@ -66,7 +66,8 @@ class Session:
 # ----------------------------------------------------------------------------- one step, eval
 
 def train_step(runner: Runner, batches, step: int, t, ranks: Ranks):
-    """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok)."""
+    """One optimizer step over grad_accum_steps micro-batches. Returns device tensors (loss, grad_norm, ok).
+    """
     loss_sum = torch.zeros((), device=batches.device)
     batch = batches.get(step, 0)
     for micro in range(t.grad_accum_steps):
@@ -94,7 +95,8 @@ def train_step(runner: Runner, batches, step: int, t, ranks: Ranks):
 
 
 def first_train_step(runner: Runner, batches, step: int, t, ranks: Ranks):
-    """train_step, which compiles; after a compiler failure (no C compiler, say), eager from here on if allowed."""
+    """train_step, which compiles; after a compiler failure (no C compiler, say), eager from here on if
+    allowed."""
     try:
         return train_step(runner, batches, step, t, ranks)
     except Exception as e:
@@ -174,7 +176,8 @@ def evaluate_and_save(plan: Plan, runner: Runner, session: Session, clock: RunCl
 
 
 def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, step: int, first: int):
-    """One training step at the schedule's rate, then the weight average and the counters; the log line where due."""
+    """One training step at the schedule's rate, then the weight average and the counters; the log line where
+    due."""
     t, state, started = plan.cfg.train, runner.state, time.perf_counter()
     lr_scale = lr_multiplier(clock.progress(step), t)
     set_lr(runner.opt, lr_scale)
@@ -207,7 +210,8 @@ def write_run_config(cfg: Config):
 
 
 def log_window(plan: Plan, runner: Runner, session: Session, clock: RunClock, grad_norm, lr_scale: float):
-    """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row."""
+    """The log line of the steps since the last one; stops the run after max_bad_steps skipped steps in a row.
+    """
     step, window = runner.state.step, session.window
     worst = int(window.worst.item())  # sync point: the window's only host reads of the device
     if worst >= plan.cfg.train.max_bad_steps:
@@ -274,7 +278,8 @@ def write_report_card(plan: Plan, session: Session, ckpt: str | None) -> str:
 
 
 def trained_short(cfg: Config, data: PreparedData) -> str:
-    """The summary's line where the run had fewer tokens than its target: a corpus still arriving counts once in."""
+    """The summary's line where the run had fewer tokens than its target: a corpus still arriving counts once
+    in."""
     return short_of_target(cfg.data, data.meta) if data.arrived else ""
 
 
@@ -308,7 +313,8 @@ def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first:
 
 
 def make_plan(argv) -> Plan:
-    """The run settled once, before any model exists: flags parsed, processes joined, device picked, data read."""
+    """The run settled once, before any model exists: flags parsed, processes joined, device picked, data
+    read."""
     cfg, _ = parse_config(argv)
     ranks = distributed.setup()
     device = pick_device(cfg.train.device if not ranks.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),

@@ -64,7 +64,8 @@ def rope_rescaling(cfg: ModelConfig):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, hd) queries or keys; cos/sin broadcast as (T, hd) or (B, 1, T, hd). Computed in fp32."""
+    """Rotate (B, H, T, hd) queries or keys; cos/sin broadcast as (T, hd) or (B, 1, T, hd). Computed in fp32.
+    """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -117,7 +118,8 @@ class KVCache:
 # ----------------------------------------------------------------------------- layers
 
 def is_stored(name: str, cfg: ModelConfig) -> bool:
-    """Whether checkpoints and exports store this tensor: all but a tied head, which is the embedding itself."""
+    """Whether checkpoints and exports store this tensor: all but a tied head, which is the embedding itself.
+    """
     return not (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
@@ -130,7 +132,8 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and optional q/k/v biases (Qwen2)."""
+    """Grouped-query attention with optional QK-norm (before RoPE, as Qwen3) and optional q/k/v biases
+    (Qwen2)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,7 +147,8 @@ class Attention(nn.Module):
         self.qkv_proj = None  # q, k and v stacked into one layer (fuse_projections, for inference)
 
     def fuse_projections(self):
-        """q_proj, k_proj and v_proj as one layer: a decode step then reads the three weights in one matmul."""
+        """q_proj, k_proj and v_proj as one layer: a decode step then reads the three weights in one matmul.
+        """
         self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 

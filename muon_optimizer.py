@@ -178,7 +178,8 @@ def momentum_update(grads: list, bufs: list, momentum: float, nesterov: bool, ke
 
 
 def apply_update(weights: list, ortho: list, scales: list[float], lr: torch.Tensor, weight_decay: float, keep=None):
-    """w <- (1 - lr wd) w - lr scale o for every matrix, in place; lr and keep are 0-D tensors (keep 0: no step)."""
+    """w <- (1 - lr wd) w - lr scale o for every matrix, in place; lr and keep are 0-D tensors (keep 0: no
+    step)."""
     lr = lr if keep is None else lr * keep
     torch._foreach_mul_(weights, 1 - lr * weight_decay)
     torch._foreach_add_(weights, torch._foreach_mul(torch._foreach_mul(ortho, scales), -lr))

@@ -99,7 +99,8 @@ def parse_args(argv=None):
 
 @error_contract
 def main(argv=None):
-    """Prepare (or find) the cache for the command line's settings and print a summary (and --show examples)."""
+    """Prepare (or find) the cache for the command line's settings and print a summary (and --show examples).
+    """
     cfg, extras = parse_args(argv)
     cfg, notes = fill_automatic(cfg, machine(pick_device(cfg.train.device)), corpus_bytes(cfg.data))
     for note in notes:

@@ -290,7 +290,8 @@ async def streamed(job: Job, meta: dict, chat: bool, usage: bool = False):
 
 
 async def page(request):
-    """The chat page: static, no secret in it; what it shows comes from the API, with the key typed into it."""
+    """The chat page: static, no secret in it; what it shows comes from the API, with the key typed into it.
+    """
     return HTMLResponse(request.app.state.page, headers={"Content-Security-Policy": PAGE_POLICY,
                                                          "Cache-Control": "no-store"})
 

@@ -159,7 +159,8 @@ def _write(text: str):
 
 
 def run(model, tokenizer, settings, prompt, stream=True, chat=False) -> list[str]:
-    """Generate for one prompt (text, or ids in chat), stream sequence 0 to stdout, report tokens/s on stderr."""
+    """Generate for one prompt (text, or ids in chat), stream sequence 0 to stdout, report tokens/s on stderr.
+    """
     def show(i, text):
         if stream and i == 0:
             _write(text)
@@ -294,7 +295,8 @@ class Repl:
         print("plain mode")
 
     def chat_turn(self, text: str):
-        """Answer one user message; the oldest exchanges are dropped when the dialogue outgrows the context."""
+        """Answer one user message; the oldest exchanges are dropped when the dialogue outgrows the context.
+        """
         ctx = self.model.config.max_seq_len
         room = min(self.settings.max_new_tokens, ctx // 4)  # keep space for at least a short reply
         dialogue = self.messages + [{"role": "user", "content": text}]
@@ -340,7 +342,8 @@ def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
 
 
 def parse_args(argv):
-    """(LoadConfig, SampleConfig, extras) from the command line; extras hold prompt, list, interactive, eval."""
+    """(LoadConfig, SampleConfig, extras) from the command line; extras hold prompt, list, interactive, eval.
+    """
     def extra(parser):
         parser.add_argument("--prompt", default=None, help="generate once for this prompt, print, exit")
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "

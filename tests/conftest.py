@@ -206,7 +206,8 @@ DATA_VOCAB, DATA_SEQ = 300, 16  # the data tests' tokenizer and windows
 
 
 def prepare(cfg, logs: list | None = None, vocab_size: int = DATA_VOCAB, seq_len: int = DATA_SEQ):
-    """The token cache of a DataConfig, as the trainer prepares it; its log lines appended to logs when given."""
+    """The token cache of a DataConfig, as the trainer prepares it; its log lines appended to logs when given.
+    """
     from llm.data.preparation import prepare as prepare_cache
     return prepare_cache(cfg, vocab_size=vocab_size, seq_len=seq_len,
                          log=logs.append if logs is not None else lambda line: None)
@@ -289,7 +290,8 @@ NAMES = ["Ada", "Ben", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal"]
 
 
 def question(rng) -> tuple[str, str]:
-    """A question whose answer follows a rule the model can learn: the greeting names the person asked about."""
+    """A question whose answer follows a rule the model can learn: the greeting names the person asked about.
+    """
     name = rng.choice(NAMES)
     return f"Greet {name}.", f"Hello, {name}!"
 

@@ -14,7 +14,8 @@ SMALL = ["--vocab_size", "128", "--hidden_size", "32", "--num_hidden_layers", "2
 
 
 def test_the_ablation_table_gives_each_seeds_change_against_its_own_baseline():
-    """A variant is compared seed by seed with the baseline run on the same seed: per-seed changes, their mean."""
+    """A variant is compared seed by seed with the baseline run on the same seed: per-seed changes, their
+    mean."""
     results = [{"name": "baseline", "seed": 0, "val_bpb": 1.50}, {"name": "wsd", "seed": 0, "val_bpb": 1.40},
                {"name": "baseline", "seed": 1, "val_bpb": 1.60}, {"name": "wsd", "seed": 1, "val_bpb": 1.58}]
     rows = ablate.table(results, [0, 1]).splitlines()

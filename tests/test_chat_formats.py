@@ -115,7 +115,8 @@ def test_a_line_of_no_shape_or_wrong_types_is_one_error_naming_file_and_line(tmp
 
 
 def test_the_command_line_refuses_a_bad_line_with_one_line_and_exit_2(tmp_path, capsys):
-    """Prevents the error contract from breaking on the new shapes: exit 2, one `error:` line, no traceback."""
+    """Prevents the error contract from breaking on the new shapes: exit 2, one `error:` line, no traceback.
+    """
     path = write_jsonl(tmp_path / "chats.jsonl", [line for line, _ in SHAPED] + [{"instruction": 1, "output": "x"}])
     with pytest.raises(SystemExit) as exit_:
         pd.main(["--sources", path, "--cache_dir", str(tmp_path / "cache"), "--preset", "tiny"])

@@ -57,7 +57,8 @@ def looper(tmp_path_factory, tiny_config, tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def live(looper):
-    """The server (with an API key) on a free port of 127.0.0.1, in a thread of this process: (Server, page URL)."""
+    """The server (with an API key) on a free port of 127.0.0.1, in a thread of this process: (Server, page
+    URL)."""
     uvicorn = pytest.importorskip("uvicorn")
     server = serve.Server(*serve.parse_args([str(looper), "--device", "cpu", "--compile", "off", "--api_key", KEY]))
     with socket.socket() as s:

@@ -47,7 +47,8 @@ def test_invalid_train_configs_name_the_field(kwargs, field):
 
 
 def test_derived_sizes_follow_their_inputs_unless_set():
-    """head_dim and the SwiGLU width are derived, rounded as documented, and never overwrite a user's value."""
+    """head_dim and the SwiGLU width are derived, rounded as documented, and never overwrite a user's value.
+    """
     m = ModelConfig(hidden_size=768, num_attention_heads=12)
     assert m.head_dim == 64 and m.intermediate_size == 2048
     assert ModelConfig(hidden_size=1000, num_attention_heads=10).intermediate_size == 2816  # 2666.7 -> 2816

@@ -188,7 +188,8 @@ def args_for(corpus, run_dir, accum, *extra):
 
 
 def torchrun(corpus, out, args, timeout=120, script="probe", **probe_env):
-    """2 ranks on gloo through the probe; returns (returncode, stdout + stderr, seconds, per-rank probe logs)."""
+    """2 ranks on gloo through the probe; returns (returncode, stdout + stderr, seconds, per-rank probe logs).
+    """
     os.makedirs(out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}

@@ -138,7 +138,8 @@ def test_every_workflow_keeps_its_readme_section(title):
 
 
 def test_every_repl_command_and_export_kind_is_in_the_readme():
-    """The REPL's commands are listed where a user looks for them, and every kind of export has its command."""
+    """The REPL's commands are listed where a user looks for them, and every kind of export has its command.
+    """
     import export_hf
     import text_generator
     section = readme_section("Chat and generate")
@@ -166,7 +167,8 @@ def slug(heading: str) -> str:
 
 
 def test_links_land_on_pages_and_headings_that_exist():
-    """Every page of docs/ is linked from the README, and every relative link finds its file and its heading."""
+    """Every page of docs/ is linked from the README, and every relative link finds its file and its heading.
+    """
     readme = read("README.md")
     assert all(f"({page})" in readme for page in PAGES[1:]), "a page of docs/ that the README does not link"
     for page in PAGES:

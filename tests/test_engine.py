@@ -21,7 +21,8 @@ GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
 
 
 def compiled(model, mode: str = "default"):
-    """A copy of model whose generation compiles, as for_inference sets a loaded one; model itself stays eager."""
+    """A copy of model whose generation compiles, as for_inference sets a loaded one; model itself stays
+    eager."""
     twin = copy.deepcopy(model)
     assert decode_compile.use_compile(twin, mode)
     return twin

@@ -141,7 +141,8 @@ def test_a_training_run_scores_at_full_evaluations_and_writes_its_report_card(co
 
 
 def test_a_cpu_run_leaves_scores_off_unless_asked(corpus, argv_for, tmp_path, capsys):
-    """Automatic on a CPU: no scores (a model that trains there scores at chance), said at start; no report card."""
+    """Automatic on a CPU: no scores (a model that trains there scores at chance), said at start; no report
+    card."""
     import gpu_training_optimized as trainer
     run = tmp_path / "run"
     assert trainer.main(argv_for(corpus, run, "--max_steps", 2)) == 0

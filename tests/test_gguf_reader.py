@@ -222,7 +222,8 @@ def test_a_damaged_gguf_is_refused_in_one_line(good_gguf, tmp_path, capsys, dama
 
 
 def test_the_damage_helpers_keep_a_good_file_good(good_gguf, tmp_path):
-    """The copies above differ from the good file only by the damage: a plain copy reads back as the original."""
+    """The copies above differ from the good file only by the damage: a plain copy reads back as the original.
+    """
     cfg, state, _ = read_gguf(good_gguf)
     again, state_again, _ = read_gguf(rewritten(good_gguf, tmp_path / "copy.gguf"))
     assert again == cfg and all(torch.equal(state[k], state_again[k]) for k in state)

@@ -16,7 +16,8 @@ trl = pytest.importorskip("trl")
 
 
 def naive_advantages(rewards: list[float], group: int, scale: str) -> list[float]:
-    """r - mean of its group (NaN rewards left out, and given 0), over the group's (or batch's) sample std + 1e-4."""
+    """r - mean of its group (NaN rewards left out, and given 0), over the group's (or batch's) sample std +
+    1e-4."""
     def std(values):
         values = [v for v in values if not math.isnan(v)]
         if len(values) < 2:

@@ -47,7 +47,8 @@ def _parquet(texts) -> bytes:
 
 @pytest.fixture(scope="module")
 def files():
-    """The stand-in dataset: two parquet files and a gzipped JSONL of real Python text, and a card not to read."""
+    """The stand-in dataset: two parquet files and a gzipped JSONL of real Python text, and a card not to
+    read."""
     text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
     docs = [text[i:i + 600] for i in range(0, len(text), 600)]
     third = len(docs) // 3
@@ -218,7 +219,8 @@ def test_only_the_files_a_token_target_needs_come_down(hub, tmp_path, files):
 
 
 def test_patterns_read_as_the_shell_reads_them():
-    """`*` stays in its folder, `**` crosses folders, a plain path is a file or a folder, @ names the revision."""
+    """`*` stays in its folder, `**` crosses folders, a plain path is a file or a folder, @ names the
+    revision."""
     assert hf_datasets.matches("data/a.parquet", "data/*.parquet")
     assert not hf_datasets.matches("data/sub/a.parquet", "data/*.parquet")
     assert hf_datasets.matches("data/sub/a.parquet", "data/**/*.parquet")

@@ -71,7 +71,8 @@ def assert_same_logits(ours: Transformer, theirs, seed: int = 0):
 
 
 def greedy(model: Transformer, prompt: list[int], n: int, stop: set) -> tuple[list[int], torch.Tensor]:
-    """Our own greedy decoding with the KV cache (one prefill, then one token per step): tokens, step logits."""
+    """Our own greedy decoding with the KV cache (one prefill, then one token per step): tokens, step logits.
+    """
     cache = model.make_kv_cache(1, len(prompt) + n)
     with torch.no_grad():
         logits, _ = model(torch.tensor([prompt]), kv_cache=cache)
@@ -91,7 +92,8 @@ def export(src, out, *flags):
 
 
 def hf_folder(tmp_path, python_data, model_type: str, **kw):
-    """A randomly initialised transformers Qwen3/Llama model saved with save_pretrained, our tokenizer beside it."""
+    """A randomly initialised transformers Qwen3/Llama model saved with save_pretrained, our tokenizer beside
+    it."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
         model_type]

@@ -53,7 +53,8 @@ def fill_cache(cache, repo: str, folder):
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch, tiny_checkpoint):
-    """An offline Hugging Face home in tmp_path holding REPO (a random Qwen2 model); (its cache, the model)."""
+    """An offline Hugging Face home in tmp_path holding REPO (a random Qwen2 model); (its cache, the model).
+    """
     home = tmp_path / "hf_home"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -328,7 +328,8 @@ def test_a_run_folder_another_process_holds_is_refused_by_name(corpus, argv_for,
 
 @pytest.mark.slow
 def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, argv_for, tmp_path, capsys):
-    """Two real trainers on one folder: the second is refused while the first trains on, alone in metrics.jsonl."""
+    """Two real trainers on one folder: the second is refused while the first trains on, alone in
+    metrics.jsonl."""
     from llm.reports.monitor import read_metrics
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpu_training_optimized.py"),
@@ -350,7 +351,8 @@ def test_two_trainers_started_on_one_run_folder_never_mix_their_steps(corpus, ar
 # ----------------------------------------------------------------------------- a YAML alias bomb
 
 def alias_bomb(levels: int) -> str:
-    """A 'billion laughs' config: each level lists the one before ten times, 7 * 10**levels bytes written out."""
+    """A 'billion laughs' config: each level lists the one before ten times, 7 * 10**levels bytes written out.
+    """
     rows = ["  - &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     rows += [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
     return "sample_prompts:\n" + "\n".join(rows) + "\n"

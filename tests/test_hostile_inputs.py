@@ -52,7 +52,8 @@ def copy_checkpoint(tiny_checkpoint, tmp_path):
 # ----------------------------------------------------------------------------- JSON nested past the parser
 
 def test_nested_model_config_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys):
-    """A model_config.json of 100,000 '[' (in a checkpoint from before manifests) was a RecursionError traceback."""
+    """A model_config.json of 100,000 '[' (in a checkpoint from before manifests) was a RecursionError
+    traceback."""
     _, ckpt = copy_checkpoint(tiny_checkpoint, tmp_path)
     (ckpt / "manifest.json").unlink()
     (ckpt / "model_config.json").write_text(DEEP)

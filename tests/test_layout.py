@@ -105,7 +105,8 @@ def test_a_wing_says_what_it_does_and_imports_nothing(wing):
 
 
 def test_the_root_shows_what_a_user_runs_or_edits():
-    """`ls` once showed 35 modules and a page side by side, the five files a user works with lost among them."""
+    """`ls` once showed 35 modules and a page side by side, the five files a user works with lost among them.
+    """
     try:
         tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):

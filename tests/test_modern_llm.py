@@ -328,7 +328,8 @@ def test_a_new_run_draws_its_weights_once_as_init_weights_documents(tiny, change
 
 
 def float64_rope(cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_seq_len, head_dim) of plain RoPE in float64, from the formula, for comparing tables."""
+    """cos and sin (max_seq_len, head_dim) of plain RoPE in float64, from the formula, for comparing tables.
+    """
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)
     return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -387,7 +388,8 @@ def test_parameter_count_matches_closed_form_for_every_preset(name):
 
 
 def test_loss_is_fp32_mean_over_unmasked_and_zero_when_all_masked():
-    """The loss must ignore -100 labels, equal a float64 reference, and never be NaN for an all-masked batch."""
+    """The loss must ignore -100 labels, equal a float64 reference, and never be NaN for an all-masked batch.
+    """
     logits = torch.randn(2, 5, 11, dtype=torch.bfloat16)
     labels = torch.randint(0, 11, (2, 5))
     labels[0, :3] = -100
@@ -518,7 +520,8 @@ def test_stacked_projections_compute_the_separate_layers_in_fewer_matmuls(qkv_bi
 
 
 def naive_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """-log_softmax(logits) at each label, float64, gathered from the whole logits; 0 where the label is -100."""
+    """-log_softmax(logits) at each label, float64, gathered from the whole logits; 0 where the label is -100.
+    """
     lp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     return -lp.masked_fill(labels == -100, 0.0)
 

@@ -1,4 +1,5 @@
-"""Tests of muon_optimizer.py: the Muon step, Newton-Schulz, the parameter split, checkpoints and schedules."""
+"""Tests of muon_optimizer.py: the Muon step, Newton-Schulz, the parameter split, checkpoints and schedules.
+"""
 
 import copy
 import io
@@ -20,7 +21,8 @@ RATES = dict(learning_rate=3e-3, muon_lr=0.02)  # config.py leaves both automati
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_config):
-    """The project's model at a size that builds in milliseconds, from seed 0; tiny_model(tie=False) unties."""
+    """The project's model at a size that builds in milliseconds, from seed 0; tiny_model(tie=False) unties.
+    """
     def make(tie: bool = True) -> nn.Module:
         torch.manual_seed(0)
         return Transformer(tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16, tie_word_embeddings=tie))
@@ -70,7 +72,8 @@ def test_muon_step_matches_float64_reference(shape, rule):
 
 @pytest.mark.parametrize("shape", [*SHAPES.values(), (128, 64)], ids=[*SHAPES.keys(), "near_rank_8"])
 def test_newtonschulz_singular_values_in_band(shape):
-    """Catches a diverging or under-converged iteration: kept directions end in [0.7, 1.2], tiny ones stay tiny."""
+    """Catches a diverging or under-converged iteration: kept directions end in [0.7, 1.2], tiny ones stay
+    tiny."""
     gen = torch.Generator().manual_seed(2)
     G = torch.randn(shape, generator=gen, dtype=torch.float64)
     if shape == (128, 64):  # rank 8 plus noise a millionth of its size
@@ -197,7 +200,8 @@ def test_lr_multiplier_scales_both_parts(tiny_model):
 
 
 def test_grad_scaler_unscales_and_skips_both_parts(tiny_model):
-    """Catches a GradScaler that misses one part: finite steps match unscaled ones, an inf skips everything."""
+    """Catches a GradScaler that misses one part: finite steps match unscaled ones, an inf skips everything.
+    """
     model = tiny_model()
     ref_model = copy.deepcopy(model)
     opt, ref = build_optimizer(model, TrainConfig(**RATES)), build_optimizer(ref_model, TrainConfig(**RATES))

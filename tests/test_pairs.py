@@ -19,7 +19,8 @@ from llm.tokens.tokenizer import chat_prompt_ids, encode_segments
 
 
 def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
-    """Pairs whose chosen reply gives the right sum and the rejected one a wrong sum, in TRL's conversational form."""
+    """Pairs whose chosen reply gives the right sum and the rejected one a wrong sum, in TRL's conversational
+    form."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):

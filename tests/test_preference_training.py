@@ -21,7 +21,8 @@ TINY = ["--vocab_size", "512", "--hidden_size", "64", "--num_hidden_layers", "2"
 
 
 def repeat_task(path, n: int, pairs: bool, seed: int) -> str:
-    """"Repeat WORD N times." as chats answered right, or as pairs: chosen right, rejected one word short or long."""
+    """"Repeat WORD N times." as chats answered right, or as pairs: chosen right, rejected one word short or
+    long."""
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(n):

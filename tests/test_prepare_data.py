@@ -439,7 +439,8 @@ def _bad_jsonl(tmp_path, bad_row, good=10):
 
 
 def _strict_wordpiece(tmp_path) -> str:
-    """A tokenizer.json from elsewhere: WordPiece with its usual 100-character word limit and no [UNK] token."""
+    """A tokenizer.json from elsewhere: WordPiece with its usual 100-character word limit and no [UNK] token.
+    """
     from tokenizers import Tokenizer as Tok
     from tokenizers import models as tok_models
     from tokenizers import pre_tokenizers

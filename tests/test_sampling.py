@@ -45,7 +45,8 @@ def ids_of(tok, text):
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
-    """Nucleus keeps exactly the top tokens whose mass first reaches p, at least one (not one too many or few)."""
+    """Nucleus keeps exactly the top tokens whose mass first reaches p, at least one (not one too many or
+    few)."""
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     kept = lambda p: (filtered_probs(logits, 1.0, 0, p) > 0).sum().item()  # noqa: E731
     assert [kept(p) for p in (0.1, 0.4, 0.75, 0.85, 0.97, 1.0)] == [1, 1, 2, 3, 4, 4]

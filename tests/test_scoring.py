@@ -16,7 +16,8 @@ from llm.scores.tasks import Item
 
 
 def naive(model, sequence: list[int], start: int) -> float:
-    """The continuation's log-likelihood from one float64 forward over the whole sequence (no cache, no batch)."""
+    """The continuation's log-likelihood from one float64 forward over the whole sequence (no cache, no
+    batch)."""
     with torch.no_grad():
         logits = model(torch.tensor([sequence[:-1]]))[0][0].double()
     logp = logits.log_softmax(-1)
@@ -103,7 +104,8 @@ def test_a_real_model_chooses_what_lm_eval_chooses(monkeypatch):
 
 
 def test_a_written_answer_is_right_when_its_last_number_is(tiny_loaded, monkeypatch):
-    """GSM8K's match: the reply's last number, thousands separators and trailing zeros aside; no number is wrong."""
+    """GSM8K's match: the reply's last number, thousands separators and trailing zeros aside; no number is
+    wrong."""
     from llm.scores.scoring import last_number, same_number
     assert same_number(last_number("16 - 3 - 4 = 9 eggs, 9 * 2 = $18.00."), "18")
     assert same_number(last_number("The answer is 1,234"), "1234") and not same_number(last_number("none"), "5")

@@ -165,7 +165,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(server):
-    """A client sending OpenAI's defaults (best_of equal to n, no bias, zero penalties) is served, not refused."""
+    """A client sending OpenAI's defaults (best_of equal to n, no bias, zero penalties) is served, not
+    refused."""
     _, url, _ = server
     status, answer = post(url, "/completions", json.dumps({
         "prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2, "logit_bias": {}, "presence_penalty": 0,

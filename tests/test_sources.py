@@ -56,7 +56,8 @@ def jsonl_bytes(docs) -> bytes:
 
 
 def write_table(path, docs, group=5, stream=False):
-    """docs as a parquet file (row groups of `group` rows) or an Arrow IPC file or stream (batches of `group`)."""
+    """docs as a parquet file (row groups of `group` rows) or an Arrow IPC file or stream (batches of
+    `group`)."""
     keys = list(dict.fromkeys(k for d in docs for k in d))  # from_pylist would take the first row's keys only
     table = pa.Table.from_pydict({k: [d.get(k) for d in docs] for k in keys})
     if str(path).endswith(".parquet"):
@@ -218,7 +219,8 @@ def _empty_group(p):
 
 
 def _corrupt_group(p):
-    """A parquet file whose third row group's page header is overwritten: the footer reads, that group does not."""
+    """A parquet file whose third row group's page header is overwritten: the footer reads, that group does
+    not."""
     pq.write_table(pa.table({"text": [words(random.Random(i), 30) for i in range(40)]}), p / "d.parquet",
                    row_group_size=10)
     column = pq.ParquetFile(p / "d.parquet").metadata.row_group(2).column(0)
@@ -242,7 +244,8 @@ def _bad_utf8_page(p):
 
 
 def _dataset_missing_a_file(p):
-    """A save_to_disk folder with one of its two data files gone: it once trained on the other without a word."""
+    """A save_to_disk folder with one of its two data files gone: it once trained on the other without a word.
+    """
     folder = write_dataset(p / "saved", rows(20))
     os.remove(folder / "data-00001-of-00002.arrow")
     return [folder]
@@ -307,7 +310,8 @@ def test_the_command_line_refuses_a_truncated_stream_with_exit_2(tmp_path, capsy
 
 
 def test_skip_bad_lines_skips_and_counts_bad_rows_but_not_broken_containers(tmp_path):
-    """Prevents skip_bad_lines from failing on a bad row, skipping rows silently, or hiding a cut-short file."""
+    """Prevents skip_bad_lines from failing on a bad row, skipping rows silently, or hiding a cut-short file.
+    """
     docs = rows(20)
     bad = [{"title": "no text"}, {"messages": [{"role": "bot", "content": "x"}]},
            {"conversations": [{"from": "alien", "value": "x"}]}]
@@ -389,7 +393,8 @@ def test_a_pipe_matched_by_a_glob_is_refused_by_name(tmp_path):
 
 
 def fake_stdlib(root) -> str:
-    """A standard library as an install lays it out, its test suites included (some installs leave them out)."""
+    """A standard library as an install lays it out, its test suites included (some installs leave them out).
+    """
     files = {"os.py": "import sys\n", "json/__init__.py": "def dumps(obj):\n    return str(obj)\n",
              "json/tests/test_dump.py": "assert True\n", "test/test_os.py": "import os\n",
              "idlelib/editor.py": "class Editor:\n    pass\n", "idlelib/idle_test/test_editor.py": "x = 1\n",

@@ -251,7 +251,8 @@ def test_the_repl_answers_while_its_decode_step_compiles(loaded, ckpt, tmp_path)
 
 @pytest.mark.slow
 def test_a_one_shot_compile_asked_by_name_compiles_first(loaded, ckpt, tmp_path):
-    """A one-shot compile asked by name (--compile default) compiles first, as asked, then gives the same tokens."""
+    """A one-shot compile asked by name (--compile default) compiles first, as asked, then gives the same
+    tokens."""
     model, tok = loaded
     expect = generate_text(model, tok, ["def"], replace(GREEDY, max_new_tokens=6))[0][0]
     one = cli([ckpt, "--compile", "default", "--temperature", "0", "--max_new_tokens", "6", "--prompt", "def"],
@@ -359,7 +360,8 @@ def test_best_checkpoint_is_listed_and_loaded(ckpt, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_chat_is_offered_only_when_the_tokenizer_has_its_tokens(tmp_path, tiny_config):
-    """A model whose tokenizer lacks <|im_start|>/<|im_end|> gets no chat command in help, and `chat` says why."""
+    """A model whose tokenizer lacks <|im_start|>/<|im_end|> gets no chat command in help, and `chat` says
+    why."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     plain = Tokenizer(models.BPE())
     plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -37,7 +37,8 @@ def stdlib_texts(n: int = 120) -> list[str]:
 
 @pytest.fixture(scope="module", params=["bpe", "tiktoken"])
 def trained(request):
-    """A tokenizer of each kind that converts, trained on standard-library text with the hard strings in it."""
+    """A tokenizer of each kind that converts, trained on standard-library text with the hard strings in it.
+    """
     return train_tokenizer(stdlib_texts(60) * 2, request.param, 2048)
 
 
@@ -54,7 +55,8 @@ def test_tiktoken_gives_tokenizers_ids_byte_for_byte(trained):
 
 @pytest.mark.parametrize("kind", ["bpe", "tiktoken"])
 def test_held_out_text_encodes_alike_at_a_larger_vocabulary(kind):
-    """Text the tokenizer was not trained on, at 8,192 tokens: merges meet words they were not learned from."""
+    """Text the tokenizer was not trained on, at 8,192 tokens: merges meet words they were not learned from.
+    """
     texts = stdlib_texts(120)
     tok = train_tokenizer(texts[:60], kind, 8192)
     held_out = texts[60:]
@@ -62,7 +64,8 @@ def test_held_out_text_encodes_alike_at_a_larger_vocabulary(kind):
 
 
 def test_the_tests_corpora_encode_alike(corpus, chat_corpus, tmp_path):
-    """The corpora the other tests prepare, plain and chat, through encode_segments as preparation calls it."""
+    """The corpora the other tests prepare, plain and chat, through encode_segments as preparation calls it.
+    """
     for source, cache in ((corpus["src"], corpus["cache"]), (chat_corpus["src"], chat_corpus["cache"])):
         data = prepare(DataConfig(sources=[source], cache_dir=str(tmp_path / os.path.basename(cache))))
         tok = Tokenizer.from_file(data.tokenizer_path)

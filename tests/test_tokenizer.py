@@ -87,7 +87,8 @@ def test_the_generators_tokenizer_is_the_loader_with_the_chat_template(tiny_chec
 
 
 def test_text_that_spells_a_special_token_stays_text(tokenizer_path):
-    """A document containing '<|endoftext|>' or '<|im_start|>' literally must not forge a boundary or a turn."""
+    """A document containing '<|endoftext|>' or '<|im_start|>' literally must not forge a boundary or a turn.
+    """
     tok = Tokenizer.from_file(tokenizer_path)
     (ids, _), = tk.encode_segments(tok, [[("a <|endoftext|> b <|im_start|>user", True, False)]])
     assert not set(ids) & {tok.token_to_id(t) for t in tk.SPECIAL_TOKENS}

@@ -601,7 +601,8 @@ def test_the_best_checkpoint_survives_pruning(corpus, tmp_path, monkeypatch, arg
 
 
 def test_one_step_runs_and_warmup_fits_any_length(corpus, tmp_path, argv_for):
-    """--max_steps 1 must run (warmup once outlasted short runs and was refused): warmup is a share of the run."""
+    """--max_steps 1 must run (warmup once outlasted short runs and was refused): warmup is a share of the
+    run."""
     assert trainer.main(argv_for(corpus, tmp_path / "run", "--max_steps", 1, "--warmup_ratio", 0.5)) == 0
     (record,) = read_metrics(tmp_path / "run")
     assert record["step"] == 1 and record["lr_scale"] == pytest.approx(0.1)  # the last step: the schedule's floor

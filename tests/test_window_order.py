@@ -23,7 +23,8 @@ PACKED_VAL = [[21, 22, 23], [3, 4, 5]]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """Three parts of documents of 5-40 random tokens each, ended by EOT, in a cache folder with a tokenizer."""
+    """Three parts of documents of 5-40 random tokens each, ended by EOT, in a cache folder with a tokenizer.
+    """
     root, rng = tmp_path_factory.mktemp("order"), np.random.default_rng(0)
     Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(root / "tokenizer.json"))
     parts = []

@@ -91,7 +91,8 @@ def timed_optimizer(b, device) -> list[float]:
 
 
 class Contender:
-    """One model's trainer step, built and warmed up (compiled), timed in rounds that resume its step count."""
+    """One model's trainer step, built and warmed up (compiled), timed in rounds that resume its step count.
+    """
 
     def __init__(self, name: str, cfg, device, raw_model, warmup: int, share: bool = False):
         allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0

@@ -74,7 +74,8 @@ def bytes_per_step(model, batch: int, mean_position: float) -> float:
 
 
 def stored_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds: a quantized one's inner tensors (int8 values, scales), else elements x size."""
+    """The bytes a tensor holds: a quantized one's inner tensors (int8 values, scales), else elements x size.
+    """
     if hasattr(t, "__tensor_flatten__"):
         return sum(stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
     return t.numel() * t.element_size()
@@ -118,7 +119,8 @@ def ours(model, prompts, n):
 
 
 def theirs(hf, prompts, n, fastest: bool):
-    """(B, n) new ids from transformers' generate, greedy: static cache and compiled forward, or the default."""
+    """(B, n) new ids from transformers' generate, greedy: static cache and compiled forward, or the default.
+    """
     kwargs = {}
     if fastest:
         from transformers import CompileConfig

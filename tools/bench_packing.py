@@ -107,7 +107,8 @@ def lengths(data) -> np.ndarray:
 
 @torch.no_grad()
 def assistant_loss(run: str, data, seq_len: int) -> float:
-    """Mean loss of the assistant tokens of every validation conversation, each whole in its own window rows."""
+    """Mean loss of the assistant tokens of every validation conversation, each whole in its own window rows.
+    """
     found = read_model(run)
     with torch.device("meta"):  # no random draws for weights the checkpoint replaces
         model = Transformer(found.config)

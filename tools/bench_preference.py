@@ -46,7 +46,8 @@ def sentence(rng: random.Random, words: int) -> str:
 
 
 def setup(folder: str, pairs: int = PAIRS) -> str:
-    """The pairs (JSONL) and a random Qwen2 model with a ChatML tokenizer trained on them, saved as a download."""
+    """The pairs (JSONL) and a random Qwen2 model with a ChatML tokenizer trained on them, saved as a
+    download."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

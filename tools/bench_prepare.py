@@ -47,7 +47,8 @@ VOWELS, CODAS = "a e i o u ou ea ai y".split(), ["", "", "", *"n s t r nd ng ck 
 
 @functools.lru_cache(maxsize=1)
 def vocabulary(n: int = 4000):
-    """The word table (n words, them capitalized, the numbers 0-9999) and the words' cumulative Zipf weights."""
+    """The word table (n words, them capitalized, the numbers 0-9999) and the words' cumulative Zipf weights.
+    """
     rng, words = np.random.default_rng(12345), {}
     while len(words) < n:
         syllables = rng.choice(4, p=[0.3, 0.4, 0.2, 0.1]) + 1
@@ -122,7 +123,8 @@ def write_parquet(path: str, docs, group_bytes: int = BATCH_BYTES) -> int:
 
 
 def write_jsonl_zst(path: str, docs) -> int:
-    """A zstd-compressed file of {"text": ...} lines, written as the documents come; returns the bytes of text."""
+    """A zstd-compressed file of {"text": ...} lines, written as the documents come; returns the bytes of
+    text."""
     import zstandard
     total = 0
     with open(path, "wb") as f, zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False) as z:
@@ -234,7 +236,8 @@ def child(sources: list[str], cache_dir: str, tokenizer: str):
 
 
 def measured(sources: list[str], cache_dir: str, tokenizer: str) -> dict:
-    """child() in a fresh process, its tree's resident size (worker processes included) sampled every 0.2 s."""
+    """child() in a fresh process, its tree's resident size (worker processes included) sampled every 0.2 s.
+    """
     import psutil
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import "
             f"bench_prepare; bench_prepare.child({sources!r}, {cache_dir!r}, {tokenizer!r})")

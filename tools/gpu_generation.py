@@ -26,7 +26,8 @@ PROMPT = "def fibonacci(n):"
 
 
 def command(cmd: list, env: dict | None = None) -> tuple[float, str]:
-    """Run a project script as a user would; (wall seconds, stdout + stderr). RuntimeError with its end if it fails."""
+    """Run a project script as a user would; (wall seconds, stdout + stderr). RuntimeError with its end if it
+    fails."""
     start = time.time()
     done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=HERE,
                           env={**os.environ, **(env or {})})
@@ -142,7 +143,8 @@ def decode_shape(args) -> tuple:
 
 
 def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) -> list[dict]:
-    """Tokens per second of a model of this shape (its own compiled steps) at each batch size, and the bound."""
+    """Tokens per second of a model of this shape (its own compiled steps) at each batch size, and the bound.
+    """
     import bench_generate as bg
     torch.manual_seed(0)
     model, rows = for_inference(Transformer(cfg).to(device), device, compile=compiled), []
@@ -163,7 +165,8 @@ def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) 
 
 
 def greedy_identical(ckpt: str, device, compiled: str) -> bool:
-    """Whether our greedy tokens from the trained checkpoint (float32, compiled as asked) are transformers'."""
+    """Whether our greedy tokens from the trained checkpoint (float32, compiled as asked) are transformers'.
+    """
     import bench_generate as bg
     found = read_model(ckpt)
     with torch.device("meta"):  # no random draws for weights the checkpoint replaces

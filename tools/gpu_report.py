@@ -7,7 +7,8 @@ import os
 
 
 def overhead_words(overhead: float | None) -> str:
-    """A share of time lost, in words: "2.0% slower than plain", "85.0% faster than plain" (a negative loss)."""
+    """A share of time lost, in words: "2.0% slower than plain", "85.0% faster than plain" (a negative loss).
+    """
     if overhead is None:
         return "not measured (no tokens/s logged)"
     return f"{100 * abs(overhead):.1f}% {'slower' if overhead >= 0 else 'faster'} than plain"

@@ -54,7 +54,8 @@ LLAMA2_7B = shape(32000, 4096, 32, 32, 32, 11008, False, "llama")  # meta-llama/
 
 
 def run(model: ModelConfig, mode: str, context: int, micro: int = 1, checkpointed: bool = False) -> tuple[Config, str]:
-    """The config of a fine-tune (AdamW, as fine_tuning.py picks it) and the LoRA base the estimate is told."""
+    """The config of a fine-tune (AdamW, as fine_tuning.py picks it) and the LoRA base the estimate is told.
+    """
     base, rank = MODES[mode]
     cfg = Config(model=replace(model, max_seq_len=context, gradient_checkpointing=checkpointed),
                  train=TrainConfig(init_from="base", optimizer="adamw", lora_rank=rank, micro_batch_size=micro))
@@ -62,7 +63,8 @@ def run(model: ModelConfig, mode: str, context: int, micro: int = 1, checkpointe
 
 
 def peak(cfg: Config, base: str, card_gb: int) -> int:
-    """The estimate on a card of card_gb, compiled in bf16, with the loss chunked as the trainer would chunk it."""
+    """The estimate on a card of card_gb, compiled in bf16, with the loss chunked as the trainer would chunk
+    it."""
     rows = loss_chunk_rows(cfg, Machine("cuda", f"{card_gb} GB", card_gb * GB))
     return estimate(cfg, Target("cuda", 2, compiled=True, loss_rows=rows), base).total
 
@@ -145,7 +147,8 @@ def card_memory(card: str) -> tuple[str, int]:
 
 
 def model_shape(name: str, max_seq_len: int) -> ModelConfig:
-    """A model's shape from its config.json alone: a folder (no weights needed), a run of ours, or hf:ORG/NAME."""
+    """A model's shape from its config.json alone: a folder (no weights needed), a run of ours, or
+    hf:ORG/NAME."""
     from llm.formats.checkpoint import load_model_config, resolve_checkpoint
     from llm.formats.hf_format import model_config_from_hf
     from llm.formats.hf_hub import hub_shape, is_hub_name

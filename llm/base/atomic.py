@@ -188,7 +188,8 @@ def remove_leftovers(parent: str):
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process of this pid runs here (on Windows always assumed: its os.kill(pid, 0) sends Ctrl-C)."""
+    """Whether a process of this pid runs here (on Windows always assumed: its os.kill(pid, 0) sends Ctrl-C).
+    """
     if os.name == "nt":
         return True
     try:

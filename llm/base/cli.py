@@ -89,7 +89,8 @@ def _load_yaml(text: str, path: str):
 
 
 def _expanded_size(node, sizes: dict) -> float:
-    """Characters of a YAML node with every alias written out, each shared node measured once (ids in sizes)."""
+    """Characters of a YAML node with every alias written out, each shared node measured once (ids in sizes).
+    """
     if id(node) not in sizes:
         sizes[id(node)] = math.inf  # met again inside itself: a recursive alias never ends
         if isinstance(node.value, str):
@@ -109,7 +110,8 @@ def _naming_config_py(e: ConfigError, types) -> ConfigError:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError where it would print its usage and exit, and knows the names it takes."""
+    """argparse that raises ConfigError where it would print its usage and exit, and knows the names it takes.
+    """
 
     def __init__(self, **kwargs):
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)

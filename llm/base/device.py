@@ -135,7 +135,8 @@ def fp8_pays(in_features: int, out_features: int) -> bool:
 
 
 def fp8_layers(model: torch.nn.Module) -> tuple[int, int]:
-    """(linear layers computing in FP8, linear layers): what a start report and a model card say of --precision fp8."""
+    """(linear layers computing in FP8, linear layers): what a start report and a model card say of
+    --precision fp8."""
     kinds = [type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return kinds.count("Float8Linear"), len(kinds)
 

@@ -191,7 +191,8 @@ def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None) -> torc
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a sharded tensor (a view: writing to it writes the DTensor); a plain tensor as is."""
+    """This rank's rows of a sharded tensor (a view: writing to it writes the DTensor); a plain tensor as is.
+    """
     return t.to_local() if isinstance(t, DTensor) else t
 
 

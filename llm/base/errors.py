@@ -26,11 +26,13 @@ class DataError(InputError):
 
 
 class CheckpointError(InputError):
-    """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to do."""
+    """A missing, incomplete or corrupt checkpoint or model folder; the message says which file and what to
+    do."""
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, where a script turns it into an interruption (evaluate.py: the scores so far, then exit 143)."""
+    """SIGTERM, where a script turns it into an interruption (evaluate.py: the scores so far, then exit 143).
+    """
 
 
 def raise_terminated(signum, frame):
@@ -43,11 +45,13 @@ class RunFailure(RuntimeError):
 
 
 class WriteError(RunFailure):
-    """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays."""
+    """A write the disk refused (full, failing): a runtime failure, not bad input; nothing half-written stays.
+    """
 
 
 class CompileError(RunFailure):
-    """torch.compile failed on this machine (a runtime failure): the message names the error and the way out."""
+    """torch.compile failed on this machine (a runtime failure): the message names the error and the way out.
+    """
 
 
 def exit_code(e: BaseException) -> tuple[int, str | None]:

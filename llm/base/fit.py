@@ -69,7 +69,8 @@ def adapter_parameters(cfg: Config) -> int:
 
 
 def _targets(cfg: Config) -> list[str]:
-    """The targeted matrices the estimate knows: an unknown name is refused in one line when adapters are added."""
+    """The targeted matrices the estimate knows: an unknown name is refused in one line when adapters are
+    added."""
     return [name for name in cfg.train.lora_targets or LORA_TARGETS if name in block_matrices(cfg.model)]
 
 

@@ -79,7 +79,8 @@ def planned_flops_per_s(machine: Machine, world_size: int = 1) -> float:
 
 
 def budget_tokens(cfg: Config, machine: Machine, world_size: int = 1) -> int:
-    """Tokens this model trains on in its time budget at the planned FLOP/s; 0 off CUDA or without a budget."""
+    """Tokens this model trains on in its time budget at the planned FLOP/s; 0 off CUDA or without a budget.
+    """
     minutes = budget_minutes(cfg.train, machine)
     if machine.kind != "cuda" or not minutes:
         return 0
@@ -87,7 +88,8 @@ def budget_tokens(cfg: Config, machine: Machine, world_size: int = 1) -> int:
 
 
 def optimal_parameters(minutes: float, machine: Machine, world_size: int = 1) -> float:
-    """The compute-optimal model size for a budget of these minutes: C = 6 N D with D = TOKENS_PER_PARAMETER * N."""
+    """The compute-optimal model size for a budget of these minutes: C = 6 N D with D = TOKENS_PER_PARAMETER *
+    N."""
     return math.sqrt(minutes * 60 * planned_flops_per_s(machine, world_size) / (6 * TOKENS_PER_PARAMETER))
 
 
@@ -131,7 +133,8 @@ def gpu_target(cfg: Config) -> Target:
 
 
 def activation_bytes(cfg: Config) -> int:
-    """What a micro-batch adds to a GPU step: the activations kept for backward and the whole loss's logits."""
+    """What a micro-batch adds to a GPU step: the activations kept for backward and the whole loss's logits.
+    """
     return sum(b for name, b, _ in estimate(cfg, gpu_target(cfg)).terms if name in ("activations", "loss"))
 
 

@@ -81,7 +81,8 @@ class Batches:
         self.check()
 
     def _load(self):
-        """Read the split's parts as they are now: a corpus read in arrival order gains parts while a run reads."""
+        """Read the split's parts as they are now: a corpus read in arrival order gains parts while a run
+        reads."""
         d = self.data
         self.final = getattr(d, "complete", True)  # read before the parts: once complete, they are all there
         now = PreparedData(d.path, d.meta, list(d.parts), d.weights, d.arrival, d.commit)
@@ -104,7 +105,8 @@ class Batches:
         return getattr(self.data, "error", None)
 
     def in_hand(self, step: int) -> bool:
-        """Whether ready(step) returns at once: the corpus is complete and loaded, or holds this step's windows."""
+        """Whether ready(step) returns at once: the corpus is complete and loaded, or holds this step's
+        windows."""
         return self._holds(self.order.step_end(step))
 
     def ready(self, step: int, give_up=lambda: False) -> bool:
@@ -130,7 +132,8 @@ class Batches:
 
     @property
     def epoch_sequences(self) -> int:
-        """Windows in one pass over the split: all that fit beside a shift of up to one window (at least one)."""
+        """Windows in one pass over the split: all that fit beside a shift of up to one window (at least one).
+        """
         return tiled_windows(self.length, self.seq_len)
 
     def starts(self, step: int, micro_step: int) -> np.ndarray:

@@ -68,7 +68,8 @@ def _sharegpt(turns) -> list:
 
 
 def _alpaca(obj: dict) -> list:
-    """An Alpaca record as one user turn (instruction, a blank line, then input when there is one) and one reply."""
+    """An Alpaca record as one user turn (instruction, a blank line, then input when there is one) and one
+    reply."""
     prompt, extra = _string(obj, "instruction"), obj.get("input")
     if extra is not None and not isinstance(extra, str):
         raise DataError(f"input must be a string, not {type(extra).__name__}")

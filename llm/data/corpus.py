@@ -80,7 +80,8 @@ def _walk(root: str, suffix=None, skipped=SKIPPED_DIRS) -> list[str]:
 
 @dataclass
 class Source:
-    """One entry of --sources: what was given, its mixture weight (None: by size) and the files it stands for."""
+    """One entry of --sources: what was given, its mixture weight (None: by size) and the files it stands for.
+    """
     given: str
     weight: float | None
     files: list  # (path, came from a folder)
@@ -157,7 +158,8 @@ def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
 
 
 def _hub_bytes(cfg: DataConfig, weight: float | None, weights: list) -> float:
-    """The text a Hub dataset brings: its share of --max_tokens (with weights, by its weight), or all of it."""
+    """The text a Hub dataset brings: its share of --max_tokens (with weights, by its weight), or all of it.
+    """
     share = weight / sum(weights) if weight is not None and None not in weights else 1.0
     return hf_datasets.target_bytes(round(cfg.max_tokens * share), cfg.max_source_mb)
 
@@ -212,7 +214,8 @@ def _decode(data: bytes, path: str, stats: ReadStats) -> str:
 
 
 def _blocks(f):
-    """Blocks of about PIECE_BYTES that end at a line end, or inside a line of over LINE_BYTES at a character end."""
+    """Blocks of about PIECE_BYTES that end at a line end, or inside a line of over LINE_BYTES at a character
+    end."""
     rest = b""
     while block := rest + f.read(PIECE_BYTES):
         tail = f.readline(LINE_BYTES)  # finish the line, so no piece ends inside a word or a character
@@ -223,7 +226,8 @@ def _blocks(f):
 
 
 def _whole_chars(data: bytes) -> int:
-    """The length of data without the UTF-8 character its end cuts in two (data is left whole if not UTF-8)."""
+    """The length of data without the UTF-8 character its end cuts in two (data is left whole if not UTF-8).
+    """
     for back in range(1, min(4, len(data)) + 1):
         byte = data[-back]
         if byte & 0xC0 != 0x80:  # ASCII, or the first byte of a character of 2, 3 or 4 bytes
@@ -233,7 +237,8 @@ def _whole_chars(data: bytes) -> int:
 
 
 def _text_pieces(path: str, in_folder: bool, stats: ReadStats):
-    """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused."""
+    """Yield (piece, text, bytes read) of a text file, cut at line ends; binary files are skipped or refused.
+    """
     with readers.open_stream(path) as f:
         piece = -1
         for piece, block in enumerate(_blocks(f)):

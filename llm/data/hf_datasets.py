@@ -45,7 +45,8 @@ def target_bytes(tokens: int, max_mb: float = 0.0) -> float:
 
 
 def parse(url: str) -> tuple[str, str, str]:
-    """hf://datasets/OWNER/NAME[@REVISION][/GLOB] -> (OWNER/NAME, revision, glob); DataError if not that form."""
+    """hf://datasets/OWNER/NAME[@REVISION][/GLOB] -> (OWNER/NAME, revision, glob); DataError if not that form.
+    """
     m = URL.fullmatch(url)
     if not m or ".." in m["repo"]:
         raise DataError(f"data source {url} is not a Hub dataset URL, write hf://datasets/OWNER/NAME/GLOB "
@@ -132,7 +133,8 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
 
 
 def unavailable(url: str) -> str:
-    """Why fetch(url) could give no file (the error's line), or "" when the Hub lists it or the cache holds some."""
+    """Why fetch(url) could give no file (the error's line), or "" when the Hub lists it or the cache holds
+    some."""
     try:
         fetch(url, 0, log=lambda line: None)
     except (DataError, RunFailure) as e:
@@ -157,7 +159,8 @@ def _cached(repo: Repo, revision: str, pattern: str, by_setting: bool) -> tuple[
 
 
 def _data_files(names: list, url: str) -> list:
-    """The names of the kinds the readers take; an error line when the pattern matches none (or only others)."""
+    """The names of the kinds the readers take; an error line when the pattern matches none (or only others).
+    """
     data = [n for n in names if any(fnmatch.fnmatchcase(n.lower(), kind) for kind in DATA_FILES)]
     if not data:
         what = f"only {len(names)} file(s) of other kinds ({names[0]})" if names else "no file"

@@ -122,7 +122,8 @@ def plan(tokens, eot: int, turn_start: int | None, seq_len: int, seed: int | Non
 
 
 def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inputs, labels (-100 where not learned, and over padding) and positions of window w, each (seq_len,)."""
+    """Inputs, labels (-100 where not learned, and over padding) and positions of window w, each (seq_len,).
+    """
     x = np.full(plan.seq_len, pad, np.int64)
     y = np.full(plan.seq_len, -100, np.int64)
     pos = np.zeros(plan.seq_len, np.int64)

@@ -319,7 +319,8 @@ def _first_file(found: list) -> tuple[list, list]:
 
 def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadStats, found, seconds: float,
               log) -> PreparedData:
-    """The finished cache's data: the parts cut at their caps, the totals, and the lines saying what it holds."""
+    """The finished cache's data: the parts cut at their caps, the totals, and the lines saying what it holds.
+    """
     in_order = in_arrival_order(cfg)
     totals.apply_caps(parts, totals.caps(cfg, found), bool(found[0].weight))
     weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
@@ -340,7 +341,8 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
 
 def _in_background(cfg: DataConfig, path: str, tok: Tokenizer, meta: dict, found, seq_len: int,
                    log) -> arrival.ArrivingData:
-    """The cache of a corpus read in arrival order, written by a thread while the run trains on its first parts."""
+    """The cache of a corpus read in arrival order, written by a thread while the run trains on its first
+    parts."""
     start, caps = time.perf_counter(), totals.caps(cfg, found)
     commit = hf_datasets.commits.get(cfg.sources[0], "")
 

@@ -55,7 +55,8 @@ class PromptData:
         return max(len(p.ids) for p in self.train)
 
     def texts(self, split: str) -> list[str]:
-        """The split's prompts as the model reads them (special tokens written out): evaluations sample from them."""
+        """The split's prompts as the model reads them (special tokens written out): evaluations sample from
+        them."""
         tok = load_tokenizer(self.tokenizer_path)
         return [tok.decode(p.ids, skip_special_tokens=False) for p in getattr(self, split)]
 

@@ -48,7 +48,8 @@ def _compression(path: str) -> str:
 
 
 def _module(name: str, path: str):
-    """Import an optional package (pyarrow, zstandard) when a file needs it; a DataError says how to get it."""
+    """Import an optional package (pyarrow, zstandard) when a file needs it; a DataError says how to get it.
+    """
     try:
         return __import__(name, fromlist=["_"])
     except ImportError:
@@ -85,7 +86,8 @@ def lines(f):
 
 
 class _Checked:
-    """A decompressing stream whose failures (cut short, corrupt) are one DataError naming the file and line."""
+    """A decompressing stream whose failures (cut short, corrupt) are one DataError naming the file and line.
+    """
 
     def __init__(self, f, path: str, name: str, errors: tuple):
         self.f, self.path, self.name, self.errors, self.lines = f, path, name, errors, 0

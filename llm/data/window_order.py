@@ -23,7 +23,8 @@ def first_epoch_windows(parts: list, seq_len: int) -> list[int]:
 
 
 def tiled_windows(length: int, seq_len: int) -> int:
-    """Windows in one pass over length tokens: all that fit beside a shift of up to one window (at least one)."""
+    """Windows in one pass over length tokens: all that fit beside a shift of up to one window (at least one).
+    """
     return max(1, (length - 1) // seq_len - 1)
 
 
@@ -43,7 +44,8 @@ class WindowOrder:
         return micro_step * self.world_size + self.rank
 
     def sequence_numbers(self, step: int, micro_step: int) -> np.ndarray:
-        """Which of the run's training windows this micro-batch holds: the n-th of the sequence of epochs, (B,)."""
+        """Which of the run's training windows this micro-batch holds: the n-th of the sequence of epochs,
+        (B,)."""
         first = (step * self.accum * self.world_size + self.slot(micro_step)) * self.batch_size
         return first + np.arange(self.batch_size)
 
@@ -117,5 +119,6 @@ class WindowOrder:
         return np.array([self.epoch_order(int(i // windows), windows)[i % windows] for i in n])
 
     def evaluation_ids(self, micro_step: int, windows: int) -> np.ndarray:
-        """Which of `windows` packed windows this evaluation micro-batch holds: in file order, ranks interleaved."""
+        """Which of `windows` packed windows this evaluation micro-batch holds: in file order, ranks
+        interleaved."""
         return (self.slot(micro_step) * self.batch_size + np.arange(self.batch_size)) % windows

@@ -117,7 +117,8 @@ def _tensor_bytes(obj) -> int:
 
 
 def _prune(run_dir: str, keep: int):
-    """Delete all but the newest `keep` complete checkpoints and the best, and leftovers of interrupted writes."""
+    """Delete all but the newest `keep` complete checkpoints and the best, and leftovers of interrupted
+    writes."""
     root, best = os.path.join(run_dir, "checkpoints"), best_checkpoint(run_dir)
     for path in list_checkpoints(run_dir)[:-keep]:
         if path != best:

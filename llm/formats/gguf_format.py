@@ -55,7 +55,8 @@ def gguf_package(need: str = "--gguf"):
 # ----------------------------------------------------------------------------- names and weights
 
 def gguf_arch(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for this model: the model type of its Hugging Face export, where llama.cpp has it."""
+    """llama.cpp's architecture for this model: the model type of its Hugging Face export, where llama.cpp has
+    it."""
     model_type = hf_config(cfg)["model_type"]
     if model_type not in ARCHITECTURES or cfg.rope_type != "default":  # llama3 RoPE would need a rope_freqs tensor
         model_type += "" if cfg.rope_type == "default" else f" (rope_type {cfg.rope_type})"
@@ -94,7 +95,8 @@ def uninterleave_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def gguf_tensors(cfg: ModelConfig, state: dict, qtype: str) -> list[tuple[str, np.ndarray, object]]:
-    """(name, data, raw type or None) of every tensor in llama.cpp's layout: f32 norms, f16 or q8_0 matrices."""
+    """(name, data, raw type or None) of every tensor in llama.cpp's layout: f32 norms, f16 or q8_0 matrices.
+    """
     gguf, arch = gguf_package(), gguf_arch(cfg)
     state = {k: v for k, v in state.items() if is_stored(k, cfg)}  # a tied head is the embedding: not written
     check_weights(state, expected_shapes(cfg), "the weights to export")
@@ -121,7 +123,8 @@ def gguf_tensors(cfg: ModelConfig, state: dict, qtype: str) -> list[tuple[str, n
 # ----------------------------------------------------------------------------- the tokenizer
 
 def _pre_tokenizer(spec: dict, where: str) -> str:
-    """llama.cpp's name for the tokenizer's split into words, or CheckpointError when it has none that matches."""
+    """llama.cpp's name for the tokenizer's split into words, or CheckpointError when it has none that
+    matches."""
     pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
     merges_whole = bool(model.get("ignore_merges"))
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]

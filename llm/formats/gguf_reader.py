@@ -139,7 +139,8 @@ def _check_vocabulary(meta: dict, path: str):
 
 
 def _number(meta: dict, key: str, path: str, default: float) -> float:
-    """A positive finite number from the metadata (a RoPE base written as a string is damage, not a number)."""
+    """A positive finite number from the metadata (a RoPE base written as a string is damage, not a number).
+    """
     value = meta.get(key, default)
     if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool) \
             or not np.isfinite(value) or value <= 0:

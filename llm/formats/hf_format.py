@@ -36,7 +36,8 @@ ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while cos and si
 # ----------------------------------------------------------------------------- names and shapes
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> Hugging Face's (layers.0.attn.q_proj.weight -> model.layers.0.self_attn.q_proj.weight)."""
+    """Our parameter name -> Hugging Face's (layers.0.attn.q_proj.weight ->
+    model.layers.0.self_attn.q_proj.weight)."""
     return name if name == "lm_head.weight" else "model." + name.replace(".attn.", ".self_attn.")
 
 
@@ -53,7 +54,8 @@ def expected_shapes(cfg: ModelConfig) -> dict:
 
 
 def stored_shapes(files: list[str], remedy: str = "use another model folder") -> dict[str, tuple]:
-    """Name -> shape of every tensor in these safetensors files, read from their headers: nothing is loaded."""
+    """Name -> shape of every tensor in these safetensors files, read from their headers: nothing is loaded.
+    """
     shapes = {}
     for file in files:
         try:

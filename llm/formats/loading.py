@@ -41,7 +41,8 @@ class Source:
 
 @dataclass
 class ModelFiles:
-    """What a reader found: the shape, the weights (CPU, our names, a tied head stored once), the tokenizer."""
+    """What a reader found: the shape, the weights (CPU, our names, a tied head stored once), the tokenizer.
+    """
     config: ModelConfig
     state: dict
     tokenizer_path: str | None
@@ -91,7 +92,8 @@ def read_hf(source: Source) -> ModelFiles:
 
 
 def read_hub(source: Source) -> ModelFiles:
-    """Fetched into huggingface_hub's cache (config.json checked before the weights come), then read as a folder."""
+    """Fetched into huggingface_hub's cache (config.json checked before the weights come), then read as a
+    folder."""
     folder = resolve(source.path, source.max_seq_len)
     return ModelFiles(*load_hf_folder(folder, source.max_seq_len), folder)
 

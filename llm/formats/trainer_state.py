@@ -100,7 +100,8 @@ def recorded(ckpt: str) -> dict:
 
 @dataclass(frozen=True)
 class Record:
-    """What a session's checkpoints record of it besides the state: for the model card, and a LoRA run's adapters."""
+    """What a session's checkpoints record of it besides the state: for the model card, and a LoRA run's
+    adapters."""
     command: str  # how the session was started, as a user would type it
     device: str
     precision: str

@@ -128,7 +128,8 @@ def compile_failed(e: BaseException):
 
 
 def compiling(model) -> bool:
-    """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then."""
+    """Whether the model's steps are still compiling in the background, or failed to: generate eagerly then.
+    """
     thread = _COMPILED[model].background if model in _COMPILED else None
     return thread is not None and (thread.is_alive() or thread.error is not None)
 

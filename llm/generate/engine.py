@@ -33,7 +33,8 @@ SPAN_STEP = 64
 
 
 def check_memory(model, batch: int, max_len: int):
-    """Refuse a batch whose KV cache and logits would not fit in the memory free now (ValueError, a message)."""
+    """Refuse a batch whose KV cache and logits would not fit in the memory free now (ValueError, a message).
+    """
     c, w = model.config, model.embed_tokens.weight
     cache = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * max_len * c.head_dim * w.element_size()
     need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16  # sampling, activations
@@ -127,7 +128,8 @@ def _generators(rows, device) -> list:
 
 
 def _run(model, slot: Slot, rows, width: int, outputs: "Outputs", real: int) -> list[list[int]]:
-    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch)."""
+    """The batch's rows through prefill and decode; the first `real` rows' new ids (the rest pad the batch).
+    """
     device, B, limits = model.embed_tokens.weight.device, len(rows), outputs.limits
     # Padding repeats each row's last token: the cache ignores it, and the penalty's `seen` stays exact.
     padded = torch.tensor([p + p[-1:] * (width - len(p)) for p, _ in rows], device=device)

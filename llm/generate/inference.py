@@ -22,7 +22,8 @@ from modern_llm import Transformer
 
 
 class Loaded(NamedTuple):
-    """A model ready to generate, whatever kind it was read from; unpacks as (model, tokenizer, config, path)."""
+    """A model ready to generate, whatever kind it was read from; unpacks as (model, tokenizer, config, path).
+    """
     model: Transformer
     tokenizer: object  # transformers' PreTrainedTokenizerFast (load_tokenizer), imported only where it is built
     config: ModelConfig

@@ -52,7 +52,8 @@ class Scoring:
 
 
 def refuse_unimplemented(body: dict):
-    """BadRequest naming the first parameter of UNIMPLEMENTED that asks for something (NaN and 10^9 included)."""
+    """BadRequest naming the first parameter of UNIMPLEMENTED that asks for something (NaN and 10^9 included).
+    """
     for name, neutral in UNIMPLEMENTED.items():
         value = body.get(name)
         fine = value is None or any(value == v and type(value) is not bool for v in neutral) or (
@@ -78,7 +79,8 @@ def stream_options_of(body: dict) -> bool:
 
 
 def check_text(body: dict):
-    """Refuse a field holding a lone surrogate (JSON's "\\ud800"): no tokenizer or UTF-8 answer can carry one."""
+    """Refuse a field holding a lone surrogate (JSON's "\\ud800"): no tokenizer or UTF-8 answer can carry one.
+    """
     for name, value in body.items():
         try:
             json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
@@ -91,7 +93,8 @@ def check_text(body: dict):
 
 
 def number(body: dict, name: str, default, kind=float, low=None, high=None):
-    """body[name], or default when absent or null, as a finite int or float in [low, high]; BadRequest naming it."""
+    """body[name], or default when absent or null, as a finite int or float in [low, high]; BadRequest naming
+    it."""
     value = body.get(name)
     value = default if value is None else value
     finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))  # JSON allows Infinity
@@ -127,7 +130,8 @@ def settings_of(body: dict, ctx: int, chat: bool = False, echo: bool = False) ->
 
 
 def scoring_of(body: dict) -> Scoring:
-    """echo and logprobs of a completion request, checked. Neither streams: the scores come once a choice ends."""
+    """echo and logprobs of a completion request, checked. Neither streams: the scores come once a choice
+    ends."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadRequest(f"echo must be true or false, got {echo!r:.40}", "echo")

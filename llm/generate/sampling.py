@@ -85,7 +85,8 @@ class TextStream:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _tail(self) -> str:
-        """Text of the ids after `read`, decoded with a little context (text-generation-inference's method)."""
+        """Text of the ids after `read`, decoded with a little context (text-generation-inference's method).
+        """
         before, now = self._decode(self.ids[self.start:self.read]), self._decode(self.ids[self.start:])
         return now[len(before):] if len(now) > len(before) else ""
 

@@ -42,7 +42,8 @@ class Repo:
 
     @property
     def storage(self) -> str:
-        """Its folder in huggingface_hub's cache (HF_HOME as huggingface_hub read it), named as it names them."""
+        """Its folder in huggingface_hub's cache (HF_HOME as huggingface_hub read it), named as it names them.
+        """
         from huggingface_hub import constants
         return os.path.join(constants.HF_HUB_CACHE, f"{self.kind}s--{self.id.replace('/', '--')}")
 
@@ -52,7 +53,8 @@ class Repo:
 
 
 def token_given() -> bool:
-    """Whether huggingface_hub sends a token: a refusal then means that token is wrong, not that a login is missing."""
+    """Whether huggingface_hub sends a token: a refusal then means that token is wrong, not that a login is
+    missing."""
     from huggingface_hub import get_token
     return bool(get_token())
 
@@ -81,7 +83,8 @@ def safe_relative(path, what: str, repo: Repo, todo: str = "") -> str:
 
 
 def hex_hash(value, what: str, repo: Repo, pattern=ETAG, todo: str = "") -> str:
-    """A hash the Hub sends, checked before it names a file in the cache (anything else could reach outside it)."""
+    """A hash the Hub sends, checked before it names a file in the cache (anything else could reach outside
+    it)."""
     if not isinstance(value, str) or not pattern.fullmatch(value):
         digits = "40" if pattern is COMMIT else "40 or 64"
         raise repo.error(f"{repo.where}: {what} {str(value)[:200]!r} is not a hash ({digits} lowercase hex "
@@ -116,7 +119,8 @@ def snapshot_path(repo: Repo, commit: str, name: str = "") -> str:
 
 
 def ref(path: str, repo: Repo) -> str:
-    """The commit a cached refs/ file names, or "" when there is none; checked, as it names the snapshot's folder."""
+    """The commit a cached refs/ file names, or "" when there is none; checked, as it names the snapshot's
+    folder."""
     if not os.path.isfile(path):
         return ""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -228,7 +232,8 @@ def _check_hash(path: str, etag: str, name: str, repo: Repo):
 
 
 def remember(repo: Repo, revision: str, commit: str):
-    """refs/REVISION names the commit, as huggingface_hub writes it: an offline run finds the snapshot by it."""
+    """refs/REVISION names the commit, as huggingface_hub writes it: an offline run finds the snapshot by it.
+    """
     os.makedirs(os.path.join(repo.storage, "refs", os.path.dirname(revision)), exist_ok=True)
     atomic.write_text(os.path.join(repo.storage, "refs", revision), commit)
 
@@ -264,7 +269,8 @@ def unreachable() -> tuple:
 
 
 def not_shown(repo: Repo, gated: bool, missing: str, page: str) -> str:
-    """The line for a repository the Hub would not show: how to get in, or, with a token given, that it refused it."""
+    """The line for a repository the Hub would not show: how to get in, or, with a token given, that it
+    refused it."""
     token = token_given()
     if gated:
         way = f"with the account of {TOKEN}, or check that token" if token else "and log in with `hf auth login`"

@@ -17,7 +17,8 @@ def text(value) -> str:
 
 
 def code(value) -> str:
-    """value as an inline code span on one line, whatever backticks it holds; `|` escaped (tables end at it)."""
+    """value as an inline code span on one line, whatever backticks it holds; `|` escaped (tables end at it).
+    """
     one_line = " ".join(str(value).split()).replace("|", "\\|")
     fence = "`" * (max((len(run) for run in re.findall(r"`+", one_line)), default=0) + 1)
     pad = " " if one_line.startswith("`") or one_line.endswith("`") else ""

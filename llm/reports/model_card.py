@@ -231,7 +231,8 @@ def _how_to_load(kind: str, file: str, name: str, chat: bool, cfg: ModelConfig) 
 
 
 def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", chat: bool = False) -> str:
-    """README.md for an export of the checkpoint folder ckpt: kind "hf" (a transformers folder) or "gguf" (file)."""
+    """README.md for an export of the checkpoint folder ckpt: kind "hf" (a transformers folder) or "gguf"
+    (file)."""
     facts = run_facts(ckpt)
     arch = {"qwen3": "Qwen3 (QK-norm)", "qwen2": "Qwen2 (q/k/v biases)", "llama": "Llama", "mistral": "Mistral",
             "smollm3": "SmolLM3"}.get(family(cfg), family(cfg))

@@ -48,7 +48,8 @@ def device_report(device: torch.device) -> str:
 
 
 class Monitor:
-    """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard."""
+    """Turns the loop's numbers into log lines, metrics.jsonl records, a loss plot and optional TensorBoard.
+    """
 
     def __init__(self, run_dir: str, device: torch.device, flops_per_token: float, tokens_per_step: int, *,
                  tensorboard: bool = False, wandb: bool = False, config: dict | None = None,
@@ -309,7 +310,8 @@ def trainable_report(cfg, model, row: int) -> str:
 
 
 def progress_bar(clock, start: int, enabled: bool):
-    """The one progress bar: steps, or for a time budget the seconds of it spent (steps in the description)."""
+    """The one progress bar: steps, or for a time budget the seconds of it spent (steps in the description).
+    """
     if not clock.by_time:
         return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled, dynamic_ncols=True, desc="train")
     total = round(clock.budget_s)
@@ -321,12 +323,14 @@ def progress_bar(clock, start: int, enabled: bool):
 
 
 def _budget_seconds(clock, total: int) -> int:
-    """The budget's seconds spent, at most its total: a step (the first, compiling) may end past the budget."""
+    """The budget's seconds spent, at most its total: a step (the first, compiling) may end past the budget.
+    """
     return min(round(clock.timer.spent_s()), total)
 
 
 def advance_bar(bar, clock, step: int, epoch: float | None = None):
-    """One step further: one tick, or the seconds spent under a time budget; with epochs, the one under way."""
+    """One step further: one tick, or the seconds spent under a time budget; with epochs, the one under way.
+    """
     if epoch is not None:
         bar.set_description(f"train epoch {min(math.floor(epoch) + 1, math.ceil(clock.t.epochs))}/{clock.t.epochs:g}",
                             refresh=False)

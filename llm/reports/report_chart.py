@@ -16,7 +16,8 @@ def available() -> bool:
 
 
 def png(scores: list, chances: dict, references: dict, title: str) -> bytes:
-    """The chart as PNG bytes: scores are scoring.TaskScore (those with items), references model -> task -> acc."""
+    """The chart as PNG bytes: scores are scoring.TaskScore (those with items), references model -> task ->
+    acc."""
     import matplotlib
     matplotlib.use("Agg")  # no display: a file
     import matplotlib.pyplot as plt

@@ -114,7 +114,8 @@ def fitted(settings: SampleConfig, context: int) -> SampleConfig:
 
 @torch.no_grad()
 def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig = CODE_SETTINGS) -> tuple[float, int]:
-    """(share of bodies that parse, bodies tried); (nan, 0) when the texts hold no function with a docstring."""
+    """(share of bodies that parse, bodies tried); (nan, 0) when the texts hold no function with a docstring.
+    """
     room = model.config.max_seq_len - settings.max_new_tokens
     prompts = [(on_token_boundary(tokenizer, p), i) for p, i in function_prompts(texts, 4 * CODE_PROMPTS)]
     prompts = [(p, i) for p, i in prompts if 0 < len(tokenizer.encode(p, add_special_tokens=False)) < room]

@@ -35,7 +35,8 @@ def known(names: list[str], include_path: str | None = None) -> list[str]:
 
 
 def project_lm(model, tokenizer):
-    """An lm-eval LM whose every request runs on model (a Transformer made ready by inference.for_inference)."""
+    """An lm-eval LM whose every request runs on model (a Transformer made ready by inference.for_inference).
+    """
     from lm_eval.api.model import LM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -43,7 +44,8 @@ def project_lm(model, tokenizer):
     prefix = prefix_id(tokenizer)
 
     def scored(sequences: list[list[int]], starts: list[int]) -> list[tuple[float, bool]]:
-        """Each sequence's tokens from `start` on: summed log-probability, and whether each is the likeliest."""
+        """Each sequence's tokens from `start` on: summed log-probability, and whether each is the likeliest.
+        """
         out = []
         for (lp, top, _), seq, start in zip(score(model, sequences, top=1), sequences, starts):
             picks = range(start - 1, len(seq) - 1)  # score()'s entry i is token i + 1

@@ -99,7 +99,8 @@ def reply_text(completion) -> str:
 
 
 def gsm8k_answer(answer) -> str:
-    """The number a GSM8K row's answer states: after its "####" where it has one (the worked solution's last line)."""
+    """The number a GSM8K row's answer states: after its "####" where it has one (the worked solution's last
+    line)."""
     text = str(answer)
     return text.rsplit("####", 1)[-1].replace(",", "").strip()
 
@@ -124,7 +125,8 @@ def matches(pattern: str):
 # ----------------------------------------------------------------------------- from the command line
 
 def load(spec: str) -> Reward:
-    """A --reward value as a Reward: gsm8k, regex:PATTERN, or FILE.py:NAME (the user's file, run as their code)."""
+    """A --reward value as a Reward: gsm8k, regex:PATTERN, or FILE.py:NAME (the user's file, run as their
+    code)."""
     if spec == "gsm8k":
         return Reward(spec, gsm8k)
     if spec.startswith("regex:"):

@@ -19,7 +19,8 @@ def arguments(item: Item) -> dict:
 
 
 def choice_line(suite: str, item: Item, loglikelihoods: list[float], pick: int, pick_norm: int | None) -> dict:
-    """A multiple-choice item's line: pick is acc's choice, pick_norm acc_norm's (None where the task has none)."""
+    """A multiple-choice item's line: pick is acc's choice, pick_norm acc_norm's (None where the task has
+    none)."""
     line = {"task": item.source or suite, "suite": suite, "doc_id": item.doc_id, "arguments": arguments(item),
             "target": str(item.gold), "choices": list(item.choices), "loglikelihoods": loglikelihoods,
             "lengths": [len(c) for c in item.choices], "pred": pick, "acc": float(pick == item.gold)}

@@ -257,7 +257,8 @@ def score_items(model, tokenizer, items: list[Item], result: TaskScore, bar=None
 
 
 def _choose(model, tokenizer, chunk: list[Item], result: TaskScore, prefix: int):
-    """Multiple choice: the choice of highest log-likelihood (acc), and of highest per character (acc_norm)."""
+    """Multiple choice: the choice of highest log-likelihood (acc), and of highest per character (acc_norm).
+    """
     encoded = [encode_item(tokenizer, item, model.config.max_seq_len, prefix) for item in chunk]
     for item, e, lls in zip(chunk, encoded, loglikelihoods(model, encoded)):
         pick = first_best(lls)

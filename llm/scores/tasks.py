@@ -76,7 +76,8 @@ class Task:
         return [in_template(item, template) for item in found] if template else found
 
     def source(self, folder: str) -> str:
-        """lm-eval's name of the (sub)task a folder holds: the task's, or with the subject's (mmlu_anatomy)."""
+        """lm-eval's name of the (sub)task a folder holds: the task's, or with the subject's (mmlu_anatomy).
+        """
         return self.name if len(self.folders) == 1 else f"{self.name}_{os.path.basename(folder)}"
 
     def checked_item(self, make, row, folder: str, where: str) -> Item:
@@ -264,7 +265,8 @@ def mmlu_chat(row, folder):
 
 
 def gsm8k_chat(row, _):
-    """A grade-school word problem as a user's message; the reply is right when its last number is the answer."""
+    """A grade-school word problem as a user's message; the reply is right when its last number is the answer.
+    """
     asked = ({"role": "user", "content": row["question"]},)
     return Item(((template_prompt(None, asked), ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip(),
                 messages=asked)

@@ -32,7 +32,8 @@ def byte_of_char() -> dict[str, int]:
 
 
 def split_pattern(pre_tokenizer: dict | None) -> str | None:
-    """The regex a tokenizer.json's pre-tokenizer splits with before the bytes, when it is one tiktoken runs alike."""
+    """The regex a tokenizer.json's pre-tokenizer splits with before the bytes, when it is one tiktoken runs
+    alike."""
     if pre_tokenizer == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}:
         return GPT2_PATTERN
     parts = (pre_tokenizer or {}).get("pretokenizers", [])

@@ -214,7 +214,8 @@ def check_messages(messages, need_assistant: bool = True) -> list:
 
 
 def chat_segments(messages) -> list[tuple[str, bool, bool]]:
-    """CHAT_TEMPLATE as (text, learned, is_special) pieces: assistant content and its <|im_end|> are learned."""
+    """CHAT_TEMPLATE as (text, learned, is_special) pieces: assistant content and its <|im_end|> are learned.
+    """
     out = []
     for m in messages:
         learned = m["role"] == "assistant"

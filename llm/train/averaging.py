@@ -16,7 +16,8 @@ HORIZON = 0.09
 
 
 def run_beta(beta: float, total_steps: float) -> float:
-    """beta, or less on a run too short for its horizon: a horizon 1 / (1 - beta) of at most HORIZON of its steps."""
+    """beta, or less on a run too short for its horizon: a horizon 1 / (1 - beta) of at most HORIZON of its
+    steps."""
     return min(beta, max(0.0, 1 - 1 / (HORIZON * total_steps)))
 
 
@@ -45,7 +46,8 @@ class WeightAverage:
 
     @torch.no_grad()
     def swap_in(self):
-        """Put the average in the weights' place: the run ends on it (the live weights are not needed again)."""
+        """Put the average in the weights' place: the run ends on it (the live weights are not needed again).
+        """
         if self.average is not None:
             torch._foreach_copy_([local(p) for p in self.params], [local(a) for a in self.average])
 

@@ -31,7 +31,8 @@ class ChosenRates:
     why: str  # where the rates come from
 
     def lines(self, t, scaled: str = "") -> list[str]:
-        """The one line, with t's final values; muon_lr only where Muon trains (an AdamW run never reads it)."""
+        """The one line, with t's final values; muon_lr only where Muon trains (an AdamW run never reads it).
+        """
         used = [k for k in self.fields if k != "muon_lr" or t.optimizer == "muon"]
         values = ", ".join(f"{k}={getattr(t, k):g}" if k != "optimizer" else f"{k}={t.optimizer}" for k in used)
         return [f"automatic: {values} (fine-tuning {self.what} the pretrained --init_from model; {self.why}"
@@ -112,7 +113,8 @@ def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tup
 
 
 def scaled_rates(t, chosen: ChosenRates | None, scale: float) -> dict:
-    """The rates fill_fine_tuning chose, times an objective's scale (rates given by the user stay as given)."""
+    """The rates fill_fine_tuning chose, times an objective's scale (rates given by the user stay as given).
+    """
     fields = chosen.fields if chosen else ()
     return {k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields}
 

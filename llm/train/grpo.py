@@ -107,7 +107,8 @@ def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float, c
 
 
 def check(s: Settings):
-    """Settings a loss can be computed with (config.py refuses bad values first; this holds the arithmetic's own)."""
+    """Settings a loss can be computed with (config.py refuses bad values first; this holds the arithmetic's
+    own)."""
     if s.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type {s.loss_type!r} is not one of {LOSS_TYPES}")
     if not (0 <= s.epsilon < 1 and s.epsilon_high >= 0 and math.isfinite(s.epsilon_high)):

@@ -139,7 +139,8 @@ class Rollouts:
         return len(self.prompts) * self.t.num_generations
 
     def prompt_ids(self, sampling: int) -> list[int]:
-        """This rank's prompts at the sampling-th sampling: each epoch a fresh order drawn from (seed, epoch)."""
+        """This rank's prompts at the sampling-th sampling: each epoch a fresh order drawn from (seed, epoch).
+        """
         per = self.t.prompts_per_step * self.world_size
         per_epoch = max(1, len(self.prompts) // per)
         epoch, at = divmod(sampling, per_epoch)

@@ -58,7 +58,8 @@ class NextToken:
 
 
 def compiles(t) -> bool:
-    """The one test of eager or compiled: every setting that depends on it asks Runner.eager, which this sets."""
+    """The one test of eager or compiled: every setting that depends on it asks Runner.eager, which this sets.
+    """
     return t.compile != "off"
 
 
@@ -201,7 +202,8 @@ def token_objective(plan: Plan, runner: Runner):
 
 
 def rl_objective(plan: Plan, runner: Runner):
-    """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained."""
+    """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained.
+    """
     t, rewards = plan.cfg.train, plan.rewards
     prompts = plan.batches.prompts
     # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA

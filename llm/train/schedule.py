@@ -242,7 +242,8 @@ class RunClock:
         return self.budget_s - self.timer.agreed.spent_s - self.reserve_s()
 
     def left_s(self) -> float:
-        """The budget's seconds left now for the final evaluation, once the final checkpoint's are set aside."""
+        """The budget's seconds left now for the final evaluation, once the final checkpoint's are set aside.
+        """
         return self.budget_s - self.timer.spent_s() - self.timer.save_s()
 
     def progress(self, step: int) -> float:
