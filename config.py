@@ -14,7 +14,8 @@ from typing import Literal
 from llm.base.fields import arg, require as _require, require_choices as _require_choices
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block matrix
+# every block matrix
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AUTO = 0  # the value of a size or rate that autofill.py chooses for the device and corpus (printed at start)
 
 

@@ -19,7 +19,8 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from tqdm import tqdm
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
         whose = "the model's own" if template else "the project's (ChatML)"
         print(f"chat tasks in {whose} chat template", file=sys.stderr)
     render = lambda messages: template_prompt(tokenizer, messages, template)  # noqa: E731
-    asked = [(task, task.items(evals.limit, render)) for task in chosen]  # read first: the count is said first
+    # read first: the count is said first
+    asked = [(task, task.items(evals.limit, render)) for task in chosen]
     print(f"{sum(len(items) for _, items in asked):,} items to score", file=sys.stderr, flush=True)
     try:
         for task, items in asked:

@@ -22,7 +22,8 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import default_run_dir
@@ -100,7 +101,8 @@ def loadable_base(base: str, checkpoint: str, meta: dict, out: str, args) -> str
         raise ConfigError(f"the adapters of {checkpoint} adapt {base}, a GGUF file, which transformers "
                           "cannot load by name; import it (export_hf.py --import BASE BASE_RUN), export that "
                           "as a Hugging Face folder (export_hf.py BASE_RUN BASE_HF) and pass --base BASE_HF")
-    check_base(meta, resolve_checkpoint(base), checkpoint, "--base")  # before a whole model is written for nothing
+    # before a whole model is written for nothing
+    check_base(meta, resolve_checkpoint(base), checkpoint, "--base")
     folder = os.path.normpath(out) + "-base"
     export(base, folder, args.dtype, args.eos, args.overwrite)
     print(f"exported the base {base} to {folder}, which adapter_config.json names (a run of ours loads in "

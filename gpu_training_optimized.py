@@ -10,7 +10,8 @@ hour's compute suits, into runs/default; then `python text_generator.py` samples
 
 import time
 
-PROCESS_START = time.monotonic()  # run as a script, a time budget counts from here: the imports below are in it
+# run as a script, a time budget counts from here: the imports below are in it
+PROCESS_START = time.monotonic()
 
 import json
 import math
@@ -20,7 +21,8 @@ import signal
 import sys
 from dataclasses import dataclass
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -87,9 +89,11 @@ def train_step(runner: Runner, batches, step: int, t, ranks: Ranks):
     if isinstance(grad_norm, distributed.DTensor):  # FSDP2: each rank's share of the squares, summed
         grad_norm = grad_norm.full_tensor()
     ok = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
-    runner.opt.step(found_inf=(~ok).float())  # skipped on the device: no host sync (GradScaler.step would read it)
+    # skipped on the device: no host sync (GradScaler.step would read it)
+    runner.opt.step(found_inf=(~ok).float())
     if runner.scaler:
-        runner.scaler.update()  # lowers the scale after non-finite gradients unscale_ found, raises it after many fine
+        # lowers the scale after non-finite gradients unscale_ found, raises it after many fine
+        runner.scaler.update()
     runner.opt.zero_grad(set_to_none=not runner.persistent_grads)
     return loss_sum, grad_norm, ok
 
@@ -121,7 +125,8 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
         until_now = deadlines.pop() if deadlines else math.inf
         loss, n = objective.evaluate(runner.eval_model, runner.amp, plan.val_batches, n, plan.ranks, until_now)
         return loss
-    chosen = runner.average.end_on_better(val_loss_now) if last else None  # (its val loss, a line saying which)
+    # (its val loss, a line saying which)
+    chosen = runner.average.end_on_better(val_loss_now) if last else None
     if n < planned and session.monitor:
         session.bar.write(f"final evaluation on {n} of {planned} batches: the time budget left holds no more")
     if chosen and session.monitor:
@@ -141,7 +146,8 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
         code = (f", {objective.line(pairs)}" if pairs else "") + \
             (f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else "")
         tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
-        per_token = "" if pairs else f", ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"  # a pair loss has neither
+        # a pair loss has neither
+        per_token = "" if pairs else f", ppl {r['val_ppl']:.2f}, bpb {r['val_bpb']:.4f}"
         session.bar.write(f"step {step}: val loss {val_loss:.4f}{per_token}" + code + tasks)
         session.monitor.samples_record(step, samples)
         for sample in samples:  # the prompt, then what the model wrote after it
@@ -187,7 +193,8 @@ def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, ste
     try:
         loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
                                                                                    plan.ranks)
-    except RewardError:  # a user's reward function failed before the step changed anything: keep the work so far
+    # a user's reward function failed before the step changed anything: keep the work so far
+    except RewardError:
         save(plan, runner, session, clock)
         raise
     if step == first and not runner.eager:
@@ -308,7 +315,8 @@ def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first:
               + runner.objective.summary()
               + "\n" + clock.evals.report() + write_report_card(plan, session, ckpt)
               + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data), learned(plan)] if line))
-    plan.ranks.barrier()  # no rank closes its connections while another still talks to it (gloo aborts on that)
+    # no rank closes its connections while another still talks to it (gloo aborts on that)
+    plan.ranks.barrier()
     plan.ranks.cleanup()
 
 
@@ -327,9 +335,11 @@ def make_plan(argv) -> Plan:
 @distributed.record  # under torchrun: the failing rank's error becomes the 'Root Cause' of torchrun's report
 def main(argv=None) -> int:
     launch = PROCESS_START if __name__ == "__main__" else time.monotonic()  # a time budget counts from here
-    plan = make_plan(argv)  # the final config, processes, device, data, and the checkpoint a --resume continues
+    # the final config, processes, device, data, and the checkpoint a --resume continues
+    plan = make_plan(argv)
     runner, plan = runner_for(plan)  # the model, its state and how its step runs, decided once
-    release_freed_memory()  # what setup freed on the host (the weights' read copy, a reference pass) leaves it
+    # what setup freed on the host (the weights' read copy, a reference pass) leaves it
+    release_freed_memory()
     session, clock = open_session(plan, runner, launch, argv)  # the start report, the clock, the bar
     first, batches, stop, last_ckpt = runner.state.step, plan.batches, StopFlag(), None
     runner.warm_evaluation(plan.val_batches, plan.cfg.train, plan.ranks)  # before the clock times anything
@@ -341,7 +351,8 @@ def main(argv=None) -> int:
         # A download that failed ends the run here, at the next step, not at the step that would need its
         # part.
         data_lost = not last_step and batches.failure is not None
-        if not (last_step or data_lost) and not batches.in_hand(step):  # still arriving: a wait is budget, not a step
+        # still arriving: a wait is budget, not a step
+        if not (last_step or data_lost) and not batches.in_hand(step):
             with clock.timer.pause("wait", step):
                 data_lost = not batches.ready(step, give_up=lambda: stop.requested or clock.out_of_time())
             last_step = clock.finished(step)  # the wait spent budget, perhaps all of it

@@ -3,8 +3,8 @@
 Token embedding -> N pre-norm blocks [RMSNorm -> GQA attention with QK-norm and RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head tied to the embedding.
 Attention runs through F.scaled_dot_product_attention, so PyTorch picks flash or memory-efficient
-kernels (on a CPU, where its flash kernel is slow for short rows, written out as two matmuls). A preallocated
-KVCache serves generation: one prefill, then one token per step.
+kernels (on a CPU, where its flash kernel is slow for short rows, written out as two matmuls:
+llm/base/attention.py). A preallocated KVCache serves generation: one prefill, then one token per step.
 Only torch; no optimizer, device or file logic lives here.
 """
 
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
-from llm.base.packed_attention import example_attention, example_mask, example_rows, packed_attention
+from llm.base.attention import (cached_attention, causal_attention, example_attention, example_mask,
+                                example_rows, packed_attention)
 
 # ----------------------------------------------------------------------------- how the trainer runs it
 
@@ -27,10 +28,13 @@ class Execution:
     """How a training run executes the model, not what the model is: the trainer sets one
     (Transformer.execution) from the machine and the config; generation, scoring and export keep these
     defaults."""
-    loss_chunk_rows: int = 0  # rows per chunk of the loss, 0 for the logits whole (step_settings.loss_chunk_rows)
+    # rows per chunk of the loss, 0 for the logits whole (step_settings.loss_chunk_rows)
+    loss_chunk_rows: int = 0
     matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
-    stream_dtype: torch.dtype | None = None  # the residual stream's dtype under autocast, None for the embedding's
-    ragged: bool = False  # eager only: shapes read from each batch (example_attention, labelled-only loss rows)
+    # the residual stream's dtype under autocast, None for the embedding's
+    stream_dtype: torch.dtype | None = None
+    # eager only: shapes read from each batch (example_attention, labelled-only loss rows)
+    ragged: bool = False
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -90,7 +94,8 @@ class KVCache:
         self.pos = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.max_len = max_len
         self.next_mask = torch.zeros(batch_size, 1, 1, max_len, device=device, dtype=dtype)
-        self.span = None  # set by an eager caller that knows no row reaches past it: attention reads that far only
+        # set by an eager caller that knows no row reaches past it: attention reads that far only
+        self.span = None
         self.reset()
 
     def reset(self):
@@ -167,50 +172,6 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
-def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
-    """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel,
-    or written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
-    Inductor and 2.5x eager under bf16, forward and backward (step_settings.matmul_attention decides)."""
-    if not matmul_softmax:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    T = q.shape[2]
-    at = torch.arange(T, device=q.device)
-    return written_out_attention(q, k, v, at[None, :] <= at[:, None])
-
-
-def cached_attention(q, k, v, cache: KVCache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
-    """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values
-    into it at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's
-    later and unfilled places."""
-    k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
-    if cache.span is not None:  # the places past it are unfilled (masked): skip them rather than mask them
-        k, v, mask = k[:, :, :cache.span], v[:, :, :cache.span], mask[..., :cache.span]
-    if q.device.type == "cpu" and q.shape[2] == 1:
-        # The CPU's flash kernel is slow for one query a row: a bf16 decode step's attention took 6x as long
-        # as the same arithmetic written out in fp32, which rounds only the output, as the kernel does. A
-        # prefill keeps the kernel, which never holds its scores.
-        wide = torch.promote_types(q.dtype, torch.float32)
-        return written_out_attention(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
-    gqa = q.shape[1] != k.shape[1]
-    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
-
-
-def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys and values as two matmuls and a
-    softmax in at least fp32, the queries of a key head stacked as rows of one matmul. allowed (..., T, S):
-    bool, True where a query sees a key, or added to the scores (0 or -inf)."""
-    (B, H, T, hd), Hkv = q.shape, k.shape[1]
-    scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
-    allowed = allowed.tile((H // Hkv, 1))  # rows (query head within its group, query), as the scores'
-    if allowed.dtype == torch.bool:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    else:
-        scores = scores + allowed
-    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, hd)
-
-
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -274,7 +235,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        table = (cfg.max_seq_len, cfg.head_dim)  # filled by compute_rope: computed from the config, never stored
+        # filled by compute_rope: computed from the config, never stored
+        table = (cfg.max_seq_len, cfg.head_dim)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
         self.execution = Execution()  # the step's runner (llm/train/runner.py) replaces it, whole
@@ -353,12 +315,13 @@ class Transformer(nn.Module):
         else by T. last_only: logits (B, 1, V) of each row's last input only (input_lengths - 1): a prefill
         needs no more. positions (B, T), without kv_cache: several examples packed in a row, each starting at
         position 0; a token attends only to the tokens before it in its own example (or, in a branch that
-        starts past 0, to its sequence's first tokens too: llm/base/packed_attention.py)."""
+        starts past 0, to its sequence's first tokens too: llm/base/attention.py)."""
         B, T = input_ids.shape
         run = self.execution
         x = self.embed_tokens(input_ids)
         if run.stream_dtype is not None:
-            x = x.to(run.stream_dtype)  # bf16 under a GPU's autocast: half the bytes of each add, norm and gradient
+            # bf16 under a GPU's autocast: half the bytes of each add, norm and gradient
+            x = x.to(run.stream_dtype)
         cos, sin, attends = self.attention_plan(T, kv_cache, positions)
         for block, attend in zip(self.layers, attends):
             if self.config.gradient_checkpointing and self.training and kv_cache is None:
@@ -421,7 +384,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (flat != -100).sum().clamp(min=1)
 
 
-TOKEN_CHUNK_ROWS = 1024  # per-token losses' rows a chunk when loss_chunk_rows is 0: a 49k vocabulary's logits at 200 MB
+# per-token losses' rows a chunk when loss_chunk_rows is 0: a 49k vocabulary's logits at 200 MB
+TOKEN_CHUNK_ROWS = 1024
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
@@ -432,7 +396,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     the head (no matmul for a prompt; their number is a host read, so not for torch.compile, whose shapes stay
     static)."""
     h, flat = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if torch.is_autocast_enabled(h.device.type):  # cast the head once, not once per chunk and again in backward
+    # cast the head once, not once per chunk and again in backward
+    if torch.is_autocast_enabled(h.device.type):
         weight = weight.to(torch.get_autocast_dtype(h.device.type))
     if reduction == "mean":
         total = sum(checkpoint(_chunk_loss, h[i:i + rows], weight, flat[i:i + rows], "sum", use_reentrant=False)

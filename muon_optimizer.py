@@ -18,7 +18,8 @@ from torch import nn
 from llm.base.device import cpu_has_native_bf16
 from llm.base.distributed import DTensor, local, shard_as
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0 that still converges
+# Keller Jordan's quintic: steepest slope at 0 that still converges
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
 SHAPE_RULES = ("keller", "moonshot")
@@ -318,7 +319,8 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
         parts["muon"] = Muon([{"name": "muon", "params": groups["muon"], "initial_lr": cfg.muon_lr}],
                              lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
                              shape_rule=cfg.muon_shape_rule, ns_dtype=NS_DTYPES[cfg.muon_precision],
-                             compiled=cfg.compile != "off" and groups["muon"][0].is_cuda)  # CPU: not worth its compile
+                             # CPU: not worth its compile
+                             compiled=cfg.compile != "off" and groups["muon"][0].is_cuda)
     adam_groups = [{"name": name, "params": groups[name], "initial_lr": cfg.learning_rate, "weight_decay": wd}
                    for name, wd in (("adamw_decay", cfg.weight_decay), ("adamw_no_decay", 0.0)) if groups[name]]
     if adam_groups:

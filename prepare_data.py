@@ -13,7 +13,8 @@ import signal
 import sys
 from dataclasses import fields
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy as np
@@ -37,7 +38,8 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
     """Print the train split's first n documents with their learned tokens marked (ANSI green, or [[...]] when
     colour is off), then the share of the split's tokens that are learned and how full packed windows are."""
     tokens = data.stream("train")
-    masks = data.stream("train", masks=True) if data.meta["has_masks"] else None  # else every token is learned
+    # else every token is learned
+    masks = data.stream("train", masks=True) if data.meta["has_masks"] else None
     cuts, start = [], 0
     while len(cuts) < n and start < len(tokens):  # chunks: the first documents need not read the whole split
         cuts += (start + np.flatnonzero(tokens[start:start + tc.ID_CHUNK] == data.meta["eot_id"])).tolist()

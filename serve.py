@@ -22,7 +22,8 @@ import sys
 import time
 import uuid
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from config import LoadConfig, ServeConfig
@@ -87,7 +88,8 @@ class Server:
 
     def __init__(self, load: LoadConfig, serving: ServeConfig):
         self.model, self.tokenizer, self.config, self.path = load_for_inference(load)
-        named = load.checkpoint if is_hub_name(load.checkpoint) else self.path  # a Hub model by its name, not its cache
+        # a Hub model by its name, not its cache
+        named = load.checkpoint if is_hub_name(load.checkpoint) else self.path
         self.name, self.api_key = serving.name or model_name(named), serving.api_key
         self.about = self.facts()
         self.worker = Worker(self.model, self.tokenizer, serving.max_batch)
@@ -117,7 +119,8 @@ class Server:
         settings = settings_of(body, self.config.max_seq_len, chat, scoring.echo)
         generating = not (scoring.echo and body.get("max_tokens") == 0)
         ctx = self.config.max_seq_len
-        limit = ctx - generating  # a prompt only scored may fill the context; one to continue needs room for a token
+        # a prompt only scored may fill the context; one to continue needs room for a token
+        limit = ctx - generating
         for ids in prompts:
             if not 0 < len(ids) <= limit:
                 # lm-eval's default max_length (2048) overfills a shorter context, and it shows only the
@@ -233,7 +236,8 @@ async def disconnected(request):
 async def whole(job: Job, meta: dict, chat: bool):
     """The answer in one JSON object, once every choice has ended."""
     n, per = job.choices, job.settings.num_return_sequences
-    texts = [job.echoed[c // per] if job.echoed else "" for c in range(n)]  # with echo, each starts with its prompt
+    # with echo, each starts with its prompt
+    texts = [job.echoed[c // per] if job.echoed else "" for c in range(n)]
     reasons, logprobs, used = [None] * n, [None] * n, 0
     async for event in job.stream():
         if event.error:

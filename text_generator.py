@@ -15,7 +15,8 @@ import sys
 import time
 from dataclasses import fields, replace
 
-if __name__ == "__main__":  # a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+# a Ctrl-C while torch imports ends quietly (status 130); error_contract then takes over
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -38,7 +39,8 @@ from llm.scores.evaluation import (CODE_SETTINGS, bits_per_byte, code_parse_rate
 from llm.tokens.tokenizer import IM_END, IM_START, can_chat, chat_prompt_ids, stop_ids
 
 BATCH_SAMPLES = 4  # samples the `batch` command shows when num_return_sequences is 1
-SETTABLE = [f.name for f in fields(SampleConfig)]  # what `set` and keyword settings change; the loading is fixed
+# what `set` and keyword settings change; the loading is fixed
+SETTABLE = [f.name for f in fields(SampleConfig)]
 
 
 class TextGenerator:
@@ -259,7 +261,8 @@ class Repl:
             print(f"--- {i} ---\n{text}{t}")
 
     def cmd_settings(self, _=""):
-        for section in (self.load, self.settings) if self.load else (self.settings,):  # how it loaded, then `set`'s
+        # how it loaded, then `set`'s
+        for section in (self.load, self.settings) if self.load else (self.settings,):
             for f in fields(section):
                 print(f"  {f.name} = {getattr(section, f.name)!r}")
 
@@ -369,7 +372,8 @@ def main(argv=None) -> int:
         print(list_runs(load.checkpoint or os.path.dirname(default_run_dir())))
         return 0
     if extras.eval or (extras.prompt is not None and load.compile == "auto"):
-        load = replace(load, compile="off")  # one reply or a measurement: a compile takes longer than it saves
+        # one reply or a measurement: a compile takes longer than it saves
+        load = replace(load, compile="off")
     model, tokenizer, cfg, ckpt = load_for_inference(load)
     load = replace(load, checkpoint=ckpt)  # `settings` in the REPL shows what was loaded
     if extras.eval:

@@ -16,7 +16,7 @@ PACKAGE = "llm"
 # (config, modern_llm, muon_optimizer) take their place in the flow; the trainer sits on top of the last wing.
 WINGS = {
     "base": ["errors", "ranges", "fields", "config", "cli", "atomic", "fit", "sizing", "device", "distributed",
-             "packed_attention", "modern_llm", "muon_optimizer"],
+             "attention", "modern_llm", "muon_optimizer"],
     "tokens": ["tokenizer", "tiktoken_bpe"],
     "hub": ["hub_client"],
     "data": ["readers", "chat_formats", "pairs", "hf_datasets", "corpus", "packing", "token_cache", "corpus_totals",

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from llm.base.sizing import count_parameters
 from llm.generate.inference import RowProductLinear, load_for_inference
 from llm.train.startup import new_model
-from modern_llm import Execution, Transformer, apply_rope, causal_attention, cross_entropy, is_stored, rope_tables
+from llm.base.attention import causal_attention
+from modern_llm import Execution, Transformer, apply_rope, cross_entropy, is_stored, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -565,7 +566,7 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     (compiled) is its reference here, in float64 with gradients, rows of different example lengths and a row
     that does not start at position 0: a token moved to another example's row, or a padded key seen, changes
     the result."""
-    from llm.base.packed_attention import example_attention, example_mask, example_rows, packed_attention
+    from llm.base.attention import example_attention, example_mask, example_rows, packed_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],
                                                                                      [24])])
@@ -592,7 +593,8 @@ def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_
     """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a
     row): in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16
     kernel."""
-    from modern_llm import KVCache, cached_attention
+    from llm.base.attention import cached_attention
+    from modern_llm import KVCache
     cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, max_seq_len=128)
     torch.manual_seed(0)

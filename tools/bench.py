@@ -121,7 +121,8 @@ class Contender:
             self.step += 1
         loss.item()  # sync point: wait for the queued steps before stopping the clock
         self.seconds.append(time.perf_counter() - start)
-        if self.device.type == "cuda":  # its own resident state plus what its step adds over everything resting
+        # its own resident state plus what its step adds over everything resting
+        if self.device.type == "cuda":
             self.peaks.append(self.resident + torch.cuda.max_memory_allocated() - at_rest)
         t = self.cfg.train
         return steps * t.grad_accum_steps * t.micro_batch_size * self.cfg.model.max_seq_len / self.seconds[-1]
@@ -292,7 +293,8 @@ def main(argv=None):
     del ours, contenders
     release(device)
     for r in results:
-        r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None  # same shape: our FLOP count serves both
+        # same shape: our FLOP count serves both
+        r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
         print(f"{r['model']:<10} {r['tokens_per_s']:>12,.0f} tokens/s (median of {args.rounds} rounds)   MFU "

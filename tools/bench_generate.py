@@ -169,7 +169,8 @@ def main(argv=None):
         hfs = {} if args.skip_hf else {"hf fastest": True, "hf default": False}
         twin = None if args.skip_hf else hf_twin(cfg, model.state_dict()).to(device, dtype).eval()
         if twin is not None:
-            twin.generation_config.eos_token_id, twin.generation_config.pad_token_id = None, 0  # exactly n tokens
+            # exactly n tokens
+            twin.generation_config.eos_token_id, twin.generation_config.pad_token_id = None, 0
         # As text_generator.py --compile reduce-overhead loads it: compiled, a CUDA graph on CUDA.
         for_inference(model, device, args.quantize, compile="reduce-overhead")
         check = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)

@@ -128,7 +128,8 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
                       peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LORA_TARGETS),
                                              task_type="CAUSAL_LM"), callbacks=[Clock()])
     run.train()
-    step_s = statistics.median(b - a for a, b in zip(times[1:], times[2:]))  # the steps after two warm-up steps
+    # the steps after two warm-up steps
+    step_s = statistics.median(b - a for a, b in zip(times[1:], times[2:]))
     split = {k: statistics.median(b[k] - a[k] for a, b in zip(totals[1:], totals[2:])) for k in spent}
     lengths = [r["completions/mean_length"] for r in run.state.log_history if "completions/mean_length" in r]
     return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, **split,

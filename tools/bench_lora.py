@@ -38,7 +38,8 @@ def qwen25_config(hidden: int, layers: int, heads: int, kv: int, inter: int, voc
 
 
 SMALL = dict(hidden=768, layers=12, heads=12, kv=2, inter=2048, vocab=32000, seq=256, micro=4)  # about 100M
-LARGE = dict(hidden=1536, layers=28, heads=12, kv=2, inter=8960, vocab=151936, seq=2048, micro=4)  # Qwen2.5-1.5B
+# Qwen2.5-1.5B
+LARGE = dict(hidden=1536, layers=28, heads=12, kv=2, inter=8960, vocab=151936, seq=2048, micro=4)
 
 
 def measure(variant: str, steps: int) -> dict:

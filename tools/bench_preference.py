@@ -9,7 +9,7 @@ Both run DPO with the NLL term (TRL's loss types sigmoid + sft, beta 0.1, weight
 block matrix, AdamW, bf16 autocast, gradient checkpointing (TRL's default), eager, on 400 generated pairs (prompts
 of about 40 tokens, replies of about 150). TRL pads each pair to its batch's longest sequence and runs its
 reference (the adapters disabled) at every step; here pairs are packed whole into windows of --seq_len tokens,
-the prompt once, the rejected reply branching off it (packed_attention.py), each window cut after its last filled
+the prompt once, the rejected reply branching off it (attention.py), each window cut after its last filled
 position (rounded up to 64; the step is eager), each stretch attended on a row of its own (no window-wide mask),
 the log-probabilities taken from the model's per-token losses at the replies' rows only (never the whole logits),
 and the reference's computed once, before the first step (that pass is timed apart). Tokens/s counts the pairs' own tokens (no padding) per second of the
@@ -84,7 +84,8 @@ def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
                               tokenizer=os.path.join(model_dir, "tokenizer.json")), 1024, seq, log=lambda *a: None)
     plan = PairBatches(data, "train", 1, seq, 1337).plan
     tokens_per_window = plan.length[plan.pair_ids].sum() / plan.windows
-    windows = max(1, round(BATCH_PAIRS * plan.windows / len(plan.pair_ids)))  # windows holding about BATCH_PAIRS
+    # windows holding about BATCH_PAIRS
+    windows = max(1, round(BATCH_PAIRS * plan.windows / len(plan.pair_ids)))
     micro, accum = (1, windows) if one_window else (windows, 1)
     start = time.perf_counter()
     assert trainer.main(["--init_from", model_dir, "--sources", os.path.join(folder, "pairs.jsonl"), "--cache_dir",

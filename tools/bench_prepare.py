@@ -34,7 +34,8 @@ import numpy as np
 from llm.base.errors import ConfigError, RunFailure, error_contract
 
 VOCAB, SEQ_LEN = 8192, 256
-BATCH_BYTES = 4 * 2**20  # text per peer encode_batch call: parallel across cores, as prepare_data's batches are
+# text per peer encode_batch call: parallel across cores, as prepare_data's batches are
+BATCH_BYTES = 4 * 2**20
 FILE_BYTES = 64 * 2**20  # text per .jsonl.zst file of a generated corpus folder
 TOKENIZER_SAMPLE = 8 * 2**20  # text the benchmark's tokenizer is trained on
 DOCS_PER_CHUNK = 256  # documents drawn per numpy call: about 0.4 MB of text
@@ -65,7 +66,8 @@ def vocabulary(n: int = 4000):
 def _chunk(rng) -> list[str]:
     """DOCS_PER_CHUNK documents, drawn with a few numpy calls over all their words, then joined."""
     table, cdf, n = vocabulary()
-    lengths = np.minimum(rng.lognormal(5.3, 1.1, DOCS_PER_CHUNK).astype(np.int64) + 8, 60000)  # words: long tail
+    # words: long tail
+    lengths = np.minimum(rng.lognormal(5.3, 1.1, DOCS_PER_CHUNK).astype(np.int64) + 8, 60000)
     total, ends = int(lengths.sum()), np.cumsum(lengths) - 1
     ids = np.searchsorted(cdf, rng.random(total))
     seps = rng.choice(len(SEPARATORS), total, p=SEPARATOR_P / SEPARATOR_P.sum())
@@ -223,7 +225,8 @@ def speed(args):
 
 
 def _maxrss_mb(who) -> float:
-    return resource.getrusage(who).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS
+    # bytes on macOS
+    return resource.getrusage(who).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def child(sources: list[str], cache_dir: str, tokenizer: str):
@@ -265,7 +268,8 @@ def memory(args):
     rows = []
     for gb in (args.gb / args.small_ratio, args.gb):
         tok, folder = shared_inputs(args, gb)
-        with tempfile.TemporaryDirectory(dir=args.dir) as cache:  # fresh: the preparation tokenizes everything
+        # fresh: the preparation tokenizes everything
+        with tempfile.TemporaryDirectory(dir=args.dir) as cache:
             rows.append((gb, measured([folder], cache, tok)))
         print(f"{gb:g} GB: {rows[-1][1]}", flush=True)
     print("| corpus GB | prepare s | MB/s | peak resident MB (tree, sampled) | "
@@ -296,7 +300,8 @@ def grow(args):
             alone = measured([added], fresh, tok)
     finally:
         pathlib.Path(added).unlink(missing_ok=True)  # the folder is again the corpus its marker describes
-        for name in set(os.listdir(cache_dir)) - before:  # the grown corpus's cache: the next call measures anew
+        # the grown corpus's cache: the next call measures anew
+        for name in set(os.listdir(cache_dir)) - before:
             shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
     print(f"| preparation | seconds |\n| --- | --- |\n| the corpus, {args.gb:g} GB "
           f"({'cache reused' if full['reused'] else 'built'}) | {full['seconds']:.2f} |\n| the corpus with one file "

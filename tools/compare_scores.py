@@ -48,7 +48,8 @@ def from_scores(a: dict, b: dict) -> list[tuple]:
         metric = x.get("headline_metric") or "acc"
         if metric == "acc_norm" and (x.get("acc_norm") is None or y.get("acc_norm") is None):
             metric = "acc"
-        column = "acc_norm" if metric == "acc_norm" else "acc"  # another headline (GSM8K's strict match): acc's
+        # another headline (GSM8K's strict match): acc's
+        column = "acc_norm" if metric == "acc_norm" else "acc"
         se = math.sqrt((x.get(f"{column}_stderr") or 0.0) ** 2 + (y.get(f"{column}_stderr") or 0.0) ** 2)
         rows.append((task, metric, x[column], y[column], se, x.get("items", 0), y.get("items", 0)))
     return rows

@@ -26,7 +26,8 @@ class DeviceMemory:
                 counter.ops.add(getattr(func, "overloadpacket", func).__name__)
                 counter.add(out)
                 if func is torch.ops.aten._to_copy.default and args[0].untyped_storage() in counter.weights:
-                    counter.cast_bytes += args[0].nbytes + out.nbytes  # autocast reading a weight, writing a copy
+                    # autocast reading a weight, writing a copy
+                    counter.cast_bytes += args[0].nbytes + out.nbytes
                 return out
         self.mode, self.seen, self.now, self.peak, self.ops = Mode(), WeakIdKeyDictionary(), 0, 0, set()
         self.weights, self.cast_bytes = WeakIdKeyDictionary(), 0
@@ -155,7 +156,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     with torch.compiler.set_stance("force_eager"), memory.mode, ROOFLINE.eager_mode():
         train_step(b, batches, 3, cfg.train, ranks)
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.max_seq_len
-    if packed == "grpo":  # the rollouts' decode step, as the run samples: the model with its adapters, a CUDA graph
+    # the rollouts' decode step, as the run samples: the model with its adapters, a CUDA graph
+    if packed == "grpo":
         sampling_step(b.raw_model, cfg.model.vocab_size, device)
     return {**ROOFLINE.step(tokens), "peak_gib": memory.peak / 2**30,
             "estimate_gib": training_bytes_estimate(cfg) / 2**30,
@@ -253,7 +255,8 @@ def run_generation() -> dict:
     memory = DeviceMemory()
     with torch.no_grad():
         for batch in (1, 4):
-            slot = decode_compile.compiled_slot(model, batch)  # for_inference set the model to compile (auto on CUDA)
+            # for_inference set the model to compile (auto on CUDA)
+            slot = decode_compile.compiled_slot(model, batch)
             ids = torch.zeros(batch, decode.MIN_BUCKET, dtype=torch.long, device=device)
             lengths = torch.full((batch,), decode.MIN_BUCKET - 3, device=device)
             ranked = candidates([SampleConfig(temperature=0.8, top_k=50)], cfg.model.vocab_size)

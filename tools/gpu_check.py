@@ -72,7 +72,8 @@ QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quic
 QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75, "quick_graphs": 35,
                  "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60,
                  "scores": 150}
-SCORE_ITEMS = 500  # evaluate.py's default suite on the first run's checkpoint: the first 500 items of each task
+# evaluate.py's default suite on the first run's checkpoint: the first 500 items of each task
+SCORE_ITEMS = 500
 QUICK_PRESETS = ("small", "large")
 STEPS, WARMUP = 10, 3  # timed and untimed (compiling) steps per throughput figure
 CURVE_STEPS = 300
@@ -247,7 +248,8 @@ def quick_autotune(args) -> dict:
     seconds, and how long a run must train before the slower compile has paid for itself."""
     device, rows = pick_device("auto"), []
     steps, warmup = (1, 0) if args.dry_run else (3, 2)
-    for mode in ("default", "max-autotune-no-cudagraphs"):  # graphs under accumulation are quick_graphs' question
+    # graphs under accumulation are quick_graphs' question
+    for mode in ("default", "max-autotune-no-cudagraphs"):
         cfg = preset("large", args.dry_run, compile=mode, precision="bf16" if device.type == "cuda" else "auto")
         with torch._inductor.config.patch(force_disable_caches=True):  # quick_throughput compiled the default
             rows.append({"compile": mode, **bench.measure("ours", cfg, device, new_model(cfg, device), steps,
@@ -346,7 +348,8 @@ def main(argv=None) -> int:
             "beside_preparation": lambda: beside_preparation(args), "scores": lambda: scores(args)}
     deadline, left = time.time() + 60 * args.minutes if args.minutes else math.inf, []
     for part in (QUICK_PARTS if args.quick else PARTS) if args.part == ["all"] else args.part:
-        if time.time() + QUICK_SECONDS.get(part, 0) > deadline:  # a lease's call ends with its report, not killed
+        # a lease's call ends with its report, not killed
+        if time.time() + QUICK_SECONDS.get(part, 0) > deadline:
             left.append(part)
             continue
         start = time.time()

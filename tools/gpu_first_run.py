@@ -33,7 +33,8 @@ from llm.reports.monitor import read_metrics
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TRAINER = os.path.join(HERE, "gpu_training_optimized.py")
 FINEWEB = "HuggingFaceFW/fineweb-edu"  # GPU_CORPUS's repository; its files are sample/10BT/NNN_00000.parquet
-FIRST_RUN_S = 30.0  # the no-flag run trains this long after its first timed step (dozens of steps), then is stopped
+# the no-flag run trains this long after its first timed step (dozens of steps), then is stopped
+FIRST_RUN_S = 30.0
 STOP_WAIT_S = 300.0  # for the stopped run to finish its step and save
 
 
@@ -71,7 +72,8 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
     cmd = [sys.executable, TRAINER, "--run_dir", run_dir, "--cache_dir", os.path.join(args.out, "cache"),
            *map(str, flags)]
     launched, stop_at, stopped = time.time(), None, False
-    with open(log_path, "w", encoding="utf-8") as log:  # a file, not a pipe: a long run's output never blocks it
+    # a file, not a pipe: a long run's output never blocks it
+    with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env={**os.environ, **env})
         while proc.poll() is None:
             time.sleep(0.5)

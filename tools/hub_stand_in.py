@@ -103,14 +103,16 @@ def _handler(hub: Hub):
         def _route(self, body: bool):
             path = urlparse(self.path).path
             hub.requests.append((self.command, unquote(path), self.headers.get("Range")))
-            parts = [unquote(part) for part in path.strip("/").split("/")]  # a revision's %2F stays in its part
+            # a revision's %2F stays in its part
+            parts = [unquote(part) for part in path.strip("/").split("/")]
             if parts[:2] in (["api", "datasets"], ["api", "models"]) and len(parts) >= 6:
                 self._api("/".join(parts[2:4]), parts[4], parts[5], "/".join(parts[6:]))
             elif parts[:1] == ["datasets"] and len(parts) >= 6 and parts[3] == "resolve":
                 self._file("/".join(parts[1:3]), parts[4], "/".join(parts[5:]), body)
             elif parts[:1] != ["api"] and len(parts) >= 5 and parts[2] == "resolve":
                 self._file("/".join(parts[:2]), parts[3], "/".join(parts[4:]), body)
-            else:  # huggingface_hub's other calls (its agent-harness list) are not ours: their tokens are not logged
+            # huggingface_hub's other calls (its agent-harness list) are not ours: their tokens are not logged
+            else:
                 self._error(404, "RepoNotFound")
 
         def _repo(self, repo: str, revision: str) -> dict | None:
@@ -118,7 +120,8 @@ def _handler(hub: Hub):
             hub.tokens.add(token)
             known = {f"Bearer {t}" for t in (*hub.private.values(), *hub.forbidden)}
             if token and hub.private and token not in known:
-                return self._error(401, None, "Invalid credentials in Authorization header")  # one it never issued
+                # one it never issued
+                return self._error(401, None, "Invalid credentials in Authorization header")
             if repo in hub.private and token in {f"Bearer {t}" for t in hub.forbidden}:
                 return self._error(403, None, "Forbidden: the token has no read access to this repository")
             if repo in hub.private and token != f"Bearer {hub.private[repo]}":

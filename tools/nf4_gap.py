@@ -79,7 +79,8 @@ def run(argv: list[str], every: int) -> dict:
             print(f"step {step}: val loss {found[step]:.4f}, {time.time() - started:.0f} s", flush=True)
         if step == t.max_steps:
             break
-        trainer.set_lr(built.opt, lr_multiplier((step + 1) / t.max_steps, t))  # the schedule of a run of max_steps
+        # the schedule of a run of max_steps
+        trainer.set_lr(built.opt, lr_multiplier((step + 1) / t.max_steps, t))
         trainer.train_step(built, plan.batches, step, t, plan.ranks)
     return {**found, "seconds": time.time() - started, "threads": torch_threads}
 

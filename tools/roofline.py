@@ -50,7 +50,8 @@ class Roofline:
     def __init__(self, gpu):
         self.tflops, self.bandwidth = gpu.tflops, gpu.mem_clock_khz * 1e3 * 2 * gpu.bus_bits / 8
         self.graphs = {}  # id(compiled graph) -> (seconds in matmul nodes, in the others, FLOPs) of one call
-        self.calls, self.counting = {}, False  # (id(graph), called by the optimizer) -> calls in the counted step
+        # (id(graph), called by the optimizer) -> calls in the counted step
+        self.calls, self.counting = {}, False
         self.optimizer_s, self.in_optimizer, self.in_ns = 0.0, False, False
         self.missing = []  # why a graph could not be costed
 
@@ -63,7 +64,8 @@ class Roofline:
             init(graph_obj, current_callable, graph, *args, **kwargs)
             try:
                 roof.graphs[id(graph_obj)] = roof.cost(graph)
-            except Exception as e:  # an estimate never fails a compile: the step's estimate says it is missing
+            # an estimate never fails a compile: the step's estimate says it is missing
+            except Exception as e:
                 roof.missing.append(f"{type(e).__name__}: {e}"[:200])
 
         def counted_call(graph_obj, inputs):
@@ -94,7 +96,8 @@ class Roofline:
                 other += moved
                 kernels.append((moved, False))
                 continue
-            inner = node.node or node.get_nodes()[0].node  # a fused node (a GEMM template and its epilogue) has none
+            # a fused node (a GEMM template and its epilogue) has none
+            inner = node.node or node.get_nodes()[0].node
             kernel = getattr(inner, "python_kernel_name", "") or ""
             seconds = max(f / self.peak(inner.get_dtype(), "scaled_mm" in kernel), moved)
             matmul += seconds

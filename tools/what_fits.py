@@ -50,7 +50,8 @@ MODELS = {
     "Qwen2.5-7B": shape(152064, 3584, 28, 28, 4, 18944, False, "qwen2"),  # Qwen/Qwen2.5-7B
     "Llama-3.1-8B": shape(128256, 4096, 32, 32, 8, 14336, False, "llama"),  # meta-llama/Llama-3.1-8B
 }
-LLAMA2_7B = shape(32000, 4096, 32, 32, 32, 11008, False, "llama")  # meta-llama/Llama-2-7b-hf, for litgpt's figures
+# meta-llama/Llama-2-7b-hf, for litgpt's figures
+LLAMA2_7B = shape(32000, 4096, 32, 32, 32, 11008, False, "llama")
 
 
 def run(model: ModelConfig, mode: str, context: int, micro: int = 1, checkpointed: bool = False) -> tuple[Config, str]:

@@ -27,7 +27,8 @@ except ImportError:  # Windows: run folders go unlocked there
 
 FILE_MODE = 0o666  # what open() gives a new file, before the umask: one mode for every file written
 LOCK_FILE = ".lock"  # in a locked folder: flock'ed by its holder, and holding the holder's pid
-_held = {}  # folder -> its open lock file: the lock lasts as long as the descriptor, so as long as the process
+# folder -> its open lock file: the lock lasts as long as the descriptor, so as long as the process
+_held = {}
 LEFTOVER = re.compile(r"\.(?P<kind>tmp|old)_(?P<name>.+)_(?P<pid>\d+)@(?P<host>[^@]*)")  # folder()'s names
 
 
@@ -121,7 +122,8 @@ def write_error(e: OSError, what: str, need: int = 0, where: str = "") -> Except
 def _mb(n: int) -> str:
     if n < 1e6:
         return f"{n / 1e3:,.0f} kB"
-    return f"{n / 1e6:,.1f} MB" if n < 1e7 else f"{n / 1e6:,.0f} MB"  # a tenth: 1.4 MB needed is not 1 MB free
+    # a tenth: 1.4 MB needed is not 1 MB free
+    return f"{n / 1e6:,.1f} MB" if n < 1e7 else f"{n / 1e6:,.0f} MB"
 
 
 def _existing(path: str) -> str:
@@ -137,10 +139,12 @@ def folder(final: str, what: str, need: int = 0):
     `final` is as it was; an OSError becomes write_error's one line. need: the bytes expected, for the message
     of a full disk."""
     parent, name = os.path.split(os.path.abspath(final))
-    if os.path.lexists(final) and not os.path.isdir(final):  # it was once set aside as a hidden .old_ file, unsaid
+    # it was once set aside as a hidden .old_ file, unsaid
+    if os.path.lexists(final) and not os.path.isdir(final):
         raise ConfigError(f"{os.path.abspath(final)} is a file, not a folder; {what} needs a folder there, "
                           "choose another path (nothing was written)")
-    owner = f"{os.getpid()}@{socket.gethostname()}"  # remove_leftovers() judges by it whether the writer is gone
+    # remove_leftovers() judges by it whether the writer is gone
+    owner = f"{os.getpid()}@{socket.gethostname()}"
     tmp, aside = (os.path.join(parent, f".{kind}_{name}_{owner}") for kind in ("tmp", "old"))
     try:
         os.makedirs(parent, exist_ok=True)

@@ -220,7 +220,8 @@ def keep_freed_memory():
     if libc is None:
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers, from glibc's malloc.h
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # blocks up to 1 GiB from the heap, not mapped and unmapped each time
+    # blocks up to 1 GiB from the heap, not mapped and unmapped each time
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
     libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)  # and the heap's free top kept, not handed back
 
 

@@ -125,7 +125,8 @@ class Ranks:
             self._vote_host = torch.zeros((), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         else:
             if self._vote_done is not None:
-                self._vote_done.synchronize()  # waits for the previous vote only, not for the work queued after it
+                # waits for the previous vote only, not for the work queued after it
+                self._vote_done.synchronize()
             agreed = bool(self._vote_host.item())  # a host tensor: no device sync
         self._vote.fill_(int(requested))  # a kernel, not a host-to-device copy (which would sync)
         torch_dist.all_reduce(self._vote, op=torch_dist.ReduceOp.MAX)  # NCCL: queued, the host does not wait

@@ -65,7 +65,8 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
         return 1, "out of memory; use a smaller batch or model (the script's --help lists the settings)"
     if isinstance(e, BrokenPipeError):
         return 1, None  # the reader of our output left (`| head`): nobody is listening for a message
-    if isinstance(e, OSError):  # reads of user input are mapped where they happen; what remains is the system's
+    # reads of user input are mapped where they happen; what remains is the system's
+    if isinstance(e, OSError):
         where = f" ({e.filename})" if e.filename else ""
         return 1, f"{e.strerror or e}{where}; check the path, its permissions and the free disk space"
     if isinstance(e, Terminated):
@@ -77,10 +78,13 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
 
 # Notices other libraries print on every start that say nothing a user of this project can act on: (logger,
 # text).
-NOTICES = [("torch.utils.cpp_extension", "No CUDA runtime is found"),  # a CUDA build of torch on a machine without
+# a CUDA build of torch on a machine without
+NOTICES = [("torch.utils.cpp_extension", "No CUDA runtime is found"),
            # a GPU, when Inductor first compiles for the CPU
-           ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),  # torchao's enums, at import
-           ("torchao", "Could not load this library")]  # torchao's optional GPU kernels, built for another torch
+           # torchao's enums, at import
+           ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+           # torchao's optional GPU kernels, built for another torch
+           ("torchao", "Could not load this library")]
 
 
 class _Drop(logging.Filter):
@@ -107,7 +111,8 @@ def error_contract(main):
     def contracted(*args, **kwargs):
         quiet_library_notices()
         if signal.getsignal(signal.SIGINT) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # a script's imports are over: Ctrl-C is 130
+            # a script's imports are over: Ctrl-C is 130
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             try:
                 return main(*args, **kwargs)

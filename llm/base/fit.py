@@ -16,8 +16,10 @@ from config import LORA_TARGETS, Config, ModelConfig
 # below). nf4 as torchao's NF4Tensor stores it: 4 bits a weight, an int8 scale per block of 64 weights, and an
 # fp32 scale of those scales per 256 blocks (QLoRA's double quantization, Dettmers et al. 2023).
 BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
-CUDA_CONTEXT = 1 << 30  # the CUDA context, cuBLAS/cuDNN workspaces and kernels: 0.5-1 GiB on an H100 beside torch's
-MIN_CONTEXT = 256  # the shortest context a refusal suggests: shorter windows hold too little of a chat to learn from
+# the CUDA context, cuBLAS/cuDNN workspaces and kernels: 0.5-1 GiB on an H100 beside torch's
+CUDA_CONTEXT = 1 << 30
+# the shortest context a refusal suggests: shorter windows hold too little of a chat to learn from
+MIN_CONTEXT = 256
 FIT_FRACTION = 0.8  # of the GPU's memory an estimate may fill: the caching allocator's slack takes the rest
 
 
@@ -87,8 +89,10 @@ def layer_activation_bytes(m: ModelConfig, target: Target, lora_rank: int = 0, t
         mlp = r * d + a * d + 3 * a * f  # gate and up for SiLU's backward, their product for down_proj
     else:  # eager: every op keeps its own inputs, and each norm its input and output beside the matmul's copy
         qk_norm = a * (q + kv) if m.qk_norm else 0  # QK-norm's inputs
-        attention = 2 * r * d + a * d + a * (q + 2 * kv) + qk_norm + 2 * a * q + lse  # SDPA's output, o_proj's copy
-        mlp = 2 * r * d + a * d + 4 * a * f  # gate (SiLU), silu(gate) and up (the product), the product (down_proj)
+        # SDPA's output, o_proj's copy
+        attention = 2 * r * d + a * d + a * (q + 2 * kv) + qk_norm + 2 * a * q + lse
+        # gate (SiLU), silu(gate) and up (the product), the product (down_proj)
+        mlp = 2 * r * d + a * d + 4 * a * f
     adapters = a * lora_rank * len(targets)  # each adapter keeps its A output for B
     return attention + mlp + adapters
 
@@ -134,7 +138,8 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
     terms.append(("gradients", 4 * trained, "fp32, one per trained weight, held across accumulation"))
     terms.append(("optimizer", optimizer_bytes(cfg, trained), _optimizer_why(cfg)))
     per_layer = layer_activation_bytes(m, target, t.lora_rank, targets)
-    if m.gradient_checkpointing:  # each block's input kept; one block's activations alive while it is recomputed
+    # each block's input kept; one block's activations alive while it is recomputed
+    if m.gradient_checkpointing:
         r = a if target.kind == "cuda" else 4
         terms.append(("activations", tokens * (L * r * m.hidden_size + per_layer),
                       f"checkpointed: {L} block inputs and one block recomputed, {tokens:,} tokens"))

@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 
 from config import Config, ModelConfig
-from llm.base.fit import FIT_FRACTION, Target, block_matrices, count_parameters, estimate  # count_parameters: others import it from here
+# count_parameters: others import it from here
+from llm.base.fit import FIT_FRACTION, Target, block_matrices, count_parameters, estimate
 
 CPU_MINUTES = 10.0  # the time budget of a CPU run left automatic
 # A GPU run left automatic works to an hour, from launch, data preparation and compile included, as a CPU run
@@ -18,8 +19,10 @@ CPU_MINUTES = 10.0  # the time budget of a CPU run left automatic
 # (GPT-2 small's size) on its 2B tokens. Half an hour would ask for a 77M model, which no preset has, and give
 # small half its tokens.
 GPU_MINUTES = 60.0
-MEASURED_MFU = 0.40  # of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
-FALLBACK_TFLOPS = 100.0  # a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
+# of the bf16 peak, what a step reaches: small 41.3%, large 48.5% on an H200 (docs/gpu_report.md)
+MEASURED_MFU = 0.40
+# a GPU missing from PEAK_TFLOPS is planned at this peak: an A10-, V100- or 4080-class card
+FALLBACK_TFLOPS = 100.0
 # A training step costs about this many forward passes: the backward costs about twice the forward (a step's
 # FLOPs are 6 per parameter and token, the forward's 2). Evaluations are planned from it.
 FORWARDS_PER_STEP = 3

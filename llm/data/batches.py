@@ -92,7 +92,8 @@ class Batches:
         # A mixture draws each training window's source by its weight, then a place in that source's tokens.
         self.ranges = np.array(now.source_ranges() if now.weights and self.split == "train" else [(0, self.length)])
         self.weights = np.array(now.weights if now.weights and self.split == "train" else [1.0])
-        if self.arrival:  # the first epoch's windows, part by part: where each part's tokens and windows begin
+        # the first epoch's windows, part by part: where each part's tokens and windows begin
+        if self.arrival:
             self.part_starts = np.cumsum([0] + [p["train_tokens"] for p in now.parts])
             self.part_windows = np.cumsum([0] + first_epoch_windows(now.parts, self.seq_len))
 
@@ -242,7 +243,8 @@ class PairBatches(PackedBatches):
                             f"{self.seq_len} tokens ({self.plan.dropped} do not); raise --max_seq_len, "
                             "add pairs or raise --val_fraction")
         self.pad = data.meta["eot_id"]
-        self.fills = np.add.reduceat(self.plan.sizes()[self.plan.pair_ids], self.plan.first[:-1])  # filled, a window
+        # filled, a window
+        self.fills = np.add.reduceat(self.plan.sizes()[self.plan.pair_ids], self.plan.first[:-1])
 
     def get(self, step: int, micro_step: int) -> PairBatch:
         return self.of_windows(self.window_ids(step, micro_step))

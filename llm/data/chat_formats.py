@@ -13,7 +13,8 @@ from llm.tokens.tokenizer import check_messages
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SHAPES = ("messages [{role, content}], conversations [{from, value}] (ShareGPT), instruction + output with "
           "optional input (Alpaca), prompt + completion")
-SHAPE_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")  # table columns
+# table columns
+SHAPE_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")
 
 
 def chat_messages(obj: dict, system_prompt: str = "") -> list | None:

@@ -24,7 +24,8 @@ from llm.data.chat_formats import SHAPE_FIELDS, SHAPES, chat_messages
 from llm.data.pairs import PAIR_FIELDS, PAIR_SHAPE, as_messages, is_pair, pair_document
 
 PIECE_BYTES = 32 * 1024  # long text files are cut at a line end into documents of about this size
-LINE_BYTES = 256 * 1024  # a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
+# a line longer than this (minified code, a one-line dump) is cut inside: bounded pieces
+LINE_BYTES = 256 * 1024
 BINARY_PROBE_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it binary (as git decides)
 SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 # The bundled corpus: the installed Python's standard library sources, asked for by no --sources (on a CPU) or

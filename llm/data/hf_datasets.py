@@ -27,8 +27,10 @@ from llm.hub.hub_client import (Repo, cached_commit, download, listing, lost, no
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
 DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.txt", "*.txt.gz", "*.txt.zst")
-FETCH_MARGIN = 1.5  # a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
-MAGIC = {".gz": ("gzip", b"\x1f\x8b"),  # how their streams start: zstd's with a frame, or a skippable one (pzstd's)
+# a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
+FETCH_MARGIN = 1.5
+# how their streams start: zstd's with a frame, or a skippable one (pzstd's)
+MAGIC = {".gz": ("gzip", b"\x1f\x8b"),
          ".zst": ("zstd", (b"\x28\xb5\x2f\xfd", *(bytes([0x50 + i]) + b"\x2a\x4d\x18" for i in range(16))))}
 _fetched = {}  # (url, target, cache, offline) -> local paths: sources() is asked several times a run
 commits = {}  # url -> the commit its files came from, once listed: names a corpus read as it arrives

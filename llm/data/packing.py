@@ -134,7 +134,8 @@ def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.
         if masks is not None:
             y[at:at + n][np.asarray(masks[s + 1:s + n + 1]) == 0] = -100
         at += n
-    pos[at:] = np.arange(plan.seq_len - at)  # padding: one more example, of ignored labels, attending to itself
+    # padding: one more example, of ignored labels, attending to itself
+    pos[at:] = np.arange(plan.seq_len - at)
     return x, y, pos
 
 
@@ -143,7 +144,7 @@ def window(plan: Plan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, np.
 @dataclass
 class PairPlan:
     """Windows of whole preference pairs: a pair's prompt and chosen reply, then its rejected reply branching
-    off the prompt (the prompt's last token again, at its position, then the reply: packed_attention.py), so
+    off the prompt (the prompt's last token again, at its position, then the reply: attention.py), so
     the prompt runs once for both; window w holds pairs pair_ids[first[w]:first[w + 1]]. Pair p's sequences
     start at start[p] (its chosen, its rejected; after any prompt tokens cut from the left) and hold length[p]
     inputs each (labels run one further, onto the end-of-text token), the first shared[p] of them the prompt
@@ -184,9 +185,11 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
     learned = np.flatnonzero(np.asarray(masks[:]) != 0) if len(ends) else np.zeros(0, np.int64)
     reply = learned[np.minimum(np.searchsorted(learned, starts), len(learned) - 1)] if len(learned) else ends
-    prompt = np.minimum(reply - starts, ends - starts).reshape(-1, 2).min(1)  # tokens before the reply (shared)
+    # tokens before the reply (shared)
+    prompt = np.minimum(reply - starts, ends - starts).reshape(-1, 2).min(1)
     length = (ends - starts).reshape(-1, 2)
-    cut = np.maximum(length.sum(1) - prompt + 1 - seq_len, 0)  # a token cut shortens both sequences, one window place
+    # a token cut shortens both sequences, one window place
+    cut = np.maximum(length.sum(1) - prompt + 1 - seq_len, 0)
     fits = cut <= prompt - 1
     cut = np.where(fits, cut, 0)
     start, length = starts.reshape(-1, 2) + cut[:, None], length - cut[:, None]
@@ -212,7 +215,8 @@ def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.nda
     for j, p in enumerate(ids.tolist()):
         for side in (0, 1):
             s, n = int(plan.start[p, side]), int(plan.length[p, side])
-            skip = 0 if side == 0 else int(plan.shared[p]) - 1  # the rejected reply branches off the prompt's end
+            # the rejected reply branches off the prompt's end
+            skip = 0 if side == 0 else int(plan.shared[p]) - 1
             span = np.asarray(tokens[s + skip:s + n + 1], np.int64)
             learned = np.asarray(masks[s + skip + 1:s + n + 1]) != 0
             x[at:at + n - skip], pos[at:at + n - skip] = span[:-1], np.arange(skip, n)

@@ -284,7 +284,8 @@ def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, backgroun
                         f"tokens); pass --vocab_size {MIN_VOCAB} or more")
     in_order = in_arrival_order(cfg)
     background &= in_order
-    start, found = time.perf_counter(), sources(cfg, lazy=in_order)  # a file downloads while the one before tokenizes
+    # a file downloads while the one before tokenizes
+    start, found = time.perf_counter(), sources(cfg, lazy=in_order)
     sample, found = _first_file(found) if in_order else (found, found)
     path = os.path.join(cfg.cache_dir, _corpus_key(cfg, vocab_size))
     atomic.remove_leftovers(cfg.cache_dir)  # of preparations killed (kill -9, SIGTERM) before they finished

@@ -24,7 +24,8 @@ from llm.data.token_cache import digest
 from llm.tokens.tokenizer import IM_START, check_messages, chat_prompt_ids, encode_batch, load_tokenizer
 
 MAX_BAD_LINES = 5  # bad rows named one by one; past these, counted
-HOLD_OUT_SEED = 0  # which rows are held out does not change with --seed: a resumed or repeated run holds out the same
+# which rows are held out does not change with --seed: a resumed or repeated run holds out the same
+HOLD_OUT_SEED = 0
 
 
 @dataclass
@@ -45,7 +46,8 @@ class PromptData:
     fingerprint: str
     files: list  # [path, size, mtime_ns] of each source file
     lines: list[str] = field(default_factory=list)  # what the start report says of them
-    meta: dict = field(default_factory=dict)  # the prompts' token counts; no bytes per token: a reward is no text's
+    # the prompts' token counts; no bytes per token: a reward is no text's
+    meta: dict = field(default_factory=dict)
     arrived: bool = True
 
     @property

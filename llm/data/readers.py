@@ -21,7 +21,8 @@ from llm.base.errors import DataError
 COMPRESSED = (".gz", ".zst")  # text and JSONL files may come compressed: notes.txt.gz, web.jsonl.zst
 TABLES = (".parquet", ".arrow")
 ROWS_PER_CHUNK = 1024  # rows turned into Python dicts at once: bounds memory within a large row group
-ZSTD_INPUT_BYTES = 2048  # compressed bytes per step: even a 30000:1 zstd block then yields about 64 MiB at once
+# compressed bytes per step: even a 30000:1 zstd block then yields about 64 MiB at once
+ZSTD_INPUT_BYTES = 2048
 COMPRESSION_RATIO = 4  # text bytes per compressed byte, for a size estimate where the file records none
 DATASET_MARKERS = ("state.json", "dataset_info.json")  # beside data-*.arrow files: a save_to_disk folder
 DATASET_DICT = "dataset_dict.json"  # the index of a saved DatasetDict, whose splits are subfolders
@@ -134,7 +135,8 @@ class _ZstdFrames(io.RawIOBase):
                 if self.frame is not None and not self.frame.eof:
                     raise EOFError("the file ends inside a frame")
                 return 0
-            if self.frame is None or self.frame.eof:  # a file may hold several frames (zstd -T, concatenation)
+            # a file may hold several frames (zstd -T, concatenation)
+            if self.frame is None or self.frame.eof:
                 self.frame = self.zstd.ZstdDecompressor().decompressobj()
             self.out, self.pos = self.frame.decompress(data), 0
             if self.frame.eof:
@@ -165,7 +167,8 @@ def table_chunks(path: str, columns):
                 for start in range(0, table.num_rows, ROWS_PER_CHUNK):
                     try:
                         rows = table.slice(start, ROWS_PER_CHUNK).to_pylist()
-                    except UnicodeDecodeError as e:  # a corrupt page of an uncompressed file decodes to bad text
+                    # a corrupt page of an uncompressed file decodes to bad text
+                    except UnicodeDecodeError as e:
                         last = min(start + ROWS_PER_CHUNK, table.num_rows) - 1
                         raise DataError(f"{path} {label}, rows {start} to {last}: a string is not "
                                         f"UTF-8 ({e.reason} at byte {e.start}), the file is corrupt: "

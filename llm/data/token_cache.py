@@ -33,7 +33,8 @@ GROUP_EVERY = 32  # a run of small files ends where a path hashes to 0 mod this:
 PART_BYTES = 64 * 2**20  # text per part: what a kill can lose, and how far --max_tokens may read past its cap
 ID_CHUNK = 2**26  # token ids per max() when a part is checked: bounds the memory one chunk maps
 META_FIELDS = {"vocab_size": int, "dtype": str, "eot_id": int}  # meta.json: the folder's tokenizer
-ARRIVAL_VAL_TOKENS = 2**18  # a corpus read as it arrives validates on its first parts' val tokens, at least these
+# a corpus read as it arrives validates on its first parts' val tokens, at least these
+ARRIVAL_VAL_TOKENS = 2**18
 PART_FIELDS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "train_bytes", "val_bytes")
 
 
@@ -169,7 +170,8 @@ def read_json(path: str):
     try:
         with open(path, "rb") as f:
             found = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):  # ValueError: bad UTF-8 or JSON; RecursionError: nested 10^5 deep
+    # ValueError: bad UTF-8 or JSON; RecursionError: nested 10^5 deep
+    except (OSError, ValueError, RecursionError):
         return None
     return found if isinstance(found, dict) else None
 
@@ -192,7 +194,8 @@ def part_problem(folder: str, vocab_size: int, dtype: str) -> str | None:
             if not os.path.isfile(where) or os.path.getsize(where) != need:
                 return f"{file} is missing or not the {need:,} bytes that part.json's {split}_tokens needs"
         if part.get("written", {}).get(f"{split}.bin") == stamp(os.path.join(folder, f"{split}.bin")):
-            continue  # untouched since written, by its size and time; TokenStream checks its ids at first read
+            # untouched since written, by its size and time; TokenStream checks its ids at first read
+            continue
         if (changed := changed_file(folder, part, split)) is not None:
             return f"{changed}'s bytes are not those written (their sha256 differs)"
         top = largest_id(os.path.join(folder, f"{split}.bin"), dtype) if tokens else 0

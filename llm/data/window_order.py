@@ -62,7 +62,8 @@ class WindowOrder:
 
     def epoch_shift(self, epoch: int, length: int) -> int:
         """Where this epoch's first window starts: seeded, so window edges fall elsewhere each epoch."""
-        slack = length - 1 - tiled_windows(length, self.seq_len) * self.seq_len  # tokens the tiling leaves over
+        # tokens the tiling leaves over
+        slack = length - 1 - tiled_windows(length, self.seq_len) * self.seq_len
         return int(np.random.default_rng([self.seed, epoch, 3]).integers(0, slack + 1))
 
     def part_order(self, part: int, windows: int) -> np.ndarray:
@@ -78,7 +79,8 @@ class WindowOrder:
         windows = tiled_windows(length, self.seq_len)
         epochs, within = np.divmod(numbers, windows)
         epochs += first_epoch
-        shifts = {e: self.epoch_shift(e, length) for e in set(epochs.tolist())}  # a batch spans one epoch or two
+        # a batch spans one epoch or two
+        shifts = {e: self.epoch_shift(e, length) for e in set(epochs.tolist())}
         return np.array([shifts[e] + self.epoch_order(e, windows)[i] * self.seq_len
                          for e, i in zip(epochs.tolist(), within.tolist())], dtype=np.int64)
 

@@ -76,7 +76,8 @@ def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: Model
         # What each file holds, and its size and time as written: a file touched since is hashed when read.
         sums = {file: atomic.file_digest(os.path.join(tmp, file)) for file in files}
         written = {file: atomic.stamp(os.path.join(tmp, file)) for file in files}
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:  # last: its presence means complete
+        # last: its presence means complete
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump({"step": step, "val_loss": val_loss, "files": sizes, "sha256": sums, "written": written}, f,
                       indent=1)
     atomic.write_text(os.path.join(root, "LATEST"), name + "\n")
@@ -241,7 +242,8 @@ def best_checkpoint(run_dir: str) -> str | None:
 def resolve_checkpoint(path: str, best: bool = False) -> str:
     """A checkpoint folder from a checkpoint folder, a run folder or its checkpoints/ folder; a run's newest
     complete checkpoint, or with best its best one."""
-    if any(os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS, lora.ADAPTERS)):  # whole weights or adapters
+    # whole weights or adapters
+    if any(os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS, lora.ADAPTERS)):
         return path
     for run_dir in (path, os.path.dirname(os.path.normpath(path))):
         found = best_checkpoint(run_dir) if best else latest_checkpoint(run_dir)
@@ -294,7 +296,8 @@ def load_weights(ckpt: str, model: torch.nn.Module):
         return lora.load_adapters(model, _read_weights(ckpt, lora.ADAPTERS), os.path.join(ckpt, lora.ADAPTERS))
     path = os.path.join(ckpt, WEIGHTS)
     own = model.state_dict()
-    state = {k: shard_as(v, own[k]) if k in own else v for k, v in _read_weights(ckpt).items()}  # FSDP2: our rows
+    # FSDP2: our rows
+    state = {k: shard_as(v, own[k]) if k in own else v for k, v in _read_weights(ckpt).items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:

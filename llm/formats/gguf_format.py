@@ -58,7 +58,8 @@ def gguf_arch(cfg: ModelConfig) -> str:
     """llama.cpp's architecture for this model: the model type of its Hugging Face export, where llama.cpp has
     it."""
     model_type = hf_config(cfg)["model_type"]
-    if model_type not in ARCHITECTURES or cfg.rope_type != "default":  # llama3 RoPE would need a rope_freqs tensor
+    # llama3 RoPE would need a rope_freqs tensor
+    if model_type not in ARCHITECTURES or cfg.rope_type != "default":
         model_type += "" if cfg.rope_type == "default" else f" (rope_type {cfg.rope_type})"
         raise CheckpointError(f"a {model_type} model has no GGUF export here (only "
                               f"{' and '.join(ARCHITECTURES)}); export a Hugging Face folder and convert it "

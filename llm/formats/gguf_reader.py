@@ -60,7 +60,8 @@ def read_gguf(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, str]:
     _check_blocks(reader, cfg.num_hidden_layers, f"{path}: {arch}.block_count")
     names = _our_names(arch, cfg.num_hidden_layers)
     shapes = {names.get(t.name, t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    shapes = {k: v for k, v in shapes.items() if k != "rope_freqs.weight"}  # llama3 scaling: refused with the config
+    # llama3 scaling: refused with the config
+    shapes = {k: v for k, v in shapes.items() if k != "rope_freqs.weight"}
     check_declared_size(cfg, shapes, path)
     check_weights({k: v for k, v in shapes.items() if is_stored(k, cfg)}, expected_shapes(cfg), path)
     state = {}
@@ -162,7 +163,8 @@ def _check_blocks(reader, layers: int, where: str):
     """The declared block count must be the blocks the file's tensors hold (blk.0 to blk.N-1), checked before
     a name is built for each: a file declaring 10^12 blocks once built names until memory ran out."""
     held = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    if len(held) != layers or held != {str(i) for i in range(layers)}:  # len first: range(10**12) is never built
+    # len first: range(10**12) is never built
+    if len(held) != layers or held != {str(i) for i in range(layers)}:
         raise CheckpointError(f"{where}={layers:,} but the file's tensors hold {len(held):,} blocks; the "
                               "file is damaged or not a model")
 
@@ -274,7 +276,8 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
     try:
         bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],
                          ignore_merges=ignore_merges)
-    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens, over several lines
+    # tokenizers raises a bare Exception for a merge of unknown tokens, over several lines
+    except Exception as e:
         raise CheckpointError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens "
                               f"({str(e).splitlines()[0][:120]}), the file is damaged") from None
     tok = Tokenizer(bpe)
@@ -357,7 +360,8 @@ def _remove_orphans(temp: str):
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            same = os.path.samestat(os.fstat(fd), os.stat(lock))  # still the file that was opened, not a new one
+            # still the file that was opened, not a new one
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
         except OSError:  # held: a live process's folder (or the file went meanwhile)
             same = False
         try:

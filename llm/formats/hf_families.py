@@ -206,7 +206,8 @@ def declared_shape(raw: dict, file: str) -> ModelConfig:
                            head_dim=raw.get("head_dim") or 0, intermediate_size=raw["intermediate_size"],
                            qk_norm=raw["model_type"] == "qwen3", qkv_bias=raw["model_type"] == "qwen2",
                            max_seq_len=1, tie_word_embeddings=bool(raw.get("tie_word_embeddings",
-                                                                   raw["model_type"] == "smollm3")))  # its default
+                                                                   # its default
+                                                                   raw["model_type"] == "smollm3")))
     except (KeyError, TypeError, ConfigError) as e:
         raise CheckpointError(f"{file} is not a valid transformers config "
                               f"({type(e).__name__}: {e})") from None

@@ -26,11 +26,13 @@ from modern_llm import Transformer, is_stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")  # every file an export writes (the chat template: .jinja)
+# every file an export writes (the chat template: .jinja)
+EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")
 # and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md
 # a user wrote in a folder stays).
 CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
-ROPE_PEAK_TABLES = 6  # (T, head_dim) fp32 tables alive at once while cos and sin are built: buffers, temporaries
+# (T, head_dim) fp32 tables alive at once while cos and sin are built: buffers, temporaries
+ROPE_PEAK_TABLES = 6
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -126,7 +128,8 @@ def hf_twin(cfg: ModelConfig, state: dict | None = None):
     twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if state is not None:
         twin.load_state_dict({hf_name(k): v for k, v in state.items() if is_stored(k, cfg)},
-                             strict=not cfg.tie_word_embeddings)  # transformers ties the head to the embedding
+                             # transformers ties the head to the embedding
+                             strict=not cfg.tie_word_embeddings)
     return twin
 
 

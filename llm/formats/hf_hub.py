@@ -45,7 +45,8 @@ def resolve(name: str, max_seq_len: int = 0) -> str:
     try:
         listed = None if local else hub_client.listing(hub, repo, "main", _wanted)
         folder = _cached(repo, local) if listed is None else _fetch(hub, repo, *listed, max_seq_len)
-    except (errors.HfHubHTTPError, *hub_client.unreachable()) as e:  # a whole cached copy serves, as it always did
+    # a whole cached copy serves, as it always did
+    except (errors.HfHubHTTPError, *hub_client.unreachable()) as e:
         folder = _cached(repo, local, _failure(repo, e, errors))
     if not is_hf_folder(folder):
         raise CheckpointError(f"{name} ({folder}) has no {HF_CONFIG} with safetensors "
@@ -116,7 +117,8 @@ def _fetch(hub, repo: Repo, names: list, commit: str, max_seq_len: int) -> str:
         raise CheckpointError(f"{repo.where} has no {HF_CONFIG}, it is not a transformers model")
     folder = hub_client.snapshot_path(repo, commit)
     _get(hub, repo, commit, HF_CONFIG)
-    check_memory(count_parameters(model_config_from_hf(folder, max_seq_len)), repo.where)  # before the weights come
+    # before the weights come
+    check_memory(count_parameters(model_config_from_hf(folder, max_seq_len)), repo.where)
     for name in names:
         _get(hub, repo, commit, name)
     hub_client.remember(repo, "main", commit)

@@ -35,7 +35,8 @@ class Source:
     """A model to read: its kind, the path its reader opens, and what the user asked of it."""
     kind: Kind
     path: str  # RUN, LORA: the checkpoint folder; HF: the folder; HUB: hf:ORG/NAME; GGUF: the file
-    max_seq_len: int = 0  # when given, replaces the saved context length (it sizes the RoPE tables, no weight)
+    # when given, replaces the saved context length (it sizes the RoPE tables, no weight)
+    max_seq_len: int = 0
     base: str = ""  # LORA: the model its adapters join, as the user named it (never a path read from a file)
 
 
@@ -59,7 +60,8 @@ def detect(name: str, max_seq_len: int = 0, best: bool = False, base: str = "") 
     if is_gguf(name):
         return Source(Kind.GGUF, name, max_seq_len, base)
     ckpt = resolve_checkpoint(name, best)
-    adapters = os.path.isfile(os.path.join(ckpt, lora.ADAPTER_CONFIG))  # what a LoRA run saves beside its adapters
+    # what a LoRA run saves beside its adapters
+    adapters = os.path.isfile(os.path.join(ckpt, lora.ADAPTER_CONFIG))
     return Source(Kind.LORA if adapters else Kind.RUN, ckpt, max_seq_len, base)
 
 

@@ -52,7 +52,8 @@ def check_lora(model: nn.Module, t):
 
 
 NF4_BLOCK = 64  # weights per absmax scale: QLoRA's and torchao's block (Dettmers et al. 2023)
-NF4_SCALER_BLOCK = 256  # scales per fp32 factor of their int8 quantisation (torchao's default), or a divisor of it
+# scales per fp32 factor of their int8 quantisation (torchao's default), or a divisor of it
+NF4_SCALER_BLOCK = 256
 
 
 def nf4_blocks(name: str, weight: torch.Tensor) -> tuple[int, int]:
@@ -105,7 +106,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amp = torch.is_autocast_enabled(x.device.type)
-        x = x.to(torch.get_autocast_dtype(x.device.type)) if amp else x  # cast once, not for the base and A apart
+        # cast once, not for the base and A apart
+        x = x.to(torch.get_autocast_dtype(x.device.type)) if amp else x
         y = self.base_layer(x)
         if not self.enabled:
             return y
@@ -216,7 +218,8 @@ def fingerprint(folder: str) -> str:
 
 def meta_of(t, base_path: str) -> dict:
     """adapter_config.json of a run's checkpoints: its LoRA settings and the base they adapt."""
-    named = t.init_from if t.init_from.startswith("hf:") else os.path.abspath(base_path)  # a Hub model by its name
+    # a Hub model by its name
+    named = t.init_from if t.init_from.startswith("hf:") else os.path.abspath(base_path)
     return {"rank": t.lora_rank, "alpha": alpha(t), "dropout": t.lora_dropout, "targets": targets(t),
             "base": named, "base_fingerprint": fingerprint(base_path), "base_format": t.lora_base}
 

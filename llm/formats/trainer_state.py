@@ -18,7 +18,8 @@ from llm.base.errors import CheckpointError, ConfigError
 from llm.formats import checkpoint as ckpt_io
 from llm.formats.lora import adapter_state
 
-CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")  # for the model card
+# for the model card
+CORPUS_FACTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "has_masks")
 
 # The time budget's figures a checkpoint keeps (schedule.StepTimer.state() gives them): seconds spent, the
 # step's seconds, each overhead's seconds.
@@ -94,7 +95,8 @@ def recorded(ckpt: str) -> dict:
     if isinstance(spent, (int, float)) and not isinstance(spent, bool) and math.isfinite(spent):
         facts["spent_s"] = float(spent)
     facts |= {k: state[k] for k in ("device", "precision", "command", "imported_from") if isinstance(state.get(k), str)}
-    facts["corpus"] = state["corpus"] if isinstance(state.get("corpus"), dict) else {}  # a path in it is never followed
+    # a path in it is never followed
+    facts["corpus"] = state["corpus"] if isinstance(state.get("corpus"), dict) else {}
     return facts
 
 
@@ -130,7 +132,8 @@ class TrainingState:
         """The checkpoint's weights, optimizer, loss scaler, weight average, RNG and counters."""
         ckpt_io.load_weights(ckpt, self.model)  # read on the CPU, then copied into the device's parameters
         try:
-            self.opt.load_state_dict(saved.optimizer)  # the rates and settings given now win over the checkpoint's
+            # the rates and settings given now win over the checkpoint's
+            self.opt.load_state_dict(saved.optimizer)
         except ValueError as e:  # its state has other parts: trained with another --optimizer
             theirs = saved.config.get("train", {}).get("optimizer", "another optimizer")
             raise ConfigError(f"{ckpt} was trained with --optimizer {theirs} ({e}); resume with --optimizer "
@@ -163,7 +166,8 @@ class TrainingState:
             "data_files": [list(f) for f in data.files],  # to say what changed, if a resume is refused
             "corpus": {k: v for k, v in data.meta.items() if k in CORPUS_FACTS},
             "world_size": ranks.world_size, "rng_torch": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # CUDA's: dropout's
+            # CUDA's: dropout's
+            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "config": json.dumps(cfg.to_dict()), "command": record.command, "device": record.device,
             "precision": record.precision, **{k: clock[k] for k in CLOCK_KEYS}}
         return ckpt_io.save_checkpoint(cfg.train.run_dir, self.step, state, model_config=cfg.model,

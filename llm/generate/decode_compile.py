@@ -15,7 +15,8 @@ from llm.base.device import uses_cuda_graphs
 from llm.generate.decode import MIN_BUCKET, Slot, State, decode_step, prefill_step
 from llm.generate.sampling import candidates
 
-RECOMPILE_LIMIT = 64  # graphs of one compiled step: a prompt bucket each (batch sizes have steps of their own)
+# graphs of one compiled step: a prompt bucket each (batch sizes have steps of their own)
+RECOMPILE_LIMIT = 64
 
 
 def compile_mode(setting: str, device: torch.device) -> str | None:

@@ -37,7 +37,8 @@ def check_memory(model, batch: int, max_len: int):
     """
     c, w = model.config, model.embed_tokens.weight
     cache = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * max_len * c.head_dim * w.element_size()
-    need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16  # sampling, activations
+    # sampling, activations
+    need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16
     free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
     if need > 0.9 * free:
         raise ConfigError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
@@ -204,7 +205,8 @@ class Outputs:
                 stopped = bool(self.streams and self.streams[i].stopped)
                 if stopped or len(self.out[i]) >= self.limits[i]:
                     self.finish(i, "stop" if stopped else "length")
-                    self.state.done[i] = True  # a stop string, seen by the host only: the row stops on the device too
+                    # a stop string, seen by the host only: the row stops on the device too
+                    self.state.done[i] = True
                     break
 
     def finish(self, i: int, reason: str, end: int | None = None):

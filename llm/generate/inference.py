@@ -25,7 +25,8 @@ class Loaded(NamedTuple):
     """A model ready to generate, whatever kind it was read from; unpacks as (model, tokenizer, config, path).
     """
     model: Transformer
-    tokenizer: object  # transformers' PreTrainedTokenizerFast (load_tokenizer), imported only where it is built
+    # transformers' PreTrainedTokenizerFast (load_tokenizer), imported only where it is built
+    tokenizer: object
     config: ModelConfig
     path: str  # the checkpoint or Hugging Face folder, or the GGUF file, read
 
@@ -52,7 +53,8 @@ class RowProductLinear(nn.Linear):
             return F.linear(x, w, self.bias)
         if type(w) in (torch.Tensor, nn.Parameter):
             return (x.unsqueeze(-2) * w).sum(-1)
-        if type(w).__name__ == "Int8Tensor" and w.scale.shape == (w.shape[0], 1):  # torchao's, a scale per row
+        # torchao's, a scale per row
+        if type(w).__name__ == "Int8Tensor" and w.scale.shape == (w.shape[0], 1):
             ints = w.qdata.to(x.dtype) - w.zero_point.to(x.dtype)
             return (x.unsqueeze(-2) * ints).sum(-1) * w.scale.to(x.dtype).squeeze(-1)
         return F.linear(x, w)
@@ -87,7 +89,8 @@ def for_inference(model: Transformer, device: torch.device, quantize: str = "non
     for p in model.parameters():  # parameters only: the RoPE tables stay fp32, as in training
         p.data = p.data.to(inference_dtype(device))
     model.eval().requires_grad_(False)
-    model.fuse_projections()  # a decode step's matmuls: 4 a block, not 7 (kernels, not FLOPs, bound it on a GPU)
+    # a decode step's matmuls: 4 a block, not 7 (kernels, not FLOPs, bound it on a GPU)
+    model.fuse_projections()
     if quantize == "int8":
         quantize_int8(model)
     if use_compile(model, compile) and device.type == "cpu":
@@ -115,7 +118,8 @@ def load_for_inference(load: LoadConfig | str = "", device=None, **options) -> L
         raise CheckpointError(f"{found.path}: the tokenizer's ids reach {ids - 1} ({ids} rows needed) but "
                               f"the model's embedding has {cfg.vocab_size} rows, the tokenizer belongs to "
                               "another model; put the tokenizer.json the model was trained with beside it")
-    with torch.device("meta"):  # no random weights drawn only to be overwritten: they come from the checkpoint
+    # no random weights drawn only to be overwritten: they come from the checkpoint
+    with torch.device("meta"):
         model = Transformer(cfg)
     model.materialize(device).load_stored(found.state)  # read_model checked every tensor
     return Loaded(for_inference(model, device, load.quantize, load.compile), tokenizer, cfg, found.path)

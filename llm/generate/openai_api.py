@@ -97,7 +97,8 @@ def number(body: dict, name: str, default, kind=float, low=None, high=None):
     it."""
     value = body.get(name)
     value = default if value is None else value
-    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))  # JSON allows Infinity
+    # JSON allows Infinity
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
     if isinstance(value, bool) or not finite or (kind is int and value != int(value)):
         raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' finite number'}, got {value!r:.40}", name)
     if (low is not None and value < low) or (high is not None and value > high):

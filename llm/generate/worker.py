@@ -28,7 +28,8 @@ class Event:
     reason), its token count and its logprobs when asked; or instead a failure, which ends the request."""
     choice: int = 0
     text: str = ""
-    finish_reason: str | None = None  # "stop": an end token or a stop string; "length": max_tokens or the context
+    # "stop": an end token or a stop string; "length": max_tokens or the context
+    finish_reason: str | None = None
     tokens: int = 0  # the choice's new tokens, sent with its finish_reason
     logprobs: dict | None = None  # openai_api.logprobs_object(), sent with the finish_reason
     error: BadRequest | None = None
@@ -44,7 +45,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     scoring: Scoring = field(default_factory=Scoring)
     generating: bool = True  # False: echo with max_tokens 0, the prompts scored and nothing generated
-    echoed: list[str] = field(default_factory=list)  # with echo, each prompt's text, which its choices start with
+    # with echo, each prompt's text, which its choices start with
+    echoed: list[str] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     heard: bool = False  # an event went out: a failed batch can no longer be retried for this job
     cancelled: bool = False
@@ -116,7 +118,8 @@ class Worker(threading.Thread):
                            on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
                            cancelled=lambda i: owner[i][0].cancelled,
                            on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end))) if making else []
-        except Exception as e:  # the engine's refusal (memory), or a bug: the requests fail, the server goes on
+        # the engine's refusal (memory), or a bug: the requests fail, the server goes on
+        except Exception as e:
             if len(jobs) > 1 and not any(j.heard for j in jobs):
                 for j in jobs:  # nothing sent yet: each request alone, so one's failure stays its own
                     self.serve([j])

@@ -134,7 +134,8 @@ def download(hub, repo: Repo, name: str, commit: str, bars: bool = True):
     a later run continues, checked against the Hub's hash, renamed to its blob and linked as huggingface_hub
     lays them out. Not its hf_hub_download: in 2.4 that asks for the ETag again, takes it unchecked and starts
     a cut file over."""
-    from filelock import FileLock  # huggingface_hub's own lock package, as its WeakFileLock is not its public API
+    # huggingface_hub's own lock package, as its WeakFileLock is not its public API
+    from filelock import FileLock
     from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.utils import build_hf_headers
     storage, path = repo.storage, snapshot_path(repo, commit, name)

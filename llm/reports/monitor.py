@@ -117,7 +117,8 @@ class Monitor:
         figures of the evaluation (the code metric: code_ok, code_samples)."""
         per_token = bytes_per_token is not None  # None: a loss that is no text's (GRPO's negated reward)
         record = {"kind": "eval", "step": step, "val_loss": val_loss,
-                  "val_ppl": math.exp(min(val_loss, 700.0)) if per_token else None,  # 700: exp overflows past ~709
+                  # 700: exp overflows past ~709
+                  "val_ppl": math.exp(min(val_loss, 700.0)) if per_token else None,
                   "val_bpb": val_loss / math.log(2) / bytes_per_token if per_token else None,
                   **{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in extra.items()},
                   "time": time.time()}
@@ -217,7 +218,8 @@ class StepProfiler:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
         elif done == self.last and self.profiler:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the steps' kernels, not only their launches, in the trace
+                # the steps' kernels, not only their launches, in the trace
+                torch.cuda.synchronize(self.device)
             self.profiler.__exit__(None, None, None)
             os.makedirs(self.folder, exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(self.folder, "trace.json"))

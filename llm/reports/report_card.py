@@ -75,7 +75,8 @@ def headline(s: TaskScore, chance: float | None) -> tuple[str, float | None]:
     metric = "acc_norm" if known and known.headline == "acc_norm" and s.acc_norm is not None else s.metrics[0]
     if not s.items:
         return metric, None
-    value, c = (s.acc_norm if metric == "acc_norm" else s.acc), chance or 0.0  # written answers: nothing to guess
+    # written answers: nothing to guess
+    value, c = (s.acc_norm if metric == "acc_norm" else s.acc), chance or 0.0
     return metric, (value - c) / (1 - c)
 
 

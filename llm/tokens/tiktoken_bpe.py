@@ -97,7 +97,8 @@ class Encoder:
             return encode_batch(self.tok, texts)
         for text in texts:
             if not text.isascii():
-                text.encode("utf-8")  # a lone surrogate raises, as tokenizers refuses it (tiktoken would replace it)
+                # a lone surrogate raises, as tokenizers refuses it (tiktoken would replace it)
+                text.encode("utf-8")
         return self.tiktoken.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
 
 

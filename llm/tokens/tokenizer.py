@@ -258,7 +258,8 @@ def encode_segments(tok: Tokenizer, docs: list, encode=None) -> list[tuple[list[
                                 ([(segs, True, False)] if isinstance(segs, str) else segs) if not special]
     try:
         encoded = (encode or (lambda batch: encode_batch(tok, batch)))(texts)
-    except Exception as e:  # a tokenizer from elsewhere may fail on some text (a WordPiece without [UNK], say)
+    # a tokenizer from elsewhere may fail on some text (a WordPiece without [UNK], say)
+    except Exception as e:
         raise DataError(f"the tokenizer cannot encode this text ({str(e).splitlines()[0]}), pass another "
                         "--tokenizer or --tokenizer_type") from None
     if plain:

@@ -71,7 +71,8 @@ def fill_batch(cfg: Config, machine: Machine, world_size: int = 1) -> tuple[Conf
     is automatic too), batch_tokens what the two give."""
     t, seq = cfg.train, cfg.model.max_seq_len
     micro, accum = t.micro_batch_size, t.grad_accum_steps
-    sequences = max(1, round(t.batch_tokens / (seq * world_size))) if t.batch_tokens else 0  # per rank and step
+    # per rank and step
+    sequences = max(1, round(t.batch_tokens / (seq * world_size))) if t.batch_tokens else 0
     if micro and accum and t.batch_tokens and micro * seq * accum * world_size != t.batch_tokens:
         raise ConfigError(f"batch_tokens={t.batch_tokens} is not micro_batch_size={micro} x "
                           f"max_seq_len={seq} x grad_accum_steps={accum} x {world_size} ranks; set "
@@ -123,8 +124,10 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_s
     for size in GPU_SIZES:
         candidate = _filled(cfg, size)
         candidate.model = replace(candidate.model, gradient_checkpointing=False)
-        if candidate.train.micro_batch_size == AUTO:  # the smallest micro-batch worth a GPU must fit beside it
-            least = 1 << (-(-MIN_MICRO_TOKENS // candidate.model.max_seq_len) - 1).bit_length()  # fit_micro's 2^k
+        # the smallest micro-batch worth a GPU must fit beside it
+        if candidate.train.micro_batch_size == AUTO:
+            # fit_micro's 2^k
+            least = 1 << (-(-MIN_MICRO_TOKENS // candidate.model.max_seq_len) - 1).bit_length()
             candidate.train = replace(candidate.train, micro_batch_size=least)
         need, params = training_bytes_estimate(candidate), count_parameters(candidate.model)
         if need <= room and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
@@ -161,8 +164,10 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
     if wanted:
         size, why = choose_size(cfg, machine, corpus_bytes, world_size)
         filled = _filled(cfg, size)
-        if machine.kind == "cuda" and not cfg.model.automatic():  # a shape given (--init_from): the micro-batch
-            t = cfg.train  # and accumulation its memory holds (fill_batch), not those of the preset's own shape
+        # a shape given (--init_from): the micro-batch
+        if machine.kind == "cuda" and not cfg.model.automatic():
+            # and accumulation its memory holds (fill_batch), not those of the preset's own shape
+            t = cfg.train
             filled = replace(filled, train=replace(filled.train, micro_batch_size=t.micro_batch_size,
                                                    grad_accum_steps=t.grad_accum_steps))
         section = {name: "model" if name in filled.model.__dataclass_fields__ else "train" for name in wanted}
@@ -245,7 +250,8 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         minutes = CPU_MINUTES
         notes.append(f"automatic: max_minutes={CPU_MINUTES:g} (a CPU run trains for a fixed time; set "
                      "max_steps or max_minutes to change it)")
-    if steps == AUTO and minutes == AUTO:  # on CUDA: GPU_EPOCHS passes, or the budget where they would take longer
+    # on CUDA: GPU_EPOCHS passes, or the budget where they would take longer
+    if steps == AUTO and minutes == AUTO:
         steps = max(MIN_STEPS, math.ceil(GPU_EPOCHS * epoch_sequences / per_step))
         passes = f"{GPU_EPOCHS} passes over {train_tokens:,} training tokens"
         # by the planned speed, at most the budget's compute-optimal tokens: a model far below the GPU presets
@@ -268,7 +274,8 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         tokens = min(EVAL_TOKENS, FORWARDS_PER_STEP * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
         eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
     train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
-    if t.epochs:  # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
+    # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
+    if t.epochs:
         train.max_steps = steps
     cfg = replace(cfg, train=train)
     return cfg, notes + few_steps_warning(cfg) + small_move_warning(cfg)

@@ -9,7 +9,8 @@ import torch
 from llm.base.distributed import full_state, local, shard_as
 from llm.base.errors import CheckpointError
 
-START = 0.5  # the fraction of the run after which weights are averaged: earlier ones are far from where it ends
+# the fraction of the run after which weights are averaged: earlier ones are far from where it ends
+START = 0.5
 # The average spans at most this fraction of the run's steps: beta 0.995 (200 steps) won at 2,300 steps, but
 # at 600 it reached back to weights far from the run's end and cost 0.07 bits per byte (docs/training.md).
 HORIZON = 0.09
@@ -38,7 +39,8 @@ class WeightAverage:
         if not self.beta or progress < START:
             return
         if self.average is None:
-            self.run_beta = run_beta(self.beta, (step + 1) / progress)  # the run's steps, as its clock expects them
+            # the run's steps, as its clock expects them
+            self.run_beta = run_beta(self.beta, (step + 1) / progress)
             self.average = [p.detach().clone() for p in self.params]
         else:
             torch._foreach_lerp_([local(a) for a in self.average], [local(p) for p in self.params],

@@ -50,7 +50,8 @@ def fill_fine_tuning(cfg: Config, base_train: dict | None = None) -> tuple[Confi
     kind = "lora" if t.lora_rank else "full"
     recorded = _recorded_rates(base_train, bool(t.lora_rank))
     if recorded:
-        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]  # adapters: AdamW won on both bases
+        # adapters: AdamW won on both bases
+        optimizer = FINE_TUNING_OPTIMIZER if t.lora_rank else recorded["optimizer"]
         rates = {k: recorded[k] for k in ("learning_rate", "muon_lr")}
         why = "the peak rates the --init_from run trained at"
     else:

@@ -24,7 +24,8 @@ import torch
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALES = ("none", "group", "batch")
-STD_FLOOR = 1e-4  # added to a standard deviation before dividing by it (TRL's), so equal rewards give 0, not NaN
+# added to a standard deviation before dividing by it (TRL's), so equal rewards give 0, not NaN
+STD_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)

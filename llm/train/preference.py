@@ -121,7 +121,8 @@ class Objective:
 
     def __call__(self, model, batch) -> torch.Tensor:
         loss, stats = self.compute(model, batch, "train")
-        self.window += torch.nan_to_num(stats)  # a skipped (non-finite) step leaves the log line's figures alone
+        # a skipped (non-finite) step leaves the log line's figures alone
+        self.window += torch.nan_to_num(stats)
         return loss
 
     def take(self, ranks) -> dict:

@@ -158,7 +158,8 @@ def apply_init_from(cfg: Config) -> tuple[Config, ModelFiles]:
     if not found.tokenizer_path:
         raise ConfigError(f"--init_from {cfg.train.init_from} has no tokenizer.json, import it with "
                           "export_hf.py --tokenizer")
-    data = replace(cfg.data, tokenizer=cfg.data.tokenizer or found.tokenizer_path)  # tokenized as the model was
+    # tokenized as the model was
+    data = replace(cfg.data, tokenizer=cfg.data.tokenizer or found.tokenizer_path)
     return replace(with_shape(cfg, found.config), data=data), found
 
 
@@ -193,7 +194,8 @@ def lora_start(cfg: Config, ckpt: str | None, init: ModelFiles | None) -> dict |
         changed = [f"--lora_{k} {' '.join(saved[k]) if k == 'targets' else saved[k]}"
                    for k in ("rank", "alpha", "dropout", "targets") if saved[k] != meta[k]]
         if saved.get("base_format", meta["base_format"]) != meta["base_format"]:  # recorded since nf4 came
-            changed.append(f"--lora_base {saved['base_format']}")  # adapters fitted to another rounding of the base
+            # adapters fitted to another rounding of the base
+            changed.append(f"--lora_base {saved['base_format']}")
         if changed:
             raise ConfigError(f"{ckpt} was trained with other LoRA settings; resume with {' '.join(changed)}")
     return meta

@@ -116,7 +116,8 @@ class Runner:
         if self.eval_model is self.raw_model:
             return
         try:
-            self.objective.evaluate(self.eval_model, self.amp, val_batches, 1, ranks, float("inf"))  # compiles it
+            # compiles it
+            self.objective.evaluate(self.eval_model, self.amp, val_batches, 1, ranks, float("inf"))
         except Exception as e:
             if not is_compile_failure(e):
                 raise

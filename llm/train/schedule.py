@@ -111,7 +111,8 @@ class StepTimer:
         self.launch, self.session_start = launch - spent_s, launch
         self.recent_s = collections.deque(maxlen=PACE_MEMORY)  # the last windows' agreed step times
         self.windows = 0  # this session's measured windows
-        self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}  # the longest evaluation and checkpoint
+        # the longest evaluation and checkpoint
+        self.overhead_s = {"eval": 0.0, "save": 0.0, **(overhead_s or {})}
         self.eval_spent_s, self.evals = 0.0, 0  # this session's evaluations: seconds in all, and how many
         self.agreed = Agreed(save_s=self.save_s(), step_s=step_s, pace_s=step_s)  # an earlier session's speed
         self._window_start = self._window_step = None
@@ -264,7 +265,8 @@ class RunClock:
             return True
         if not self.by_time:
             return False
-        if not self.ranks.enabled:  # one process reads the clock itself at every step: a machine slowing is seen
+        # one process reads the clock itself at every step: a machine slowing is seen
+        if not self.ranks.enabled:
             return self.budget_s - self.timer.spent_s() - self.reserve_s() < self.timer.agreed.step_s
         return self.remaining_s() - self.timer.agreed.since(step) < self.timer.agreed.step_s
 

@@ -126,7 +126,8 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
     terms = estimate(cfg, target)
     need = terms.total
     m, micro = cfg.model, cfg.train.micro_batch_size
-    held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"  # lora.base_dtype's choice
+    # lora.base_dtype's choice
+    held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"
     run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank else "training every weight") + \
         f" of {_size(count_parameters(m))} parameters, {micro} x {m.max_seq_len:,} tokens a forward" + \
         (", checkpointed" if m.gradient_checkpointing else "")
@@ -236,7 +237,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
     size = corpus_size(cfg, device)
     cfg, lines = fill_automatic(cfg, machine(device), size, ranks.world_size)
     lines += fit_check(cfg, device, ranks.world_size)  # before the data and the compile
-    ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))  # before the data's lines
+    # before the data's lines
+    ranks.print("\n".join([describe(cfg), *notes, *lines, *bundled_report(cfg, size)]))
     arriving = trains_while_arriving(cfg, ranks)
     data = prepare_once(cfg, ranks, background=arriving)
     if not arriving and (line := short_of_target(cfg.data, data.meta)):  # else the preparing thread says it

@@ -9,7 +9,8 @@ from config import Config
 from llm.base.fit import estimate
 from llm.base.sizing import MEMORY_FRACTION, Machine, gpu_target, training_bytes_estimate
 
-LOGIT_BYTES = 12  # per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
+# per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
+LOGIT_BYTES = 12
 CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
 GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
 # Measured on a 2-core CPU, forward and backward: written out, attention is 2x faster at 128-256 positions
@@ -32,7 +33,7 @@ def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
 
 
 def matmul_attention(cfg: Config, machine: Machine, amp_dtype=None, row: int = 0) -> bool:
-    """Whether causal attention runs written out as matmuls and a softmax (modern_llm.causal_attention): on a
+    """Whether causal attention runs written out as matmuls and a softmax (llm/base/attention.py): on a
     CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up to MATMUL_ATTENTION_ROWS tokens
     (row: a micro-batch row's, the context where 0), where the CPU's flash kernel is slower."""
     faster = cfg.train.compile != "off" or amp_dtype == torch.bfloat16

@@ -1,4 +1,8 @@
-"""Attention over windows that pack several examples, told apart by their positions alone.
+"""How a token attends: causal over a row (SDPA's kernel, or written out as two matmuls and a softmax where that is
+faster on a CPU), over a KV cache (a decode step on a CPU written out), and over windows that pack several
+examples, told apart by their positions alone. modern_llm.py's attention layer picks one per call.
+
+Packed windows
 
 A window's tokens form segments, each a run of consecutive positions. A segment starting at position 0 begins
 a sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of
@@ -15,6 +19,50 @@ import torch
 import torch.nn.functional as F
 
 
+def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
+    """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel,
+    or written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
+    Inductor and 2.5x eager under bf16, forward and backward (step_settings.matmul_attention decides)."""
+    if not matmul_softmax:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    T = q.shape[2]
+    at = torch.arange(T, device=q.device)
+    return written_out_attention(q, k, v, at[None, :] <= at[:, None])
+
+
+def cached_attention(q, k, v, cache, layer: int, positions: torch.Tensor, mask: torch.Tensor):
+    """Attention of (B, H, T, hd) queries over the layer's cache, after writing this call's keys and values
+    into it at positions (B, T); mask (B, 1, T, max_len), bool or the cache's next_mask, hides each row's
+    later and unfilled places."""
+    k, v = cache.update(layer, k, v, positions)  # (B, Hkv, max_len, hd)
+    if cache.span is not None:  # the places past it are unfilled (masked): skip them rather than mask them
+        k, v, mask = k[:, :, :cache.span], v[:, :, :cache.span], mask[..., :cache.span]
+    if q.device.type == "cpu" and q.shape[2] == 1:
+        # The CPU's flash kernel is slow for one query a row: a bf16 decode step's attention took 6x as long
+        # as the same arithmetic written out in fp32, which rounds only the output, as the kernel does. A
+        # prefill keeps the kernel, which never holds its scores.
+        wide = torch.promote_types(q.dtype, torch.float32)
+        return written_out_attention(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+
+
+def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys and values as two matmuls and a
+    softmax in at least fp32, the queries of a key head stacked as rows of one matmul. allowed (..., T, S):
+    bool, True where a query sees a key, or added to the scores (0 or -inf)."""
+    (B, H, T, hd), Hkv = q.shape, k.shape[1]
+    scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
+    allowed = allowed.tile((H // Hkv, 1))  # rows (query head within its group, query), as the scores'
+    if allowed.dtype == torch.bool:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    else:
+        scores = scores + allowed
+    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, hd)
+
+
 def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The
     keys and values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
@@ -28,7 +76,8 @@ def example_attention(q, k, v, at) -> torch.Tensor:
     there and moved back."""
     (B, H, T, hd), (segment, col, shared, n, longest) = q.shape, at
 
-    def unpack(t, prefix: bool):  # (B, h, T, hd) -> (n, h, longest, hd), zeros past a row's end (never attended)
+    # (B, h, T, hd) -> (n, h, longest, hd), zeros past a row's end (never attended)
+    def unpack(t, prefix: bool):
         t = t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
         rows = t.new_zeros(n, longest, *t.shape[1:]).index_put((segment, col), t)
         if prefix:  # a branch's row starts with the keys and values of the tokens it continues
@@ -69,7 +118,8 @@ def example_rows(positions: torch.Tensor) -> tuple:
     positions = positions.contiguous()  # an expanded batch's positions, say
     starts, begins_at, sequence = _segments(positions)
     flat = torch.arange(B * T, device=positions.device).view(B, T)
-    first = torch.where(positions == 0, flat, 0).cummax(dim=1).values.view(-1)  # each token's sequence's first
+    # each token's sequence's first
+    first = torch.where(positions == 0, flat, 0).cummax(dim=1).values.view(-1)
     segment = starts.view(-1).cumsum(0) - 1
     trunk = torch.bincount(segment)[segment[first]]  # its sequence's first segment's length
     branch = (sequence.view(-1) > 0) & (begins_at.view(-1) > 0)
