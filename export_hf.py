@@ -62,11 +62,12 @@ def export(checkpoint: str, out: str, dtype: str = "float32", eos: str = EOT_TOK
     chat = can_chat(read_tokenizer(model.tokenizer_path)) and trained_for_chat(model.path) is not False
     if gguf:
         card = model_card(model.path, model.config, "gguf", gguf_file_name(gguf), chat)
-        write_gguf_folder(out, model.config, model.state, model.tokenizer_path, gguf, card, export_name(model.path),
-                          overwrite, chat)
+        write_gguf_folder(out, model.config, model.state, model.tokenizer_path, gguf, card,
+                          export_name(model.path), overwrite, chat)
     else:
         card = model_card(model.path, model.config, "hf", chat=chat)
-        write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite, card, chat)
+        write_hf_folder(out, model.config, model.state, model.tokenizer_path, dtype, eos, overwrite,
+                        card, chat)
     return model.path
 
 
@@ -124,14 +125,16 @@ def export_adapters(checkpoint: str, out: str, args):
 
 def parse_args(argv) -> argparse.Namespace:
     """Paths and flags of both directions; exits 2 with one line when the paths don't fit."""
-    formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
+    formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                   argparse.ArgumentDefaultsHelpFormatter), {})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR (or hf:ORG/NAME, or "
-                                             "MODEL.gguf) RUN_DIR")
+    p.add_argument("paths", nargs="+", help="export: [CHECKPOINT] OUT_DIR; with --import: HF_DIR (or "
+                                            "hf:ORG/NAME, or MODEL.gguf) RUN_DIR")
     p.add_argument("--import", dest="do_import", action="store_true",
                    help="read a Hugging Face folder, Hub model or GGUF file into a run folder instead of "
                         "exporting")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="export: dtype of the saved weights")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="export: dtype of the saved weights")
     p.add_argument("--eos", default=EOT_TOKEN, help="export: the tokenizer's end token; generation "
                                                     "stops at it, at <|endoftext|> and at "
                                                     "<|im_end|> (chat models) either way")
@@ -140,8 +143,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing OUT_DIR")
     p.add_argument("--base", default="", help="export of a LoRA run: the base "
                                               "model its adapters were trained on")
-    p.add_argument("--adapter_only", action="store_true", help="export of a LoRA run: a PEFT folder of the adapters "
-                   "(adapter_config.json naming --base, or the base the run recorded; adapter_model.safetensors)")
+    p.add_argument("--adapter_only", action="store_true",
+                   help="export of a LoRA run: a PEFT folder of the adapters (adapter_config.json naming "
+                        "--base, or the base the run recorded; adapter_model.safetensors)")
     p.add_argument("--tokenizer", default="", help="import: tokenizer.json when HF_DIR has none")
     p.add_argument("--max_seq_len", type=int, default=0, help="import: context length; 0: "
                                                               "max_position_embeddings")

@@ -123,7 +123,8 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
     def val_loss_now():
         nonlocal n
         until_now = deadlines.pop() if deadlines else math.inf
-        loss, n = objective.evaluate(runner.eval_model, runner.amp, plan.val_batches, n, plan.ranks, until_now)
+        loss, n = objective.evaluate(runner.eval_model, runner.amp, plan.val_batches, n,
+                                     plan.ranks, until_now)
         return loss
     # (its val loss, a line saying which)
     chosen = runner.average.end_on_better(val_loss_now) if last else None
@@ -134,15 +135,15 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
     val_loss = chosen[0] if chosen else val_loss_now()
     probe = session.probe
     with runner.amp:
-        (code_ok, code_n), samples = (probe.code(runner.raw_model), probe.samples(runner.raw_model)) if full else \
-            ((float("nan"), 0), [])
+        (code_ok, code_n), samples = ((probe.code(runner.raw_model), probe.samples(runner.raw_model)) if full
+                                      else ((float("nan"), 0), []))
         scores = probe.scores(runner.raw_model) if full else []
     pairs = objective.kept(val_loss)  # a preference run's rewards of the weights that stay
     if session.monitor:
-        r = session.monitor.eval_record(step, val_loss, plan.data.meta["val_bytes_per_token"], code_ok=code_ok,
-                                        code_samples=code_n, **{f"acc_{s.task}": s.acc for s in scores},
-                                        **({"scored_items": scores[0].items} if scores else {}),
-                                        **pairs)
+        r = session.monitor.eval_record(step, val_loss, plan.data.meta["val_bytes_per_token"],
+                                        code_ok=code_ok, code_samples=code_n,
+                                        **{f"acc_{s.task}": s.acc for s in scores},
+                                        **({"scored_items": scores[0].items} if scores else {}), **pairs)
         code = (f", {objective.line(pairs)}" if pairs else "") + \
             (f", code {100 * code_ok:.0f}% of {code_n} bodies parse" if code_n else "")
         tasks = "".join(f", {s.task} {100 * s.acc:.1f}%" for s in scores)
@@ -157,22 +158,23 @@ def evaluate_and_log(plan: Plan, runner: Runner, session: Session, step: int, fu
 
 # ----------------------------------------------------------------------------- checkpoints, logging, the run
 
-def save(plan: Plan, runner: Runner, session: Session, clock: RunClock, val_loss: float | None = None) -> str | None:
+def save(plan: Plan, runner: Runner, session: Session, clock: RunClock,
+         val_loss: float | None = None) -> str | None:
     """Write a checkpoint of the training state at its step (TrainingState.save: rank 0 writes, NaN refused).
     Every rank calls it. val_loss: the evaluation at this step, if there was one."""
     return runner.state.save(plan.cfg, plan.ranks, plan.data, session.record, clock.timer.state(), val_loss)
 
 
-def evaluate_and_save(plan: Plan, runner: Runner, session: Session, clock: RunClock, step: int, last_step: bool,
-                      stopping: bool) -> str | None:
+def evaluate_and_save(plan: Plan, runner: Runner, session: Session, clock: RunClock, step: int,
+                      last_step: bool, stopping: bool) -> str | None:
     """At a step after the session's first: the evaluation where due (the final one at the run's end), then
     the checkpoint where due or stopping; the checkpoint's path, if one was written."""
     evals, timer, val_loss = clock.evals, clock.timer, None
     if last_step or evals.due(step):
         with timer.pause("eval", step):
             n, until = clock.final_eval() if last_step else (0, math.inf)  # a budget's end may hold fewer
-            val_loss = evaluate_and_log(plan, runner, session, step, full=evals.full(step, last_step), last=last_step,
-                                        batches=n, until=until)
+            val_loss = evaluate_and_log(plan, runner, session, step, full=evals.full(step, last_step),
+                                        last=last_step, batches=n, until=until)
         say(session, clock.evaluated(step, last_step))  # marked; the run's length is measured again
         runner.state.best_val = min(runner.state.best_val, val_loss)
     if last_step or stopping or evals.save_due(step):
@@ -191,8 +193,8 @@ def take_step(plan: Plan, runner: Runner, session: Session, clock: RunClock, ste
         say(session, "compiling the step: from an empty cache it takes 20-60 s on a "
                      "CPU, minutes for a large model")
     try:
-        loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step, t,
-                                                                                   plan.ranks)
+        loss, grad_norm, ok = (first_train_step if step == first else train_step)(runner, plan.batches, step,
+                                                                                   t, plan.ranks)
     # a user's reward function failed before the step changed anything: keep the work so far
     except RewardError:
         save(plan, runner, session, clock)
@@ -230,8 +232,8 @@ def log_window(plan: Plan, runner: Runner, session: Session, clock: RunClock, gr
     if session.monitor:
         lrs = {f"lr_{name}": lr for name, lr in runner.opt.lrs().items()}
         step_s = clock.timer.agreed.step_s if clock.timer.agreed.measured else None  # the first step compiles
-        r = session.monitor.train_record(step, runner.state.tokens, mean_loss, lr_scale, lrs, grad_norm.item(),
-                                         step_s, compiled=not runner.eager, extra=pairs)
+        r = session.monitor.train_record(step, runner.state.tokens, mean_loss, lr_scale, lrs,
+                                         grad_norm.item(), step_s, compiled=not runner.eager, extra=pairs)
         session.bar.set_postfix(format_postfix(r), refresh=False)
 
 
@@ -250,8 +252,9 @@ def open_session(plan: Plan, runner: Runner, launch: float, argv) -> tuple[Sessi
                      **runner.state.clock)
     if ranks.is_main:
         write_run_config(cfg)  # only now: every check has passed and automatic sizing is done
-    monitor = Monitor(t.run_dir, device, flops_per_token(cfg.model), plan.tokens_per_step, tensorboard=t.tensorboard,
-                      wandb=t.wandb, config=cfg.to_dict(), world_size=ranks.world_size,
+    monitor = Monitor(t.run_dir, device, flops_per_token(cfg.model), plan.tokens_per_step,
+                      tensorboard=t.tensorboard, wandb=t.wandb, config=cfg.to_dict(),
+                      world_size=ranks.world_size,
                       resume_step=start if plan.ckpt else None) if ranks.is_main else None
     probe = Probe(runner.raw_model.config, plan.data, python=is_bundled(cfg.data), prompts=t.sample_prompts,
                   tasks=t.eval_tasks,
@@ -259,7 +262,8 @@ def open_session(plan: Plan, runner: Runner, launch: float, argv) -> tuple[Sessi
     precision = precision_label(t.precision, runner.amp_dtype, runner.raw_model)
     ranks.print((f"resumed from {plan.ckpt} at step {start}\n" if plan.ckpt else "") + start_report(
         cfg, device, runner.raw_model, runner.opt, precision=precision, ranks=ranks, row=plan.row,
-        tokens_per_step=plan.tokens_per_step, compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
+        tokens_per_step=plan.tokens_per_step,
+        compile_fallback=falls_back(t, device)) + "\n" + probe.describe())
     args = sys.argv[1:] if argv is None else argv
     command = f"{ranks.launcher()} gpu_training_optimized.py {shlex.join(map(str, args))}"
     profiler = StepProfiler(t.run_dir, device, first=start + 2) if t.profile and ranks.is_main else None
@@ -309,9 +313,10 @@ def finish(plan: Plan, runner: Runner, session: Session, clock: RunClock, first:
     if data_lost:  # the corpus stopped arriving (the Hub, the disk): the work up to here is saved
         raise stopped_by(plan.batches.failure, state.step, ckpt)
     if plan.ranks.is_main:
-        print(summary(step=state.step, tokens=state.tokens, seconds=clock.timer.spent_s(), best_val=state.best_val,
-                      bytes_per_token=plan.data.meta["val_bytes_per_token"], ckpt=ckpt, device=plan.device,
-                      interrupted=interrupted, launcher=plan.ranks.launcher(), base=t.init_from if t.lora_rank else "")
+        print(summary(step=state.step, tokens=state.tokens, seconds=clock.timer.spent_s(),
+                      best_val=state.best_val, bytes_per_token=plan.data.meta["val_bytes_per_token"],
+                      ckpt=ckpt, device=plan.device, interrupted=interrupted, launcher=plan.ranks.launcher(),
+                      base=t.init_from if t.lora_rank else "")
               + runner.objective.summary()
               + "\n" + clock.evals.report() + write_report_card(plan, session, ckpt)
               + "".join(f"\n{line}" for line in [trained_short(plan.cfg, plan.data), learned(plan)] if line))
@@ -325,8 +330,8 @@ def make_plan(argv) -> Plan:
     read."""
     cfg, _ = parse_config(argv)
     ranks = distributed.setup()
-    device = pick_device(cfg.train.device if not ranks.enabled else ("cuda" if torch.cuda.is_available() else "cpu"),
-                         ranks.local_rank)
+    device = pick_device((cfg.train.device if not ranks.enabled
+                          else ("cuda" if torch.cuda.is_available() else "cpu")), ranks.local_rank)
     if cfg.train.deterministic:
         make_deterministic()
     return settle(cfg, ranks, device)
@@ -358,7 +363,8 @@ def main(argv=None) -> int:
             last_step = clock.finished(step)  # the wait spent budget, perhaps all of it
         stopping = plan.ranks.stop_vote(stop.requested or data_lost)  # every rank stops at the same step
         if step > first:  # a new run has nothing to evaluate yet; a resumed one did both before it stopped
-            last_ckpt = evaluate_and_save(plan, runner, session, clock, step, last_step, stopping) or last_ckpt
+            last_ckpt = (evaluate_and_save(plan, runner, session, clock, step, last_step, stopping)
+                         or last_ckpt)
         if last_step or (stopping and step > first):
             break
         take_step(plan, runner, session, clock, step, first)  # the rate, the step, the average, a log line

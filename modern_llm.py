@@ -142,7 +142,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, cfg.head_dim)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
@@ -163,7 +164,8 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim, *[self.n_kv_head * self.head_dim] * 2], -1)
+            q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim,
+                                              *[self.n_kv_head * self.head_dim] * 2], -1)
         q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -267,7 +269,8 @@ class Transformer(nn.Module):
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
                 setattr(module, name, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-        self.rope_cos, self.rope_sin = (torch.empty_like(t, device=device) for t in (self.rope_cos, self.rope_sin))
+        self.rope_cos, self.rope_sin = (torch.empty_like(t, device=device)
+                                        for t in (self.rope_cos, self.rope_sin))
         self.tie_weights()
         self.compute_rope()
         return self
@@ -331,7 +334,8 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T if input_lengths is None else input_lengths)
         if last_only:
-            last = input_lengths - 1 if input_lengths is not None else torch.full((B,), T - 1, device=x.device)
+            last = (input_lengths - 1 if input_lengths is not None
+                    else torch.full((B,), T - 1, device=x.device))
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, d)
         x = self.norm(x)
         if labels is not None and (reduction == "none" or 0 < run.loss_chunk_rows < labels.numel()):
@@ -380,7 +384,8 @@ class Transformer(nn.Module):
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean fp32 cross-entropy over labels != -100; 0 (not NaN) when every label is masked."""
     flat = labels.reshape(-1)
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat,
+                            ignore_index=-100, reduction="sum")
     return total / (flat != -100).sum().clamp(min=1)
 
 
@@ -400,12 +405,14 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if torch.is_autocast_enabled(h.device.type):
         weight = weight.to(torch.get_autocast_dtype(h.device.type))
     if reduction == "mean":
-        total = sum(checkpoint(_chunk_loss, h[i:i + rows], weight, flat[i:i + rows], "sum", use_reentrant=False)
+        total = sum(checkpoint(_chunk_loss, h[i:i + rows], weight,
+                               flat[i:i + rows], "sum", use_reentrant=False)
                     for i in range(0, h.shape[0], rows))
         return total / (flat != -100).sum().clamp(min=1)
     at = (flat != -100).nonzero().squeeze(1) if labelled_only else None  # a host sync
     h, flat = (h, flat) if at is None else (h[at], flat[at])  # (labelled rows, d), (labelled rows,)
-    nll = torch.cat([checkpoint(_chunk_loss, h[i:i + rows], weight, flat[i:i + rows], "none", use_reentrant=False)
+    nll = torch.cat([checkpoint(_chunk_loss, h[i:i + rows], weight,
+                                flat[i:i + rows], "none", use_reentrant=False)
                      for i in range(0, h.shape[0], rows)] or [h.new_zeros(0, dtype=torch.float32)])
     return (nll if at is None else nll.new_zeros(labels.numel()).index_copy(0, at, nll)).view(labels.shape)
 

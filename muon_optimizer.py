@@ -178,7 +178,8 @@ def momentum_update(grads: list, bufs: list, momentum: float, nesterov: bool, ke
     return torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
 
 
-def apply_update(weights: list, ortho: list, scales: list[float], lr: torch.Tensor, weight_decay: float, keep=None):
+def apply_update(weights: list, ortho: list, scales: list[float], lr: torch.Tensor,
+                 weight_decay: float, keep=None):
     """w <- (1 - lr wd) w - lr scale o for every matrix, in place; lr and keep are 0-D tensors (keep 0: no
     step)."""
     lr = lr if keep is None else lr * keep
@@ -321,8 +322,10 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
                              shape_rule=cfg.muon_shape_rule, ns_dtype=NS_DTYPES[cfg.muon_precision],
                              # CPU: not worth its compile
                              compiled=cfg.compile != "off" and groups["muon"][0].is_cuda)
-    adam_groups = [{"name": name, "params": groups[name], "initial_lr": cfg.learning_rate, "weight_decay": wd}
-                   for name, wd in (("adamw_decay", cfg.weight_decay), ("adamw_no_decay", 0.0)) if groups[name]]
+    adam_groups = [{"name": name, "params": groups[name],
+                    "initial_lr": cfg.learning_rate, "weight_decay": wd}
+                   for name, wd in (("adamw_decay", cfg.weight_decay), ("adamw_no_decay", 0.0))
+                   if groups[name]]
     if adam_groups:
         params = groups["adamw_decay"] + groups["adamw_no_decay"]
         # Fused kernels exist for CUDA and CPU (equal to foreach within float rounding); foreach elsewhere.
@@ -332,7 +335,8 @@ def build_optimizer(model: nn.Module, cfg) -> MuonAdamW:
                                            fused=fused or None, foreach=None if fused else True)
     opt = MuonAdamW(parts)
     seen = sorted(id(p) for g in opt.param_groups for p in g["params"])
-    assert seen == sorted({id(p) for p in model.parameters() if p.requires_grad}), "a parameter is lost or doubled"
+    assert seen == sorted({id(p) for p in model.parameters()
+                           if p.requires_grad}), "a parameter is lost or doubled"
     return opt
 
 
@@ -351,9 +355,11 @@ def _benchmark(preset: str = "tiny", layers: int = 0, repeats: int = 3):
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=gen) * 0.02 for s in shapes * n_layers]
     grads = [torch.randn(s, generator=gen) for s in shapes * n_layers]
-    makers = {"torch.optim.Muon (bf16, per matrix)": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1),
+    makers = {"torch.optim.Muon (bf16, per matrix)": lambda ps: torch.optim.Muon(ps, lr=0.02,
+                                                                                 weight_decay=0.1),
               "ours, bf16 (batched)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.bfloat16),
-              "ours, fp32 (batched, CPU default)": lambda ps: Muon(ps, weight_decay=0.1, ns_dtype=torch.float32)}
+              "ours, fp32 (batched, CPU default)": lambda ps: Muon(ps, weight_decay=0.1,
+                                                                   ns_dtype=torch.float32)}
     print(f"{preset} preset, {n_layers} layers, {len(weights)} matrices, {torch.get_num_threads()} threads; "
           f"seconds per Muon step, best of {repeats} after one warm-up")
     times = {}

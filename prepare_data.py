@@ -74,8 +74,8 @@ def show_examples(data: PreparedData, n: int, colour: bool, packing: str = "auto
 
 # What decides the cache: the data's settings, the vocabulary and context (a preset's, or sizing's for
 # --device).
-CACHE_FLAGS = {f.name for f in fields(DataConfig)} | {"vocab_size", "max_seq_len", "device", "preset", "config",
-                                                      "show", "help", "h"}
+CACHE_FLAGS = {f.name for f in fields(DataConfig)} | {"vocab_size", "max_seq_len", "device", "preset",
+                                                      "config", "show", "help", "h"}
 
 
 def parse_args(argv=None):
@@ -90,10 +90,12 @@ def parse_args(argv=None):
                               "them); pass it to gpu_training_optimized.py")
 
     def show(parser):
-        parser.add_argument("--show", type=int, default=0, metavar="N", help="after preparing, print N training "
-                            "examples with their learned tokens marked, and the share of tokens learned")
-    cfg, extras = parse_config(argv, show, "Prepare the token cache a training run reads: the data, tokenizer and "
-                               "sizing settings below are the trainer's own.", shown=CACHE_FLAGS)
+        parser.add_argument("--show", type=int, default=0, metavar="N",
+                            help="after preparing, print N training examples with their learned tokens "
+                                 "marked, and the share of tokens learned")
+    cfg, extras = parse_config(argv, show, "Prepare the token cache a training run reads: the data, "
+                               "tokenizer and sizing settings below are the trainer's own.",
+                               shown=CACHE_FLAGS)
     if extras.show < 0:
         raise ConfigError(f"--show {extras.show} is invalid, pass a number of examples >= 0")
     return cfg, extras

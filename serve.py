@@ -249,8 +249,8 @@ async def whole(job: Job, meta: dict, chat: bool):
     choices = [{"index": i, "finish_reason": reasons[i], "logprobs": logprobs[i],
                 **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
                for i, text in enumerate(texts)]
-    return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                         "usage": usage_of(job, used)})
+    return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",
+                         "choices": choices, "usage": usage_of(job, used)})
 
 
 def usage_of(job: Job, completion_tokens: int) -> dict:
@@ -287,7 +287,8 @@ async def streamed(job: Job, meta: dict, chat: bool, usage: bool = False):
                 used += event.tokens
                 yield chunk(event.choice, finish=event.finish_reason)
         if usage:
-            yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage_of(job, used)})}\n\n"
+            yield ("data: "
+                   f"{json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage_of(job, used)})}\n\n")
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled = True  # a client gone mid-stream frees its row at the next read; no-op when finished

@@ -58,7 +58,8 @@ class TextGenerator:
 
     def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
                  compile: str = "auto", base: str = "", **settings):
-        load = LoadConfig(checkpoint=path, best=best, base=base, device=device, compile=compile, quantize=quantize)
+        load = LoadConfig(checkpoint=path, best=best, base=base, device=device,
+                          compile=compile, quantize=quantize)
         self.model, self.tokenizer, self.config, self.path = load_for_inference(load)
         self.load = replace(load, checkpoint=self.path)  # what was loaded
         self.settings = self._with(SampleConfig(), settings)
@@ -74,15 +75,15 @@ class TextGenerator:
         """The completion of a prompt (without the prompt), or a list: one per prompt, or num_return_sequences
         per prompt grouped by prompt."""
         s = self._with(self.settings, settings)
-        texts, _ = generate_text(self.model, self.tokenizer, [prompt] if isinstance(prompt, str) else list(prompt),
-                                 s)
+        texts, _ = generate_text(self.model, self.tokenizer,
+                                 [prompt] if isinstance(prompt, str) else list(prompt), s)
         return texts[0] if isinstance(prompt, str) and s.num_return_sequences == 1 else texts
 
     def chat(self, messages: list[dict], **settings) -> str:
         """The assistant's reply to a dialogue of {"role", "content"} messages (ChatML models only)."""
         if not can_chat(self.tokenizer):
-            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
-                             "conversations")
+            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model "
+                              "trained on conversations")
         s = replace(self._with(self.settings, settings), num_return_sequences=1)
         texts, _ = generate_text(self.model, self.tokenizer, [chat_prompt_ids(self.tokenizer, messages)], s,
                                  stop_ids(self.tokenizer))
@@ -121,7 +122,8 @@ def list_runs(root: str) -> str:
             last = [r for r in evals if r["step"] <= step][-1:] or [{}]
             loss, bpb = (f"{last[0][k]:.4f}" if isinstance(last[0].get(k), (int, float)) else "n/a"
                          for k in ("val_loss", "val_bpb"))
-            date = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(os.path.join(ckpt, WEIGHTS))))
+            date = time.strftime("%Y-%m-%d %H:%M",
+                                 time.localtime(os.path.getmtime(os.path.join(ckpt, WEIGHTS))))
             name = os.path.basename(os.path.normpath(run))
             lines.append(f"{name:<20} {step:>7} {params:>8} {_human(size, ('B', 'KB', 'MB', 'GB')):>9} "
                          f"{loss:>8} {bpb:>6}  {date}" + ("  best" if ckpt == best else ""))
@@ -174,7 +176,8 @@ def run(model, tokenizer, settings, prompt, stream=True, chat=False) -> list[str
     ctx = model.config.max_seq_len
     used = len(prompt) if chat else len(tokenizer.encode(prompt, add_special_tokens=False))
     note = f", stopped at the context of {ctx} tokens" if used + max(map(len, new)) >= ctx else ""
-    print(f"[{n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tokens/s{note}]", file=sys.stderr, flush=True)
+    print(f"[{n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tokens/s{note}]",
+          file=sys.stderr, flush=True)
     return texts
 
 
@@ -256,7 +259,8 @@ class Repl:
         if not text:
             raise ConfigError("give a prompt, for example: batch def main():")
         n = self.settings.num_return_sequences if self.settings.num_return_sequences > 1 else BATCH_SAMPLES
-        texts = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=n), text, stream=False)
+        texts = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=n),
+                    text, stream=False)
         for i, t in enumerate(texts, 1):
             print(f"--- {i} ---\n{text}{t}")
 
@@ -283,8 +287,8 @@ class Repl:
 
     def cmd_chat(self, _=""):
         if not self.can_chat:
-            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model trained on "
-                             "conversations")
+            raise ConfigError(f"this tokenizer has no {IM_START}/{IM_END} tokens: chat needs a model "
+                              "trained on conversations")
         self.chatting, self.messages = True, []
         print("chat mode: type a message; /reset clears the dialogue, /plain returns to "
               "plain text, quit (or Ctrl-D) leaves")
@@ -310,7 +314,8 @@ class Repl:
         if len(ids) + room > ctx:
             raise ConfigError(f"the message needs {len(ids)} tokens, more than the context of {ctx} allows")
         _write("assistant: ")
-        reply = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=1), ids, chat=True)
+        reply = run(self.model, self.tokenizer, replace(self.settings, num_return_sequences=1),
+                    ids, chat=True)
         self.messages = dialogue + [{"role": "assistant", "content": reply[0].strip()}]
 
 
@@ -332,7 +337,8 @@ def measure(model, tokenizer, ckpt: str, files: list[str]) -> int:
     texts = None if files else split_texts(DataConfig())
     pieces = (lambda: file_pieces(files)) if files else (lambda: texts)
     size = corpus_bytes(DataConfig(sources=files)) if files else sum(len(t.encode("utf-8")) for t in texts)
-    with tqdm(total=size, unit="B", unit_scale=True, desc="bits per byte", file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=size, unit="B", unit_scale=True, desc="bits per byte", file=sys.stderr,
+              dynamic_ncols=True) as bar:
         r = bits_per_byte(model, tokenizer, pieces(), bar=bar)
     parts = (text for _, text in text_parts(pieces()))  # read only until the code metric has its prompts
     rate, n = code_parse_rate(model, tokenizer, parts, fitted(CODE_SETTINGS, model.config.max_seq_len))
@@ -351,14 +357,16 @@ def parse_args(argv):
         parser.add_argument("--prompt", default=None, help="generate once for this prompt, print, exit")
         parser.add_argument("--list", action="store_true", help="list the checkpoints under runs/ (or the "
                                                                 "folder given) and exit")
-        parser.add_argument("--interactive", action="store_true", help="the REPL even when stdin is not a terminal")
+        parser.add_argument("--interactive", action="store_true",
+                            help="the REPL even when stdin is not a terminal")
         parser.add_argument("--eval", action="store_true", help="measure the model instead: bits "
                                                                 "per byte and the share of Python "
                                                                 "function bodies that parse")
-        parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; default: the "
-                                                                        "validation split of config.py's data")
-    (load, settings), extras = parse_sections((LoadConfig, SampleConfig), (LoadConfig(), SampleConfig()), argv,
-                                              "Generate text with a trained checkpoint.", extra)
+        parser.add_argument("--eval_files", nargs="+", default=[], help="files or folders --eval reads; "
+                                                                        "default: the validation split of "
+                                                                        "config.py's data")
+    (load, settings), extras = parse_sections((LoadConfig, SampleConfig), (LoadConfig(), SampleConfig()),
+                                              argv, "Generate text with a trained checkpoint.", extra)
     extras.prompt = None if extras.prompt is None else _from_argv(extras.prompt)
     return load, replace(settings, stop=[_unescape(_from_argv(s)) for s in settings.stop]), extras
 

@@ -43,9 +43,10 @@ def run_once(args, name: str, flags: list[str], seed: int) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
         os.makedirs(args.out, exist_ok=True)
         cmd = [sys.executable, os.path.join(HERE, "gpu_training_optimized.py"), "--preset", args.preset,
-               "--max_steps", str(args.steps), "--max_minutes", "0", "--seed", str(seed), "--run_dir", run_dir,
-               "--eval_interval", str(args.steps), "--save_interval", str(args.steps), "--keep_checkpoints", "1",
-               *(["--sources", *args.sources] if args.sources else []), *args.extra, *flags]
+               "--max_steps", str(args.steps), "--max_minutes", "0", "--seed", str(seed),
+               "--run_dir", run_dir, "--eval_interval", str(args.steps), "--save_interval", str(args.steps),
+               "--keep_checkpoints", "1", *(["--sources", *args.sources] if args.sources else []),
+               *args.extra, *flags]
         print(f"running {name} seed {seed}: {' '.join(cmd[2:])}", flush=True)
         with open(run_dir + ".log", "w", encoding="utf-8") as f:
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
@@ -54,7 +55,8 @@ def run_once(args, name: str, flags: list[str], seed: int) -> dict:
     last = read_metrics(run_dir, "eval")[-1]
     trains = read_metrics(run_dir, "train")
     return {"name": name, "seed": seed, "val_bpb": last["val_bpb"], "val_loss": last["val_loss"],
-            "whole_bpb": whole_split_bpb(run_dir, args.sources), "tokens": trains[-1]["tokens"] if trains else None}
+            "whole_bpb": whole_split_bpb(run_dir, args.sources),
+            "tokens": trains[-1]["tokens"] if trains else None}
 
 
 def steps_of(flags: list[str], default: int) -> int:

@@ -54,7 +54,8 @@ class FixedBatches:
         B, T = cfg.train.micro_batch_size, cfg.model.max_seq_len
         ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
         self.x, self.y, self.device = ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), device
-        self.pos = (torch.arange(T) % -(-T // self.PACKED_EXAMPLES)).expand(B, T).to(device) if packed else None
+        self.pos = ((torch.arange(T) % -(-T // self.PACKED_EXAMPLES)).expand(B, T).to(device)
+                    if packed else None)
 
     def get(self, step: int, micro_step: int):
         return self.x, self.y, self.pos
@@ -253,7 +254,8 @@ def parse_args(argv=None):
     """(Config, the benchmark's own arguments) from the command line; the documentation's commands are checked
     against it."""
     def extra(parser):
-        parser.add_argument("--bench_steps", type=int, default=4, help="timed optimizer steps per model and round")
+        parser.add_argument("--bench_steps", type=int, default=4,
+                            help="timed optimizer steps per model and round")
         parser.add_argument("--rounds", type=int, default=5, help="rounds, the models alternating")
         parser.add_argument("--warmup_steps_bench", type=int, default=3, help="untimed steps first (compile)")
         parser.add_argument("--skip_hf", action="store_true", help="time our model only")
@@ -287,7 +289,8 @@ def main(argv=None):
     contenders = [Contender("ours", cfg, device, ours, warmup)]
     if not args.skip_hf:
         twin = TwinForTraining(hf_twin(cfg.model))
-        contenders.append(Contender("hf_qwen3" if cfg.model.qk_norm else "hf_llama", cfg, device, twin, warmup))
+        contenders.append(Contender("hf_qwen3" if cfg.model.qk_norm else "hf_llama",
+                                    cfg, device, twin, warmup))
     rates = alternate(contenders, args.rounds, steps)
     results = [result(c, r) for c, r in zip(contenders, rates)]
     del ours, contenders

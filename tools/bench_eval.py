@@ -28,8 +28,8 @@ def their_model(path: str, batch_size: int):
     folder, name = (os.path.split(path) if path.endswith(".gguf") else (path, None))
     extra = {"gguf_file": name} if name else {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
-    return HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(folder, **extra), batch_size=batch_size,
-                device="cpu")
+    return HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(folder, **extra),
+                batch_size=batch_size, device="cpu")
 
 
 def their_predictions(lm, items) -> tuple[list[int], list[list[float]]]:
@@ -92,7 +92,8 @@ def compare(model_path: str, names: list[str], limit: int, batch_size: int) -> l
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--tasks", nargs="+", default=["arc_easy", "arc_challenge", "piqa", "winogrande", "hellaswag"])
+    p.add_argument("--tasks", nargs="+",
+                   default=["arc_easy", "arc_challenge", "piqa", "winogrande", "hellaswag"])
     p.add_argument("--limit", type=int, default=0, help="the first N items of each task; 0: all")
     p.add_argument("--batch_size", type=int, default=1, help="lm-eval's batch size (its default is 1)")
     return p.parse_args(argv)

@@ -128,8 +128,8 @@ def theirs(hf, prompts, n, fastest: bool):
         compile_config._compile_all_devices = True  # transformers compiles on its own only on accelerators
         kwargs = dict(cache_implementation="static", compile_config=compile_config)
     with torch.no_grad():
-        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, **kwargs)
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, **kwargs)
     return out[:, prompts.shape[1]:].tolist()
 
 
@@ -177,7 +177,8 @@ def main(argv=None):
         mine = ours(model, check, 32)
         for label, fastest in hfs.items():
             same = theirs(twin, check, 32, fastest) == mine
-            print(f"  greedy check, {label}: {'identical' if same else 'DIFFERENT'} for 32 tokens", flush=True)
+            print(f"  greedy check, {label}: {'identical' if same else 'DIFFERENT'} for 32 tokens",
+                  flush=True)
         peak = bandwidth(device)
         print(f"  {'batch':>5} {'ours tok/s':>11} {'% of bound':>10} {'first token':>11}"
               + "".join(f" {k + ' tok/s':>16}" for k in hfs) + "  ours / hf fastest (median of reps, range)",

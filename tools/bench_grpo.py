@@ -69,18 +69,20 @@ def ours(folder: str, steps: int, new_tokens: int, compile_mode: str = "off") ->
     run = os.path.join(folder, f"ours-{time.time_ns()}")
     start = time.perf_counter()
     assert trainer.main(["--init_from", os.path.join(folder, "model"), "--objective", "grpo", "--sources",
-                         os.path.join(folder, "prompts.jsonl"), "--reward", "gsm8k", "--run_dir", run, "--lora_rank",
-                         str(RANK), "--max_seq_len", "512", "--num_generations", str(GROUP), "--prompts_per_step",
-                         str(PER_STEP), "--max_completion_length", str(new_tokens), "--max_steps", str(steps + 2),
-                         "--compile", compile_mode, "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1",
-                         "--eval_batches", "1", "--weight_average", "0", "--precision", "bf16"]) == 0
+                         os.path.join(folder, "prompts.jsonl"), "--reward", "gsm8k", "--run_dir", run,
+                         "--lora_rank", str(RANK), "--max_seq_len", "512", "--num_generations", str(GROUP),
+                         "--prompts_per_step", str(PER_STEP), "--max_completion_length", str(new_tokens),
+                         "--max_steps", str(steps + 2), "--compile", compile_mode, "--optimizer", "adamw",
+                         "--learning_rate", "1e-5", "--log_interval", "1", "--eval_batches", "1",
+                         "--weight_average", "0", "--precision", "bf16"]) == 0
     logged = read_metrics(run, "train")[2:]
     step_s = statistics.median(1 / r["steps_per_s"] for r in logged)
     generate_s = statistics.median(r["generate_s"] for r in logged)
     reward_s = statistics.median(r["reward_s"] for r in logged)
     return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, "generate_s": generate_s,
             "reward_s": reward_s, "train_s": step_s - generate_s - reward_s,
-            "reply_len": statistics.mean(r["completion_len"] for r in logged), "wall_s": time.perf_counter() - start,
+            "reply_len": statistics.mean(r["completion_len"] for r in logged),
+            "wall_s": time.perf_counter() - start,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -133,8 +135,8 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
     split = {k: statistics.median(b[k] - a[k] for a, b in zip(totals[1:], totals[2:])) for k in spent}
     lengths = [r["completions/mean_length"] for r in run.state.log_history if "completions/mean_length" in r]
     return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, **split,
-            "train_s": step_s - split["generate_s"] - split["reward_s"], "reply_len": statistics.mean(lengths[2:]),
-            "wall_s": time.perf_counter() - start,
+            "train_s": step_s - split["generate_s"] - split["reward_s"],
+            "reply_len": statistics.mean(lengths[2:]), "wall_s": time.perf_counter() - start,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed, peak = [row["replies_per_s"] for row in rows], [row["peak_gib"] for row in rows]
-        split = ", ".join(f"{statistics.median(row[k] for row in rows):.2f}" for k in ("generate_s", "reward_s",
-                                                                                       "train_s"))
+        split = ", ".join(f"{statistics.median(row[k] for row in rows):.2f}"
+                          for k in ("generate_s", "reward_s", "train_s"))
         print(f"| {name} | {PER_STEP * GROUP} | {statistics.mean(r['reply_len'] for r in rows):.1f} | "
               f"{statistics.median(speed):.2f} ({min(speed):.2f}-{max(speed):.2f}) | {split} | "
               f"{statistics.median(peak):.2f} ({min(peak):.2f}-{max(peak):.2f}) | "

@@ -25,14 +25,16 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
 
 VARIANTS = {"full": {}, "lora-bf16": {"lora_rank": 16, "lora_base": "bf16"},
-            "lora-int8": {"lora_rank": 16, "lora_base": "int8"}, "lora-nf4": {"lora_rank": 16, "lora_base": "nf4"}}
+            "lora-int8": {"lora_rank": 16, "lora_base": "int8"},
+            "lora-nf4": {"lora_rank": 16, "lora_base": "nf4"}}
 
 
-def qwen25_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, seq: int, micro: int):
+def qwen25_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int,
+                  seq: int, micro: int):
     from config import Config, ModelConfig, TrainConfig
-    model = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        num_key_value_heads=kv, intermediate_size=inter, max_seq_len=seq, qk_norm=False,
-                        qkv_bias=True, tie_word_embeddings=True)
+    model = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                        max_seq_len=seq, qk_norm=False, qkv_bias=True, tie_word_embeddings=True)
     return Config(model=model, train=TrainConfig(micro_batch_size=micro, grad_accum_steps=1, compile="off",
                                                  precision="bf16", learning_rate=1e-4, muon_lr=0.01))
 
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
           "(range) | resident while training GiB (range) | process peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
-        speed, live, rss = ([row[k] for row in rows] for k in ("tokens_per_s", "live_peak_gib", "training_gib"))
+        speed, live, rss = ([row[k] for row in rows]
+                            for k in ("tokens_per_s", "live_peak_gib", "training_gib"))
         print(f"| {name} | {rows[0]['trained'] / 1e6:.1f}M of {rows[0]['parameters'] / 1e6:.0f}M | "
               f"{statistics.median(speed):,.0f} ({min(speed):,.0f}-{max(speed):,.0f}) | "
               f"{statistics.median(live):.3f} ({min(live):.3f}-{max(live):.3f}) | "

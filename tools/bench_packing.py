@@ -45,8 +45,10 @@ def long_tailed_chats(n: int, seed: int) -> list[list[dict]]:
         turns = min(12, int(rng.paretovariate(1.5)))
         msgs = []
         for _ in range(turns):
-            msgs += [{"role": "user", "content": " ".join(rng.choices(WORDS, k=int(rng.lognormvariate(2.5, 0.8))))},
-                     {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=int(rng.lognormvariate(3.5, 1))))}]
+            msgs += [{"role": "user",
+                      "content": " ".join(rng.choices(WORDS, k=int(rng.lognormvariate(2.5, 0.8))))},
+                     {"role": "assistant",
+                      "content": " ".join(rng.choices(WORDS, k=int(rng.lognormvariate(3.5, 1))))}]
         chats.append(msgs)
     return chats
 
@@ -86,7 +88,8 @@ def context_share_of_slices(loader: Batches, eot: int, windows: int = 2000) -> f
 def fill(args):
     with tempfile.TemporaryDirectory() as tmp:
         source = write_chats(tmp, long_tailed_chats(args.chats, 0))
-        data = prepare(DataConfig(sources=[source], cache_dir=tmp), vocab_size=1024, seq_len=64, log=lambda *a: None)
+        data = prepare(DataConfig(sources=[source], cache_dir=tmp), vocab_size=1024, seq_len=64,
+                       log=lambda *a: None)
         print(f"{data.meta['train_documents']:,} conversations, {data.meta['train_tokens']:,} tokens; median "
               f"{np.median(lengths(data)):.0f} tokens, 99th percentile "
               f"{np.percentile(lengths(data), 99):.0f}")
@@ -130,16 +133,16 @@ def learn(args):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = write_chats(tmp, arithmetic_chats(args.chats, 0))
-        common = ["--preset", "tiny", "--sources", source, "--cache_dir", os.path.join(tmp, "cache"), "--max_seq_len",
-                  str(args.seq_len), "--max_steps", str(args.steps), "--compile", "off", "--eval_interval",
-                  str(args.steps)]
+        common = ["--preset", "tiny", "--sources", source, "--cache_dir", os.path.join(tmp, "cache"),
+                  "--max_seq_len", str(args.seq_len), "--max_steps", str(args.steps), "--compile", "off",
+                  "--eval_interval", str(args.steps)]
         for seed in range(args.seeds):
             row = {}
             for mode in ("auto", "off"):
                 run = os.path.join(tmp, f"{mode}{seed}")
                 trainer.main([*common, "--packing", mode, "--seed", str(seed), "--run_dir", run])
-                data = prepare(DataConfig(sources=[source], cache_dir=os.path.join(tmp, "cache")), vocab_size=4096,
-                               seq_len=args.seq_len, log=lambda *a: None)
+                data = prepare(DataConfig(sources=[source], cache_dir=os.path.join(tmp, "cache")),
+                               vocab_size=4096, seq_len=args.seq_len, log=lambda *a: None)
                 row[mode] = assistant_loss(run, data, args.seq_len)
             rows.append(row)
             print(f"seed {seed}: whole conversations {row['auto']:.4f}, random slices "

@@ -55,11 +55,13 @@ def setup(folder: str, pairs: int = PAIRS) -> str:
     rng = random.Random(0)
     rows = [{"prompt": [{"role": "user", "content": sentence(rng, 30)}],
              "chosen": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}],
-             "rejected": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}]} for _ in range(pairs)]
+             "rejected": [{"role": "assistant", "content": sentence(rng, rng.randint(80, 160))}]}
+            for _ in range(pairs)]
     pairs = os.path.join(folder, "pairs.jsonl")
     with open(pairs, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    tok = train_tokenizer((m["content"] for r in rows for k in ("prompt", "chosen") for m in r[k]), "bpe", 1024)
+    tok = train_tokenizer((m["content"] for r in rows for k in ("prompt", "chosen") for m in r[k]),
+                          "bpe", 1024)
     model_dir = os.path.join(folder, "model")
     os.makedirs(model_dir)
     save_tokenizer(tok, os.path.join(model_dir, "tokenizer.json"))
@@ -81,18 +83,20 @@ def ours(folder: str, steps: int, seq: int, one_window: bool = False) -> dict:
     model_dir, run = os.path.join(folder, "model"), os.path.join(folder, f"ours-{time.time_ns()}")
     cache = run + "-cache"  # a cache of its own: each round computes the reference pass again, and times it
     data = prepare(DataConfig(sources=[os.path.join(folder, "pairs.jsonl")], cache_dir=cache,
-                              tokenizer=os.path.join(model_dir, "tokenizer.json")), 1024, seq, log=lambda *a: None)
+                              tokenizer=os.path.join(model_dir, "tokenizer.json")),
+                   1024, seq, log=lambda *a: None)
     plan = PairBatches(data, "train", 1, seq, 1337).plan
     tokens_per_window = plan.length[plan.pair_ids].sum() / plan.windows
     # windows holding about BATCH_PAIRS
     windows = max(1, round(BATCH_PAIRS * plan.windows / len(plan.pair_ids)))
     micro, accum = (1, windows) if one_window else (windows, 1)
     start = time.perf_counter()
-    assert trainer.main(["--init_from", model_dir, "--sources", os.path.join(folder, "pairs.jsonl"), "--cache_dir",
-                         cache, "--run_dir", run, "--lora_rank", str(RANK), "--max_seq_len",
-                         str(seq), "--micro_batch_size", str(micro), "--grad_accum_steps", str(accum), "--max_steps", str(steps + 2), "--compile", "off",
-                         "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1", "--eval_batches",
-                         "1", "--weight_average", "0", "--precision", "bf16",
+    assert trainer.main(["--init_from", model_dir, "--sources", os.path.join(folder, "pairs.jsonl"),
+                         "--cache_dir", cache, "--run_dir", run, "--lora_rank", str(RANK),
+                         "--max_seq_len", str(seq), "--micro_batch_size", str(micro),
+                         "--grad_accum_steps", str(accum), "--max_steps", str(steps + 2), "--compile", "off",
+                         "--optimizer", "adamw", "--learning_rate", "1e-5", "--log_interval", "1",
+                         "--eval_batches", "1", "--weight_average", "0", "--precision", "bf16",
                          "--gradient_checkpointing", "true"]) == 0
     wall = time.perf_counter() - start
     step_s = [1 / r["steps_per_s"] for r in read_metrics(run, "train")[2:]]
@@ -123,12 +127,15 @@ def trl(folder: str, steps: int, seq: int, per_forward: int = BATCH_PAIRS) -> di
                 tokens.append(logs["num_tokens"])
 
     start = time.perf_counter()
-    args = DPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"), per_device_train_batch_size=per_forward,
-                     gradient_accumulation_steps=BATCH_PAIRS // per_forward, max_steps=steps + 2, logging_steps=1, beta=0.1, loss_type=["sigmoid", "sft"],
-                     loss_weights=[1.0, 1.0], report_to="none", use_cpu=True, save_strategy="no", max_length=None,
-                     bf16=True, learning_rate=1e-5, dataloader_num_workers=0, gradient_checkpointing=True)
+    args = DPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"),
+                     per_device_train_batch_size=per_forward,
+                     gradient_accumulation_steps=BATCH_PAIRS // per_forward, max_steps=steps + 2,
+                     logging_steps=1, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
+                     report_to="none", use_cpu=True, save_strategy="no", max_length=None, bf16=True,
+                     learning_rate=1e-5, dataloader_num_workers=0, gradient_checkpointing=True)
     run = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), args=args,
-                     train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(model_dir),
+                     train_dataset=Dataset.from_list(rows),
+                     processing_class=AutoTokenizer.from_pretrained(model_dir),
                      peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LORA_TARGETS),
                                             task_type="CAUSAL_LM"), callbacks=[Clock()])
     run.train()

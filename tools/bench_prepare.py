@@ -140,7 +140,8 @@ def corpus_folder(folder: str, total_bytes: int, seed: int = 0, file_bytes: int 
     """A folder of .jsonl.zst files of total_bytes of text, streamed to disk, generated once: the marker
     beside it (in it, it would be read as a source) records a complete folder, and the same settings later
     reuse it."""
-    marker, want = folder.rstrip(os.sep) + ".done", {"bytes": total_bytes, "seed": seed, "file_bytes": file_bytes}
+    marker, want = folder.rstrip(os.sep) + ".done", {"bytes": total_bytes, "seed": seed,
+                                                     "file_bytes": file_bytes}
     if os.path.isfile(marker) and pathlib.Path(marker).read_text(encoding="utf-8") == json.dumps(want):
         return folder
     shutil.rmtree(folder, ignore_errors=True)
@@ -175,8 +176,8 @@ def prepare_seconds(sources: list[str], cache_dir: str, tokenizer: str, log=lamb
     from config import DataConfig
     from llm.data.preparation import prepare
     start = time.perf_counter()
-    prepare(DataConfig(sources=sources, cache_dir=cache_dir, tokenizer=tokenizer), vocab_size=VOCAB, seq_len=SEQ_LEN,
-            log=log)
+    prepare(DataConfig(sources=sources, cache_dir=cache_dir, tokenizer=tokenizer), vocab_size=VOCAB,
+            seq_len=SEQ_LEN, log=log)
     return time.perf_counter() - start
 
 
@@ -198,10 +199,12 @@ def speed(args):
     describe_machine("before")
     with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp:
         docs = list(texts(int(args.mb * 1e6)))
-        files = {"parquet": os.path.join(tmp, "corpus.parquet"), "jsonl.zst": os.path.join(tmp, "corpus.jsonl.zst")}
+        files = {"parquet": os.path.join(tmp, "corpus.parquet"),
+                 "jsonl.zst": os.path.join(tmp, "corpus.jsonl.zst")}
         mb = write_parquet(files["parquet"], docs) / 1e6
         write_jsonl_zst(files["jsonl.zst"], docs)
-        tok, batches = bench_tokenizer(os.path.join(tmp, "tokenizer.json"), docs), list(_groups(docs, BATCH_BYTES))
+        tok, batches = (bench_tokenizer(os.path.join(tmp, "tokenizer.json"), docs),
+                        list(_groups(docs, BATCH_BYTES)))
         print(f"corpus: {len(docs):,} documents, {mb:.1f} MB of "
               f"text; a tokenizer of {VOCAB} tokens", flush=True)
         rates = {"peer": [], **{kind: [] for kind in files}}
@@ -234,8 +237,10 @@ def child(sources: list[str], cache_dir: str, tokenizer: str):
     importlib.import_module("llm.data.preparation")  # the baseline holds the imports
     imports, lines = _maxrss_mb(resource.RUSAGE_SELF), []
     seconds = prepare_seconds(sources, cache_dir, tokenizer, log=lines.append)
-    print(json.dumps({"seconds": seconds, "imports_mb": imports, "reused": any("reusing" in str(x) for x in lines),
-                      "maxrss_mb": max(_maxrss_mb(resource.RUSAGE_SELF), _maxrss_mb(resource.RUSAGE_CHILDREN))}))
+    print(json.dumps({"seconds": seconds, "imports_mb": imports,
+                      "reused": any("reusing" in str(x) for x in lines),
+                      "maxrss_mb": max(_maxrss_mb(resource.RUSAGE_SELF),
+                                       _maxrss_mb(resource.RUSAGE_CHILDREN))}))
 
 
 def measured(sources: list[str], cache_dir: str, tokenizer: str) -> dict:
@@ -244,7 +249,8 @@ def measured(sources: list[str], cache_dir: str, tokenizer: str) -> dict:
     import psutil
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import "
             f"bench_prepare; bench_prepare.child({sources!r}, {cache_dir!r}, {tokenizer!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     peak, tree = 0, psutil.Process(proc.pid)
     while proc.poll() is None:  # the pipes hold the child's few lines: it never blocks on them
         with contextlib.suppress(psutil.Error):  # a process ended while it was read
@@ -304,8 +310,9 @@ def grow(args):
         for name in set(os.listdir(cache_dir)) - before:
             shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
     print(f"| preparation | seconds |\n| --- | --- |\n| the corpus, {args.gb:g} GB "
-          f"({'cache reused' if full['reused'] else 'built'}) | {full['seconds']:.2f} |\n| the corpus with one file "
-          f"of {mb:.1f} MB added | {again['seconds']:.2f} |\n| that file alone, fresh cache | {alone['seconds']:.2f} |")
+          f"({'cache reused' if full['reused'] else 'built'}) | {full['seconds']:.2f} |\n"
+          f"| the corpus with one file of {mb:.1f} MB added | {again['seconds']:.2f} |\n"
+          f"| that file alone, fresh cache | {alone['seconds']:.2f} |")
     print(f"re-prepare / file alone: {again['seconds'] / alone['seconds']:.1f}x")
     describe_machine("after")
 
@@ -319,8 +326,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gb", type=float, default=0, help="memory: the larger corpus (2); grow: the corpus (1)")
     p.add_argument("--small_ratio", type=float, default=10, help="memory: the smaller corpus is --gb / this")
     p.add_argument("--add_mb", type=float, default=10, help="grow: MB of text of the file added")
-    p.add_argument("--dir", default="", help="folder of the generated corpora and tokenizer, kept for the next call; "
-                   "default: a temporary folder, removed at the end")
+    p.add_argument("--dir", default="",
+                   help="folder of the generated corpora and tokenizer, kept for the next call; "
+                        "default: a temporary folder, removed at the end")
     p.add_argument("--cache_dir", default="", help="grow: the corpus's token cache, "
                                                    "kept; default: cache in --dir")
     return p.parse_args(argv)

@@ -59,7 +59,8 @@ def finished(run_dir: str, steps: int) -> bool:
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
     """The train loss averaged over seeds at every logged step."""
-    return [(points[0][0], statistics.fmean(loss for _, loss in points)) for points in zip(*(r["train"] for r in runs))]
+    return [(points[0][0], statistics.fmean(loss for _, loss in points))
+            for points in zip(*(r["train"] for r in runs))]
 
 
 def first_step_at_or_below(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -90,12 +91,14 @@ def plot(best: dict, out: str):
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", choices=[p for p in PRESETS if p != "auto"])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                         help="learning rates tried: the preset's rate times each")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the first one tunes the rate")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="the first one tunes the rate")
     parser.add_argument("--log_interval", type=int, default=10)
     parser.add_argument("--compile", default="off", help="compile mode of each run (see "
                                                          "the trainer's --compile)")
@@ -120,13 +123,15 @@ def main(argv=None):
 
     adamw_final = mean_curve(best["adamw"])[-1][1]
     reach = first_step_at_or_below(mean_curve(best["muon"]), adamw_final)
-    summary = {"preset": args.preset, "steps": args.steps, "sweep": sweep, "steps_for_muon_to_reach_adamw_final":
-               reach, "best": {k: [{key: r[key] for key in ("lr", "seed", "val_loss", "val_bpb")} for r in runs]
-                               for k, runs in best.items()}}
+    summary = {"preset": args.preset, "steps": args.steps, "sweep": sweep,
+               "steps_for_muon_to_reach_adamw_final": reach,
+               "best": {k: [{key: r[key] for key in ("lr", "seed", "val_loss", "val_bpb")} for r in runs]
+                        for k, runs in best.items()}}
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
 
-    print(f"\n{args.preset} preset, {args.steps} steps, seeds {args.seeds}; rate tuned on seed {args.seeds[0]}")
+    print(f"\n{args.preset} preset, {args.steps} steps, seeds {args.seeds}; "
+          f"rate tuned on seed {args.seeds[0]}")
     print("| optimizer | rates tried (final val loss) | best rate | final val bpb, mean ± sd over seeds |")
     print("|---|---|---|---|")
     for name, runs in best.items():

@@ -70,7 +70,8 @@ def from_samples(a: list[dict], b: list[dict]) -> list[tuple]:
     task (mmlu's subjects together), each on acc_norm where both lines have it, else acc (exact_match for
     answers)."""
     def keyed(lines):
-        return {(line.get("suite") or line["task"], line["task"], int(line["doc_id"])): line for line in lines}
+        return {(line.get("suite") or line["task"], line["task"], int(line["doc_id"])): line
+                for line in lines}
     mine, theirs = keyed(a), keyed(b)
     shared = sorted(set(mine) & set(theirs))
     rows = []
@@ -101,7 +102,8 @@ def table(rows: list[tuple], paired: bool) -> str:
         note = "" if n == m else f"  (items {n:,} and {m:,}: other items, compare with care)"
         lines.append(f"{task:<16} {metric:<17} {100 * a:>6.1f} {100 * b:>6.1f} {100 * (b - a):>+6.1f} "
                      f"{100 * se:>6.1f}  {verdict(a, b, se)}{note}")
-    how = "paired over the same items" if paired else "unpaired (an upper bound where both read the same items)"
+    how = ("paired over the same items" if paired
+           else "unpaired (an upper bound where both read the same items)")
     return "\n".join(lines + [f"standard errors {how}; outside the noise: more than {NOISE:g} of them apart"])
 
 

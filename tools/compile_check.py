@@ -48,7 +48,8 @@ CONFIGS = {  # name -> what runs, and which GPU it is compiled for
     "train-deterministic": (lambda: run_training("bf16", "default", deterministic=True), "h100"),
     "train-packed": (lambda: run_training("bf16", "default", packed=True), "h100"),
     "train-lora": (lambda: run_training("bf16", "default", packed=True, lora_rank=16), "h100"),
-    "train-lora-nf4": (lambda: run_training("bf16", "default", packed=True, lora_rank=16, lora_base="nf4"), "h100"),
+    "train-lora-nf4": (lambda: run_training("bf16", "default", packed=True, lora_rank=16,
+                                            lora_base="nf4"), "h100"),
     "generate": (run_generation, "h100"),
     "calibrate-large-h200": (lambda: run_training("bf16", "default", whole="large"), "h200"),
     "calibrate-small-h200": (lambda: run_training("bf16", "default", whole="small"), "h200"),
@@ -89,17 +90,20 @@ def child(name: str, library: str, inductor: dict | None = None) -> dict:
     unaligned = sorted(set(work.UNALIGNED))
     problems += ["matmuls of unaligned shapes: "
                  f"{', '.join(unaligned)}"] if unaligned and name != "generate" else []
-    problems += [f"CUDA graphs skipped {skips} times"] if skips and ("reduce-overhead" in name or "max-autotune"
-                                                                   in name and "no-cudagraphs" not in name) else []
+    problems += ([f"CUDA graphs skipped {skips} times"]
+                 if skips and ("reduce-overhead" in name
+                               or "max-autotune" in name and "no-cudagraphs" not in name)
+                 else [])
     return {"name": name, "gpu": CONFIGS[name][1], "ok": not problems, "problems": problems,
-            "graphs": counters["stats"]["unique_graphs"], "kernels": fake.fake_gpu_cubins(), "unaligned": unaligned,
-            "seconds": time.time() - start, **result}
+            "graphs": counters["stats"]["unique_graphs"], "kernels": fake.fake_gpu_cubins(),
+            "unaligned": unaligned, "seconds": time.time() - start, **result}
 
 
 def summary(e: BaseException) -> str:
     """An exception in one line: its type and its first lines that say something (a compiler error wraps the
     real one after 'raised:')."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.strip().endswith("raised:")]
+    lines = [line.strip() for line in str(e).splitlines()
+             if line.strip() and not line.strip().endswith("raised:")]
     return f"{type(e).__name__}: {' '.join(lines[:2])[:400]}"
 
 
@@ -126,9 +130,11 @@ def run_all(names: list[str], inductor: list[str] = ()) -> int:
                       file=sys.stderr)
                 return 2
             out = os.path.join(cache, f"{name}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out, "--inductor", *inductor]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", out,
+                   "--inductor", *inductor]
             print(f"{name}: compiling for {GPUS[CONFIGS[name][1]].name}...", flush=True)
-            done = subprocess.run(cmd, env=fake_gpu_env(library, cache), cwd=HERE, capture_output=True, text=True)
+            done = subprocess.run(cmd, env=fake_gpu_env(library, cache), cwd=HERE,
+                                  capture_output=True, text=True)
             if os.path.isfile(out):
                 with open(out, encoding="utf-8") as f:
                     rows.append(json.load(f))
@@ -154,8 +160,9 @@ def roofline_text(r: dict) -> str:
     if r.get("roofline_ms") is None:
         return f"not costed ({r['roofline_missing']})" if r.get("roofline_missing") else "n/a"
     mfu = f", MFU {r['roofline_mfu']:.0%}" if r.get("roofline_mfu") else ""
-    calibrated = f"; calibrated {r['calibrated_ms']:.1f} ms (forward and backward " \
-        f"{r['calibrated_forward_backward_ms']:.1f}), MFU {r['calibrated_mfu']:.0%}" if r.get("calibrated_mfu") else ""
+    calibrated = (f"; calibrated {r['calibrated_ms']:.1f} ms (forward and backward "
+                  f"{r['calibrated_forward_backward_ms']:.1f}), MFU {r['calibrated_mfu']:.0%}"
+                  if r.get("calibrated_mfu") else "")
     return (f"{r['roofline_ms']:.1f} ms (matmul {r['roofline_matmul_ms']:.1f}, other "
             f"{r['roofline_other_ms']:.1f}, optimizer {r['roofline_optimizer_ms']:.1f}){mfu}{calibrated}")
 
@@ -165,9 +172,10 @@ def row_line(r: dict) -> str:
         return f"  FAILED: {'; '.join(r['problems'])}"
     casts = f", weight casts {r['weight_casts_gib']:.2f} GiB a step ({r['weight_casts_ms']:.2f} ms)" \
         if "weight_casts_gib" in r else ""
-    roof = f", roofline estimate {roofline_text(r)}" if r.get("roofline_ms") is not None or "decode_kernels" in r \
-        else ""
-    return f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}{roof}, {r['seconds']:.0f} s"
+    roof = (f", roofline estimate {roofline_text(r)}"
+            if r.get("roofline_ms") is not None or "decode_kernels" in r else "")
+    return (f"  ok: {r['kernels']} kernels, {r['graphs']} graphs, SDPA {r['sdpa']}{casts}{roof}, "
+            f"{r['seconds']:.0f} s")
 
 
 def table(rows: list[dict]) -> str:
@@ -178,7 +186,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         est = f"{r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else "n/a"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
-        casts = f"{r['weight_casts_gib']:.2f} GiB, {r['weight_casts_ms']:.2f} ms" if "weight_casts_gib" in r else "n/a"
+        casts = (f"{r['weight_casts_gib']:.2f} GiB, {r['weight_casts_ms']:.2f} ms"
+                 if "weight_casts_gib" in r else "n/a")
         lines.append(f"| {r['name']} | {GPUS[r['gpu']].name} | {'ok' if r['ok'] else 'FAILED'} | "
                      f"{r.get('kernels', 'n/a')} | {r.get('graphs', 'n/a')} | {r.get('sdpa', 'n/a')} | "
                      f"{peak} | {est} | {casts} | {roofline_text(r)} | {r.get('seconds', 0):.0f} |")
@@ -188,7 +197,8 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (the documentation's commands are checked against it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to check")
+    p.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="configurations to check")
     p.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
                    help="Inductor settings to compile every configuration under, as the GPU check's decode "
                         "leads try them: --only generate --inductor coordinate_descent_tuning=True")
@@ -219,7 +229,8 @@ def inductor_settings(pairs: list[str]) -> dict:
         if name not in known:
             raise ConfigError(f"--inductor {pair}: Inductor has no setting "
                               f"{name!r} (torch {torch.__version__})")
-        settings[name] = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+        settings[name] = {"True": True, "False": False}.get(text,
+                                                            int(text) if text.lstrip("-").isdigit() else text)
     return settings
 
 

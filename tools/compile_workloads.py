@@ -88,8 +88,9 @@ def skip_moves_in_place():
 
     def to(self, *args, **kwargs):
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        here = all((device is None or (p.device.type, p.device.index or 0) == (device.type, device.index or 0)) and
-                   (dtype is None or p.dtype == dtype) for p in self.parameters())
+        here = all((device is None
+                    or (p.device.type, p.device.index or 0) == (device.type, device.index or 0))
+                   and (dtype is None or p.dtype == dtype) for p in self.parameters())
         return self if here else move(self, *args, **kwargs)
     torch.nn.Module.to = to
 
@@ -122,7 +123,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from llm.base.sizing import training_bytes_estimate
     from llm.train.autofill import fill_automatic
     from llm.train.runner import build
-    cfg = check_config(precision, compile_mode, whole, 0, 1) if whole else check_config(precision, compile_mode)
+    cfg = (check_config(precision, compile_mode, whole, 0, 1) if whole
+           else check_config(precision, compile_mode))
     device, ranks = pick_device("cuda"), distributed.setup()
     cfg.train = replace(cfg.train, lora_rank=lora_rank, lora_base=lora_base)
     if lora_rank:
@@ -150,7 +152,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
         train_step(b, batches, step, cfg.train, ranks)
         ROOFLINE.counting = False
         evaluates()  # an evaluation between steps compiles nothing (or runs eagerly, without FP8)
-    memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt), batches.x, batches.y])
+    memory.add([*b.raw_model.parameters(), *b.raw_model.buffers(), *optimizer_state(b.opt),
+                batches.x, batches.y])
     memory.weights.update({p.untyped_storage(): True for p in b.raw_model.parameters()})
     # Dynamo compiles nothing under a dispatch mode: this step runs eagerly, op by op, for the modes to see.
     with torch.compiler.set_stance("force_eager"), memory.mode, ROOFLINE.eager_mode():
@@ -163,7 +166,8 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
             "estimate_gib": training_bytes_estimate(cfg) / 2**30,
             "sdpa": sdpa_backends(memory.ops), "loss_chunk_rows": b.raw_model.execution.loss_chunk_rows,
             "weight_casts_gib": memory.cast_bytes / 2**30,
-            "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device), "loss_scaling": b.scaler is not None}
+            "weight_casts_ms": 1e3 * memory.cast_bytes / bandwidth(device),
+            "loss_scaling": b.scaler is not None}
 
 
 def dpo_pairs(b, batches):
@@ -292,5 +296,6 @@ def bandwidth(device) -> float:
 
 
 def sdpa_backends(ops: set) -> str:
-    found = sorted({m.group(1) for op in ops if (m := re.match(r"_scaled_dot_product_(\w+?)_attention$", op))})
+    found = sorted({m.group(1) for op in ops
+                    if (m := re.match(r"_scaled_dot_product_(\w+?)_attention$", op))})
     return ", ".join(found) or ("math" if any("scaled_dot_product" in op for op in ops) else "none")

@@ -65,7 +65,8 @@ def theirs(paths: list[str]) -> dict:
     out = {}
     for path in their_files(paths):
         match = THEIR_NAME.search(os.path.basename(path))
-        task = match.group(1) if match else os.path.basename(path).removeprefix("samples_").removesuffix(".jsonl")
+        task = (match.group(1) if match
+                else os.path.basename(path).removeprefix("samples_").removesuffix(".jsonl"))
         for row in read_jsonl(path):
             if "acc" in row:  # multiple choice: one loglikelihood request per choice
                 row = {**row, "loglikelihoods": [loglikelihood(r) for r in row["filtered_resps"]]}
@@ -102,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ours", help="evaluate.py's --log_samples file")
     p.add_argument("theirs", nargs="+", help="lm-eval's samples_*.jsonl files, or the folder holding them")
-    p.add_argument("--tolerance", type=float, default=TOLERANCE, help="the log-likelihood gap counted as equal")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE,
+                   help="the log-likelihood gap counted as equal")
     return p.parse_args(argv)
 
 

@@ -33,15 +33,15 @@ class FakeGPU:
 
 
 GPUS = {
-    "h100": FakeGPU("NVIDIA H100 80GB HBM3", 9, 0, 132, 85_520_809_984, 232_448, 233_472, 52_428_800, 1_980_000,
-                    2_619_000, 5120, {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),
+    "h100": FakeGPU("NVIDIA H100 80GB HBM3", 9, 0, 132, 85_520_809_984, 232_448, 233_472, 52_428_800,
+                    1_980_000, 2_619_000, 5120, {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),
     "h200": FakeGPU("NVIDIA H200", 9, 0, 132, 150_754_820_096, 232_448, 233_472, 62_914_560, 1_980_000,
                     3_125_000, 6144, {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),  # 4.8 TB/s
     "rtx4090": FakeGPU("NVIDIA GeForce RTX 4090", 8, 9, 128, 25_393_692_672, 101_376, 102_400, 75_497_472,
                        2_520_000, 10_501_000, 384, {"bf16": 165.2, "fp8": 330.3, "tf32": 82.6, "fp32": 82.6}),
-    "a100": FakeGPU("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85_097_971_712, 166_912, 167_936, 41_943_040, 1_410_000,
+    "a100": FakeGPU("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85_097_971_712, 166_912, 167_936, 41_943_040,
                     # no fp8 units
-                    1_593_000, 5120, {"bf16": 312.0, "fp8": 312.0, "tf32": 156.0, "fp32": 19.5}),
+                    1_410_000, 1_593_000, 5120, {"bf16": 312.0, "fp8": 312.0, "tf32": 156.0, "fp32": 19.5}),
 }
 
 SHIM = r"""
@@ -226,7 +226,7 @@ def fake_gpu_env(library: str, cache: str) -> dict:
     """The environment of a process that sees the fake GPU, with compile caches of its own (nothing reused
     from an earlier run: every kernel compiles)."""
     env = dict(os.environ, LD_PRELOAD=library, TRITON_LIBCUDA_PATH=os.path.dirname(library),
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-               CUDA_VISIBLE_DEVICES="0")
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache, "triton"), CUDA_VISIBLE_DEVICES="0")
     env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)  # NVML would look for a real GPU
     return env

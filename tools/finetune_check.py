@@ -41,12 +41,13 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the projec
 OPEN, CLOSE = "Certainly!", "Have a great day!"
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eve", "Finn", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Milo", "Nia",
          "Omar", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zoe"]
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket", "violet",
-         "window", "forest", "silver", "engine", "pepper", "harbor", "meadow", "pencil", "orbit"]
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket",
+         "violet", "window", "forest", "silver", "engine", "pepper", "harbor", "meadow", "pencil", "orbit"]
 GENERAL = [("What is the capital of France?", r"Paris"), ("How many days are in a week?", r"\b(7|seven)\b"),
            ("What color is the sky on a clear day?", r"blue"), ("What is the opposite of hot?", r"cold"),
            ("Which planet do we live on?", r"Earth"), ("What do bees make?", r"honey"),
-           ("How many legs does a spider have?", r"\b(8|eight)\b"), ("What is frozen water called?", r"\bice\b")]
+           ("How many legs does a spider have?", r"\b(8|eight)\b"),
+           ("What is frozen water called?", r"\bice\b")]
 DEFAULT_VARIANTS = ["lora=--lora_rank 16", "full="]
 
 
@@ -69,8 +70,8 @@ def write_chats(path: str, n: int, seed: int = 0):
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(n):
             q, a = chat(rng, NAMES[:-4], WORDS[:-4])
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                    + "\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                             {"role": "assistant", "content": a}]}) + "\n")
 
 
 def write_pairs(path: str, n: int, seed: int = 2):
@@ -124,14 +125,15 @@ def train(args, name: str, flags: str, chats: str) -> dict:
                "--sources", chats, "--cache_dir", os.path.join(args.out, "cache"), "--run_dir", run,
                "--max_seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch_size),
                "--grad_accum_steps", "1", "--max_steps", str(args.steps), "--eval_interval", str(args.steps),
-               "--save_interval", str(args.steps), "--compile", args.compile, "--seed", str(args.seed), *flags.split()]
+               "--save_interval", str(args.steps), "--compile", args.compile, "--seed", str(args.seed),
+               *flags.split()]
         run_logged(cmd, run + ".log", name)
     trains = read_metrics(run, "train")
     seconds = [1 / r["steps_per_s"] for r in trains if r.get("steps_per_s")]
     return {"run": run, "loss": trains[-1]["loss"] if trains else float("nan"),
             "s_per_step": sum(seconds) / len(seconds) if seconds else float("nan"),
-            "start": next((line for line in open(run + ".log", encoding="utf-8") if line.startswith("fine-tuning")),
-                          "").strip()}
+            "start": next((line for line in open(run + ".log", encoding="utf-8")
+                           if line.startswith("fine-tuning")), "").strip()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -142,8 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=120, help="optimizer steps of every variant")
     p.add_argument("--chats", type=int, default=600, help="chats in the training set")
     p.add_argument("--pairs", type=int, default=300, help="preference pairs written to OUT/style_pairs.jsonl "
-                                                           "(chosen in the style, rejected plain), for variants "
-                                                           "that train on them")
+                                                           "(chosen in the style, rejected plain), for "
+                                                           "variants that train on them")
     p.add_argument("--seq_len", type=int, default=128, help="the training window")
     p.add_argument("--micro_batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -192,7 +194,8 @@ def main(argv=None) -> int:
               f"{r['bpb']:.4f} | {r.get('loss', float('nan')):.3f} | "
               f"{r.get('s_per_step', float('nan')):.2f} |")
     for name, r in results.items():
-        print(f"\n{name}: {r.get('start', '')}\n  style: {r['style_replies']}\n  general: {r['general_replies']}")
+        print(f"\n{name}: {r.get('start', '')}\n  style: {r['style_replies']}\n"
+              f"  general: {r['general_replies']}")
     return 0
 
 

@@ -64,14 +64,14 @@ from llm.train.startup import new_model
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 PRESET_NAMES = ("small", "medium", "large")
 PARTS = ("throughput", "autotune", "graphs", "startup", "curves")
-QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "decode_leads", "fp8",
-               "quick_autotune", "short_budget", "beside_preparation", "scores")
+QUICK_PARTS = ("default_run", "first_token", "quick_throughput", "decode", "quick_graphs", "decode_leads",
+               "fp8", "quick_autotune", "short_budget", "beside_preparation", "scores")
 # About how long each part takes on an H100 or H200, which --minutes plans with: measured on the H200 for the
 # one-shots of first_token, quick_throughput, decode and quick_graphs; the rest (and first_token's prompt on
 # stdin) guessed from their compiles and timed steps.
-QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75, "quick_graphs": 35,
-                 "decode_leads": 120, "fp8": 120, "quick_autotune": 240, "short_budget": 90, "beside_preparation": 60,
-                 "scores": 150}
+QUICK_SECONDS = {"default_run": 120, "first_token": 65, "quick_throughput": 190, "decode": 75,
+                 "quick_graphs": 35, "decode_leads": 120, "fp8": 120, "quick_autotune": 240,
+                 "short_budget": 90, "beside_preparation": 60, "scores": 150}
 # evaluate.py's default suite on the first run's checkpoint: the first 500 items of each task
 SCORE_ITEMS = 500
 QUICK_PRESETS = ("small", "large")
@@ -93,7 +93,8 @@ def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, 
     device, rows = pick_device("auto"), []
     steps, warmup = (1, 0) if args.dry_run else (steps, warmup)
     for name in names:
-        cfg = preset(name, args.dry_run, compile=compile_mode, precision="bf16" if device.type == "cuda" else "auto")
+        cfg = preset(name, args.dry_run, compile=compile_mode,
+                     precision="bf16" if device.type == "cuda" else "auto")
         ours = new_model(cfg, device)
         flops, peak = flops_per_token(cfg.model), peak_flops(device)
         runs = [bench.measure("ours", cfg, device, ours, steps, warmup, share=True)]
@@ -131,7 +132,8 @@ def graphs(args) -> dict:
     device, rows = pick_device("auto"), []
     steps = 2 if args.dry_run else 12
     for accum in (1, 4):
-        reference = losses(preset("small", args.dry_run, compile="default", grad_accum_steps=accum), device, steps)
+        reference = losses(preset("small", args.dry_run, compile="default", grad_accum_steps=accum),
+                           device, steps)
         for mode in ("reduce-overhead", "max-autotune"):
             got = losses(preset("small", args.dry_run, compile=mode, grad_accum_steps=accum), device, steps)
             worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
@@ -250,7 +252,8 @@ def quick_autotune(args) -> dict:
     steps, warmup = (1, 0) if args.dry_run else (3, 2)
     # graphs under accumulation are quick_graphs' question
     for mode in ("default", "max-autotune-no-cudagraphs"):
-        cfg = preset("large", args.dry_run, compile=mode, precision="bf16" if device.type == "cuda" else "auto")
+        cfg = preset("large", args.dry_run, compile=mode,
+                     precision="bf16" if device.type == "cuda" else "auto")
         with torch._inductor.config.patch(force_disable_caches=True):  # quick_throughput compiled the default
             rows.append({"compile": mode, **bench.measure("ours", cfg, device, new_model(cfg, device), steps,
                                                           warmup)})
@@ -286,12 +289,14 @@ def scores(args) -> dict:
     flags = ["--tasks", "arc_easy", "copa", "--limit", "2"] if args.dry_run else ["--limit", str(SCORE_ITEMS)]
     start = time.time()
     data = ["--data_dir", args.eval_data] if args.eval_data else []
-    r = subprocess.run([sys.executable, "evaluate.py", ckpt, "--json", out, "--report", os.path.join(args.out, "scores"),
-                        *flags, *data], cwd=HERE, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "evaluate.py", ckpt, "--json", out,
+                        "--report", os.path.join(args.out, "scores"), *flags, *data],
+                       cwd=HERE, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError((r.stderr.strip().splitlines() or ["evaluate.py failed"])[-1])
     found = json.load(open(out))["tasks"]
-    rows = [{"task": name, **{k: t[k] for k in ("items", "acc", "acc_norm", "seconds")}} for name, t in found.items()]
+    rows = [{"task": name, **{k: t[k] for k in ("items", "acc", "acc_norm", "seconds")}}
+            for name, t in found.items()]
     print(f"scores: {sum(t['items'] for t in rows)} items in {time.time() - start:.0f} s", flush=True)
     return {"rows": rows, "checkpoint": ckpt, "launch_to_exit_s": time.time() - start}
 
@@ -335,7 +340,8 @@ def main(argv=None) -> int:
     meta = {"device": device_report(pick_device("auto")), "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run,
             "quick": args.quick}
-    jobs = {"throughput": lambda: throughput(args, "default"), "autotune": lambda: throughput(args, "max-autotune"),
+    jobs = {"throughput": lambda: throughput(args, "default"),
+            "autotune": lambda: throughput(args, "max-autotune"),
             "graphs": lambda: graphs(args), "startup": lambda: startup(args), "curves": lambda: curves(args),
             "default_run": lambda: first.default_run(args),
             "first_token": lambda: gen.first_token(args, first.trained_checkpoint(args)),
@@ -362,7 +368,8 @@ def main(argv=None) -> int:
             result = {"meta": meta, "failed": f"{type(e).__name__}: {lines[-1][:300]}",
                       "seconds": time.time() - start}
         with open(os.path.join(args.out, f"{part}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+            json.dump(result, f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         print(f"part {part}: {result['seconds']:.0f} s", flush=True)
         gc.collect()
         write_report(args.out, args.report, PARTS + QUICK_PARTS)

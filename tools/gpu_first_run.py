@@ -74,7 +74,8 @@ def stopped_run(args, name: str, flags: list, env: dict, after_s: float) -> tupl
     launched, stop_at, stopped = time.time(), None, False
     # a file, not a pipe: a long run's output never blocks it
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env={**os.environ, **env})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+                                env={**os.environ, **env})
         while proc.poll() is None:
             time.sleep(0.5)
             if stop_at is None and any(r["tokens_per_s"] for r in read_metrics(run_dir, "train")):
@@ -115,12 +116,14 @@ def default_run(args) -> dict:
     median = lambda key: statistics.median(r[key] or 0 for r in timed)  # noqa: E731
     settings = json.load(open(os.path.join(run_dir, "config.json"), encoding="utf-8"))
     t, preset = settings["train"], re.search(r"\(the (\w+) preset", log)
-    row = {"steps": train[-1]["step"], "first_step_s": train[0]["time"] - launched, "stopped_after_s": after_s,
-           "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
+    row = {"steps": train[-1]["step"], "first_step_s": train[0]["time"] - launched,
+           "stopped_after_s": after_s, "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
            "vram_gb": max(r["vram_gb"] or 0 for r in train), "preset": preset.group(1) if preset else "given",
            "batch": f"{t['micro_batch_size']} x {settings['model']['max_seq_len']} x {t['grad_accum_steps']}",
-           "default_corpus": "data: the GPU default corpus" in log, "while_arriving": "training starts on" in log,
-           "files_fetched": sum(method == "GET" and path.endswith(".parquet") for method, path, _ in hub.requests),
+           "default_corpus": "data: the GPU default corpus" in log,
+           "while_arriving": "training starts on" in log,
+           "files_fetched": sum(method == "GET" and path.endswith(".parquet")
+                                for method, path, _ in hub.requests),
            "checkpoint": latest_checkpoint(run_dir)}
     print(f"default run: {row['steps']} steps, the first {row['first_step_s']:.0f} s after launch, "
           f"{row['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -135,8 +138,9 @@ def trained_checkpoint(args) -> str:
     found = json.load(open(path)) if os.path.isfile(path) else default_run(args)
     if found.get("checkpoint"):
         return found["checkpoint"]
-    flags = ["--preset", "tiny", "--max_steps", 2 if args.dry_run else 200, *([] if args.sources else ["--sources",
-             "stdlib"]), *(["--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run else [])]
+    flags = ["--preset", "tiny", "--max_steps", 2 if args.dry_run else 200,
+             *([] if args.sources else ["--sources", "stdlib"]),
+             *(["--compile", "off", "--micro_batch_size", 2, "--max_seq_len", 64] if args.dry_run else [])]
     run_dir, _, _ = fresh_run(args, "fallback_run", flags)
     return latest_checkpoint(run_dir)
 

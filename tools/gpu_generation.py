@@ -69,8 +69,8 @@ def first_reply(ckpt: str, compile_mode: str) -> tuple[float, float]:
     cmd = [sys.executable, os.path.join(HERE, "text_generator.py"), ckpt, "--max_new_tokens", "32",
            "--temperature", "0", "--compile", compile_mode]
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     proc.stdin.write(PROMPT + "\n")
     proc.stdin.close()
     loaded, rated, log = None, False, []
@@ -96,7 +96,8 @@ def decode(args, ckpt: str) -> dict:
     both in float32, where a trained model's ties cannot flip."""
     device = pick_device("auto")
     cfg, compiled, n, reps = decode_shape(args)
-    out = {"rows": decode_rates(cfg, device, compiled, (1, 8), n, reps), "shape": "tiny" if args.dry_run else "large",
+    out = {"rows": decode_rates(cfg, device, compiled, (1, 8), n, reps),
+           "shape": "tiny" if args.dry_run else "large",
            "greedy_identical": greedy_identical(ckpt, device, compiled)}
     print(f"greedy check against transformers: {words(out['greedy_identical'])}", flush=True)
     return out
@@ -121,7 +122,8 @@ def decode_leads(args, ckpt: str) -> dict:
     for lead, flags in DECODE_LEADS.items():
         try:
             with torch._inductor.config.patch(**flags):  # read when a step compiles: at its first call
-                out["rows"] += [dict(r, lead=lead) for r in decode_rates(cfg, device, compiled, (1,), n, reps)]
+                out["rows"] += [dict(r, lead=lead)
+                                for r in decode_rates(cfg, device, compiled, (1,), n, reps)]
                 out["greedy_identical"][lead] = greedy_identical(ckpt, device, compiled)
             print(f"{lead}: greedy check against transformers: "
                   f"{words(out['greedy_identical'][lead])}", flush=True)
@@ -139,7 +141,8 @@ def decode_shape(args) -> tuple:
     CUDA graph, or the tiny one eagerly in a dry run."""
     import bench_generate as bg
     n, reps = (8, 1) if args.dry_run else (128, 3)
-    return bg.shape("tiny" if args.dry_run else "large"), "off" if args.dry_run else "reduce-overhead", n, reps
+    return (bg.shape("tiny" if args.dry_run else "large"),
+            "off" if args.dry_run else "reduce-overhead", n, reps)
 
 
 def decode_rates(cfg, device, compiled: str, batches: tuple, n: int, reps: int) -> list[dict]:

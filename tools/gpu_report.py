@@ -17,7 +17,8 @@ def overhead_words(overhead: float | None) -> str:
 def quick_table(found: dict) -> list[str]:
     """--quick's figures as one table, a row for each that was measured."""
     pct = lambda v: f"{100 * v:.1f}%" if v else "n/a"  # noqa: E731
-    rows = [(f"part `{name}`", f"failed: {part['failed']}") for name, part in found.items() if "failed" in part]
+    rows = [(f"part `{name}`", f"failed: {part['failed']}")
+            for name, part in found.items() if "failed" in part]
     found = {name: part for name, part in found.items() if "failed" not in part}
     if "default_run" in found:
         d = found["default_run"]
@@ -41,9 +42,10 @@ def quick_table(found: dict) -> list[str]:
                      f"{r['launch_to_exit_s']:.1f} s launch to exit"))
     train = found.get("quick_throughput", {}).get("rows", [])
     for ours, hf in zip(train[::2], train[1::2]):
-        rows.append((f"training `{ours['preset']}`, {ours['batch']}, bf16", f"ours {ours['tokens_per_s']:,.0f} "
-                     f"tokens/s, MFU {pct(ours['mfu'])}, {ours.get('peak_gib') or 0:.1f} GiB; Hugging Face "
-                     f"{hf['tokens_per_s']:,.0f} ({pct(hf['mfu'])}): {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"))
+        rows.append((f"training `{ours['preset']}`, {ours['batch']}, bf16",
+                     f"ours {ours['tokens_per_s']:,.0f} tokens/s, MFU {pct(ours['mfu'])}, "
+                     f"{ours.get('peak_gib') or 0:.1f} GiB; Hugging Face {hf['tokens_per_s']:,.0f} "
+                     f"({pct(hf['mfu'])}): {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"))
     for r in found.get("fp8", {}).get("rows", []):
         layers = "{} of {} linear layers".format(*r["fp8_layers"])
         rows.append((f"training `large`, FP8 in {layers}", f"{r['tokens_per_s']:,.0f} "
@@ -54,13 +56,14 @@ def quick_table(found: dict) -> list[str]:
         (d, t), pays = found["quick_autotune"]["rows"], found["quick_autotune"]["pays_after_s"]
         rows.append(("training `large`, max-autotune against compile default, empty compile caches",
                      f"{t['tokens_per_s']:,.0f} tokens/s against {d['tokens_per_s']:,.0f}: "
-                     f"{t['tokens_per_s'] / d['tokens_per_s']:.3f}x; compile and warmup {t['warmup_s']:.0f} s "
-                     f"against {d['warmup_s']:.0f} s; " + (f"pays for its compile after {pays / 60:.1f} minutes of "
-                     "training" if pays is not None else "never pays: no faster")))
+                     f"{t['tokens_per_s'] / d['tokens_per_s']:.3f}x; compile and warmup "
+                     f"{t['warmup_s']:.0f} s against {d['warmup_s']:.0f} s; "
+                     + (f"pays for its compile after {pays / 60:.1f} minutes of training"
+                        if pays is not None else "never pays: no faster")))
     for r in found.get("quick_graphs", {}).get("rows", []):
-        rows.append(("CUDA graphs (reduce-overhead) under accumulation 4", f"largest relative loss difference "
-                     f"{r['max_relative_difference']:.1e} over {len(r['losses'])} steps, within bf16 noise: "
-                     f"{r['within_noise']}"))
+        rows.append(("CUDA graphs (reduce-overhead) under accumulation 4",
+                     f"largest relative loss difference {r['max_relative_difference']:.1e} over "
+                     f"{len(r['losses'])} steps, within bf16 noise: {r['within_noise']}"))
     dec, leads = found.get("decode", {}), found.get("decode_leads", {})
     for r in dec.get("rows", []) + leads.get("rows", []):
         lead = f", {r['lead']}" if "lead" in r else ""
@@ -76,9 +79,11 @@ def quick_table(found: dict) -> list[str]:
         rows.append((f"decode with {lead}", f"failed: {error}"))
     if "short_budget" in found:
         b = found["short_budget"]
-        rows.append(("`--preset small --max_minutes 1`, cold compile cache", f"failed: {b['error'].splitlines()[-1]}"
-                     if "error" in b else f"{b['steps']} steps, {b['seconds']:.0f} s launch to exit, checkpoint "
-                     f"{'written' if b['checkpoint'] else 'MISSING'}{', a traceback' if b['traceback'] else ''}"))
+        rows.append(("`--preset small --max_minutes 1`, cold compile cache",
+                     f"failed: {b['error'].splitlines()[-1]}" if "error" in b
+                     else f"{b['steps']} steps, {b['seconds']:.0f} s launch to exit, checkpoint "
+                          f"{'written' if b['checkpoint'] else 'MISSING'}"
+                          f"{', a traceback' if b['traceback'] else ''}"))
     for r in found.get("beside_preparation", {}).get("rows", []):
         rounds = {k: ", ".join(f"{v:,.0f}" for v in r[f"{k}_tokens_per_s"]) for k in ("beside", "alone")}
         rows.append(("training `small` beside a thread preparing a token cache (a Hub corpus arriving)",
@@ -104,12 +109,14 @@ def write_report(out: str, path: str, parts: tuple):
              if os.path.isfile(os.path.join(out, f"{p}.json"))}
     meta = next(iter(found.values()), {}).get("meta", {})
     table, found = quick_table(found), {name: part for name, part in found.items() if "failed" not in part}
-    lines = ["# GPU report", "", f"Written by `python tools/gpu_check.py{' --quick' * meta.get('quick', False)}` on "
+    lines = ["# GPU report", "",
+             f"Written by `python tools/gpu_check.py{' --quick' * meta.get('quick', False)}` on "
              f"{meta.get('device', 'n/a')}, torch {meta.get('torch', 'n/a')}, {meta.get('date', '')}.", ""]
     lines += table
     for part in ("throughput", "autotune", "quick_throughput"):
         if part in found:
-            lines += [f"## Training throughput, {part}", "", "| preset | batch | model | tokens/s | MFU | peak GiB | "
+            lines += [f"## Training throughput, {part}", "",
+                      "| preset | batch | model | tokens/s | MFU | peak GiB | "
                       "estimate GiB | optimizer share |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for r in found[part]["rows"]:
                 mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
@@ -120,8 +127,9 @@ def write_report(out: str, path: str, parts: tuple):
                              f"{r['estimate_gib']:.1f} | {share} |")
             lines.append("")
     if "graphs" in found:
-        lines += ["## CUDA-graph modes against compile default", "", "| mode | accumulation | largest relative "
-                  "loss difference | within bf16 noise |", "| --- | --- | --- | --- |"]
+        lines += ["## CUDA-graph modes against compile default", "",
+                  "| mode | accumulation | largest relative loss difference | within bf16 noise |",
+                  "| --- | --- | --- | --- |"]
         lines += [f"| {r['mode']} | {r['grad_accum_steps']} | {r['max_relative_difference']:.2e} | "
                   f"{r['within_noise']} |" for r in found["graphs"]["rows"]] + [""]
     if "startup" in found:

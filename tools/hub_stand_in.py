@@ -45,7 +45,8 @@ class Hub:
         self.etags, self.listed, self.revisions, self.commit, self.private = {}, [], set(), COMMIT, {}
         self.forbidden, self.redirect, self.git, self.cdn_requests, self.cut = set(), set(), set(), [], None
         self.ranges = True
-        self.requests, self.tokens, self.stalled, self.release = [], set(), threading.Event(), threading.Event()
+        self.requests, self.tokens, self.stalled, self.release = ([], set(),
+                                                                  threading.Event(), threading.Event())
         self.server, self.url = _serve(_handler(self))
         self.cdn_server, self.cdn_url = _serve(_cdn_handler(self))
 
@@ -140,7 +141,8 @@ def _handler(hub: Hub):
                 return self._json({"id": repo, "sha": hub.commit, "private": repo in hub.private,
                                    "gated": repo in hub.gated})
             listed = [{"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                      for p, data in sorted(files.items()) if not folder or p.startswith(folder + "/")] + hub.listed
+                      for p, data in sorted(files.items())
+                      if not folder or p.startswith(folder + "/")] + hub.listed
             if not listed:
                 return self._error(404, "EntryNotFound")
             self._json(listed)
@@ -156,19 +158,21 @@ def _handler(hub: Hub):
             data = files[name]
             if name in hub.redirect:  # to the CDN, signed (the token stays here), the hash in X-Linked-Etag
                 sha256 = hashlib.sha256(data).hexdigest()
-                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {len(data)}\n"
+                pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n"
+                           f"size {len(data)}\n")
                 self.send_response(302)
                 for key, value in {"Location": f"{hub.cdn_url}/{repo}/{name}?X-Amz-Signature=standin",
                                    "X-Repo-Commit": COMMIT, "ETag": f'"{git_blob_id(pointer.encode())}"',
-                                   "X-Linked-Etag": f'"{self._etag(name, data)}"', "X-Linked-Size": str(len(data)),
-                                   "Content-Length": "0"}.items():
+                                   "X-Linked-Etag": f'"{self._etag(name, data)}"',
+                                   "X-Linked-Size": str(len(data)), "Content-Length": "0"}.items():
                     self.send_header(key, value)
                 return self.end_headers()
             _send_bytes(self, data, _range_start(self.headers) if hub.ranges else 0, {"X-Repo-Commit": COMMIT,
                         "ETag": f'"{self._etag(name, data)}"'}, body, lambda part: self._send(part, name))
 
         def _etag(self, name: str, data: bytes) -> str:
-            etag = hub.etags.get(name, git_blob_id(data) if name in hub.git else hashlib.sha256(data).hexdigest())
+            etag = hub.etags.get(name, (git_blob_id(data) if name in hub.git
+                                        else hashlib.sha256(data).hexdigest()))
             if not isinstance(etag, list):
                 return etag
             asked = sum(method == "HEAD" and p.endswith("/" + name) for method, p, _ in hub.requests)
@@ -226,7 +230,8 @@ def _cdn_handler(hub: Hub):
 
         def _file(self, body: bool):
             path = unquote(urlparse(self.path).path).strip("/")
-            hub.cdn_requests.append((self.command, path, self.headers.get("Range"), self.headers.get("Authorization")))
+            hub.cdn_requests.append((self.command, path, self.headers.get("Range"),
+                                     self.headers.get("Authorization")))
             repo, name = "/".join(path.split("/")[:2]), "/".join(path.split("/")[2:])
             data = hub.repos.get(repo, {}).get(name)
             if data is None:

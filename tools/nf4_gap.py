@@ -43,7 +43,8 @@ def math_chats(path: str, base: str, seq_len: int) -> tuple[int, int]:
     written = read = 0
     with open(path, "w", encoding="utf-8") as f:
         for doc in (d for file in files for d in read_jsonl_gz(file)):
-            messages = [{"role": "user", "content": doc["problem"]}, {"role": "assistant", "content": doc["solution"]}]
+            messages = [{"role": "user", "content": doc["problem"]},
+                        {"role": "assistant", "content": doc["solution"]}]
             read += 1
             if len(tok.encode(chat_text(messages))) < seq_len:  # and its end-of-text token
                 f.write(json.dumps({"messages": messages}) + "\n")
@@ -56,9 +57,9 @@ def trainer_argv(args, base_format: str, chats: str) -> list[str]:
     return ["--init_from", args.base, "--sources", chats, "--cache_dir", os.path.join(args.out, "cache"),
             "--run_dir", os.path.join(args.out, base_format), "--max_seq_len", str(args.seq_len),
             "--micro_batch_size", str(args.micro_batch_size), "--grad_accum_steps", "1", "--max_steps",
-            str(args.steps), "--eval_batches", str(args.eval_batches), "--val_fraction", str(args.val_fraction),
-            "--seed", str(args.seed), "--compile", "off", "--weight_average", "0", "--lora_rank", str(args.lora_rank),
-            "--lora_base", base_format]
+            str(args.steps), "--eval_batches", str(args.eval_batches),
+            "--val_fraction", str(args.val_fraction), "--seed", str(args.seed), "--compile", "off",
+            "--weight_average", "0", "--lora_rank", str(args.lora_rank), "--lora_base", base_format]
 
 
 def run(argv: list[str], every: int) -> dict:
@@ -74,8 +75,8 @@ def run(argv: list[str], every: int) -> dict:
     (built, plan), t, found = runner_for(plan), plan.cfg.train, {}
     for step in range(t.max_steps + 1):
         if step % every == 0 or step == t.max_steps:
-            found[step], _ = built.objective.evaluate(built.raw_model, built.amp, plan.val_batches, t.eval_batches,
-                                                      plan.ranks, float("inf"))
+            found[step], _ = built.objective.evaluate(built.raw_model, built.amp, plan.val_batches,
+                                                      t.eval_batches, plan.ranks, float("inf"))
             print(f"step {step}: val loss {found[step]:.4f}, {time.time() - started:.0f} s", flush=True)
         if step == t.max_steps:
             break
@@ -132,12 +133,13 @@ def main(argv=None) -> int:
         if (done.get("flags"), done.get("every")) != (flags, args.eval_interval):
             print(f"training on a {base} base: {' '.join(flags)}", flush=True)
             with open(os.path.join(args.out, f"{base}.log"), "w", encoding="utf-8") as log:
-                if subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", base], stdout=log,
-                                  stderr=subprocess.STDOUT).returncode:
+                if subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", base],
+                                  stdout=log, stderr=subprocess.STDOUT).returncode:
                     sys.exit(f"error: the {base} run failed; its log: {log.name}")
         losses[base] = json.load(open(path, encoding="utf-8"))
-    print(f"\n{args.data} chats, {args.steps} steps of {args.micro_batch_size} x {args.seq_len} tokens, LoRA rank "
-          f"{args.lora_rank}; wall time: " + ", ".join(f"{b} {losses[b]['seconds'] / 60:.0f} min" for b in BASES))
+    print(f"\n{args.data} chats, {args.steps} steps of {args.micro_batch_size} x {args.seq_len} tokens, "
+          f"LoRA rank {args.lora_rank}; wall time: "
+          + ", ".join(f"{b} {losses[b]['seconds'] / 60:.0f} min" for b in BASES))
     print("\n| step | bf16 base | nf4 base | gap |\n| --- | --- | --- | --- |")
     for step in (k for k in losses["bf16"] if k.isdigit()):
         bf16, nf4 = losses["bf16"][step], losses["nf4"][step]

@@ -77,8 +77,8 @@ class Roofline:
 
     def peak(self, dtype, scaled: bool) -> float:
         import torch
-        kind = "fp8" if scaled else {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32"}.get(
-            dtype, "fp32")
+        kind = "fp8" if scaled else {torch.bfloat16: "bf16", torch.float16: "bf16",
+                                     torch.float32: "tf32"}.get(dtype, "fp32")
         return self.tflops[kind] * 1e12
 
     def cost(self, graph) -> tuple[float, float, float, list]:
@@ -117,8 +117,8 @@ class Roofline:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if roof.in_optimizer and not roof.in_ns:
-                    moved = sum(t.nbytes for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
-                                and t.device.type == "cuda")
+                    moved = sum(t.nbytes for t in tree_leaves((args, kwargs, out))
+                                if isinstance(t, torch.Tensor) and t.device.type == "cuda")
                     roof.optimizer_s += moved / roof.bandwidth
                 return out
         return Mode()
@@ -150,7 +150,8 @@ class Roofline:
         floor = lambda s, mm: max(s, DECODE_FLOOR_S["matmul" if mm else "other"])  # noqa: E731
         return {"decode_kernels": len(kernels), "decode_matmuls": sum(mm for _, mm in kernels),
                 "decode_roofline_us": 1e6 * sum(s for s, _ in kernels),
-                "decode_estimate_us": 1e6 * (sum(floor(s, mm) for s, mm in kernels) + len(kernels) * DECODE_GAP_S)}
+                "decode_estimate_us": 1e6 * (sum(floor(s, mm) for s, mm in kernels)
+                                             + len(kernels) * DECODE_GAP_S)}
 
     def step(self, tokens: int) -> dict:
         """The estimate of one step from the counts: milliseconds of the model's matmuls, of its other
@@ -167,9 +168,10 @@ class Roofline:
             return {"roofline_ms": None, "roofline_missing": self.missing[0]}
         forward_backward = matmul / MATMUL_EFFICIENCY + other / BANDWIDTH_EFFICIENCY
         calibrated = forward_backward + optimizer * OPTIMIZER_FACTOR
-        return {"roofline_ms": 1e3 * total, "roofline_matmul_ms": 1e3 * matmul, "roofline_other_ms": 1e3 * other,
-                "roofline_optimizer_ms": 1e3 * optimizer, "calibrated_ms": 1e3 * calibrated,
-                "calibrated_forward_backward_ms": 1e3 * forward_backward,
-                "calibrated_mfu": model_flops / calibrated / (self.tflops["bf16"] * 1e12) if calibrated else None,
+        return {"roofline_ms": 1e3 * total, "roofline_matmul_ms": 1e3 * matmul,
+                "roofline_other_ms": 1e3 * other, "roofline_optimizer_ms": 1e3 * optimizer,
+                "calibrated_ms": 1e3 * calibrated, "calibrated_forward_backward_ms": 1e3 * forward_backward,
+                "calibrated_mfu": (model_flops / calibrated / (self.tflops["bf16"] * 1e12)
+                                   if calibrated else None),
                 "roofline_mfu": model_flops / total / (self.tflops["bf16"] * 1e12) if total else None,
                 "roofline_tokens_per_s": tokens / total if total else None}

@@ -31,8 +31,8 @@ MODES = {"full": ("", 0), "LoRA bf16": ("bf16", 16), "LoRA int8": ("int8", 16), 
 
 def shape(vocab, d, layers, heads, kv, ffn, tied, family, head_dim=0) -> ModelConfig:
     return ModelConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, intermediate_size=ffn, tie_word_embeddings=tied, head_dim=head_dim,
-                       qk_norm=False, qkv_bias=family == "qwen2", max_seq_len=2048)
+                       num_key_value_heads=kv, intermediate_size=ffn, tie_word_embeddings=tied,
+                       head_dim=head_dim, qk_norm=False, qkv_bias=family == "qwen2", max_seq_len=2048)
 
 
 # The shapes each model's config.json on the Hugging Face Hub declares (vocab_size, hidden_size,
@@ -54,12 +54,14 @@ MODELS = {
 LLAMA2_7B = shape(32000, 4096, 32, 32, 32, 11008, False, "llama")
 
 
-def run(model: ModelConfig, mode: str, context: int, micro: int = 1, checkpointed: bool = False) -> tuple[Config, str]:
+def run(model: ModelConfig, mode: str, context: int, micro: int = 1,
+        checkpointed: bool = False) -> tuple[Config, str]:
     """The config of a fine-tune (AdamW, as fine_tuning.py picks it) and the LoRA base the estimate is told.
     """
     base, rank = MODES[mode]
     cfg = Config(model=replace(model, max_seq_len=context, gradient_checkpointing=checkpointed),
-                 train=TrainConfig(init_from="base", optimizer="adamw", lora_rank=rank, micro_batch_size=micro))
+                 train=TrainConfig(init_from="base", optimizer="adamw", lora_rank=rank,
+                                   micro_batch_size=micro))
     return cfg, base
 
 
@@ -98,7 +100,8 @@ ANCHORS = [
      "Llama-3.1-8B", "full", 2, 2048, True, "torchtune README, Memory and training speed"),
     ("torchtune, Llama 3.1 8B LoRA, same", "16.2 GiB", "Llama-3.1-8B", "LoRA bf16", 2, 2048, True,
      "torchtune README"),
-    ("torchtune, Llama 3.1 8B QLoRA, same", "7.4 GiB", "Llama-3.1-8B", "LoRA nf4", 2, 2048, True, "torchtune README"),
+    ("torchtune, Llama 3.1 8B QLoRA, same", "7.4 GiB", "Llama-3.1-8B", "LoRA nf4", 2, 2048, True,
+     "torchtune README"),
     ("unsloth, 8B QLoRA (4-bit), the least", "6 GB", "Llama-3.1-8B", "LoRA nf4", 1, 2048, True,
      "unsloth.ai docs, Unsloth Requirements"),
     ("unsloth, 8B LoRA (16-bit), the least", "22 GB", "Llama-3.1-8B", "LoRA bf16", 1, 2048, True,
@@ -113,14 +116,16 @@ ANCHORS = [
 
 
 def anchors_table() -> list[str]:
-    lines = ["| published | their peak | ours, same shape and batch | source |", "| --- | ---: | ---: | --- |"]
+    lines = ["| published | their peak | ours, same shape and batch | source |",
+             "| --- | ---: | ---: | --- |"]
     for what, theirs, name, mode, micro, context, checkpointed, source in ANCHORS:
         model = LLAMA2_7B if name == "Llama-2-7B" else MODELS[name]
         cfg, base = run(model, mode, context, micro, checkpointed)
         ours = f"{peak(cfg, base, 80) / 2**30:.1f} GiB ({mode}{', ckpt' if checkpointed else ''})"
         if "/" in theirs and mode == "LoRA nf4" and name == "Llama-3.2-3B":  # the LoRA figure beside QLoRA's
             cfg, base = run(model, "LoRA bf16", context, micro, checkpointed)
-            ours = ours.replace(" (", f" / {peak(cfg, base, 80) / 2**30:.1f} GiB (").replace("LoRA nf4", "nf4 / bf16")
+            ours = (ours.replace(" (", f" / {peak(cfg, base, 80) / 2**30:.1f} GiB (")
+                    .replace("LoRA nf4", "nf4 / bf16"))
         lines.append(f"| {what} | {theirs} | {ours} | {source} |")
     return lines
 
@@ -158,7 +163,8 @@ def model_shape(name: str, max_seq_len: int) -> ModelConfig:
     if not os.path.isdir(name):
         raise ConfigError(f"--model {name} is not a folder; give a folder with its "
                           "config.json, a run, or hf:ORG/NAME")
-    if os.path.isfile(os.path.join(name, "config.json")) and not os.path.isdir(os.path.join(name, "checkpoints")):
+    if (os.path.isfile(os.path.join(name, "config.json"))
+        and not os.path.isdir(os.path.join(name, "checkpoints"))):
         return model_config_from_hf(name, max_seq_len)
     shape = load_model_config(resolve_checkpoint(name))
     return replace(shape, max_seq_len=max_seq_len or shape.max_seq_len)
@@ -172,10 +178,12 @@ def ask(model: str, card: str, flags: list[str]) -> str:
     cfg, _ = parse_config(["--init_from", model, *flags])
     shape = model_shape(model, cfg.model.max_seq_len)
     cfg = replace(cfg, model=replace(shape, gradient_checkpointing=cfg.model.gradient_checkpointing),
-                  train=replace(cfg.train, optimizer="adamw" if cfg.train.optimizer == "auto" else cfg.train.optimizer))
+                  train=replace(cfg.train,
+                                optimizer="adamw" if cfg.train.optimizer == "auto" else cfg.train.optimizer))
     name, memory = card_memory(card)
     try:
-        return "\n".join(fit_lines(cfg, Machine("cuda", name, memory), 2, memory)) + "\nit fits by the estimate"
+        return ("\n".join(fit_lines(cfg, Machine("cuda", name, memory), 2, memory))
+                + "\nit fits by the estimate")
     except ConfigError as e:
         return f"does not fit: {e}"
 

@@ -44,7 +44,8 @@ def cached_attention(q, k, v, cache, layer: int, positions: torch.Tensor, mask: 
         wide = torch.promote_types(q.dtype, torch.float32)
         return written_out_attention(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
-    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # the cache's dtype: the queries' when inferring
+    # the cache's dtype: the queries' when inferring
+    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
 
 

@@ -143,13 +143,15 @@ def add_fields(parser: argparse.ArgumentParser, section, shown: set[str] | None 
     for f in fields(section):
         default = f.default_factory() if f.default is MISSING else f.default
         listed = shown is None or f.name in shown
-        help_text = " ".join(filter(None, [f.metadata.get("help"), said(f.name) if f.type in (int, float) else ""]))
+        help_text = " ".join(filter(None, [f.metadata.get("help"),
+                                           said(f.name) if f.type in (int, float) else ""]))
         kind, options = f.type, {"help": help_text if listed else argparse.SUPPRESS, "default": default}
         if kind is bool:
             options.update(type=_boolean, nargs="?", const=True, metavar="true|false")
         elif get_origin(kind) is Literal:
             aliases = f.metadata.get("aliases", {})  # checked against the choices after the alias is replaced
-            options.update(choices=get_args(kind), **({"type": lambda w, a=aliases: a.get(w, w)} if aliases else {}))
+            options.update(choices=get_args(kind),
+                           **({"type": lambda w, a=aliases: a.get(w, w)} if aliases else {}))
         elif get_origin(kind) is list and f.metadata.get("repeat"):
             options.update(type=get_args(kind)[0], nargs="+", action="extend")  # each --flag adds its values
         elif get_origin(kind) is list:
@@ -188,7 +190,8 @@ def parse_sections(types, defaults, argv, description: str, extra=None, shown: s
     values, unknown = parser.parse_known_args(rest)
     if unknown:
         bad = [w for w in unknown if w.startswith("-")] or unknown
-        raise ConfigError(f"unknown setting {' '.join(bad)}, valid names are: " + ", ".join(sorted(parser.names)))
+        raise ConfigError(f"unknown setting {' '.join(bad)}, valid names are: "
+                          + ", ".join(sorted(parser.names)))
     values = vars(values)
     try:
         sections = [t(**{f.name: values.pop(f.name) for f in fields(t)}) for t in types]
@@ -199,7 +202,8 @@ def parse_sections(types, defaults, argv, description: str, extra=None, shown: s
 
 
 def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/SwiGLU transformer. Every field "
-                 "below can be set as --name value.", shown: set[str] | None = None) -> tuple[Config, argparse.Namespace]:
+                 "below can be set as --name value.",
+                 shown: set[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """The training command line: --preset NAME, --config FILE, then any field of any section; shown: the fields
     --help lists, where a script reads only some (prepare_data.py)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -221,8 +225,8 @@ def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/Swi
         base = PRESETS[known.preset]()
     except ConfigError as e:
         raise _naming_config_py(e, types) from None
-    (model, data, train), extras = parse_sections(types, (base.model, base.data, base.train), argv, description,
-                                                  add_preset, shown)
+    (model, data, train), extras = parse_sections(types, (base.model, base.data, base.train), argv,
+                                                  description, add_preset, shown)
     return Config(model=model, data=data, train=train), extras
 
 
@@ -233,6 +237,7 @@ def describe(cfg) -> str:
     for name in ("model", "data", "train"):
         section = getattr(cfg, name)
         changed = [f"{f.name}={getattr(section, f.name)}" for f in fields(section)
-                   if getattr(section, f.name) != (f.default_factory() if f.default is MISSING else f.default)]
+                   if getattr(section, f.name) != (f.default_factory() if f.default is MISSING
+                                                   else f.default)]
         parts.append(f"{name}: {' '.join(changed) if changed else 'as config.py writes it'}")
     return "\n".join(parts)

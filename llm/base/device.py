@@ -18,7 +18,8 @@ from llm.base.sizing import Machine
 
 # Compile modes that capture CUDA graphs: each step must start with cudagraph_mark_step_begin().
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling", None: "fp32"}
+PRECISION_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling",
+                   None: "fp32"}
 
 
 def precision_label(precision: str, amp_dtype, model: torch.nn.Module) -> str:

@@ -110,7 +110,8 @@ def error_contract(main):
     @functools.wraps(main)
     def contracted(*args, **kwargs):
         quiet_library_notices()
-        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        if (signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+            and threading.current_thread() is threading.main_thread()):
             # a script's imports are over: Ctrl-C is 130
             signal.signal(signal.SIGINT, signal.default_int_handler)
         try:

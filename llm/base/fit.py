@@ -148,9 +148,10 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
                       f"{per_layer / m.hidden_size:.0f} x hidden bytes a token in each of {L} blocks, "
                       f"{tokens:,} tokens"))
     rows = min(target.loss_rows or tokens, tokens)
-    terms.append(("loss", rows * m.vocab_size * loss_bytes_per_logit(target) + tokens * m.hidden_size * (a + 4),
-                  ("whole" if rows == tokens else f"{rows:,}-row chunks") + ": logits and their gradient, the fp32 "
-                  "log-softmax (eager) or one fp32 temporary (compiled); the final norm's output"))
+    terms.append(("loss",
+                  rows * m.vocab_size * loss_bytes_per_logit(target) + tokens * m.hidden_size * (a + 4),
+                  ("whole" if rows == tokens else f"{rows:,}-row chunks") + ": logits and their gradient, "
+                  "the fp32 log-softmax (eager) or one fp32 temporary (compiled); the final norm's output"))
     if target.kind == "cuda":
         terms.append(("CUDA context", CUDA_CONTEXT, "context, cuBLAS workspace, kernels"))
     elif t.objective == "grpo" and t.beta and not t.lora_rank:  # beside a GPU these two live in host memory
@@ -194,11 +195,13 @@ def suggest(cfg: Config, target: Target, memory: int, bases=("auto", "int8")) ->
     fits, the config then the least of them."""
     t, m = cfg.train, cfg.model
     accum = max(1, t.grad_accum_steps)
-    for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1) if 2**k < t.micro_batch_size]:
+    for micro in [2**k for k in range(t.micro_batch_size.bit_length() - 1, -1, -1)
+                  if 2**k < t.micro_batch_size]:
         changed = replace(cfg, train=replace(t, micro_batch_size=micro,
                                              grad_accum_steps=accum * t.micro_batch_size // micro))
         if fits(changed, target, memory):
-            return f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}", changed, ""
+            return (f"--micro_batch_size {micro} --grad_accum_steps {changed.train.grad_accum_steps}",
+                    changed, "")
     flags = []
     if t.micro_batch_size > 1:
         cfg = replace(cfg, train=replace(t, micro_batch_size=1, grad_accum_steps=accum * t.micro_batch_size))

@@ -61,7 +61,8 @@ def flops_per_token(m: ModelConfig) -> float:
     weight of every matmul, the head's included and the embedding lookup, norms and biases not, plus
     attention's QK^T and AV over the full context, 12 * layers * heads * head_dim * context (PaLM's appendix
     B)."""
-    matmul = m.num_hidden_layers * sum(i * o for i, o in block_matrices(m).values()) + m.vocab_size * m.hidden_size
+    matmul = (m.num_hidden_layers * sum(i * o for i, o in block_matrices(m).values())
+              + m.vocab_size * m.hidden_size)
     attention = 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * m.max_seq_len
     return 6 * matmul + attention
 

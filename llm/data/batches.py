@@ -45,8 +45,8 @@ def check_windows(data: PreparedData, mode: str, seq_len: int):
                             "it, raise its cap or leave it out")
 
 
-def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int, seed: int,
-                rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
+def batches_for(data: PreparedData, split: str, *, packing_mode: str, batch_size: int, seq_len: int,
+                seed: int, rank: int = 0, device=torch.device("cpu"), world_size: int = 1, accum: int = 1):
     """The batch loader of a split for the run's --packing."""
     kind = PairBatches if data.meta.get("has_pairs") else \
         PackedBatches if packing.packs(packing_mode, data.meta) else Batches
@@ -90,7 +90,8 @@ class Batches:
         self.masks = now.stream(self.split, masks=True) if now.meta["has_masks"] else None
         self.length = len(self.tokens)
         # A mixture draws each training window's source by its weight, then a place in that source's tokens.
-        self.ranges = np.array(now.source_ranges() if now.weights and self.split == "train" else [(0, self.length)])
+        self.ranges = np.array(now.source_ranges() if now.weights and self.split == "train"
+                               else [(0, self.length)])
         self.weights = np.array(now.weights if now.weights and self.split == "train" else [1.0])
         # the first epoch's windows, part by part: where each part's tokens and windows begin
         if self.arrival:
@@ -252,8 +253,8 @@ class PairBatches(PackedBatches):
     def of_windows(self, windows) -> PairBatch:
         """The micro-batch of these windows, its pairs numbered across its rows."""
         rows = [packing.pair_window(self.plan, w, self.tokens, self.masks, self.pad) for w in windows]
-        filled = min(self.seq_len, -(-max(self.fills[w] for w in windows) // TRIM_STEP) * TRIM_STEP) if self.trim \
-            else self.seq_len
+        filled = (min(self.seq_len, -(-max(self.fills[w] for w in windows) // TRIM_STEP) * TRIM_STEP)
+                  if self.trim else self.seq_len)
         x, y, pos, slot = (np.stack(parts)[:, :filled] for parts in list(zip(*rows))[:4])
         before = np.cumsum([0] + [len(r[4]) for r in rows[:-1]])
         slot = np.where(slot >= 0, slot + 2 * before[:, None], -1)

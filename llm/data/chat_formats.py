@@ -10,7 +10,8 @@ corpus.py asks chat_messages() about every JSONL object, so the loss masks are t
 from llm.base.errors import DataError
 from llm.tokens.tokenizer import check_messages
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
 SHAPES = ("messages [{role, content}], conversations [{from, value}] (ShareGPT), instruction + output with "
           "optional input (Alpaca), prompt + completion")
 # table columns

@@ -74,8 +74,8 @@ def _walk(root: str, suffix=None, skipped=SKIPPED_DIRS) -> list[str]:
             found += arrow
             continue
         found += [os.path.join(folder, n) for n in names  # isfile: a pipe in a folder would block the reader
-                  if not n.startswith(".") and (suffix is None or n.endswith(suffix)) and n != readers.DATASET_DICT
-                  and os.path.isfile(os.path.join(folder, n))]
+                  if not n.startswith(".") and (suffix is None or n.endswith(suffix))
+                  and n != readers.DATASET_DICT and os.path.isfile(os.path.join(folder, n))]
     return sorted(found)
 
 
@@ -110,7 +110,8 @@ def bundled_files() -> list[tuple[str, bool]]:
 
 def is_bundled(cfg: DataConfig) -> bool:
     """Whether the sources are the bundled corpus alone: none given, or BUNDLED where no such path exists."""
-    return not cfg.sources or all(split_weight(g)[0] == BUNDLED and not os.path.exists(BUNDLED) for g in cfg.sources)
+    return not cfg.sources or all(split_weight(g)[0] == BUNDLED and not os.path.exists(BUNDLED)
+                                  for g in cfg.sources)
 
 
 def in_arrival_order(cfg: DataConfig) -> bool:
@@ -118,8 +119,8 @@ def in_arrival_order(cfg: DataConfig) -> bool:
     tokenizer learns from its first file, its validation split is its first parts' and its first epoch reads
     the parts in fetch order (batches.py), so a run can train while the rest downloads (arrival.py) and read
     the same batches as a run that waited."""
-    return len(cfg.sources) == 1 and hf_datasets.is_hub_dataset(cfg.sources[0]) and split_weight(cfg.sources[0])[1] \
-        is None
+    return (len(cfg.sources) == 1 and hf_datasets.is_hub_dataset(cfg.sources[0])
+            and split_weight(cfg.sources[0])[1] is None)
 
 
 def sources(cfg: DataConfig, lazy: bool = False) -> list[Source]:
@@ -267,8 +268,8 @@ def _parse_line(line: str, text_fields, system_prompt: str):
     except RecursionError:
         raise DataError("nested too deeply to read as JSON") from None
     if "\\u" in line and has_lone_surrogate(obj):  # only an escape can make one: a cheap test first
-        raise DataError("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no tokenizer "
-                        "encodes; remove it, or fix what wrote the file")
+        raise DataError("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no "
+                        "tokenizer encodes; remove it, or fix what wrote the file")
     return _document(obj if isinstance(obj, dict) else {}, text_fields, system_prompt)
 
 

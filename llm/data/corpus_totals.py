@@ -10,7 +10,8 @@ from llm.data import token_cache as tc
 from llm.data.corpus import ReadStats
 
 SHORT_OF_TARGET = 0.98  # sources this close to the token target are not worth a line
-STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows", "invalid_utf8")
+STAT_FIELDS = ("files", "documents", "bytes", "chats", "binary_skipped", "bad_lines", "bad_rows",
+               "invalid_utf8")
 
 
 def caps(cfg: DataConfig, found) -> list:
@@ -56,7 +57,8 @@ def apply_caps(parts: list, caps: list, weighted: bool):
 def summed(meta: dict, parts: list, found, weights, arrival: bool = False) -> dict:
     """meta.json's fields with the parts' sums (the validation split's from its parts), and the mixture per
     source."""
-    out = dict(meta, has_masks=any(p["has_masks"] for p in parts), has_pairs=any(p.get("pairs") for p in parts))
+    out = dict(meta, has_masks=any(p["has_masks"] for p in parts),
+               has_pairs=any(p.get("pairs") for p in parts))
     if out["has_pairs"] and any(p.get("others", 1) for p in parts):
         raise DataError("the sources hold preference pairs (chosen, rejected) and other "
                         "documents: pairs train by preference, the others by next-token loss; "

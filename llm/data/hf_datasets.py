@@ -26,7 +26,8 @@ from llm.hub.hub_client import (Repo, cached_commit, download, listing, lost, no
 
 PREFIX = "hf://datasets/"
 URL = re.compile(r"hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<pattern>.*))?")
-DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.txt", "*.txt.gz", "*.txt.zst")
+DATA_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.txt", "*.txt.gz",
+              "*.txt.zst")
 # a token target is met at BYTES_PER_TOKEN; a larger vocabulary packs more bytes in a token
 FETCH_MARGIN = 1.5
 # how their streams start: zstd's with a frame, or a skippable one (pzstd's)
@@ -54,8 +55,8 @@ def parse(url: str) -> tuple[str, str, str]:
         raise DataError(f"data source {url} is not a Hub dataset URL, write hf://datasets/OWNER/NAME/GLOB "
                         "(hf://datasets/OWNER/NAME@main/data/*.parquet)")
     revision = safe_relative(unquote(m["revision"] or "main"), "the revision", Repo(m["repo"], "dataset",
-                              f"data source {url}"), "write a branch, tag or commit after @ (refs%2Fconvert%2Fparquet "
-                              "for one with slashes)")
+                              f"data source {url}"), "write a branch, tag or commit after @ "
+                              "(refs%2Fconvert%2Fparquet for one with slashes)")
     return m["repo"], revision, (m["pattern"] or "").strip("/")
 
 
@@ -126,7 +127,8 @@ def arriving(url: str, max_bytes: float = math.inf, measure=os.path.getsize, log
                         f"{count + 1} of at most {len(data)}")
             count, total = count + 1, total + _readable(measure, path, repo)
             yield path
-        if listed is not None and revision != commit and os.path.isdir(os.path.join(storage, "snapshots", commit)):
+        if (listed is not None and revision != commit
+            and os.path.isdir(os.path.join(storage, "snapshots", commit))):
             remember(repo, revision, commit)
     why = "HF_HUB_OFFLINE is set" if offline(constants) else "the Hub is out of reach"
     where = f"{fetched} downloaded into {os.path.dirname(storage)}" if listed else f"from the cache: {why}"

@@ -114,7 +114,8 @@ def plan(tokens, eot: int, turn_start: int | None, seq_len: int, seed: int | Non
     ends = boundaries(tokens, eot)
     turns = boundaries(tokens, turn_start) if turn_start is not None else np.zeros(0, np.int64)
     starts, lengths, cut = pieces(ends, turns, seq_len)
-    order = np.arange(len(starts)) if seed is None else np.random.default_rng([seed, 1]).permutation(len(starts))
+    order = (np.arange(len(starts)) if seed is None
+             else np.random.default_rng([seed, 1]).permutation(len(starts)))
     windows = best_fit(lengths, seq_len, order)
     flat = np.fromiter((i for w in windows for i in w), np.int64, count=len(starts))
     first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
@@ -199,8 +200,8 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
     windows = best_fit(pair_sizes(length, shared), seq_len, order)
     pair_ids = np.fromiter((i for w in windows for i in w), np.int64, count=len(kept))
     first = np.cumsum([0] + [len(w) for w in windows]).astype(np.int64)
-    return PairPlan(start, length, shared, pair_ids, first, seq_len, pairs=len(length), cut=int((cut > 0).sum()),
-                    dropped=int((~fits).sum()))
+    return PairPlan(start, length, shared, pair_ids, first, seq_len, pairs=len(length),
+                    cut=int((cut > 0).sum()), dropped=int((~fits).sum()))
 
 
 def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, ...]:

@@ -88,7 +88,8 @@ def pair_segments(doc: dict) -> list:
     assistant content and <|im_end|> learned, as in a chat; the prompt's template text is the same in both).
     """
     prompt = chat_segments(doc["prompt"])
-    return prompt + chat_segments(doc["chosen"]) + [(EOT_TOKEN, False, True)] + prompt + chat_segments(doc["rejected"])
+    return (prompt + chat_segments(doc["chosen"]) + [(EOT_TOKEN, False, True)] + prompt
+            + chat_segments(doc["rejected"]))
 
 
 def as_messages(doc):

@@ -58,8 +58,8 @@ def _shards(cfg: DataConfig, found):
                 return
             stats = ReadStats()
             key = tc.shard_key(files, budget)
-            yield s, files, key, stats, tc.split_parts(documents(files, cfg, stats, budget), stats, cfg.data_seed,
-                                                       cfg.val_fraction)
+            yield s, files, key, stats, tc.split_parts(documents(files, cfg, stats, budget), stats,
+                                                       cfg.data_seed, cfg.val_fraction)
             budget -= stats.bytes  # what the caller read of it (all, unless it stopped early)
 
 
@@ -146,7 +146,8 @@ def _open_folder(path: str, cfg: DataConfig, found, vocab_size: int, log) -> tup
     """The cache folder's tokenizer and meta.json, made (tokenizer trained) when absent or damaged."""
     problem = tc.folder_problem(path) if os.path.isdir(path) else "absent"
     if problem is None:
-        return Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)), tc.read_json(os.path.join(path, "meta.json"))
+        return (Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE)),
+                tc.read_json(os.path.join(path, "meta.json")))
     if problem != "absent":  # a cache is derived data: rebuilt, not refused
         log(f"data: the token cache {path} is damaged ({problem}), rebuilding it")
     tok = _make_tokenizer(cfg, found, vocab_size, log)
@@ -184,7 +185,8 @@ def _write_part(folder: str, items, files: list, tok: Tokenizer, encoder: Encode
     """Tokenize one part's documents into a folder written under a temporary name; returns its part.json. A
     batch is tokenized in a thread (the encoder releases the GIL and uses every core) while the next is read.
     need: about the bytes the rest of the cache takes, for the message of a full disk."""
-    with atomic.folder(folder, f"writing the token cache part {folder}", need) as tmp, ThreadPoolExecutor(1) as pool:
+    with (atomic.folder(folder, f"writing the token cache part {folder}", need) as tmp,
+          ThreadPoolExecutor(1) as pool):
         writers = {s: tc.SplitWriter(tmp, s, meta["dtype"], meta["eot_id"]) for s in ("train", "val")}
         batch, size, chats, running, kinds = [], 0, False, None, {"pairs": 0, "others": 0}
         for _, doc_id, piece, doc, nbytes, is_val in itertools.chain(items, [(None,) * 6]):  # None: the end
@@ -222,7 +224,8 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
     os.makedirs(shards, exist_ok=True)
     atomic.remove_leftovers(shards)  # of preparations killed before they finished a part
     tc.drop_stale(shards, log)
-    caps, weighted, seen, parts, encoder = totals.caps(cfg, found), bool(found[0].weight), ReadStats(), [], None
+    caps, weighted, seen, parts, encoder = (totals.caps(cfg, found), bool(found[0].weight),
+                                            ReadStats(), [], None)
     total = None  # unknown while files arrive
     if all(isinstance(source.files, list) for source in found):
         total = min(sum(file_bytes(p, cfg) for source in found for p, _ in source.files), _budget(cfg))
@@ -242,8 +245,8 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
             count = 0
             for part, items in itertools.groupby(docs, key=lambda d: d[0]):
                 folder = os.path.join(shards, f"{key}-{part:05d}")
-                problem = tc.part_problem(folder, meta["vocab_size"], meta["dtype"]) if os.path.isdir(folder) \
-                    else "absent"
+                problem = (tc.part_problem(folder, meta["vocab_size"], meta["dtype"])
+                           if os.path.isdir(folder) else "absent")
                 if problem is None:  # written by a run that stopped before the shard's end: read past it
                     record = tc.read_json(os.path.join(folder, "part.json"))
                     _advance(bar, sum(n for *_, n, _ in items), record["train_tokens"] + record["val_tokens"])
@@ -261,18 +264,21 @@ def _build_parts(path: str, cfg: DataConfig, found, tok: Tokenizer, meta: dict, 
                     break
             else:
                 atomic.write_text(os.path.join(shards, key + ".json"), json.dumps(
-                    {"files": [tc.file_identity(p) for p, _ in files], "parts": count, "stats": asdict(stats)}))
+                    {"files": [tc.file_identity(p) for p, _ in files], "parts": count,
+                     "stats": asdict(stats)}))
             totals.merge(seen, asdict(stats))
     return parts, seen
 
 
 def _old_caches(cache_dir: str) -> list[str]:
     """Cache folders of the single-file format (before shards): no longer read."""
-    return sorted(os.path.join(cache_dir, d) for d in (os.listdir(cache_dir) if os.path.isdir(cache_dir) else [])
+    return sorted(os.path.join(cache_dir, d)
+                  for d in (os.listdir(cache_dir) if os.path.isdir(cache_dir) else [])
                   if os.path.isfile(os.path.join(cache_dir, d, "train.bin")))
 
 
-def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print, background: bool = False) -> PreparedData:
+def prepare(cfg: DataConfig, vocab_size: int, seq_len: int, log=print,
+            background: bool = False) -> PreparedData:
     """Build the token cache for these settings, or reuse what of it is finished; raises DataError on bad
     input. background: a corpus read in arrival order (corpus.in_arrival_order) is prepared in a thread, and
     the ArrivingData returned as soon as its first parts hold a validation split and a training window."""
@@ -315,7 +321,8 @@ def _first_file(found: list) -> tuple[list, list]:
     the source with every file, each fetched while the reader tokenizes the one before)."""
     files = iter(found[0].files)
     first = list(itertools.islice(files, 1))  # downloads it
-    return [replace(found[0], files=first)], [replace(found[0], files=arrival.one_ahead(itertools.chain(first, files)))]
+    return ([replace(found[0], files=first)],
+            [replace(found[0], files=arrival.one_ahead(itertools.chain(first, files)))])
 
 
 def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadStats, found, seconds: float,
@@ -325,12 +332,13 @@ def _prepared(cfg: DataConfig, path: str, meta: dict, parts: list, seen: ReadSta
     in_order = in_arrival_order(cfg)
     totals.apply_caps(parts, totals.caps(cfg, found), bool(found[0].weight))
     weights = [source.weight / sum(x.weight for x in found) for source in found] if found[0].weight else None
-    data = PreparedData(path, totals.summed(meta, parts, found, weights, in_order), parts, weights, arrival=in_order,
+    data = PreparedData(path, totals.summed(meta, parts, found, weights, in_order), parts, weights,
+                        arrival=in_order,
                         commit=hf_datasets.commits.get(cfg.sources[0], "") if in_order else "")
     m = data.meta
     m.update(files=seen.files, source_bytes=seen.bytes, binary_files_skipped=seen.binary_skipped,
-             bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8, seconds=round(seconds, 2),
-             mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
+             bad_lines_skipped=seen.bad_lines, invalid_utf8_replaced=seen.invalid_utf8,
+             seconds=round(seconds, 2), mb_per_second=round(seen.bytes / 1e6 / seconds, 2))
     log(f"data: {files_read(seen)}, {seen.documents} documents, {seen.bytes / 1e6:.1f} MB in {len(parts)} "
         f"parts, ready in {seconds:.1f}s; train {m['train_tokens']:,} tokens, val {m['val_tokens']:,} "
         f"tokens, {m['val_bytes_per_token']:.2f} bytes per token")

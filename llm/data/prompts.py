@@ -99,8 +99,8 @@ def prompt_of(row) -> object:
     if not isinstance(row, dict) or "prompt" not in row:
         raise DataError("no `prompt` (a row is an object with a prompt, as text or as a list of messages)")
     if has_lone_surrogate(row["prompt"]):
-        raise DataError("the prompt holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no tokenizer "
-                        "encodes; remove it")
+        raise DataError("the prompt holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which no "
+                        "tokenizer encodes; remove it")
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():

@@ -71,7 +71,8 @@ def open_stream(path: str):
             yield _Checked(gzip.GzipFile(fileobj=raw), path, "gzip", (EOFError, zlib.error, gzip.BadGzipFile))
         else:
             zstd = _module("zstandard", path)
-            yield _Checked(io.BufferedReader(_ZstdFrames(raw, zstd)), path, "zstd", (EOFError, zstd.ZstdError))
+            yield _Checked(io.BufferedReader(_ZstdFrames(raw, zstd)), path, "zstd",
+                           (EOFError, zstd.ZstdError))
 
 
 def lines(f):
@@ -240,8 +241,9 @@ def dataset_files(folder: str, names) -> list[str] | None:
         return None
     missing = sorted(_listed_data_files(folder, data) - set(data))
     if missing:
-        raise DataError(f"{folder} is a saved dataset without {missing[0]}" + (f" and {len(missing) - 1} more" if
-                        len(missing) > 1 else "") + " of the data files it lists; save it again (save_to_disk) or "
+        raise DataError(f"{folder} is a saved dataset without {missing[0]}"
+                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                        + " of the data files it lists; save it again (save_to_disk) or "
                         "copy the missing files, rather than train on part of it")
     return [os.path.join(folder, n) for n in data]
 
@@ -286,7 +288,8 @@ def text_bytes(path: str, columns) -> int:
             recorded = int.from_bytes(f.read(4), "little")  # the last member's size, modulo 4 GiB
         elif path.endswith(".zst"):
             try:  # the first frame's size (-1: not recorded); a file of several frames holds more
-                recorded = max(_module("zstandard", path).frame_content_size(f.read(18)), COMPRESSION_RATIO * size)
+                recorded = max(_module("zstandard", path).frame_content_size(f.read(18)),
+                               COMPRESSION_RATIO * size)
             except Exception:  # not a zstd frame: reading it will say so, with the line
                 recorded = -1
     if not _compression(path):

@@ -64,7 +64,8 @@ def group_files(files):
             continue
         run.append((path, in_folder))
         # By the file's name, not its folder or compression: the same files group alike wherever they lie.
-        if zlib.crc32(os.path.basename(path).removesuffix(".gz").removesuffix(".zst").encode()) % GROUP_EVERY == 0:
+        if (zlib.crc32(os.path.basename(path).removesuffix(".gz").removesuffix(".zst").encode())
+            % GROUP_EVERY == 0):
             yield run
             run = []
     if run:
@@ -158,11 +159,13 @@ class SplitWriter:
             os.remove(self.paths[1])
 
     def counts(self, split: str) -> dict:
-        return {f"{split}_tokens": self.tokens, f"{split}_documents": self.documents, f"{split}_bytes": self.bytes}
+        return {f"{split}_tokens": self.tokens, f"{split}_documents": self.documents,
+                f"{split}_bytes": self.bytes}
 
     def digests(self) -> dict:
         """Each file kept, by name: the short sha256 of its bytes as written (file_digest's form)."""
-        return {os.path.basename(p): h.hexdigest()[:16] for p, h in zip(self.paths, self.sums) if os.path.exists(p)}
+        return {os.path.basename(p): h.hexdigest()[:16] for p, h in zip(self.paths, self.sums)
+                if os.path.exists(p)}
 
 
 def read_json(path: str):
@@ -261,7 +264,8 @@ class TokenStream:
                 out.append(np.full(take, self.fill, self.dtype))
             else:
                 self._check_ids(self.paths[i])
-                out.append(np.memmap(self.paths[i], dtype=self.dtype, mode="r")[start - begin:start - begin + take])
+                out.append(np.memmap(self.paths[i], dtype=self.dtype,
+                                     mode="r")[start - begin:start - begin + take])
             start, i = start + take, i + 1
         return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, self.dtype)
 
@@ -310,7 +314,8 @@ class PreparedData:
         """Where each source's train tokens lie in the train stream: its parts are neighbours."""
         ends = np.cumsum([0] + [p["train_tokens"] for p in self.parts])
         owner = [p["source"] for p in self.parts]
-        return [(int(ends[owner.index(s)]), int(ends[len(owner) - owner[::-1].index(s)])) if s in owner else (0, 0)
+        return [((int(ends[owner.index(s)]), int(ends[len(owner) - owner[::-1].index(s)]))
+                 if s in owner else (0, 0))
                 for s in range(len(self.meta["sources"]))]  # a source capped at 0 tokens holds none
 
     @property

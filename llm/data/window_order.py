@@ -32,7 +32,8 @@ class WindowOrder:
     """The windows one reader reads in each order: rank of world_size ranks, batch_size windows a micro-batch,
     accum micro-steps a step."""
 
-    def __init__(self, seed: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, accum: int = 1):
+    def __init__(self, seed: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+                 accum: int = 1):
         self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
         self.rank, self.world_size, self.accum = rank, world_size, accum
         self._orders, self._part_orders = {}, {}  # epoch -> the order of its windows; part -> of its windows
@@ -100,7 +101,8 @@ class WindowOrder:
             out[row] = part_starts[part] + order[n - part_windows[part]] * self.seq_len
         return out
 
-    def mixture_starts(self, step: int, micro_step: int, ranges: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def mixture_starts(self, step: int, micro_step: int, ranges: np.ndarray,
+                       weights: np.ndarray) -> np.ndarray:
         """Starts of random windows, each in a source drawn by its weight (ranges: where each source's tokens
         lie), drawn from (seed, step, slot)."""
         rng = np.random.default_rng([self.seed, step, self.slot(micro_step), 0])

@@ -62,7 +62,8 @@ def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: Model
     keeps = f"; {previous} is intact" if previous else ""
     with atomic.folder(final, f"writing checkpoint {name} (the run stopped here{keeps})", need) as tmp:
         with _refused_writes(tmp):
-            save_file(state, os.path.join(tmp, lora.ADAPTERS if lora_meta else WEIGHTS), metadata={"format": "pt"})
+            save_file(state, os.path.join(tmp, lora.ADAPTERS if lora_meta else WEIGHTS),
+                      metadata={"format": "pt"})
         if lora_meta:
             with open(os.path.join(tmp, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
                 json.dump(lora_meta, f, indent=2)
@@ -78,8 +79,8 @@ def save_checkpoint(run_dir: str, step: int, state: dict, *, model_config: Model
         written = {file: atomic.stamp(os.path.join(tmp, file)) for file in files}
         # last: its presence means complete
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "val_loss": val_loss, "files": sizes, "sha256": sums, "written": written}, f,
-                      indent=1)
+            json.dump({"step": step, "val_loss": val_loss, "files": sizes, "sha256": sums,
+                       "written": written}, f, indent=1)
     atomic.write_text(os.path.join(root, "LATEST"), name + "\n")
     best = best_checkpoint(run_dir)
     if val_loss is not None and (best is None or val_loss < _manifest(best).get("val_loss", math.inf)):
@@ -293,7 +294,8 @@ def load_weights(ckpt: str, model: torch.nn.Module):
     """Load model.safetensors into `model` (shapes must match); the tied head follows the embedding. A LoRA
     run's checkpoint: its adapters, into the model whose adapters are injected."""
     if lora.read_meta(ckpt):
-        return lora.load_adapters(model, _read_weights(ckpt, lora.ADAPTERS), os.path.join(ckpt, lora.ADAPTERS))
+        return lora.load_adapters(model, _read_weights(ckpt, lora.ADAPTERS),
+                                  os.path.join(ckpt, lora.ADAPTERS))
     path = os.path.join(ckpt, WEIGHTS)
     own = model.state_dict()
     # FSDP2: our rows

@@ -30,17 +30,19 @@ Q8_BLOCK = 32  # weights per q8_0 block: a row whose length it does not divide s
 F16_MAX = 65504.0
 # Our names -> llama.cpp's tensor kinds (gguf.MODEL_TENSOR members): the top of the model, then each block's.
 TOP = {"embed_tokens.weight": "TOKEN_EMBD", "norm.weight": "OUTPUT_NORM", "lm_head.weight": "OUTPUT"}
-BLOCK = {"input_layernorm.weight": "ATTN_NORM", "attn.q_proj.weight": "ATTN_Q", "attn.k_proj.weight": "ATTN_K",
-         "attn.v_proj.weight": "ATTN_V", "attn.o_proj.weight": "ATTN_OUT", "attn.q_norm.weight": "ATTN_Q_NORM",
-         "attn.k_norm.weight": "ATTN_K_NORM", "post_attention_layernorm.weight": "FFN_NORM",
-         "mlp.gate_proj.weight": "FFN_GATE", "mlp.up_proj.weight": "FFN_UP", "mlp.down_proj.weight": "FFN_DOWN"}
+BLOCK = {"input_layernorm.weight": "ATTN_NORM", "attn.q_proj.weight": "ATTN_Q",
+         "attn.k_proj.weight": "ATTN_K", "attn.v_proj.weight": "ATTN_V", "attn.o_proj.weight": "ATTN_OUT",
+         "attn.q_norm.weight": "ATTN_Q_NORM", "attn.k_norm.weight": "ATTN_K_NORM",
+         "post_attention_layernorm.weight": "FFN_NORM", "mlp.gate_proj.weight": "FFN_GATE",
+         "mlp.up_proj.weight": "FFN_UP", "mlp.down_proj.weight": "FFN_DOWN"}
 # Qwen2's split (single digits), which Qwen3 folders imported with export_hf.py --import bring along.
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # (split pattern, ignore_merges) -> llama.cpp's pre-tokenizer name. GPT-4's split is Llama 3's; llama.cpp's
 # "llama-bpe" also skips the merges of a word that is one token ("ignore_merges"), which our trainer's BPE
 # does not, and "dbrx" is the name that splits the same way and merges as we do.
-PRE_TOKENIZERS = {(GPT4_PATTERN, False): "dbrx", (GPT4_PATTERN, True): "llama-bpe", (QWEN2_PATTERN, False): "qwen2"}
+PRE_TOKENIZERS = {(GPT4_PATTERN, False): "dbrx", (GPT4_PATTERN, True): "llama-bpe",
+                  (QWEN2_PATTERN, False): "qwen2"}
 
 
 def gguf_package(need: str = "--gguf"):
@@ -105,7 +107,8 @@ def gguf_tensors(cfg: ModelConfig, state: dict, qtype: str) -> list[tuple[str, n
     for name, value in state.items():
         value = value.detach().float().cpu()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            value = interleave_rope(value, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+            value = interleave_rope(value, cfg.num_attention_heads if "q_proj" in name
+                                    else cfg.num_key_value_heads)
         if value.dim() == 1:
             out.append((gguf_name(name, arch), value.numpy(), None))
             continue
@@ -134,8 +137,8 @@ def _pre_tokenizer(spec: dict, where: str) -> str:
         if len(steps) == 1 and last.get("use_regex", True) and not merges_whole:
             return "gpt-2"  # GPT-2's split, built into the byte-level step
         digits = steps[0] if len(steps) == 2 else {}
-        if digits.get("type") == "Digits" and digits.get("individual_digits") and last.get("use_regex", True) \
-                and not merges_whole:
+        if (digits.get("type") == "Digits" and digits.get("individual_digits")
+            and last.get("use_regex", True) and not merges_whole):
             return "smollm"  # each digit alone, then GPT-2's split (SmolLM's tokenizer)
         split = steps[0] if len(steps) == 2 and not last.get("use_regex", True) else {}
         if split.get("type") == "Split" and split.get("behavior") == "Isolated" and not split.get("invert"):

@@ -34,8 +34,9 @@ BIASES = {"attn.q_proj.bias": "ATTN_Q", "attn.k_proj.bias": "ATTN_K", "attn.v_pr
 # llama.cpp's pre-tokenizer names -> (split before the byte-level step or None, digits one by one,
 # ignore_merges). "smollm" and its kin isolate each digit, then split as GPT-2 does (llama.cpp's regexes for
 # them).
-PRE_TOKENIZERS = {"default": (None, False, False), "gpt-2": (None, False, False), "smollm": (None, True, False),
-                  "starcoder": (None, True, False), "refact": (None, True, False), "codeshell": (None, True, False),
+PRE_TOKENIZERS = {"default": (None, False, False), "gpt-2": (None, False, False),
+                  "smollm": (None, True, False), "starcoder": (None, True, False),
+                  "refact": (None, True, False), "codeshell": (None, True, False),
                   "dbrx": (GPT4_PATTERN, False, False), "llama-bpe": (GPT4_PATTERN, False, True),
                   "llama3": (GPT4_PATTERN, False, True), "qwen2": (QWEN2_PATTERN, False, False)}
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values: special tokens, and added tokens that are not special
@@ -134,7 +135,8 @@ def _check_vocabulary(meta: dict, path: str):
                                   f"{'strings' if kind is str else 'integers'}, the file is damaged")
     for key in [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]:
         value = meta[key]
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < len(tokens):
+        if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+            or not 0 <= value < len(tokens)):
             raise CheckpointError(f"{path}: {key}={value!r} is not a token id (0 to "
                                   f"{len(tokens) - 1}), the file is damaged")
 
@@ -171,10 +173,10 @@ def _check_blocks(reader, layers: int, where: str):
 
 # Our config's fields by the GGUF key (after "ARCH.") they are read from, to name a refused value as the file
 # does.
-GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",
-             "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
-             "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
-             "max_seq_len": "context_length"}
+GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length",
+             "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+             "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+             "intermediate_size": "feed_forward_length", "max_seq_len": "context_length"}
 
 
 def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfig:
@@ -185,7 +187,8 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
     a = f"{arch}."
     why = []
     if meta.get(a + "rope.scaling.type", "none") not in ("none", "") or meta.get(a + "expert_count"):
-        why.append("RoPE scaling" if meta.get(a + "rope.scaling.type", "none") not in ("none", "") else "experts")
+        why.append("RoPE scaling" if meta.get(a + "rope.scaling.type", "none") not in ("none", "")
+                   else "experts")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         why.append("RoPE frequency factors (Llama 3.1's scaling)")
     if meta.get(a + "attention.sliding_window"):
@@ -227,7 +230,8 @@ def _model_config(meta: dict, reader, path: str, max_seq_len: int) -> ModelConfi
 def _our_names(arch: str, layers: int) -> dict:
     """llama.cpp's tensor names -> ours, for every tensor this architecture has."""
     gguf = gguf_package("reading a .gguf")
-    names = {gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)] + ".weight": ours for ours, kind in TOP.items()}
+    names = {gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)] + ".weight": ours
+             for ours, kind in TOP.items()}
     for i in range(layers):
         for table, suffix in ((BLOCK, ".weight"), (BIASES, ".bias")):
             for ours, kind in table.items():
@@ -288,7 +292,8 @@ def gguf_tokenizer(meta: dict, path: str, vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED])
     return tok
 
 
@@ -350,7 +355,8 @@ def _remove_orphans(temp: str):
     process's lock is held; another user's cannot be opened. Folders without a lock file (made before locks
     were) are left alone: their process may still live."""
     try:
-        locks = [e.path for e in os.scandir(temp) if e.name.startswith(FOLDER_PREFIX) and e.name.endswith(LOCK_SUFFIX)]
+        locks = [e.path for e in os.scandir(temp)
+                 if e.name.startswith(FOLDER_PREFIX) and e.name.endswith(LOCK_SUFFIX)]
     except OSError:
         return
     for lock in locks:

@@ -40,9 +40,9 @@ def family(cfg: ModelConfig) -> str:
     name = cfg.family if cfg.family != "auto" else flags_family(cfg.qk_norm, cfg.qkv_bias)
     needs = {"qwen3": (True, False), "qwen2": (False, True)}.get(name, (False, False))
     if (cfg.qk_norm, cfg.qkv_bias) != needs:
-        raise CheckpointError(f"family={name!r} needs qk_norm={needs[0]} and qkv_bias={needs[1]}, and this model has "
-                              f"qk_norm={cfg.qk_norm} and qkv_bias={cfg.qkv_bias}; no Hugging Face family computes "
-                              "it" + ("" if cfg.family == "auto" else ", set family to auto"))
+        raise CheckpointError(f"family={name!r} needs qk_norm={needs[0]} and qkv_bias={needs[1]}, and this "
+                              f"model has qk_norm={cfg.qk_norm} and qkv_bias={cfg.qkv_bias}; no Hugging Face "
+                              "family computes it" + ("" if cfg.family == "auto" else ", set family to auto"))
     if name == "llama" and cfg.hidden_size % cfg.num_attention_heads:
         raise CheckpointError(f"transformers' LlamaConfig needs hidden_size={cfg.hidden_size} divisible by "
                               f"num_attention_heads={cfg.num_attention_heads}; this model cannot be exported")
@@ -62,8 +62,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", bos: int | None = None, 
     """config.json of the equal model of cfg's family, readable by transformers 4.56 and 5.x."""
     name, layers = family(cfg), cfg.num_hidden_layers
     config = {
-        "architectures": [FAMILIES[name]], "model_type": name,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "architectures": [FAMILIES[name]], "model_type": name, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
@@ -155,7 +155,8 @@ def model_config_from_hf(path: str, max_seq_len: int = 0) -> ModelConfig:
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
             head_dim=getattr(hf, "head_dim", None) or 0, intermediate_size=hf.intermediate_size,
-            max_seq_len=context, rope_theta=float(rope.get("rope_theta") or getattr(hf, "rope_theta", 10000.0)),
+            max_seq_len=context, rope_theta=float(rope.get("rope_theta")
+                                                  or getattr(hf, "rope_theta", 10000.0)),
             rms_norm_eps=float(hf.rms_norm_eps), qk_norm=raw["model_type"] == "qwen3",
             qkv_bias=raw["model_type"] == "qwen2", tie_word_embeddings=bool(hf.tie_word_embeddings),
             init_std=float(hf.initializer_range), family=family_field(raw["model_type"]),
@@ -195,7 +196,8 @@ def declared_shape(raw: dict, file: str) -> ModelConfig:
     """The shape config.json declares, read from its own fields: transformers is not given a config before
     its sizes are checked against the weights (building one with 10^7 layers takes it minutes)."""
     heads = raw.get("num_attention_heads")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
             raise CheckpointError(f"{file} is not a valid transformers config "
                                   f"({name}={raw.get(name)!r} is not an integer)")

@@ -30,7 +30,8 @@ HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 EXPORT_SUFFIXES = (".json", ".safetensors", ".jinja")
 # and its model card, which --overwrite replaces only when its first line says an export wrote it (a README.md
 # a user wrote in a folder stays).
-CARD, CARD_MARK = "README.md", "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->"
+CARD, CARD_MARK = ("README.md",
+                   "<!-- model card written by export_hf.py; an export with --overwrite replaces it -->")
 # (T, head_dim) fp32 tables alive at once while cos and sin are built: buffers, temporaries
 ROPE_PEAK_TABLES = 6
 
@@ -73,8 +74,8 @@ def stored_shapes(files: list[str], remedy: str = "use another model folder") ->
 def check_declared_size(cfg: ModelConfig, shapes: dict, where: str):
     """Refuse a config whose parameter count is not what the weight files hold, before anything is built from
     it (a config declaring 10^7 layers would build for hours), and weights too large for the free memory."""
-    stored = sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")
-                 and is_stored(name, cfg))
+    stored = sum(math.prod(shape) for name, shape in shapes.items()
+                 if not name.endswith("rotary_emb.inv_freq") and is_stored(name, cfg))
     declared = count_parameters(cfg)
     if stored != declared:
         raise CheckpointError(f"{where}: its config declares {declared:,} parameters but its weight files "
@@ -111,8 +112,8 @@ def check_weights(state: dict, shapes: dict, where: str):
     wrong = [f"{k} {found[k]} instead of {shapes[k]}" for k in shapes if k in found and found[k] != shapes[k]]
     if missing or unexpected or wrong:
         parts = [f"{label} {items[:4]}" + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-                 for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                 if items]
+                 for label, items in (("missing", missing), ("unexpected", unexpected),
+                                      ("wrong shape", wrong)) if items]
         raise CheckpointError(f"{where} does not fit the model its config describes: {'; '.join(parts)}")
 
 
@@ -156,7 +157,8 @@ def _write_tokenizer(tokenizer_path: str, out: str, eos: str, pad: str, max_len:
     _write_json(path, values if chat else {k: v for k, v in values.items() if k != "chat_template"})
 
 
-def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str, eos: str, chat: bool):
+def _write_files(out: str, cfg: ModelConfig, state: dict, tokenizer_path: str, dtype: str, eos: str,
+                 chat: bool):
     """Every file of the folder, into the existing folder out."""
     tok = read_tokenizer(tokenizer_path)
     eos_id, eot_id = tok.token_to_id(eos), tok.token_to_id(EOT_TOKEN)
@@ -275,9 +277,11 @@ def load_hf_folder(path: str, max_seq_len: int = 0) -> tuple[ModelConfig, dict, 
     stored = stored_shapes(files)
     check_declared_size(declared_shape(raw_config(path), os.path.join(path, HF_CONFIG)), stored, path)
     cfg = model_config_from_hf(path, max_seq_len)
-    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len else f"{path}/{HF_CONFIG}: max_position_embeddings")
+    check_context(cfg, f"{path}: --max_seq_len" if max_seq_len
+                  else f"{path}/{HF_CONFIG}: max_position_embeddings")
     # Some tied folders store the head as well: it is dropped, as in our checkpoints.
-    kept = {k: v for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq") and is_stored(our_name(k), cfg)}
+    kept = {k: v for k, v in stored.items()
+            if not k.endswith("rotary_emb.inv_freq") and is_stored(our_name(k), cfg)}
     check_weights(kept, {hf_name(k): v for k, v in expected_shapes(cfg).items()}, path)
     state = {our_name(k): v.float().contiguous() for k, v in _read_hf_weights(files).items() if k in kept}
     tokenizer = os.path.join(path, TOKENIZER_FILE)

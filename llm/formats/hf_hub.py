@@ -134,8 +134,8 @@ def _get(hub, repo: Repo, commit: str, name: str):
 def _failure(repo: Repo, e: Exception, errors) -> Exception:
     """huggingface_hub's failure as one line: how to get in, a token refused, or what the Hub answered."""
     if isinstance(e, errors.RepositoryNotFoundError):  # gated ones too: both say how to get in
-        return CheckpointError(hub_client.not_shown(repo, isinstance(e, errors.GatedRepoError), "no such model",
-                                                     "its Hub page"))
+        return CheckpointError(hub_client.not_shown(repo, isinstance(e, errors.GatedRepoError),
+                                                    "no such model", "its Hub page"))
     if hub_client.refused_token(e):
         return CheckpointError(f"{repo.where}: {hub_client.refused_token(e)}")
     if isinstance(e, errors.HfHubHTTPError):
@@ -155,5 +155,6 @@ def _cached(repo: Repo, by_setting: bool, failure: Exception | None = None) -> s
     why = "HF_HUB_OFFLINE=1 forbids downloading it; unset HF_HUB_OFFLINE" if by_setting else \
         "the Hub could not be reached; check the connection"
     where = "is only partly" if folder and os.path.isdir(folder) else "is not"
-    raise CheckpointError(f"{repo.where} {where} in the Hugging Face cache ({os.path.dirname(repo.storage)}) and "
-                          f'{why}, or fetch it with: hf download {repo.id} --include "*.json" "model*.safetensors"')
+    raise CheckpointError(f"{repo.where} {where} in the Hugging Face cache ({os.path.dirname(repo.storage)}) "
+                          f'and {why}, or fetch it with: hf download {repo.id} --include '
+                          '"*.json" "model*.safetensors"')

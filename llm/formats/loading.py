@@ -139,4 +139,5 @@ def _check_adapters(adapters: dict, meta: dict, base: ModelFiles, where: str):
                                   f"{base.path}; the checkpoint is damaged")
 
 
-READERS = {Kind.RUN: read_run, Kind.LORA: read_lora, Kind.HF: read_hf, Kind.HUB: read_hub, Kind.GGUF: read_gguf_file}
+READERS = {Kind.RUN: read_run, Kind.LORA: read_lora, Kind.HF: read_hf, Kind.HUB: read_hub,
+           Kind.GGUF: read_gguf_file}

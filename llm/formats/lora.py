@@ -45,7 +45,8 @@ def check_lora(model: nn.Module, t):
     if unknown:
         raise ConfigError(f"--lora_targets {' '.join(unknown)} match no linear layer of the blocks; "
                           f"choose from {' '.join(TARGETS)}")
-    side, where = min((min(m.in_features, m.out_features), n) for n, m in block_linears(model, wanted).items())
+    side, where = min((min(m.in_features, m.out_features), n)
+                      for n, m in block_linears(model, wanted).items())
     if t.lora_rank > side:
         raise ConfigError(f"--lora_rank {t.lora_rank} is larger than the smaller side ({side}) of {where}; "
                           f"pass --lora_rank {side} or less")
@@ -139,7 +140,8 @@ def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
     with torch.device(model.embed_tokens.weight.device):  # adapters made where they live
         for name, layer in layers.items():
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, LoraLinear(layer, t.lora_rank, alpha(t), t.lora_dropout))
+            setattr(model.get_submodule(parent), child,
+                    LoraLinear(layer, t.lora_rank, alpha(t), t.lora_dropout))
     for name, p in model.named_parameters():
         if ".lora_" in name:
             p.data = p.data.float()  # fp32 master weights, whatever the base is held in
@@ -263,7 +265,8 @@ def peft_state(adapters: dict) -> dict:
 
 def peft_config(meta: dict, base_name: str) -> dict:
     """adapter_config.json as PEFT writes it for a causal language model."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name.removeprefix("hf:"),
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_name.removeprefix("hf:"),
             "r": meta["rank"], "lora_alpha": meta["alpha"], "lora_dropout": meta["dropout"],
             "target_modules": meta["targets"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
@@ -275,11 +278,13 @@ def check_adapter_target(out: str, overwrite: bool):
         others = sorted(f for f in set(os.listdir(out)) - {PEFT_WEIGHTS, ADAPTER_CONFIG}
                         if not (f == CARD and is_written_card(os.path.join(out, f))))
         if not overwrite or others:
-            raise CheckpointError(f"{os.path.abspath(out)} is not empty" + (f" (it holds {others[0]})" if others else
-                                  "") + ", choose another folder" + ("" if others else " or pass --overwrite"))
+            raise CheckpointError(f"{os.path.abspath(out)} is not empty"
+                                  + (f" (it holds {others[0]})" if others else "") + ", choose another folder"
+                                  + ("" if others else " or pass --overwrite"))
 
 
-def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False, card: str = ""):
+def write_peft_folder(out: str, meta: dict, adapters: dict, base_name: str, overwrite: bool = False,
+                      card: str = ""):
     """adapter_config.json, adapter_model.safetensors under PEFT's names and the card (README.md), atomically;
     only an earlier adapter export is replaced (with overwrite), never another folder."""
     from safetensors.torch import save_file

@@ -51,7 +51,8 @@ def read(ckpt: str) -> Saved:
 def parse(state: dict) -> Saved:
     """A trainer_state.pt's dict as Saved; keys a run of an earlier version did not write are left empty. A
     state without its counters (damaged, or written by hand) is refused in one line."""
-    missing = [k for k in ("step", "tokens", "best_val_loss") if not isinstance(state, dict) or k not in state]
+    missing = [k for k in ("step", "tokens", "best_val_loss")
+               if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"the checkpoint's trainer_state.pt lacks {', '.join(missing)}; it is "
                               "damaged, use an earlier checkpoint")
@@ -70,8 +71,8 @@ def _config(text) -> dict:
         raise CheckpointError(f"the checkpoint's trainer_state.pt holds a config that is not readable JSON "
                               f"({type(e).__name__}), use an earlier checkpoint") from None
     if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
-        raise CheckpointError("the checkpoint's trainer_state.pt holds a config that is not {section: {field: "
-                              "value}}, use an earlier checkpoint")
+        raise CheckpointError("the checkpoint's trainer_state.pt holds a config that is not "
+                              "{section: {field: value}}, use an earlier checkpoint")
     return values
 
 
@@ -94,7 +95,8 @@ def recorded(ckpt: str) -> dict:
     spent = state.get("spent_s")
     if isinstance(spent, (int, float)) and not isinstance(spent, bool) and math.isfinite(spent):
         facts["spent_s"] = float(spent)
-    facts |= {k: state[k] for k in ("device", "precision", "command", "imported_from") if isinstance(state.get(k), str)}
+    facts |= {k: state[k] for k in ("device", "precision", "command", "imported_from")
+              if isinstance(state.get(k), str)}
     # a path in it is never followed
     facts["corpus"] = state["corpus"] if isinstance(state.get("corpus"), dict) else {}
     return facts
@@ -144,7 +146,8 @@ class TrainingState:
         torch.set_rng_state(saved.rng_torch)
         if saved.rng_cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(saved.rng_cuda)
-        self.step, self.tokens, self.best_val, self.clock = saved.step, saved.tokens, saved.best_val, saved.clock
+        self.step, self.tokens, self.best_val, self.clock = (saved.step, saved.tokens,
+                                                             saved.best_val, saved.clock)
 
     def save(self, cfg, ranks, data, record: "Record", clock: dict, val_loss: float | None) -> str | None:
         """Write a checkpoint at self.step (rank 0; DDP keeps every rank's weights identical, FSDP2 shards are
@@ -155,7 +158,8 @@ class TrainingState:
         average = self.average.state_dict(keep=ranks.is_main)  # every rank: a gather under FSDP2
         if not ranks.is_main:
             return None
-        state = adapter_state(self.model) if record.lora_meta else ckpt_io.weights_state_dict(self.model, weights)
+        state = (adapter_state(self.model) if record.lora_meta
+                 else ckpt_io.weights_state_dict(self.model, weights))
         bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"weights {bad[:3]} hold NaN or Inf; the checkpoint was not written")

@@ -42,9 +42,10 @@ class State:
     @classmethod
     def empty(cls, batch: int, vocab: int, device, eos_slots: int = 4) -> "State":
         z = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(batch, 1, dtype=torch.long), z(batch, vocab, dtype=torch.bool), z(batch, dtype=torch.bool),
-                   z(batch, dtype=torch.long), z(batch, vocab), z(batch, 1), z(batch, 1, dtype=torch.long),
-                   z(batch, 1), z(batch, 1), z(batch, dtype=torch.long), z(eos_slots, dtype=torch.long))
+        return cls(z(batch, 1, dtype=torch.long), z(batch, vocab, dtype=torch.bool),
+                   z(batch, dtype=torch.bool), z(batch, dtype=torch.long), z(batch, vocab), z(batch, 1),
+                   z(batch, 1, dtype=torch.long), z(batch, 1), z(batch, 1), z(batch, dtype=torch.long),
+                   z(eos_slots, dtype=torch.long))
 
     def sampling(self):
         return self.temperature, self.top_k, self.top_p, self.penalty
@@ -86,4 +87,5 @@ class Slot:
 def eager_slot(model, batch: int, max_len: int) -> Slot:
     """A slot of plain steps, its cache sized to this call."""
     device, vocab = model.embed_tokens.weight.device, model.config.vocab_size
-    return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device), prefill_step, decode_step)
+    return Slot(model.make_kv_cache(batch, max_len), State.empty(batch, vocab, device),
+                prefill_step, decode_step)

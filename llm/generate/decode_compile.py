@@ -107,8 +107,8 @@ def compile_in_background(model, settings: SampleConfig, on_error=None) -> threa
                 device = model.embed_tokens.weight.device
                 ids = torch.zeros(1, MIN_BUCKET, dtype=torch.long, device=device)
                 ranked = candidates([settings], model.config.vocab_size)
-                slot.prefill(model, ids, torch.ones(1, dtype=torch.long, device=device), slot.cache, slot.state,
-                             ranked)
+                slot.prefill(model, ids, torch.ones(1, dtype=torch.long, device=device), slot.cache,
+                             slot.state, ranked)
                 slot.decode(model, slot.cache, slot.state, ranked)
         except Exception as e:  # generation stays eager; the caller says so
             thread.error = e

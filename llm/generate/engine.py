@@ -41,8 +41,9 @@ def check_memory(model, batch: int, max_len: int):
     need = cache + 6 * batch * c.vocab_size * 4 + batch * max_len * c.hidden_size * 16
     free = torch.cuda.mem_get_info(w.device)[0] if w.is_cuda else psutil.virtual_memory().available
     if need > 0.9 * free:
-        raise ConfigError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, more than "
-                         f"the {free / 2**30:.1f} GiB free; lower num_return_sequences, the prompts or max_new_tokens")
+        raise ConfigError(f"{batch} sequences of up to {max_len} tokens need about {need / 2**30:.1f} GiB, "
+                          f"more than the {free / 2**30:.1f} GiB free; lower num_return_sequences, the "
+                          "prompts or max_new_tokens")
 
 
 def check_prompt(length: int, ctx: int):
@@ -73,7 +74,8 @@ def generate(model, prompts: list[list[int]], settings: SampleConfig | list[Samp
         check_prompt(len(p), ctx)
     if len(eos_ids) > 4:
         raise ConfigError(f"at most 4 end ids, got {len(eos_ids)}")
-    width, limits = bucket(max(len(p) for p, _ in rows), ctx), [min(s.max_new_tokens, ctx - len(p)) for p, s in rows]
+    width, limits = (bucket(max(len(p) for p, _ in rows), ctx),
+                     [min(s.max_new_tokens, ctx - len(p)) for p, s in rows])
     compiled, real = compiles(model) and not compiling(model), len(rows)
     if compiled:  # padding rows: greedy copies of the first prompt, one token each, never read
         padding = batch_bucket(real) - real
@@ -270,7 +272,8 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
         chosen, top_lp, top_ids = join(chosen), join(top_lp), join(top_ids)  # sync point: once per group
         for i, s in enumerate(group):
             n = len(s) - 1
-            out.append((chosen[i][:n], top_ids[i][:n] if top else [[]] * n, top_lp[i][:n] if top else [[]] * n))
+            out.append((chosen[i][:n], top_ids[i][:n] if top else [[]] * n,
+                        top_lp[i][:n] if top else [[]] * n))
     return out
 
 
@@ -348,7 +351,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
             for j in range(CHUNK):
                 _noise(slot.state, generators, B)
                 if not compiled:  # attention reads no further than the longest row: eager shapes may change
-                    slot.cache.span = span(1 + max(reach[r] for r in range(B) if prompt_of[r] is not None), max_len)
+                    slot.cache.span = span(1 + max(reach[r] for r in range(B)
+                                                   if prompt_of[r] is not None), max_len)
                 slot.decode(model, slot.cache, slot.state, ranked)
                 reach[:] = [x + 1 for x in reach]
                 chunk[:, j] = slot.state.tokens[:, 0]
@@ -360,8 +364,8 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
     return out
 
 
-def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: list[int], settings: SampleConfig,
-          eos_ids, ranked: int) -> list[int]:
+def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: list[int],
+          settings: SampleConfig, eos_ids, ranked: int) -> list[int]:
     """Prefill prompts into rows `free` of a running slot, through a slot of their own whose cache and state
     are then copied into those rows; each prompt's first new token."""
     width, vocab = max(map(len, prompts)), model.config.vocab_size

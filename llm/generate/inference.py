@@ -48,7 +48,8 @@ class RowProductLinear(nn.Linear):
 
     def forward(self, x):
         w = self.weight
-        if not (torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+        if not (torch.compiler.is_compiling() and x.device.type == "cpu"
+                and not torch.is_autocast_enabled("cpu")
                 and x.numel() <= self.REDUCE_ROWS * x.shape[-1] and self.bias is None):
             return F.linear(x, w, self.bias)
         if type(w) in (torch.Tensor, nn.Parameter):

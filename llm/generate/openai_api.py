@@ -32,7 +32,8 @@ INT64_MAX = 2**63 - 1  # a seed or top_k past torch's int64 overflows in the wor
 class BadRequest(Exception):
     """A request the server refuses: HTTP status, message, the parameter at fault."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
@@ -71,7 +72,8 @@ def stream_options_of(body: dict) -> bool:
     if not body.get("stream"):
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"}) if isinstance(options, dict) else []
+    unknown = (sorted(set(options) - {"include_usage", "include_obfuscation"})
+               if isinstance(options, dict) else [])
     if not isinstance(usage, bool) or unknown:
         raise BadRequest("stream_options must be an object with include_usage: true or false"
                          + (f" ({unknown[0]!r:.40} is not an option)" if unknown else ""), "stream_options")
@@ -86,8 +88,8 @@ def check_text(body: dict):
             json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             name = name.encode("utf-8", "backslashreplace").decode()  # the name itself may hold the surrogate
-            raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
-                             "text; send valid Unicode", name) from None
+            raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                             "not text; send valid Unicode", name) from None
         except RecursionError:
             raise BadRequest(f"{name} nests too deeply", name) from None
 
@@ -100,7 +102,8 @@ def number(body: dict, name: str, default, kind=float, low=None, high=None):
     # JSON allows Infinity
     finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
     if isinstance(value, bool) or not finite or (kind is int and value != int(value)):
-        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' finite number'}, got {value!r:.40}", name)
+        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' finite number'}, "
+                         f"got {value!r:.40}", name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise BadRequest(f"{name}={value!r:.40} is out of range [{low}, {high}]", name)
     return kind(value)
@@ -119,7 +122,8 @@ def settings_of(body: dict, ctx: int, chat: bool = False, echo: bool = False) ->
         raise BadRequest(f"a stop string has {max(map(len, stop))} characters, more than the "
                          f"{MAX_STOP_CHARS} allowed; shorten it", "stop")
     try:
-        return SampleConfig(max_new_tokens=max(1, number(body, "max_tokens", default, int, 0 if echo else 1, ctx)),
+        return SampleConfig(max_new_tokens=max(1, number(body, "max_tokens", default, int,
+                                                         0 if echo else 1, ctx)),
                             temperature=number(body, "temperature", 1.0, float, 0, 2),
                             top_p=max(number(body, "top_p", 1.0, float, 0, 1), 1e-9),
                             top_k=max(number(body, "top_k", 0, int, -1, INT64_MAX), 0),  # -1: off, as in vLLM
@@ -240,7 +244,8 @@ def logprobs_object(text_of, tokenizer, ids: list[int], scores: tuple, start: in
             "top_logprobs": top_logprobs, "text_offset": offsets[start:len(ids)]}
 
 
-def chat_logprobs_object(text_of, bytes_of, ids: list[int], scores: tuple, start: int, alternatives: int) -> dict:
+def chat_logprobs_object(text_of, bytes_of, ids: list[int], scores: tuple, start: int,
+                         alternatives: int) -> dict:
     """A chat choice's logprobs, as OpenAI's chat API gives them: for each token of the reply (ids[start:],
     the end token left out), its text, log-probability and bytes (which join into the reply's UTF-8 where a
     token holds part of a character), and its `alternatives` likeliest tokens. text_of, bytes_of:

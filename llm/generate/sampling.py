@@ -77,7 +77,8 @@ class TextStream:
 
     def __init__(self, tokenizer, stops=()):
         # The Rust tokenizer inside a transformers one decodes several times faster, and never tidies spaces.
-        self.tokenizer, self.stops = getattr(tokenizer, "backend_tokenizer", tokenizer), [s for s in stops if s]
+        self.tokenizer, self.stops = (getattr(tokenizer, "backend_tokenizer", tokenizer),
+                                      [s for s in stops if s])
         self.ids, self.start, self.read = [], 0, 0  # ids[start:read] is decoded context already emitted
         self.pending, self.stopped = "", False
 

@@ -112,12 +112,13 @@ class Worker(threading.Thread):
         owner = [(j, c) for j in making for c in range(j.choices)]  # row -> (job, choice)
         reasons = {}  # row -> (why it ended, the end id that ended it or None)
         try:
-            out = generate(self.model, [p for j in making for p in j.prompts],
-                           [j.settings for j in making for _ in j.prompts],
-                           stop_ids(self.tokenizer), self.tokenizer,
-                           on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
-                           cancelled=lambda i: owner[i][0].cancelled,
-                           on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end))) if making else []
+            out = (generate(self.model, [p for j in making for p in j.prompts],
+                            [j.settings for j in making for _ in j.prompts],
+                            stop_ids(self.tokenizer), self.tokenizer,
+                            on_text=lambda i, text: owner[i][0].put(Event(owner[i][1], text)),
+                            cancelled=lambda i: owner[i][0].cancelled,
+                            on_end=lambda i, reason, end: reasons.__setitem__(i, (reason, end)))
+                   if making else [])
         # the engine's refusal (memory), or a bug: the requests fail, the server goes on
         except Exception as e:
             if len(jobs) > 1 and not any(j.heard for j in jobs):
@@ -129,7 +130,8 @@ class Worker(threading.Thread):
             return
         ended = [Ended(job, c, ids, *reasons[i]) for i, ((job, c), ids) in enumerate(zip(owner, out))
                  if i in reasons]  # a cancelled row has no reason, and no reader
-        ended += [Ended(job, c, [], "length") for job in jobs if not job.generating for c in range(job.choices)]
+        ended += [Ended(job, c, [], "length") for job in jobs if not job.generating
+                  for c in range(job.choices)]
         self.finish(ended)
 
     def finish(self, ended: list[Ended]):

@@ -20,9 +20,11 @@ from llm.base.errors import CheckpointError, DataError, RunFailure
 COMMIT = re.compile(r"[0-9a-f]{40}")
 ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a file's git blob id (sha1), or a large file's sha256
 DRIVE = re.compile(r"[A-Za-z]:")  # a path part that Windows reads as a drive
-HOSTILE = "refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub or a faithful mirror"
+HOSTILE = ("refused before it named a file; check that HF_ENDPOINT points at the Hugging Face Hub "
+           "or a faithful mirror")
 TOKEN = "the token given (HF_TOKEN, or the one `hf auth login` saved)"
-REFUSED = f"the Hub refused {TOKEN} as invalid; check it (`hf auth whoami`), or log in again with `hf auth login`"
+REFUSED = (f"the Hub refused {TOKEN} as invalid; check it (`hf auth whoami`), or log in again with "
+           "`hf auth login`")
 FORBIDDEN = f"the Hub refused {TOKEN} access (403); check that it may read the repository (`hf auth whoami`)"
 
 
@@ -181,15 +183,17 @@ def _transfer(url: str, partial: str, size, headers: dict, where: str, bars: boo
     from huggingface_hub import constants, get_session, hf_raise_for_status
     from huggingface_hub.utils import are_progress_bars_disabled
     with open(partial, "ab") as f, tqdm(total=size, unit="B", unit_scale=True, desc=where.rsplit(": ", 1)[-1],
-                                        disable=True if not bars or are_progress_bars_disabled() else None) as bar:
+                                        disable=(True if not bars or are_progress_bars_disabled()
+                                                 else None)) as bar:
         if size is not None and f.tell() > size:
             f.truncate(0)  # longer than the file: not a start of it
         bar.update(f.seek(0, os.SEEK_END))
         while size is None or f.tell() < size:
             start = f.tell()
             try:
-                with get_session().stream("GET", url, headers=dict(headers, Range=f"bytes={start}-") if start else
-                                          headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                with get_session().stream("GET", url, headers=(dict(headers, Range=f"bytes={start}-")
+                                                               if start else headers),
+                                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
                     hf_raise_for_status(response)
                     if start and response.status_code == 200:  # the Range ignored: the whole file comes
                         f.truncate(f.seek(0))
@@ -265,7 +269,8 @@ def unreachable() -> tuple:
     """What huggingface_hub raises when it cannot reach the Hub: its HTTP client's transport errors (httpx2
     for huggingface_hub 2.x, httpx for 1.x) and its offline mode."""
     from huggingface_hub.errors import OfflineModeIsEnabled
-    clients = [importlib.import_module(name) for name in ("httpx2", "httpx") if importlib.util.find_spec(name)]
+    clients = [importlib.import_module(name) for name in ("httpx2", "httpx")
+               if importlib.util.find_spec(name)]
     return (OfflineModeIsEnabled, *(client.TransportError for client in clients))
 
 
@@ -274,7 +279,8 @@ def not_shown(repo: Repo, gated: bool, missing: str, page: str) -> str:
     refused it."""
     token = token_given()
     if gated:
-        way = f"with the account of {TOKEN}, or check that token" if token else "and log in with `hf auth login`"
+        way = (f"with the account of {TOKEN}, or check that token" if token
+               else "and log in with `hf auth login`")
         return f"{repo.where}: the {repo.kind} is gated, accept its terms on {page} {way}"
     if token:
         return f"{repo.where}: {missing} on the Hub that {TOKEN} can read; check the name, and the token " \

@@ -42,8 +42,9 @@ def _count(value) -> int | None:
 
 
 def _real(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        else None
+    return (float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            else None)
 
 
 def run_folder(ckpt: str) -> str | None:
@@ -69,7 +70,8 @@ def run_facts(ckpt: str) -> dict:
     facts = {"name": export_name(ckpt), "step": int(step.group(1)) if step else None, "tokens": None,
              "spent_s": None, "world_size": None, **recorded(ckpt)}
     if run:
-        facts["config"] = _dict(_quiet(atomic.read_json, os.path.join(run, "config.json"), "a run config", ""))
+        facts["config"] = _dict(_quiet(atomic.read_json, os.path.join(run, "config.json"),
+                                       "a run config", ""))
         evals = [r for r in read_metrics(run, "eval") if facts["step"] is None or r["step"] <= facts["step"]]
         if evals:
             facts["eval"] = evals[-1]  # the exported step's evaluation, else the last one before it
@@ -121,11 +123,11 @@ def own_chat_template(path: str) -> str:
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8", errors="replace") as f:
             return f.read()
-    template = _dict(_quiet(atomic.read_json, os.path.join(path, "tokenizer_config.json"), "a tokenizer config",
-                            "")).get("chat_template")
+    template = _dict(_quiet(atomic.read_json, os.path.join(path, "tokenizer_config.json"),
+                            "a tokenizer config", "")).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
     return template if isinstance(template, str) else ""
 
 
@@ -136,8 +138,8 @@ def next_token_train(path: str, depth: int = 0) -> dict | None:
     train = _dict(_dict(run_facts(_quiet(resolve_checkpoint, path) or path).get("config")).get("train"))
     base = train.get("init_from")
     if train.get("objective") in PREFERENCE_OR_REWARD:
-        return next_token_train(base, depth + 1) if isinstance(base, str) and os.path.exists(base) and depth < 8 \
-            else None
+        return (next_token_train(base, depth + 1)
+                if isinstance(base, str) and os.path.exists(base) and depth < 8 else None)
     return train or None
 
 
@@ -150,12 +152,15 @@ def _data_rows(facts: dict) -> list[tuple[str, str]]:
     if not isinstance(sources, list):
         text = NOT_RECORDED
     else:
-        text = ", ".join(md.code(md.shared_name(s)) for s in sources) or "the Python standard library's own sources"
+        text = (", ".join(md.code(md.shared_name(s)) for s in sources)
+                or "the Python standard library's own sources")
     rows = [("data", text)]
     corpus = _dict(facts.get("corpus"))
-    counts = [_count(corpus.get(k)) for k in ("train_tokens", "val_tokens", "train_documents", "val_documents")]
+    counts = [_count(corpus.get(k))
+              for k in ("train_tokens", "val_tokens", "train_documents", "val_documents")]
     if None not in counts:
-        chat = "; holds chat examples, trained on the assistant turns" if corpus.get("has_masks") is True else ""
+        chat = ("; holds chat examples, trained on the assistant turns"
+                if corpus.get("has_masks") is True else "")
         rows.append(("corpus", f"{counts[0]:,} training and {counts[1]:,} validation tokens in "
                                f"{counts[2] + counts[3]:,} documents{chat}"))
     return rows
@@ -165,14 +170,15 @@ def _training_rows(facts: dict) -> list[tuple[str, str]]:
     train = _dict(_dict(facts.get("config")).get("train"))
     tokens, steps, seconds = facts.get("tokens"), facts.get("step"), facts.get("spent_s")
     if facts.get("imported_from"):
-        return [("origin", f"imported from {md.code(md.shared_name(facts['imported_from']))}, not trained here")]
+        return [("origin",
+                 f"imported from {md.code(md.shared_name(facts['imported_from']))}, not trained here")]
     ranks = facts.get("world_size") or 1
     return [("tokens seen", f"{tokens:,} over {steps:,} steps" if tokens is not None and steps is not None
              else NOT_RECORDED),
             ("training time", f"{seconds / 60:.1f} min, data preparation and compilation included"
              if seconds is not None else NOT_RECORDED),
-            ("device", md.text(facts["device"]) + (f", {ranks} processes" if ranks > 1 else "") if facts.get("device")
-             else NOT_RECORDED),
+            ("device", md.text(facts["device"]) + (f", {ranks} processes" if ranks > 1 else "")
+             if facts.get("device") else NOT_RECORDED),
             ("precision", md.text(facts.get("precision") or train.get("precision", NOT_RECORDED)))]
 
 
@@ -189,7 +195,8 @@ def _eval_rows(facts: dict) -> list[tuple[str, str]]:
         ok = round(r["code_ok"] * r["code_samples"])
         rows.append(("code metric", f"{ok} of {r['code_samples']} documented "
                                     f"functions get a body that parses{at}"))
-    scores = {k.removeprefix("acc_"): v for k, v in r.items() if k.startswith("acc_") and _real(v) is not None}
+    scores = {k.removeprefix("acc_"): v for k, v in r.items()
+              if k.startswith("acc_") and _real(v) is not None}
     if scores:
         items = f"the first {r['scored_items']} items of each, " if _count(r.get("scored_items")) else ""
         rows.append(("benchmarks", ", ".join(f"{k} {100 * v:.1f}%" for k, v in scores.items())
@@ -234,8 +241,8 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
     """README.md for an export of the checkpoint folder ckpt: kind "hf" (a transformers folder) or "gguf"
     (file)."""
     facts = run_facts(ckpt)
-    arch = {"qwen3": "Qwen3 (QK-norm)", "qwen2": "Qwen2 (q/k/v biases)", "llama": "Llama", "mistral": "Mistral",
-            "smollm3": "SmolLM3"}.get(family(cfg), family(cfg))
+    arch = {"qwen3": "Qwen3 (QK-norm)", "qwen2": "Qwen2 (q/k/v biases)", "llama": "Llama",
+            "mistral": "Mistral", "smollm3": "SmolLM3"}.get(family(cfg), family(cfg))
     params = count_parameters(cfg)
     model = [("architecture", f"{arch}: grouped-query attention, RoPE, SwiGLU, RMSNorm"),
              ("parameters", f"{_number(params)} ({params:,})"), ("layers", str(cfg.num_hidden_layers)),
@@ -243,12 +250,15 @@ def model_card(ckpt: str, cfg: ModelConfig, kind: str = "hf", file: str = "", ch
              ("heads", f"{cfg.num_attention_heads} query, {cfg.num_key_value_heads} "
                        f"key/value, {cfg.head_dim} wide"),
              ("context", f"{cfg.max_seq_len:,} tokens"), ("vocabulary", f"{cfg.vocab_size:,} tokens"),
-             ("embeddings", "tied to the output head" if cfg.tie_word_embeddings else "separate from the output head")]
+             ("embeddings", "tied to the output head"
+              if cfg.tie_word_embeddings else "separate from the output head")]
     parts = [CARD_MARK, f"# {md.text(facts['name'])}", "",
              f"A {_number(params)}-parameter language model {_origin(facts)}, exported "
-             + ("as a Hugging Face transformers folder." if kind == "hf" else f"as the GGUF file {md.code(os.path.basename(file))}."), "",
-             "## Model", "", _table(model), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
-             "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
+             + ("as a Hugging Face transformers folder." if kind == "hf"
+                else f"as the GGUF file {md.code(os.path.basename(file))}."), "",
+             "## Model", "", _table(model), "",
+             "## Training", "", _table(_data_rows(facts) + _training_rows(facts)), "",
+             "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
              _how_to_load(kind, file, facts["name"], chat, cfg), ""]
     return "\n".join(parts)
 
@@ -258,8 +268,9 @@ def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
     adapter_config.json names it), the adapters' settings, the run's numbers and how to load it. PEFT's own
     cards start with this YAML header, which the Hub reads."""
     facts, base = run_facts(ckpt), base_name.removeprefix("hf:")
-    lora = [("base model", md.code(md.shared_name(base))), ("rank", str(meta["rank"])), ("alpha", f"{meta['alpha']:g}"),
-            ("dropout", f"{meta['dropout']:g}"), ("targets", ", ".join(md.code(t) for t in meta["targets"]))]
+    lora = [("base model", md.code(md.shared_name(base))), ("rank", str(meta["rank"])),
+            ("alpha", f"{meta['alpha']:g}"), ("dropout", f"{meta['dropout']:g}"),
+            ("targets", ", ".join(md.code(t) for t in meta["targets"]))]
     use = ["PEFT: `AutoPeftModelForCausalLM.from_pretrained(\".\")` loads the base named above with these "
            "adapters; or `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), \".\")`.",
            "This project: `python text_generator.py RUN --base BASE` on the run's checkpoint, or merged into "
@@ -269,7 +280,8 @@ def adapter_card(ckpt: str, meta: dict, base_name: str) -> str:
              f"LoRA adapters {_origin(facts)}, for {md.code(md.shared_name(base))}, "
              "exported as a PEFT adapter folder.",
              "",
-             "## Adapters", "", _table(lora), "", "## Training", "", _table(_data_rows(facts) + _training_rows(facts)),
-             "", "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
+             "## Adapters", "", _table(lora), "",
+             "## Training", "", _table(_data_rows(facts) + _training_rows(facts)), "",
+             "## Evaluation", "", _table(_eval_rows(facts)), "", "## Use", "",
              "\n".join(f"- {line}" for line in use), ""]
     return "\n".join(parts)

@@ -62,7 +62,8 @@ class Monitor:
         self.tokens_per_step = tokens_per_step
         self.peak = peak_flops(device) * world_size if peak_flops(device) else None
         self.metrics_path = os.path.join(run_dir, METRICS_FILE)
-        kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] if resume_step is not None else []
+        kept = ([r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+                if resume_step is not None else [])
         if resume_step is not None:
             self._rewrite(kept)
         self.train_points = [(r["step"], r["loss"]) for r in kept if r.get("kind") == "train"]
@@ -86,7 +87,8 @@ class Monitor:
             else:
                 # Offline: no account or network needed; `wandb sync <run_dir>/wandb/offline-run-*` uploads
                 # later.
-                self.wandb_run = wandb_lib.init(project="modern-llm", name=os.path.basename(os.path.normpath(run_dir)),
+                self.wandb_run = wandb_lib.init(project="modern-llm",
+                                                name=os.path.basename(os.path.normpath(run_dir)),
                                                 dir=run_dir, mode="offline", config=config or {})
 
     def train_record(self, step: int, tokens: int, loss: float, lr_scale: float, lrs: dict, grad_norm: float,
@@ -99,11 +101,12 @@ class Monitor:
         rewards)."""
         timed = bool(step_s)
         tok_s = self.tokens_per_step / step_s if timed else None
-        record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs, "grad_norm": grad_norm,
-                  "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s,
+        record = {"kind": "train", "step": step, "loss": loss, "lr_scale": lr_scale, **lrs,
+                  "grad_norm": grad_norm, "compiled": compiled, "tokens": tokens, "tokens_per_s": tok_s,
                   "steps_per_s": 1 / step_s if timed else None,
                   "mfu": tok_s * self.flops_per_token / self.peak if self.peak and timed else None,
-                  "ram_gb": psutil.Process().memory_info().rss / 2**30, "gpu_util": gpu_utilization(self.device),
+                  "ram_gb": psutil.Process().memory_info().rss / 2**30,
+                  "gpu_util": gpu_utilization(self.device),
                   "vram_gb": None, "vram_total_gb": None, **(extra or {}), "time": time.time()}
         if self.device.type == "cuda":
             record["vram_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -204,7 +207,8 @@ class StepProfiler:
     in pytorch.org/memory_viz)."""
 
     def __init__(self, run_dir: str, device: torch.device, first: int, steps: int = 4):
-        self.folder, self.device, self.first, self.last = os.path.join(run_dir, "profile"), device, first, first + steps
+        self.folder, self.device, self.first, self.last = (os.path.join(run_dir, "profile"),
+                                                           device, first, first + steps)
         self.profiler = None
 
     def step(self, done: int):
@@ -212,7 +216,8 @@ class StepProfiler:
         if done == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+            self.profiler = torch.profiler.profile(activities=activities,
+                                                   record_shapes=True, with_stack=False)
             self.profiler.__enter__()
             if self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -305,8 +310,8 @@ def trainable_report(cfg, model, row: int) -> str:
     return (f"lora: rank {t.lora_rank}, alpha {t.lora_alpha or 2 * t.lora_rank:g} on "
             f"{' '.join(t.lora_targets or LORA_TARGETS)}: {trained / 1e6:.2f}M trainable parameters "
             f"({trained / (trained + n_frozen):.2%}), {n_frozen / 1e6:.2f}M frozen\n"
-            f"memory: frozen base {sum(stored_bytes(p) for p in frozen) / 2**20:,.1f} MiB, adapters with gradients "
-            f"and optimizer state {16 * trained / 2**20:,.1f} MiB, activations about "
+            f"memory: frozen base {sum(stored_bytes(p) for p in frozen) / 2**20:,.1f} MiB, adapters "
+            f"with gradients and optimizer state {16 * trained / 2**20:,.1f} MiB, activations about "
             f"{activation_bytes(replace(cfg, model=replace(cfg.model, max_seq_len=row))) / 2**20:,.0f} MiB a "
             "micro-batch")
 
@@ -315,13 +320,15 @@ def progress_bar(clock, start: int, enabled: bool):
     """The one progress bar: steps, or for a time budget the seconds of it spent (steps in the description).
     """
     if not clock.by_time:
-        return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled, dynamic_ncols=True, desc="train")
+        return tqdm(total=clock.t.max_steps, initial=start, disable=not enabled,
+                    dynamic_ncols=True, desc="train")
     total = round(clock.budget_s)
     # n_fmt/total_fmt, not {total:.0f}: tqdm sets total to None once n passes it, and a format must not end
     # the run.
     return tqdm(total=total, initial=_budget_seconds(clock, total), disable=not enabled,
                 dynamic_ncols=True, desc=f"train step {start}",
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the time budget{postfix}")
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s "
+                           "of the time budget{postfix}")
 
 
 def _budget_seconds(clock, total: int) -> int:
@@ -334,8 +341,8 @@ def advance_bar(bar, clock, step: int, epoch: float | None = None):
     """One step further: one tick, or the seconds spent under a time budget; with epochs, the one under way.
     """
     if epoch is not None:
-        bar.set_description(f"train epoch {min(math.floor(epoch) + 1, math.ceil(clock.t.epochs))}/{clock.t.epochs:g}",
-                            refresh=False)
+        bar.set_description(f"train epoch {min(math.floor(epoch) + 1, math.ceil(clock.t.epochs))}"
+                            f"/{clock.t.epochs:g}", refresh=False)
     if clock.by_time:
         bar.set_description(f"train step {step}", refresh=False)
         bar.update(max(0, _budget_seconds(clock, bar.total) - bar.n))
@@ -349,13 +356,15 @@ def mean_score(record: dict) -> float | None:
     return 100 * sum(scores) / len(scores) if scores else None
 
 
-def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float | None, ckpt: str | None,
-            device: torch.device, interrupted: bool, launcher: str = "python", base: str = "") -> str:
+def summary(*, step: int, tokens: int, seconds: float, best_val: float, bytes_per_token: float | None,
+            ckpt: str | None, device: torch.device, interrupted: bool, launcher: str = "python",
+            base: str = "") -> str:
     """The lines printed at the end: what the run did, its best validation loss, where it is, how to go on.
     best_val: inf when no evaluation ran. base: the model a LoRA run's adapters join."""
     bits = f" ({best_val / math.log(2) / bytes_per_token:.4f} bits per byte)" if bytes_per_token else ""
     evaluated = f"best val loss {best_val:.4f}{bits}" if math.isfinite(best_val) else "no evaluation yet"
-    peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)"
+    peak = (f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+            if device.type == "cuda" else "n/a (CPU)")
     lines = [f"{'stopped' if interrupted else 'done'}: {step} steps, {tokens:,} tokens, {seconds / 60:.1f} "
              f"min, {evaluated}, peak memory {peak}"]
     if ckpt:

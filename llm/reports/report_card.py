@@ -97,9 +97,10 @@ def as_json(scores: list[TaskScore], model: str, limit: int, chances: dict) -> d
             "headline": {suite: {"centred_mean": value, "tasks": count} for suite, value, count in
                          suite_means(scores, chances)},
             "tasks": {s.task: {"centred": headline(s, chances.get(s.task))[1],
-                               "headline_metric": headline(s, chances.get(s.task))[0], "acc": s.acc, "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
-                               "acc_norm_stderr": s.acc_norm_stderr, "metrics": list(s.metrics), "items": s.items,
-                               "split": s.split, "shots": s.shots,
+                               "headline_metric": headline(s, chances.get(s.task))[0], "acc": s.acc,
+                               "acc_stderr": s.acc_stderr, "acc_norm": s.acc_norm,
+                               "acc_norm_stderr": s.acc_norm_stderr, "metrics": list(s.metrics),
+                               "items": s.items, "split": s.split, "shots": s.shots,
                                "seconds": round(s.seconds, 2), "chance": chances.get(s.task), "cut": s.cut,
                                "partial": s.partial} for s in scores}}
 
@@ -123,13 +124,16 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     lines = [f"# Report card: {md.text(facts.get('name') or os.path.basename(os.path.normpath(model)))}", "",
              f"- model: {md.code(model)}"]
     if facts.get("step") is not None:
-        lines.append(f"- step {facts['step']:,}" + (f", {facts['tokens']:,} tokens" if facts.get("tokens") else ""))
+        lines.append(f"- step {facts['step']:,}"
+                     + (f", {facts['tokens']:,} tokens" if facts.get("tokens") else ""))
     if facts.get("spent_s"):
         where = md.text(facts.get("device", "a device not recorded"))
         lines.append(f"- training time: {facts['spent_s'] / 60:.1f} min on {where}")
-    sources = facts.get("config", {}).get("data", {}).get("sources") if isinstance(facts.get("config"), dict) else None
+    sources = (facts.get("config", {}).get("data", {}).get("sources")
+               if isinstance(facts.get("config"), dict) else None)
     if isinstance(sources, list):
-        lines.append("- data: " + (", ".join(md.code(s) for s in sources) or "the Python standard library's sources"))
+        lines.append("- data: " + (", ".join(md.code(s) for s in sources)
+                                   or "the Python standard library's sources"))
     if isinstance(facts.get("eval"), dict) and facts["eval"].get("val_bpb") is not None:
         lines.append(f"- bits per byte: {facts['eval']['val_bpb']:.4f} (validation, "
                      f"step {facts['eval']['step']:,})")
@@ -137,7 +141,8 @@ def report(model: str, scores: list[TaskScore], limit: int, chances: dict, devic
     splits = {}
     for score in scores:
         splits.setdefault(score.split, []).append(score.task)
-    lines += [f"- scored on: {device}, " + (f"the first {limit} items of each task" if limit else "every item"),
+    lines += [f"- scored on: {device}, "
+              + (f"the first {limit} items of each task" if limit else "every item"),
               f"- shots: {', '.join(shot + ['the rest zero-shot']) if shot else 'zero-shot'}",
               "- splits: " + "; ".join(f"{split} ({', '.join(names)})" for split, names in splits.items()),
               f"- prompts and metrics: lm-eval's task definitions, as of lm-eval {tasks.LM_EVAL_VERSION}", "",
@@ -161,8 +166,8 @@ def _reference_rows(scores: list[TaskScore], chances: dict, limit: int) -> list[
             "| chance | " + " | ".join(_pct(chances.get(n)) for n in names) + " |"]
     for model, results in REFERENCES.items():
         rows.append(f"| {model} | " + " | ".join(_pct(results.get(n)) for n in names) + " |")
-    said = "on every item of each split, where this model had the first {limit} of each task: a difference within a " \
-        "few standard errors says little" if limit else "on the same items"
+    said = ("on every item of each split, where this model had the first {limit} of each task: a difference "
+            "within a few standard errors says little" if limit else "on the same items")
     return ["Accuracy (acc, %) beside references measured by this "
             f"tool {said.format(limit=limit)}:", ""] + rows + [""]
 
@@ -172,8 +177,8 @@ def write_report(folder: str, text: str, data: dict, scores: list | None = None,
     shows (report.png, where matplotlib is installed)."""
     _folder(folder)
     if scores and any(s.items for s in scores) and report_chart.available():
-        title = f"{data.get('model', '')}" + (f", the first {data['limit']} items of each task" if data.get("limit")
-                                              else "")
+        title = f"{data.get('model', '')}" + (f", the first {data['limit']} items of each task"
+                                              if data.get("limit") else "")
         atomic.write_bytes(os.path.join(folder, report_chart.CHART),
                            report_chart.png(scores, chances or {}, REFERENCES, os.path.basename(title)))
     atomic.write_text(os.path.join(folder, REPORT), text)

@@ -80,7 +80,8 @@ def on_token_boundary(tokenizer, prompt: str) -> str:
     model rarely saw there, and a model with such a tokenizer wrote no body that parsed (0 of 16, where its
     twin with the default tokenizer wrote 10)."""
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return prompt if tokenizer.encode(prompt + "\n", add_special_tokens=False)[:len(ids)] == ids else prompt + "\n"
+    return (prompt if tokenizer.encode(prompt + "\n", add_special_tokens=False)[:len(ids)] == ids
+            else prompt + "\n")
 
 
 def function_body(completion: str, indent: int, complete: bool) -> str:
@@ -115,7 +116,8 @@ def fitted(settings: SampleConfig, context: int) -> SampleConfig:
 
 
 @torch.no_grad()
-def code_parse_rate(model, tokenizer, texts: list[str], settings: SampleConfig = CODE_SETTINGS) -> tuple[float, int]:
+def code_parse_rate(model, tokenizer, texts: list[str],
+                    settings: SampleConfig = CODE_SETTINGS) -> tuple[float, int]:
     """(share of bodies that parse, bodies tried); (nan, 0) when the texts hold no function with a docstring.
     """
     room = model.config.max_seq_len - settings.max_new_tokens
@@ -141,7 +143,8 @@ def sample_prompts(texts: list[str], python: bool, chars: int = 24, n: int = 3) 
 
 
 @torch.no_grad()
-def sample_texts(model, tokenizer, prompts: list[str], settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
+def sample_texts(model, tokenizer, prompts: list[str],
+                 settings: SampleConfig = SAMPLE_SETTINGS) -> list[dict]:
     """[{"prompt", "text"}] for each prompt, sampled with a fixed seed (so steps differ by training alone); a
     reply to a conversation ends at <|im_end|>."""
     texts, _ = generate_text(model, tokenizer, prompts, replace(settings, num_return_sequences=1),
@@ -185,8 +188,9 @@ def _loss_sum(model, chunks: list[list[int]]) -> float:
     batch = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=device)
     labels = torch.tensor([c[1:] + [-100] * (width - len(c)) for c in chunks], device=device)
     logits, _ = model(batch[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                             reduction="sum").item()  # sync point: once per batch
+    # sync point: once per batch
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100, reduction="sum").item()
 
 
 @torch.no_grad()
@@ -196,7 +200,8 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
 
     texts as text_parts() takes them; they are encoded a bounded part at a time and scored as their windows
     fill, so memory stays flat however long a file is. bar: a tqdm bar advanced by the bytes read."""
-    eos, window, step = tokenizer.eos_token_id, model.config.max_seq_len, batch_size * model.config.max_seq_len
+    eos, window, step = (tokenizer.eos_token_id, model.config.max_seq_len,
+                         batch_size * model.config.max_seq_len)
     # held: ids not scored; a window's last id opens the next
     held, last, total, seen, nbytes = [], None, 0.0, 0, 0
     for number, text in itertools.chain(text_parts(texts), [(None, "")]):  # None: after the last document
@@ -208,7 +213,8 @@ def bits_per_byte(model, tokenizer, texts, batch_size: int = 8, bar=None) -> dic
         held += ids
         seen, nbytes, start = seen + len(ids), nbytes + size, 0
         while len(held) - start > step:  # whole batches of full windows, as soon as they are there
-            total += _loss_sum(model, [held[start + s:start + s + window + 1] for s in range(0, step, window)])
+            total += _loss_sum(model,
+                               [held[start + s:start + s + window + 1] for s in range(0, step, window)])
             start += step
         del held[:start]
         if bar is not None:
@@ -308,7 +314,8 @@ def benchmark_items(names, n: int) -> tuple[list, str]:
     if not chosen:
         return [], "eval_tasks is empty"
     if not n:
-        return [], "automatic on a CPU, where a run that fits scores at chance; --eval_task_items N scores N items"
+        return [], ("automatic on a CPU, where a run that fits scores at chance; "
+                    "--eval_task_items N scores N items")
     try:
         return [(task, task.items(n)) for task in chosen], ""
     except ConfigError as e:  # the data is not installed

@@ -74,7 +74,8 @@ def project_lm(model, tokenizer):
                 until = [until] if isinstance(until, str) else list(until)
                 room = min(int(kwargs.get("max_gen_toks", 256)), ctx // 2)
                 sampled = kwargs.get("do_sample") and float(kwargs.get("temperature", 0) or 0) > 0
-                settings = SampleConfig(max_new_tokens=room, temperature=float(kwargs["temperature"]) if sampled else 0,
+                settings = SampleConfig(max_new_tokens=room,
+                                        temperature=float(kwargs["temperature"]) if sampled else 0,
                                         top_k=0, top_p=1.0, seed=0, stop=until[:MAX_STOPS])
                 ids = tokenizer.encode(context, add_special_tokens=False)[-(ctx - room):] or [prefix]
                 text = generate_text(model, tokenizer, [ids], settings)[0][0]
@@ -104,7 +105,8 @@ def run_lm_eval(model, tokenizer, names: list[str], limit: int = 0, shots: int =
         metrics = results["results"].get(name, {})
         acc = next((v for k, v in metrics.items() if k.split(",")[0] in ("acc", "exact_match") and
                     isinstance(v, float)), None)
-        norm = next((v for k, v in metrics.items() if k.split(",")[0] == "acc_norm" and isinstance(v, float)), None)
+        norm = next((v for k, v in metrics.items() if k.split(",")[0] == "acc_norm"
+                     and isinstance(v, float)), None)
         items = results.get("n-samples", {}).get(name, {}).get("effective", 0)
         split = results.get("configs", {}).get(name, {}).get("test_split") or \
             results.get("configs", {}).get(name, {}).get("validation_split") or ""

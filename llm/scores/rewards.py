@@ -110,7 +110,8 @@ def gsm8k(prompts, completions, answer=None, **_) -> list[float]:
     if answer is None:
         raise ValueError("the prompts have no `answer` column, which this "
                          "reward compares the last number with")
-    return [float(same_number(last_number(reply_text(c)), gsm8k_answer(a))) for c, a in zip(completions, answer)]
+    return [float(same_number(last_number(reply_text(c)), gsm8k_answer(a)))
+            for c, a in zip(completions, answer)]
 
 
 def matches(pattern: str):

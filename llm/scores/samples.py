@@ -18,7 +18,8 @@ def arguments(item: Item) -> dict:
             for i, (context, continuation) in enumerate(item.requests)}
 
 
-def choice_line(suite: str, item: Item, loglikelihoods: list[float], pick: int, pick_norm: int | None) -> dict:
+def choice_line(suite: str, item: Item, loglikelihoods: list[float], pick: int,
+                pick_norm: int | None) -> dict:
     """A multiple-choice item's line: pick is acc's choice, pick_norm acc_norm's (None where the task has
     none)."""
     line = {"task": item.source or suite, "suite": suite, "doc_id": item.doc_id, "arguments": arguments(item),

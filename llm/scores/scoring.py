@@ -138,7 +138,8 @@ def _groups(fed: list[list[int]], shared: list[int], vocab: int, max_len: int) -
     the model's context with every row padded to the group's width."""
     groups, width = [], 0
     for r in sorted(range(len(fed)), key=lambda r: -len(fed[r])):
-        if groups and (len(groups[-1]) + 1) * max(width, 1) * vocab <= LOGIT_ROWS and shared[r] + width <= max_len:
+        if (groups and (len(groups[-1]) + 1) * max(width, 1) * vocab <= LOGIT_ROWS
+            and shared[r] + width <= max_len):
             groups[-1].append(r)
         else:
             groups.append([r])
@@ -312,8 +313,8 @@ def _write_answers(model, tokenizer, items: list[Item], result: TaskScore, bar=N
         return cut_at(text, items[i].until) != text
     settings = SampleConfig(temperature=0.0, max_new_tokens=room, top_k=0, top_p=1.0)
     try:
-        generate_all(model, [p[-(ctx - room):] for p in prompts], settings, stop_ids(tokenizer), GENERATE_ROWS,
-                     answered, until=stopped if lm_eval else None)
+        generate_all(model, [p[-(ctx - room):] for p in prompts], settings, stop_ids(tokenizer),
+                     GENERATE_ROWS, answered, until=stopped if lm_eval else None)
     finally:
         result.predictions += [replies[i] for i in sorted(replies)]  # each reply, in the items' order
         result.samples += [lines[i] for i in sorted(lines)]

@@ -73,9 +73,11 @@ class Task:
             if self.shots:  # lm-eval's first_n sampler: the first rows of the split it draws shots from
                 split = self.shots_from[0]
                 shots = read_rows(os.path.join(where, split), self.shots)
-                make, here = functools.partial(self.item, shots=shots), f"{here} ({self.shots} shots from {split})"
-            found += [replace(self.checked_item(make, row, folder, f"{here} row {i}"), source=self.source(folder),
-                              doc_id=i) for i, row in enumerate(rows[:limit] if limit else rows)]
+                make, here = (functools.partial(self.item, shots=shots),
+                              f"{here} ({self.shots} shots from {split})")
+            found += [replace(self.checked_item(make, row, folder, f"{here} row {i}"),
+                              source=self.source(folder), doc_id=i)
+                      for i, row in enumerate(rows[:limit] if limit else rows)]
         return [in_template(item, template) for item in found] if template else found
 
     def source(self, folder: str) -> str:
@@ -130,7 +132,8 @@ def read_rows(split_folder: str, limit: int = 0) -> list[dict]:
     """The rows of a `datasets.save_to_disk` split (its first `limit`; 0: all): its Arrow stream files in name
     order, as Python values."""
     import pyarrow as pa
-    files = sorted(f for f in os.listdir(split_folder) if f.endswith(".arrow")) if os.path.isdir(split_folder) else []
+    files = (sorted(f for f in os.listdir(split_folder) if f.endswith(".arrow"))
+             if os.path.isdir(split_folder) else [])
     if not files:
         raise DataError(f"{split_folder} holds no .arrow file, reinstall the evaluation data: {INSTALL}")
     rows = []
@@ -182,7 +185,8 @@ def hellaswag(row, _):
 
 def arc(row, _):
     choices = row["choices"]
-    return _choices(choices["text"], choices["label"].index(row["answerKey"]), f"Question: {row['question']}\nAnswer:")
+    return _choices(choices["text"], choices["label"].index(row["answerKey"]),
+                    f"Question: {row['question']}\nAnswer:")
 
 
 def piqa(row, _):
@@ -226,8 +230,8 @@ def copa(row, _):
 def commonsense_qa(row, _):
     texts, letters = row["choices"]["text"], "ABCDE"
     options = "".join(f"\n{letter}. {text}" for letter, text in zip(letters, texts))
-    return _choices(list(letters), letters.index(row["answerKey"]), f"Question: {row['question'].strip()}{options}"
-                    "\nAnswer:")
+    return _choices(list(letters), letters.index(row["answerKey"]), f"Question: {row['question'].strip()}"
+                    f"{options}\nAnswer:")
 
 
 def mmlu(row, folder, shots=()):
@@ -235,8 +239,8 @@ def mmlu(row, folder, shots=()):
     each), then the question."""
     subject = os.path.basename(folder).replace("_", " ")
     solved = "".join(f"{_mmlu_question(s)} {'ABCD'[int(s['answer'])]}\n\n" for s in shots)
-    return _choices(list("ABCD"), int(row["answer"]), "The following are multiple choice questions (with answers) "
-                    f"about {subject}.\n\n{solved}{_mmlu_question(row)}")
+    return _choices(list("ABCD"), int(row["answer"]), "The following are multiple choice questions "
+                    f"(with answers) about {subject}.\n\n{solved}{_mmlu_question(row)}")
 
 
 def _mmlu_question(row) -> str:
@@ -253,7 +257,8 @@ def _asked(question: str, options: list[str], gold: int) -> Item:
     """A multiple-choice question as a user's message in the chat template; the assistant's answer is a
     letter, scored by its log-likelihood right after the template's assistant header."""
     listed = "\n".join(f"{letter}. {text}" for letter, text in zip(LETTERS, options))
-    asked = ({"role": "user", "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the correct choice."},)
+    asked = ({"role": "user",
+              "content": f"{question}\n\n{listed}\n\nAnswer with the letter of the correct choice."},)
     letters = list(LETTERS[:len(options)])
     return Item(tuple((template_prompt(None, asked), letter) for letter in letters), tuple(letters), gold,
                 messages=asked)
@@ -273,8 +278,8 @@ def gsm8k_chat(row, _):
     """A grade-school word problem as a user's message; the reply is right when its last number is the answer.
     """
     asked = ({"role": "user", "content": row["question"]},)
-    return Item(((template_prompt(None, asked), ""),), (), 0, answer=str(row["short_answer"]).replace(",", "").strip(),
-                messages=asked)
+    return Item(((template_prompt(None, asked), ""),), (), 0,
+                answer=str(row["short_answer"]).replace(",", "").strip(), messages=asked)
 
 
 # ----------------------------------------------------------------------------- base models: a written answer

@@ -16,8 +16,8 @@ from llm.tokens.tokenizer import GPT4_PATTERN, encode_batch
 
 # The split of tokenizers' ByteLevel pre-tokenizer (use_regex=True), GPT-2's, written as tiktoken reads it.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-PLAIN_BPE = {"dropout": None, "unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
-             "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
+PLAIN_BPE = {"dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
 
 
 def byte_of_char() -> dict[str, int]:
@@ -34,7 +34,8 @@ def byte_of_char() -> dict[str, int]:
 def split_pattern(pre_tokenizer: dict | None) -> str | None:
     """The regex a tokenizer.json's pre-tokenizer splits with before the bytes, when it is one tiktoken runs
     alike."""
-    if pre_tokenizer == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}:
+    if pre_tokenizer == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                         "use_regex": True}:
         return GPT2_PATTERN
     parts = (pre_tokenizer or {}).get("pretokenizers", [])
     if (pre_tokenizer or {}).get("type") == "Sequence" and len(parts) == 2 \
@@ -66,10 +67,12 @@ def ranks_of(tok: Tokenizer) -> tuple[dict[bytes, int] | None, str, str]:
         ranks = {bytes(chars[c] for c in token): i for token, i in vocab.items() if token not in special}
     except KeyError:
         return None, "", "its vocabulary holds tokens that are not byte-level"
-    merged = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1)) for m in model["merges"]]
+    merged = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1))
+              for m in model["merges"]]
     byte_ids = [ranks.get(bytes([b])) for b in range(256)]
-    if len(ranks) != len(vocab) - len(special & set(vocab)) or None in byte_ids or None in merged \
-            or any(a >= b for a, b in zip(merged, merged[1:])) or max(byte_ids) >= min(merged, default=len(vocab)):
+    if (len(ranks) != len(vocab) - len(special & set(vocab)) or None in byte_ids or None in merged
+        or any(a >= b for a, b in zip(merged, merged[1:]))
+        or max(byte_ids) >= min(merged, default=len(vocab))):
         return None, "", "its merges do not follow its ids"
     return ranks, pattern, ""
 
@@ -87,7 +90,8 @@ class Encoder:
             except ImportError:
                 self.why = "tiktoken is not installed (pip install tiktoken)"
             else:
-                self.tiktoken = tiktoken.Encoding("bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+                self.tiktoken = tiktoken.Encoding("bpe", pat_str=pattern, mergeable_ranks=ranks,
+                                                  special_tokens={})
         self.name = "tiktoken" if self.tiktoken else "tokenizers"
 
     def __call__(self, texts: list[str]) -> list[list[int]]:

@@ -26,8 +26,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 BYTE_ALPHABET = 256  # every byte-level tokenizer keeps one token per byte, so any text encodes
 # GPT-4's (cl100k) pre-tokenisation: contractions, letter runs, digit groups of up to 3, punctuation, spaces.
-GPT4_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+GPT4_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 KINDS = ("bpe", "tiktoken", "wordpiece", "unigram")
 TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?")  # one token of a tiktoken rank file
 MIN_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)
@@ -137,8 +137,9 @@ def new_tokenizer(kind: str, vocab_size: int):
     if kind in ("bpe", "tiktoken"):
         model, trainer = models.BPE(), trainers.BpeTrainer(**common)
         if kind == "tiktoken":  # GPT-4's split first, then bytes: a tiktoken-style BPE
-            byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated"),
-                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            byte_level = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif kind == "wordpiece":
         # No "##" prefix: the byte-level decoder then joins pieces as they are, and decoding stays lossless.
         # No word length limit: every byte is in the vocabulary, so no word ever needs an [UNK] it lacks.
@@ -235,7 +236,8 @@ def template_prompt(tok, messages, template: str = "") -> str:
     it), else in the project's ChatML."""
     if not template:
         return chat_text(messages) + IM_START + "assistant\n"
-    return tok.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tok.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
+                                   tokenize=False)
 
 
 def encode_batch(tok: Tokenizer, texts: list[str]) -> list[list[int]]:

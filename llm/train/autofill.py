@@ -104,14 +104,16 @@ def fit_micro(cfg: Config, machine: Machine, sequences: int) -> tuple[int, str]:
     if machine.kind != "cuda":
         return micro, f"{micro} sequences a forward off CUDA"
     budget = MEMORY_FRACTION * machine.memory
-    need = lambda m: training_bytes_estimate(replace(cfg, train=replace(cfg.train, micro_batch_size=m)))  # noqa: E731
+    need = lambda m: training_bytes_estimate(replace(cfg,  # noqa: E731
+                                                     train=replace(cfg.train, micro_batch_size=m)))
     while micro and need(micro) > budget:
         micro //= 2
     return micro, (f"{micro * seq:,} tokens a forward, about {need(micro) / 2**30:.1f} GiB of training "
                    f"memory in {budget / 2**30:.1f} GiB")
 
 
-def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_size: int = 1) -> tuple[str, str]:
+def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None,
+                world_size: int = 1) -> tuple[str, str]:
     """The preset whose values fill the automatic fields, and why. On CUDA, of the presets that fit the memory
     and that the corpus feeds (corpus_bytes None: a corpus larger than any run here, FineWeb-Edu's sample):
     under a time budget the one nearest the budget's compute-optimal size, else the largest."""
@@ -138,7 +140,8 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None, world_s
     minutes = budget_minutes(cfg.train, machine)
     if not minutes:  # the run's length is in steps: memory and corpus alone decide
         size, params, need = fitting[0]
-        return size, f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB of training memory in {fits}{feeds}"
+        return size, (f"{params / 1e6:.0f}M parameters, about {need / 2**30:.1f} GiB "
+                      f"of training memory in {fits}{feeds}")
     optimal = optimal_parameters(minutes, machine, world_size)
     budget = f"compute-optimal for {minutes:g} minutes here: {optimal / 1e6:.0f}M parameters"
     near = [f for f in fitting if f[1] <= MAX_OVER_OPTIMAL * optimal]
@@ -195,13 +198,15 @@ def fill_automatic(cfg: Config, machine: Machine, corpus_bytes: int | None,
     return cfg, notes
 
 
-def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automatic: set) -> tuple[Config, list[str]]:
+def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int,
+                    automatic: set) -> tuple[Config, list[str]]:
     """cfg with a smaller automatic batch where a fine-tune in epochs (--init_from, --epochs) would take fewer
     than FINE_TUNE_STEPS optimizer steps: as many windows a step as leave it that many (one at least), and the
     line saying so; else cfg as it is. automatic: the batch fields left automatic before sizing filled them.
     """
     t = cfg.train
-    if not (t.init_from and t.epochs and t.max_steps == AUTO and {"batch_tokens", "grad_accum_steps"} <= automatic):
+    if not (t.init_from and t.epochs and t.max_steps == AUTO
+            and {"batch_tokens", "grad_accum_steps"} <= automatic):
         return cfg, []
     sequences = t.epochs * epoch_sequences / world_size  # per rank, over the run
     per_step = t.micro_batch_size * t.grad_accum_steps
@@ -212,7 +217,8 @@ def fine_tune_batch(cfg: Config, epoch_sequences: float, world_size: int, automa
         t.micro_batch_size
     accum = max(1, wanted // micro)
     seq = cfg.model.max_seq_len
-    filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, batch_tokens=micro * seq * accum * world_size)
+    filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum,
+                     batch_tokens=micro * seq * accum * world_size)
     return replace(cfg, train=filled), [
         f"automatic: micro_batch_size={micro}, grad_accum_steps={accum} ({micro * accum * world_size} "
         f"window(s) a step: {t.epochs:g} passes over {epoch_sequences:,.0f} windows would be "
@@ -232,7 +238,8 @@ def few_steps_warning(cfg: Config) -> list[str]:
 
 
 def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size: int = 1,
-                    epoch_sequences: float | None = None, automatic: set = frozenset()) -> tuple[Config, list[str]]:
+                    epoch_sequences: float | None = None,
+                    automatic: set = frozenset()) -> tuple[Config, list[str]]:
     """cfg with max_steps, max_minutes and eval_batches filled where automatic, once the corpus is tokenized,
     and report lines (a fine-tune's batch made smaller where its epochs would be too few steps:
     fine_tune_batch). epoch_sequences: training windows in one pass over the split (packed windows), if not
@@ -271,9 +278,11 @@ def fill_run_length(cfg: Config, machine: Machine, train_tokens: int, world_size
         # AUTO_EVALS evaluations of these tokens, a forward each (a step costs FORWARDS_PER_STEP), take
         # EVAL_SHARE of a run in steps (a 10-step smoke run reads one micro-batch); under a time budget the
         # clock spaces them out.
-        tokens = min(EVAL_TOKENS, FORWARDS_PER_STEP * EVAL_SHARE * run_tokens / AUTO_EVALS) if steps else EVAL_TOKENS
+        tokens = (min(EVAL_TOKENS, FORWARDS_PER_STEP * EVAL_SHARE * run_tokens / AUTO_EVALS)
+                  if steps else EVAL_TOKENS)
         eval_batches = max(1, math.ceil(tokens / (t.micro_batch_size * cfg.model.max_seq_len)))
-    train = replace(t, max_minutes=minutes, eval_batches=eval_batches, **({} if t.epochs else {"max_steps": steps}))
+    train = replace(t, max_minutes=minutes, eval_batches=eval_batches,
+                    **({} if t.epochs else {"max_steps": steps}))
     # derived from the epochs, as head_dim from hidden_size: input may set one of the two, not both
     if t.epochs:
         train.max_steps = steps
@@ -293,7 +302,8 @@ def fit_micro_batch(raw_model, cfg: Config, amp, ranks) -> Config:
     micro = sequences
     while True:
         try:
-            x = torch.zeros(micro, cfg.model.max_seq_len, dtype=torch.long, device=next(raw_model.parameters()).device)
+            x = torch.zeros(micro, cfg.model.max_seq_len, dtype=torch.long,
+                            device=next(raw_model.parameters()).device)
             with amp:
                 _, loss = raw_model(x, labels=x)
             loss.backward()

@@ -73,7 +73,8 @@ class WeightAverage:
     def state_dict(self, keep: bool = True) -> dict | None:
         """The average as whole tensors (gathered under FSDP2; None where keep is False) with its beta, or
         None before it starts. Every rank calls it."""
-        return None if self.average is None else {"average": full_state(self.average, keep), "beta": self.run_beta}
+        return (None if self.average is None
+                else {"average": full_state(self.average, keep), "beta": self.run_beta})
 
     def load_state_dict(self, saved: dict | list | None):
         """Restore what state_dict returned (a list: the average alone, as checkpoints before run_beta held
@@ -81,7 +82,8 @@ class WeightAverage:
         if saved is None or not self.beta:  # none saved yet, or averaging is off now
             self.average = None
             return
-        average, beta = (saved.get("average"), saved.get("beta")) if isinstance(saved, dict) else (saved, self.beta)
+        average, beta = ((saved.get("average"), saved.get("beta")) if isinstance(saved, dict)
+                         else (saved, self.beta))
         if not (isinstance(beta, float) and 0 <= beta < 1) or not isinstance(average, list) or \
                 len(average) != len(self.params) or \
                 any(not torch.is_tensor(a) or a.shape != p.shape for a, p in zip(average, self.params)):

@@ -34,7 +34,8 @@ class ChosenRates:
         """The one line, with t's final values; muon_lr only where Muon trains (an AdamW run never reads it).
         """
         used = [k for k in self.fields if k != "muon_lr" or t.optimizer == "muon"]
-        values = ", ".join(f"{k}={getattr(t, k):g}" if k != "optimizer" else f"{k}={t.optimizer}" for k in used)
+        values = ", ".join(f"{k}={getattr(t, k):g}" if k != "optimizer" else f"{k}={t.optimizer}"
+                           for k in used)
         return [f"automatic: {values} (fine-tuning {self.what} the pretrained --init_from model; {self.why}"
                 f"{scaled})"] if used else []
 
@@ -215,8 +216,8 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: 
     filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, max_steps=steps, epochs=0.0,
                      batch_tokens=micro * row * accum * world_size,
                      eval_batches=t.eval_batches or min(held_out, GRPO_EVAL_PROMPTS), **rates)
-    length = f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)" if steps else \
-        f"a {t.max_minutes:g}-minute budget"
+    length = (f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)"
+              if steps else f"a {t.max_minutes:g}-minute budget")
     return replace(cfg, train=filled), [
         f"grpo: {t.prompts_per_step} prompts x {t.num_generations} replies a step ({micro} a forward x "
         f"{accum}), {length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group "

@@ -93,7 +93,8 @@ def kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float, completions: float) -> torch.Tensor:
+def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float,
+           completions: float) -> torch.Tensor:
     """One micro-batch's share of the step's loss: loss (B, T) per token, mask (B, T) 1 at completion tokens;
     tokens and completions: the whole step's counts (every micro-batch and rank), so that the micro-batches'
     shares add up to the step's loss as loss_type defines it."""

@@ -63,7 +63,8 @@ def reply_logps(token_lp: torch.Tensor, slot: torch.Tensor, pairs: int) -> tuple
     n = 2 * pairs
     where = torch.where(slot >= 0, slot, n).reshape(-1)
     sums = torch.zeros(n + 1, device=token_lp.device).index_add_(0, where, token_lp.reshape(-1))
-    counts = torch.zeros(n + 1, device=token_lp.device).index_add_(0, where, torch.ones_like(token_lp).reshape(-1))
+    counts = torch.zeros(n + 1, device=token_lp.device).index_add_(0, where,
+                                                                   torch.ones_like(token_lp).reshape(-1))
     return sums[:n].view(pairs, 2), counts[:n].view(pairs, 2)
 
 
@@ -84,8 +85,9 @@ def pair_loss(s: Settings, logps: torch.Tensor, counts: torch.Tensor,
     nll = -logps[:, 0].sum() / chosen_tokens.clamp(min=1)
     loss = losses.mean() + s.nll_weight * nll
     margin = rewards[:, 0] - rewards[:, 1]
-    stats = torch.stack([losses.sum(), rewards[:, 0].sum(), rewards[:, 1].sum(), margin.sum(), (margin > 0).sum(),
-                         logps[:, 0].sum(), chosen_tokens, torch.tensor(float(len(margin)), device=margin.device)])
+    stats = torch.stack([losses.sum(), rewards[:, 0].sum(), rewards[:, 1].sum(), margin.sum(),
+                         (margin > 0).sum(), logps[:, 0].sum(), chosen_tokens,
+                         torch.tensor(float(len(margin)), device=margin.device)])
     return loss, stats.detach().float()
 
 
@@ -256,8 +258,10 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
         held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
         base = lora_io.fingerprint(init_path)
         for split, loader in loaders.items():
-            key = digest(base, held, str(amp_dtype), data.fingerprint, split, loader.seq_len, loader.plan.pairs)
-            values = stored_reference(data.path, key, lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
+            key = digest(base, held, str(amp_dtype), data.fingerprint, split,
+                         loader.seq_len, loader.plan.pairs)
+            values = stored_reference(data.path, key,
+                                      lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
                                       f"the {split} pairs", loader.plan.pairs, log)
             ref[split] = torch.from_numpy(values).to(device)
         source = "the base, adapters off" if t.lora_rank else "the --init_from weights"

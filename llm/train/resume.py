@@ -90,7 +90,8 @@ def carry_settings(cfg: Config, state: trainer_state.Saved) -> tuple[Config, lis
             values["optimizer"] = theirs["optimizer"]  # the optimizer whose state the checkpoint holds
         sections[section] = replace(ours, **values)
         taken += [f"{k}={v}" for k, v in values.items()]
-    return replace(cfg, **sections), [f"automatic: {', '.join(taken)} (as the checkpoint's run)"] if taken else []
+    return replace(cfg, **sections), ([f"automatic: {', '.join(taken)} (as the checkpoint's run)"]
+                                      if taken else [])
 
 
 def check_run_folder(t, resuming: bool):
@@ -141,7 +142,8 @@ def _file_changes(before: dict, now: dict) -> list[str]:
         ["the same files, read into other parts (another --max_tokens or mixture)"]
 
 
-def load_into(state: trainer_state.TrainingState, ckpt: str | None, saved: trainer_state.Saved | None, run_dir: str):
+def load_into(state: trainer_state.TrainingState, ckpt: str | None,
+              saved: trainer_state.Saved | None, run_dir: str):
     """Set state, in place, as the checkpoint --resume continues left it (a new run's stays at step 0); a
     damaged checkpoint's line names the one before it."""
     if ckpt is not None:

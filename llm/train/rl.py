@@ -77,7 +77,8 @@ class Objective:
 
     def line(self, metrics: dict) -> str:
         """The held-out rewards as the bar and the summary print them."""
-        each = ", ".join(f"{k[len('val_reward/'):]} {v:.3f}" for k, v in metrics.items() if k.startswith("val_reward/"))
+        each = ", ".join(f"{k[len('val_reward/'):]} {v:.3f}" for k, v in metrics.items()
+                         if k.startswith("val_reward/"))
         return f"held-out mean reward {metrics['val_reward']:.3f} ({each}), greedy replies"
 
     def summary(self) -> str:

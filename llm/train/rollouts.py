@@ -165,8 +165,8 @@ class Rollouts:
         was_training = self.model.training
         self.model.eval()
         with self.amp:  # as the step computes: a LoRA run's bf16 base needs it
-            replies = generate_all(self.model, [p.ids for p in chosen for _ in range(G)], sample_settings(t, step),
-                                   self.ends, ROWS, keep_end=True)
+            replies = generate_all(self.model, [p.ids for p in chosen for _ in range(G)],
+                                   sample_settings(t, step), self.ends, ROWS, keep_end=True)
         generated = time.perf_counter()
         values, figures = self.score(chosen, replies, G)
         rewards = grpo.reward_rows(values, self.weights)

@@ -133,7 +133,8 @@ def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: in
     # Eager preference steps put each pair's branches on rows of their own and run the head at the replies
     # only.
     ragged = eager and cfg.train.objective in preference.OBJECTIVES
-    return Execution(loss_chunk_rows(cfg, where), matmul_attention(cfg, where, amp_dtype, row), stream, ragged)
+    return Execution(loss_chunk_rows(cfg, where),
+                     matmul_attention(cfg, where, amp_dtype, row), stream, ragged)
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
@@ -169,7 +170,8 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     # timing.
     eval_model = compile_model(raw_model, "default") if t.precision == "fp8" and not eager else raw_model
     state = TrainingState(raw_model, opt, scaler, average)
-    return Runner(state=state, model=model, compiled=model if eager else compile_model(model, t.compile, amp_dtype),
+    return Runner(state=state, model=model,
+                  compiled=model if eager else compile_model(model, t.compile, amp_dtype),
                   eager=eager, amp_dtype=amp_dtype, amp=autocast(device, amp_dtype), cudagraphs=cudagraphs,
                   eval_model=eval_model, objective=NextToken(), persistent_grads=cudagraphs)
 
@@ -197,8 +199,8 @@ def token_objective(plan: Plan, runner: Runner):
     for loader in loaders.values():
         if isinstance(loader, PairBatches):
             loader.trim = runner.eager  # an eager step's shapes may change: pair windows lose their padding
-    objective = preference.objective_for(t, plan.data, loaders, runner.raw_model, runner.amp, runner.amp_dtype,
-                                         plan.init_path, plan.ranks.print)
+    objective = preference.objective_for(t, plan.data, loaders, runner.raw_model, runner.amp,
+                                         runner.amp_dtype, plan.init_path, plan.ranks.print)
     return objective or NextToken()
 
 

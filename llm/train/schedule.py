@@ -101,8 +101,8 @@ class StepTimer:
     which every rank calls at the same steps, the ranks agree on these figures and the timer publishes them
     (agreed)."""
 
-    def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
-                 overhead_s: dict | None = None, params: int = 0):
+    def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0,
+                 step_s: float = 0.0, overhead_s: dict | None = None, params: int = 0):
         """launch: time.monotonic() when this session started; start: its first step; spent_s, step_s and
         overhead_s: what earlier sessions measured (state()); params: the model's, which size a checkpoint
         before one is timed."""
@@ -181,8 +181,8 @@ class RunClock:
     """The run's length: progress by steps, or by time under a budget, and whether the run is finished; its
     timer (StepTimer) and its evaluation policy (EvalPolicy) beside it. Asking changes nothing."""
 
-    def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0, step_s: float = 0.0,
-                 overhead_s: dict | None = None, params: int = 0):
+    def __init__(self, t, launch: float, ranks: Ranks, start: int = 0, spent_s: float = 0.0,
+                 step_s: float = 0.0, overhead_s: dict | None = None, params: int = 0):
         """As StepTimer's: ranks are the processes that agree on the figures (llm.base.distributed.Ranks)."""
         self.t, self.ranks, self.start, self.by_time = t, ranks, start, t.max_minutes > 0
         self.budget_s = t.max_minutes * 60
@@ -338,7 +338,8 @@ class EvalPolicy:
         if step <= clock.start + 1:  # a session's first steps: the checkpoint it resumed holds an evaluation
             return False
         done = clock.progress(step - 1)
-        _, evaluated_sixths, evaluated_at = self._evaluated or (None, self._sixths(clock.progress(clock.start)), 0.0)
+        _, evaluated_sixths, evaluated_at = (self._evaluated
+                                             or (None, self._sixths(clock.progress(clock.start)), 0.0))
         # Half a sixth apart at least, the final one included: a budget's estimate of the run's length moves.
         apart = done - evaluated_at > 0.5 / AUTO_EVALS and self._leaves_room(step, done)
         sixths = self._sixths(done)

@@ -97,7 +97,8 @@ def corpus_size(cfg: Config, device: torch.device) -> int | None:
     first)."""
     if cfg.data.sources == [GPU_CORPUS]:
         return None
-    if in_arrival_order(cfg.data) and cfg.data.max_tokens and (device.type != "cuda" or not cfg.model.automatic()):
+    if (in_arrival_order(cfg.data) and cfg.data.max_tokens
+        and (device.type != "cuda" or not cfg.model.automatic())):
         return int(cfg.data.max_tokens * BYTES_PER_TOKEN)
     return corpus_bytes(cfg.data)
 
@@ -138,8 +139,8 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
                 f"memory: {terms.summary()}"]
     bases = ("auto", "int8", "nf4") if amp == 2 else ("auto", "int8")  # nf4 computes under bf16 only
     flags, least, base = suggest(cfg, target, room / FIT_FRACTION, bases)
-    what = f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, more than the " \
-        f"{room / 2**30:.1f} GiB a run may fill of {where.name}"
+    what = (f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, "
+            f"more than the {room / 2**30:.1f} GiB a run may fill of {where.name}")
     least_gib = estimate(least, target, base).total / 2**30
     if least_gib > IMPLAUSIBLE_GIB:
         raise ConfigError(f"{what}; even its least form needs {least_gib / 2**10:,.0f} TiB, more than any "
@@ -224,8 +225,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
         notes += lines
     base_train = next_token_train(init.path) if init else None  # a run of ours: the rates it trained at
     # What sizing fills: preference and GRPO scale the rates, a short fine-tune takes smaller batches.
-    automatic = {k for k in ("learning_rate", "muon_lr", "batch_tokens", "grad_accum_steps", "micro_batch_size")
-                 if getattr(cfg.train, k) == AUTO}
+    automatic = {k for k in ("learning_rate", "muon_lr", "batch_tokens", "grad_accum_steps",
+                             "micro_batch_size") if getattr(cfg.train, k) == AUTO}
     # Before the presets' rates, which are for training from scratch; said once the objective has scaled them.
     cfg, chosen = fill_fine_tuning(cfg, base_train)
     if cfg.train.objective == "auto" and cfg.train.reward:  # rewards given: the run learns from them
@@ -273,7 +274,8 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     which GRPO scales) filled, the memory checked."""
     ckpt, saved = start[:2]
     if ckpt and not cfg.train.reward:  # never taken from the run folder: a reward is code, named by its user
-        had = " ".join(f"--reward {shlex.quote(str(r))}" for r in saved.config.get("train", {}).get("reward") or [])
+        had = " ".join(f"--reward {shlex.quote(str(r))}"
+                       for r in saved.config.get("train", {}).get("reward") or [])
         raise ConfigError("a resumed GRPO run names its reward functions again (code is never read from a "
                           f"run folder): pass {had or '--reward ...'}")
     check_grpo(cfg)
@@ -307,5 +309,5 @@ def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data,
     reference = t.objective == "dpo" or (t.objective == "grpo" and t.beta > 0)
     init_state = init.state if init and (lora_meta or not ckpt or reference) else None
     return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
-                batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta, init_path=init.path if init else "",
-                rewards=rewards)
+                batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta,
+                init_path=init.path if init else "", rewards=rewards)
