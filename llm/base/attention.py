@@ -50,9 +50,9 @@ def cached_attention(q, k, v, cache, layer: int, positions: torch.Tensor, mask: 
 
 
 def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys and values as two matmuls and a
-    softmax in at least fp32, the queries of a key head stacked as rows of one matmul. allowed (..., T, S):
-    bool, True where a query sees a key, or added to the scores (0 or -inf)."""
+    """Softmax attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys and values as two matmuls in the
+    inputs' dtype and a softmax in at least fp32, the queries of a key head stacked as rows of one matmul.
+    allowed (..., T, S): bool, True where a query sees a key, or added to the scores (0 or -inf)."""
     (B, H, T, hd), Hkv = q.shape, k.shape[1]
     scores = q.reshape(B, Hkv, H // Hkv * T, hd) @ k.transpose(-1, -2)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * hd ** -0.5  # bf16's in fp32
