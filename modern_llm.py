@@ -28,7 +28,7 @@ class Execution:
     """How a training run executes the model, not what the model is: the trainer sets one
     (Transformer.execution) from the machine and the config; generation, scoring and export keep these
     defaults."""
-    # rows per chunk of the loss, 0 for the logits whole (step_settings.loss_chunk_rows)
+    # rows per chunk of the loss, 0 for the logits whole (sizing.loss_chunk_rows)
     loss_chunk_rows: int = 0
     matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
     # the residual stream's dtype under autocast, None for the embedding's

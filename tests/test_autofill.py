@@ -227,3 +227,22 @@ def test_a_fine_tune_whose_rate_times_steps_cannot_move_a_weight_is_warned_befor
                                     objective="grpo", reward=["gsm8k"]))
     lines = fill_grpo(grpo, 100, 10, 64, None)[1]
     assert any(line.startswith("warning: learning_rate=1e-06 for 4 steps") for line in lines)
+
+
+def test_a_grpo_runs_automatic_micro_batch_is_of_its_rows_and_the_cards_memory():
+    """A GRPO step's replies once trained one prompt's G a forward: 8 rows of ~300 tokens, 2,400 tokens, a
+    GPU's fraction. Its micro-batch is now chosen as a pretraining run's, at its rows: all 32 replies of a
+    135M model's LoRA step in one forward on an 80 GB card (the context's 8,192 tokens would allow 8), fewer
+    on a card whose memory holds fewer, and never one that the estimate says does not fit."""
+    from llm.train.fine_tuning import at_rows_of
+    smol = ModelConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, intermediate_size=1536, max_seq_len=8192)
+    cfg = Config(model=smol, train=TrainConfig(init_from="x", objective="grpo", lora_rank=16, precision="bf16"))
+    big = Machine("cuda", "GPU", 80 * GIB)
+    assert autofill.fit_micro(cfg, big, 32)[0] == 8  # at the context: the 65,536-token cap
+    assert autofill.fit_micro(at_rows_of(cfg, 300), big, 32)[0] == 32
+    small = Machine("cuda", "GPU", 2 * GIB)
+    micro = autofill.fit_micro(at_rows_of(cfg, 300), small, 32)[0]
+    need = lambda m: sizing.training_bytes_estimate(replace(at_rows_of(cfg, 300),  # noqa: E731
+                                                            train=replace(cfg.train, micro_batch_size=m)))
+    assert 0 < micro < 32 and need(micro) <= autofill.MEMORY_FRACTION * small.memory < need(2 * micro)

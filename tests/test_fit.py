@@ -26,7 +26,7 @@ from llm.formats.hf_families import model_config_from_hf
 from llm.train import startup
 from llm.train.autofill import fill_automatic
 from llm.train.resume import with_shape
-from llm.train.step_settings import loss_chunk_rows
+from llm.base.sizing import loss_chunk_rows
 
 GB = 10**9
 # Llama-3.1-8B's config.json as Meta publishes it on the Hub (meta-llama/Llama-3.1-8B), the fields our reader

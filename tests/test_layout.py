@@ -26,7 +26,7 @@ WINGS = {
     "generate": ["sampling", "decode", "decode_compile", "engine", "inference", "openai_api", "worker"],
     "scores": ["tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "rewards"],
     "reports": ["markdown", "monitor", "report_chart", "model_card", "report_card"],
-    "train": ["fine_tuning", "step_settings", "autofill", "averaging", "schedule", "resume", "preference", "grpo",
+    "train": ["fine_tuning", "autofill", "averaging", "schedule", "resume", "preference", "grpo",
               "rollouts", "rl", "startup", "runner", "gpu_training_optimized"],
 }
 CORE = [m for modules in WINGS.values() for m in modules]

@@ -21,7 +21,7 @@ from config import Config, ModelConfig, TrainConfig  # noqa: E402
 from llm.base.errors import ConfigError, error_contract  # noqa: E402
 from llm.base.fit import Target, count_parameters, estimate  # noqa: E402
 from llm.base.sizing import MEMORY_FRACTION, Machine  # noqa: E402
-from llm.train.step_settings import loss_chunk_rows  # noqa: E402
+from llm.base.sizing import loss_chunk_rows  # noqa: E402
 
 GB = 10**9
 CARDS = (12, 24, 48, 80)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
     """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel,
     or written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
-    Inductor and 2.5x eager under bf16, forward and backward (step_settings.matmul_attention decides)."""
+    Inductor and 2.5x eager under bf16, forward and backward (runner.matmul_attention decides)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.shape[2]

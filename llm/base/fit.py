@@ -29,7 +29,7 @@ class Target:
     kind: str  # "cuda", "cpu" or "mps"
     amp_bytes: int  # bytes of an autocast activation: 2 under bf16/fp16, 4 in fp32
     compiled: bool = False  # Inductor keeps the matmuls' inputs and recomputes pointwise ops in backward
-    loss_rows: int = 0  # rows per chunk of the loss (step_settings.loss_chunk_rows), 0 for the logits whole
+    loss_rows: int = 0  # rows per chunk of the loss (sizing.loss_chunk_rows), 0 for the logits whole
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """How big and how long: the FLOPs a token, the compute a time budget buys on this GPU, the model size and
-tokens compute-optimal for it, and a step's memory on a GPU (fit.py's estimate, for the step a CUDA run plans
-with).
+tokens compute-optimal for it, a step's memory on a GPU (fit.py's estimate, for the step a CUDA run plans
+with), and by that memory how many rows of the loss's logits a step computes at once.
 
 autofill.py fills the fields config.py leaves automatic with these figures; monitor.py reports MFU against the
-same peak table and FLOPs a token; step_settings.py chunks the loss by the same memory estimate."""
+same peak table and FLOPs a token; the runner sets the model's loss chunks by loss_chunk_rows."""
 
 import math
 from dataclasses import dataclass
@@ -29,6 +29,10 @@ FORWARDS_PER_STEP = 3
 TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022): C = 6 N D with D = 20 N
 MEMORY_FRACTION = FIT_FRACTION  # of the GPU's memory (fit.py)
 BYTES_PER_TOKEN = 4.0  # a guess for the corpus size before tokenizing: byte-level BPE on code and prose
+# per logit of a whole training loss: bf16 logits, fp32 log-softmax, its fp32 and bf16 gradients
+LOGIT_BYTES = 12
+CPU_LOGITS_BYTES = 2**30  # off CUDA, the whole logits may take this much
+GEMM_ROWS = 128  # loss chunks in whole GEMM tiles: another count makes Inductor pad (and time) every chunk
 
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from the vendors' datasheets, which sizing plans
@@ -146,3 +150,21 @@ def training_bytes_estimate(cfg: Config) -> int:
     """Peak memory of cfg's step on a GPU with its logits whole (fit.estimate): within 5% of the H200's
     measured peaks for small and large (tests/test_sizing.py)."""
     return estimate(cfg, gpu_target(cfg)).total
+
+
+def loss_chunk_rows(cfg: Config, machine: Machine) -> int:
+    """Rows per chunk of the training loss, 0 for the logits whole: whole while they fit beside the rest of
+    the step in MEMORY_FRACTION of the GPU (CPU_LOGITS_BYTES off CUDA), else as many rows as fill a quarter of
+    that room, in whole GEMM tiles. Chunks recompute the head's matmul in backward: about 1/3 more head FLOPs.
+    """
+    m, t = cfg.model, cfg.train
+    rows, per_row = t.micro_batch_size * m.max_seq_len, m.vocab_size * LOGIT_BYTES
+    room = CPU_LOGITS_BYTES if machine.kind != "cuda" else \
+        MEMORY_FRACTION * machine.memory - (training_bytes_estimate(cfg) - _logit_bytes(cfg))
+    if rows * per_row <= room:
+        return 0
+    return max(GEMM_ROWS, int(room / 4 / per_row) // GEMM_ROWS * GEMM_ROWS)
+
+
+def _logit_bytes(cfg: Config) -> int:
+    return next(b for name, b, _ in estimate(cfg, gpu_target(cfg)).terms if name == "loss")

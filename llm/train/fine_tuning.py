@@ -193,15 +193,16 @@ def at_rows_of(cfg: Config, tokens: int) -> Config:
 
 
 def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: ChosenRates | None,
-              world_size: int = 1) -> tuple[Config, list[str]]:
-    """cfg with a GRPO run's automatic batch (a micro-batch of one prompt's replies, accumulated over the
-    step's prompts), run length (one pass over the prompts, where neither max_steps, epochs nor a time budget
-    is given), evaluation size, and the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines
-    saying so (the chosen rates' one line among them). row: a micro-batch row's tokens (grpo_row). Refuses a
-    batch that does not split into micro-batches."""
+              world_size: int = 1, auto_micro: int = 0) -> tuple[Config, list[str]]:
+    """cfg with a GRPO run's automatic batch (auto_micro replies a forward where given, a GPU's: as many as
+    its memory holds at this row; else one prompt's; accumulated over the step's replies), run length (one pass over the
+    prompts, where neither max_steps, epochs nor a time budget is given), evaluation size, and the rates
+    fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so (the chosen rates' one line among
+    them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does not split into micro-batches.
+    """
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
-    micro = t.micro_batch_size or t.num_generations
+    micro = t.micro_batch_size or auto_micro or t.num_generations
     if replies % micro:
         raise ConfigError(f"micro_batch_size={micro} does not divide the step's {replies} replies "
                           f"(prompts_per_step x num_generations); pass a divisor of {replies}")

@@ -17,6 +17,7 @@ from llm.base.device import (autocast, compile_model, eager_or_stop, float8_trai
                              keep_freed_memory, keep_grads, machine, pick_precision, uses_cuda_graphs)
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
+from llm.base.sizing import Machine, loss_chunk_rows
 from llm.data.batches import PairBatches
 from llm.formats.lora import add_adapters
 from llm.formats.trainer_state import TrainingState
@@ -28,9 +29,12 @@ from llm.train.averaging import WeightAverage
 from llm.train.resume import load_into
 from llm.train.rollouts import AdaptersOff, Rollouts, StartingWeights
 from llm.train.startup import Plan, new_model
-from llm.train.step_settings import loss_chunk_rows, matmul_attention
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
+
+# Measured on a 2-core CPU, forward and backward: written out, attention is 2x faster at 128-256 positions
+# compiled, and eager under bf16 2.5x at 104, even at 256 and slower at 512; eager in fp32 the kernel wins.
+MATMUL_ATTENTION_ROWS = 256
 
 
 class NextToken:
@@ -125,6 +129,14 @@ class Runner:
             self.eval_model = self.raw_model
 
 
+def matmul_attention(cfg: Config, machine: Machine, amp_dtype=None, row: int = 0) -> bool:
+    """Whether causal attention runs written out as matmuls and a softmax (llm/base/attention.py): on a
+    CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up to MATMUL_ATTENTION_ROWS tokens
+    (row: a micro-batch row's, the context where 0), where the CPU's flash kernel is slower."""
+    faster = cfg.train.compile != "off" or amp_dtype == torch.bfloat16
+    return machine.kind == "cpu" and faster and (row or cfg.model.max_seq_len) <= MATMUL_ATTENTION_ROWS
+
+
 def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: int) -> Execution:
     """The model's execution settings for this run's step, whose micro-batch rows are row tokens long."""
     where = machine(device)
@@ -133,8 +145,8 @@ def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: in
     # Eager preference steps put each pair's branches on rows of their own and run the head at the replies
     # only.
     ragged = eager and cfg.train.objective in preference.OBJECTIVES
-    return Execution(loss_chunk_rows(cfg, where),
-                     matmul_attention(cfg, where, amp_dtype, row), stream, ragged)
+    written_out = matmul_attention(cfg, where, amp_dtype, row)
+    return Execution(loss_chunk_rows(cfg, where), written_out, stream, ragged)
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,

@@ -17,7 +17,7 @@ from llm.base.device import autocast, float8_training, machine, pick_precision
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
 from llm.base.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
-from llm.base.sizing import BYTES_PER_TOKEN
+from llm.base.sizing import BYTES_PER_TOKEN, loss_chunk_rows
 from llm.data import hf_datasets
 from llm.data.batches import run_loaders
 from llm.data.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order, is_bundled, source_files
@@ -29,12 +29,11 @@ from llm.formats.hf_hub import hub_shape, is_hub_name
 from llm.formats.trainer_state import Saved
 from llm.reports.model_card import next_token_train
 from llm.scores.rewards import load_all
-from llm.train.autofill import fill_automatic, fill_run_length, fit_micro_batch
+from llm.train.autofill import fill_automatic, fill_run_length, fit_micro, fit_micro_batch
 from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_used, fill_fine_tuning,
                                    fill_grpo, fill_preference, grpo_row)
 from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data,
                               check_same_shape, lora_start, resume_point, with_shape)
-from llm.train.step_settings import loss_chunk_rows
 from modern_llm import Transformer
 
 
@@ -283,7 +282,13 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     rewards = load_all(cfg.train.reward, cfg.train.reward_weights)
     data = read_prompts(cfg, cfg.model.max_seq_len - cfg.train.max_completion_length)
     row = grpo_row(cfg, data.longest)
-    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), row, chosen, ranks.world_size)
+    replies = cfg.train.prompts_per_step * cfg.train.num_generations
+    # On a GPU as many replies a forward as fit at the row's length, as a pretraining run's sequences: one
+    # prompt's 8 replies left it idle. On a CPU one prompt's: 16 and 32 a forward measured 50.9 and 54.5
+    # replies a second against 52.2 (tools/bench_grpo.py, runs apart, within their spread) and held 16% and
+    # 46% more memory.
+    auto_micro = fit_micro(at_rows_of(cfg, row), machine(device), replies)[0] if device.type == "cuda" else 0
+    cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), row, chosen, ranks.world_size, auto_micro)
     lines += fit_check(at_rows_of(cfg, row), device, ranks.world_size)  # a prompt and reply, not the context
     ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
     loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))

@@ -1,5 +1,5 @@
-"""Tests of step_settings.py: the loss chunked only where memory needs it, attention written out only where
-that is faster."""
+"""Tests of the training step's execution settings: the loss chunked only where memory needs it (sizing.py),
+attention written out only where that is faster (runner.py)."""
 
 from dataclasses import replace
 
@@ -9,7 +9,7 @@ import torch
 from config import preset_tiny
 from llm.base import sizing
 from llm.base.sizing import Machine
-from llm.train import step_settings
+from llm.train import runner
 
 CPU = Machine("cpu", "cpu, 2 threads")
 GIB = 2**30
@@ -29,14 +29,14 @@ def test_the_loss_is_chunked_only_when_memory_needs_it_in_whole_gemm_tiles(prese
     micro = {"large": 32, "small": 16}.get(preset, cfg.train.micro_batch_size)  # the micro-batches presets once had
     cfg.train = replace(cfg.train, micro_batch_size=micro, grad_accum_steps=0)
     machine = Machine("cuda", "GPU", memory_gib * GIB) if memory_gib else CPU
-    rows = step_settings.loss_chunk_rows(cfg, machine)
+    rows = sizing.loss_chunk_rows(cfg, machine)
     whole = cfg.train.micro_batch_size * cfg.model.max_seq_len
     assert (rows > 0) == chunked
     if chunked:
         assert rows % 128 == 0 and 128 <= rows < whole
-        room = step_settings.CPU_LOGITS_BYTES if not memory_gib else \
+        room = sizing.CPU_LOGITS_BYTES if not memory_gib else \
             0.8 * memory_gib * GIB - (sizing.training_bytes_estimate(cfg) - whole * cfg.model.vocab_size * 6)
-        assert rows * cfg.model.vocab_size * step_settings.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)
+        assert rows * cfg.model.vocab_size * sizing.LOGIT_BYTES <= max(room, 128 * cfg.model.vocab_size * 12)
 
 
 @pytest.mark.parametrize("device,compile_mode,amp,seq_len,row,written", [
@@ -53,4 +53,4 @@ def test_attention_is_written_out_only_on_a_cpu_for_short_rows_compiled_or_in_bf
     cfg = preset_tiny()
     cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
     machine = Machine("cuda", "GPU", 80 * GIB) if device == "cuda" else CPU
-    assert step_settings.matmul_attention(cfg, machine, amp, row) is written
+    assert runner.matmul_attention(cfg, machine, amp, row) is written
