@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     chosen = [tasks.get(name, evals.data_dir, evals.num_fewshot) for name in names if name not in theirs]
     tasks.data_root(evals.data_dir)  # missing data fails before loading too
     check_outputs(evals)  # before the model loads: a long evaluation's scores are never lost to a bad path
+    if evals.chat_template == "model" and os.path.exists(load.checkpoint):  # a local model's, before it loads
+        chat_template_for("model", load.checkpoint)
     model, tokenizer, _, loaded = load_for_inference(load)
     folder = report_folder(evals, loaded)
     atomic.writable_folder(folder, "--report")

