@@ -237,7 +237,8 @@ def test_a_grpo_runs_automatic_micro_batch_is_of_its_rows_and_the_cards_memory()
     from llm.train.fine_tuning import at_rows_of
     smol = ModelConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                        num_key_value_heads=3, intermediate_size=1536, max_seq_len=8192)
-    cfg = Config(model=smol, train=TrainConfig(init_from="x", objective="grpo", lora_rank=16, precision="bf16"))
+    lora = TrainConfig(init_from="x", objective="grpo", lora_rank=16, precision="bf16")
+    cfg = Config(model=smol, train=lora)
     big = Machine("cuda", "GPU", 80 * GIB)
     assert autofill.fit_micro(cfg, big, 32)[0] == 8  # at the context: the 65,536-token cap
     assert autofill.fit_micro(at_rows_of(cfg, 300), big, 32)[0] == 32

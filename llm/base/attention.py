@@ -1,6 +1,6 @@
-"""How a token attends: causal over a row (SDPA's kernel, or written out as two matmuls and a softmax where that is
-faster on a CPU), over a KV cache (a decode step on a CPU written out), and over windows that pack several
-examples, told apart by their positions alone. modern_llm.py's attention layer picks one per call.
+"""How a token attends: causal over a row (SDPA's kernel, or written out as two matmuls and a softmax where
+that is faster on a CPU), over a KV cache (a decode step on a CPU written out), and over windows that pack
+several examples, told apart by their positions alone. modern_llm.py's attention layer picks one per call.
 
 Packed windows
 

@@ -204,8 +204,8 @@ def parse_sections(types, defaults, argv, description: str, extra=None, shown: s
 def parse_config(argv=None, extra=None, description: str = "Train a GQA/RoPE/SwiGLU transformer. Every field "
                  "below can be set as --name value.",
                  shown: set[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """The training command line: --preset NAME, --config FILE, then any field of any section; shown: the fields
-    --help lists, where a script reads only some (prepare_data.py)."""
+    """The training command line: --preset NAME, --config FILE, then any field of any section; shown: the
+    fields --help lists, where a script reads only some (prepare_data.py)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="auto")

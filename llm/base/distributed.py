@@ -1,4 +1,5 @@
-"""Several processes under torchrun: the process group, DDP or FSDP2 wrapping, and the collectives the loop needs.
+"""Several processes under torchrun: the process group, DDP or FSDP2 wrapping, and the collectives the loop
+needs.
 
     torchrun --nproc_per_node=4 gpu_training_optimized.py ...                        # DDP
     torchrun --nproc_per_node=4 gpu_training_optimized.py --data_parallel fsdp ...   # FSDP2

@@ -1,11 +1,11 @@
-"""Will it fit? The peak memory of a training step from shapes alone: the model's config (a Hub model's config.json
-is a few KB), the base format, LoRA rank and targets, context, micro-batch, precision, checkpointing and the loss's
-chunking, before any weight or data is downloaded and before any compile.
+"""Will it fit? The peak memory of a training step from shapes alone: the model's config (a Hub model's
+config.json is a few KB), the base format, LoRA rank and targets, context, micro-batch, precision,
+checkpointing and the loss's chunking, before any weight or data is downloaded and before any compile.
 
     estimate(cfg, Target("cuda", 2)).total     bytes at the step's peak, each term in .terms with why
-The peak is during backward: weights, their autocast copies, gradients and optimizer state (held from the first
-step on) beside the activations kept for backward and the loss's logits. autofill.py sizes the micro-batch with it;
-startup.py refuses a run it says cannot fit, naming a change that does (suggest).
+The peak is during backward: weights, their autocast copies, gradients and optimizer state (held from the
+first step on) beside the activations kept for backward and the loss's logits. autofill.py sizes the
+micro-batch with it; startup.py refuses a run it says cannot fit, naming a change that does (suggest).
 """
 
 from dataclasses import dataclass, replace

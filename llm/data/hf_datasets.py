@@ -1,13 +1,15 @@
-"""Hugging Face Hub datasets as data sources, in huggingface_hub's URL form, alone or weighted like any source:
+"""Hugging Face Hub datasets as data sources, in huggingface_hub's URL form, alone or weighted like any
+source:
 
     python gpu_training_optimized.py --sources "hf://datasets/OWNER/NAME/data/*.parquet" --max_tokens 200000000
     python prepare_data.py --sources "hf://datasets/OWNER/NAME@v1.0/train/*.jsonl.zst:0.7" notes/:0.3
-Files only (parquet, Arrow, JSONL, text, their .gz and .zst), never a dataset script. They come one by one in name
-order into huggingface_hub's cache (HF_HOME), only as many as the run's token target needs; a download cut by a
-kill resumes where it stopped and is checked against the Hub's hash. With HF_HUB_OFFLINE=1, or when the Hub cannot
-be reached, the cached files of the pattern are read. A gated or private dataset uses the token `hf auth login` saved.
-Every name and hash the Hub sends is checked before it names a file, by the Hub client both this file and hf_hub.py
-(models) download through (hub_client.py).
+Files only (parquet, Arrow, JSONL, text, their .gz and .zst), never a dataset script. They come one by one in
+name order into huggingface_hub's cache (HF_HOME), only as many as the run's token target needs; a download
+cut by a kill resumes where it stopped and is checked against the Hub's hash. With HF_HUB_OFFLINE=1, or when
+the Hub cannot be reached, the cached files of the pattern are read. A gated or private dataset uses the token
+`hf auth login` saved.
+Every name and hash the Hub sends is checked before it names a file, by the Hub client both this file and
+hf_hub.py (models) download through (hub_client.py).
 """
 
 import fnmatch

@@ -205,8 +205,8 @@ def pair_plan(tokens, masks, eot: int, seq_len: int, seed: int | None) -> PairPl
 
 
 def pair_window(plan: PairPlan, w: int, tokens, masks, pad: int) -> tuple[np.ndarray, ...]:
-    """Inputs, labels (-100 outside the replies), positions and reply slots (2 * pair's place in the window + side,
-    -1 outside the replies) of window w, each (seq_len,), and the ids of its pairs."""
+    """Inputs, labels (-100 outside the replies), positions and reply slots (2 * pair's place in the window +
+    side, -1 outside the replies) of window w, each (seq_len,), and the ids of its pairs."""
     x = np.full(plan.seq_len, pad, np.int64)
     y = np.full(plan.seq_len, -100, np.int64)
     pos = np.zeros(plan.seq_len, np.int64)

@@ -4,10 +4,11 @@
     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}      TRL's conversational format
     {"chosen": [messages], "rejected": [messages]}                            the prompt implicit: what both share
 A row's conversational replies are what follows the longest run of messages chosen and rejected share (so the
-preference splits of HuggingFaceH4/ultrafeedback_binarized, whose replies repeat the user turn, read as intended).
-The pair is rendered as two chats in the token cache, prompt + chosen then prompt + rejected, an end-of-text token
-after each; every piece is encoded on its own (tokenizer.encode_segments), so both hold the same prompt ids and
-the replies start exactly where the prompt ends, never a token merged across the boundary (trl#2054).
+preference splits of HuggingFaceH4/ultrafeedback_binarized, whose replies repeat the user turn, read as
+intended).
+The pair is rendered as two chats in the token cache, prompt + chosen then prompt + rejected, an end-of-text
+token after each; every piece is encoded on its own (tokenizer.encode_segments), so both hold the same prompt
+ids and the replies start exactly where the prompt ends, never a token merged across the boundary (trl#2054).
 """
 
 from llm.base.errors import DataError

@@ -1,10 +1,11 @@
-"""Which windows of a split a micro-batch reads: a pure function of (seed, step, micro_step, rank) and the split's
-shape, so a resumed run reads what an uninterrupted one would have read, and W ranks with A micro-steps read what
-one process with W * A micro-steps reads. batches.py holds the tokens, waits for parts still arriving and reads
-the windows named here.
+"""Which windows of a split a micro-batch reads: a pure function of (seed, step, micro_step, rank) and the
+split's shape, so a resumed run reads what an uninterrupted one would have read, and W ranks with A
+micro-steps read what one process with W * A micro-steps reads. batches.py holds the tokens, waits for parts
+still arriving and reads the windows named here.
 
-- Tiled epochs: each epoch tiles the split with windows from a seeded offset and reads them in a seeded order, so
-  an epoch sees every token once (random windows would leave a third of the split unread after one epoch's worth).
+- Tiled epochs: each epoch tiles the split with windows from a seeded offset and reads them in a seeded order,
+  so an epoch sees every token once (random windows would leave a third of the split unread after one epoch's
+  worth).
 - A weighted mixture: random windows, each of a source drawn by its weight.
 - Arrival order: the first epoch part by part, in the order the parts were written, each part's windows in a
   seeded order; the epochs after it tiled as above.

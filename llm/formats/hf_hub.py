@@ -3,12 +3,13 @@
     python text_generator.py hf:HuggingFaceTB/SmolLM2-135M-Instruct
     python gpu_training_optimized.py --init_from hf:Qwen/Qwen2.5-0.5B --sources my_text/
     python export_hf.py --import hf:meta-llama/Llama-3.2-1B runs/llama --max_seq_len 2048
-Only a name written hf:... reaches the network, into huggingface_hub's cache (HF_HOME) in its layout: config.json
-first, checked as any folder's is (hf_families.py), and the weights and tokenizer only when it passes. The commit,
-the listed names and each file's hash come through hub_client.py's listing and download, which check them before
-they name a file (huggingface_hub's own downloads took them unchecked); refs/main is written once every file is in.
-With HF_HUB_OFFLINE=1, or with the Hub out of reach, the cache alone is read, and a model missing there is one error
-line saying how to fetch it.
+Only a name written hf:... reaches the network, into huggingface_hub's cache (HF_HOME) in its layout:
+config.json first, checked as any folder's is (hf_families.py), and the weights and tokenizer only when it
+passes. The commit, the listed names and each file's hash come through hub_client.py's listing and download,
+which check them before they name a file (huggingface_hub's own downloads took them unchecked); refs/main is
+written once every file is in.
+With HF_HUB_OFFLINE=1, or with the Hub out of reach, the cache alone is read, and a model missing there is one
+error line saying how to fetch it.
 """
 
 import fnmatch

@@ -1,10 +1,12 @@
-"""Loading a model by kind: what a name is, recognised once (detect), then read top to bottom by its kind's reader.
+"""Loading a model by kind: what a name is, recognised once (detect), then read top to bottom by its kind's
+reader.
 
     RUN   a checkpoint or run folder of ours (a run: its newest checkpoint, or its best): checkpoint.py
     LORA  a LoRA run's checkpoint: its adapters merged into the base --base names, itself read as any kind is
     HF    a Hugging Face folder: hf_format.py        HUB   hf:ORG/NAME, fetched by hf_hub.py, then read as HF
     GGUF  a .gguf file (llama.cpp, Ollama): gguf_reader.py
-Each reader checks names, shapes and sizes before it reads a weight, unpickles nothing, and gives a ModelFiles.
+Each reader checks names, shapes and sizes before it reads a weight, unpickles nothing, and gives a
+ModelFiles.
 """
 
 import os

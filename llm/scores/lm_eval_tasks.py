@@ -1,9 +1,9 @@
-"""Any lm-eval task through this project's model, in the same process: no export, no server. lm-eval (an optional
-install) builds the task's requests from its own task files and datasets (which it fetches, so this needs the
-network or its cache); the model answers them here:
+"""Any lm-eval task through this project's model, in the same process: no export, no server. lm-eval (an
+optional install) builds the task's requests from its own task files and datasets (which it fetches, so this
+needs the network or its cache); the model answers them here:
 
-- loglikelihood: each (context, continuation) tokenized as lm-eval's `hf` backend does (scoring.encode_item), its
-  log-probabilities and whether greedy decoding writes it, from engine.score;
+- loglikelihood: each (context, continuation) tokenized as lm-eval's `hf` backend does (scoring.encode_item),
+  its log-probabilities and whether greedy decoding writes it, from engine.score;
 - loglikelihood_rolling: a whole text in lm-eval's rolling windows of the model's context;
 - generate_until: greedy or sampled replies through the engine, cut at the task's stop strings.
 """

@@ -1,9 +1,10 @@
-"""The automatic optimizer and rates of a run from a pretrained model (--init_from): a fine-tune, whose rates are
-not the presets' (those train from scratch, and on a pretrained model they undo what it knew).
-- A base that is a run of ours, trained from scratch: the optimizer and peak rates it recorded (adapters: AdamW at
-  its AdamW rate). SmolLM2's rates left a 2.4M-parameter run where it was, and half its own rates learned less
-  than all of them (docs/fine-tuning.md#a-run-of-your-own).
-- Any other base (a Hugging Face folder or Hub model, a GGUF): AdamW at FINE_TUNING_RATES, measured on SmolLM2.
+"""The automatic optimizer and rates of a run from a pretrained model (--init_from): a fine-tune, whose rates
+are not the presets' (those train from scratch, and on a pretrained model they undo what it knew).
+- A base that is a run of ours, trained from scratch: the optimizer and peak rates it recorded (adapters:
+  AdamW at its AdamW rate). SmolLM2's rates left a 2.4M-parameter run where it was, and half its own rates
+  learned less than all of them (docs/fine-tuning.md#a-run-of-your-own).
+- Any other base (a Hugging Face folder or Hub model, a GGUF): AdamW at FINE_TUNING_RATES, measured on
+  SmolLM2.
 Only automatic fields are filled; the start report says with what and why.
 """
 
@@ -195,11 +196,11 @@ def at_rows_of(cfg: Config, tokens: int) -> Config:
 def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: ChosenRates | None,
               world_size: int = 1, auto_micro: int = 0) -> tuple[Config, list[str]]:
     """cfg with a GRPO run's automatic batch (auto_micro replies a forward where given, a GPU's: as many as
-    its memory holds at this row; else one prompt's; accumulated over the step's replies), run length (one pass over the
-    prompts, where neither max_steps, epochs nor a time budget is given), evaluation size, and the rates
-    fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so (the chosen rates' one line among
-    them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does not split into micro-batches.
-    """
+    its memory holds at this row; else one prompt's; accumulated over the step's replies), run length (one
+    pass over the prompts, where neither max_steps, epochs nor a time budget is given), evaluation size, and
+    the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE; and the lines saying so (the chosen rates' one
+    line among them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does not split into
+    micro-batches."""
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or auto_micro or t.num_generations

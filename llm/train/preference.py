@@ -1,4 +1,5 @@
-"""Preference tuning's objectives: DPO, and SimPO as the reference-free one, each with an NLL term on the chosen reply.
+"""Preference tuning's objectives: DPO, and SimPO as the reference-free one, each with an NLL term on the
+chosen reply.
 
 A pair is one prompt with a better (chosen) and a worse (rejected) reply; log pi(c) is the log-probability the
 model gives the chosen reply's tokens after the prompt, summed over them (its EOS included, the prompt not).
@@ -6,10 +7,10 @@ model gives the chosen reply's tokens after the prompt, summed over them (its EO
          the model the run starts from; its rewards are beta * (log pi - log ref), as TRL's DPOTrainer logs them.
   simpo  -log sigmoid(beta * (mean log pi(c) - mean log pi(r)) - gamma)  (Meng et al., 2024): log-probabilities
          averaged over each reply's tokens, no reference; rewards beta * mean log pi, as TRL's CPOTrainer logs them.
-SimPO rather than ORPO: SimPO is a drop-in for DPO at the same stage (after chat fine-tuning, on the same pairs)
-that needs no reference pass at all, and its per-token average removes the pull of summed log-probabilities
-towards longer replies; ORPO folds chat fine-tuning into the preference stage (its own NLL plus an odds ratio),
-which this tool already does as a step of its own.
+SimPO rather than ORPO: SimPO is a drop-in for DPO at the same stage (after chat fine-tuning, on the same
+pairs) that needs no reference pass at all, and its per-token average removes the pull of summed
+log-probabilities towards longer replies; ORPO folds chat fine-tuning into the preference stage (its own NLL
+plus an odds ratio), which this tool already does as a step of its own.
 Both add nll_weight times the chosen replies' mean negative log-likelihood per token (RPO, Pang et al., 2024;
 TRL's "sft" loss type, CPO's cpo_alpha): only the margin is optimised otherwise, and the chosen reply's own
 probability can fall with the rejected one's (trl#800).

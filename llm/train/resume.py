@@ -1,5 +1,5 @@
-"""Continuing a run, or starting one from trained weights: which checkpoint --resume means, the settings
-it carries, the checks that it fits this run (and that a new run's folder holds none), loading it into the model
+"""Continuing a run, or starting one from trained weights: which checkpoint --resume means, the settings it
+carries, the checks that it fits this run (and that a new run's folder holds none), loading it into the model
 and optimizer, and a LoRA run's base.
 
     --resume            the run folder's newest complete checkpoint (LATEST, or a scan if LATEST is lost)

@@ -195,8 +195,8 @@ class Plan:
 
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
-    """Every value the run will use, in one pass; each filler returns a new config and the lines saying what it
-    set, and fills only what is still automatic (a value given in config.py or by a flag stays):
+    """Every value the run will use, in one pass; each filler returns a new config and the lines saying what
+    it set, and fills only what is still automatic (a value given in config.py or by a flag stays):
         apply_init_from   model shape, tokenizer                      --init_from
         carry_settings    the automatic fields a resumed run had      --resume
         fill_fine_tuning  optimizer and rates for a pretrained base   --init_from
