@@ -14,7 +14,7 @@ from test_sampling import sample_next
 
 from config import SampleConfig
 from conftest import CODE as TEXT
-from llm.generate import decode, decode_compile, engine
+from llm.generate import decode, decode_compile, engine, sampling
 from llm.generate.inference import load_for_inference, quantize_int8
 
 GREEDY = SampleConfig(temperature=0.0, max_new_tokens=12, seed=0)
@@ -88,7 +88,9 @@ def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
     of the decode step, not an eager loop): the compiled slot (the whole context, kept between calls, rows
     refilled into it in place) writes each reply the eager one writes, greedy and seeded sampling alike, twice
     in a row (the kept slot's last call leaves nothing behind). Its cache holds the replies' reach: a
-    32k-context model's rollouts would otherwise keep gigabytes of cache through training."""
+    32k-context model's rollouts would otherwise keep gigabytes of cache through training. Fewer prompts than
+    its rows (a GRPO run's held-out evaluation) run in that slot, its spare rows idle, not in a graph compiled
+    for them."""
     model, tok = tiny_loaded
     prompts = [ids_of(tok, t) for t in ("import os", "def fibonacci(n):\n    if", "x", "class Stack:", "return n")]
     eos = engine.generate(model, prompts[:1], GREEDY)[0][4]
@@ -97,7 +99,19 @@ def test_generate_all_compiled_writes_what_it_writes_eagerly(tiny_loaded):
     for settings in (GREEDY, sampled, GREEDY):
         eager = engine.generate_all(model, prompts, settings, [eos], rows=2)
         assert engine.generate_all(fast, prompts, settings, [eos], rows=2) == eager
+    longest = prompts[1:2]  # the others' reach: the same cache length
+    assert engine.generate_all(fast, longest, GREEDY, [eos]) == engine.generate_all(model, longest, GREEDY, [eos])
     (rows, length), = decode_compile._COMPILED[fast].slots  # one compiled slot, reused
+    # GRPO's rollouts sample from the whole softmax, and its greedy evaluation runs in their graph: the compiled
+    # step is called with the same `ranked` (a graph each)
+    rollout = SampleConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=10, seed=7)
+    slot, ranks = decode_compile._COMPILED[fast].slots[rows, length], set()
+    step = slot.decode
+    slot.decode = lambda *args: (ranks.add(args[-1]), step(*args))
+    for settings in (rollout, GREEDY):
+        eager = engine.generate_all(model, prompts, settings, [eos], rows=2)
+        assert engine.generate_all(fast, prompts, settings, [eos], rows=2) == eager
+    assert ranks == {sampling.UNRANKED}
     assert rows == 2 and length < fast.config.max_seq_len  # its cache: the replies' reach, not the whole context
 
 

@@ -611,3 +611,38 @@ def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_
     kernel = F.scaled_dot_product_attention(q, cache.k[0], cache.v[0], attn_mask=cache.next_mask, enable_gqa=True)
     assert got.dtype == torch.bfloat16
     assert (got.double() - want).abs().max() <= (kernel.double() - want).abs().max() * 1.01
+
+
+def test_a_cpu_decode_step_under_autocast_reads_a_bf16_cache_without_copying_it():
+    """Under bf16 autocast a decode step's matmuls compute in bf16 whatever their inputs: its written-out
+    attention reads a bf16 cache as it is (a cast up to fp32 was cast back: two copies of each layer's keys
+    and values a step, 5% of a GRPO rollout's sampling on a CPU), and gives what the fp32 inputs did, to the
+    bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llm.base.attention import cached_attention, written_out_attention
+    from modern_llm import KVCache
+    cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, max_seq_len=128)
+    torch.manual_seed(0)
+    cache = KVCache(cfg, 8, 128, dtype=torch.bfloat16)
+    past = torch.randn(8, 2, 127, 64, dtype=torch.bfloat16)
+    cache.update(0, past, past.flip(-1), torch.arange(127).expand(8, 127))
+    cache.advance(torch.randint(40, 127, (8,)))
+    q, k, v = (torch.randn(8, h, 1, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+
+    class Copies(TorchDispatchMode):
+        copied = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and \
+                    out.numel() >= cache.k[0].numel():
+                Copies.copied += 1
+            return out
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        with Copies():
+            got = cached_attention(q, k, v, cache, 0, cache.pos[:, None], cache.next_mask)
+        wide = written_out_attention(q.float(), cache.k[0].float(), cache.v[0].float(), cache.next_mask)
+    assert Copies.copied == 0
+    assert torch.equal(got, wide.to(torch.bfloat16))

@@ -41,12 +41,21 @@ def cached_attention(q, k, v, cache, layer: int, positions: torch.Tensor, mask: 
         # The CPU's flash kernel is slow for one query a row: a bf16 decode step's attention took 6x as long
         # as the same arithmetic written out in fp32, which rounds only the output, as the kernel does. A
         # prefill keeps the kernel, which never holds its scores.
-        wide = torch.promote_types(q.dtype, torch.float32)
+        wide = matmul_dtype(q)
         return written_out_attention(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
     # the cache's dtype: the queries' when inferring
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x computes in: autocast's where it is on (it casts the inputs whatever they are:
+    a bf16 cache cast up to fp32 first was cast back, two copies of the cache a layer and step), else at least
+    fp32."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:

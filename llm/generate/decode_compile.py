@@ -86,6 +86,15 @@ def compiled_slot(model, batch: int, length: int = 0) -> Slot:
     return steps.slots[key]
 
 
+def rows_to_reuse(model, batch: int, length: int) -> int:
+    """Rows for a compiled generate_all of `batch` rows at a cache of `length`: the fewest of a slot already
+    built that holds them all, else batch. Its spare rows stay done, and a graph reused costs no compile: a
+    GRPO run's greedy evaluation of 4 held-out prompts compiled a graph beside its rollouts' of 32 rows, 27
+    MB more peak memory on a CPU, and seconds."""
+    built = [rows for rows, cache in _COMPILED[model].slots if cache == length and rows >= batch]
+    return min(built, default=batch)
+
+
 def compile_limits():
     """A context in which a compiled step may compile a graph for each prompt bucket (more than dynamo's
     default 8) and fails loudly past RECOMPILE_LIMIT rather than generating eagerly without a word; the

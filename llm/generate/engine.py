@@ -19,8 +19,8 @@ import torch
 from config import SampleConfig
 from llm.base.errors import ConfigError
 from llm.generate.decode import Slot, State, batch_bucket, bucket, eager_slot, prefill_step
-from llm.generate.decode_compile import compile_limits, compiled_slot, compiles, compiling
-from llm.generate.sampling import TextStream, candidates, exp_noise
+from llm.generate.decode_compile import compile_limits, compiled_slot, compiles, compiling, rows_to_reuse
+from llm.generate.sampling import UNRANKED, TextStream, candidates, exp_noise, exp_noise_
 from llm.tokens.tokenizer import stop_ids
 
 CHUNK = 8  # decode steps between two reads of the new tokens by the host
@@ -111,7 +111,7 @@ def _noise(state: State, generators: list, real: int):
     padded batch draws what the unpadded one would."""
     for gen, rows in generators:
         if rows is None:
-            state.noise[:real].exponential_(1, generator=gen).clamp_(min=torch.finfo(state.noise.dtype).tiny)
+            exp_noise_(state.noise[:real], gen)
         else:
             state.noise[rows] = exp_noise((len(rows), state.noise.size(1)), state.noise.device, gen)
 
@@ -307,6 +307,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
     compiled = compiles(model) and not compiling(model)
     # A compiled slot's cache: the longest row's reach, rounded to reuse its graph.
     length = bucket(max_len, ctx)
+    B = rows_to_reuse(model, B, length) if compiled else B
     check_memory(model, B, length if compiled else max_len)
     out, waiting = [[] for _ in prompts], list(reversed(range(len(prompts))))  # waiting: next prompt last
     prompt_of, reach = [None] * B, [0] * B  # each row's prompt (None: ended, none left) and cache position
@@ -345,6 +346,9 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
         slot.state.done.fill_(True)  # until a prompt joins
         generators = _generators([(None, settings)] * B, device)
         ranked = candidates([settings], model.config.vocab_size)
+        # Compiled, greedy rows run the graph that sampling compiles (an argmax where the temperature is 0): a
+        # GRPO run's held-out evaluation reuses its rollouts' graph.
+        ranked = UNRANKED if compiled and ranked == 0 else ranked
         chunk = torch.empty((B, CHUNK), dtype=torch.long, device=device)
         refill()
         while any(i is not None for i in prompt_of):
