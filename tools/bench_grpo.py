@@ -7,8 +7,10 @@ prompt, reply length, LoRA rank and prompts per step.
 
 Both sample num_generations replies to each of the step's prompts at temperature 1 from the model being
 trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score them with the gsm8k reward
-(llm/scores/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A random model
-rarely ends a reply early, so both write about max_new_tokens tokens a reply. Replies/s counts the step's
+(llm/scores/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A reply
+ends at the same two ids on both sides (<|im_end|>, <|endoftext|>); a random model draws one of them now and
+then, so the replies run a little short of max_new_tokens, and as long on both sides (the table's reply
+tokens). Replies/s counts the step's
 replies over the median seconds of the steps after two warm-up steps; the memory is each process's lifetime
 peak (ru_maxrss). Each variant runs in a process of its own, on one thread, the variants alternating over the
 rounds (ABBA). Where each side's step time goes: ours logs its sampling and rewarding seconds; TRL's are
@@ -40,7 +42,7 @@ def setup(folder: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from llm.tokens.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from llm.tokens.tokenizer import load_tokenizer, save_tokenizer, stop_ids, train_tokenizer
     rng = random.Random(0)
     rows = []
     for _ in range(PROMPTS):
@@ -57,7 +59,11 @@ def setup(folder: str) -> str:
     save_tokenizer(tok, os.path.join(model_dir, "tokenizer.json"))
     load_tokenizer(model_dir).save_pretrained(model_dir)  # eos, pad and the chat template, for TRL
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), **SHAPE)).save_pretrained(model_dir)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), **SHAPE))
+    # A reply ends at the same ids on both sides, as a chat model's generation config lists them: TRL reads
+    # them there, ours from the tokenizer (without it TRL's replies ran 12% longer).
+    model.generation_config.eos_token_id = stop_ids(load_tokenizer(model_dir))
+    model.save_pretrained(model_dir)
     return prompts
 
 
