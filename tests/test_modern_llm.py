@@ -589,11 +589,9 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_kernel():
-    """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a
-    row): in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16
-    kernel."""
-    from llm.base.attention import cached_attention
+def bf16_decode_step():
+    """A bf16 KV cache of 8 rows of different lengths (4 query heads over 2 key heads of 64), and a decode
+    step's queries, keys and values."""
     from modern_llm import KVCache
     cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, max_seq_len=128)
@@ -602,7 +600,15 @@ def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_
     past = torch.randn(8, 2, 127, 64, dtype=torch.bfloat16)
     cache.update(0, past, past.flip(-1), torch.arange(127).expand(8, 127))
     cache.advance(torch.randint(40, 127, (8,)))  # rows of different lengths
-    q, k, v = (torch.randn(8, h, 1, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    return cache, [torch.randn(8, h, 1, 64, dtype=torch.bfloat16) for h in (4, 2, 2)]
+
+
+def test_a_cpu_decode_steps_written_out_attention_is_as_close_to_float64_as_the_kernel():
+    """A CPU decode step writes its attention out (the flash kernel took 6x as long in bf16 for one query a
+    row): in fp32, rounding only the output, so it lies as close to a float64 reference as SDPA's own bf16
+    kernel."""
+    from llm.base.attention import cached_attention
+    cache, (q, k, v) = bf16_decode_step()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(F, "scaled_dot_product_attention", None)  # not the kernel
         got = cached_attention(q, k, v, cache, 0, cache.pos[:, None], cache.next_mask)
@@ -621,15 +627,7 @@ def test_a_cpu_decode_step_under_autocast_reads_a_bf16_cache_without_copying_it(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from llm.base.attention import cached_attention, written_out_attention
-    from modern_llm import KVCache
-    cfg = config.ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-                             num_key_value_heads=2, max_seq_len=128)
-    torch.manual_seed(0)
-    cache = KVCache(cfg, 8, 128, dtype=torch.bfloat16)
-    past = torch.randn(8, 2, 127, 64, dtype=torch.bfloat16)
-    cache.update(0, past, past.flip(-1), torch.arange(127).expand(8, 127))
-    cache.advance(torch.randint(40, 127, (8,)))
-    q, k, v = (torch.randn(8, h, 1, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    cache, (q, k, v) = bf16_decode_step()
 
     class Copies(TorchDispatchMode):
         copied = 0
