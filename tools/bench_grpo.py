@@ -10,11 +10,11 @@ trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score
 (llm/scores/rewards.py, passed to TRL as it is), and train one on-policy step (dapo loss, beta 0). A reply
 ends at the same two ids on both sides (<|im_end|>, <|endoftext|>); a random model draws one of them now and
 then, so the replies run a little short of max_new_tokens, and as long on both sides (the table's reply
-tokens). Replies/s counts the step's
-replies over the median seconds of the steps after two warm-up steps; the memory is each process's lifetime
-peak (ru_maxrss). Each variant runs in a process of its own, on one thread, the variants alternating over the
-rounds (ABBA). Where each side's step time goes: ours logs its sampling and rewarding seconds; TRL's are
-timed around its model's generate and the reward function. The rest of a step is training.
+tokens). Replies/s counts the step's replies over the median seconds of the steps after two warm-up steps; the
+memory is each process's lifetime peak (ru_maxrss). Each variant runs in a process of its own, on one thread,
+the variants alternating over the rounds (ABBA). Where each side's step time goes: ours logs its sampling and
+rewarding seconds; TRL's are timed around its model's generate and the reward function. The rest of a step is
+training.
 """
 
 import argparse
