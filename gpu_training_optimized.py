@@ -46,9 +46,10 @@ from llm.reports.monitor import (LossWindow, Monitor, StepProfiler, advance_bar,
                                  summary)
 from llm.scores.evaluation import GPU_TASK_ITEMS, Probe
 from llm.scores.rewards import RewardError
+from llm.train.plan import Plan
 from llm.train.runner import Runner, start as runner_for
 from llm.train.schedule import RunClock, StopFlag, lr_multiplier, set_lr
-from llm.train.startup import Plan, settle
+from llm.train.startup import settle
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -27,7 +27,7 @@ WINGS = {
     "scores": ["tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "rewards"],
     "reports": ["markdown", "monitor", "report_chart", "model_card", "report_card"],
     "train": ["fine_tuning", "autofill", "averaging", "schedule", "resume", "preference", "grpo",
-              "rollouts", "rl", "startup", "runner", "gpu_training_optimized"],
+              "rollouts", "rl", "plan", "runner", "startup", "gpu_training_optimized"],
 }
 CORE = [m for modules in WINGS.values() for m in modules]
 WING_OF = {m: wing for wing, modules in WINGS.items() for m in modules}

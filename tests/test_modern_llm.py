@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from llm.base.sizing import count_parameters
 from llm.generate.inference import RowProductLinear, load_for_inference
-from llm.train.startup import new_model
+from llm.train.runner import new_model
 from llm.base.attention import causal_attention
 from modern_llm import Execution, Transformer, apply_rope, cross_entropy, is_stored, rope_tables
 

@@ -41,7 +41,7 @@ from llm.formats.hf_format import hf_twin
 from llm.reports.monitor import device_report, peak_flops
 from llm.train.autofill import fill_automatic
 from llm.train.runner import build
-from llm.train.startup import new_model
+from llm.train.runner import new_model
 
 
 class FixedBatches:

@@ -251,7 +251,7 @@ def run_generation() -> dict:
     from llm.generate import decode, decode_compile
     from llm.generate.inference import for_inference
     from llm.generate.sampling import candidates
-    from llm.train.startup import new_model
+    from llm.train.runner import new_model
     from config import PRESETS, SampleConfig
     cfg, device = check_config("bf16", "default"), pick_device("cuda")
     cfg.model = PRESETS["large"]().model  # the whole depth: a decode step's kernels are counted per step

@@ -28,7 +28,7 @@ from llm.train import preference, rl
 from llm.train.averaging import WeightAverage
 from llm.train.resume import load_into
 from llm.train.rollouts import AdaptersOff, Rollouts, StartingWeights
-from llm.train.startup import Plan, new_model
+from llm.train.plan import Plan
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
 
@@ -147,6 +147,17 @@ def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: in
     ragged = eager and cfg.train.objective in preference.OBJECTIVES
     written_out = matmul_attention(cfg, where, amp_dtype, row)
     return Execution(loss_chunk_rows(cfg, where), written_out, stream, ragged)
+
+
+def new_model(cfg: Config, device: torch.device) -> Transformer:
+    """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given
+    memory there (never whole on the CPU first), then drawn once."""
+    with torch.device("meta"):
+        raw_model = Transformer(cfg.model)
+    raw_model.materialize(device)
+    torch.manual_seed(cfg.train.seed)
+    raw_model.init_weights()  # the same weights on every rank and every device
+    return raw_model
 
 
 def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,

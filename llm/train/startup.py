@@ -1,12 +1,13 @@
 """What a training run starts from, settled before its model is built: the final config (--init_from's shape
 and tokenizer, a resumed run's automatic fields, fine-tuning rates, the machine's sizing, the micro-batch that
 fits, the run length from the tokenized corpus), the checkpoint it continues and the data it reads. The
-trainer calls settle() once; everything it refuses is refused here, before a model exists."""
+trainer calls settle() once for its Plan (plan.py); everything it refuses is refused here, before a model
+exists."""
 
 import math
 import shlex
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import psutil
 import torch
@@ -24,7 +25,6 @@ from llm.data.corpus import BUNDLED, GPU_CORPUS, corpus_bytes, in_arrival_order,
 from llm.data.corpus_totals import short_of_target
 from llm.data.preparation import prepare_once
 from llm.data.prompts import PromptSplit, read as read_prompts
-from llm.data.token_cache import PreparedData
 from llm.formats.hf_hub import hub_shape, is_hub_name
 from llm.formats.trainer_state import Saved
 from llm.reports.model_card import next_token_train
@@ -34,18 +34,8 @@ from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_us
                                    fill_grpo, fill_preference, grpo_row)
 from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data,
                               check_same_shape, lora_start, resume_point, with_shape)
-from modern_llm import Transformer
-
-
-def new_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given
-    memory there (never whole on the CPU first), then drawn once."""
-    with torch.device("meta"):
-        raw_model = Transformer(cfg.model)
-    raw_model.materialize(device)
-    torch.manual_seed(cfg.train.seed)
-    raw_model.init_weights()  # the same weights on every rank and every device
-    return raw_model
+from llm.train.plan import Plan
+from llm.train.runner import new_model
 
 
 def bundled_report(cfg: Config, size: int) -> list[str]:
@@ -162,36 +152,6 @@ IMPLAUSIBLE_GIB = 2**17  # 128 TiB, 100x the largest open model's bf16 weights: 
 
 def _size(parameters: int) -> str:
     return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """settle()'s result, which nothing changes after: the run's final config (its run length included), the
-    processes and device it runs on, the data it reads, and what it starts from."""
-    cfg: Config
-    ranks: Ranks
-    device: torch.device
-    ckpt: str | None  # the checkpoint --resume continues, or None for a new run
-    saved: Saved | None  # its trainer state
-    init_state: dict | None  # --init_from's weights, for a new run
-    data: PreparedData
-    batches: object  # the training split's loader: Batches, or a GRPO run's PromptSplit
-    val_batches: object
-    lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
-    init_path: str = ""  # the --init_from checkpoint, folder or file read (a preference run's reference)
-    rewards: tuple | None = None  # a GRPO run's reward functions and their weights (rewards.load_all)
-
-    @property
-    def row(self) -> int:
-        """A micro-batch row's tokens: the context, or a GRPO run's longest prompt and reply (grpo_row)."""
-        return grpo_row(self.cfg, self.data.longest) if self.cfg.train.objective == "grpo" else \
-            self.cfg.model.max_seq_len
-
-    @property
-    def tokens_per_step(self) -> int:
-        """The tokens one optimizer step reads, over every rank."""
-        t = self.cfg.train
-        return t.micro_batch_size * self.row * t.grad_accum_steps * self.ranks.world_size
 
 
 def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
