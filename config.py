@@ -360,7 +360,8 @@ class EvalConfig:
     chat_template: Literal["auto", "model", "chatml"] = arg(
         "auto", "the template chat tasks ask in; auto: the model's own where its files carry one, else the "
                 "project's ChatML (a run of ours); model: its own, refused where it has none; chatml: ChatML "
-                "always, as this project's runs and GRPO prompts are rendered (a before-and-after comparison)")
+                "always, as this project's runs and GRPO prompts are rendered (a before-and-after "
+                "comparison)")
 
     def __post_init__(self):
         _require_choices(self)

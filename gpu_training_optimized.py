@@ -1,6 +1,7 @@
-"""Train the model. With no arguments: config.py's automatic fields sized for the machine (llm/train/autofill.py): on a CPU
-the tiny preset for ten minutes on the bundled corpus (the standard library's sources), on a GPU the preset an
-hour's compute suits, into runs/default; then `python text_generator.py` samples from it.
+"""Train the model. With no arguments: config.py's automatic fields sized for the machine
+(llm/train/autofill.py): on a CPU the tiny preset for ten minutes on the bundled corpus (the standard
+library's sources), on a GPU the preset an hour's compute suits, into runs/default; then `python
+text_generator.py` samples from it.
 
     python gpu_training_optimized.py --preset small --max_steps 2000 --micro_batch_size 16
     python gpu_training_optimized.py --resume                     # continue runs/default exactly

@@ -1,8 +1,8 @@
-"""Prepare the token cache ahead of training (the trainer does it too, when the cache is missing), and see what it
-holds: the documents of the sources (default: this Python's standard library) tokenized into <cache_dir>/<corpus
-key>/ (llm/data/preparation.py does the work; llm/data/token_cache.py owns the format). A table gives the tokens per source;
---show N prints N training examples with their learned text marked, the share learned, and how full packed
-windows are.
+"""Prepare the token cache ahead of training (the trainer does it too, when the cache is missing), and see
+what it holds: the documents of the sources (default: this Python's standard library) tokenized into
+<cache_dir>/<corpus key>/ (llm/data/preparation.py does the work; llm/data/token_cache.py owns the format). A
+table gives the tokens per source; --show N prints N training examples with their learned text marked, the
+share learned, and how full packed windows are.
 
     python prepare_data.py --sources notes/ chats.jsonl --vocab_size 8192 --max_source_mb 50
     python prepare_data.py --sources "web/*.parquet:0.7" code/:0.3 --max_tokens 2000000000

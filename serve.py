@@ -1,13 +1,13 @@
-"""Serve a trained model over the OpenAI API (/v1/completions, /v1/chat/completions, streaming too, /v1/models)
-and a chat page at /.
+"""Serve a trained model over the OpenAI API (/v1/completions, /v1/chat/completions, streaming too,
+/v1/models) and a chat page at /.
 
     python serve.py runs/default --port 8000                  # on 127.0.0.1; --host 0.0.0.0 to open it up
     python serve.py runs/chat --api_key secret --max_batch 16
-Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a browser
-at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder, hf:ORG/NAME,
-a .gguf; --best) and generates through the same engine. Requests that arrive together are batched, each row with its
-own settings; the rest queue (the worker: llm/generate/worker.py). Completions give echo and logprobs as evaluation
-harnesses read them (openai_api.py).
+Any OpenAI client then works:  OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret"); so does a
+browser at http://127.0.0.1:8000/. The model loads like the REPL's (a checkpoint, run or Hugging Face folder,
+hf:ORG/NAME, a .gguf; --best) and generates through the same engine. Requests that arrive together are
+batched, each row with its own settings; the rest queue (the worker: llm/generate/worker.py). Completions give
+echo and logprobs as evaluation harnesses read them (openai_api.py).
 A bad request gets a 400 with an OpenAI-style error body naming the parameter, and the server goes on.
 Limits: a request body of at most 1 MiB (MAX_BODY; 413 past it), at most 4 stop strings of at most 256
 characters each, n up to 16, 64 prompts, seed and top_k up to 2**63 - 1; JSON's Infinity and NaN, and lone

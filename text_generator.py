@@ -51,9 +51,9 @@ class TextGenerator:
         texts = g.generate(["import os", "class A:"], temperature=0)      # a batch: one completion each
         reply = g.chat([{"role": "user", "content": "Hi"}])              # chat-trained models
 
-    The constructor's named arguments are LoadConfig's. Keyword settings are SampleConfig's fields (max_new_tokens,
-    temperature, top_k, top_p, repetition_penalty, num_return_sequences, seed, stop); given to the constructor they
-    last, given to a call they apply to it.
+    The constructor's named arguments are LoadConfig's. Keyword settings are SampleConfig's fields
+    (max_new_tokens, temperature, top_k, top_p, repetition_penalty, num_return_sequences, seed, stop); given
+    to the constructor they last, given to a call they apply to it.
     """
 
     def __init__(self, path: str = "", device: str = "auto", best: bool = False, quantize: str = "none",
@@ -182,7 +182,7 @@ def run(model, tokenizer, settings, prompt, stream=True, chat=False) -> list[str
 
 
 HELP = f"""commands (in chat mode, start them with /):
-  TEXT              continue TEXT with the current settings (a line starting with a command word is that command)
+  TEXT              continue TEXT with the current settings (unless it starts with a command word)
   sample TEXT       the same
   greedy TEXT       the most likely continuation (temperature 0)
   batch TEXT        several samples, one under the other (num_return_sequences, or {BATCH_SAMPLES})

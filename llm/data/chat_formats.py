@@ -1,9 +1,9 @@
 """The shapes a chat JSONL line may take, each turned into the one messages list that tokenizer.py renders.
 
-    {"messages": [{"role": "user", "content": "..."}, ...]}          role: system, user, assistant
-    {"conversations": [{"from": "human", "value": "..."}, ...]}      ShareGPT: human/user, gpt/assistant, system
-    {"instruction": "...", "input": "...", "output": "..."}          Alpaca; input optional
-    {"prompt": "...", "completion": "..."}                           one user turn, one assistant turn
+    {"messages": [{"role": "user", "content": "..."}, ...]}       role: system, user, assistant
+    {"conversations": [{"from": "human", "value": "..."}, ...]}   ShareGPT: human/user, gpt/assistant, system
+    {"instruction": "...", "input": "...", "output": "..."}       Alpaca; input optional
+    {"prompt": "...", "completion": "..."}                        one user turn, one assistant turn
 corpus.py asks chat_messages() about every JSONL object, so the loss masks are the same for every shape.
 """
 

@@ -311,8 +311,9 @@ def _one_kind(doc, first: bool | None) -> bool:
     """
     pair = is_pair(doc)
     if first is not None and pair != first:
-        raise DataError(f"a {'preference row (chosen, rejected)' if pair else 'row without chosen and rejected'} "
-                        f"among {'plain rows' if pair else 'preference rows'}: a source holds pairs or none")
+        row = "preference row (chosen, rejected)" if pair else "row without chosen and rejected"
+        others = "plain rows" if pair else "preference rows"
+        raise DataError(f"a {row} among {others}: a source holds pairs or none")
     return pair
 
 

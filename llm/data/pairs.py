@@ -1,8 +1,8 @@
 """Preference rows: a prompt with a better (chosen) and a worse (rejected) reply, as one pair document.
 
-    {"prompt": "...", "chosen": "...", "rejected": "..."}                     strings: the prompt is one user turn
-    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}      TRL's conversational format
-    {"chosen": [messages], "rejected": [messages]}                            the prompt implicit: what both share
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                 strings: the prompt is one user turn
+    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}  TRL's conversational format
+    {"chosen": [messages], "rejected": [messages]}                        the prompt implicit: what both share
 A row's conversational replies are what follows the longest run of messages chosen and rejected share (so the
 preference splits of HuggingFaceH4/ultrafeedback_binarized, whose replies repeat the user turn, read as
 intended).

@@ -146,9 +146,9 @@ def read(cfg, room: int) -> PromptData:
         raise DataError(f"the sources hold {len(fitting)} usable prompts (of {len(found) + len(bad)} rows); "
                         "a GRPO run needs rows with a `prompt`, at least one to train on and one held out")
     train, val = split(fitting, cfg.data.val_fraction)
+    rendered = "chat-templated" if any(not isinstance(p.prompt, str) for p in fitting) else "as text"
     lines.insert(0, f"prompts: {len(train):,} to train on, {len(val):,} held out, from {len(files)} files; "
-                    f"{'chat-templated' if any(not isinstance(p.prompt, str) for p in fitting) else 'as text'}, "
-                    f"up to {max(len(p.ids) for p in fitting)} tokens")
+                    f"{rendered}, up to {max(len(p.ids) for p in fitting)} tokens")
     key = digest(json.dumps(files), cfg.data.tokenizer, str(room), str(cfg.data.val_fraction))
     meta = {"val_bytes_per_token": None, **{f"{name}_tokens": sum(len(p.ids) for p in part)
                                             for name, part in (("train", train), ("val", val))}}

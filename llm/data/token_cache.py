@@ -1,9 +1,9 @@
 """The token cache's format: a corpus's tokens in parts, each written once and read as one array per split.
 
     <cache_dir>/<corpus key>/   tokenizer.json   meta.json (vocabulary, token dtype, end-of-text id)
-        shards/<shard key>.json            the shard's files, parts and what reading them saw; written last
-        shards/<shard key>-<part>/         train.bin val.bin (token ids), train_mask.bin val_mask.bin (chats only:
-                                           1 where learned), part.json (tokens, documents and text bytes per split)
+        shards/<shard key>.json     the shard's files, parts and what reading them saw; written last
+        shards/<shard key>-<part>/  train.bin val.bin (token ids), train_mask.bin val_mask.bin (chats only:
+                                    1 where learned), part.json (tokens, documents and text bytes per split)
 
 A shard is one source file, or a run of small neighbouring files: a run ends after a file whose name hashes to
 0 mod GROUP_EVERY, so adding a file redoes only its own run. Its key hashes its files' paths, sizes and

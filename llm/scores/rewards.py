@@ -3,8 +3,8 @@ of floats, one per completion. They come only from the command line (--reward): 
 FILE.py:NAME, a function in the user's own file, which is run as the user's code. Never from data, a
 checkpoint, a run folder's config or the Hub: a resumed run is given its --reward flags again.
 
-    gsm8k         1.0 where the completion's last number equals the row's `answer` (its text after "####" where
-                  it has one, as GSM8K's answers do), as evaluate.py's GSM8K reads replies; else 0.0
+    gsm8k         1.0 where the completion's last number equals the row's `answer` (its text after "####"
+                  where it has one, as GSM8K's answers do), as evaluate.py's GSM8K reads replies; else 0.0
     regex:PATTERN 1.0 where PATTERN is found in the completion (re.search, "." matching newlines; anchor it
                   with ^ and $ for the whole completion), else 0.0
 
@@ -147,7 +147,8 @@ def _from_file(path: str, name: str, spec: str):
     """The function NAME of the user's file, which is run (imported) once, here."""
     if not os.path.isfile(path):
         raise ConfigError(f"--reward {spec}: {path} is not a file; give the path of your Python file")
-    module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(os.path.abspath(path)))}", path)
+    module_name = f"user_reward_{abs(hash(os.path.abspath(path)))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)

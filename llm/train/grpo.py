@@ -10,7 +10,8 @@ those the completions were sampled with and log ref the reference's:
     loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL_t
     KL_t = exp(log ref - log pi) - (log ref - log pi) - 1    (Schulman's k3 estimator, >= 0)
 summed over the completions' tokens and normalised (loss_type) as TRL 1.16's GRPOTrainer does:
-    dapo      over all the step's completion tokens (token-level, Yu et al., 2025): long replies weigh by length
+    dapo      over all the step's completion tokens (token-level, Yu et al., 2025): long replies weigh by
+              length
     grpo      each completion's mean over its tokens, then the mean over completions (the paper's)
     dr_grpo   over completions x max_completion_length, a constant (Dr. GRPO): no length bias
 A reward function may return None for a completion it does not judge (TRL's convention): it then adds nothing,

@@ -3,10 +3,12 @@ chosen reply.
 
 A pair is one prompt with a better (chosen) and a worse (rejected) reply; log pi(c) is the log-probability the
 model gives the chosen reply's tokens after the prompt, summed over them (its EOS included, the prompt not).
-  dpo    -log sigmoid(beta * [(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))])  (Rafailov et al., 2023), ref
-         the model the run starts from; its rewards are beta * (log pi - log ref), as TRL's DPOTrainer logs them.
-  simpo  -log sigmoid(beta * (mean log pi(c) - mean log pi(r)) - gamma)  (Meng et al., 2024): log-probabilities
-         averaged over each reply's tokens, no reference; rewards beta * mean log pi, as TRL's CPOTrainer logs them.
+  dpo    -log sigmoid(beta * [(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))])  (Rafailov et al., 2023),
+         ref the model the run starts from; its rewards are beta * (log pi - log ref), as TRL's DPOTrainer
+         logs them.
+  simpo  -log sigmoid(beta * (mean log pi(c) - mean log pi(r)) - gamma)  (Meng et al., 2024):
+         log-probabilities averaged over each reply's tokens, no reference; rewards beta * mean log pi, as
+         TRL's CPOTrainer logs them.
 SimPO rather than ORPO: SimPO is a drop-in for DPO at the same stage (after chat fine-tuning, on the same
 pairs) that needs no reference pass at all, and its per-token average removes the pull of summed
 log-probabilities towards longer replies; ORPO folds chat fine-tuning into the preference stage (its own NLL

@@ -4,8 +4,8 @@ and optimizer, and a LoRA run's base.
 
     --resume            the run folder's newest complete checkpoint (LATEST, or a scan if LATEST is lost)
     --resume FOLDER     that checkpoint (a run folder: its newest), for example into a new --run_dir
-    --init_from FOLDER  a checkpoint, run or Hugging Face folder's (or a GGUF file's) weights, shape and tokenizer;
-                        a new optimizer
+    --init_from FOLDER  a checkpoint, run or Hugging Face folder's (or a GGUF file's) weights, shape and
+                        tokenizer; a new optimizer
     --init_from hf:ORG/NAME  the same from the Hugging Face Hub (hf_hub.py)
 """
 
