@@ -64,7 +64,7 @@ def test_a_gpu_run_in_steps_gets_the_largest_preset_its_memory_and_the_corpus_al
     assert not cfg.model.gradient_checkpointing  # config.py's value, which no preset overrides here
     if expected != "tiny":  # the chosen size fits both limits
         tokens = corpus_mb * 10**6 / sizing.BYTES_PER_TOKEN
-        assert sizing.count_parameters(cfg.model) <= autofill.PARAMETERS_PER_TOKEN * tokens
+        assert sizing.count_parameters(cfg.model) <= autofill.MAX_PARAMETERS_PER_CORPUS_TOKEN * tokens
         assert sizing.training_bytes_estimate(cfg) <= 0.8 * memory_gib * GIB
 
 

@@ -40,7 +40,11 @@ COMPILE_PAYS_MINUTES = 2.0
 # (under about two tokens per parameter in its budget) is never chosen.
 MAX_OVER_OPTIMAL = 3.0
 GPU_SIZES = ("xl", "large", "medium", "small")  # largest first
-PARAMETERS_PER_TOKEN = 20  # the largest model a corpus feeds: 20 parameters per token of it
+# A guard against a model far larger than its corpus, not an optimum: a preset is left out past 20 parameters
+# per corpus token. Chinchilla's optimum (sizing.TOKENS_PER_PARAMETER) is 400 times stricter: it would keep
+# small (100M parameters) from any corpus under 2B tokens, and the run's length already caps the passes over
+# a corpus (GPU_EPOCHS).
+MAX_PARAMETERS_PER_CORPUS_TOKEN = 20
 GPU_EPOCHS = 4  # repeated up to about four times, data trains nearly as well as new (Muennighoff et al. 2023)
 MIN_STEPS = 100
 # An automatic batch leaves a fine-tune in epochs at least this many optimizer steps, in smaller steps where
@@ -120,8 +124,9 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None,
     if machine.kind != "cuda":
         return CPU_SIZE, f"no CUDA device ({machine.name})"
     corpus_tokens = math.inf if corpus_bytes is None else corpus_bytes / BYTES_PER_TOKEN
+    most = MAX_PARAMETERS_PER_CORPUS_TOKEN
     feeds = "" if corpus_bytes is None else (f", and the corpus (about {corpus_tokens / 1e6:.1f}M tokens) "
-                                             f"feeds up to {PARAMETERS_PER_TOKEN} parameters per token")
+                                             f"feeds up to {most} parameters per token")
     room, fitting = MEMORY_FRACTION * machine.memory, []
     for size in GPU_SIZES:
         candidate = _filled(cfg, size)
@@ -132,7 +137,7 @@ def choose_size(cfg: Config, machine: Machine, corpus_bytes: int | None,
             least = 1 << (-(-MIN_MICRO_TOKENS // candidate.model.max_seq_len) - 1).bit_length()
             candidate.train = replace(candidate.train, micro_batch_size=least)
         need, params = training_bytes_estimate(candidate), count_parameters(candidate.model)
-        if need <= room and params <= PARAMETERS_PER_TOKEN * corpus_tokens:
+        if need <= room and params <= most * corpus_tokens:
             fitting.append((size, params, need))
     if not fitting:
         return CPU_SIZE, f"no larger preset fits {room / 2**30:.1f} GiB of {machine.name}{feeds}"
