@@ -33,8 +33,10 @@ class Execution:
     matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
     # the residual stream's dtype under autocast, None for the embedding's
     stream_dtype: torch.dtype | None = None
-    # eager only: shapes read from each batch (example_attention, labelled-only loss rows)
+    # eager only, shapes read from each batch: packed examples attend on rows of their own (example_attention)
     ragged: bool = False
+    # eager only: the head meets the labelled rows alone (their number a host read)
+    labelled_rows: bool = False
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -340,7 +342,8 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if labels is not None and (reduction == "none" or 0 < run.loss_chunk_rows < labels.numel()):
             rows = run.loss_chunk_rows or TOKEN_CHUNK_ROWS
-            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, rows, reduction, run.ragged)
+            return None, chunked_cross_entropy(x, self.lm_head.weight, labels, rows, reduction,
+                                               run.labelled_rows)
         logits = self.lm_head(x)
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
@@ -355,8 +358,10 @@ class Transformer(nn.Module):
             attend = partial(causal_attention, gqa=gqa, matmul_softmax=self.execution.matmul_softmax)
             return self.rope_cos[:T], self.rope_sin[:T], [attend] * n
         if kv_cache is None:
-            attends = [partial(example_attention, at=example_rows(positions)) if self.execution.ragged
-                       else partial(packed_attention, mask=example_mask(positions))] * n
+            attends = [partial(example_attention, at=example_rows(positions),
+                               matmul_softmax=self.execution.matmul_softmax) if self.execution.ragged
+                       else partial(packed_attention, mask=example_mask(positions),
+                                    matmul_softmax=self.execution.matmul_softmax)] * n
         else:
             positions = kv_cache.pos[:, None] + torch.arange(T, device=kv_cache.pos.device)  # (B, T)
             positions = positions.clamp(max=kv_cache.max_len - 1)  # padding past the end is never read

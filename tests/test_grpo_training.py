@@ -120,6 +120,80 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights_swapped_in(half_rig
     assert all(torch.equal(p, trained[n]) and p.data_ptr() == storage[n] for n, p in model.named_parameters())
 
 
+def lay_out(rows, ended, adv, micro, group, mask_truncated, seq_len):
+    """Rollouts.lay_out of these replies, without a run around it: micro-batches of micro replies."""
+    import types
+
+    from llm.train import rollouts
+    t = types.SimpleNamespace(mask_truncated=mask_truncated, num_iterations=1, beta=0.0,
+                              max_completion_length=8)  # the replies here are 1-8 tokens
+    share = rollouts.sharing(micro, group)
+    held = types.SimpleNamespace(t=t, share=share, micro=micro, seq_len=seq_len, device="cpu",
+                                 row_len=seq_len - 1 + (share - 1) * t.max_completion_length)
+    return rollouts.Rollouts.lay_out(held, rows, ended, adv), share
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["masked", "ragged"])
+@pytest.mark.parametrize("micro", [6, 3, 2], ids=["two-groups", "a-group", "no-sharing"])
+def test_replies_sharing_a_prompts_row_train_as_rows_of_their_own(loss_type, ragged, micro):
+    """The replies laid out as the step reads them, several of a prompt's to a row behind one copy of it, must
+    give the loss and gradient of a naive reference: each prompt + reply a row of its own, attended causally,
+    one reply to a row in grpo.reduce (within 1e-5, float32). Compiled steps attend through the packed mask,
+    eager ones through a row per branch (ragged); a row holds its prompt once, then its replies. A reply cut
+    at the limit teaches nothing."""
+    from dataclasses import replace
+
+    from config import ModelConfig
+    from llm.train import grpo
+    from llm.train.rollouts import token_logps
+    from modern_llm import Execution, Transformer
+    g, group, seq_len = random.Random(3), 3, 24
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=17, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_seq_len=seq_len))
+    model.init_weights()
+    prompts = [[g.randrange(1, 17) for _ in range(n)] for n in (5, 9, 2, 7)]
+    rows = [(p, [g.randrange(1, 17) for _ in range(g.randint(1, 8))]) for p in prompts for _ in range(group)]
+    ended = [g.random() < 0.7 for _ in rows]
+    adv = torch.tensor([g.uniform(-1, 1) for _ in rows])
+    s = grpo.Settings(loss_type, max_completion_length=8)
+
+    # the reference: a row each, padded on the right, the mask over the replies that ended
+    T = max(len(p) + len(r) for p, r in rows) - 1
+    x, y = torch.zeros(len(rows), T, dtype=torch.long), torch.full((len(rows), T), -100)
+    for i, (p, r) in enumerate(rows):
+        x[i, :len(p) + len(r) - 1] = torch.tensor((p + r)[:-1])
+        y[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(r)
+    mask = (y != -100).float() * torch.tensor(ended, dtype=torch.float)[:, None]
+    tokens = float(mask.sum())
+    per_token, _ = grpo.token_losses(token_logps(model, x, y), None, None, adv, s)
+    want = grpo.reduce(per_token, mask, s, tokens, float(len(rows)))
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    model.execution = replace(Execution(), ragged=ragged)
+    batches, share = lay_out(rows, ended, adv, micro, group, True, seq_len)
+    assert share == {6: 3, 3: 3, 2: 1}[micro] and len(batches) == len(rows) // micro
+    for m, b in enumerate(batches):
+        assert b.x.shape == (micro // share, seq_len - 1 + (share - 1) * 8) and (b.pos is None) == (share == 1)
+        in_rows = [rows[i:i + share] for i in range(m * micro, (m + 1) * micro, share)]
+        # the prompt once (its last token also before each later reply), then the replies
+        assert (b.x != 0).sum(1).tolist() == [len(row[0][0]) - 1 + sum(len(r) for _, r in row) for row in in_rows]
+    got = 0.0
+    for b in batches:
+        assert b.tokens == tokens and b.completions == len(rows)
+        logps = token_logps(model, b.x, b.y, b.pos)
+        per_token, _ = grpo.token_losses(logps, None, None, b.adv, s)
+        got = got + grpo.reduce(per_token, b.mask, s, b.tokens, b.completions, b.per_reply)
+    got.backward()
+    got, want = got.item(), want.item()
+    assert abs(got - want) < 1e-5 and abs(want) > 1e-3, (got, want)
+    for p, w in zip(model.parameters(), want_grads):
+        assert torch.allclose(p.grad, w, atol=1e-5), float((p.grad - w).abs().max())
+
+
 @pytest.mark.slow
 def test_a_full_fine_tune_measures_its_kl_to_its_starting_weights(half_right, tmp_path):
     """--beta on a full fine-tune: the KL starts at 0 (the model is its reference) and grows as it trains."""

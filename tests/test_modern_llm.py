@@ -545,7 +545,7 @@ def test_per_token_losses_equal_a_naive_float64_gather_with_their_gradients(tiny
     got = []
     for per_token in (True, False):
         m = model_of(tiny()).double().train()
-        m.execution = Execution(loss_chunk_rows=rows, ragged=ragged and per_token)
+        m.execution = Execution(loss_chunk_rows=rows, labelled_rows=ragged and per_token)
         if per_token:
             logits, nll = m(ids, labels=labels, positions=pos, reduction="none")
             assert logits is None and nll.shape == labels.shape
@@ -565,7 +565,7 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     """example_attention (eager) moves each packed example to a row of its own; the masked attention
     (compiled) is its reference here, in float64 with gradients, rows of different example lengths and a row
     that does not start at position 0: a token moved to another example's row, or a padded key seen, changes
-    the result."""
+    the result. Both written out as matmuls and a softmax (a CPU's) equal it too."""
     from llm.base.attention import example_attention, example_mask, example_rows, packed_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([5, 11, 1, 7], [3, 21],
@@ -577,16 +577,19 @@ def test_packed_examples_attend_on_rows_of_their_own_as_under_the_mask():
     mask[2] = torch.ones(24, 24, dtype=torch.bool).tril()  # the mask reads a row's start as one example too
     w = torch.randn(3, 4, 24, 8, dtype=torch.float64, generator=g)
     results = []
-    for attend in (partial(example_attention, at=example_rows(pos)), partial(packed_attention, mask=mask)):
+    for attend in (partial(packed_attention, mask=mask), partial(example_attention, at=example_rows(pos)),
+                   partial(example_attention, at=example_rows(pos), matmul_softmax=True),
+                   partial(packed_attention, mask=mask, matmul_softmax=True)):
         y = attend(q, k, v)
         (y * w).sum().backward()
         results.append((y.detach(), [t.grad.clone() for t in (q, k, v)]))
         for t in (q, k, v):
             t.grad = None
-    (y, grads), (ref, ref_grads) = results
-    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    (ref, ref_grads), *others = results
+    for y, grads in others:
+        torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def bf16_decode_step():

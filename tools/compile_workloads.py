@@ -190,8 +190,8 @@ def dpo_pairs(b, batches):
 
 def grpo_replies(b, batches, t):
     """A GRPO Objective (dapo loss, beta 0.04 against a reference, PPO clipping against the sampling policy's
-    log-probabilities) over FixedBatches' rows read as sampled replies: the second half of each row a reply.
-    """
+    log-probabilities) over FixedBatches' rows read as sampled replies, a reply to a row as a compiled step
+    lays them out (rollouts.sharing): the second half of each row a reply."""
     import torch
 
     from llm.train import grpo, rl
@@ -199,10 +199,12 @@ def grpo_replies(b, batches, t):
     x, y, _ = batches.get(0, 0)
     B, T = x.shape
     labels = torch.where(torch.arange(T, device=x.device) >= T // 2, y, -100)  # the prompt's half is no label
+    mask = (labels != -100).float()
     zeros = torch.zeros(B, T, device=x.device)
     settings = grpo.Settings("dapo", t.epsilon, t.epsilon_high, 0.04, t.max_completion_length)
-    replies = RolloutBatch(x, labels, (labels != -100).float(), torch.ones(B, device=x.device), zeros, zeros,
-                           float(B * T // 2), float(B))
+    reply = T - T // 2
+    replies = RolloutBatch(x, labels, None, mask, mask / reply, mask, zeros, zeros, float(B * reply),
+                           float(B))
     rollouts = types.SimpleNamespace(settings=settings, device=x.device, t=t, take=dict)
     served = types.SimpleNamespace(x=x, y=labels, pos=None, device=batches.device, get=lambda *_: replies)
     return rl.Objective(rollouts, t.grad_accum_steps), served

@@ -8,8 +8,9 @@ A window's tokens form segments, each a run of consecutive positions. A segment 
 a sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of
 the sequence before it in the row, which it attends to as if they stood in front of it, and attends to nothing
 else of that sequence. A preference pair packs so (packing.pair_window): its prompt and chosen reply, then its
-rejected reply branching off the prompt, so the prompt runs once for both replies. Plain packed examples are
-segments that all start at 0.
+rejected reply branching off the prompt, so the prompt runs once for both replies; so does an eager GRPO step's
+row of a prompt and several of its replies (rollouts.Rollouts.lay_out). Plain packed examples are segments that
+all start at 0.
 
 Two ways to run it, equal in result: packed_attention under a (T, T) mask (example_mask; a compiled step's
 fixed shapes), and example_attention, each segment moved to a row of its own with its branch point's keys and
@@ -73,17 +74,20 @@ def written_out_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, hd)
 
 
-def packed_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask). The
-    keys and values are repeated to every head: GPU kernels that take a mask want them so, not grouped."""
+def packed_attention(q, k, v, mask: torch.Tensor, matmul_softmax: bool = False) -> torch.Tensor:
+    """Attention of (B, H, T, hd) queries under a (B, 1, T, T) mask of packed examples (example_mask), written
+    out where matmul_softmax (as causal_attention). The kernel's keys and values are repeated to every head:
+    GPU kernels that take a mask want them so, not grouped."""
+    if matmul_softmax:
+        return written_out_attention(q, k, v, mask)
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def example_attention(q, k, v, at) -> torch.Tensor:
+def example_attention(q, k, v, at, matmul_softmax: bool = False) -> torch.Tensor:
     """packed_attention without its (T, T) mask: each segment of the (B, H, T, hd) queries moved to a row of
     its own (at: example_rows), a branch's keys and values behind its sequence's first ones, attended causally
-    there and moved back."""
+    there (causal_attention: written out where matmul_softmax) and moved back."""
     (B, H, T, hd), (segment, col, shared, n, longest) = q.shape, at
 
     # (B, h, T, hd) -> (n, h, longest, hd), zeros past a row's end (never attended)
@@ -93,8 +97,7 @@ def example_attention(q, k, v, at) -> torch.Tensor:
         if prefix:  # a branch's row starts with the keys and values of the tokens it continues
             rows = rows.index_put(shared[:2], t[shared[2]])
         return rows.transpose(1, 2)
-    y = F.scaled_dot_product_attention(unpack(q, False), unpack(k, True), unpack(v, True), is_causal=True,
-                                       enable_gqa=H != k.shape[1])
+    y = causal_attention(unpack(q, False), unpack(k, True), unpack(v, True), H != k.shape[1], matmul_softmax)
     return y.transpose(1, 2)[segment, col].view(B, T, H, hd).transpose(1, 2)
 
 

@@ -76,11 +76,12 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps:
                  adv: torch.Tensor, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) per-token loss of B completions, and (B, T) whether each token's ratio was clipped. logps (B,
     T): the policy's log-probabilities of the completion tokens (with gradient); old_logps: the sampling
-    policy's (None: on-policy, logps detached); ref_logps: the reference's (beta > 0 only); adv (B,)."""
+    policy's (None: on-policy, logps detached); ref_logps: the reference's (beta > 0 only); adv (B,) a
+    completion's, or (B, T) each token's (rows that hold several completions)."""
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)
     clipped_ratio = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
-    a = adv[:, None]
+    a = adv[:, None] if adv.dim() == 1 else adv
     loss = -torch.min(ratio * a, clipped_ratio * a)
     clipped = ((ratio < 1 - s.epsilon) & (a < 0)) | ((ratio > 1 + s.epsilon_high) & (a > 0))
     if s.beta:
@@ -94,16 +95,20 @@ def kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float,
-           completions: float) -> torch.Tensor:
+def reduce(loss: torch.Tensor, mask: torch.Tensor, s: Settings, tokens: float, completions: float,
+           per_reply: torch.Tensor | None = None) -> torch.Tensor:
     """One micro-batch's share of the step's loss: loss (B, T) per token, mask (B, T) 1 at completion tokens;
     tokens and completions: the whole step's counts (every micro-batch and rank), so that the micro-batches'
-    shares add up to the step's loss as loss_type defines it."""
+    shares add up to the step's loss as loss_type defines it. per_reply (B, T): each token's weight in its
+    completion's mean (mask over the completion's counted tokens), where a row holds several; None: a
+    completion to a row."""
     masked = loss * mask
     if s.loss_type == "dapo":
         return masked.sum() / max(tokens, 1.0)
     if s.loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(completions, 1.0)
+        if per_reply is None:
+            per_reply = mask / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return (loss * per_reply).sum() / max(completions, 1.0)
     if s.loss_type == "dr_grpo":
         return masked.sum() / (max(completions, 1.0) * s.max_completion_length)
     raise ValueError(f"loss_type {s.loss_type!r} is not one of {LOSS_TYPES}")

@@ -29,9 +29,9 @@ class Objective:
         self.last_val: dict = {}
 
     def __call__(self, model, batch) -> torch.Tensor:
-        logps = token_logps(model, batch.x, batch.y)
+        logps = token_logps(model, batch.x, batch.y, batch.pos)
         per_token, clipped = grpo.token_losses(logps, batch.old, batch.ref, batch.adv, self.s)
-        loss = grpo.reduce(per_token, batch.mask, self.s, batch.tokens, batch.completions)
+        loss = grpo.reduce(per_token, batch.mask, self.s, batch.tokens, batch.completions, batch.per_reply)
         kl = grpo.kl(logps.detach(), batch.ref) if batch.ref is not None else torch.zeros_like(logps)
         self.window += torch.stack([batch.mask.sum(), (kl * batch.mask).sum(), (clipped * batch.mask).sum()])
         # The normalisers count the whole step's replies; the trainer divides every micro-batch's loss by the
