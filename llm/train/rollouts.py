@@ -115,6 +115,33 @@ def sharing(micro: int, group: int, compiled: bool = False) -> int:
     return 1 if compiled else math.gcd(micro, group)
 
 
+def shared_rows(rows: list[tuple[list[int], list[int]]], share: int, width: int, seq_len: int):
+    """(prompt, reply) pairs, share consecutive ones to a prompt, as rows of `width` tokens: inputs, labels
+    (-100 outside the replies), positions, and which reply (0..n-1) each label is of (-1 elsewhere). A row
+    holds its prompt and first reply as one sequence; each later reply repeats the prompt's last token at its
+    position and branches off there (attention.py). Padding fills the rest as sequences of their own, their
+    positions within seq_len (the rotary tables)."""
+    n = len(rows)
+    x = torch.full((n // share, width), PAD_ID, dtype=torch.long)
+    y = torch.full_like(x, -100)
+    pos = torch.zeros_like(x)
+    reply_of = torch.full_like(x, -1)
+    for row in range(n // share):
+        prompt, at = rows[row * share][0], 0
+        for i in range(row * share, row * share + share):
+            reply = rows[i][1]
+            skip = 0 if i == row * share else len(prompt) - 1  # the prompt's tokens a branch does not repeat
+            inputs = (prompt + reply)[skip:-1]
+            end, first_label = at + len(inputs), at + len(prompt) - 1 - skip
+            x[row, at:end] = torch.tensor(inputs, dtype=torch.long)
+            pos[row, at:end] = torch.arange(skip, skip + len(inputs))
+            y[row, first_label:end] = torch.tensor(reply, dtype=torch.long)
+            reply_of[row, first_label:end] = i
+            at = end
+        pos[row, at:] = torch.arange(width - at) % max(1, seq_len)
+    return x, y, pos, reply_of
+
+
 def sample_settings(t, step: int) -> SampleConfig:
     """The replies' sampling settings at this step: the run's, seeded by (seed, step)."""
     seed = int(digest(t.seed, step), 16) % 2**62
@@ -229,28 +256,9 @@ class Rollouts:
                 adv: torch.Tensor) -> list[RolloutBatch]:
         """The replies as micro-batches of micro / share rows of row_len tokens (fixed: a CPU's allocator
         keeps its blocks for the next step's), in order, with their advantages and, where the loss needs them,
-        the sampling policy's and the reference's log-probabilities. Rows of one reply each read no positions
-        (causal attention)."""
-        n, T, k = len(rows), self.row_len, self.share
-        x = torch.full((n // k, T), PAD_ID, dtype=torch.long)
-        y = torch.full_like(x, -100)
-        pos = torch.zeros_like(x)
-        reply_of = torch.full_like(x, -1)  # which reply (0..n-1) each label belongs to
-        for row in range(n // k):
-            prompt, at = rows[row * k][0], 0
-            for i in range(row * k, row * k + k):
-                reply = rows[i][1]
-                # the first reply continues the prompt; each other repeats its last token, at its position
-                skip = 0 if i == row * k else len(prompt) - 1
-                inputs = (prompt + reply)[skip:-1]
-                end, first_label = at + len(inputs), at + len(prompt) - 1 - skip
-                x[row, at:end] = torch.tensor(inputs, dtype=torch.long)
-                pos[row, at:end] = torch.arange(skip, skip + len(inputs))
-                y[row, first_label:end] = torch.tensor(reply, dtype=torch.long)
-                reply_of[row, first_label:end] = i
-                at = end
-            # the padding: sequences of its own, within the rotary tables
-            pos[row, at:] = torch.arange(T - at) % max(1, self.seq_len)
+        the sampling policy's and the reference's log-probabilities."""
+        n, k = len(rows), self.share
+        x, y, pos, reply_of = shared_rows(rows, k, self.row_len, self.seq_len)
         slot = torch.where(reply_of >= 0, reply_of, n)  # n: outside every reply
         mask = (reply_of >= 0).float()
         if self.t.mask_truncated:
@@ -259,11 +267,13 @@ class Rollouts:
         counted = torch.zeros(n + 1).index_add_(0, slot.flatten(), mask.flatten())  # each reply's tokens
         per_reply = mask / counted[slot].clamp(min=1.0)
         tok_adv = torch.cat([adv, adv.new_zeros(1)])[slot]  # each token its reply's advantage, 0 elsewhere
-        tokens, parts, rows_per = float(mask.sum()), [], self.micro // k
-        for start in range(0, n // k, rows_per):
-            part = slice(start, start + rows_per)
-            parts.append([t[part].to(self.device) if t is not pos or k > 1 else None
-                          for t in (x, y, pos, mask, per_reply, tok_adv)])
+        parts = []
+        for start in range(0, n // k, self.micro // k):
+            part = slice(start, start + self.micro // k)
+            on = [t[part].to(self.device) for t in (x, y, pos, mask, per_reply, tok_adv)]
+            if k == 1:  # a reply to a row attends causally: no positions to read
+                on[2] = None
+            parts.append(on)
         old = ref = [None] * len(parts)
         if self.t.num_iterations > 1:
             old = [self.logps(bx, by, bpos) for bx, by, bpos, *_ in parts]
@@ -271,6 +281,7 @@ class Rollouts:
             # Once for the step's micro-batches: a full fine-tune's reference copies weights in.
             with self.reference.held():
                 ref = [self.logps(bx, by, bpos) for bx, by, bpos, *_ in parts]
+        tokens = float(mask.sum())
         return [RolloutBatch(*part, o, r, tokens, float(n)) for part, o, r in zip(parts, old, ref)]
 
     def logps(self, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
