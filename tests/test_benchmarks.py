@@ -138,7 +138,8 @@ def test_bench_generate_reports_a_rate_within_the_bound(capsys):
     bench_generate.main(["--shapes", "tiny", "--batch_sizes", "1", "--prompt_len", "16", "--new_tokens", "24",
                          "--reps", "1", "--skip_hf", "--threads", "2"])
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
-    assert row[0] == "1" and float(row[1].replace(",", "")) > 0 and 0 < float(row[2].rstrip("%")) <= 100
+    # never above the bound; a 2-core machine busy with another job once took it under 0.5% of it, printed "0%"
+    assert row[0] == "1" and float(row[1].replace(",", "")) > 0 and 0 <= float(row[2].rstrip("%")) <= 100
     assert row[4] == "ms" and float(row[3]) > 0
 
 

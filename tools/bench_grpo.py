@@ -11,7 +11,8 @@ trained (LoRA rank 16 on every block matrix, AdamW, bf16 autocast, eager), score
 ends at the same two ids on both sides (<|im_end|>, <|endoftext|>); a random model draws one of them now and
 then, so the replies run a little short of max_new_tokens, and as long on both sides (the table's reply
 tokens). Replies/s counts the step's replies over the median seconds of the steps after two warm-up steps; the
-memory is each process's lifetime peak (ru_maxrss). Each variant runs in a process of its own, on one thread,
+memory is each process's lifetime peak (ru_maxrss), or on a GPU the peak its tensors held there (both sides
+run on CUDA where it is: TRL without use_cpu). Each variant runs in a process of its own, on one thread,
 the variants alternating over the rounds (ABBA). Where each side's step time goes: ours logs its sampling and
 rewarding seconds; TRL's are timed around its model's generate and the reward function. The rest of a step is
 training.
@@ -88,13 +89,22 @@ def ours(folder: str, steps: int, new_tokens: int, compile_mode: str = "off") ->
     return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, "generate_s": generate_s,
             "reward_s": reward_s, "train_s": step_s - generate_s - reward_s,
             "reply_len": statistics.mean(r["completion_len"] for r in logged),
-            "wall_s": time.perf_counter() - start,
-            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "wall_s": time.perf_counter() - start, **peak()}
+
+
+def peak() -> dict:
+    """This process's peak memory in GiB, and of what: the GPU's tensors where CUDA ran the variant, else the
+    process's resident memory (ru_maxrss)."""
+    import torch
+    if torch.cuda.is_available():
+        return {"peak_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_of": "GPU"}
+    return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_of": "process"}
 
 
 def trl(folder: str, steps: int, new_tokens: int) -> dict:
     """TRL's GRPOTrainer with a PEFT LoRA config on the same model, prompts and reward, PER_STEP x GROUP
     replies a step in one generation batch and one forward."""
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -126,7 +136,8 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
     args = GRPOConfig(output_dir=os.path.join(folder, f"trl-{time.time_ns()}"),
                       per_device_train_batch_size=PER_STEP * GROUP, num_generations=GROUP,
                       max_completion_length=new_tokens, max_steps=steps + 2, logging_steps=1, beta=0.0,
-                      loss_type="dapo", scale_rewards="none", temperature=1.0, report_to="none", use_cpu=True,
+                      loss_type="dapo", scale_rewards="none", temperature=1.0, report_to="none",
+                      use_cpu=not torch.cuda.is_available(),
                       save_strategy="no", bf16=True, learning_rate=1e-5, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     model.generate = timed(model.generate, "generate_s")  # PEFT's and TRL's wrappers end in this call
@@ -142,8 +153,7 @@ def trl(folder: str, steps: int, new_tokens: int) -> dict:
     lengths = [r["completions/mean_length"] for r in run.state.log_history if "completions/mean_length" in r]
     return {"replies_per_s": PER_STEP * GROUP / step_s, "step_s": step_s, **split,
             "train_s": step_s - split["generate_s"] - split["reward_s"],
-            "reply_len": statistics.mean(lengths[2:]), "wall_s": time.perf_counter() - start,
-            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "reply_len": statistics.mean(lengths[2:]), "wall_s": time.perf_counter() - start, **peak()}
 
 
 def ours_compiled(folder: str, steps: int, new_tokens: int) -> dict:
@@ -152,7 +162,13 @@ def ours_compiled(folder: str, steps: int, new_tokens: int) -> dict:
     return ours(folder, steps, new_tokens, "default")
 
 
-VARIANTS = {"ours": ours, "trl": trl, "ours-compiled": ours_compiled}
+def ours_auto(folder: str, steps: int, new_tokens: int) -> dict:
+    """ours as a run left at --compile auto runs: the training step compiled; the decode step a CUDA graph on
+    CUDA, eager on a CPU."""
+    return ours(folder, steps, new_tokens, "auto")
+
+
+VARIANTS = {"ours": ours, "trl": trl, "ours-compiled": ours_compiled, "ours-auto": ours_auto}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -176,8 +192,9 @@ def main(argv=None) -> int:
                                   env={"OMP_NUM_THREADS": "1"})
     if results is None:
         return 1
+    peak_of = next(iter(results.values()))[0].get("peak_of", "process")
     print("| variant | replies a step | reply tokens | replies/s (median, range) | step s: sampling, "
-          "rewards, training | process peak GiB (median, range) | load |")
+          f"rewards, training | {peak_of} peak GiB (median, range) | load |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         speed, peak = [row["replies_per_s"] for row in rows], [row["peak_gib"] for row in rows]
