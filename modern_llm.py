@@ -30,7 +30,7 @@ class Execution:
     defaults."""
     # rows per chunk of the loss, 0 for the logits whole (sizing.loss_chunk_rows)
     loss_chunk_rows: int = 0
-    matmul_softmax: bool = False  # causal attention written out as matmuls and a softmax, not SDPA's kernel
+    matmul_softmax: bool = False  # attention (causal or packed) as matmuls and a softmax, not SDPA's kernel
     # the residual stream's dtype under autocast, None for the embedding's
     stream_dtype: torch.dtype | None = None
     # eager only, shapes read from each batch: packed examples attend on rows of their own (example_attention)

@@ -130,9 +130,10 @@ class Runner:
 
 
 def matmul_attention(cfg: Config, machine: Machine, amp_dtype=None, row: int = 0) -> bool:
-    """Whether causal attention runs written out as matmuls and a softmax (llm/base/attention.py): on a
-    CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up to MATMUL_ATTENTION_ROWS tokens
-    (row: a micro-batch row's, the context where 0), where the CPU's flash kernel is slower."""
+    """Whether attention (causal, or over packed rows) runs written out as matmuls and a softmax
+    (llm/base/attention.py): on a CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up
+    to MATMUL_ATTENTION_ROWS tokens (row: a micro-batch row's, the context where 0), where the CPU's flash
+    kernel is slower."""
     faster = cfg.train.compile != "off" or amp_dtype == torch.bfloat16
     return machine.kind == "cpu" and faster and (row or cfg.model.max_seq_len) <= MATMUL_ATTENTION_ROWS
 
