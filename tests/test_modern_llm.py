@@ -647,3 +647,24 @@ def test_a_cpu_decode_step_under_autocast_reads_a_bf16_cache_without_copying_it(
         wide = written_out_attention(q.float(), cache.k[0].float(), cache.v[0].float(), cache.next_mask)
     assert Copies.copied == 0
     assert torch.equal(got, wide.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_decode_step_reading_a_span_of_the_cache_gives_what_the_whole_cache_gives(dtype):
+    """An eager decode step reads only the cache's places up to its longest row (cache.span), a slice whose
+    rows do not lie end to end; its written-out attention multiplies such keys by the queries. It must
+    give what the same keys give whole and contiguous (to the bit in bf16; fp32 sums in another order), and
+    what float64 gives within the dtype's rounding."""
+    from llm.base.attention import written_out_attention
+    torch.manual_seed(0)
+    keys, values = (torch.randn(8, 2, 128, 64, dtype=dtype) for _ in range(2))
+    q = torch.randn(8, 4, 1, 64, dtype=dtype)
+    reach = torch.randint(20, 64, (8,))
+    allowed = (torch.arange(64) < reach[:, None])[:, None, None]  # (B, 1, 1, 64): each row's filled places
+    span = written_out_attention(q, keys[:, :, :64], values[:, :, :64], allowed, keys_first=True)
+    whole = written_out_attention(q, keys[:, :, :64].contiguous(), values[:, :, :64].contiguous(), allowed)
+    assert not keys[:, :, :64].is_contiguous()
+    torch.testing.assert_close(span, whole, rtol=1e-6, atol=1e-6)
+    want = F.scaled_dot_product_attention(q.double(), keys[:, :, :64].double(), values[:, :, :64].double(),
+                                          attn_mask=allowed, enable_gqa=True)
+    assert (span.double() - want).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-5)
