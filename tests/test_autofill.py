@@ -189,6 +189,21 @@ def test_a_budget_too_short_for_a_compile_to_pay_back_trains_eagerly_unless_comp
     assert filled(0.3, "default")[0].train.compile == "default"  # what a user writes is what runs
 
 
+def test_a_grpo_run_off_cuda_left_at_compile_auto_trains_eagerly():
+    """Off CUDA a compiled GRPO step measured no faster than the eager one (which trains a prompt once for
+    several replies) and took more memory: left automatic, compile is off there and says why; on CUDA, or
+    for another objective, or where the user chose a mode, it stays. (test_grpo_training.py runs one.)"""
+    def filled(machine, objective="grpo", compile_mode="auto"):
+        cfg = preset_tiny()
+        cfg = replace(cfg, train=replace(cfg.train, objective=objective, compile=compile_mode))
+        return autofill.fill_compile(cfg, machine)
+    cfg, notes = filled(CPU)
+    assert cfg.train.compile == "off" and any("compile=off" in n and "GRPO" in n for n in notes), notes
+    assert filled(H100)[0].train.compile == "auto"
+    assert filled(CPU, "dpo")[0].train.compile == "auto"
+    assert filled(CPU, compile_mode="default")[0].train.compile == "default"
+
+
 def test_a_short_fine_tune_takes_smaller_batches_so_that_it_has_steps_to_learn_in():
     """300 short chats (33 windows) at --epochs 3 once ran 7 steps of 16 windows and learned nothing. With the
     batch left automatic the run now has one window a step, 99 steps, said in a line; a batch written by hand

@@ -268,6 +268,18 @@ def test_a_grpo_runs_memory_and_tokens_are_of_its_rows_not_the_context(half_righ
     assert saved["model"]["max_seq_len"] == 8192 and saved["train"]["batch_tokens"] == 4 * 8 * row
 
 
+def test_a_grpo_run_left_at_compile_auto_on_a_cpu_trains_eagerly_and_says_so(half_right, tmp_path, capsys):
+    """Off CUDA a compiled GRPO step measured no faster than the eager one and took more memory and minutes
+    (autofill.eager_reason): left automatic, the run trains eagerly, its rows shared by a prompt's replies,
+    and says so before it starts."""
+    argv = grpo_argv(half_right, tmp_path / "run", "--max_steps", 1)
+    at = argv.index("--compile")
+    assert trainer.main(argv[:at] + argv[at + 2:]) == 0  # compile left at auto
+    out = capsys.readouterr().out
+    assert "automatic: compile=off (a GRPO step off CUDA" in out and "compile: off" in out
+    assert json.load(open(tmp_path / "run" / "config.json"))["train"]["compile"] == "off"
+
+
 def test_bad_prompt_rows_are_left_out_one_line_each(half_right, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     good = [json.dumps({"prompt": "What is 1 plus 2?", "answer": "3"})] * 3

@@ -29,7 +29,7 @@ from llm.formats.hf_hub import hub_shape, is_hub_name
 from llm.formats.trainer_state import Saved
 from llm.reports.model_card import next_token_train
 from llm.scores.rewards import load_all
-from llm.train.autofill import fill_automatic, fill_run_length, fit_micro, fit_micro_batch
+from llm.train.autofill import fill_automatic, fill_compile, fill_run_length, fit_micro, fit_micro_batch
 from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_used, fill_fine_tuning,
                                    fill_grpo, fill_preference, grpo_row)
 from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data,
@@ -161,7 +161,8 @@ def settle(cfg: Config, ranks: Ranks, device: torch.device) -> Plan:
         carry_settings    the automatic fields a resumed run had      --resume
         fill_fine_tuning  optimizer and rates for a pretrained base   --init_from
         default_corpus    sources: FineWeb-Edu on a GPU               no --sources
-        fill_automatic    preset shape and rates, batch, max_tokens   this machine, the corpus size
+        fill_automatic    preset shape and rates, batch, max_tokens,  this machine, the corpus size
+                          compile (fill_compile)
         fit_micro_batch   micro-batch and accumulation                --auto_micro_batch, on CUDA
         fill_preference   objective, beta; rates x 1/20 for pairs      the tokenized corpus
         fill_run_length   max_steps, max_minutes, eval_batches        the tokenized corpus
@@ -249,6 +250,8 @@ def settle_prompts(cfg: Config, ranks: Ranks, device: torch.device, start: tuple
     # 46% more memory.
     auto_micro = fit_micro(at_rows_of(cfg, row), machine(device), replies)[0] if device.type == "cuda" else 0
     cfg, lines = fill_grpo(cfg, len(data.train), len(data.val), row, chosen, ranks.world_size, auto_micro)
+    cfg, compile_lines = fill_compile(cfg, machine(device))
+    lines += compile_lines
     lines += fit_check(at_rows_of(cfg, row), device, ranks.world_size)  # a prompt and reply, not the context
     ranks.print("\n".join([describe(cfg), *notes, *data.lines, *lines]))
     loaders = (PromptSplit(data.train, device), PromptSplit(data.val, device))
