@@ -132,6 +132,26 @@ def test_rows_that_take_the_next_prompt_write_what_one_prompt_alone_writes(tiny_
         [engine.generate(model, [p], penalised)[0] for p in prompts]
 
 
+def test_rows_continuing_one_prompt_share_its_prefill_and_draw_replies_of_their_own(tiny_loaded, monkeypatch):
+    """GRPO asks generate_all for 8 replies to each prompt: each distinct prompt is prefilled once (the prefill
+    forward holds it once) and its cache copied into its rows. Greedy, every row still writes what a full
+    forward's greedy reply to its own prompt is (a row given another prompt's cache would not); sampled, the
+    rows continuing one prompt each draw a reply of their own."""
+    model, tok = tiny_loaded
+    p, q = ids_of(tok, "def fibonacci(n):\n    if"), ids_of(tok, "class Stack:")
+    prompts, prefilled = [p, q, p, p, q, p], []
+
+    def counted(model, ids, *args):
+        prefilled.append(ids.shape[0])
+        return decode.prefill_step(model, ids, *args)
+    monkeypatch.setattr(engine, "prefill_step", counted)
+    replies = engine.generate_all(model, prompts, GREEDY, rows=8)
+    assert replies == [naive_greedy(model, x, GREEDY.max_new_tokens, set()) for x in prompts]
+    assert prefilled == [2]
+    sampled = SampleConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12, seed=3)
+    assert len({tuple(r) for r in engine.generate_all(model, [p] * 8, sampled, rows=8)}) > 4
+
+
 def test_seed_and_counts(tiny_loaded):
     """Same seed, same samples; max_new_tokens and num_return_sequences are respected exactly."""
     model, tok = tiny_loaded

@@ -163,8 +163,8 @@ def ours_compiled(folder: str, steps: int, new_tokens: int) -> dict:
 
 
 def ours_auto(folder: str, steps: int, new_tokens: int) -> dict:
-    """ours as a run left at --compile auto runs: the training step compiled; the decode step a CUDA graph on
-    CUDA, eager on a CPU."""
+    """ours as a run left at --compile auto runs: on CUDA the training step compiled and the decode step a
+    CUDA graph; elsewhere both eager (autofill.eager_reason), as the ours row."""
     return ours(folder, steps, new_tokens, "auto")
 
 

@@ -60,9 +60,11 @@ def advance(state: State, nxt: torch.Tensor):
     state.done.logical_or_(torch.isin(nxt, state.eos) | (state.count >= state.limit))
 
 
-def prefill_step(model, ids, lengths, cache, state: State, ranked: int):
-    """The prompts into the cache, and the first new token of each row into the state."""
+def prefill_step(model, ids, lengths, cache, state: State, ranked: int, of: torch.Tensor | None = None):
+    """The prompts into the cache, and the first new token of each row into the state. of: the prompt (a row
+    of ids) each of the state's rows continues, where several rows continue one prompt; else row for row."""
     logits = model(ids, kv_cache=cache, input_lengths=lengths, last_only=True)[0][:, 0].float()
+    logits = logits if of is None else logits[of]
     advance(state, pick(logits, state.seen, state.noise, *state.sampling(), ranked))
 
 

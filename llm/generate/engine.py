@@ -370,21 +370,26 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
 
 def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: list[int],
           settings: SampleConfig, eos_ids, ranked: int) -> list[int]:
-    """Prefill prompts into rows `free` of a running slot, through a slot of their own whose cache and state
-    are then copied into those rows; each prompt's first new token."""
-    width, vocab = max(map(len, prompts)), model.config.vocab_size
-    padded = torch.tensor([p + p[-1:] * (width - len(p)) for p in prompts], device=slot.state.tokens.device)
-    lengths = torch.tensor([len(p) for p in prompts], device=padded.device)
-    new, rows = eager_slot(model, len(prompts), width), torch.tensor(free, device=padded.device)
-    _fill(new.state, [(p, settings) for p in prompts], limits, padded, eos_ids, vocab)
-    _noise(new.state, _generators([(None, settings)] * len(prompts), padded.device), len(prompts))
-    prefill_step(model, padded, lengths, new.cache, new.state, ranked)
-    for name, value in vars(new.state).items():
+    """Prefill prompts into rows `free` of a running slot, through a cache of their own then copied into those
+    rows, each distinct prompt once (GRPO's replies continue a prompt 8 at a time: one prefill, not 8); each
+    row's first new token, drawn from its own noise."""
+    width, vocab, device = max(map(len, prompts)), model.config.vocab_size, slot.state.tokens.device
+    first = {}  # each distinct prompt's place among the distinct ones
+    of = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=device)
+    distinct = [list(p) for p in first]
+    pad = lambda ps: torch.tensor([p + p[-1:] * (width - len(p)) for p in ps], device=device)  # noqa: E731
+    state, rows = State.empty(len(prompts), vocab, device), torch.tensor(free, device=device)
+    cache = model.make_kv_cache(len(distinct), width)
+    _fill(state, [(p, settings) for p in prompts], limits, pad(prompts), eos_ids, vocab)
+    _noise(state, _generators([(None, settings)] * len(prompts), device), len(prompts))
+    prefill_step(model, pad(distinct), torch.tensor([len(p) for p in distinct], device=device), cache, state,
+                 ranked, None if len(distinct) == len(prompts) else of)
+    for name, value in vars(state).items():
         if name != "eos":
             getattr(slot.state, name)[rows] = value
-    for layer in range(len(new.cache.k)):
-        slot.cache.k[layer][rows, :, :width] = new.cache.k[layer]
-        slot.cache.v[layer][rows, :, :width] = new.cache.v[layer]
-    slot.cache.pos[rows] = new.cache.pos
+    for layer in range(len(cache.k)):
+        slot.cache.k[layer][rows, :, :width] = cache.k[layer][of]
+        slot.cache.v[layer][rows, :, :width] = cache.v[layer][of]
+    slot.cache.pos[rows] = cache.pos[of]
     slot.cache.advance(0)  # the mask of the next step, from the new positions
-    return new.state.tokens[:, 0].tolist()
+    return state.tokens[:, 0].tolist()
