@@ -152,7 +152,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
-        self.qkv_proj = None  # q, k and v stacked into one layer (fuse_projections, for inference)
+        self.qkv_proj = None  # q, k and v stacked in one layer (fuse_projections; a LoRA run's LoraStack)
 
     def fuse_projections(self):
         """q_proj, k_proj and v_proj as one layer: a decode step then reads the three weights in one matmul.
@@ -184,7 +184,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = None  # gate and up stacked into one layer (fuse_projections, for inference)
+        self.gate_up_proj = None  # gate and up stacked into one layer (fuse_projections; lora.LoraStack)
 
     def fuse_projections(self):
         """gate_proj and up_proj as one layer: one matmul where a decode step made two."""

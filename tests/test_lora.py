@@ -2,6 +2,7 @@
 adapter folder both give the logits our merge gives), resumed exactly, and refused in one line where they
 cannot work."""
 
+import contextlib
 import json
 import math
 import os
@@ -174,6 +175,64 @@ def test_merging_equals_the_injected_adapters_in_float64(tiny_config):
     ref = Transformer(cfg).double()
     ref.load_stored({k: v.double() for k, v in merged(base, adapter_state(model), {"rank": 3, "alpha": 5.0}).items()})
     assert (ref(ids)[0] - injected).abs().max() < 1e-5  # the merge is stored in fp32
+
+
+def test_adapters_reading_one_input_run_stacked_as_they_run_apart_in_float64(tiny_config, monkeypatch):
+    """q, k and v (and gate and up) read one input: their bases run as one stacked matrix and their adapters'
+    A matrices as one (lora.LoraStack). The loss and every adapter's gradient must equal the layers run apart
+    (each LoraLinear its own base and adapter, as PEFT's, which the tests above hold our logits to), with the
+    base's memory held once, and switched off the stack must run the base alone."""
+    from llm.formats import lora
+    cfg = tiny_config(vocab_size=64, qkv_bias=True)
+    torch.manual_seed(0)
+    start = Transformer(cfg).double().state_dict()
+    ids = torch.randint(0, 64, (2, 12))
+
+    def trained(stack: bool):
+        model = Transformer(cfg).double()
+        model.load_state_dict(start)
+        if not stack:
+            monkeypatch.setattr(lora, "stack_adapters", lambda model: None)
+        add_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0), torch.float32)
+        monkeypatch.undo()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)  # B starts at zero; both factors random here
+        loss = model(ids, labels=ids)[1]
+        loss.backward()
+        return model, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    stacked, loss, grads = trained(True)
+    apart, want, want_grads = trained(False)
+    assert isinstance(stacked.layers[0].attn.qkv_proj, lora.LoraStack)
+    assert isinstance(stacked.layers[0].mlp.gate_up_proj, lora.LoraStack)
+    assert stacked.layers[0].attn.q_proj.base_layer is None  # the base held once, stacked
+    assert sum(p.numel() for p in stacked.parameters()) == sum(p.numel() for p in apart.parameters())
+    assert grads.keys() == want_grads.keys() and len(grads) == 2 * 7 * cfg.num_hidden_layers
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    for name, g in grads.items():  # the adapters are fp32 (master weights): their sums in another order
+        assert (g - want_grads[name]).abs().max() <= 1e-4 * want_grads[name].abs().max(), name
+    with torch.no_grad(), lora_off(stacked), lora_off(apart):
+        torch.testing.assert_close(stacked(ids)[0], apart(ids)[0], rtol=1e-12, atol=1e-12)
+        plain = Transformer(cfg).double()
+        plain.load_state_dict(start)
+        torch.testing.assert_close(stacked(ids)[0], plain(ids)[0], rtol=1e-12, atol=1e-12)
+    for m in lora.adapter_layers(stacked):
+        m.dropout = 0.5  # each adapter drops its own inputs while training, none while evaluating
+    with torch.no_grad():
+        torch.testing.assert_close(stacked.eval()(ids)[0], apart.eval()(ids)[0], rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(stacked.train()(ids)[0], apart(ids)[0], rtol=1e-3, atol=1e-3)
+
+
+@contextlib.contextmanager
+def lora_off(model):
+    from llm.formats.lora import adapter_layers
+    for m in adapter_layers(model):
+        m.enabled = False
+    yield
+    for m in adapter_layers(model):
+        m.enabled = True
 
 
 def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):
