@@ -383,7 +383,7 @@ def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: 
     _fill(state, [(p, settings) for p in prompts], limits, pad(prompts), eos_ids, vocab)
     _noise(state, _generators([(None, settings)] * len(prompts), device), len(prompts))
     prefill_step(model, pad(distinct), torch.tensor([len(p) for p in distinct], device=device), cache, state,
-                 ranked, None if len(distinct) == len(prompts) else of)
+                 ranked, of)
     for name, value in vars(state).items():
         if name != "eos":
             getattr(slot.state, name)[rows] = value
