@@ -2,7 +2,6 @@
 adapter folder both give the logits our merge gives), resumed exactly, and refused in one line where they
 cannot work."""
 
-import contextlib
 import json
 import math
 import os
@@ -213,7 +212,7 @@ def test_adapters_reading_one_input_run_stacked_as_they_run_apart_in_float64(tin
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     for name, g in grads.items():  # the adapters are fp32 (master weights): their sums in another order
         assert (g - want_grads[name]).abs().max() <= 1e-4 * want_grads[name].abs().max(), name
-    with torch.no_grad(), lora_off(stacked), lora_off(apart):
+    with torch.no_grad(), lora.adapters_off(stacked), lora.adapters_off(apart):
         torch.testing.assert_close(stacked(ids)[0], apart(ids)[0], rtol=1e-12, atol=1e-12)
         plain = Transformer(cfg).double()
         plain.load_state_dict(start)
@@ -225,14 +224,29 @@ def test_adapters_reading_one_input_run_stacked_as_they_run_apart_in_float64(tin
         assert not torch.allclose(stacked.train()(ids)[0], apart(ids)[0], rtol=1e-3, atol=1e-3)
 
 
-@contextlib.contextmanager
-def lora_off(model):
-    from llm.formats.lora import adapter_layers
-    for m in adapter_layers(model):
-        m.enabled = False
-    yield
-    for m in adapter_layers(model):
-        m.enabled = True
+def test_adapters_off_is_the_base_for_a_while_and_the_adapters_come_back_after_an_error(tiny_config):
+    """A LoRA run's reference (DPO's stored log-probabilities, GRPO's KL term) is its model with the adapters
+    off: the plain model's logits, in float64, with no copy. Afterwards, even when an error left the block,
+    the model must compute what it computed before."""
+    from llm.formats.lora import adapters_off
+    cfg = tiny_config(vocab_size=64)
+    torch.manual_seed(0)
+    plain = Transformer(cfg).double()
+    model = Transformer(cfg).double()
+    model.load_state_dict(plain.state_dict())
+    add_adapters(model, TrainConfig(lora_rank=2), torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)  # B starts at zero: the adapters must change the logits to be seen
+        ids = torch.randint(0, 64, (2, 10))
+        adapted = model(ids)[0]
+        assert not torch.allclose(adapted, plain(ids)[0], atol=1e-3)
+        with adapters_off(model) as base:
+            torch.testing.assert_close(base(ids)[0], plain(ids)[0], rtol=1e-12, atol=1e-12)
+        with pytest.raises(RuntimeError), adapters_off(model):
+            raise RuntimeError("a step failed")
+        torch.testing.assert_close(model(ids)[0], adapted, rtol=1e-12, atol=1e-12)
 
 
 def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):

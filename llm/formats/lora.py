@@ -10,6 +10,7 @@ adapters into the base the user names (--base), an nf4 base quantised again from
 resume refuses another base. export_hf.py writes the merged model, or with --adapter_only a PEFT folder for
 transformers + peft."""
 
+import contextlib
 import hashlib
 import json
 import math
@@ -122,6 +123,21 @@ class LoraLinear(nn.Module):
 
 def adapter_layers(model: nn.Module) -> list[LoraLinear]:
     return [m for m in model.modules() if isinstance(m, LoraLinear)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model's base for the duration, every adapter switched off (no copy), on again after, whatever
+    happens inside: a LoRA run's reference (DPO's stored log-probabilities, GRPO's KL term). A model without
+    adapters is its own base."""
+    layers = adapter_layers(model)
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
 
 
 # The block's layers that read one input: the module holding them, its attribute for them stacked, their

@@ -25,7 +25,6 @@ import io
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,27 +164,14 @@ class Objective:
                 f"{metrics_[p + 'chosen_logp']:.3f} per token")
 
 
-@contextmanager
-def adapters_off(model, lora: bool):
-    """The base model of a LoRA run, its adapters disabled for the duration (no copy); else model as it is."""
-    layers = lora_io.adapter_layers(model) if lora else []
-    for m in layers:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.enabled = True
-
-
 @torch.no_grad()
-def reference_logps(model, amp, loader, lora: bool) -> np.ndarray:
+def reference_logps(model, amp, loader) -> np.ndarray:
     """(pairs, 2) float32: each pair's replies' summed log-probabilities under the model the run starts from
     (a LoRA run's base, adapters off), one pass over the split's windows in file order."""
     out = np.full((loader.plan.pairs, 2), np.nan, np.float32)
     was_training = model.training
     model.eval()
-    with adapters_off(model, lora):
+    with lora_io.adapters_off(model):
         for first in range(0, loader.plan.windows, loader.batch_size):
             batch = loader.of_windows(range(first, min(first + loader.batch_size, loader.plan.windows)))
             with amp:
@@ -264,7 +250,7 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
             key = digest(base, held, str(amp_dtype), data.fingerprint, split,
                          loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key,
-                                      lambda: reference_logps(model, amp, loader, bool(t.lora_rank)),
+                                      lambda: reference_logps(model, amp, loader),
                                       f"the {split} pairs", loader.plan.pairs, log)
             ref[split] = torch.from_numpy(values).to(device)
         source = "the base, adapters off" if t.lora_rank else "the --init_from weights"

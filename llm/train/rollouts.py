@@ -22,7 +22,7 @@ import torch
 
 from config import SampleConfig
 from llm.data.token_cache import digest
-from llm.formats.lora import adapter_layers
+from llm.formats.lora import adapters_off
 from llm.generate.engine import generate_all
 from llm.tokens.tokenizer import stop_ids
 from llm.train import grpo
@@ -55,16 +55,8 @@ class AdaptersOff:
     def __init__(self, model):
         self.model = model
 
-    @contextlib.contextmanager
     def held(self):
-        layers = adapter_layers(self.model)
-        for m in layers:
-            m.enabled = False
-        try:
-            yield
-        finally:
-            for m in layers:
-                m.enabled = True
+        return adapters_off(self.model)
 
 
 class StartingWeights:
