@@ -7,10 +7,10 @@ Packed windows
 A window's tokens form segments, each a run of consecutive positions. A segment starting at position 0 begins
 a sequence of its own. A segment starting at position s > 0 is a branch: it continues the first s tokens of
 the sequence before it in the row, which it attends to as if they stood in front of it, and attends to nothing
-else of that sequence. A preference pair packs so (packing.pair_window): its prompt and chosen reply, then its
-rejected reply branching off the prompt, so the prompt runs once for both replies; so does an eager GRPO step's
-row of a prompt and several of its replies (rollouts.Rollouts.lay_out). Plain packed examples are segments that
-all start at 0.
+else of that sequence. A preference pair packs so (packing.pair_window): its prompt and chosen reply, then
+its rejected reply branching off the prompt, so the prompt runs once for both replies; so does an eager GRPO
+step's row of a prompt and several of its replies (rollouts.Rollouts.lay_out). Plain packed examples are
+segments that all start at 0.
 
 Two ways to run it, equal in result: packed_attention under a (T, T) mask (example_mask; a compiled step's
 fixed shapes), and example_attention, each segment moved to a row of its own with its branch point's keys and
@@ -19,11 +19,23 @@ values in front (example_rows; eager, the work each segment's length squared rat
 import torch
 import torch.nn.functional as F
 
+# Measured on a 2-core CPU, forward and backward: written out, attention is 2x faster at 128-256 positions
+# compiled, and eager under bf16 2.5x at 104, even at 256 and slower at 512; eager in fp32 the kernel wins.
+WRITTEN_OUT_ROWS = 256
+
+
+def written_out_is_faster(device_kind: str, compiled: bool, amp_dtype: torch.dtype | None, rows: int) -> bool:
+    """Whether causal or packed attention runs faster written out as matmuls and a softmax than through SDPA's
+    kernel: on a CPU, in a compiled step or under bf16 autocast, for rows of up to WRITTEN_OUT_ROWS tokens.
+    GPUs keep SDPA's flash and cuDNN kernels."""
+    faster = compiled or amp_dtype == torch.bfloat16
+    return device_kind == "cpu" and faster and rows <= WRITTEN_OUT_ROWS
+
 
 def causal_attention(q, k, v, gqa: bool, matmul_softmax: bool = False) -> torch.Tensor:
     """Causal softmax attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys and values: SDPA's kernel,
     or written out, which on a CPU is faster for short rows: about twice the flash kernel's speed compiled by
-    Inductor and 2.5x eager under bf16, forward and backward (runner.matmul_attention decides)."""
+    Inductor and 2.5x eager under bf16, forward and backward (written_out_is_faster)."""
     if not matmul_softmax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.shape[2]

@@ -1,7 +1,8 @@
 """Hugging Face Hub datasets as data sources, in huggingface_hub's URL form, alone or weighted like any
 source:
 
-    python gpu_training_optimized.py --sources "hf://datasets/OWNER/NAME/data/*.parquet" --max_tokens 200000000
+    python gpu_training_optimized.py --sources "hf://datasets/OWNER/NAME/data/*.parquet" \\
+        --max_tokens 200000000
     python prepare_data.py --sources "hf://datasets/OWNER/NAME@v1.0/train/*.jsonl.zst:0.7" notes/:0.3
 Files only (parquet, Arrow, JSONL, text, their .gz and .zst), never a dataset script. They come one by one in
 name order into huggingface_hub's cache (HF_HOME), only as many as the run's token target needs; a download
