@@ -1,4 +1,4 @@
-"""The weight average a run ends on (llm/train/averaging.py): its definition against a float64 loop, its
+"""The weight average a run ends on (llm/base/averaging.py): its definition against a float64 loop, its
 restore, and the trainer's last checkpoint holding the average of the weights its steps made."""
 
 import copy
@@ -12,9 +12,9 @@ from torch import nn
 import gpu_training_optimized as trainer
 from llm.base.errors import CheckpointError
 from llm.formats import checkpoint as ckpt_io
-from llm.train import averaging
+from llm.base import averaging
 from llm.train import runner as step_runner
-from llm.train.averaging import HORIZON, START, WeightAverage
+from llm.base.averaging import HORIZON, START, WeightAverage
 from modern_llm import is_stored
 
 

@@ -16,7 +16,7 @@ PACKAGE = "llm"
 # (config, modern_llm, muon_optimizer) take their place in the flow; the trainer sits on top of the last wing.
 WINGS = {
     "base": ["errors", "ranges", "fields", "config", "cli", "atomic", "fit", "sizing", "device", "distributed",
-             "attention", "modern_llm", "muon_optimizer"],
+             "averaging", "attention", "modern_llm", "muon_optimizer"],
     "tokens": ["tokenizer", "tiktoken_bpe"],
     "hub": ["hub_client"],
     "data": ["readers", "chat_formats", "pairs", "hf_datasets", "corpus", "packing", "token_cache", "corpus_totals",
@@ -26,7 +26,7 @@ WINGS = {
     "generate": ["sampling", "decode", "decode_compile", "engine", "inference", "openai_api", "worker"],
     "scores": ["tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "rewards"],
     "reports": ["markdown", "monitor", "report_chart", "model_card", "report_card"],
-    "train": ["fine_tuning", "autofill", "averaging", "schedule", "resume", "preference", "grpo",
+    "train": ["fine_tuning", "autofill", "schedule", "resume", "preference", "grpo",
               "rollouts", "rl", "plan", "runner", "startup", "gpu_training_optimized"],
 }
 CORE = [m for modules in WINGS.values() for m in modules]

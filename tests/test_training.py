@@ -114,7 +114,7 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
 
 
 def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
-    """build() gives the model what runner.matmul_attention says: written-out attention in a compiled
+    """build() gives the model what attention.written_out_is_faster says: written-out attention in a compiled
     CPU step of short rows (twice as fast there as the CPU's flash kernel), SDPA's kernel eagerly."""
     model_cfg = tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16)
     for compile_mode, written in (("default", True), ("off", False)):

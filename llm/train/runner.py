@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from config import Config
+from llm.base.attention import written_out_is_faster
+from llm.base.averaging import WeightAverage
 from llm.base.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure,
                              keep_freed_memory, keep_grads, machine, pick_precision, uses_cuda_graphs)
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
-from llm.base.sizing import Machine, loss_chunk_rows
+from llm.base.sizing import loss_chunk_rows
 from llm.data.batches import PairBatches
 from llm.formats.lora import add_adapters
 from llm.formats.trainer_state import TrainingState
@@ -25,17 +27,11 @@ from llm.generate.decode_compile import use_compile
 from llm.scores.evaluation import next_token_loss, validation_loss
 from llm.tokens.tokenizer import load_tokenizer
 from llm.train import preference, rl
-from llm.train.averaging import WeightAverage
 from llm.train.resume import load_into
 from llm.train.rollouts import AdaptersOff, Rollouts, StartingWeights
 from llm.train.plan import Plan
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
-
-# Measured on a 2-core CPU, forward and backward: written out, attention is 2x faster at 128-256 positions
-# compiled, and eager under bf16 2.5x at 104, even at 256 and slower at 512; eager in fp32 the kernel wins.
-MATMUL_ATTENTION_ROWS = 256
-
 
 class NextToken:
     """Language modelling's objective: the model's own mean next-token loss over the batch's labels. It has
@@ -129,17 +125,9 @@ class Runner:
             self.eval_model = self.raw_model
 
 
-def matmul_attention(cfg: Config, machine: Machine, amp_dtype=None, row: int = 0) -> bool:
-    """Whether attention (causal, or over packed rows) runs written out as matmuls and a softmax
-    (llm/base/attention.py): on a CPU, in a compiled step or under bf16 autocast (amp_dtype), for rows of up
-    to MATMUL_ATTENTION_ROWS tokens (row: a micro-batch row's, the context where 0), where the CPU's flash
-    kernel is slower."""
-    faster = cfg.train.compile != "off" or amp_dtype == torch.bfloat16
-    return machine.kind == "cpu" and faster and (row or cfg.model.max_seq_len) <= MATMUL_ATTENTION_ROWS
-
-
 def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: int) -> Execution:
-    """The model's execution settings for this run's step, whose micro-batch rows are row tokens long."""
+    """The model's execution settings for this run's step, whose micro-batch rows are row tokens long (the
+    context where 0)."""
     where = machine(device)
     # A bf16 residual stream saves a GPU's bandwidth; on a CPU it saves no time and learned a little less.
     stream = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
@@ -148,7 +136,7 @@ def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: in
     # tenth on the GRPO bench, with no time saved).
     ragged = eager and cfg.train.objective in (*preference.OBJECTIVES, "grpo")
     labelled_rows = eager and cfg.train.objective in preference.OBJECTIVES
-    written_out = matmul_attention(cfg, where, amp_dtype, row)
+    written_out = written_out_is_faster(where.kind, not eager, amp_dtype, row or cfg.model.max_seq_len)
     return Execution(loss_chunk_rows(cfg, where), written_out, stream, ragged, labelled_rows)
 
 
@@ -169,6 +157,7 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     objective. raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds
     weights to start from; row: a micro-batch row's tokens where shorter than the context (a GRPO run's)."""
     t = cfg.train
+    eager = not compiles(t)
     if device.type == "cpu":
         keep_freed_memory()  # before the steps' first allocations
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
@@ -189,7 +178,6 @@ def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.M
     if cudagraphs:
         keep_grads(opt)
     average = WeightAverage(raw_model, t.weight_average)  # of the parameters as wrapped (FSDP's shards)
-    eager = not compiles(t)
     if isinstance(raw_model, Transformer):  # read at each forward: set before the first, which compiles
         raw_model.execution = execution(cfg, device, amp_dtype, eager, row)
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before
