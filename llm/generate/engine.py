@@ -335,7 +335,7 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
             free = [r for r in range(B) if prompt_of[r] is None][:len(waiting)]
             starting = [waiting.pop() for _ in free]
             firsts = _join(model, slot, free, [prompts[i] for i in starting], [limits[i] for i in starting],
-                           settings, eos_ids, ranked)
+                           settings, eos_ids, ranked, generators)
             for r, i, token in zip(free, starting, firsts):
                 prompt_of[r], reach[r] = i, len(prompts[i])
                 take(r, [token])
@@ -369,10 +369,11 @@ def generate_all(model, prompts: list[list[int]], settings: SampleConfig, eos_id
 
 
 def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: list[int],
-          settings: SampleConfig, eos_ids, ranked: int) -> list[int]:
+          settings: SampleConfig, eos_ids, ranked: int, generators: list) -> list[int]:
     """Prefill prompts into rows `free` of a running slot, through a cache of their own then copied into those
     rows, each distinct prompt once (GRPO's replies continue a prompt 8 at a time: one prefill, not 8); each
-    row's first new token, drawn from its own noise."""
+    row's first new token, drawn from its own noise, which the call's generators go on drawing (a generator
+    seeded again at each join would give every join the same first-token noise)."""
     width, vocab, device = max(map(len, prompts)), model.config.vocab_size, slot.state.tokens.device
     first = {}  # each distinct prompt's place among the distinct ones
     of = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=device)
@@ -381,7 +382,7 @@ def _join(model, slot: Slot, free: list[int], prompts: list[list[int]], limits: 
     state, rows = State.empty(len(prompts), vocab, device), torch.tensor(free, device=device)
     cache = model.make_kv_cache(len(distinct), width)
     _fill(state, [(p, settings) for p in prompts], limits, pad(prompts), eos_ids, vocab)
-    _noise(state, _generators([(None, settings)] * len(prompts), device), len(prompts))
+    _noise(state, generators, len(prompts))
     prefill_step(model, pad(distinct), torch.tensor([len(p) for p in distinct], device=device), cache, state,
                  ranked, of)
     for name, value in vars(state).items():
