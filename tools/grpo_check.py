@@ -97,8 +97,8 @@ def measure(path: str, base: str, held_out: list, args) -> dict:
     greedy, example = solved(model, tok, held_out, 0.0, args.max_new_tokens, 1)
     sampled, _ = solved(model, tok, held_out, args.temperature, args.max_new_tokens, args.samples)
     gsm = gsm8k_score(model, tok, args.gsm8k_items) if args.gsm8k_items else None
-    return {"greedy": greedy, "sampled": sampled, "gsm8k": gsm.acc if gsm else float("nan"),
-            "gsm8k_stderr": gsm.acc_stderr if gsm else float("nan"), "example": example}
+    return {"greedy": greedy, "sampled": sampled, "gsm8k": gsm.acc if gsm else None,  # None: not scored
+            "gsm8k_stderr": gsm.acc_stderr if gsm else None, "example": example}
 
 
 def train(args, problems: str) -> dict:
@@ -136,6 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def gsm8k_cell(r: dict) -> str:
+    """A model's GSM8K score with its standard error, or that none was scored (--gsm8k_items 0)."""
+    return "not scored" if r["gsm8k"] is None else f"{r['gsm8k']:.1%} ± {r['gsm8k_stderr']:.1%}"
+
+
 @error_contract
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -148,8 +153,7 @@ def main(argv=None) -> int:
     results = {}
     for name, path, base in (("base", args.base, ""), ("GRPO", run["run"], args.base)):
         r = results[name] = measure(path, base, held_out, args)
-        print(f"{name}: greedy {r['greedy']:.1%}, sampled {r['sampled']:.1%}, GSM8K {r['gsm8k']:.1%}",
-              flush=True)
+        print(f"{name}: greedy {r['greedy']:.1%}, sampled {r['sampled']:.1%}, GSM8K {gsm8k_cell(r)}", flush=True)
     results["run"] = run
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
@@ -160,8 +164,7 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- |")
     for name in ("base", "GRPO"):
         r = results[name]
-        gsm = f"{r['gsm8k']:.1%} ± {r['gsm8k_stderr']:.1%}"
-        print(f"| {name} | {r['greedy']:.1%} | {r['sampled']:.1%} | {gsm} |")
+        print(f"| {name} | {r['greedy']:.1%} | {r['sampled']:.1%} | {gsm8k_cell(r)} |")
     for name in ("base", "GRPO"):
         print(f"\n{name}, the first held-out reply: {results[name]['example'][:300]!r}")
     return 0
