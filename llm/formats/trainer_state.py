@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llm.base import distributed
+from llm.base.averaging import WeightAverage
 from llm.base.errors import CheckpointError, ConfigError
 from llm.formats import checkpoint as ckpt_io
 from llm.formats.lora import adapter_state
@@ -120,7 +121,7 @@ class TrainingState:
     model: torch.nn.Module  # uncompiled and unwrapped
     opt: object
     scaler: object  # torch.amp.GradScaler under fp16, else None
-    average: object  # averaging.WeightAverage
+    average: WeightAverage
     step: int = 0
     tokens: int = 0
     best_val: float = math.inf
