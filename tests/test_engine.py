@@ -156,7 +156,7 @@ def test_rows_joining_as_others_finish_draw_their_first_tokens_from_the_softmax(
     """A seeded generate_all through 64 rows, 4,096 prompts: each join of rows draws its first tokens from
     the call's generator as it goes on. The first tokens' frequencies must be the softmax of a full forward's
     logits at the temperature, each within 4.5 standard errors; a generator seeded again at every join drew
-    the same noise 64 joins over (z up to 13)."""
+    the same noise 64 joins over (z up to 22.6)."""
     model, tok = tiny_loaded
     prompt, n, temperature = ids_of(tok, "def fibonacci(n):\n    if"), 4096, 2.0
     sampled = SampleConfig(temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=1, seed=5)

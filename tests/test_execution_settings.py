@@ -54,5 +54,5 @@ def test_attention_is_written_out_only_on_a_cpu_for_short_rows_compiled_or_in_bf
     cfg = replace(cfg, model=replace(cfg.model, max_seq_len=seq_len), train=replace(cfg.train, compile=compile_mode))
     eager = compile_mode == "off"
     assert attention.written_out_is_faster(device, not eager, amp, row or seq_len) is written
-    if device == "cpu":  # the run's execution settings carry it, the rows read from the micro-batch's or the context
+    if device == "cpu":  # the run's execution settings carry it, for the micro-batch's rows or the context
         assert runner.execution(cfg, torch.device("cpu"), amp, eager, row).matmul_softmax is written
