@@ -49,6 +49,7 @@ class PromptData:
     # the prompts' token counts; no bytes per token: a reward is no text's
     meta: dict = field(default_factory=dict)
     arrived: bool = True
+    tokenizer: object = field(default=None, repr=False)  # the one the prompts were encoded with, loaded once
 
     @property
     def longest(self) -> int:
@@ -59,8 +60,7 @@ class PromptData:
     def texts(self, split: str) -> list[str]:
         """The split's prompts as the model reads them (special tokens written out): evaluations sample from
         them."""
-        tok = load_tokenizer(self.tokenizer_path)
-        return [tok.decode(p.ids, skip_special_tokens=False) for p in getattr(self, split)]
+        return [self.tokenizer.decode(p.ids, skip_special_tokens=False) for p in getattr(self, split)]
 
 
 class PromptSplit:
@@ -152,7 +152,7 @@ def read(cfg, room: int) -> PromptData:
     key = digest(json.dumps(files), cfg.data.tokenizer, str(room), str(cfg.data.val_fraction))
     meta = {"val_bytes_per_token": None, **{f"{name}_tokens": sum(len(p.ids) for p in part)
                                             for name, part in (("train", train), ("val", val))}}
-    return PromptData(train, val, cfg.data.tokenizer, key, files, lines, meta)
+    return PromptData(train, val, cfg.data.tokenizer, key, files, lines, meta, tokenizer=tok)
 
 
 def split(prompts: list[Prompt], val_fraction: float) -> tuple[list[Prompt], list[Prompt]]:

@@ -20,13 +20,14 @@ import os
 import shutil
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from llm.base.atomic import file_digest, stamp
 from llm.base.errors import DataError
-from llm.tokens.tokenizer import TOKENIZER_FILE
+from llm.tokens.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 GROUP_FILE_BYTES = 2**20  # files smaller than this on disk share a shard with their neighbours
 GROUP_EVERY = 32  # a run of small files ends where a path hashes to 0 mod this: about 32 files per shard
@@ -293,6 +294,11 @@ class PreparedData:
     @property
     def tokenizer_path(self) -> str:
         return os.path.join(self.path, TOKENIZER_FILE)
+
+    @cached_property
+    def tokenizer(self):
+        """The cache's tokenizer, loaded once for whatever in the run reads text (evaluation, samples)."""
+        return load_tokenizer(self.tokenizer_path)
 
     @property
     def arrived(self) -> bool:

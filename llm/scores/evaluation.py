@@ -28,7 +28,7 @@ from llm.data.pairs import as_messages
 from llm.generate.engine import generate_text
 from llm.scores import tasks as benchmarks
 from llm.scores.scoring import TaskScore, chance, score_items
-from llm.tokens.tokenizer import IM_START, chat_text, load_tokenizer, stop_ids
+from llm.tokens.tokenizer import IM_START, chat_text, stop_ids
 
 # per automatic evaluation, whatever the micro-batch: 20 micro-batches of the tiny preset
 EVAL_TOKENS = 81_920
@@ -266,7 +266,7 @@ class Probe:
 
     def __init__(self, model_config, data, python: bool, prompts: list[str] | None = None, tasks=(),
                  task_items: int = 0):
-        self.tokenizer = load_tokenizer(data.tokenizer_path)
+        self.tokenizer = data.tokenizer
         self.texts = data.texts("val")
         self.prompts = list(prompts) if prompts else sample_prompts(self.texts, python)
         self.sample_settings = fitted(SAMPLE_SETTINGS, model_config.max_seq_len)

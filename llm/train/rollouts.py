@@ -91,6 +91,14 @@ class StartingWeights:
             self._copy(self.params, self.aside)
 
 
+def reference(model, t) -> AdaptersOff | StartingWeights | None:
+    """The KL term's reference where t.beta > 0: a LoRA run's base (its adapters off), else the weights the
+    run starts from. Taken from the model as it is: before a resumed checkpoint loads."""
+    if not t.beta:
+        return None
+    return AdaptersOff(model) if t.lora_rank else StartingWeights(model)
+
+
 def token_logps(model, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) fp32 log-probability of each label under the model, 0 where it is -100; pos: the rows'
     positions, where they pack several sequences (Transformer.forward)."""
@@ -149,13 +157,12 @@ class Rollouts:
     """
 
     def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t,
-                 seq_len: int, device, rank: int = 0, world_size: int = 1, reference=None,
-                 compiled: bool = False):
+                 seq_len: int, device, rank: int = 0, world_size: int = 1, compiled: bool = False):
         self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
         self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
         self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
         self.rank, self.world_size = rank, world_size
-        self.reference = reference  # where beta > 0: AdaptersOff or StartingWeights
+        self.reference = reference(model, t)
         self.settings = grpo.Settings(t.loss_type, t.epsilon, t.epsilon_high, t.beta, t.max_completion_length)
         grpo.check(self.settings)
         self.micro = t.micro_batch_size

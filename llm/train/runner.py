@@ -25,10 +25,9 @@ from llm.formats.lora import add_adapters
 from llm.formats.trainer_state import TrainingState
 from llm.generate.decode_compile import use_compile
 from llm.scores.evaluation import next_token_loss, validation_loss
-from llm.tokens.tokenizer import load_tokenizer
 from llm.train import preference, rl
 from llm.train.resume import load_into
-from llm.train.rollouts import AdaptersOff, Rollouts, StartingWeights
+from llm.train.rollouts import Rollouts
 from llm.train.plan import Plan
 from modern_llm import Execution, Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
@@ -226,11 +225,7 @@ def rl_objective(plan: Plan, runner: Runner):
     # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA
     # and eager on a CPU, where a compile does not pay back (decode_compile.compile_mode).
     use_compile(runner.raw_model, "off" if runner.eager else t.compile)
-    # The KL term's reference, taken before a resumed checkpoint loads: the model holds --init_from's weights
-    # now.
-    reference = None if not t.beta else AdaptersOff(runner.raw_model) if t.lora_rank else \
-        StartingWeights(runner.raw_model)
-    tokenizer = load_tokenizer(plan.data.tokenizer_path)
-    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, tokenizer, *rewards, t, plan.row, plan.device,
-                        plan.ranks.rank, plan.ranks.world_size, reference, compiled=not runner.eager)
+    # Made before a resumed checkpoint loads: the model holds --init_from's weights now, the KL's reference.
+    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, plan.data.tokenizer, *rewards, t, plan.row,
+                        plan.device, plan.ranks.rank, plan.ranks.world_size, compiled=not runner.eager)
     return rl.Objective(rollouts, t.grad_accum_steps), rollouts
