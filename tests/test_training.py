@@ -854,3 +854,14 @@ def test_a_run_whose_loss_stood_still_says_so_at_its_end():
     assert stood_still(flat, "loss").startswith("warning: the training loss moved")
     assert stood_still(falling, "loss") == "" and stood_still(flat[:7], "loss") == ""  # too few windows to judge
     assert stood_still([{"reward": 0.5 + 0.01 * i} for i in range(40)], "reward") == ""
+
+
+def test_the_first_steps_lines_of_a_step_each_do_not_judge_a_run():
+    """A run logs its first two steps alone, then every 10. Two equal single-step rewards once made the first
+    quarter read as noiseless, and a reward that rose over the regular windows was called flat."""
+    from llm.reports.monitor import stood_still
+    early = [{"step": 1, "reward": 0.30}, {"step": 2, "reward": 0.30}]
+    rising = [{"step": 10 * i, "reward": 0.20 + 0.01 * i + 0.005 * (-1) ** i} for i in range(1, 13)]
+    assert stood_still(early + rising, "reward") == ""
+    flat = [{"step": 10 * i, "reward": 0.25 + 0.02 * (-1) ** i} for i in range(1, 13)]
+    assert stood_still(early + flat, "reward").startswith("warning: the training reward moved")

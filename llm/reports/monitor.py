@@ -418,8 +418,12 @@ class LossWindow:
 def stood_still(records: list[dict], key: str) -> str:
     """A line where the run's training figure `key` (its loss, or a GRPO run's reward) moved less than its own
     noise between the first and the last quarter of its logged windows: a run that learned nothing says so at
-    its end. The noise is two standard errors of the difference of the two quarters' means."""
-    values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    its end. The noise is two standard errors of the difference of the two quarters' means. Only windows of
+    the run's usual length count: the first steps' lines are a step each, as noisy as one step, and two equal
+    ones once read as no noise at all (a GRPO run whose held-out score rose 7% to 20% was told it learned
+    nothing)."""
+    values = [r[key] for r in usual_windows(records) if isinstance(r.get(key), (int, float))
+              and math.isfinite(r[key])]
     k = len(values) // 4
     if k < 2:
         return ""
@@ -432,3 +436,14 @@ def stood_still(records: list[dict], key: str) -> str:
     return (f"warning: the training {key} moved {moved:+.4f} (from {mean(first):.4f} to {mean(last):.4f}), "
             f"within its noise ({noise:.4f}): the run may have learned nothing; raise --learning_rate, or "
             "the steps (--epochs, --max_steps)")
+
+
+def usual_windows(records: list[dict]) -> list[dict]:
+    """The log lines whose window spans the run's most common number of steps (all of them where the lines
+    carry no step)."""
+    steps = [r.get("step") for r in records]
+    if not all(isinstance(step, int) for step in steps):
+        return records
+    spans = [b - a for a, b in zip([0] + steps, steps)]
+    usual = max(set(spans), key=lambda span: (spans.count(span), span))  # a tie: the longer
+    return [r for r, span in zip(records, spans) if span == usual]
