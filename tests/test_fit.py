@@ -116,6 +116,22 @@ def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
     assert line.endswith(f"beside 11.2 GiB on {CARD.name}")
 
 
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "fp32"])
+def test_the_report_counts_the_lora_base_the_model_holds(amp_dtype):
+    """An automatic LoRA base is held in bf16 only under bf16 compute. The memory report once read any 2-byte
+    autocast as bf16, so under fp16 (a GPU without bf16) it counted a bf16 base that the model held in fp32."""
+    from llm.formats.lora import add_adapters
+    from modern_llm import Transformer
+    shape = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_seq_len=32)
+    t = TrainConfig(init_from="x", lora_rank=4, micro_batch_size=1, optimizer="adamw")
+    model = add_adapters(Transformer(shape), t, amp_dtype)
+    held = {p.dtype for n, p in model.named_parameters() if n.endswith("base_layer.weight")}
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[held.pop()]
+    line, terms = startup.fit_lines(Config(model=shape, train=t), CARD, amp_dtype, CARD.memory)
+    assert f"LoRA rank 4 on a {name} base" in line and terms.startswith(f"memory: base ({name}) ")
+
+
 def test_an_automatic_micro_batch_of_a_fine_tune_is_the_largest_that_fits():
     """Left automatic, a fine-tune's micro-batch is sized as a run from scratch is: as many sequences as fit.
     """

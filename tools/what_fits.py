@@ -173,6 +173,8 @@ def model_shape(name: str, max_seq_len: int) -> ModelConfig:
 def ask(model: str, card: str, flags: list[str]) -> str:
     """The estimate of a run of the trainer's flags on `model` and `card`; a run that does not fit gets the
     line the trainer would refuse it with, and the first change that fits."""
+    import torch
+
     from llm.base.cli import parse_config
     from llm.train.startup import fit_lines
     cfg, _ = parse_config(["--init_from", model, *flags])
@@ -182,7 +184,7 @@ def ask(model: str, card: str, flags: list[str]) -> str:
                                 optimizer="adamw" if cfg.train.optimizer == "auto" else cfg.train.optimizer))
     name, memory = card_memory(card)
     try:
-        return ("\n".join(fit_lines(cfg, Machine("cuda", name, memory), 2, memory))
+        return ("\n".join(fit_lines(cfg, Machine("cuda", name, memory), torch.bfloat16, memory))
                 + "\nit fits by the estimate")
     except ConfigError as e:
         return f"does not fit: {e}"

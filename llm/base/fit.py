@@ -30,6 +30,18 @@ class Target:
     amp_bytes: int  # bytes of an autocast activation: 2 under bf16/fp16, 4 in fp32
     compiled: bool = False  # Inductor keeps the matmuls' inputs and recomputes pointwise ops in backward
     loss_rows: int = 0  # rows per chunk of the loss (sizing.loss_chunk_rows), 0 for the logits whole
+    fp16: bool = False  # 2-byte autocast in fp16 (a GPU without bf16), not bf16
+
+    @property
+    def bf16(self) -> bool:
+        return self.amp_bytes == 2 and not self.fp16
+
+
+def held_base(lora_base: str, bf16: bool) -> str:
+    """How a LoRA run holds its frozen base: as --lora_base asks, or where it is auto, in bf16 under bf16
+    compute and else in fp32. The one rule: lora.py holds the base by it; the estimate and the report count
+    it."""
+    return lora_base if lora_base != "auto" else "bf16" if bf16 else "fp32"
 
 
 @dataclass
@@ -99,7 +111,7 @@ def layer_activation_bytes(m: ModelConfig, target: Target, lora_rank: int = 0, t
 
 def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
     """The step's peak memory in terms, for cfg as it would run on target. base: a LoRA run's base format
-    (fp32, bf16, int8, nf4); empty: cfg.train.lora_base, auto meaning bf16 under bf16 compute, else fp32."""
+    (fp32, bf16, int8, nf4); empty: cfg.train.lora_base as held_base reads it."""
     m, t = cfg.model, cfg.train
     a, P, L = target.amp_bytes, count_parameters(m), m.num_hidden_layers
     tokens = t.micro_batch_size * m.max_seq_len
@@ -113,14 +125,14 @@ def estimate(cfg: Config, target: Target, base: str = "") -> Estimate:
             terms.append(("autocast copies", a * matmul, "16-bit copies of each matmul weight, cached by "
                                                          "autocast and kept for backward"))
     else:
-        base = base or (t.lora_base if t.lora_base != "auto" else "bf16" if a == 2 else "fp32")
+        base = base or held_base(t.lora_base, target.bf16)
         targets = _targets(cfg)
         held = L * sum(i * o for name, (i, o) in sides.items() if name in targets)
         rows = L * sum(o for name, (i, o) in sides.items() if name in targets)
         scales = 4 * rows if base == "int8" else 0  # an fp32 scale per output row
         trained = adapter_parameters(cfg)
         embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-        e = 2 if base != "fp32" and a == 2 else 4  # lora.hold_embeddings_in_bf16 under bf16 compute
+        e = 2 if base != "fp32" and target.bf16 else 4  # lora.hold_embeddings_in_bf16 under bf16 compute
         terms.append((f"base ({base})", BASE_BYTES[base] * held + scales + e * embed + 4 * (P - held - embed),
                       "frozen targeted matrices in the base format; embeddings and head in "
                       f"{'bf16' if e == 2 else 'fp32'}, norms in fp32"))

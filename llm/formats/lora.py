@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from config import LORA_TARGETS as TARGETS
 from llm.base import atomic
 from llm.base.errors import CheckpointError, ConfigError, quiet_library_notices
+from llm.base.fit import held_base
 from llm.formats.hf_format import CARD, hf_name, is_written_card
 from modern_llm import stacked
 
@@ -86,13 +87,11 @@ def nf4_round_trip(name: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def base_dtype(t, amp_dtype) -> str:
-    """How the frozen base is held: as asked, or bf16 where the run computes in bf16, else fp32."""
-    if t.lora_base == "auto":
-        return "bf16" if amp_dtype == torch.bfloat16 else "fp32"
+    """How the frozen base is held (fit.held_base), refusing a bf16 base without bf16 compute."""
     if t.lora_base == "bf16" and amp_dtype != torch.bfloat16:
         raise ConfigError("--lora_base bf16 needs bf16 compute: pass --precision bf16, "
                           "or --lora_base fp32, int8 or nf4")
-    return t.lora_base
+    return held_base(t.lora_base, amp_dtype == torch.bfloat16)
 
 
 class LoraLinear(nn.Module):

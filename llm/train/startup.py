@@ -17,7 +17,7 @@ from llm.base.cli import describe
 from llm.base.device import autocast, float8_training, machine, pick_precision
 from llm.base.distributed import Ranks
 from llm.base.errors import ConfigError
-from llm.base.fit import FIT_FRACTION, Target, count_parameters, estimate, suggest
+from llm.base.fit import FIT_FRACTION, Target, count_parameters, estimate, held_base, suggest
 from llm.base.sizing import BYTES_PER_TOKEN, loss_chunk_rows
 from llm.data import hf_datasets
 from llm.data.batches import run_loaders
@@ -99,25 +99,25 @@ def fit_check(cfg: Config, device: torch.device, world_size: int = 1) -> list[st
     Under FSDP over several GPUs each holds a share of the weights and state, which the estimate does not
     divide: never refused."""
     where = machine(device)
-    amp = 4 if pick_precision(cfg.train.precision, device) is None else 2
     memory = where.memory if device.type == "cuda" else psutil.virtual_memory().total
-    return fit_lines(cfg, where, amp, memory, world_size)
+    return fit_lines(cfg, where, pick_precision(cfg.train.precision, device), memory, world_size)
 
 
-def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) -> list[str]:
+def fit_lines(cfg: Config, where, amp_dtype: torch.dtype | None, memory: int,
+              world_size: int = 1) -> list[str]:
     """fit_check's report lines for a run on `where` (a sizing.Machine: a GPU, or this machine's CPU) of
-    `memory` bytes under autocast activations of `amp` bytes, or its refusal; what tools/what_fits.py asks of
-    a card named."""
+    `memory` bytes under autocast in amp_dtype (None: fp32), or its refusal; what tools/what_fits.py asks of a
+    card named."""
     t, gpu = cfg.train, where.kind == "cuda"
     if not t.micro_batch_size:
         cfg = replace(cfg, train=replace(t, micro_batch_size=1))
-    target = Target(where.kind, amp, compiled=t.compile != "off", loss_rows=loss_chunk_rows(cfg, where))
+    target = Target(where.kind, 4 if amp_dtype is None else 2, compiled=t.compile != "off",
+                    loss_rows=loss_chunk_rows(cfg, where), fp16=amp_dtype == torch.float16)
     room = FIT_FRACTION * memory if gpu else memory
     terms = estimate(cfg, target)
     need = terms.total
     m, micro = cfg.model, cfg.train.micro_batch_size
-    # lora.base_dtype's choice
-    held = t.lora_base if t.lora_base != "auto" else "bf16" if amp == 2 else "fp32"
+    held = held_base(t.lora_base, target.bf16)
     run = (f"LoRA rank {t.lora_rank} on a {held} base" if t.lora_rank else "training every weight") + \
         f" of {_size(count_parameters(m))} parameters, {micro} x {m.max_seq_len:,} tokens a forward" + \
         (", checkpointed" if m.gradient_checkpointing else "")
@@ -126,7 +126,7 @@ def fit_lines(cfg: Config, where, amp: int, memory: int, world_size: int = 1) ->
     if need <= room or (t.data_parallel == "fsdp" and world_size > 1):
         return [line + (f" (FSDP: a share of it on each of {world_size} GPUs)" if need > room else ""),
                 f"memory: {terms.summary()}"]
-    bases = ("auto", "int8", "nf4") if amp == 2 else ("auto", "int8")  # nf4 computes under bf16 only
+    bases = ("auto", "int8", "nf4") if target.bf16 else ("auto", "int8")  # nf4 computes under bf16 only
     flags, least, base = suggest(cfg, target, room / FIT_FRACTION, bases)
     what = (f"{t.init_from or 'the run'}: {run} needs about {need / 2**30:.1f} GiB by the estimate, "
             f"more than the {room / 2**30:.1f} GiB a run may fill of {where.name}")
