@@ -43,8 +43,8 @@ from llm.data.token_cache import PreparedData
 from llm.formats.trainer_state import Record
 from llm.reports import report_card
 from llm.reports.monitor import (LossWindow, Monitor, StepProfiler, advance_bar, device_report,
-                                 format_postfix, progress_bar, read_metrics, start_report, stood_still,
-                                 summary)
+                                 format_postfix, progress_bar, read_metrics, stood_still, summary)
+from llm.reports.start_report import start_report
 from llm.scores.evaluation import GPU_TASK_ITEMS, Probe
 from llm.scores.rewards import RewardError
 from llm.train.plan import Plan

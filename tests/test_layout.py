@@ -25,7 +25,7 @@ WINGS = {
                 "trainer_state", "loading"],
     "generate": ["sampling", "decode", "decode_compile", "engine", "inference", "openai_api", "worker"],
     "scores": ["tasks", "samples", "scoring", "lm_eval_tasks", "evaluation", "rewards"],
-    "reports": ["markdown", "monitor", "report_chart", "model_card", "report_card"],
+    "reports": ["markdown", "monitor", "start_report", "report_chart", "model_card", "report_card"],
     "train": ["fine_tuning", "autofill", "schedule", "resume", "preference", "grpo",
               "rollouts", "rl", "plan", "runner", "startup", "gpu_training_optimized"],
 }

@@ -17,7 +17,8 @@ from config import TrainConfig
 from conftest import killed_after_a_checkpoint, write_greetings
 from llm.formats.loading import Kind, Source, detect, read_model
 from llm.formats.lora import adapter_state, add_adapters, merged
-from llm.reports.monitor import read_metrics, stored_bytes
+from llm.reports.monitor import read_metrics
+from llm.reports.start_report import stored_bytes
 from modern_llm import Transformer
 
 

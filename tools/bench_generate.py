@@ -30,6 +30,7 @@ from llm.base.errors import error_contract
 from llm.formats.hf_format import hf_twin
 from llm.generate.engine import generate
 from llm.generate.inference import for_inference
+from llm.reports.start_report import stored_bytes
 from modern_llm import Transformer
 
 # Dense memory bandwidth in GB/s from the vendors' datasheets; the first name found in the device's wins.
@@ -71,14 +72,6 @@ def bytes_per_step(model, batch: int, mean_position: float) -> float:
         weights -= stored_bytes(table) * (1 - batch / c.vocab_size)
     kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * mean_position * c.head_dim
     return weights + kv * model.embed_tokens.weight.element_size()
-
-
-def stored_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds: a quantized one's inner tensors (int8 values, scales), else elements x size.
-    """
-    if hasattr(t, "__tensor_flatten__"):
-        return sum(stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
 
 
 def timed(fn, device) -> float:
