@@ -82,17 +82,20 @@ def _recorded_rates(train: dict | None, lora: bool) -> dict | None:
     return {"optimizer": train["optimizer"], **rates}
 
 
-# Preference tuning moves a chat model less than chat fine-tuning does: TRL's defaults are 1e-6 for DPO
-# against 2e-5 for SFT, so the automatic rates above are scaled by their ratio for a run on preference pairs.
-PREFERENCE_RATE_SCALE = 1e-6 / 2e-5
+# Preference tuning and GRPO move a chat model less than chat fine-tuning does: they train at a share of
+# the automatic rates above. Every weight: TRL's DPO and GRPO default against its SFT default (1e-6, 2e-5).
+# LoRA adapters: a quarter, measured on SmolLM2-135M-Instruct (docs/fine-tuning.md). At x 0.05 (AdamW 1e-5)
+# 120 DPO steps left its greedy replies as they were, where 5e-5 gave them all the chosen style and kept its
+# general answers; 60 GRPO steps solved 14% of held-out problems, then 13%, where 5e-5 took the seed to 24%.
+TUNING_RATE_SCALE = {"full": 1e-6 / 2e-5, "lora": 0.25}
 PREFERENCE_BETA = {"dpo": 0.1, "simpo": 2.5}  # TRL's DPO default; SimPO's paper (with gamma 1.375)
 
 
 def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tuple[Config, list[str]]:
     """cfg with the objective the data asks for (auto: dpo on preference pairs, lm on anything else), its
-    beta, and for pairs the rates fill_fine_tuning chose scaled by PREFERENCE_RATE_SCALE; and the lines saying
-    so (the chosen rates' one line among them). Refuses an objective the data cannot train and pairs without a
-    model to start from."""
+    beta, and for pairs the rates fill_fine_tuning chose scaled for tuning (tuning_rates); and the lines
+    saying so (the chosen rates' one line among them). Refuses an objective the data cannot train and pairs
+    without a model to start from."""
     t = cfg.train
     objective = t.objective if t.objective != "auto" else "dpo" if pairs else "lm"
     if pairs and objective == "lm":
@@ -108,19 +111,23 @@ def fill_preference(cfg: Config, pairs: bool, chosen: ChosenRates | None) -> tup
         raise ConfigError("preference pairs tune a model you have (a chat model, fine-tuned here or "
                           "downloaded): pass --init_from with it")
     beta = t.beta or PREFERENCE_BETA[objective]
-    filled = replace(t, objective=objective, beta=beta, **scaled_rates(t, chosen, PREFERENCE_RATE_SCALE))
+    rates, scaled = tuning_rates(t, chosen, "preference tuning", "DPO")
+    filled = replace(t, objective=objective, beta=beta, **rates)
     line = ("preference: the sources hold pairs of a chosen and a rejected reply, trained by "
             f"{objective} (beta {beta:g}{f', gamma {t.simpo_gamma:g}' if objective == 'simpo' else ''}, "
             f"NLL weight {t.nll_weight:g})")
-    scaled = f", x {PREFERENCE_RATE_SCALE:g} for preference tuning, as TRL's DPO and SFT defaults differ"
     return replace(cfg, train=filled), [line] + (chosen.lines(filled, scaled) if chosen else [])
 
 
-def scaled_rates(t, chosen: ChosenRates | None, scale: float) -> dict:
-    """The rates fill_fine_tuning chose, times an objective's scale (rates given by the user stay as given).
-    """
-    fields = chosen.fields if chosen else ()
-    return {k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields}
+def tuning_rates(t, chosen: ChosenRates | None, what: str, trl_name: str) -> tuple[dict, str]:
+    """The rates fill_fine_tuning chose times TUNING_RATE_SCALE for the weights that train (rates given by the
+    user stay as given), and the start line's words for it. what: "preference tuning" or "GRPO"; trl_name: the
+    TRL trainer whose default the scale of every weight follows."""
+    kind = "lora" if t.lora_rank else "full"
+    scale, fields = TUNING_RATE_SCALE[kind], chosen.fields if chosen else ()
+    why = f"as TRL's {trl_name} and SFT defaults differ" if kind == "full" else "as measured for adapters"
+    return ({k: getattr(t, k) * scale for k in ("learning_rate", "muon_lr") if k in fields},
+            f", x {scale:g} for {what}, {why}")
 
 
 # The most an Adam step moves a weight is about its learning rate, so rate x steps bounds how far a run can
@@ -160,12 +167,6 @@ def check_used(cfg: Config):
 
 
 GRPO_EVAL_PROMPTS = 32  # held-out prompts an automatic evaluation replies to (greedy): a reward mean to 1/32
-# The fine-tuning rates' share that GRPO trains at. Every weight: TRL's GRPO default against its SFT default
-# (1e-6, 2e-5). LoRA adapters: a quarter. On SmolLM2-135M-Instruct x 0.05 (AdamW 1e-5) left 60 steps where
-# they began (held-out problems solved greedily 14% then 13%, seed 1), where 5e-5 took the same seed from 14%
-# to 24% and three seeds from 12.7% to 19.7% (docs/fine-tuning.md).
-GRPO_RATE_SCALE = {"full": 1e-6 / 2e-5, "lora": 0.25}
-GRPO_WHY = {"full": "as TRL's GRPO and SFT defaults differ", "lora": "measured on SmolLM2 for adapters"}
 
 
 def check_grpo(cfg: Config):
@@ -202,9 +203,9 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: 
     """cfg with a GRPO run's automatic batch (auto_micro replies a forward where given, a GPU's: as many as
     its memory holds at this row; else one prompt's; accumulated over the step's replies), run length (one
     pass over the prompts, where neither max_steps, epochs nor a time budget is given), evaluation size, and
-    the rates fill_fine_tuning chose scaled by GRPO_RATE_SCALE (the adapters' or every weight's); and the
-    lines saying so (the chosen rates' one line among them). row: a micro-batch row's tokens (grpo_row).
-    Refuses a batch that does not split into micro-batches."""
+    the rates fill_fine_tuning chose scaled for tuning (tuning_rates); and the lines saying so (the chosen
+    rates' one line among them). row: a micro-batch row's tokens (grpo_row). Refuses a batch that does not
+    split into micro-batches."""
     t = cfg.train
     replies = t.prompts_per_step * t.num_generations
     micro = t.micro_batch_size or auto_micro or t.num_generations
@@ -218,14 +219,12 @@ def fill_grpo(cfg: Config, train_prompts: int, held_out: int, row: int, chosen: 
                           "grad_accum_steps at 0 (automatic)")
     per_pass = max(1, -(-train_prompts // (t.prompts_per_step * world_size))) * t.num_iterations
     steps = t.max_steps or (0 if t.max_minutes else math.ceil((t.epochs or 1) * per_pass))
-    kind = "lora" if t.lora_rank else "full"
-    rates = scaled_rates(t, chosen, GRPO_RATE_SCALE[kind])
+    rates, scaled = tuning_rates(t, chosen, "GRPO", "GRPO")
     filled = replace(t, micro_batch_size=micro, grad_accum_steps=accum, max_steps=steps, epochs=0.0,
                      batch_tokens=micro * row * accum * world_size,
                      eval_batches=t.eval_batches or min(held_out, GRPO_EVAL_PROMPTS), **rates)
     length = (f"{steps} steps ({steps / per_pass:.2g} passes over the {train_prompts:,} prompts)"
               if steps else f"a {t.max_minutes:g}-minute budget")
-    scaled = f", x {GRPO_RATE_SCALE[kind]:g} for GRPO, {GRPO_WHY[kind]}"
     return replace(cfg, train=filled), [
         f"grpo: {t.prompts_per_step} prompts x {t.num_generations} replies a step ({micro} a forward x "
         f"{accum}), {length}; rewards {', '.join(t.reward)}; loss {t.loss_type}, advantages r - group "
