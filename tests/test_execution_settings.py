@@ -1,5 +1,5 @@
 """Tests of the training step's execution settings: the loss chunked only where memory needs it (sizing.py),
-attention written out only where that is faster (runner.py)."""
+attention written out only where that is faster (plan.py)."""
 
 from dataclasses import replace
 
@@ -9,7 +9,7 @@ import torch
 from config import preset_tiny
 from llm.base import attention, sizing
 from llm.base.sizing import Machine
-from llm.train import runner
+from llm.train import plan
 
 CPU = Machine("cpu", "cpu, 2 threads")
 GIB = 2**30
@@ -55,4 +55,4 @@ def test_attention_is_written_out_only_on_a_cpu_for_short_rows_compiled_or_in_bf
     eager = compile_mode == "off"
     assert attention.written_out_is_faster(device, not eager, amp, row or seq_len) is written
     if device == "cpu":  # the run's execution settings carry it, for the micro-batch's rows or the context
-        assert runner.execution(cfg, torch.device("cpu"), amp, eager, row).matmul_softmax is written
+        assert plan.execution(cfg, torch.device("cpu"), amp, eager, row).matmul_softmax is written

@@ -120,12 +120,12 @@ def test_a_run_that_fits_prints_its_estimate_beside_the_memory(fake_cuda):
 def test_the_report_counts_the_lora_base_the_model_holds(amp_dtype):
     """An automatic LoRA base is held in bf16 only under bf16 compute. The memory report once read any 2-byte
     autocast as bf16, so under fp16 (a GPU without bf16) it counted a bf16 base that the model held in fp32."""
-    from llm.formats.lora import add_adapters
+    from llm.formats.lora import add_adapters, base_dtype
     from modern_llm import Transformer
     shape = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1, max_seq_len=32)
     t = TrainConfig(init_from="x", lora_rank=4, micro_batch_size=1, optimizer="adamw")
-    model = add_adapters(Transformer(shape), t, amp_dtype)
+    model = add_adapters(Transformer(shape), t, amp_dtype, base_dtype(t, amp_dtype))
     held = {p.dtype for n, p in model.named_parameters() if n.endswith("base_layer.weight")}
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[held.pop()]
     line, terms = startup.fit_lines(Config(model=shape, train=t), CARD, amp_dtype, CARD.memory)
@@ -177,12 +177,12 @@ def measured_peak(cfg: Config, amp: torch.dtype | None) -> int:
     """The most bytes of live tensors during one eager training step (after a first one made the optimizer's
     state), as torch's profiler records each allocation and free on the CPU."""
     from modern_llm import Transformer
-    from llm.formats.lora import add_adapters
+    from llm.formats.lora import add_adapters, base_dtype
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     model.init_weights()
     if cfg.train.lora_rank:
-        model = add_adapters(model, cfg.train, amp)
+        model = add_adapters(model, cfg.train, amp, base_dtype(cfg.train, amp))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len))
 

@@ -146,9 +146,9 @@ def test_tools_sit_on_the_core_only(module):
 
 def test_the_step_runner_alone_sets_how_the_step_runs():
     """Eager or compiled once had four owners, by two tests: the trainer, a fallback, preference.py setting
-    the model's ragged rows after the build, batches.py trimming pair windows by the config. The runner
-    decides it once (llm/train/runner.py); no other module of the core writes the model's execution settings
-    or the loaders' trim."""
+    the model's ragged rows after the build, batches.py trimming pair windows by the config. Now it is
+    decided once, with the plan (plan.step_settings), and the runner alone sets it (llm/train/runner.py): no
+    other module of the core writes the model's execution settings or the loaders' trim."""
     writes = re.compile(r"\.(execution|trim)\s*=[^=]")
     for module in CORE + SCRIPTS:
         if module in ("runner", "modern_llm"):  # the model's own default, and the one owner

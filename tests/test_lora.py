@@ -16,10 +16,15 @@ from llm.train.runner import start as runner_for
 from config import TrainConfig
 from conftest import killed_after_a_checkpoint, write_greetings
 from llm.formats.loading import Kind, Source, detect, read_model
-from llm.formats.lora import adapter_state, add_adapters, merged
+from llm.formats.lora import adapter_state, add_adapters, base_dtype, merged
 from llm.reports.monitor import read_metrics
 from llm.reports.start_report import stored_bytes
 from modern_llm import Transformer
+
+
+def with_adapters(model, t, amp_dtype):
+    """add_adapters as a run calls it: the base held as base_dtype reads t.lora_base under amp_dtype."""
+    return add_adapters(model, t, amp_dtype, base_dtype(t, amp_dtype))
 
 
 def lora_argv(base, chats, run, *extra):
@@ -165,7 +170,7 @@ def test_merging_equals_the_injected_adapters_in_float64(tiny_config):
     model = Transformer(cfg).double()
     base = {k: v.clone().float() for k, v in model.state_dict().items()}
     t = TrainConfig(lora_rank=3, lora_alpha=5.0)
-    add_adapters(model, t, torch.float32)
+    with_adapters(model, t, torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -193,7 +198,7 @@ def test_adapters_reading_one_input_run_stacked_as_they_run_apart_in_float64(tin
         model.load_state_dict(start)
         if not stack:
             monkeypatch.setattr(lora, "stack_adapters", lambda model: None)
-        add_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0), torch.float32)
+        with_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0), torch.float32)
         monkeypatch.undo()
         torch.manual_seed(1)
         with torch.no_grad():
@@ -235,7 +240,7 @@ def test_adapters_off_is_the_base_for_a_while_and_the_adapters_come_back_after_a
     plain = Transformer(cfg).double()
     model = Transformer(cfg).double()
     model.load_state_dict(plain.state_dict())
-    add_adapters(model, TrainConfig(lora_rank=2), torch.float32)
+    with_adapters(model, TrainConfig(lora_rank=2), torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -255,7 +260,7 @@ def test_int8_base_holds_a_quarter_of_fp32_and_trains(tiny_config):
     model = Transformer(cfg)
     layers = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
     fp32 = sum(p.nbytes for p in layers)
-    add_adapters(model, TrainConfig(lora_rank=4, lora_base="int8"), torch.float32)
+    with_adapters(model, TrainConfig(lora_rank=4, lora_base="int8"), torch.float32)
     held = sum(stored_bytes(p) for n, p in model.named_parameters() if ".base_layer." in n)
     assert held < 0.3 * fp32
     ids = torch.randint(0, 64, (2, 16))
@@ -274,7 +279,7 @@ def test_nf4_base_computes_torchaos_dequantised_weights_and_merges_into_them(tin
     torch.manual_seed(0)
     model = Transformer(cfg)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    add_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0, lora_base="nf4"), torch.float32)
+    with_adapters(model, TrainConfig(lora_rank=3, lora_alpha=5.0, lora_base="nf4"), torch.float32)
     held = sum(stored_bytes(p) for n, p in model.named_parameters() if ".base_layer." in n)
     bf16 = sum(2 * v.numel() for k, v in base.items() if k.startswith("layers.") and v.dim() == 2)
     assert 0.25 < held / bf16 < 0.27  # 4 bits a weight and the scales
@@ -310,7 +315,7 @@ def test_nf4_refuses_a_matrix_that_does_not_split_into_blocks_of_64(tiny_config)
                                     head_dim=18, intermediate_size=64))
     with pytest.raises(ConfigError, match=r"--lora_base nf4 quantises blocks of 64 weights and layers\.0\.attn\."
                                           r"q_proj holds 36x36 = 1,296, not a multiple of 64; pass --lora_base int8"):
-        add_adapters(model, TrainConfig(lora_rank=2, lora_base="nf4"), torch.float32)
+        with_adapters(model, TrainConfig(lora_rank=2, lora_base="nf4"), torch.float32)
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -327,7 +332,7 @@ def test_frozen_embeddings_and_head_are_held_in_bf16_under_bf16_compute(base, ti
                for k, v in model.state_dict().items()}
     ref = Transformer(cfg)
     ref.load_stored(rounded if base != "fp32" else model.state_dict())
-    add_adapters(model, TrainConfig(lora_rank=2, lora_base=base), torch.bfloat16)
+    with_adapters(model, TrainConfig(lora_rank=2, lora_base=base), torch.bfloat16)
     want = torch.float32 if base == "fp32" else torch.bfloat16
     assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == want
     assert (model.lm_head.weight is model.embed_tokens.weight) == cfg.tie_word_embeddings

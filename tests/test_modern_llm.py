@@ -218,6 +218,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     its float32 gradient; unset (a CPU run, where it saved no time and learned a little less) the stream stays
     float32."""
     from llm.base.distributed import setup
+    from llm.train.plan import step_settings
     from llm.train.runner import build
     torch.manual_seed(0)
     model, ids = Transformer(tiny_config(vocab_size=64)), torch.randint(0, 64, (2, 16))
@@ -238,7 +239,7 @@ def test_a_bf16_residual_stream_where_the_trainer_asks_for_it(tiny_config):
     assert stream(None) == {(torch.float32, torch.float32)}
     cfg = config.PRESETS["tiny"]()
     cfg.train.precision = "bf16"
-    assert build(cfg, torch.device("cpu"), setup()).raw_model.execution.stream_dtype is None
+    assert build(cfg, step_settings(cfg, torch.device("cpu")), torch.device("cpu"), setup()).raw_model.execution.stream_dtype is None
 
 
 def test_compiled_int8_linear_of_one_row_on_cpu_is_the_dequantized_product():

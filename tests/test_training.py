@@ -28,6 +28,7 @@ from llm.reports.monitor import read_metrics as read_all
 from llm.scores.evaluation import EVAL_SHARE
 from llm.train import startup
 from llm.train import runner as step_runner
+from llm.train.plan import step_settings
 from llm.train.runner import build
 from llm.train.schedule import RunClock, lr_multiplier
 from modern_llm import Transformer
@@ -83,6 +84,12 @@ def test_default_command_end_to_end_writes_loadable_checkpoint(corpus, tmp_path,
     assert json.load(open(run / "config.json"))["train"]["max_steps"] == 12
 
 
+def built(cfg: Config):
+    """The trainer's Runner for cfg on this CPU, its step set as a run's plan sets it."""
+    cpu = torch.device("cpu")
+    return build(cfg, step_settings(cfg, cpu), cpu, distributed.setup())
+
+
 class FixedBatches:
     """Micro-batches cut from one fixed batch, to compare accumulation with one large batch."""
 
@@ -102,7 +109,7 @@ def test_accumulating_micro_batches_equals_one_large_batch(tiny_config):
     for micro, accum in ((8, 1), (2, 4)):
         t = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="muon", learning_rate=3e-3,
                         muon_lr=0.02, compile="off", precision="fp32", muon_precision="fp32")
-        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = built(Config(model=model_cfg, train=t))
         trainer.set_lr(b.opt, 1.0)
         loss, norm, ok = trainer.train_step(b, FixedBatches(ids[:, :-1], ids[:, 1:], micro), 0, t,
                                             distributed.setup())
@@ -120,7 +127,7 @@ def test_the_compiled_cpu_step_writes_short_attention_out(tiny_config):
     for compile_mode, written in (("default", True), ("off", False)):
         t = TrainConfig(micro_batch_size=2, optimizer="adamw", learning_rate=1e-3, muon_lr=0.02, compile=compile_mode,
                         precision="fp32")
-        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = built(Config(model=model_cfg, train=t))
         assert b.raw_model.execution.matmul_softmax == written
 
 
@@ -667,7 +674,7 @@ def test_persistent_gradients_keep_their_storage_and_step_the_same(tiny_config):
     t = TrainConfig(micro_batch_size=4, grad_accum_steps=2, learning_rate=3e-3, muon_lr=0.02, compile="off",
                     precision="fp32")
     cfg = Config(model=tiny_config(vocab_size=64, hidden_size=32, max_seq_len=16), train=t)
-    usual, kept = (build(cfg, torch.device("cpu"), distributed.setup()) for _ in range(2))
+    usual, kept = (built(cfg) for _ in range(2))
     kept.persistent_grads = True
     keep_grads(kept.opt)
     seen = {}
@@ -760,7 +767,7 @@ def test_loss_scaling_skips_overflowing_steps_on_the_device_and_matches_unscaled
                     learning_rate=3e-3, muon_lr=0.02)
     weights = {}
     for scale in (None, 2.0**10, 2.0**127):  # none, a fine scale, one that overflows fp32 gradients
-        b = build(Config(model=model_cfg, train=t), torch.device("cpu"), distributed.setup())
+        b = built(Config(model=model_cfg, train=t))
         start = [p.detach().clone() for p in b.raw_model.parameters()]
         b.state.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
         trainer.set_lr(b.opt, 1.0)

@@ -40,6 +40,7 @@ from llm.data.preparation import prepare
 from llm.formats.hf_format import hf_twin
 from llm.reports.monitor import device_report, peak_flops
 from llm.train.autofill import fill_automatic
+from llm.train.plan import step_settings
 from llm.train.runner import build
 from llm.train.runner import new_model
 
@@ -99,7 +100,7 @@ class Contender:
         allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         started = time.perf_counter()
         self.name, self.cfg, self.device, self.ranks = name, cfg, device, distributed.setup()
-        self.b = build(cfg, device, self.ranks, raw_model=raw_model)
+        self.b = build(cfg, step_settings(cfg, device), device, self.ranks, raw_model=raw_model)
         self.batches = FixedBatches(cfg, device)
         self.optimizer_s = timed_optimizer(self.b, device) if share else []
         for step in range(warmup):

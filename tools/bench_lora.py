@@ -51,11 +51,12 @@ def measure(variant: str, steps: int) -> dict:
 
     from gpu_training_optimized import train_step
     from llm.base import distributed
+    from llm.train.plan import step_settings
     from llm.train.runner import build
     cfg = qwen25_config(**SMALL)
     cfg.train = replace(cfg.train, **VARIANTS[variant])
     ranks, device = distributed.setup(), torch.device("cpu")
-    b = build(cfg, device, ranks)
+    b = build(cfg, step_settings(cfg, device), device, ranks)
     batches = bench.FixedBatches(cfg, device)
     for step in range(2):
         train_step(b, batches, step, cfg.train, ranks)

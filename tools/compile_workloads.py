@@ -122,6 +122,7 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     from llm.base.device import machine, make_deterministic, pick_device
     from llm.base.sizing import training_bytes_estimate
     from llm.train.autofill import fill_automatic
+    from llm.train.plan import step_settings
     from llm.train.runner import build
     cfg = (check_config(precision, compile_mode, whole, 0, 1) if whole
            else check_config(precision, compile_mode))
@@ -133,9 +134,10 @@ def run_training(precision: str, compile_mode: str, loss_chunk_rows: int | None 
     if deterministic:
         make_deterministic()
     memory = DeviceMemory()
-    b = build(cfg, device, ranks)
+    settings = step_settings(cfg, device)
     if loss_chunk_rows is not None:
-        b.raw_model.execution = replace(b.raw_model.execution, loss_chunk_rows=loss_chunk_rows)
+        settings = replace(settings, execution=replace(settings.execution, loss_chunk_rows=loss_chunk_rows))
+    b = build(cfg, settings, device, ranks)
     batches = bench.FixedBatches(cfg, device, packed)
     if packed == "pairs":  # preference pairs, trained by dpo through the same train_step
         b.objective, batches = dpo_pairs(b, batches)

@@ -58,6 +58,7 @@ from llm.base.sizing import flops_per_token, training_bytes_estimate
 from llm.formats.hf_format import hf_twin
 from llm.reports.monitor import device_report, peak_flops, read_metrics
 from llm.train.autofill import fill_automatic
+from llm.train.plan import step_settings
 from llm.train.runner import build
 from llm.train.runner import new_model
 
@@ -117,7 +118,7 @@ def throughput(args, compile_mode: str, names=PRESET_NAMES, steps: int = STEPS, 
 
 def losses(cfg: Config, device, steps: int) -> list[float]:
     """The losses of `steps` trainer steps on fixed random tokens, from the same initial weights."""
-    b = build(cfg, device, setup())
+    b = build(cfg, step_settings(cfg, device), device, setup())
     batches, out = bench.FixedBatches(cfg, device), []
     for step in range(steps):
         loss, _, _ = train_step(b, batches, step, cfg.train, setup())

@@ -21,7 +21,8 @@ from llm.base.errors import DataError
 from llm.data import readers
 from llm.data.corpus import has_lone_surrogate, source_files
 from llm.data.token_cache import digest
-from llm.tokens.tokenizer import IM_START, check_messages, chat_prompt_ids, encode_batch, load_tokenizer
+from llm.tokens.tokenizer import (IM_START, check_messages, chat_prompt_ids, encode_batch, load_tokenizer,
+                                  stop_ids)
 
 MAX_BAD_LINES = 5  # bad rows named one by one; past these, counted
 # which rows are held out does not change with --seed: a resumed or repeated run holds out the same
@@ -50,6 +51,7 @@ class PromptData:
     meta: dict = field(default_factory=dict)
     arrived: bool = True
     tokenizer: object = field(default=None, repr=False)  # the one the prompts were encoded with, loaded once
+    stop_ids: list[int] = field(default_factory=list)  # the tokens that end a reply to them (tokenizer.stop_ids)
 
     @property
     def longest(self) -> int:
@@ -152,7 +154,8 @@ def read(cfg, room: int) -> PromptData:
     key = digest(json.dumps(files), cfg.data.tokenizer, str(room), str(cfg.data.val_fraction))
     meta = {"val_bytes_per_token": None, **{f"{name}_tokens": sum(len(p.ids) for p in part)
                                             for name, part in (("train", train), ("val", val))}}
-    return PromptData(train, val, cfg.data.tokenizer, key, files, lines, meta, tokenizer=tok)
+    return PromptData(train, val, cfg.data.tokenizer, key, files, lines, meta, tokenizer=tok,
+                      stop_ids=stop_ids(tok))
 
 
 def split(prompts: list[Prompt], val_fraction: float) -> tuple[list[Prompt], list[Prompt]]:

@@ -187,13 +187,12 @@ def stack_adapters(model: nn.Module):
                 setattr(holder, attribute, LoraStack(layers))
 
 
-def add_adapters(model: nn.Module, t, amp_dtype) -> nn.Module:
-    """Freeze `model`, hold its targeted linear layers as t.lora_base says, and add trainable adapters (fp32).
-    Under bf16 compute on a 16-bit or quantised base, the frozen embedding table and head are held in bf16
-    too."""
+def add_adapters(model: nn.Module, t, amp_dtype, held: str) -> nn.Module:
+    """Freeze `model`, hold its targeted linear layers as `held` says (base_dtype's reading of t.lora_base:
+    fp32, bf16, int8 or nf4), and add trainable adapters (fp32). Under bf16 compute on a 16-bit or quantised
+    base, the frozen embedding table and head are held in bf16 too."""
     check_lora(model, t)
     model.requires_grad_(False)
-    held = base_dtype(t, amp_dtype)
     layers = block_linears(model, targets(t))
     if held == "nf4":  # every shape checked before anything changes
         for name, layer in layers.items():

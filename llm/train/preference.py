@@ -226,14 +226,15 @@ def _npy_bytes(values: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str, log) -> Objective | None:
+def objective_for(t, data, loaders: dict, model, amp, settings, start_id: str, log) -> Objective | None:
     """A preference run's Objective (None for a language-modelling run), before a checkpoint's weights load: t
     the run's TrainConfig, data its PreparedData, loaders its {"train", "val"} PairBatches, model the raw
-    model (its execution already set for the step) under amp, init_path the --init_from weights it starts
-    from. Its dpo reference log-probabilities are read from beside the token cache or computed there once,
-    before the first step, from the model the run starts from (full fine-tuning: the --init_from weights, no
-    second model kept; LoRA: the base, adapters off). log gets the line saying what the pairs are and where
-    the reference came from."""
+    model (its execution already set for the step) under amp, settings the step's (plan.StepSettings: the
+    autocast dtype and how a LoRA base is held), start_id the identity of the --init_from weights it starts
+    from (lora.fingerprint). Its dpo reference log-probabilities are read from beside the token cache or
+    computed there once, before the first step, from the model the run starts from (full fine-tuning: the
+    --init_from weights, no second model kept; LoRA: the base, adapters off). log gets the line saying what
+    the pairs are and where the reference came from."""
     if t.objective not in OBJECTIVES:
         return None
     plans = {split: loader.plan for split, loader in loaders.items()}
@@ -244,11 +245,9 @@ def objective_for(t, data, loaders: dict, model, amp, amp_dtype, init_path: str,
     ref, device = None, loaders["train"].device
     if t.objective == "dpo":
         start, ref = time.perf_counter(), {}
-        held = lora_io.base_dtype(t, amp_dtype) if t.lora_rank else "full"
-        base = lora_io.fingerprint(init_path)
         for split, loader in loaders.items():
-            key = digest(base, held, str(amp_dtype), data.fingerprint, split,
-                         loader.seq_len, loader.plan.pairs)
+            key = digest(start_id, settings.lora_base or "full", str(settings.amp_dtype), data.fingerprint,
+                         split, loader.seq_len, loader.plan.pairs)
             values = stored_reference(data.path, key,
                                       lambda: reference_logps(model, amp, loader),
                                       f"the {split} pairs", loader.plan.pairs, log)

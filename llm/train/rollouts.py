@@ -24,7 +24,6 @@ from config import SampleConfig
 from llm.data.token_cache import digest
 from llm.formats.lora import adapters_off
 from llm.generate.engine import generate_all
-from llm.tokens.tokenizer import stop_ids
 from llm.train import grpo
 
 PAD_ID = 0  # what fills a row past its reply: never attended to by a learned position, never a label
@@ -150,15 +149,15 @@ def sample_settings(t, step: int) -> SampleConfig:
 
 
 class Rollouts:
-    """A GRPO run's training batches (see the module's docstring). prompts: the train split's Prompt rows;
-    model: the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards,
+    """A GRPO run's training batches (see the module's docstring). data: the run's PromptData (its train
+    split's prompts, their tokenizer and the tokens that end a reply); model: the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards,
     weights: the loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a
     micro-batch's rows of one reply (the longest prompt and reply); compiled: whether the step is (sharing).
     """
 
-    def __init__(self, prompts: list, model, amp, tokenizer, rewards: list, weights: list[float], t,
-                 seq_len: int, device, rank: int = 0, world_size: int = 1, compiled: bool = False):
-        self.prompts, self.model, self.amp, self.tok = prompts, model, amp, tokenizer
+    def __init__(self, data, model, amp, rewards: list, weights: list[float], t, seq_len: int, device,
+                 rank: int = 0, world_size: int = 1, compiled: bool = False):
+        self.prompts, self.model, self.amp, self.tok = data.train, model, amp, data.tokenizer
         self.rewards, self.weights = rewards, torch.tensor(weights, dtype=torch.float64)
         self.t, self.seq_len, self.device = t, seq_len, torch.device(device)
         self.rank, self.world_size = rank, world_size
@@ -169,7 +168,7 @@ class Rollouts:
         self.share = sharing(self.micro, t.num_generations, compiled)
         # the longest prompt, then share replies of up to max_completion_length tokens (the last is a label)
         self.row_len = seq_len - 1 + (self.share - 1) * t.max_completion_length
-        self.ends = stop_ids(tokenizer)
+        self.ends = data.stop_ids
         self.made_at, self.batches = None, []
         self.window: list[dict] = []  # each sampling's figures since the log line last took them
 

@@ -1,9 +1,10 @@
-"""How a training step runs, decided once where the step is built: the model wrapped (DDP, FSDP2) and compiled
-or eager, its execution settings (loss chunks, written-out attention, the stream's dtype, ragged rows), the
-loaders' trim, autocast and the objective (next-token, or a preference loss). The trainer asks the Runner; no
-other module writes the model's execution settings or the loaders' after it is made.
+"""The step runner: a training step built once, as the plan's StepSettings say (decided before the model
+exists, in plan.py): the model made and given its adapters and execution settings, wrapped (DDP, FSDP2),
+compiled or eager, with its optimizer, loss scaler and weight average; the loaders' trim, autocast, and the
+objective (next-token, a preference loss, or GRPO's). The trainer asks the Runner; no other module writes the
+model's execution settings or the loaders' after it is made.
 
-Eager or compiled is one test, `t.compile == "off"`, taken here (Runner.eager). A compiler failure at the
+Eager or compiled is one test, StepSettings.eager, which Runner.eager starts from. A compiler failure at the
 first step makes the step eager from then on (fall_back); the settings chosen for the compiled step stay, as
 they are valid for both.
 """
@@ -13,13 +14,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from config import Config
-from llm.base.attention import written_out_is_faster
 from llm.base.averaging import WeightAverage
 from llm.base.device import (autocast, compile_model, eager_or_stop, float8_training, is_compile_failure,
-                             keep_freed_memory, keep_grads, machine, pick_precision, uses_cuda_graphs)
+                             keep_freed_memory, keep_grads)
 from llm.base.distributed import Ranks
-from llm.base.errors import ConfigError
-from llm.base.sizing import loss_chunk_rows
 from llm.data.batches import PairBatches
 from llm.formats.lora import add_adapters
 from llm.formats.trainer_state import TrainingState
@@ -28,8 +26,8 @@ from llm.scores.evaluation import next_token_loss, validation_loss
 from llm.train import preference, rl
 from llm.train.resume import load_into
 from llm.train.rollouts import Rollouts
-from llm.train.plan import Plan
-from modern_llm import Execution, Transformer
+from llm.train.plan import Plan, StepSettings
+from modern_llm import Transformer
 from muon_optimizer import MuonAdamW, build_optimizer
 
 class NextToken:
@@ -54,12 +52,6 @@ class NextToken:
 
     def summary(self) -> str:
         return ""
-
-
-def compiles(t) -> bool:
-    """The one test of eager or compiled: every setting that depends on it asks Runner.eager, which this sets.
-    """
-    return t.compile != "off"
 
 
 @dataclass
@@ -124,21 +116,6 @@ class Runner:
             self.eval_model = self.raw_model
 
 
-def execution(cfg: Config, device: torch.device, amp_dtype, eager: bool, row: int) -> Execution:
-    """The model's execution settings for this run's step, whose micro-batch rows are row tokens long (the
-    context where 0)."""
-    where = machine(device)
-    # A bf16 residual stream saves a GPU's bandwidth; on a CPU it saves no time and learned a little less.
-    stream = torch.bfloat16 if device.type == "cuda" and amp_dtype == torch.bfloat16 else None
-    # Eager preference and GRPO steps put each reply's branch on a row of its own; preference runs the head at
-    # the replies only, where GRPO's rows are mostly replies (the head's rows varying, a CPU's heap grew by a
-    # tenth on the GRPO bench, with no time saved).
-    ragged = eager and cfg.train.objective in (*preference.OBJECTIVES, "grpo")
-    labelled_rows = eager and cfg.train.objective in preference.OBJECTIVES
-    written_out = written_out_is_faster(where.kind, not eager, amp_dtype, row or cfg.model.max_seq_len)
-    return Execution(loss_chunk_rows(cfg, where), written_out, stream, ragged, labelled_rows)
-
-
 def new_model(cfg: Config, device: torch.device) -> Transformer:
     """The model initialised from cfg.train.seed on `device`: built on meta (no memory, no draws), given
     memory there (never whole on the CPU first), then drawn once."""
@@ -150,43 +127,38 @@ def new_model(cfg: Config, device: torch.device) -> Transformer:
     return raw_model
 
 
-def build(cfg: Config, device: torch.device, ranks: Ranks, raw_model: torch.nn.Module | None = None,
-          init_state: dict | None = None, row: int = 0) -> Runner:
-    """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device, with the next-token
-    objective. raw_model replaces our Transformer (the benchmarks pass a transformers twin); init_state holds
-    weights to start from; row: a micro-batch row's tokens where shorter than the context (a GRPO run's)."""
-    t = cfg.train
-    eager = not compiles(t)
+def build(cfg: Config, settings: StepSettings, device: torch.device, ranks: Ranks,
+          raw_model: torch.nn.Module | None = None, init_state: dict | None = None) -> Runner:
+    """Model, wrapping, optimizer, loss scaler and compiled step for cfg on device as `settings` say
+    (plan.step_settings), with the next-token objective. raw_model replaces our Transformer (the benchmarks
+    pass a transformers twin); init_state holds weights to start from."""
+    t, amp_dtype, eager = cfg.train, settings.amp_dtype, settings.eager
     if device.type == "cpu":
         keep_freed_memory()  # before the steps' first allocations
     raw_model = new_model(cfg, device) if raw_model is None else raw_model.to(device)
     if init_state is not None:
         raw_model.load_stored(init_state)
-    amp_dtype = pick_precision(t.precision, device)
-    if t.data_parallel == "fsdp" and amp_dtype == torch.float16 and ranks.enabled:
-        raise ConfigError("--data_parallel fsdp needs bf16 or fp32, not fp16 with loss scaling: pass "
-                          "--precision fp32, or use --data_parallel ddp on a GPU without bf16")
-    if t.lora_rank:
-        raw_model = add_adapters(raw_model, t, amp_dtype)  # freezes the base: only the adapters train
+    if t.lora_rank:  # freezes the base: only the adapters train
+        raw_model = add_adapters(raw_model, t, amp_dtype, settings.lora_base)
     if t.precision == "fp8":
         raw_model = float8_training(raw_model)  # before sharding and compiling, as torchao asks
     model = ranks.wrap(raw_model, t.data_parallel, param_dtype=amp_dtype)
     opt = build_optimizer(raw_model, t)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    cudagraphs = uses_cuda_graphs(t.compile, device)
-    if cudagraphs:
+    if settings.cudagraphs:
         keep_grads(opt)
     average = WeightAverage(raw_model, t.weight_average)  # of the parameters as wrapped (FSDP's shards)
     if isinstance(raw_model, Transformer):  # read at each forward: set before the first, which compiles
-        raw_model.execution = execution(cfg, device, amp_dtype, eager, row)
+        raw_model.execution = settings.execution
     # Eager FP8 layers cast and scale in unfused kernels: evaluation gets a graph of its own, warmed before
     # timing.
     eval_model = compile_model(raw_model, "default") if t.precision == "fp8" and not eager else raw_model
     state = TrainingState(raw_model, opt, scaler, average)
     return Runner(state=state, model=model,
                   compiled=model if eager else compile_model(model, t.compile, amp_dtype),
-                  eager=eager, amp_dtype=amp_dtype, amp=autocast(device, amp_dtype), cudagraphs=cudagraphs,
-                  eval_model=eval_model, objective=NextToken(), persistent_grads=cudagraphs)
+                  eager=eager, amp_dtype=amp_dtype, amp=autocast(device, amp_dtype),
+                  cudagraphs=settings.cudagraphs, eval_model=eval_model, objective=NextToken(),
+                  persistent_grads=settings.cudagraphs)
 
 
 def start(plan: Plan) -> tuple[Runner, Plan]:
@@ -195,7 +167,7 @@ def start(plan: Plan) -> tuple[Runner, Plan]:
     0); and the plan without --init_from's weights, which the model holds now (their read copy goes with the
     caller's old plan), with its training loader as the step reads it."""
     cfg, t = plan.cfg, plan.cfg.train
-    runner = build(cfg, plan.device, plan.ranks, init_state=plan.init_state, row=plan.row)
+    runner = build(cfg, plan.settings, plan.device, plan.ranks, init_state=plan.init_state)
     if t.objective == "grpo":
         runner.objective, batches = rl_objective(plan, runner)
     else:
@@ -213,7 +185,7 @@ def token_objective(plan: Plan, runner: Runner):
         if isinstance(loader, PairBatches):
             loader.trim = runner.eager  # an eager step's shapes may change: pair windows lose their padding
     objective = preference.objective_for(t, plan.data, loaders, runner.raw_model, runner.amp,
-                                         runner.amp_dtype, plan.init_path, plan.ranks.print)
+                                         plan.settings, plan.init_fingerprint, plan.ranks.print)
     return objective or NextToken()
 
 
@@ -221,11 +193,10 @@ def rl_objective(plan: Plan, runner: Runner):
     """A GRPO run's objective and its training loader, the Rollouts that sample from the model being trained.
     """
     t, rewards = plan.cfg.train, plan.rewards
-    prompts = plan.batches.prompts
     # Sampling compiles where the step does, in the training mode's vocabulary: auto is a CUDA graph on CUDA
     # and eager on a CPU, where a compile does not pay back (decode_compile.compile_mode).
     use_compile(runner.raw_model, "off" if runner.eager else t.compile)
     # Made before a resumed checkpoint loads: the model holds --init_from's weights now, the KL's reference.
-    rollouts = Rollouts(prompts, runner.raw_model, runner.amp, plan.data.tokenizer, *rewards, t, plan.row,
+    rollouts = Rollouts(plan.data, runner.raw_model, runner.amp, *rewards, t, plan.row,
                         plan.device, plan.ranks.rank, plan.ranks.world_size, compiled=not runner.eager)
     return rl.Objective(rollouts, t.grad_accum_steps), rollouts

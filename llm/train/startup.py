@@ -26,6 +26,7 @@ from llm.data.corpus_totals import short_of_target
 from llm.data.preparation import prepare_once
 from llm.data.prompts import PromptSplit, read as read_prompts
 from llm.formats.hf_hub import hub_shape, is_hub_name
+from llm.formats.lora import fingerprint
 from llm.formats.trainer_state import Saved
 from llm.reports.model_card import next_token_train
 from llm.scores.rewards import load_all
@@ -34,7 +35,7 @@ from llm.train.fine_tuning import (ChosenRates, at_rows_of, check_grpo, check_us
                                    fill_grpo, fill_preference, grpo_row)
 from llm.train.resume import (apply_init_from, carry_settings, check_run_folder, check_same_data,
                               check_same_shape, lora_start, resume_point, with_shape)
-from llm.train.plan import Plan
+from llm.train.plan import Plan, run_row, step_settings
 from llm.train.runner import new_model
 
 
@@ -276,6 +277,7 @@ def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data,
     # (rollouts.StartingWeights).
     reference = t.objective == "dpo" or (t.objective == "grpo" and t.beta > 0)
     init_state = init.state if init and (lora_meta or not ckpt or reference) else None
-    return Plan(cfg=cfg, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
+    settings = step_settings(cfg, device, run_row(cfg, data), ranks.enabled)
+    return Plan(cfg=cfg, settings=settings, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
                 batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta,
-                init_path=init.path if init else "", rewards=rewards)
+                init_fingerprint=fingerprint(init.path) if init else "", rewards=rewards)
