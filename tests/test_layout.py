@@ -157,6 +157,21 @@ def test_the_step_runner_alone_sets_how_the_step_runs():
             assert not writes.search(f.read()), f"{module} sets the model's execution or a loader's trim"
 
 
+def test_the_runner_builds_the_step_the_plan_decided():
+    """How the step runs (autocast, eager or compiled, CUDA graphs, the LoRA base's format, the model's
+    execution settings) was once decided inside build(), again by the preference objective, and the base's
+    format in three places. plan.step_settings decides it before any model exists; the runner calls none of
+    the rules it is decided by, and only reads the settings."""
+    rules = {"pick_precision", "written_out_is_faster", "loss_chunk_rows", "uses_cuda_graphs", "base_dtype",
+             "held_base", "machine"}
+    for module in ("runner", "preference", "rollouts", "rl"):
+        with open(path(module), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        called = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+                  for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+        assert not rules & called, f"{module} decides how the step runs: {sorted(rules & called)}"
+
+
 def test_weights_and_metrics_have_one_reader():
     """safetensors files are read only by checkpoint.py (and hf_format.py for Hugging Face folders, on its
     behalf); metrics.jsonl only by monitor.py."""
