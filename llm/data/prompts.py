@@ -51,7 +51,7 @@ class PromptData:
     meta: dict = field(default_factory=dict)
     arrived: bool = True
     tokenizer: object = field(default=None, repr=False)  # the one the prompts were encoded with, loaded once
-    stop_ids: list[int] = field(default_factory=list)  # the tokens that end a reply to them (tokenizer.stop_ids)
+    stop_ids: list[int] = field(default_factory=list)  # the tokens that end a reply (tokenizer.stop_ids)
 
     @property
     def longest(self) -> int:

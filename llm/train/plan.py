@@ -76,7 +76,8 @@ class Plan:
     batches: object  # the training split's loader: Batches, or a GRPO run's PromptSplit
     val_batches: object
     lora_meta: dict | None  # a LoRA run's adapter_config.json: its settings and base
-    init_fingerprint: str = ""  # the --init_from weights' identity (lora.fingerprint): a dpo reference's key
+    # a dpo run's --init_from weights' identity (lora.fingerprint): what its reference is stored under
+    init_fingerprint: str = ""
     rewards: tuple | None = None  # a GRPO run's reward functions and their weights (rewards.load_all)
 
     @property

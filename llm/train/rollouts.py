@@ -150,10 +150,10 @@ def sample_settings(t, step: int) -> SampleConfig:
 
 class Rollouts:
     """A GRPO run's training batches (see the module's docstring). data: the run's PromptData (its train
-    split's prompts, their tokenizer and the tokens that end a reply); model: the raw model (uncompiled: decoding and the log-probability passes run it eagerly); rewards,
-    weights: the loaded reward functions and their weights; t: the TrainConfig; seq_len: the fixed length of a
-    micro-batch's rows of one reply (the longest prompt and reply); compiled: whether the step is (sharing).
-    """
+    split's prompts, their tokenizer and the tokens that end a reply); model: the raw model (uncompiled:
+    decoding and the log-probability passes run it eagerly); rewards, weights: the loaded reward functions and
+    their weights; t: the TrainConfig; seq_len: the fixed length of a micro-batch's rows of one reply (the
+    longest prompt and reply); compiled: whether the step is (sharing)."""
 
     def __init__(self, data, model, amp, rewards: list, weights: list[float], t, seq_len: int, device,
                  rank: int = 0, world_size: int = 1, compiled: bool = False):

@@ -278,6 +278,8 @@ def planned(cfg: Config, ranks: Ranks, device: torch.device, start: tuple, data,
     reference = t.objective == "dpo" or (t.objective == "grpo" and t.beta > 0)
     init_state = init.state if init and (lora_meta or not ckpt or reference) else None
     settings = step_settings(cfg, device, run_row(cfg, data), ranks.enabled)
-    return Plan(cfg=cfg, settings=settings, ranks=ranks, device=device, ckpt=ckpt, saved=saved, init_state=init_state, data=data,
-                batches=loaders[0], val_batches=loaders[1], lora_meta=lora_meta,
-                init_fingerprint=fingerprint(init.path) if init else "", rewards=rewards)
+    return Plan(cfg=cfg, settings=settings, ranks=ranks, device=device, ckpt=ckpt, saved=saved,
+                init_state=init_state, data=data, batches=loaders[0], val_batches=loaders[1],
+                lora_meta=lora_meta,
+                init_fingerprint=fingerprint(init.path) if init and t.objective == "dpo" else "",
+                rewards=rewards)
